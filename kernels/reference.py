@@ -1,0 +1,176 @@
+"""Torch references, one per Triton kernel, with the kernels' signatures.
+
+They are the ground truth for tests and benchmarks, and the CPU engine path: all work is vectorized
+(gathers + `scaled_dot_product_attention`); the only Python loop is over sequences in prefill.
+
+Layouts (shared with the kernels):
+  k_cache, v_cache   [num_blocks, block_size, num_kv_heads, head_dim]   (kv_cache[layer, 0/1])
+  kv_cache           [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+  block_tables       int32 [num_seqs, max_blocks_per_seq], padded with 0
+  context_lens       int32 [num_seqs], tokens in the cache per sequence (including new ones)
+  page buffer        [num_pages, num_layers, 2, block_size, num_kv_heads, head_dim]
+  fp8 page buffer    uint8 [num_pages, fp8_page_nbytes(...)] (see kernels.fp8_layout)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.fp8_layout import FP8_E4M3_MAX, fp8_page_regions
+
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+def _gather_kv(
+    cache: torch.Tensor, block_tables: torch.Tensor, num_blocks_needed: int
+) -> torch.Tensor:
+    """[B, num_blocks_needed * block_size, kvh, hd] from the first blocks of each table row."""
+    table = block_tables[:, :num_blocks_needed].long()
+    g = cache[table]  # [B, nblk, bs, kvh, hd]
+    b, nblk, bs, kvh, hd = g.shape
+    return g.reshape(b, nblk * bs, kvh, hd)
+
+
+def ref_paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_context_len: int | None = None,
+) -> torch.Tensor:
+    """out[b, h] = softmax(scale * q[b, h] . K[b, :ctx_b, h // G]^T) @ V[b, :ctx_b, h // G]; G = nh / kvh."""
+    bsz, nh, hd = q.shape
+    block_size, kvh = k_cache.shape[1], k_cache.shape[2]
+    if max_context_len is None:
+        max_context_len = int(context_lens.max().item()) if bsz > 0 else 0
+    nblk = max(1, -(-max_context_len // block_size))
+    k = _gather_kv(k_cache, block_tables, nblk).transpose(1, 2)  # [B, kvh, S, hd]
+    v = _gather_kv(v_cache, block_tables, nblk).transpose(1, 2)
+    pos = torch.arange(nblk * block_size, device=q.device)
+    mask = (pos[None, :] < context_lens[:, None].to(pos.dtype))[:, None, None, :]  # [B, 1, 1, S]
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :], k, v, attn_mask=mask, scale=scale, enable_gqa=nh != kvh
+    )
+    return out[:, :, 0, :]
+
+
+def ref_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int | None = None,
+) -> torch.Tensor:
+    """Causal extend attention over paged KV.
+
+    Query i of sequence b (q_len_b = cu[b+1] - cu[b]) sits at position p = ctx_b - q_len_b + i and
+    attends to keys 0..p of that sequence: out = softmax(scale * q K[:p+1]^T) V[:p+1].
+    """
+    del max_seqlen_q
+    nh = q.shape[1]
+    block_size, kvh = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    cu = cu_seqlens_q.tolist()
+    ctxs = context_lens.tolist()
+    for b, ctx in enumerate(ctxs):
+        q0, q1 = cu[b], cu[b + 1]
+        q_len = q1 - q0
+        if q_len == 0:
+            continue
+        nblk = -(-ctx // block_size)
+        k = _gather_kv(k_cache, block_tables[b : b + 1], nblk)[0, :ctx].transpose(0, 1)  # [kvh, ctx, hd]
+        v = _gather_kv(v_cache, block_tables[b : b + 1], nblk)[0, :ctx].transpose(0, 1)
+        qpos = torch.arange(ctx - q_len, ctx, device=q.device)
+        kpos = torch.arange(ctx, device=q.device)
+        mask = kpos[None, :] <= qpos[:, None]  # [q_len, ctx]
+        o = F.scaled_dot_product_attention(
+            q[q0:q1].transpose(0, 1), k, v, attn_mask=mask, scale=scale, enable_gqa=nh != kvh
+        )
+        out[q0:q1] = o.transpose(0, 1)
+    return out
+
+
+def ref_store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """k_cache[s // bs, s % bs] = k[t] for s = slot_mapping[t] >= 0 (same for v); s = -1 is skipped."""
+    block_size = k_cache.shape[1]
+    slots = slot_mapping.long()
+    valid = slots >= 0
+    if not bool(valid.all()):
+        slots, k, v = slots[valid], k[valid], v[valid]
+    blk, off = slots // block_size, slots % block_size
+    k_cache[blk, off] = k.to(k_cache.dtype)
+    v_cache[blk, off] = v.to(v_cache.dtype)
+
+
+def ref_pack_pages(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """buffer[p, l, kv] = kv_cache[l, kv, block_ids[p]] -> [P, L, 2, bs, kvh, hd], contiguous."""
+    return kv_cache[:, :, block_ids.long()].permute(2, 0, 1, 3, 4, 5).contiguous()
+
+
+def ref_unpack_pages(buffer: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
+    """kv_cache[l, kv, block_ids[p]] = buffer[p, l, kv]."""
+    kv_cache[:, :, block_ids.long()] = buffer.permute(1, 2, 0, 3, 4, 5).to(kv_cache.dtype)
+
+
+def ref_fp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row fp8-e4m3 quantization over the last dim.
+
+    scale = amax(|x|) / 448; q = fp8(clamp(x / scale, -448, 448)) (x / 1 where scale == 0).
+    Returns (q float8_e4m3fn shaped like x, scale fp32 shaped x.shape[:-1]).
+    """
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1) / FP8_E4M3_MAX
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    qv = (xf / safe[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
+    return qv, scale
+
+
+def ref_fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x = q * scale[..., None], cast to dtype."""
+    return (q.float() * scale[..., None]).to(dtype)
+
+
+def _fp8_views(buffer: torch.Tensor, values_nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 values [P, values_nbytes], fp32 scales [P, scales_nbytes / 4]) views of a uint8 buffer."""
+    return buffer[:, :values_nbytes].view(FP8_DTYPE), buffer[:, values_nbytes:].view(torch.float32)
+
+
+def ref_pack_pages_fp8(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """uint8 [P, fp8_page_nbytes]: per page fp8 values [L, 2, bs, kvh, hd] then fp32 scales [L, 2, bs, kvh]."""
+    num_layers, _, _, block_size, kvh, hd = kv_cache.shape
+    values_nbytes, scales_nbytes = fp8_page_regions(num_layers, block_size, kvh, hd)
+    pages = ref_pack_pages(kv_cache, block_ids)  # [P, L, 2, bs, kvh, hd]
+    qv, scale = ref_fp8_quantize(pages)
+    buffer = torch.empty(
+        (pages.shape[0], values_nbytes + scales_nbytes), dtype=torch.uint8, device=kv_cache.device
+    )
+    vals, scales = _fp8_views(buffer, values_nbytes)
+    vals.copy_(qv.reshape(pages.shape[0], -1))
+    scales.copy_(scale.reshape(pages.shape[0], -1))
+    return buffer
+
+
+def ref_unpack_pages_fp8(buffer: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
+    """kv_cache[l, kv, block_ids[p]] = dequantize(fp8 page p), in kv_cache's dtype."""
+    num_layers, _, _, block_size, kvh, hd = kv_cache.shape
+    values_nbytes, _ = fp8_page_regions(num_layers, block_size, kvh, hd)
+    vals, scales = _fp8_views(buffer, values_nbytes)
+    n = buffer.shape[0]
+    pages = ref_fp8_dequantize(
+        vals.reshape(n, num_layers, 2, block_size, kvh, hd),
+        scales.reshape(n, num_layers, 2, block_size, kvh),
+        kv_cache.dtype,
+    )
+    ref_unpack_pages(pages, kv_cache, block_ids)

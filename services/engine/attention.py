@@ -1,0 +1,111 @@
+"""Paged attention behind one interface: the model calls ``ctx.attend(layer, q, k, v)``.
+
+The model runner owns the KV tensor ``kv_cache[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]``
+and builds one :class:`AttentionMetadata` per step. A step's flat token batch holds the decode
+sequences first (one query token each), then prefill chunks (any number of query tokens each).
+The CPU path is plain torch; the GPU path swaps in the Triton kernels behind the same interface.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor
+    """int64 [T]: cache slot (block_id * block_size + offset) each new token's K/V is written to."""
+    block_tables: torch.Tensor
+    """int32 [B, max_blocks]: each sequence's blocks, padded with 0."""
+    context_lens: torch.Tensor
+    """int32 [B]: tokens with KV after this step (cached prefix + new tokens)."""
+    query_lens: list[int]
+    """Host list [B]: new tokens of each sequence in this step."""
+    context_lens_host: list[int]
+    """Host copy of context_lens."""
+    num_decode: int
+    """The first num_decode sequences have exactly one query token."""
+    cu_seqlens_q: torch.Tensor | None = None
+    """int32 [B+1] prefix sums of query_lens (GPU kernels)."""
+
+
+class AttentionBackend(Protocol):
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] for the new tokens -> out [T, H, D]; also stores k/v in the cache."""
+        ...
+
+
+@dataclass
+class ForwardContext:
+    """What a model's forward needs besides token ids and positions."""
+
+    backend: AttentionBackend
+    meta: AttentionMetadata
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.backend.forward(layer, q, k, v, self.meta)
+
+
+class TorchPagedAttention:
+    """Torch path over the paged cache (CPU default, and the reference on GPU)."""
+
+    def __init__(self, kv_cache: torch.Tensor, scale: float) -> None:
+        self.kv_cache = kv_cache
+        self.scale = scale
+        _, _, _, self.block_size, self.num_kv_heads, self.head_dim = kv_cache.shape
+
+    def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        kc = self.kv_cache[layer, 0].view(-1, self.num_kv_heads, self.head_dim)
+        vc = self.kv_cache[layer, 1].view(-1, self.num_kv_heads, self.head_dim)
+        kc.index_copy_(0, slots, k.to(kc.dtype))
+        vc.index_copy_(0, slots, v.to(vc.dtype))
+
+    def _gather(self, layer: int, block_tables: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, max_blocks] -> K, V each [B, KVH, max_len, D]."""
+        nb = (max_len + self.block_size - 1) // self.block_size
+        bt = block_tables[:, :nb]
+        b = bt.shape[0]
+        k = self.kv_cache[layer, 0][bt].view(b, nb * self.block_size, self.num_kv_heads, self.head_dim)
+        v = self.kv_cache[layer, 1][bt].view(b, nb * self.block_size, self.num_kv_heads, self.head_dim)
+        return k[:, :max_len].transpose(1, 2), v[:, :max_len].transpose(1, 2)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        self._store(layer, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decode
+        gqa = q.shape[1] != self.num_kv_heads
+        if nd:
+            ctx = meta.context_lens_host[:nd]
+            max_len = max(ctx)
+            kd, vd = self._gather(layer, meta.block_tables[:nd], max_len)
+            pos = torch.arange(max_len, device=q.device)
+            mask = (pos[None, :] < meta.context_lens[:nd, None].to(pos.dtype))[:, None, None, :]
+            qd = q[:nd].unsqueeze(2)  # [nd, H, 1, D]
+            od = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=mask,
+                                                scale=self.scale, enable_gqa=gqa)
+            out[:nd] = od.squeeze(2)
+        start = nd
+        for i in range(nd, len(meta.query_lens)):
+            qlen, clen = meta.query_lens[i], meta.context_lens_host[i]
+            qs = q[start:start + qlen].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+            if clen == qlen:  # no cached prefix: attend to the new tokens directly
+                ks = k[start:start + qlen].transpose(0, 1).unsqueeze(0)
+                vs = v[start:start + qlen].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qs, ks.to(q.dtype), vs.to(q.dtype), is_causal=True,
+                                                   scale=self.scale, enable_gqa=gqa)
+            else:
+                ks, vs = self._gather(layer, meta.block_tables[i:i + 1], clen)
+                qpos = torch.arange(clen - qlen, clen, device=q.device)
+                kpos = torch.arange(clen, device=q.device)
+                mask = kpos[None, :] <= qpos[:, None]
+                o = F.scaled_dot_product_attention(qs, ks.to(q.dtype), vs.to(q.dtype), attn_mask=mask,
+                                                   scale=self.scale, enable_gqa=gqa)
+            out[start:start + qlen] = o[0].transpose(0, 1)
+            start += qlen
+        return out

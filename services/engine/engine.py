@@ -1,0 +1,209 @@
+"""The synchronous engine core: admission, one step at a time, output processing.
+
+Not thread-safe: one thread drives it (see :mod:`services.engine.async_engine`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from services.engine.block_manager import BlockManager
+from services.engine.config import EngineConfig
+from services.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from services.engine.model_loader import LoadedModel, load_model
+from services.engine.model_runner import ModelRunner
+from services.engine.sampling_params import InvalidRequestError, SamplingParams
+from services.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from services.engine.sequence import FinishReason, Sequence
+
+log = logging.getLogger(__name__)
+
+ChunkListener = Callable[[ScheduledChunk, "tuple[int, float | None] | None"], None]
+"""Called after the model computed a chunk, before the scheduler updates (blocks still held):
+(chunk, sampled (token, logprob) or None). seq.num_computed_tokens is still the chunk's start."""
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    new_logprobs: list[float | None] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    first_token_time: float | None = None
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detok: IncrementalDetokenizer | None
+    stop: StopChecker | None
+    first_token_time: float | None = None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        torch.set_grad_enabled(False)
+        self.loaded = loaded or load_model(config.model, config.torch_dtype, config.device)
+        self.tokenizer = self.loaded.tokenizer
+        self.max_model_len = min(config.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len)
+        self.runner = ModelRunner(self.loaded, config)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        sched_cfg = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_prefill_chunk=config.max_prefill_chunk,
+            max_model_len=self.max_model_len,
+        )
+        self.scheduler = Scheduler(sched_cfg, self.block_manager, set(self.tokenizer.eos_token_ids))
+        self.requests: dict[str, _Request] = {}
+        self._by_seq: dict[int, _Request] = {}
+        self.chunk_listeners: list[ChunkListener] = []
+        self.vocab_size = self.loaded.arch.vocab_size
+
+    # --- admission ---
+
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> None:
+        if request_id in self.requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"{len(prompt_token_ids)} tokens do not fit the context of {self.max_model_len} "
+                          "tokens (one position must remain for the output)")
+        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError("prompt", f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        params.validate()
+
+    def _track(self, seq: Sequence, detokenize: bool) -> None:
+        detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids[: seq.num_prompt_tokens]) if detokenize else None
+        stop = StopChecker(seq.params.stop) if detokenize and seq.params.stop else None
+        req = _Request(seq, detok, stop)
+        self.requests[seq.request_id] = req
+        self._by_seq[seq.seq_id] = req
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    detokenize: bool = True) -> Sequence:
+        self._validate(prompt_token_ids, params, request_id)
+        seq = Sequence(list(prompt_token_ids), params, request_id=request_id, arrival_time=time.monotonic())
+        self.scheduler.add(seq)
+        self._track(seq, detokenize)
+        return seq
+
+    def add_kv_import(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      detokenize: bool = True) -> tuple[Sequence, int]:
+        """Decode side: reserve blocks for a prompt whose KV a prefill will send.
+
+        Returns the sequence and how many leading blocks already hold valid KV (prefix cache)."""
+        self._validate(prompt_token_ids, params, request_id)
+        seq = Sequence(list(prompt_token_ids), params, request_id=request_id, arrival_time=time.monotonic())
+        num_cached = self.scheduler.add_kv_import(seq)
+        self._track(seq, detokenize)
+        return seq, num_cached
+
+    def kv_import_done(self, request_id: str, first_token: int, logprob: float | None) -> list[RequestOutput]:
+        req = self.requests[request_id]
+        self.scheduler.kv_import_done(req.seq.seq_id, first_token, logprob)
+        req.first_token_time = time.monotonic()
+        return [self._emit(req, [first_token], [logprob])]
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self._by_seq.pop(req.seq.seq_id, None)
+        self.scheduler.abort(req.seq.seq_id)
+        return True
+
+    # --- stepping ---
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if not out.chunks:
+            return []
+        sampled = self.runner.execute(out)
+        if self.chunk_listeners:
+            for ch in out.chunks:
+                s = sampled.get(ch.seq.seq_id) if ch.sample else None
+                for listener in self.chunk_listeners:
+                    listener(ch, s)
+        self.scheduler.update_from_output(out, sampled)
+        now = time.monotonic()
+        outputs = []
+        for ch in out.chunks:
+            req = self._by_seq.get(ch.seq.seq_id)
+            if req is None or not ch.sample or ch.seq.seq_id not in sampled:
+                continue
+            if req.first_token_time is None:
+                req.first_token_time = now
+            token, lp = sampled[ch.seq.seq_id]
+            outputs.append(self._emit(req, [token], [lp]))
+        return outputs
+
+    def _emit(self, req: _Request, tokens: list[int], logprobs: list[float | None]) -> RequestOutput:
+        seq = req.seq
+        text = ""
+        if req.detok is not None:
+            for t in tokens:
+                if seq.is_finished and seq.finish_reason == FinishReason.STOP and t in self.scheduler.eos_token_ids:
+                    continue  # EOS ends the text; it is not part of it
+                text += req.detok.add(t)
+            if req.stop is not None:
+                text, hit = req.stop.add(text, final=seq.is_finished)
+                if hit and not seq.is_finished:
+                    self.scheduler.finish(seq.seq_id, FinishReason.STOP)
+            elif seq.is_finished:
+                text += req.detok.flush() if hasattr(req.detok, "flush") else ""
+        ro = RequestOutput(
+            request_id=seq.request_id, new_token_ids=tokens, new_text=text, new_logprobs=logprobs,
+            finished=seq.is_finished, finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
+            num_output_tokens=seq.num_output_tokens, first_token_time=req.first_token_time,
+        )
+        if seq.is_finished:
+            self.requests.pop(seq.request_id, None)
+            self._by_seq.pop(seq.seq_id, None)
+        return ro
+
+    # --- introspection ---
+
+    def stats(self) -> dict[str, float]:
+        bm = self.block_manager
+        return {
+            "running": self.scheduler.num_running,
+            "waiting": self.scheduler.num_waiting,
+            "waiting_for_kv": self.scheduler.num_waiting_for_kv,
+            "free_blocks": bm.num_free_blocks,
+            "total_blocks": self.runner.num_blocks,
+            "kv_usage": bm.usage,
+        }
+
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams | list[SamplingParams]
+                 ) -> list[list[int]]:
+        """Run prompts to completion in one batch (offline use and tests): output tokens per prompt."""
+        plist = params if isinstance(params, list) else [params] * len(prompt_token_ids)
+        ids = []
+        for i, (p, sp) in enumerate(zip(prompt_token_ids, plist, strict=True)):
+            ids.append(f"offline-{id(self)}-{i}")
+            self.add_request(ids[-1], p, sp, detokenize=False)
+        results: dict[str, list[int]] = {r: [] for r in ids}
+        while self.has_work():
+            for o in self.step():
+                results[o.request_id].extend(o.new_token_ids)
+        return [results[r] for r in ids]
+

@@ -1,0 +1,78 @@
+"""KV page layouts and their fingerprints (DESIGN section 3).
+
+A page is the KV of ``block_size`` consecutive tokens for every layer. Its layout names the model,
+the shape and the codec of each region; the fingerprint is a stable hash of all of it and travels
+with every handoff and kvstore key. Pages whose fingerprint differs are refused, never reinterpreted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import zlib
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+_CODEC_ELEM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+FP8_CODEC = "fp8-e4m3"
+_DTYPE_CODEC = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclass(frozen=True)
+class Region:
+    name: str
+    """"target" for the model's own KV; others (draft KV, indexer keys) are optional additions."""
+    codec: str
+    """bf16 | fp16 | fp32 | fp8-e4m3 (values + fp32 per-token-per-head scales)."""
+    bytes_per_page: int
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    model_id: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    regions: tuple[Region, ...] = field(default_factory=tuple)
+
+    @staticmethod
+    def for_model(model_id: str, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                  codec: str) -> PageLayout:
+        elems = num_layers * 2 * block_size * num_kv_heads * head_dim
+        if codec == FP8_CODEC:
+            nbytes = elems + num_layers * 2 * block_size * num_kv_heads * 4
+        elif codec in _CODEC_ELEM_BYTES:
+            nbytes = elems * _CODEC_ELEM_BYTES[codec]
+        else:
+            raise ValueError(f"unknown KV codec {codec!r}; known: {[*_CODEC_ELEM_BYTES, FP8_CODEC]}")
+        return PageLayout(model_id, num_layers, num_kv_heads, head_dim, block_size,
+                          (Region("target", codec, nbytes),))
+
+    @staticmethod
+    def codec_for_dtype(dtype: torch.dtype) -> str:
+        return _DTYPE_CODEC[dtype]
+
+    @property
+    def page_bytes(self) -> int:
+        return sum(r.bytes_per_page for r in self.regions)
+
+    @property
+    def target_codec(self) -> str:
+        return self.regions[0].codec
+
+    @property
+    def fingerprint(self) -> str:
+        canon = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+    def describe(self) -> str:
+        return (f"{self.model_id} L{self.num_layers} kvh{self.num_kv_heads} d{self.head_dim} "
+                f"bs{self.block_size} {'+'.join(r.name + ':' + r.codec for r in self.regions)} "
+                f"[{self.fingerprint}]")
+
+
+def checksum(data: bytes | memoryview) -> int:
+    """CRC-32 of a payload (zlib's; runs at GB/s and ships with Python)."""
+    return zlib.crc32(data) & 0xFFFFFFFF

@@ -1,0 +1,133 @@
+"""The model runner: owns the KV tensors and device memory, prepares inputs, runs the model, samples.
+
+It is the only engine part that touches tensors (STYLE rule 3). The scheduler hands it a
+:class:`SchedulerOutput`; it returns ``{seq_id: (token, logprob)}`` for the chunks that sample.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from services.engine.attention import AttentionMetadata, ForwardContext, TorchPagedAttention
+from services.engine.config import EngineConfig
+from services.engine.model_loader import LoadedModel
+from services.engine.sampler import Sampler, SamplingRow
+from services.engine.scheduler import ScheduledChunk, SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        arch = loaded.arch
+        self.num_layers = arch.num_layers
+        self.num_kv_heads = arch.num_kv_heads
+        self.head_dim = arch.head_dim
+        self.block_size = config.block_size
+        self.num_blocks = config.resolve_num_blocks(self.bytes_per_block)
+        self.kv_cache = torch.zeros(self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads,
+                                    self.head_dim, dtype=self.dtype, device=self.device)
+        self.attn_backend = self._make_backend()
+        self.sampler = Sampler(config.seed)
+        log.info("kv cache: %d blocks x %d tokens (%.1f MiB, %s)", self.num_blocks, self.block_size,
+                 self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.dtype)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one page: all layers' K and V for block_size tokens."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def _make_backend(self):
+        scale = self.head_dim ** -0.5
+        if self.device.type == "cuda" and self.config.attention_backend != "torch":
+            from services.engine.gpu_attention import TritonPagedAttention
+
+            return TritonPagedAttention(self.kv_cache, scale)
+        return TorchPagedAttention(self.kv_cache, scale)
+
+    def _prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        tables: list[list[int]] = []
+        for ch in chunks:
+            seq = ch.seq
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + ch.num_new_tokens
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_lens.append(ch.num_new_tokens)
+            context_lens.append(end)
+            tables.append(table[: (end + bs - 1) // bs])
+        max_blocks = max(len(t) for t in tables)
+        bt = torch.zeros(len(tables), max_blocks, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        num_decode = 0
+        while num_decode < len(query_lens) and query_lens[num_decode] == 1:
+            num_decode += 1
+        dev = self.device
+        cu = [0]
+        for q in query_lens:
+            cu.append(cu[-1] + q)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=bt.to(dev),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
+            query_lens=query_lens,
+            context_lens_host=context_lens,
+            num_decode=num_decode,
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        return ids, pos, meta
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[int, tuple[int, float | None]]:
+        if not out.chunks:
+            return {}
+        # One-token chunks first: the attention backend batches them as decode.
+        chunks = sorted(out.chunks, key=lambda c: c.num_new_tokens != 1)
+        ids, pos, meta = self._prepare(chunks)
+        hidden = self.model(ids, pos, ForwardContext(self.attn_backend, meta))
+        ends, rows, seq_ids = [], [], []
+        offset = 0
+        for ch in chunks:
+            offset += ch.num_new_tokens
+            if ch.sample:
+                ends.append(offset - 1)
+                rows.append(SamplingRow(ch.seq.params, ch.seq.num_output_tokens))
+                seq_ids.append(ch.seq.seq_id)
+        if not ends:
+            return {}
+        logits = self.model.compute_logits(hidden[torch.tensor(ends, device=hidden.device)])
+        tokens, logprobs = self.sampler(logits, rows)
+        return {sid: (t, lp) for sid, t, lp in zip(seq_ids, tokens, logprobs, strict=True)}
+
+    # --- page access for KV handoff (prefill packs, decode unpacks) ---
+
+    def read_pages(self, block_ids: list[int]) -> torch.Tensor:
+        """Pages of ``block_ids`` packed as [P, layers, 2, block_size, kv_heads, head_dim] on the host."""
+        from kernels import pack_pages
+
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        return pack_pages(self.kv_cache, idx).cpu()
+
+    def write_pages(self, block_ids: list[int], pages: torch.Tensor) -> None:
+        from kernels import unpack_pages
+
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        unpack_pages(pages.to(self.device, non_blocking=True), self.kv_cache, idx)

@@ -1,0 +1,184 @@
+"""Llama-family decoder over the paged-attention contract (`ctx.attend`), with HF parameter names.
+
+Parameters follow HF names (``model.layers.N.self_attn.o_proj.weight`` ...) except two fusions:
+``self_attn.qkv_proj`` = rows [q_proj; k_proj; v_proj] and ``mlp.gate_up_proj`` = rows
+[gate_proj; up_proj]. :meth:`LlamaForCausalLM.load_weights` takes HF names and fills the fused slices.
+Qwen2 (qkv bias) and Qwen3 (q/k norm) are the same code behind ``ModelArchConfig`` flags.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.engine.attention import ForwardContext
+from services.engine.models.config import ModelArchConfig
+from services.engine.models.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    """y = w * x / sqrt(mean(x^2) + eps), computed in fp32 and cast back before the weight (as HF)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArchConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                ctx: ForwardContext) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        out = ctx.attend(self.layer_idx, q, k, v)  # [T, H, D]
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.inter = inter
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArchConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch, layer_idx)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch.hidden_size, arch.intermediate_size)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, arch: ModelArchConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+
+# HF name fragment -> (fused parameter fragment, shard index in the fused row order).
+_STACKED: dict[str, tuple[str, int]] = {
+    ".q_proj.": (".qkv_proj.", 0), ".k_proj.": (".qkv_proj.", 1), ".v_proj.": (".qkv_proj.", 2),
+    ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1),
+}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(input_ids [T], positions [T], ctx) -> hidden [T, hidden]; compute_logits -> fp32 logits."""
+
+    def __init__(self, arch: ModelArchConfig) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = DecoderModel(arch)
+        self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling,
+                                      arch.max_position_embeddings)
+        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(
+            arch.hidden_size, arch.vocab_size, bias=False)
+
+    def init_buffers(self) -> None:
+        """(Re)build the fp32 RoPE tables on the model's device; needed after `to_empty` / dtype casts."""
+        device = self.model.norm.weight.device
+        self.rotary = RotaryEmbedding(self.arch.head_dim, self.arch.rope_theta, self.arch.rope_scaling,
+                                      self.arch.max_position_embeddings).to(device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        h = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            h = layer(h, positions, self.rotary, ctx)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> float32 logits [N, vocab]."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def _shard_rows(self, fused: str, shard: int) -> tuple[int, int]:
+        """Row range [start, end) of shard `shard` inside fused parameter kind `fused`."""
+        a = self.arch
+        if fused == ".qkv_proj.":
+            q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+            return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][shard]
+        inter = a.intermediate_size
+        return (shard * inter, (shard + 1) * inter)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into the (fused) parameters, casting to the parameter dtype/device.
+
+        Raises ValueError for an unknown name, a shape mismatch, or parameters left unset.
+        Returns the set of HF names loaded.
+        """
+        params = dict(self.named_parameters())
+        expected: set[tuple[str, int]] = set()
+        for name in params:
+            frag = next((f for f, _ in _STACKED.values() if f in name), None)
+            shards = 3 if frag == ".qkv_proj." else 2 if frag else 1
+            expected.update((name, s) for s in range(shards))
+        done: set[tuple[str, int]] = set()
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            if hf_name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if hf_name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied checkpoints may still carry a copy of the embedding
+            target, shard, rows = hf_name, 0, None
+            for frag, (fused, idx) in _STACKED.items():
+                if frag in hf_name:
+                    target, shard = hf_name.replace(frag, fused), idx
+                    rows = self._shard_rows(fused, idx)
+                    break
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"unexpected weight {hf_name!r} for a {self.arch.architecture} model")
+            dst = param.data if rows is None else param.data[rows[0]:rows[1]]
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(f"weight {hf_name!r}: shape {tuple(tensor.shape)}, model expects "
+                                 f"{tuple(dst.shape)}")
+            dst.copy_(tensor)
+            done.add((target, shard))
+            loaded.add(hf_name)
+        missing = sorted({n for n, _ in expected - done})
+        if missing:
+            raise ValueError(f"{len(missing)} parameters not found in the checkpoint, e.g. {missing[:4]}")
+        return loaded

@@ -1,0 +1,78 @@
+"""Rotary position embedding (neox / HF "rotate_half" style) with plain, llama3 and linear scaling."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def compute_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """float32 [head_dim // 2] inverse frequencies (radians per position), bit-equal to transformers'
+    `_compute_default/linear/llama3_parameters`."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim))
+    if scaling is None:
+        return inv_freq
+    kind = scaling["rope_type"]
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv_freq / factor
+    if kind != "llama3":
+        raise ValueError(f"rope_scaling.rope_type={kind!r} is not supported")
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_ctx = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to q [T, H, D] and k [T, KVH, D] at integer positions [T].
+
+    The cos/sin cache is fp32 [max_positions, D] (both halves repeated, HF layout), built once so the
+    forward never syncs with the device; callers keep positions < max_positions (or call `ensure`).
+    It is a non-persistent buffer: it follows `.to(device)` but never appears in a state dict.
+    """
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None,
+                 max_positions: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.register_buffer("inv_freq", compute_inv_freq(head_dim, theta, scaling), persistent=False)
+        self.register_buffer("cos_cache", torch.empty(0), persistent=False)
+        self.register_buffer("sin_cache", torch.empty(0), persistent=False)
+        self._build(max_positions)
+
+    def _build(self, n: int) -> None:
+        with torch.device(self.inv_freq.device):
+            pos = torch.arange(n, dtype=torch.float32)
+            # Outer product in fp32, matching transformers' `inv_freq @ position_ids` under autocast off.
+            freqs = pos[:, None] * self.inv_freq.float()[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos_cache = emb.cos()
+        self.sin_cache = emb.sin()
+
+    def ensure(self, max_positions: int) -> None:
+        """Grow the cache to cover positions [0, max_positions)."""
+        if max_positions > self.cos_cache.shape[0]:
+            self._build(max_positions)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos_cache[positions][:, None, :]  # [T, 1, D] fp32
+        sin = self.sin_cache[positions][:, None, :]
+        q_out = (q * cos.to(q.dtype)) + (rotate_half(q) * sin.to(q.dtype))
+        k_out = (k * cos.to(k.dtype)) + (rotate_half(k) * sin.to(k.dtype))
+        return q_out, k_out

@@ -1,0 +1,61 @@
+"""Per-request sampling parameters, validated in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class InvalidRequestError(ValueError):
+    """A request field is out of range or malformed. The message names the field."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    """Most tokens to generate (> 0)."""
+    temperature: float = 1.0
+    """0 means greedy; must be >= 0."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 or -1 disables."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1]."""
+    seed: int | None = None
+    """Per-request RNG seed; the same seed and prompt give the same tokens."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings; the output ends before the first occurrence."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Extra token ids that end the request (EOS always does unless ignore_eos)."""
+    ignore_eos: bool = False
+    logprobs: bool = False
+    """Return the log-probability of each chosen token."""
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> SamplingParams:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise InvalidRequestError("max_tokens", f"must be an integer, got {self.max_tokens!r}")
+        if self.max_tokens <= 0:
+            raise InvalidRequestError("max_tokens", f"must be > 0, got {self.max_tokens}")
+        if not isinstance(self.temperature, (int, float)) or self.temperature != self.temperature:
+            raise InvalidRequestError("temperature", f"must be a number, got {self.temperature!r}")
+        if self.temperature < 0:
+            raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature}")
+        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise InvalidRequestError("top_k", f"must be an integer >= -1 (0 or -1 disables), got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise InvalidRequestError("seed", f"must be an integer, got {self.seed!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidRequestError("stop", "must be a list of non-empty strings")
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids", "must be a list of non-negative integers")
+        self.temperature = float(self.temperature)
+        self.top_p = float(self.top_p)
+        return self

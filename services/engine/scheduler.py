@@ -1,0 +1,308 @@
+"""Continuous batching with one token budget per step (vLLM v1 style). CPU-only bookkeeping.
+
+A step is ``schedule()`` -> model runner -> ``update_from_output()``. Each step:
+  1. every running sequence, oldest admission first, gets its next tokens: 1 when decoding, the next
+     prefill chunk when partially prefilled. A sequence that cannot get a block preempts the most
+     recently admitted running sequence (recompute: blocks freed, back to the FRONT of waiting) until
+     it fits or has preempted itself;
+  2. if nothing was preempted, waiting sequences are admitted in FIFO order while the token budget,
+     ``max_num_seqs`` and free blocks allow.
+A prefill chunk is ``min(remaining, max_prefill_chunk, remaining budget)``.
+
+Invariants (``check_invariants``):
+  * every live sequence is in exactly one of waiting / running / kv_ready / waiting_for_kv;
+  * waiting sequences hold no blocks and have num_computed_tokens == 0;
+  * running sequences have 0 <= num_computed_tokens < len(token_ids) between steps;
+  * finished sequences hold no blocks and are no longer tracked.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.engine.block_manager import BlockManager
+from services.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    """Most sequences in one batch (running at once)."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step: decode tokens plus prefill chunk tokens."""
+    max_prefill_chunk: int = 512
+    """Most prompt tokens one sequence computes in one step (chunked prefill)."""
+    max_model_len: int = 2048
+    """Longest sequence, prompt plus output, in tokens; longer prompts are refused."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "max_model_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"SchedulerConfig.{name} must be a positive integer, got {value!r}")
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    """Compute ``seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + num_new_tokens]``."""
+    num_new_tokens: int
+    sample: bool
+    """True when the chunk reaches ``len(seq.token_ids)``: sample the next token from its last logits."""
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    """Sequences preempted this step (their KV is gone; they re-prefill later)."""
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: set[int]) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.eos_token_ids = set(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: running[-1] is the preemption victim
+        self.kv_ready: deque[Sequence] = deque()  # KV landed; joins running when max_num_seqs allows
+        self.waiting_for_kv: dict[int, Sequence] = {}
+        self._seqs: dict[int, Sequence] = {}
+        self.num_preemptions = 0
+        """Preemptions since start (a counter)."""
+        # KV for the last token needs a slot, so a sequence may grow to pool_tokens + 1 tokens.
+        pool_tokens = block_manager.num_blocks * block_manager.block_size
+        self._max_len = min(config.max_model_len, pool_tokens + 1)
+
+    # ---- intake ---------------------------------------------------------------------------------
+
+    def _check_fits(self, seq: Sequence) -> None:
+        n = len(seq.token_ids)
+        if n == 0:
+            raise ValueError(f"request {seq.request_id}: empty prompt")
+        if n > self.config.max_model_len:
+            raise ValueError(
+                f"request {seq.request_id}: prompt of {n} tokens exceeds max_model_len={self.config.max_model_len}"
+            )
+        bm = self.block_manager
+        if bm.blocks_for_tokens(n) > bm.num_blocks:
+            raise ValueError(
+                f"request {seq.request_id}: prompt of {n} tokens needs {bm.blocks_for_tokens(n)} KV blocks, "
+                f"the pool has {bm.num_blocks} blocks of {bm.block_size} tokens ({bm.num_blocks * bm.block_size} tokens)"
+            )
+        if seq.seq_id in self._seqs:
+            raise ValueError(f"request {seq.request_id}: seq_id {seq.seq_id} is already scheduled")
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a sequence for prefill (FIFO). Raises ValueError if its prompt can never fit."""
+        self._check_fits(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+        self._seqs[seq.seq_id] = seq
+
+    def add_kv_import(self, seq: Sequence) -> int:
+        """Decode side: reserve blocks for the whole prompt, whose KV a prefill will send.
+
+        Returns the number of leading blocks that already hold valid KV (prefix hits; the prefill
+        need not send them). Raises ValueError if the prompt can never fit, NoFreeBlocksError if
+        there is no room now.
+        """
+        self._check_fits(seq)
+        num_held = self.block_manager.allocate_for_kv_import(seq)
+        seq.status = SequenceStatus.WAITING_FOR_KV
+        self.waiting_for_kv[seq.seq_id] = seq
+        self._seqs[seq.seq_id] = seq
+        return num_held
+
+    def kv_import_done(self, seq_id: int, first_token: int, logprob: float | None) -> bool:
+        """The prompt's KV has landed and prefill sampled ``first_token``.
+
+        The sequence joins the running batch at the next ``schedule()``. Returns True if the first
+        token already finished it (EOS, stop token, max_tokens=1, length); then its blocks are freed.
+        """
+        seq = self.waiting_for_kv.pop(seq_id, None)
+        if seq is None:
+            raise KeyError(f"seq {seq_id} is not waiting for KV")
+        seq.num_computed_tokens = len(seq.token_ids)
+        self.block_manager.mark_computed(seq, seq.num_computed_tokens)
+        seq.status = SequenceStatus.RUNNING
+        self.kv_ready.append(seq)
+        reason = self._append_token(seq, first_token, logprob)
+        if reason is not None:
+            self._finish(seq, reason)
+            return True
+        return False
+
+    # ---- removal --------------------------------------------------------------------------------
+
+    def finish(self, seq_id: int, reason: FinishReason) -> Sequence | None:
+        """End a live sequence from any state and free its blocks; None if it is not live."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            return None
+        self._finish(seq, reason)
+        return seq
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        return self.finish(seq_id, FinishReason.ABORT)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        status = seq.status
+        if status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        elif status == SequenceStatus.WAITING_FOR_KV:
+            del self.waiting_for_kv[seq.seq_id]
+        elif seq in self.kv_ready:
+            self.kv_ready.remove(seq)
+        else:
+            self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        del self._seqs[seq.seq_id]
+
+    # ---- stepping -------------------------------------------------------------------------------
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's chunks. Does not advance ``num_computed_tokens``."""
+        cfg, bm = self.config, self.block_manager
+        out = SchedulerOutput()
+        budget = cfg.max_num_batched_tokens
+
+        while self.kv_ready and len(self.running) < cfg.max_num_seqs:
+            self.running.append(self.kv_ready.popleft())
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, cfg.max_prefill_chunk, budget)
+            while not bm.allocate(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                continue
+            out.chunks.append(self._chunk(seq, n))
+            budget -= n
+            i += 1
+
+        if out.preempted:
+            return out
+
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            seq = self.waiting[0]
+            prefix = bm.get_computed_prefix(seq)
+            n = min(len(seq.token_ids) - prefix[1], cfg.max_prefill_chunk, budget)
+            if not bm.allocate(seq, n, prefix=prefix):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.chunks.append(self._chunk(seq, n))
+            budget -= n
+        return out
+
+    @staticmethod
+    def _chunk(seq: Sequence, n: int) -> ScheduledChunk:
+        return ScheduledChunk(seq, n, sample=seq.num_computed_tokens + n == len(seq.token_ids))
+
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[int, tuple[int, float | None]]
+    ) -> list[Sequence]:
+        """Apply a step's results: ``sampled`` maps seq_id -> (token, logprob) for ``sample`` chunks.
+
+        Returns the sequences that finished this step (blocks already freed). Chunks of sequences
+        aborted or finished since ``schedule()`` are ignored.
+        """
+        finished: list[Sequence] = []
+        for chunk in out.chunks:
+            seq = chunk.seq
+            if seq.status != SequenceStatus.RUNNING:
+                continue
+            seq.num_computed_tokens += chunk.num_new_tokens
+            self.block_manager.mark_computed(seq, seq.num_computed_tokens)
+            if not chunk.sample:
+                continue
+            token, logprob = sampled[seq.seq_id]
+            reason = self._append_token(seq, token, logprob)
+            if reason is not None:
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _append_token(self, seq: Sequence, token: int, logprob: float | None) -> FinishReason | None:
+        """Append a sampled token; the reason it ends the sequence, if it does."""
+        seq.token_ids.append(token)
+        if logprob is not None:
+            seq.output_logprobs.append(logprob)
+        params = seq.params
+        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+            return FinishReason.STOP
+        if seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self._max_len:
+            return FinishReason.LENGTH
+        return None
+
+    # ---- queries --------------------------------------------------------------------------------
+
+    def get(self, seq_id: int) -> Sequence | None:
+        """A live (unfinished) sequence by id."""
+        return self._seqs.get(seq_id)
+
+    @property
+    def has_work(self) -> bool:
+        """Whether ``schedule()`` has anything to do (sequences waiting for KV do not count)."""
+        return bool(self.waiting or self.running or self.kv_ready)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running) + len(self.kv_ready)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_waiting_for_kv(self) -> int:
+        return len(self.waiting_for_kv)
+
+    def check_invariants(self) -> None:
+        """Assert the module invariants and the block manager's, with ref counts vs block tables."""
+        placed = (
+            [s.seq_id for s in self.waiting]
+            + [s.seq_id for s in self.running]
+            + [s.seq_id for s in self.kv_ready]
+            + list(self.waiting_for_kv)
+        )
+        assert len(placed) == len(set(placed)) == len(self._seqs), "a sequence is in two queues or none"
+        assert set(placed) == self._seqs.keys(), "queues and the live-sequence index disagree"
+        for s in self.waiting:
+            assert s.status == SequenceStatus.WAITING and not s.block_table and s.num_computed_tokens == 0
+        for s in self.running:
+            assert s.status == SequenceStatus.RUNNING
+            assert 0 <= s.num_computed_tokens < len(s.token_ids), f"seq {s.seq_id}: nothing left to compute"
+            assert len(s.block_table) * self.block_manager.block_size >= s.num_computed_tokens
+        for s in self.waiting_for_kv.values():
+            assert s.status == SequenceStatus.WAITING_FOR_KV
+        assert len(self.running) <= self.config.max_num_seqs
+        self.block_manager.check_invariants(self._seqs.values())
