@@ -135,7 +135,9 @@ class BlockManager:
         hit_hashes: list[bytes] = []
         if first:
             if seq.num_computed_tokens != 0:
-                raise ValueError(f"seq {seq.seq_id} has no blocks but {seq.num_computed_tokens} computed tokens")
+                raise ValueError(
+                    f"seq {seq.seq_id} has no blocks but {seq.num_computed_tokens} computed tokens"
+                )
             if prefix is not None:
                 hit_ids = prefix[0]
             else:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
+
+from services.common.config import opt
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -13,27 +15,23 @@ class EngineConfigError(ValueError):
     pass
 
 
-def _opt(default, help: str, **kw):
-    return field(default=default, metadata={"help": help, **kw})
-
-
 @dataclass
 class EngineConfig:
-    model: str | None = _opt(None, "Model: a .gguf file, a Hugging Face directory, or random:NAME. "
+    model: str | None = opt(None, "Model: a .gguf file, a Hugging Face directory, or random:NAME. "
                                    "Default: the embedded SmolLM2-135M-Instruct GGUF.")
-    dtype: str = _opt("bfloat16", "Weights and KV dtype.", choices=tuple(_DTYPES))
-    device: str = _opt("cpu", "Torch device (cpu, cuda, cuda:N).")
-    block_size: int = _opt(16, "Tokens per KV page.")
-    num_kv_blocks: int = _opt(0, "KV pages to allocate; 0 sizes the pool from kv_cache_bytes.")
-    kv_cache_bytes: int = _opt(1 << 30, "Bytes for the KV pool when num_kv_blocks is 0.")
-    max_num_seqs: int = _opt(64, "Most sequences in one batch.")
-    max_num_batched_tokens: int = _opt(2048, "Token budget of one step (decode tokens + prefill chunks).")
-    max_prefill_chunk: int = _opt(512, "Most prompt tokens of one sequence computed in one step.")
-    max_model_len: int = _opt(0, "Longest sequence (prompt + output); 0 takes the model's own limit.")
-    enable_prefix_caching: bool = _opt(True, "Reuse KV pages of identical prompt prefixes.")
-    attention_backend: str = _opt("auto", "auto (Triton on CUDA, torch on CPU) or torch.", choices=("auto", "torch"))
-    cuda_graphs: bool = _opt(True, "Capture CUDA graphs for decode batch sizes (GPU only).")
-    seed: int = _opt(0, "Seed of the sampler's generator for requests without their own seed.")
+    dtype: str = opt("bfloat16", "Weights and KV dtype.", choices=tuple(_DTYPES))
+    device: str = opt("cpu", "Torch device (cpu, cuda, cuda:N).")
+    block_size: int = opt(16, "Tokens per KV page.")
+    num_kv_blocks: int = opt(0, "KV pages to allocate; 0 sizes the pool from kv_cache_bytes.")
+    kv_cache_bytes: int = opt(1 << 30, "Bytes for the KV pool when num_kv_blocks is 0.")
+    max_num_seqs: int = opt(64, "Most sequences in one batch.")
+    max_num_batched_tokens: int = opt(2048, "Token budget of one step (decode tokens + prefill chunks).")
+    max_prefill_chunk: int = opt(512, "Most prompt tokens of one sequence computed in one step.")
+    max_model_len: int = opt(0, "Longest sequence (prompt + output); 0 takes the model's own limit.")
+    enable_prefix_caching: bool = opt(True, "Reuse KV pages of identical prompt prefixes.")
+    attention_backend: str = opt("auto", "auto (Triton on CUDA, torch on CPU) or torch.", choices=("auto", "torch"))
+    cuda_graphs: bool = opt(True, "Capture CUDA graphs for decode batch sizes (GPU only).")
+    seed: int = opt(0, "Seed of the sampler's generator for requests without their own seed.")
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
