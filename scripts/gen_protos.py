@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import difflib
 import re
-import shutil
 import sys
 import tempfile
 from importlib import metadata
@@ -122,7 +121,7 @@ def check() -> int:
                     f"committed/{name}", f"generated/{name}", lineterm="", n=1,
                 )
             )
-            shown = "\n    ".join(diff[:20]) + ("\n    ..." if len(diff) > 20 else "")
+            shown = "\n    ".join(d if len(d) <= 160 else d[:157] + "..." for d in diff[:20]) + ("\n    ..." if len(diff) > 20 else "")
             problems.append(f"differs: services/common/pb/{name} ({len(diff)} diff lines)\n    {shown}")
     if problems:
         print("gen_protos --check: generated code is out of date with protos/:", file=sys.stderr)
@@ -140,11 +139,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.check:
         return check()
-    committed = _tracked(OUT_DIR)
-    for name in committed:
-        (OUT_DIR / name).unlink()
-    written = generate(OUT_DIR)
-    print(f"gen_protos: wrote {len(written)} files to {OUT_DIR.relative_to(ROOT)}")
+    # Generate aside first so a protoc failure leaves the committed files untouched.
+    with tempfile.TemporaryDirectory() as tmp:
+        fresh = _tracked(Path(tmp)) if generate(Path(tmp)) else {}
+        OUT_DIR.mkdir(parents=True, exist_ok=True)
+        for name in set(_tracked(OUT_DIR)) - set(fresh):
+            (OUT_DIR / name).unlink()
+        for name, text in fresh.items():
+            (OUT_DIR / name).write_text(text)
+    print(f"gen_protos: wrote {len(fresh)} files to {OUT_DIR.relative_to(ROOT)}")
     return 0
 
 

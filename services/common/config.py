@@ -18,6 +18,11 @@ message names the flag and the env var. This module is the only reader of ``os.e
 Value syntax (flags and env vars alike): bool ``1/true/yes/on`` or ``0/false/no/off`` (flags also take
 ``--x`` / ``--no-x``); list fields are comma-separated; ``X | None`` fields take ``none`` or an empty
 string for None; enum fields take the member value.
+
+Ruff's RUF009 flags ``opt(...)`` on fields annotated with a mutable or enum type (``list[str]``, an
+Enum); pyproject should list ``services.common.config.opt`` under
+``[tool.ruff.lint.flake8-bugbear] extend-immutable-calls``. Until then use ``tuple[str, ...]`` or
+``dataclasses.field(default=..., metadata={"help": ...})``, which this module reads the same way.
 """
 
 from __future__ import annotations
@@ -163,13 +168,16 @@ def _scalar_parser(tp: Any) -> Callable[[str], Any]:
 def _value_parser(tp: Any) -> Callable[[str], Any]:
     """A str -> value converter for a field type (raises ValueError with a readable message)."""
     inner, optional = _unwrap_optional(tp)
-    if typing.get_origin(inner) is list:
-        (item_tp,) = typing.get_args(inner) or (str,)
-        item = _scalar_parser(item_tp)
+    origin = typing.get_origin(inner)
+    if origin in (list, tuple):
+        args = typing.get_args(inner) or (str,)
+        if origin is tuple and (len(args) != 2 or args[1] is not Ellipsis):
+            raise TypeError(f"unsupported config type {inner!r}: use tuple[X, ...]")
+        item = _scalar_parser(args[0])
 
-        def parse_list(s: str) -> list[Any]:
-            return [item(part.strip()) for part in s.split(",") if part.strip()]
-        base: Callable[[str], Any] = parse_list
+        def parse_seq(s: str) -> Any:
+            return origin(item(part.strip()) for part in s.split(",") if part.strip())
+        base: Callable[[str], Any] = parse_seq
     else:
         base = _scalar_parser(inner)
     if not optional:
@@ -201,7 +209,7 @@ def _default_of(f: dataclasses.Field[Any]) -> Any:
 def _show(value: Any) -> str:
     if isinstance(value, enum.Enum):
         return str(value.value)
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)):
         return ",".join(str(v) for v in value)
     return repr(value) if isinstance(value, str) else str(value)
 
@@ -278,7 +286,7 @@ def from_args(cls: type[T], ns: argparse.Namespace | Mapping[str, Any] | None = 
             value = raw
         choices = f.metadata.get("choices")
         if choices is not None:
-            bad = [v for v in (value if isinstance(value, list) else [value]) if v is not None and v not in choices]
+            bad = [v for v in (value if isinstance(value, (list, tuple)) else [value]) if v is not None and v not in choices]
             if bad:
                 allowed = ", ".join(str(c) for c in choices)
                 raise field_error(cls, f.name, f"must be one of {allowed}, got {_show(bad[0])}", prefix=prefix)

@@ -69,9 +69,16 @@ def create_channel(address: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE
                    options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
     """An insecure grpc.aio channel to ``address`` ("host:port", "dns:///svc:port") with pdserve options.
 
-    ``options`` are appended (later entries win for the same key).
+    ``options`` override the defaults key by key (gRPC core would keep the first of duplicate keys).
     """
-    return grpc.aio.insecure_channel(address, options=[*channel_options(max_message_bytes), *options])
+    return grpc.aio.insecure_channel(address, options=merge_options(channel_options(max_message_bytes), options))
+
+
+def merge_options(base: Sequence[tuple[str, Any]], overrides: Sequence[tuple[str, Any]]) -> Options:
+    """``base`` with each key in ``overrides`` replaced (or added); one entry per key."""
+    merged = dict(base)
+    merged.update(overrides)
+    return list(merged.items())
 
 
 def service_name(pb2_module: ModuleType, name: str) -> str:
@@ -79,34 +86,34 @@ def service_name(pb2_module: ModuleType, name: str) -> str:
     return str(pb2_module.DESCRIPTOR.services_by_name[name].full_name)
 
 
-async def check_health(channel: grpc.aio.Channel, service: str = "", *, timeout: float = 1.0) -> int:
+async def check_health(channel: grpc.aio.Channel, service: str = "", *, timeout_s: float = 1.0) -> int:
     """One grpc.health.v1 Check; returns the HealthCheckResponse.ServingStatus value."""
     stub = health_pb2_grpc.HealthStub(channel)
-    resp = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+    resp = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
     return int(resp.status)
 
 
-async def wait_for_serving(address: str, timeout: float, *, service: str = "", interval: float = 0.1) -> None:
+async def wait_for_serving(address: str, timeout_s: float, *, service: str = "", interval_s: float = 0.1) -> None:
     """Poll ``address``'s health ``service`` ("" = whole server) until SERVING.
 
-    Raises TimeoutError after ``timeout`` seconds, naming the last status or RPC error seen.
+    Raises TimeoutError after ``timeout_s`` seconds, naming the last status or RPC error seen.
     """
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + timeout_s
     last = "no answer"
     async with create_channel(address) as channel:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"{address} health {service or '<server>'} not SERVING after {timeout:.1f}s "
+                raise TimeoutError(f"{address} health {service or '<server>'} not SERVING after {timeout_s:.1f}s "
                                    f"(last: {last})")
             try:
-                status = await check_health(channel, service, timeout=min(1.0, remaining))
+                status = await check_health(channel, service, timeout_s=min(1.0, remaining))
                 if status == health_pb2.HealthCheckResponse.SERVING:
                     return
                 last = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
             except grpc.aio.AioRpcError as e:
                 last = f"{e.code().name}: {e.details()}"
-            await asyncio.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+            await asyncio.sleep(min(interval_s, max(0.0, deadline - time.monotonic())))
 
 
 async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:

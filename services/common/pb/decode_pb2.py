@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/decode.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"u\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\"\xad\x02\n\x0fReserveResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x19\n\x11num_cached_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12&\n\x06layout\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.PageLayout\x12\x1a\n\x12lease_expires_unix\x18\x05 \x01(\x01\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\x46\n\x0etransport_info\x18\x07 \x03(\x0b\x32..pdserve.v1.ReserveResponse.TransportInfoEntry\x1a\x34\n\x12TransportInfoEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"/\n\x15\x44\x65\x63odeGenerateRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\"A\n\x0ePushKVResponse\x12\x17\n\x0f\x63hunks_received\x18\x01 \x01(\r\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\x32\x96\x02\n\x06\x44\x65\x63ode\x12\x42\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x1b.pdserve.v1.ReserveResponse\x12M\n\x08Generate\x12!.pdserve.v1.DecodeGenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12;\n\x06PushKV\x12\x13.pdserve.v1.KVChunk\x1a\x1a.pdserve.v1.PushKVResponse(\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/decode.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"u\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\"\xad\x02\n\x0fReserveResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x19\n\x11num_cached_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12&\n\x06layout\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.PageLayout\x12\x1a\n\x12lease_expires_unix\x18\x05 \x01(\x01\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\x46\n\x0etransport_info\x18\x07 \x03(\x0b\x32..pdserve.v1.ReserveResponse.TransportInfoEntry\x1a\x34\n\x12TransportInfoEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x82\x01\n\x15\x44\x65\x63odeGenerateRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12*\n\x06params\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\"A\n\x0ePushKVResponse\x12\x17\n\x0f\x63hunks_received\x18\x01 \x01(\r\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\x32\x96\x02\n\x06\x44\x65\x63ode\x12\x42\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x1b.pdserve.v1.ReserveResponse\x12M\n\x08Generate\x12!.pdserve.v1.DecodeGenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12;\n\x06PushKV\x12\x13.pdserve.v1.KVChunk\x1a\x1a.pdserve.v1.PushKVResponse(\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,10 +40,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESERVERESPONSE']._serialized_end=485
   _globals['_RESERVERESPONSE_TRANSPORTINFOENTRY']._serialized_start=433
   _globals['_RESERVERESPONSE_TRANSPORTINFOENTRY']._serialized_end=485
-  _globals['_DECODEGENERATEREQUEST']._serialized_start=487
-  _globals['_DECODEGENERATEREQUEST']._serialized_end=534
-  _globals['_PUSHKVRESPONSE']._serialized_start=536
-  _globals['_PUSHKVRESPONSE']._serialized_end=601
-  _globals['_DECODE']._serialized_start=604
-  _globals['_DECODE']._serialized_end=882
+  _globals['_DECODEGENERATEREQUEST']._serialized_start=488
+  _globals['_DECODEGENERATEREQUEST']._serialized_end=618
+  _globals['_PUSHKVRESPONSE']._serialized_start=620
+  _globals['_PUSHKVRESPONSE']._serialized_end=685
+  _globals['_DECODE']._serialized_start=688
+  _globals['_DECODE']._serialized_end=966
 # @@protoc_insertion_point(module_scope)

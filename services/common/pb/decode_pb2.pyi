@@ -45,10 +45,16 @@ class ReserveResponse(_message.Message):
     def __init__(self, reservation_id: _Optional[str] = ..., num_cached_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., layout: _Optional[_Union[_common_pb2.PageLayout, _Mapping]] = ..., lease_expires_unix: _Optional[float] = ..., block_ids: _Optional[_Iterable[int]] = ..., transport_info: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class DecodeGenerateRequest(_message.Message):
-    __slots__ = ("reservation_id",)
+    __slots__ = ("reservation_id", "request_id", "token_ids", "params")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
-    def __init__(self, reservation_id: _Optional[str] = ...) -> None: ...
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: _common_pb2.SamplingParams
+    def __init__(self, reservation_id: _Optional[str] = ..., request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class PushKVResponse(_message.Message):
     __slots__ = ("chunks_received", "bytes_received")

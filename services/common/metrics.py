@@ -1,0 +1,353 @@
+"""Every Prometheus metric pdserve exports, named in one place (DESIGN section 4).
+
+Each service builds its group against a `CollectorRegistry` it is handed, so tests and several
+in-process servers never collide on the global registry:
+
+    registry = CollectorRegistry()
+    m = DecodeMetrics(registry)
+    m.kv_wait_seconds.labels(model="smollm2-135m").observe(0.042)
+    port = start_metrics_server(registry, "0.0.0.0", 0)
+
+Names follow Prometheus conventions: `pdserve_<service>_` prefix, histograms in `_seconds`, counters
+end in `_total`, byte counts in `_bytes` (`_bytes_total` for counters). The NAME constants below are what
+the Grafana dashboards (deploy/grafana/build_dashboards.py) and docs/METRICS.md refer to; `SPECS`
+carries type, labels and help for each. Timers are observed in seconds from `time.monotonic()`
+differences, except the exposed KV transfer, which spans two hosts (see docs/METRICS.md).
+
+Label values (small, closed sets; never request ids or prompts):
+    model          served model id
+    status         ok | error | cancelled
+    finish_reason  stop | length | abort | error
+    code           gRPC status code name (e.g. UNAVAILABLE) or HTTP status (e.g. 429)
+    role           prefill | decode | kvstore
+    endpoint       host:port of a backend as the router sees it (not `instance`: Prometheus owns that)
+    reason         short snake_case cause, e.g. fingerprint_mismatch, checksum, timeout, unavailable
+    source         local | kvstore | decode   (where a cached prefix came from)
+    transport      grpc | cuda-ipc | mooncake
+    tier           memory | disk | mooncake
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest, start_http_server
+
+MetricKind = Literal["counter", "gauge", "histogram"]
+
+# Request-level latencies: 1 ms .. 60 s.
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0,
+)
+# Per-token gaps (ITL, TPOT): denser below 200 ms, still reaching 60 s for stalls.
+TOKEN_BUCKETS: tuple[float, ...] = (
+    0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+    0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)
+
+# --- router -------------------------------------------------------------------------------------
+ROUTER_TTFT_SECONDS = "pdserve_router_time_to_first_token_seconds"
+ROUTER_ITL_SECONDS = "pdserve_router_inter_token_latency_seconds"
+ROUTER_E2E_SECONDS = "pdserve_router_e2e_request_latency_seconds"
+ROUTER_REQUESTS_TOTAL = "pdserve_router_requests_total"
+ROUTER_PROMPT_TOKENS_TOTAL = "pdserve_router_prompt_tokens_total"
+ROUTER_GENERATION_TOKENS_TOTAL = "pdserve_router_generation_tokens_total"
+ROUTER_ERRORS_TOTAL = "pdserve_router_errors_total"
+ROUTER_DISPATCH_RETRIES_TOTAL = "pdserve_router_dispatch_retries_total"
+ROUTER_INFLIGHT_REQUESTS = "pdserve_router_inflight_requests"
+ROUTER_INSTANCE_HEALTHY = "pdserve_router_instance_healthy"
+
+# --- prefill ------------------------------------------------------------------------------------
+PREFILL_QUEUE_SECONDS = "pdserve_prefill_queue_seconds"
+PREFILL_COMPUTE_SECONDS = "pdserve_prefill_compute_seconds"
+PREFILL_CHUNKS_TOTAL = "pdserve_prefill_chunks_total"
+PREFILL_COMPUTED_TOKENS_TOTAL = "pdserve_prefill_computed_tokens_total"
+PREFILL_CACHED_PREFIX_TOKENS_TOTAL = "pdserve_prefill_cached_prefix_tokens_total"
+PREFILL_KV_SENT_BYTES_TOTAL = "pdserve_prefill_kv_sent_bytes_total"
+PREFILL_KV_CHUNKS_SENT_TOTAL = "pdserve_prefill_kv_chunks_sent_total"
+PREFILL_KV_TRANSFER_FAILURES_TOTAL = "pdserve_prefill_kv_transfer_failures_total"
+PREFILL_RUNNING_REQUESTS = "pdserve_prefill_running_requests"
+PREFILL_WAITING_REQUESTS = "pdserve_prefill_waiting_requests"
+
+# --- decode -------------------------------------------------------------------------------------
+DECODE_KV_WAIT_SECONDS = "pdserve_decode_kv_wait_seconds"
+DECODE_KV_TRANSFER_EXPOSED_SECONDS = "pdserve_decode_kv_transfer_exposed_seconds"
+DECODE_QUEUE_SECONDS = "pdserve_decode_queue_seconds"
+DECODE_TPOT_SECONDS = "pdserve_decode_time_per_output_token_seconds"
+DECODE_KV_RECEIVED_BYTES_TOTAL = "pdserve_decode_kv_received_bytes_total"
+DECODE_KV_CHUNKS_RECEIVED_TOTAL = "pdserve_decode_kv_chunks_received_total"
+DECODE_KV_CHUNKS_REJECTED_TOTAL = "pdserve_decode_kv_chunks_rejected_total"
+DECODE_RESERVATIONS_EXPIRED_TOTAL = "pdserve_decode_reservations_expired_total"
+DECODE_KV_CACHE_USAGE_RATIO = "pdserve_decode_kv_cache_usage_ratio"
+DECODE_RUNNING_REQUESTS = "pdserve_decode_running_requests"
+DECODE_WAITING_REQUESTS = "pdserve_decode_waiting_requests"
+DECODE_WAITING_FOR_KV_REQUESTS = "pdserve_decode_waiting_for_kv_requests"
+DECODE_GENERATION_TOKENS_TOTAL = "pdserve_decode_generation_tokens_total"
+
+# --- kvstore ------------------------------------------------------------------------------------
+KVSTORE_HITS_TOTAL = "pdserve_kvstore_hits_total"
+KVSTORE_MISSES_TOTAL = "pdserve_kvstore_misses_total"
+KVSTORE_EVICTIONS_TOTAL = "pdserve_kvstore_evictions_total"
+KVSTORE_CORRUPT_TOTAL = "pdserve_kvstore_corrupt_total"
+KVSTORE_STORED_BYTES = "pdserve_kvstore_stored_bytes"
+KVSTORE_ENTRIES = "pdserve_kvstore_entries"
+KVSTORE_GET_BYTES_TOTAL = "pdserve_kvstore_get_bytes_total"
+KVSTORE_PUT_BYTES_TOTAL = "pdserve_kvstore_put_bytes_total"
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """Type, labels and help of one metric; `name` is the exposed name (counters include `_total`)."""
+
+    name: str
+    kind: MetricKind
+    labels: tuple[str, ...]
+    service: str
+    help: str
+
+
+def _s(name: str, kind: MetricKind, labels: Sequence[str], service: str, help: str) -> MetricSpec:
+    return MetricSpec(name, kind, tuple(labels), service, help)
+
+
+SPECS: tuple[MetricSpec, ...] = (
+    # router
+    _s(ROUTER_TTFT_SECONDS, "histogram", ["model"], "router",
+       "Client TTFT: request arrives at the router -> first token sent to the client (seconds)."),
+    _s(ROUTER_ITL_SECONDS, "histogram", ["model"], "router",
+       "Client inter-token latency: gap between consecutive streamed tokens (seconds)."),
+    _s(ROUTER_E2E_SECONDS, "histogram", ["model"], "router",
+       "End-to-end latency: request arrives at the router -> last token sent (seconds)."),
+    _s(ROUTER_REQUESTS_TOTAL, "counter", ["model", "status", "finish_reason"], "router",
+       "Finished client requests by status (ok|error|cancelled) and finish reason."),
+    _s(ROUTER_PROMPT_TOKENS_TOTAL, "counter", ["model"], "router", "Prompt tokens received (tokens in)."),
+    _s(ROUTER_GENERATION_TOKENS_TOTAL, "counter", ["model"], "router",
+       "Generated tokens sent to clients (tokens out)."),
+    _s(ROUTER_ERRORS_TOTAL, "counter", ["model", "code"], "router",
+       "Requests failed towards the client, by gRPC status code name or HTTP status."),
+    _s(ROUTER_DISPATCH_RETRIES_TOTAL, "counter", ["role", "reason"], "router",
+       "Dispatch attempts retried on another prefill/decode instance."),
+    _s(ROUTER_INFLIGHT_REQUESTS, "gauge", ["model"], "router", "Client requests currently in flight."),
+    _s(ROUTER_INSTANCE_HEALTHY, "gauge", ["role", "endpoint"], "router",
+       "1 if the router sees the backend instance as SERVING, else 0."),
+    # prefill
+    _s(PREFILL_QUEUE_SECONDS, "histogram", ["model"], "prefill",
+       "Prefill queue: Prefill request arrives -> its first chunk is scheduled (seconds)."),
+    _s(PREFILL_COMPUTE_SECONDS, "histogram", ["model"], "prefill",
+       "Prefill compute: first chunk scheduled -> last chunk computed (seconds)."),
+    _s(PREFILL_CHUNKS_TOTAL, "counter", ["model"], "prefill", "Prefill chunks computed."),
+    _s(PREFILL_COMPUTED_TOKENS_TOTAL, "counter", ["model"], "prefill",
+       "Prompt tokens run through the model by prefill (cached prefix excluded)."),
+    _s(PREFILL_CACHED_PREFIX_TOKENS_TOTAL, "counter", ["model", "source"], "prefill",
+       "Prompt tokens not computed because a cached prefix held them, by source (local|kvstore|decode)."),
+    _s(PREFILL_KV_SENT_BYTES_TOTAL, "counter", ["transport"], "prefill",
+       "KV page bytes sent to decode, by transport."),
+    _s(PREFILL_KV_CHUNKS_SENT_TOTAL, "counter", ["transport"], "prefill",
+       "KV chunks handed to the transport, by transport."),
+    _s(PREFILL_KV_TRANSFER_FAILURES_TOTAL, "counter", ["transport", "reason"], "prefill",
+       "KV transfers to decode that failed, by transport and reason."),
+    _s(PREFILL_RUNNING_REQUESTS, "gauge", ["model"], "prefill", "Requests with a chunk in the running batch."),
+    _s(PREFILL_WAITING_REQUESTS, "gauge", ["model"], "prefill", "Requests queued, no chunk scheduled yet."),
+    # decode
+    _s(DECODE_KV_WAIT_SECONDS, "histogram", ["model"], "decode",
+       "Decode KV-wait: reservation -> last KV chunk landed (seconds). Includes prefill queue and "
+       "compute under parallel dispatch: NOT the transfer time."),
+    _s(DECODE_KV_TRANSFER_EXPOSED_SECONDS, "histogram", ["model"], "decode",
+       "Exposed KV transfer: prefill's last chunk computed -> last KV chunk landed on decode (seconds); "
+       "the transfer time that chunk overlap did not hide."),
+    _s(DECODE_QUEUE_SECONDS, "histogram", ["model"], "decode",
+       "Decode queue: KV complete -> first decode step of the request (seconds)."),
+    _s(DECODE_TPOT_SECONDS, "histogram", ["model"], "decode",
+       "Time per output token after the first, measured at decode (seconds)."),
+    _s(DECODE_KV_RECEIVED_BYTES_TOTAL, "counter", ["transport"], "decode",
+       "KV page bytes received from prefill, by transport."),
+    _s(DECODE_KV_CHUNKS_RECEIVED_TOTAL, "counter", ["transport"], "decode",
+       "KV chunks accepted into the paged cache, by transport."),
+    _s(DECODE_KV_CHUNKS_REJECTED_TOTAL, "counter", ["reason"], "decode",
+       "KV chunks refused, by reason (fingerprint_mismatch, checksum, unknown_request, expired, ...)."),
+    _s(DECODE_RESERVATIONS_EXPIRED_TOTAL, "counter", ["model"], "decode",
+       "Block reservations released because their KV did not arrive in time."),
+    _s(DECODE_KV_CACHE_USAGE_RATIO, "gauge", ["model"], "decode",
+       "Fraction of KV cache blocks in use or reserved, 0..1."),
+    _s(DECODE_RUNNING_REQUESTS, "gauge", ["model"], "decode", "Requests in the running decode batch."),
+    _s(DECODE_WAITING_REQUESTS, "gauge", ["model"], "decode",
+       "Requests with complete KV waiting to join the running batch."),
+    _s(DECODE_WAITING_FOR_KV_REQUESTS, "gauge", ["model"], "decode",
+       "Reserved requests whose KV has not fully landed yet."),
+    _s(DECODE_GENERATION_TOKENS_TOTAL, "counter", ["model"], "decode", "Tokens generated by decode steps."),
+    # kvstore
+    _s(KVSTORE_HITS_TOTAL, "counter", ["tier"], "kvstore", "Page lookups answered by this tier."),
+    _s(KVSTORE_MISSES_TOTAL, "counter", ["tier"], "kvstore", "Page lookups this tier could not answer."),
+    _s(KVSTORE_EVICTIONS_TOTAL, "counter", ["tier"], "kvstore", "Pages evicted from this tier."),
+    _s(KVSTORE_CORRUPT_TOTAL, "counter", ["tier"], "kvstore",
+       "Pages dropped because their checksum or layout fingerprint did not verify."),
+    _s(KVSTORE_STORED_BYTES, "gauge", ["tier"], "kvstore", "Bytes of KV pages held by this tier."),
+    _s(KVSTORE_ENTRIES, "gauge", ["tier"], "kvstore", "KV pages held by this tier."),
+    _s(KVSTORE_GET_BYTES_TOTAL, "counter", [], "kvstore", "Page bytes returned by Get."),
+    _s(KVSTORE_PUT_BYTES_TOTAL, "counter", [], "kvstore", "Page bytes accepted by Put."),
+)
+
+SPECS_BY_NAME: dict[str, MetricSpec] = {s.name: s for s in SPECS}
+ALL_METRIC_NAMES: frozenset[str] = frozenset(SPECS_BY_NAME)
+SERVICES: tuple[str, ...] = ("router", "prefill", "decode", "kvstore")
+
+_HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+
+
+def series_names(name: str) -> tuple[str, ...]:
+    """The sample names a metric exposes to PromQL (histograms: `_bucket`, `_sum`, `_count`)."""
+    spec = SPECS_BY_NAME[name]
+    if spec.kind == "histogram":
+        return tuple(name + s for s in _HISTOGRAM_SUFFIXES)
+    return (name,)
+
+
+def metric_of_series(series: str) -> str | None:
+    """Inverse of `series_names`: the metric a PromQL sample name belongs to, or None if unknown."""
+    if series in SPECS_BY_NAME:
+        return series
+    for suffix in _HISTOGRAM_SUFFIXES:
+        if series.endswith(suffix):
+            spec = SPECS_BY_NAME.get(series.removesuffix(suffix))
+            if spec is not None and spec.kind == "histogram":
+                return spec.name
+    return None
+
+
+def _histogram(registry: CollectorRegistry, name: str, buckets: Sequence[float]) -> Histogram:
+    spec = SPECS_BY_NAME[name]
+    assert spec.kind == "histogram", name
+    return Histogram(name, spec.help, spec.labels, registry=registry, buckets=buckets)
+
+
+def _counter(registry: CollectorRegistry, name: str) -> Counter:
+    spec = SPECS_BY_NAME[name]
+    assert spec.kind == "counter", name
+    return Counter(name, spec.help, spec.labels, registry=registry)
+
+
+def _gauge(registry: CollectorRegistry, name: str) -> Gauge:
+    spec = SPECS_BY_NAME[name]
+    assert spec.kind == "gauge", name
+    return Gauge(name, spec.help, spec.labels, registry=registry)
+
+
+class RouterMetrics:
+    """Client-facing timers and counters of the router."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.ttft_seconds = _histogram(registry, ROUTER_TTFT_SECONDS, LATENCY_BUCKETS)
+        self.itl_seconds = _histogram(registry, ROUTER_ITL_SECONDS, TOKEN_BUCKETS)
+        self.e2e_seconds = _histogram(registry, ROUTER_E2E_SECONDS, LATENCY_BUCKETS)
+        self.requests_total = _counter(registry, ROUTER_REQUESTS_TOTAL)
+        self.prompt_tokens_total = _counter(registry, ROUTER_PROMPT_TOKENS_TOTAL)
+        self.generation_tokens_total = _counter(registry, ROUTER_GENERATION_TOKENS_TOTAL)
+        self.errors_total = _counter(registry, ROUTER_ERRORS_TOTAL)
+        self.dispatch_retries_total = _counter(registry, ROUTER_DISPATCH_RETRIES_TOTAL)
+        self.inflight_requests = _gauge(registry, ROUTER_INFLIGHT_REQUESTS)
+        self.instance_healthy = _gauge(registry, ROUTER_INSTANCE_HEALTHY)
+
+
+class PrefillMetrics:
+    """Prefill scheduling, compute, prefix reuse and outgoing KV."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.queue_seconds = _histogram(registry, PREFILL_QUEUE_SECONDS, LATENCY_BUCKETS)
+        self.compute_seconds = _histogram(registry, PREFILL_COMPUTE_SECONDS, LATENCY_BUCKETS)
+        self.chunks_total = _counter(registry, PREFILL_CHUNKS_TOTAL)
+        self.computed_tokens_total = _counter(registry, PREFILL_COMPUTED_TOKENS_TOTAL)
+        self.cached_prefix_tokens_total = _counter(registry, PREFILL_CACHED_PREFIX_TOKENS_TOTAL)
+        self.kv_sent_bytes_total = _counter(registry, PREFILL_KV_SENT_BYTES_TOTAL)
+        self.kv_chunks_sent_total = _counter(registry, PREFILL_KV_CHUNKS_SENT_TOTAL)
+        self.kv_transfer_failures_total = _counter(registry, PREFILL_KV_TRANSFER_FAILURES_TOTAL)
+        self.running_requests = _gauge(registry, PREFILL_RUNNING_REQUESTS)
+        self.waiting_requests = _gauge(registry, PREFILL_WAITING_REQUESTS)
+
+
+class DecodeMetrics:
+    """Decode KV arrival, queueing, token pace and cache pressure."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.kv_wait_seconds = _histogram(registry, DECODE_KV_WAIT_SECONDS, LATENCY_BUCKETS)
+        self.kv_transfer_exposed_seconds = _histogram(
+            registry, DECODE_KV_TRANSFER_EXPOSED_SECONDS, LATENCY_BUCKETS)
+        self.queue_seconds = _histogram(registry, DECODE_QUEUE_SECONDS, LATENCY_BUCKETS)
+        self.tpot_seconds = _histogram(registry, DECODE_TPOT_SECONDS, TOKEN_BUCKETS)
+        self.kv_received_bytes_total = _counter(registry, DECODE_KV_RECEIVED_BYTES_TOTAL)
+        self.kv_chunks_received_total = _counter(registry, DECODE_KV_CHUNKS_RECEIVED_TOTAL)
+        self.kv_chunks_rejected_total = _counter(registry, DECODE_KV_CHUNKS_REJECTED_TOTAL)
+        self.reservations_expired_total = _counter(registry, DECODE_RESERVATIONS_EXPIRED_TOTAL)
+        self.kv_cache_usage_ratio = _gauge(registry, DECODE_KV_CACHE_USAGE_RATIO)
+        self.running_requests = _gauge(registry, DECODE_RUNNING_REQUESTS)
+        self.waiting_requests = _gauge(registry, DECODE_WAITING_REQUESTS)
+        self.waiting_for_kv_requests = _gauge(registry, DECODE_WAITING_FOR_KV_REQUESTS)
+        self.generation_tokens_total = _counter(registry, DECODE_GENERATION_TOKENS_TOTAL)
+
+
+class KVStoreMetrics:
+    """Per-tier hit/miss/eviction accounting and occupancy of the kvstore."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.hits_total = _counter(registry, KVSTORE_HITS_TOTAL)
+        self.misses_total = _counter(registry, KVSTORE_MISSES_TOTAL)
+        self.evictions_total = _counter(registry, KVSTORE_EVICTIONS_TOTAL)
+        self.corrupt_total = _counter(registry, KVSTORE_CORRUPT_TOTAL)
+        self.stored_bytes = _gauge(registry, KVSTORE_STORED_BYTES)
+        self.entries = _gauge(registry, KVSTORE_ENTRIES)
+        self.get_bytes_total = _counter(registry, KVSTORE_GET_BYTES_TOTAL)
+        self.put_bytes_total = _counter(registry, KVSTORE_PUT_BYTES_TOTAL)
+
+
+METRICS_CLASSES: dict[str, type[RouterMetrics | PrefillMetrics | DecodeMetrics | KVStoreMetrics]] = {
+    "router": RouterMetrics,
+    "prefill": PrefillMetrics,
+    "decode": DecodeMetrics,
+    "kvstore": KVStoreMetrics,
+}
+
+
+class MetricsServer:
+    """A running /metrics HTTP server (prometheus_client's WSGI server in a daemon thread)."""
+
+    def __init__(self, registry: CollectorRegistry, host: str = "0.0.0.0", port: int = 0) -> None:
+        result = start_http_server(port, addr=host, registry=registry)
+        if result is None:  # prometheus_client < 0.20 returns nothing; port 0 would be unknowable
+            raise RuntimeError("prometheus_client >= 0.20 is required (start_http_server must return the server)")
+        self._httpd, self._thread = result
+        self.host = host
+        self.port: int = int(self._httpd.server_address[1])
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)
+
+
+_servers: dict[int, MetricsServer] = {}
+_servers_lock = threading.Lock()
+
+
+def start_metrics_server(registry: CollectorRegistry, host: str = "0.0.0.0", port: int = 0) -> int:
+    """Serve `registry` on http://host:port/metrics in a daemon thread; returns the bound port (port 0 works)."""
+    server = MetricsServer(registry, host, port)
+    with _servers_lock:
+        _servers[server.port] = server
+    return server.port
+
+
+def stop_metrics_server(port: int) -> None:
+    """Stop a server started by `start_metrics_server`; unknown ports are ignored."""
+    with _servers_lock:
+        server = _servers.pop(port, None)
+    if server is not None:
+        server.stop()
+
+
+def render_metrics(registry: CollectorRegistry) -> tuple[bytes, str]:
+    """Exposition body and content type, for services that mount /metrics on their own HTTP server."""
+    return generate_latest(registry), CONTENT_TYPE_LATEST

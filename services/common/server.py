@@ -1,0 +1,297 @@
+"""The fixed service lifecycle around grpc.aio (STYLE rule 7).
+
+    start()        bind gRPC (port 0: ephemeral) and metrics HTTP; health NOT_SERVING for everything
+    set_serving()  after the model is loaded and warmed: health SERVING, print the PDSERVE_READY line
+    shutdown()     on SIGTERM/SIGINT: health NOT_SERVING, `draining` set (servicers refuse new work),
+                   await the drain hook (bounded), `await server.stop(grace)`, the shutdown hook (free
+                   the device), metrics server down
+
+The ready line (stdout, flushed, one line) is what launchers and e2e tests parse:
+
+    PDSERVE_READY service=decode grpc=127.0.0.1:40123 metrics=127.0.0.1:40124 pid=4242
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import prometheus_client
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common.config import opt, require
+from services.common.grpc_util import DEFAULT_MAX_MESSAGE_BYTES, server_options
+
+log = logging.getLogger(__name__)
+
+Hook = Callable[[], Awaitable[None] | None]
+READY_PREFIX = "PDSERVE_READY"
+_WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]"}
+
+
+@dataclass
+class ServerConfig:
+    """gRPC server, metrics endpoint and shutdown bounds. Services subclass it to change defaults."""
+
+    host: str = opt("0.0.0.0", "Address the gRPC server binds.")
+    port: int = opt(0, "gRPC port; 0 picks a free one (reported in the ready line).")
+    metrics_host: str = opt("0.0.0.0", "Address the Prometheus /metrics HTTP server binds.")
+    metrics_port: int = opt(0, "Prometheus /metrics port; 0 picks a free one, -1 disables it.")
+    max_message_bytes: int = opt(DEFAULT_MAX_MESSAGE_BYTES, "Largest gRPC message sent or received (bytes).")
+    drain_timeout_s: float = opt(30.0, "On shutdown, longest wait for in-flight work to drain (seconds).")
+    grace_s: float = opt(5.0, "On shutdown, grace given to open RPCs by server.stop() after draining (seconds).")
+    instance: str = opt("", "Instance name in logs and traces (e.g. the pod name); empty: host:port.")
+
+    def __post_init__(self) -> None:
+        require(0 <= self.port <= 65535, self, "port", f"must be in [0, 65535], got {self.port}")
+        require(-1 <= self.metrics_port <= 65535, self, "metrics_port",
+                f"must be in [-1, 65535], got {self.metrics_port}")
+        require(self.max_message_bytes >= 1 << 20, self, "max_message_bytes",
+                f"must be >= 1 MiB, got {self.max_message_bytes}")
+        require(self.drain_timeout_s >= 0, self, "drain_timeout_s", f"must be >= 0, got {self.drain_timeout_s}")
+        require(self.grace_s >= 0, self, "grace_s", f"must be >= 0, got {self.grace_s}")
+
+
+def connectable_host(host: str) -> str:
+    """The host a local client dials for a bind address (wildcards become loopback)."""
+    return "127.0.0.1" if host in _WILDCARD_HOSTS else host
+
+
+def _join(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+class _NameRecorder:
+    """Stands in for the server inside generated add_*Servicer_to_server to learn the service name."""
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self._server = server
+        self.names: list[str] = []
+
+    def add_generic_rpc_handlers(self, handlers: Sequence[Any]) -> None:
+        self.names += [h.service_name() for h in handlers if hasattr(h, "service_name")]
+        self._server.add_generic_rpc_handlers(handlers)
+
+    def add_registered_method_handlers(self, name: str, handlers: dict[str, Any]) -> None:
+        if name not in self.names:
+            self.names.append(name)
+        self._server.add_registered_method_handlers(name, handlers)
+
+
+async def _call(hook: Hook) -> None:
+    result = hook()
+    if inspect.isawaitable(result):
+        await result
+
+
+class ServiceServer:
+    """One grpc.aio server with health, reflection, metrics and the shutdown sequence.
+
+    Construct inside the running event loop. Register servicers with add_service() before start().
+    """
+
+    def __init__(self, service: str, config: ServerConfig, *, drain: Hook | None = None,
+                 on_shutdown: Hook | None = None) -> None:
+        self.service = service
+        self.config = config
+        self._drain_hook = drain
+        self._shutdown_hook = on_shutdown
+        self.server: grpc.aio.Server = grpc.aio.server(options=server_options(config.max_message_bytes))
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.service_names: list[str] = []
+        # Set once shutdown begins: servicers refuse new work (grpc_util.abort_if_draining).
+        self.draining = asyncio.Event()
+        self.stopped = asyncio.Event()
+        # Set by a second signal or shutdown(force=True): skip the rest of draining and grace.
+        self._force = asyncio.Event()
+        self.grpc_port = 0
+        self.metrics_port: int | None = None
+        self._metrics_server: Any = None
+        self._metrics_thread: threading.Thread | None = None
+        self._started = False
+        self._shutdown_task: asyncio.Task[None] | None = None
+        self._signals: list[int] = []
+
+    # -- setup -------------------------------------------------------------------------------------
+    def add_service(self, add_to_server: Callable[[Any, Any], None], servicer: Any) -> list[str]:
+        """Register ``servicer`` with a generated ``add_XServicer_to_server``; returns the service names."""
+        if self._started:
+            raise RuntimeError("add_service() after start()")
+        recorder = _NameRecorder(self.server)
+        add_to_server(servicer, recorder)
+        if not recorder.names:
+            raise RuntimeError(f"{add_to_server.__name__} registered no named service")
+        self.service_names += [n for n in recorder.names if n not in self.service_names]
+        return recorder.names
+
+    @property
+    def grpc_address(self) -> str:
+        """host:port a local client dials."""
+        return _join(connectable_host(self.config.host), self.grpc_port)
+
+    @property
+    def metrics_address(self) -> str | None:
+        if self.metrics_port is None:
+            return None
+        return _join(connectable_host(self.config.metrics_host), self.metrics_port)
+
+    @property
+    def instance(self) -> str:
+        return self.config.instance or self.grpc_address
+
+    async def start(self) -> int:
+        """Bind and start gRPC and the metrics server; every health status NOT_SERVING. Returns the gRPC port."""
+        if self._started:
+            raise RuntimeError("start() called twice")
+        names = [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+        reflection.enable_server_reflection(names, self.server)
+        for name in ("", *self.service_names):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        bind = _join(self.config.host, self.config.port)
+        try:
+            port = self.server.add_insecure_port(bind)
+        except RuntimeError as e:
+            raise OSError(f"{self.service}: cannot bind gRPC on {bind}: {e}") from e
+        if port == 0:
+            raise OSError(f"{self.service}: cannot bind gRPC on {bind} (port in use?)")
+        self.grpc_port = port
+        if self.config.metrics_port >= 0:
+            self._start_metrics()
+        await self.server.start()
+        self._started = True
+        log.info("%s started (NOT_SERVING) grpc=%s metrics=%s services=%s", self.service, self.grpc_address,
+                 self.metrics_address, ",".join(self.service_names))
+        return port
+
+    def _start_metrics(self) -> None:
+        try:
+            httpd, thread = prometheus_client.start_http_server(self.config.metrics_port, addr=self.config.metrics_host)
+        except OSError as e:
+            raise OSError(f"{self.service}: cannot bind metrics on "
+                          f"{_join(self.config.metrics_host, self.config.metrics_port)}: {e}") from e
+        self._metrics_server, self._metrics_thread = httpd, thread
+        self.metrics_port = int(httpd.server_port)
+
+    def ready_line(self) -> str:
+        parts = [READY_PREFIX, f"service={self.service}", f"grpc={self.grpc_address}"]
+        if self.metrics_address is not None:
+            parts.append(f"metrics={self.metrics_address}")
+        parts.append(f"pid={os.getpid()}")
+        return " ".join(parts)
+
+    async def set_serving(self) -> None:
+        """The service is ready (model loaded, warmed): health SERVING, then the ready line on stdout."""
+        if not self._started:
+            raise RuntimeError("set_serving() before start()")
+        if self.draining.is_set():
+            return
+        for name in (*self.service_names, ""):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        print(self.ready_line(), file=sys.stdout, flush=True)
+        log.info("%s SERVING on %s", self.service, self.grpc_address)
+
+    # -- shutdown ----------------------------------------------------------------------------------
+    def install_signal_handlers(self) -> None:
+        """SIGTERM/SIGINT start shutdown(); a second signal cuts draining and grace short."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+            self._signals.append(sig)
+
+    def _on_signal(self, sig: int) -> None:
+        name = signal.Signals(sig).name
+        if self._shutdown_task is None:
+            log.info("%s received %s: shutting down", self.service, name)
+            self._shutdown_task = asyncio.ensure_future(self._shutdown(name, force=False))
+        else:
+            log.warning("%s received %s again: stopping now", self.service, name)
+            self._force.set()
+
+    async def shutdown(self, reason: str = "shutdown", *, force: bool = False) -> None:
+        """Run the shutdown sequence once (later calls wait for the first). ``force``: no drain, no grace."""
+        if force:
+            self._force.set()
+        if self._shutdown_task is None:
+            self._shutdown_task = asyncio.ensure_future(self._shutdown(reason, force=force))
+        await asyncio.shield(self._shutdown_task)
+
+    async def _shutdown(self, reason: str, *, force: bool) -> None:
+        self.draining.set()
+        await self.health.enter_graceful_shutdown()
+        log.info("%s NOT_SERVING (%s): draining up to %.1fs", self.service, reason, self.config.drain_timeout_s)
+        if self._drain_hook is not None and not force:
+            await self._bounded(self._drain_hook, self.config.drain_timeout_s, "drain")
+        grace = 0.0 if self._force.is_set() else self.config.grace_s
+        if self._started:
+            stop = asyncio.ensure_future(self.server.stop(grace))
+            force_wait = asyncio.ensure_future(self._force.wait())
+            await asyncio.wait({stop, force_wait}, return_when=asyncio.FIRST_COMPLETED)
+            if not stop.done():
+                await self.server.stop(0)
+                await stop
+            force_wait.cancel()
+        if self._shutdown_hook is not None:
+            await self._bounded(self._shutdown_hook, None, "on_shutdown")
+        self._stop_metrics()
+        loop = asyncio.get_running_loop()
+        for sig in self._signals:
+            loop.remove_signal_handler(sig)
+        self._signals.clear()
+        self.stopped.set()
+        log.info("%s stopped", self.service)
+
+    async def _bounded(self, hook: Hook, timeout_s: float | None, what: str) -> None:
+        task = asyncio.ensure_future(_call(hook))
+        force_wait = asyncio.ensure_future(self._force.wait())
+        try:
+            done, _ = await asyncio.wait({task, force_wait}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            if task not in done:
+                log.warning("%s: %s did not finish%s; continuing shutdown", self.service, what,
+                            " (forced)" if force_wait in done else f" within {timeout_s:.1f}s")
+                task.cancel()
+            elif not task.cancelled() and task.exception() is not None:
+                log.error("%s: %s failed: %r", self.service, what, task.exception())
+        finally:
+            force_wait.cancel()
+
+    def _stop_metrics(self) -> None:
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+            self._metrics_server = None
+        if self._metrics_thread is not None:
+            self._metrics_thread.join(timeout=5)
+            self._metrics_thread = None
+
+    async def wait_for_termination(self) -> None:
+        """Return once shutdown() has finished."""
+        await self.stopped.wait()
+
+
+async def serve(srv: ServiceServer, *, warmup: Hook | None = None) -> None:
+    """Run ``srv`` to completion: start, signal handlers, ``warmup`` (load/warm the model; health stays
+    NOT_SERVING meanwhile), SERVING + ready line, then wait until a signal or shutdown() stops it.
+
+    If warmup raises, the server is shut down and the error propagates.
+    """
+    await srv.start()
+    srv.install_signal_handlers()
+    if warmup is not None:
+        try:
+            await _call(warmup)
+        except BaseException:
+            await srv.shutdown("warmup failed", force=True)
+            raise
+    await srv.set_serving()
+    await srv.wait_for_termination()
