@@ -27,6 +27,10 @@ MIN_PING_INTERVAL_MS = 10_000
 
 Options = list[tuple[str, Any]]
 
+# Prefix of the status message prefill answers with when its KV handoff to decode failed (the router
+# does not retry those on another prefill: the decode side is the problem).
+KV_HANDOFF_FAILED = "KV handoff to decode"
+
 
 def payload_budget(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> int:
     """Most payload bytes one KVChunk/Page message should carry under ``max_message_bytes``."""

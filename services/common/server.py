@@ -110,6 +110,8 @@ class ServiceServer:
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names: list[str] = []
+        # Extra key=value pairs for the ready line (e.g. the router's http=host:port).
+        self.extra_ready: dict[str, str] = {}
         # Set once shutdown begins: servicers refuse new work (grpc_util.abort_if_draining).
         self.draining = asyncio.Event()
         self.stopped = asyncio.Event()
@@ -187,6 +189,7 @@ class ServiceServer:
         parts = [READY_PREFIX, f"service={self.service}", f"grpc={self.grpc_address}"]
         if self.metrics_address is not None:
             parts.append(f"metrics={self.metrics_address}")
+        parts += [f"{k}={v}" for k, v in self.extra_ready.items()]
         parts.append(f"pid={os.getpid()}")
         return " ".join(parts)
 

@@ -111,7 +111,7 @@ class AsyncEngine:
         finally:
             self.close_stream(request_id)
             if not finished and self._dead is None and not self._stopping:
-                await asyncio.shield(self.call(self.engine.abort, request_id))
+                await asyncio.shield(self.call(self.engine.abort, request_id))  # consumer left: free it
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -126,8 +126,41 @@ class AsyncEngine:
         async for out in self.stream(rid, q):
             yield out
 
+    def _abort_now(self, request_id: str) -> bool:
+        out = self.engine.abort(request_id)
+        if out is not None:
+            self._deliver([out])
+        return out is not None
+
     async def abort(self, request_id: str) -> bool:
-        return await self.call(self.engine.abort, request_id)
+        """Cancel a request; an open stream of it ends with an ABORT output."""
+        return await self.call(self._abort_now, request_id)
+
+    async def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      detokenize: bool) -> tuple[asyncio.Queue, int, list[int]]:
+        """Decode side: reserve blocks for imported KV and open the request's output stream.
+
+        Returns (stream queue, leading blocks already cached, the request's block table)."""
+        q = self.open_stream(request_id)
+
+        def add() -> tuple[int, list[int]]:
+            seq, num_cached = self.engine.add_kv_import(request_id, prompt_token_ids, params, detokenize)
+            return num_cached, list(seq.block_table)
+
+        try:
+            num_cached, table = await self.call(add)
+        except BaseException:
+            self.close_stream(request_id)
+            raise
+        return q, num_cached, table
+
+    async def kv_import_done(self, request_id: str, first_token: int, logprob: float | None) -> None:
+        """Decode side: every page landed; the request joins the running batch."""
+
+        def done() -> None:
+            self._deliver(self.engine.kv_import_done(request_id, first_token, logprob))
+
+        await self.call(done)
 
     async def stats(self) -> dict[str, float]:
         return await self.call(self.engine.stats)

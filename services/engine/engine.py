@@ -14,6 +14,7 @@ import torch
 
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
+from services.engine.kv_layout import PageLayout
 from services.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from services.engine.model_loader import LoadedModel, load_model
 from services.engine.model_runner import ModelRunner
@@ -69,7 +70,12 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._by_seq: dict[int, _Request] = {}
         self.chunk_listeners: list[ChunkListener] = []
+        self.last_step_start = 0.0
+        """monotonic time the current/last step's model call began (chunk listeners read it)."""
         self.vocab_size = self.loaded.arch.vocab_size
+        arch = self.loaded.arch
+        self.layout = PageLayout.for_model(self.loaded.model_id, arch.num_layers, arch.num_kv_heads, arch.head_dim,
+                                           config.block_size, PageLayout.codec_for_dtype(config.torch_dtype))
 
     # --- admission ---
 
@@ -119,13 +125,17 @@ class LLMEngine:
         req.first_token_time = time.monotonic()
         return [self._emit(req, [first_token], [logprob])]
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancel a request in any state and free its blocks; returns its final (ABORT) output."""
         req = self.requests.pop(request_id, None)
         if req is None:
-            return False
+            return None
         self._by_seq.pop(req.seq.seq_id, None)
         self.scheduler.abort(req.seq.seq_id)
-        return True
+        seq = req.seq
+        return RequestOutput(request_id=request_id, finished=True, finish_reason=FinishReason.ABORT,
+                             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
+                             num_output_tokens=seq.num_output_tokens, first_token_time=req.first_token_time)
 
     # --- stepping ---
 
@@ -136,6 +146,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.chunks:
             return []
+        self.last_step_start = time.monotonic()
         sampled = self.runner.execute(out)
         if self.chunk_listeners:
             for ch in out.chunks:

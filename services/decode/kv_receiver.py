@@ -1,0 +1,156 @@
+"""Decode's end of the KV handoff: checks every chunk, writes its pages into the paged cache.
+
+Checks, in order (each failure is a :class:`KVRejected` with the gRPC status to answer):
+known reservation, layout fingerprint, chunk order (no gap, no duplicate), page range inside the
+reservation and not over blocks decode already holds, payload size, checksum. A rejected stream
+frees the reservation: its KV can no longer be trusted. When the last chunk lands, every prompt
+page must be present; then the request joins continuous batching.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+import torch
+
+from services.common.pb import common_pb2, decode_pb2
+from services.decode.reservations import Reservation, ReservationTable
+from services.engine.async_engine import AsyncEngine
+from services.engine.kv_layout import PageLayout, checksum
+
+
+class KVRejected(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.reason = reason
+        """Short label for the rejected-chunks metric."""
+
+
+class DecodeKVReceiver:
+    def __init__(self, engine: AsyncEngine, layout: PageLayout, table: ReservationTable,
+                 on_landed: Callable[[Reservation, common_pb2.KVChunk], None] | None = None,
+                 on_rejected: Callable[[str], None] | None = None) -> None:
+        self.engine = engine
+        self.layout = layout
+        self.table = table
+        self.on_landed = on_landed
+        self.on_rejected = on_rejected
+        runner = engine.engine.runner
+        self._page_shape = (runner.num_layers, 2, runner.block_size, runner.num_kv_heads, runner.head_dim)
+        self._dtype = runner.dtype
+        self._runner = runner
+
+    def _reject(self, code: grpc.StatusCode, message: str, reason: str) -> KVRejected:
+        if self.on_rejected is not None:
+            self.on_rejected(reason)
+        return KVRejected(code, message, reason)
+
+    def _check(self, r: Reservation, c: common_pb2.KVChunk) -> list[int]:
+        """Validate one chunk against its reservation; returns the destination block ids."""
+        if c.layout_fingerprint != self.layout.fingerprint:
+            raise self._reject(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"KV layout fingerprint mismatch: chunk has {c.layout_fingerprint or '(empty)'}, "
+                               f"this decode expects {self.layout.fingerprint} ({self.layout.describe()})",
+                               "fingerprint")
+        if c.chunk_index != r.next_chunk:
+            what = "duplicate" if c.chunk_index < r.next_chunk else "out-of-order"
+            raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"{what} KV chunk index {c.chunk_index}: expected {r.next_chunk}", "order")
+        if c.token_end > r.prompt_len or c.token_start > c.token_end:
+            raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"KV chunk token range [{c.token_start}, {c.token_end}) is outside the prompt "
+                               f"of {r.prompt_len} tokens", "range")
+        first, n = c.first_block, c.num_pages
+        if first < r.num_cached_blocks or first + n > len(r.block_ids):
+            raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"KV chunk pages [{first}, {first + n}) fall outside the reserved pages "
+                               f"[{r.num_cached_blocks}, {len(r.block_ids)})", "range")
+        if c.transport in ("", "grpc"):
+            want = n * self.layout.page_bytes
+            if len(c.payload) != want:
+                raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"KV chunk payload is {len(c.payload)} bytes; {n} pages of "
+                                   f"{self.layout.page_bytes} bytes need {want}", "size")
+            got = checksum(c.payload)
+            if got != c.checksum:
+                raise self._reject(grpc.StatusCode.DATA_LOSS,
+                                   f"KV chunk {c.chunk_index} checksum mismatch: header says {c.checksum:#010x}, "
+                                   f"payload hashes to {got:#010x}", "checksum")
+        return r.block_ids[first:first + n]
+
+    def _write(self, block_ids: list[int], payload: bytes) -> None:
+        if not block_ids:
+            return
+        flat = torch.frombuffer(bytearray(payload), dtype=self._dtype)
+        self._runner.write_pages(block_ids, flat.view(len(block_ids), *self._page_shape))
+
+    async def receive(self, chunks: AsyncIterator[common_pb2.KVChunk]) -> decode_pb2.PushKVResponse:
+        r: Reservation | None = None
+        received = 0
+        try:
+            async for c in chunks:
+                if r is None:
+                    r = self.table.get(c.reservation_id)
+                    if r is None:
+                        raise self._reject(grpc.StatusCode.NOT_FOUND,
+                                           f"unknown reservation {c.reservation_id!r} (expired, aborted or never "
+                                           "made)", "unknown_reservation")
+                    if r.complete or r.receiving:
+                        raise KVRejected(grpc.StatusCode.FAILED_PRECONDITION,
+                                         f"reservation {r.reservation_id} already "
+                                         f"{'has all its KV' if r.complete else 'has a KV stream open'}", "state")
+                    r.receiving = True
+                    r.next_chunk = 0  # a new stream (a retried prefill) starts over
+                elif c.reservation_id != r.reservation_id:
+                    raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
+                                       f"one PushKV stream carries one reservation: got {c.reservation_id!r} "
+                                       f"after {r.reservation_id!r}", "order")
+                block_ids = self._check(r, c)
+                if c.payload:
+                    await asyncio.to_thread(self._write, block_ids, c.payload)
+                r.pages_written.update(range(c.first_block, c.first_block + c.num_pages))
+                r.next_chunk += 1
+                r.bytes_received += len(c.payload)
+                received += 1
+                if c.is_last:
+                    await self._finish(r, c)
+            if r is not None and not r.complete:
+                raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"KV stream of {r.reservation_id} ended before its last chunk "
+                                   f"({r.next_chunk} received)", "incomplete")
+        except KVRejected:
+            if r is not None and not r.complete:
+                await self.release(r)
+            raise
+        finally:
+            if r is not None:
+                r.receiving = False
+        return decode_pb2.PushKVResponse(chunks_received=received, bytes_received=r.bytes_received if r else 0)
+
+    async def _finish(self, r: Reservation, c: common_pb2.KVChunk) -> None:
+        if c.total_chunks and c.total_chunks != c.chunk_index + 1:
+            raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"last KV chunk says total_chunks={c.total_chunks} but is chunk {c.chunk_index}",
+                               "order")
+        missing = sorted(set(range(r.num_cached_blocks, len(r.block_ids))) - r.pages_written)
+        if missing:
+            raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"last KV chunk arrived but pages {missing[:8]}{'...' if len(missing) > 8 else ''} "
+                               "of the prompt never did", "incomplete")
+        r.kv_done_at = time.monotonic()
+        if r.lease is not None:
+            r.lease.cancel()
+            r.lease = None
+        if self.on_landed is not None:
+            self.on_landed(r, c)
+        await self.engine.kv_import_done(r.reservation_id, c.first_token,
+                                         c.first_logprob if r.params.logprobs else None)
+
+    async def release(self, r: Reservation) -> None:
+        """Free a reservation that will not run (rejected, expired, aborted)."""
+        self.table.remove(r)
+        await self.engine.abort(r.reservation_id)

@@ -1,0 +1,84 @@
+"""``fake`` transport: in-process handoff to a registered receiver, with fault injection for tests."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from services.common.pb import common_pb2, decode_pb2
+from services.engine.kv_transport.base import KVPoll, KVReceiver, KVSender, KVTransport, TransferError
+
+_END = object()
+
+
+@dataclass
+class Faults:
+    fail_after_chunks: int = -1
+    """Break the stream once this many chunks went through (-1: never)."""
+    delay_s: float = 0.0
+    """Sleep before each chunk (a slow link)."""
+    corrupt_chunk: int = -1
+    """Flip a payload byte of this chunk index (-1: none)."""
+
+
+class _FakeSender(KVSender):
+    def __init__(self, receiver: KVReceiver, faults: Faults) -> None:
+        super().__init__()
+        self._faults = faults
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._task = asyncio.ensure_future(receiver.receive(self._messages()))
+
+    async def _messages(self) -> AsyncIterator[common_pb2.KVChunk]:
+        while True:
+            item = await self._queue.get()
+            if item is _END:
+                return
+            yield item
+
+    async def send(self, chunk: common_pb2.KVChunk) -> None:
+        f = self._faults
+        if f.delay_s:
+            await asyncio.sleep(f.delay_s)
+        if self._task.done():
+            self.state = KVPoll.FAILED
+            exc = self._task.exception()
+            raise TransferError(f"decode refused KV: {exc}", getattr(exc, "code", "INTERNAL"))
+        if 0 <= f.fail_after_chunks <= self.chunks_sent:
+            self.state = KVPoll.FAILED
+            self._task.cancel()
+            raise TransferError("injected transport failure", "UNAVAILABLE")
+        if chunk.chunk_index == f.corrupt_chunk and chunk.payload:
+            c = common_pb2.KVChunk()
+            c.CopyFrom(chunk)
+            c.payload = bytes([chunk.payload[0] ^ 0xFF]) + chunk.payload[1:]
+            chunk = c
+        await self._queue.put(chunk)
+        self._count(chunk)
+
+    async def finish(self) -> decode_pb2.PushKVResponse:
+        await self._queue.put(_END)
+        try:
+            resp = await self._task
+        except Exception as e:
+            self.state = KVPoll.FAILED
+            raise TransferError(f"decode refused KV: {e}", getattr(e, "code", "INTERNAL")) from e
+        self.state = KVPoll.SUCCESS
+        return resp
+
+    async def abort(self, reason: str) -> None:
+        self.state = KVPoll.FAILED
+        self._task.cancel()
+
+
+class FakeTransport(KVTransport):
+    name = "fake"
+
+    def __init__(self, receivers: dict[str, KVReceiver] | None = None, faults: Faults | None = None) -> None:
+        self.receivers = receivers if receivers is not None else {}
+        self.faults = faults or Faults()
+
+    def open(self, decode_address: str, request_id: str, metadata: tuple[tuple[str, str], ...] = ()) -> KVSender:
+        if decode_address not in self.receivers:
+            raise TransferError(f"no fake receiver registered at {decode_address!r}", "UNAVAILABLE")
+        return _FakeSender(self.receivers[decode_address], self.faults)

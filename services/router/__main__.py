@@ -1,0 +1,99 @@
+"""``python -m services.router``: the router (OpenAI HTTP + gRPC Router API)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+import prometheus_client
+from aiohttp import web
+
+from services.common import tracing
+from services.common.config import ConfigError, add_dataclass_args, from_args
+from services.common.logging import LoggingConfig, setup_logging
+from services.common.metrics import RouterMetrics
+from services.common.pb import router_pb2_grpc
+from services.common.server import ServiceServer, connectable_host, serve
+from services.engine.model_loader import load_tokenizer
+from services.router.config import RouterConfig
+from services.router.dispatch import DisaggregatedBackend, DispatchSettings
+from services.router.instances import InstancePool
+from services.router.openai_http import make_app
+from services.router.pipeline import TextPipeline
+from services.router.servicer import RouterServicer
+
+
+async def amain(cfg: RouterConfig) -> None:
+    metrics = RouterMetrics(prometheus_client.REGISTRY)
+    tok, model_id, max_len = await asyncio.to_thread(load_tokenizer, cfg.model)
+    served = cfg.served_model_name or model_id
+
+    def on_health(inst) -> None:
+        metrics.instance_healthy.labels(inst.role, inst.address).set(1 if inst.healthy else 0)
+
+    prefill_targets = RouterConfig.targets(cfg.prefill)
+    decode_pool = InstancePool("decode" if prefill_targets else "worker", RouterConfig.targets(cfg.decode),
+                               health_interval_s=cfg.health_interval_s, resolve_interval_s=cfg.resolve_interval_s,
+                               on_health=on_health)
+    prefill_pool = InstancePool("prefill", prefill_targets, health_interval_s=cfg.health_interval_s,
+                                resolve_interval_s=cfg.resolve_interval_s,
+                                on_health=on_health) if prefill_targets else None
+    backend = DisaggregatedBackend(prefill_pool, decode_pool, DispatchSettings(
+        policy=cfg.policy, lease_ms=cfg.lease_ms, max_retries=cfg.max_retries,
+        chunked_transfer=cfg.chunked_transfer, timeout_s=cfg.request_timeout_s), metrics, served)
+    pipeline = TextPipeline(tok, backend, max_len)
+    runner: web.AppRunner | None = None
+    pools = [p for p in (prefill_pool, decode_pool) if p is not None]
+
+    async def shutdown() -> None:
+        if runner is not None:
+            await runner.cleanup()
+        for p in pools:
+            await p.close()
+
+    srv = ServiceServer("router", cfg, on_shutdown=shutdown)
+    srv.add_service(router_pb2_grpc.add_RouterServicer_to_server,
+                    RouterServicer(pipeline, metrics, served, srv.draining))
+
+    def ready() -> bool:
+        return not srv.draining.is_set() and all(p.healthy() for p in pools)
+
+    async def warmup() -> None:
+        nonlocal runner
+        for p in pools:
+            await p.start()
+        for _ in range(100):  # the workers may still be loading their model
+            await asyncio.gather(*(p.check_now() for p in pools))
+            if ready():
+                break
+            await asyncio.sleep(0.2)
+        app = make_app(pipeline, max_body_bytes=cfg.max_body_bytes, ready=ready, metrics=metrics)
+        runner = web.AppRunner(app, handle_signals=False, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, cfg.http_host, cfg.http_port)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # the bound port when http_port is 0
+        srv.extra_ready["http"] = f"{connectable_host(cfg.http_host)}:{port}"
+
+    await serve(srv, warmup=warmup)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pdserve router", description="The router: OpenAI HTTP and gRPC APIs.")
+    for cls in (RouterConfig, LoggingConfig):
+        add_dataclass_args(p, cls)
+    ns = p.parse_args(argv)
+    try:
+        cfg, lcfg = from_args(RouterConfig, ns), from_args(LoggingConfig, ns)
+    except (ConfigError, ValueError) as e:
+        print(f"pdserve router: {e}", file=sys.stderr)
+        return 2
+    setup_logging("router", lcfg)
+    tracing.setup_tracing("pdserve-router", cfg.tracing, cfg.otlp_endpoint or None)
+    asyncio.run(amain(cfg))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""Router settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.config import opt, require
+from services.common.server import ServerConfig
+from services.router.policy import POLICIES
+
+
+@dataclass
+class RouterConfig(ServerConfig):
+    port: int = opt(50051, "gRPC port of the Router API; 0 picks a free one.")
+    http_host: str = opt("0.0.0.0", "Address the OpenAI-compatible HTTP API binds.")
+    http_port: int = opt(8000, "HTTP port of the OpenAI-compatible API; 0 picks a free one.")
+    prefill: str = opt("", "Prefill instances: comma-separated host:port, or dns:NAME:PORT for a headless "
+                           "Service (all A records, refreshed). Empty: colocated mode (decode does both).")
+    decode: str = opt("", "Decode (or colocated worker) instances, same syntax as --prefill.")
+    model: str | None = opt(None, "Model whose tokenizer and chat template the router uses (same spec as "
+                                  "the workers; default: the embedded SmolLM2-135M-Instruct).")
+    served_model_name: str = opt("", "Model name clients send and /v1/models lists; empty: the model's id.")
+    policy: str = opt("prefix_aware", "Instance selection policy.", choices=POLICIES)
+    lease_ms: int = opt(30_000, "Decode reservation lease: freed if its KV has not arrived by then (ms).")
+    max_retries: int = opt(2, "Other instances tried when one is unavailable before sending KV.")
+    chunked_transfer: bool | None = opt(None, "Force chunked KV transfer on/off for every request; "
+                                              "unset: each prefill's own default.")
+    health_interval_s: float = opt(1.0, "Health and load polling period per instance (seconds).")
+    resolve_interval_s: float = opt(10.0, "DNS re-resolution period for dns: targets (seconds).")
+    request_timeout_s: float = opt(600.0, "Longest a request may run (seconds).")
+    max_body_bytes: int = opt(4 << 20, "Largest HTTP request body (bytes); larger answers 413.")
+    tracing: str = opt("none", "OpenTelemetry exporter: none, console, otlp.", choices=("none", "console", "otlp"))
+    otlp_endpoint: str = opt("", "OTLP collector endpoint when --tracing otlp.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(bool(self.decode), self, "decode", "at least one decode instance is required")
+        require(self.max_retries >= 0, self, "max_retries", f"must be >= 0, got {self.max_retries}")
+        require(self.lease_ms > 0, self, "lease_ms", f"must be > 0, got {self.lease_ms}")
+
+    @staticmethod
+    def targets(value: str) -> list[str]:
+        return [t.strip() for t in value.split(",") if t.strip()]
