@@ -36,6 +36,7 @@ from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest, start_http_server
+from prometheus_client.metrics import MetricWrapperBase
 
 MetricKind = Literal["counter", "gauge", "histogram"]
 
@@ -219,91 +220,112 @@ def metric_of_series(series: str) -> str | None:
     return None
 
 
-def _histogram(registry: CollectorRegistry, name: str, buckets: Sequence[float]) -> Histogram:
-    spec = SPECS_BY_NAME[name]
-    assert spec.kind == "histogram", name
-    return Histogram(name, spec.help, spec.labels, registry=registry, buckets=buckets)
+class MetricGroup:
+    """Builds one service's metrics into a registry and remembers them by exposed name."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+        self._by_name: dict[str, MetricWrapperBase] = {}
+
+    def by_name(self) -> dict[str, MetricWrapperBase]:
+        """Exposed metric name (a `SPECS` name) -> prometheus_client object."""
+        return dict(self._by_name)
+
+    def _spec(self, name: str, kind: MetricKind) -> MetricSpec:
+        spec = SPECS_BY_NAME[name]
+        if spec.kind != kind:
+            raise TypeError(f"{name} is a {spec.kind}, not a {kind}")
+        return spec
+
+    def _histogram(self, name: str, buckets: Sequence[float]) -> Histogram:
+        spec = self._spec(name, "histogram")
+        metric = Histogram(name, spec.help, spec.labels, registry=self._registry, buckets=buckets)
+        self._by_name[name] = metric
+        return metric
+
+    def _counter(self, name: str) -> Counter:
+        spec = self._spec(name, "counter")
+        metric = Counter(name, spec.help, spec.labels, registry=self._registry)
+        self._by_name[name] = metric
+        return metric
+
+    def _gauge(self, name: str) -> Gauge:
+        spec = self._spec(name, "gauge")
+        metric = Gauge(name, spec.help, spec.labels, registry=self._registry)
+        self._by_name[name] = metric
+        return metric
 
 
-def _counter(registry: CollectorRegistry, name: str) -> Counter:
-    spec = SPECS_BY_NAME[name]
-    assert spec.kind == "counter", name
-    return Counter(name, spec.help, spec.labels, registry=registry)
-
-
-def _gauge(registry: CollectorRegistry, name: str) -> Gauge:
-    spec = SPECS_BY_NAME[name]
-    assert spec.kind == "gauge", name
-    return Gauge(name, spec.help, spec.labels, registry=registry)
-
-
-class RouterMetrics:
+class RouterMetrics(MetricGroup):
     """Client-facing timers and counters of the router."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.ttft_seconds = _histogram(registry, ROUTER_TTFT_SECONDS, LATENCY_BUCKETS)
-        self.itl_seconds = _histogram(registry, ROUTER_ITL_SECONDS, TOKEN_BUCKETS)
-        self.e2e_seconds = _histogram(registry, ROUTER_E2E_SECONDS, LATENCY_BUCKETS)
-        self.requests_total = _counter(registry, ROUTER_REQUESTS_TOTAL)
-        self.prompt_tokens_total = _counter(registry, ROUTER_PROMPT_TOKENS_TOTAL)
-        self.generation_tokens_total = _counter(registry, ROUTER_GENERATION_TOKENS_TOTAL)
-        self.errors_total = _counter(registry, ROUTER_ERRORS_TOTAL)
-        self.dispatch_retries_total = _counter(registry, ROUTER_DISPATCH_RETRIES_TOTAL)
-        self.inflight_requests = _gauge(registry, ROUTER_INFLIGHT_REQUESTS)
-        self.instance_healthy = _gauge(registry, ROUTER_INSTANCE_HEALTHY)
+        super().__init__(registry)
+        self.ttft_seconds = self._histogram(ROUTER_TTFT_SECONDS, LATENCY_BUCKETS)
+        self.itl_seconds = self._histogram(ROUTER_ITL_SECONDS, TOKEN_BUCKETS)
+        self.e2e_seconds = self._histogram(ROUTER_E2E_SECONDS, LATENCY_BUCKETS)
+        self.requests_total = self._counter(ROUTER_REQUESTS_TOTAL)
+        self.prompt_tokens_total = self._counter(ROUTER_PROMPT_TOKENS_TOTAL)
+        self.generation_tokens_total = self._counter(ROUTER_GENERATION_TOKENS_TOTAL)
+        self.errors_total = self._counter(ROUTER_ERRORS_TOTAL)
+        self.dispatch_retries_total = self._counter(ROUTER_DISPATCH_RETRIES_TOTAL)
+        self.inflight_requests = self._gauge(ROUTER_INFLIGHT_REQUESTS)
+        self.instance_healthy = self._gauge(ROUTER_INSTANCE_HEALTHY)
 
 
-class PrefillMetrics:
+class PrefillMetrics(MetricGroup):
     """Prefill scheduling, compute, prefix reuse and outgoing KV."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.queue_seconds = _histogram(registry, PREFILL_QUEUE_SECONDS, LATENCY_BUCKETS)
-        self.compute_seconds = _histogram(registry, PREFILL_COMPUTE_SECONDS, LATENCY_BUCKETS)
-        self.chunks_total = _counter(registry, PREFILL_CHUNKS_TOTAL)
-        self.computed_tokens_total = _counter(registry, PREFILL_COMPUTED_TOKENS_TOTAL)
-        self.cached_prefix_tokens_total = _counter(registry, PREFILL_CACHED_PREFIX_TOKENS_TOTAL)
-        self.kv_sent_bytes_total = _counter(registry, PREFILL_KV_SENT_BYTES_TOTAL)
-        self.kv_chunks_sent_total = _counter(registry, PREFILL_KV_CHUNKS_SENT_TOTAL)
-        self.kv_transfer_failures_total = _counter(registry, PREFILL_KV_TRANSFER_FAILURES_TOTAL)
-        self.running_requests = _gauge(registry, PREFILL_RUNNING_REQUESTS)
-        self.waiting_requests = _gauge(registry, PREFILL_WAITING_REQUESTS)
+        super().__init__(registry)
+        self.queue_seconds = self._histogram(PREFILL_QUEUE_SECONDS, LATENCY_BUCKETS)
+        self.compute_seconds = self._histogram(PREFILL_COMPUTE_SECONDS, LATENCY_BUCKETS)
+        self.chunks_total = self._counter(PREFILL_CHUNKS_TOTAL)
+        self.computed_tokens_total = self._counter(PREFILL_COMPUTED_TOKENS_TOTAL)
+        self.cached_prefix_tokens_total = self._counter(PREFILL_CACHED_PREFIX_TOKENS_TOTAL)
+        self.kv_sent_bytes_total = self._counter(PREFILL_KV_SENT_BYTES_TOTAL)
+        self.kv_chunks_sent_total = self._counter(PREFILL_KV_CHUNKS_SENT_TOTAL)
+        self.kv_transfer_failures_total = self._counter(PREFILL_KV_TRANSFER_FAILURES_TOTAL)
+        self.running_requests = self._gauge(PREFILL_RUNNING_REQUESTS)
+        self.waiting_requests = self._gauge(PREFILL_WAITING_REQUESTS)
 
 
-class DecodeMetrics:
+class DecodeMetrics(MetricGroup):
     """Decode KV arrival, queueing, token pace and cache pressure."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.kv_wait_seconds = _histogram(registry, DECODE_KV_WAIT_SECONDS, LATENCY_BUCKETS)
-        self.kv_transfer_exposed_seconds = _histogram(
-            registry, DECODE_KV_TRANSFER_EXPOSED_SECONDS, LATENCY_BUCKETS)
-        self.queue_seconds = _histogram(registry, DECODE_QUEUE_SECONDS, LATENCY_BUCKETS)
-        self.tpot_seconds = _histogram(registry, DECODE_TPOT_SECONDS, TOKEN_BUCKETS)
-        self.kv_received_bytes_total = _counter(registry, DECODE_KV_RECEIVED_BYTES_TOTAL)
-        self.kv_chunks_received_total = _counter(registry, DECODE_KV_CHUNKS_RECEIVED_TOTAL)
-        self.kv_chunks_rejected_total = _counter(registry, DECODE_KV_CHUNKS_REJECTED_TOTAL)
-        self.reservations_expired_total = _counter(registry, DECODE_RESERVATIONS_EXPIRED_TOTAL)
-        self.kv_cache_usage_ratio = _gauge(registry, DECODE_KV_CACHE_USAGE_RATIO)
-        self.running_requests = _gauge(registry, DECODE_RUNNING_REQUESTS)
-        self.waiting_requests = _gauge(registry, DECODE_WAITING_REQUESTS)
-        self.waiting_for_kv_requests = _gauge(registry, DECODE_WAITING_FOR_KV_REQUESTS)
-        self.generation_tokens_total = _counter(registry, DECODE_GENERATION_TOKENS_TOTAL)
+        super().__init__(registry)
+        self.kv_wait_seconds = self._histogram(DECODE_KV_WAIT_SECONDS, LATENCY_BUCKETS)
+        self.kv_transfer_exposed_seconds = self._histogram(DECODE_KV_TRANSFER_EXPOSED_SECONDS, LATENCY_BUCKETS)
+        self.queue_seconds = self._histogram(DECODE_QUEUE_SECONDS, LATENCY_BUCKETS)
+        self.tpot_seconds = self._histogram(DECODE_TPOT_SECONDS, TOKEN_BUCKETS)
+        self.kv_received_bytes_total = self._counter(DECODE_KV_RECEIVED_BYTES_TOTAL)
+        self.kv_chunks_received_total = self._counter(DECODE_KV_CHUNKS_RECEIVED_TOTAL)
+        self.kv_chunks_rejected_total = self._counter(DECODE_KV_CHUNKS_REJECTED_TOTAL)
+        self.reservations_expired_total = self._counter(DECODE_RESERVATIONS_EXPIRED_TOTAL)
+        self.kv_cache_usage_ratio = self._gauge(DECODE_KV_CACHE_USAGE_RATIO)
+        self.running_requests = self._gauge(DECODE_RUNNING_REQUESTS)
+        self.waiting_requests = self._gauge(DECODE_WAITING_REQUESTS)
+        self.waiting_for_kv_requests = self._gauge(DECODE_WAITING_FOR_KV_REQUESTS)
+        self.generation_tokens_total = self._counter(DECODE_GENERATION_TOKENS_TOTAL)
 
 
-class KVStoreMetrics:
+class KVStoreMetrics(MetricGroup):
     """Per-tier hit/miss/eviction accounting and occupancy of the kvstore."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.hits_total = _counter(registry, KVSTORE_HITS_TOTAL)
-        self.misses_total = _counter(registry, KVSTORE_MISSES_TOTAL)
-        self.evictions_total = _counter(registry, KVSTORE_EVICTIONS_TOTAL)
-        self.corrupt_total = _counter(registry, KVSTORE_CORRUPT_TOTAL)
-        self.stored_bytes = _gauge(registry, KVSTORE_STORED_BYTES)
-        self.entries = _gauge(registry, KVSTORE_ENTRIES)
-        self.get_bytes_total = _counter(registry, KVSTORE_GET_BYTES_TOTAL)
-        self.put_bytes_total = _counter(registry, KVSTORE_PUT_BYTES_TOTAL)
+        super().__init__(registry)
+        self.hits_total = self._counter(KVSTORE_HITS_TOTAL)
+        self.misses_total = self._counter(KVSTORE_MISSES_TOTAL)
+        self.evictions_total = self._counter(KVSTORE_EVICTIONS_TOTAL)
+        self.corrupt_total = self._counter(KVSTORE_CORRUPT_TOTAL)
+        self.stored_bytes = self._gauge(KVSTORE_STORED_BYTES)
+        self.entries = self._gauge(KVSTORE_ENTRIES)
+        self.get_bytes_total = self._counter(KVSTORE_GET_BYTES_TOTAL)
+        self.put_bytes_total = self._counter(KVSTORE_PUT_BYTES_TOTAL)
 
 
-METRICS_CLASSES: dict[str, type[RouterMetrics | PrefillMetrics | DecodeMetrics | KVStoreMetrics]] = {
+METRICS_CLASSES: dict[str, type[MetricGroup]] = {
     "router": RouterMetrics,
     "prefill": PrefillMetrics,
     "decode": DecodeMetrics,
