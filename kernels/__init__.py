@@ -1,6 +1,7 @@
 """Triton kernels for pdserve and their torch references.
 
-`kernels.reference` and `kernels.fp8_layout` are importable everywhere (torch only). The Triton
+`kernels.reference` and `kernels.fp8_layout` are importable everywhere (torch only), and so are the
+device-dispatching page/fp8 helpers below (Triton for CUDA tensors, the torch reference otherwise). The Triton
 kernel modules (`paged_decode_attention`, `prefill_attention`, `store_kv`, `page_pack`, `fp8_kv`)
 need triton; import them only when `HAS_TRITON` is true. On a machine without CUDA they run under the
 Triton interpreter when `TRITON_INTERPRET=1` is set before those modules are first imported.
@@ -9,6 +10,8 @@ Triton interpreter when `TRITON_INTERPRET=1` is set before those modules are fir
 from __future__ import annotations
 
 import importlib.util
+
+import torch
 
 from kernels.fp8_layout import (
     FP8_E4M3_MAX,
@@ -23,10 +26,6 @@ HAS_TRITON: bool = importlib.util.find_spec("triton") is not None
 
 def has_cuda() -> bool:
     """True when torch sees at least one CUDA device."""
-    try:
-        import torch
-    except ImportError:
-        return False
     return bool(torch.cuda.is_available())
 
 
@@ -39,13 +38,78 @@ def triton_usable() -> bool:
     return has_cuda() or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _on_triton(t: torch.Tensor) -> bool:
+    """Dispatch rule: Triton kernels for CUDA tensors, torch references otherwise (CPU engine path)."""
+    return t.is_cuda and HAS_TRITON
+
+
+def pack_pages(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """[P, L, 2, bs, kvh, hd] pages of block_ids (see kernels.page_pack); Triton on CUDA, torch elsewhere."""
+    if _on_triton(kv_cache):
+        from kernels.page_pack import pack_pages as impl
+    else:
+        from kernels.reference import ref_pack_pages as impl
+    return impl(kv_cache, block_ids)
+
+
+def unpack_pages(buffer: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
+    """Scatter [P, L, 2, bs, kvh, hd] pages into kv_cache at block_ids; Triton on CUDA, torch elsewhere."""
+    if _on_triton(kv_cache):
+        from kernels.page_pack import unpack_pages as impl
+    else:
+        from kernels.reference import ref_unpack_pages as impl
+    impl(buffer, kv_cache, block_ids)
+
+
+def pack_pages_fp8(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """uint8 [P, fp8_page_nbytes] fp8-e4m3 pages of block_ids; Triton on CUDA, torch elsewhere."""
+    if _on_triton(kv_cache):
+        from kernels.fp8_kv import pack_pages_fp8 as impl
+    else:
+        from kernels.reference import ref_pack_pages_fp8 as impl
+    return impl(kv_cache, block_ids)
+
+
+def unpack_pages_fp8(buffer: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
+    """Dequantize fp8 pages into kv_cache at block_ids; Triton on CUDA, torch elsewhere."""
+    if _on_triton(kv_cache):
+        from kernels.fp8_kv import unpack_pages_fp8 as impl
+    else:
+        from kernels.reference import ref_unpack_pages_fp8 as impl
+    impl(buffer, kv_cache, block_ids)
+
+
+def fp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, kvh, hd] -> (fp8 values, fp32 scales [T, kvh]); Triton on CUDA, torch elsewhere."""
+    if _on_triton(x):
+        from kernels.fp8_kv import fp8_quantize as impl
+    else:
+        from kernels.reference import ref_fp8_quantize as impl
+    return impl(x)
+
+
+def fp8_dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp8 [T, kvh, hd] with fp32 scales [T, kvh] -> dtype; Triton on CUDA, torch elsewhere."""
+    if _on_triton(q):
+        from kernels.fp8_kv import fp8_dequantize as impl
+    else:
+        from kernels.reference import ref_fp8_dequantize as impl
+    return impl(q.contiguous(), scales.contiguous(), dtype)
+
+
 __all__ = [
     "FP8_E4M3_MAX",
     "HAS_TRITON",
+    "fp8_dequantize",
     "fp8_layout_codec_name",
     "fp8_page_nbytes",
     "fp8_page_regions",
+    "fp8_quantize",
     "has_cuda",
+    "pack_pages",
+    "pack_pages_fp8",
     "plain_page_nbytes",
     "triton_usable",
+    "unpack_pages",
+    "unpack_pages_fp8",
 ]

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._triton_utils import _mma, dot_flags
+
 LOG2E = 1.4426950408889634
 _MIN_PARTITION = 128
 _MAX_PARTITIONS = 32
@@ -52,6 +54,7 @@ def _paged_decode_attention_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK: tl.constexpr,
     SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """For heads h = kvh * G + g, keys n in [part * P, min(ctx, (part + 1) * P)):
@@ -90,17 +93,21 @@ def _paged_decode_attention_kernel(
         blk = tl.load(bt_row + offs_n // block_size, mask=mask_n, other=0).to(tl.int64)
         tok = offs_n % block_size
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        k_ptrs = K_ptr + blk[:, None] * stride_kb + tok[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
+        k_ptrs = (
+            K_ptr + blk[:, None] * stride_kb + tok[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
+        )
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
+        s = _mma(q, tl.trans(k), UPCAST, DOT_PRECISION) * qk_scale_log2
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_ptrs = V_ptr + blk[:, None] * stride_vb + tok[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :]
+        v_ptrs = (
+            V_ptr + blk[:, None] * stride_vb + tok[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :]
+        )
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, UPCAST, DOT_PRECISION)
         m_i = m_new
 
     if SPLIT:
@@ -143,7 +150,7 @@ def _paged_decode_reduce_kernel(
 ):
     """Merge partitions j < cdiv(ctx, P) of one (b, h):
 
-        M = max_j m_j,  w_j = 2^(m_j - M),  O = sum_j w_j acc_j / sum_j w_j l_j
+    M = max_j m_j,  w_j = 2^(m_j - M),  O = sum_j w_j acc_j / sum_j w_j l_j
     """
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -160,7 +167,9 @@ def _paged_decode_reduce_kernel(
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.where(mask_p, tl.exp2(m - m_max), 0.0)
     lsum = tl.sum(w * tl.load(Lpart_ptr + ml_off, mask=mask_p, other=0.0), 0)
-    a_ptrs = Apart_ptr + b.to(tl.int64) * stride_ab + h * stride_ah + offs_p[:, None] * stride_ap + offs_d[None, :]
+    a_ptrs = (
+        Apart_ptr + b.to(tl.int64) * stride_ab + h * stride_ah + offs_p[:, None] * stride_ap + offs_d[None, :]
+    )
     a = tl.load(a_ptrs, mask=mask_p[:, None] & mask_d[None, :], other=0.0)
     out = tl.sum(w[:, None] * a, 0) / tl.where(lsum > 0.0, lsum, 1.0)
     o_ptrs = O_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d
@@ -203,11 +212,13 @@ def paged_decode_attention(
     """
     assert q.dim() == 3 and k_cache.dim() == 4 and v_cache.shape == k_cache.shape
     bsz, num_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, hd_cache = k_cache.shape
+    _, block_size, num_kv_heads, hd_cache = k_cache.shape
     assert hd_cache == head_dim, f"head_dim mismatch: q {head_dim}, cache {hd_cache}"
     assert num_heads % num_kv_heads == 0, f"num_heads {num_heads} % num_kv_heads {num_kv_heads} != 0"
     assert q.dtype == k_cache.dtype == v_cache.dtype, "q, k_cache and v_cache must share a dtype"
-    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "head_dim must be contiguous"
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, (
+        "head_dim must be contiguous"
+    )
     assert block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.shape[0] == bsz
     assert block_tables.stride(-1) == 1
     assert context_lens.dtype == torch.int32 and context_lens.shape == (bsz,) and context_lens.is_contiguous()
@@ -228,7 +239,7 @@ def paged_decode_attention(
     assert partition_size % block_n == 0, "partition_size must be a multiple of block_n"
     num_parts = triton.cdiv(max_context_len, partition_size)
     split = num_parts > 1
-    dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    upcast, dot_precision = dot_flags(q.dtype)
     num_warps = 4
 
     if split:
@@ -273,6 +284,7 @@ def paged_decode_attention(
         BLOCK_D=block_d,
         BLOCK=block_n,
         SPLIT=split,
+        UPCAST=upcast,
         DOT_PRECISION=dot_precision,
         num_warps=num_warps,
         num_stages=2,

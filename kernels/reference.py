@@ -22,9 +22,7 @@ from kernels.fp8_layout import FP8_E4M3_MAX, fp8_page_regions
 FP8_DTYPE = torch.float8_e4m3fn
 
 
-def _gather_kv(
-    cache: torch.Tensor, block_tables: torch.Tensor, num_blocks_needed: int
-) -> torch.Tensor:
+def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks_needed: int) -> torch.Tensor:
     """[B, num_blocks_needed * block_size, kvh, hd] from the first blocks of each table row."""
     table = block_tables[:, :num_blocks_needed].long()
     g = cache[table]  # [B, nblk, bs, kvh, hd]
@@ -42,7 +40,7 @@ def ref_paged_decode_attention(
     max_context_len: int | None = None,
 ) -> torch.Tensor:
     """out[b, h] = softmax(scale * q[b, h] . K[b, :ctx_b, h // G]^T) @ V[b, :ctx_b, h // G]; G = nh / kvh."""
-    bsz, nh, hd = q.shape
+    bsz, nh, _ = q.shape
     block_size, kvh = k_cache.shape[1], k_cache.shape[2]
     if max_context_len is None:
         max_context_len = int(context_lens.max().item()) if bsz > 0 else 0

@@ -161,8 +161,13 @@ class LocalCluster:
         self.stop()
 
 
+def served_model(http: str) -> str:
+    with urllib.request.urlopen(f"http://{http}/v1/models", timeout=10) as r:
+        return json.load(r)["data"][0]["id"]
+
+
 def _demo(http: str) -> None:
-    body = json.dumps({"model": "default", "max_tokens": 48, "temperature": 0,
+    body = json.dumps({"model": served_model(http), "max_tokens": 48, "temperature": 0,
                        "messages": [{"role": "user", "content": "What is the capital of France?"}]}).encode()
     req = urllib.request.Request(f"http://{http}/v1/chat/completions", body, {"Content-Type": "application/json"})
     t0 = time.perf_counter()
@@ -204,7 +209,7 @@ def main(argv: list[str]) -> int:
     http = cluster.router["http"]
     print(f"pdserve up: serving. OpenAI API at http://{http}/v1 (Ctrl-C stops everything)\n"
           f"  curl http://{http}/v1/chat/completions -H 'Content-Type: application/json' "
-          f"-d '{{\"model\":\"default\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hi\"}}]}}'", flush=True)
+          f"-d '{{\"model\":\"{served_model(http)}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hi\"}}]}}'", flush=True)
     try:
         if args.demo:
             _demo(http)

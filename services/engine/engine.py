@@ -170,16 +170,21 @@ class LLMEngine:
         seq = req.seq
         text = ""
         if req.detok is not None:
-            for t in tokens:
-                if seq.is_finished and seq.finish_reason == FinishReason.STOP and t in self.scheduler.eos_token_ids:
-                    continue  # EOS ends the text; it is not part of it
+            end_ids = self.scheduler.eos_token_ids | set(seq.params.stop_token_ids)
+            for i, t in enumerate(tokens):
+                ends = seq.is_finished and seq.finish_reason == FinishReason.STOP and i == len(tokens) - 1
+                if ends and t in end_ids and not seq.params.ignore_eos:
+                    continue  # EOS / a stop token ends the text; it is not part of it
                 text += req.detok.add(t)
+            if seq.is_finished:
+                text += req.detok.flush()
             if req.stop is not None:
-                text, hit = req.stop.add(text, final=seq.is_finished)
-                if hit and not seq.is_finished:
-                    self.scheduler.finish(seq.seq_id, FinishReason.STOP)
-            elif seq.is_finished:
-                text += req.detok.flush() if hasattr(req.detok, "flush") else ""
+                text = req.stop.feed(text)
+                if req.stop.stopped:
+                    if not seq.is_finished:
+                        self.scheduler.finish(seq.seq_id, FinishReason.STOP)
+                elif seq.is_finished:
+                    text += req.stop.flush()
         ro = RequestOutput(
             request_id=seq.request_id, new_token_ids=tokens, new_text=text, new_logprobs=logprobs,
             finished=seq.is_finished, finish_reason=seq.finish_reason,

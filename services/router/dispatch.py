@@ -23,7 +23,7 @@ from services.common import tracing
 from services.common.convert import FINISH_NAMES, finish_from_pb, params_to_pb
 from services.common.grpc_util import KV_HANDOFF_FAILED
 from services.common.metrics import RouterMetrics
-from services.common.pb import decode_pb2, prefill_pb2
+from services.common.pb import common_pb2, decode_pb2, prefill_pb2
 from services.engine.block_hash import block_hashes
 from services.engine.sampling_params import SamplingParams
 from services.router.instances import Instance, InstancePool, inflight
@@ -77,7 +77,7 @@ class DisaggregatedBackend:
             return
         inst, key = entry
         with contextlib.suppress(grpc.aio.AioRpcError):
-            await inst.decode.Abort(decode_pb2.AbortRequest(request_id=key, reason="client"), timeout=5.0)
+            await inst.decode.Abort(common_pb2.AbortRequest(request_id=key, reason="client"), timeout=5.0)
 
     def _pick(self, pool: InstancePool, hashes: list[bytes], exclude: set[str]) -> Instance:
         try:
@@ -136,7 +136,7 @@ class DisaggregatedBackend:
             if not finished:
                 with contextlib.suppress(grpc.aio.AioRpcError):
                     await asyncio.shield(decode.decode.Abort(
-                        decode_pb2.AbortRequest(request_id=resv.reservation_id, reason="router"), timeout=5.0))
+                        common_pb2.AbortRequest(request_id=resv.reservation_id, reason="router"), timeout=5.0))
 
     async def _reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        hashes: list[bytes], md) -> tuple[Instance, decode_pb2.ReserveResponse]:
@@ -235,4 +235,4 @@ class DisaggregatedBackend:
             if not finished:
                 with contextlib.suppress(grpc.aio.AioRpcError):
                     await asyncio.shield(worker.decode.Abort(
-                        decode_pb2.AbortRequest(request_id=request_id, reason="router"), timeout=5.0))
+                        common_pb2.AbortRequest(request_id=request_id, reason="router"), timeout=5.0))

@@ -1,0 +1,90 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import assert_close, make_paged_kv, plain_attention, requires_cuda
+
+pytest.importorskip("triton")
+
+from kernels.paged_decode_attention import paged_decode_attention
+from kernels.reference import ref_paged_decode_attention
+
+CONTEXTS = [1, 13, 100, 16]
+
+
+def _run(
+    device: torch.device,
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    contexts: list[int],
+    partition_size: int | None = None,
+    block_n: int | None = None,
+) -> None:
+    kv = make_paged_kv(contexts, num_kv_heads, head_dim, block_size, dtype, device)
+    q = torch.randn((len(contexts), num_heads, head_dim), generator=torch.Generator().manual_seed(1)).to(
+        dtype
+    )
+    q = q.to(device)
+    scale = head_dim**-0.5
+    out = paged_decode_attention(
+        q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, scale,
+        partition_size=partition_size, block_n=block_n,
+    )  # fmt: skip
+    assert out.shape == q.shape and out.dtype == dtype
+    ref = ref_paged_decode_attention(
+        q.float(), kv.k_cache.float(), kv.v_cache.float(), kv.block_tables, kv.context_lens, scale
+    )
+    assert_close(out, ref, dtype)
+    # The reference itself against SDPA on each sequence's contiguous K/V.
+    for b, ctx in enumerate(contexts):
+        plain = plain_attention(q[b : b + 1], kv.k_seqs[b], kv.v_seqs[b], scale, q_offset=ctx - 1)
+        torch.testing.assert_close(ref[b : b + 1], plain, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (6, 2), (8, 2)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_matches_reference(
+    device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    _run(device, dtype, num_heads, num_kv_heads, head_dim, 16, CONTEXTS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("partition_size", [32, 64])
+def test_decode_split_k(device: torch.device, dtype: torch.dtype, partition_size: int) -> None:
+    _run(device, dtype, 8, 2, 64, 16, CONTEXTS, partition_size=partition_size, block_n=32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_odd_block_size_and_head_dim_128(device: torch.device, dtype: torch.dtype) -> None:
+    _run(device, dtype, 6, 2, 128, 7, [1, 13, 100], partition_size=32, block_n=16)
+    _run(device, dtype, 4, 1, 128, 7, [5, 29])
+
+
+def test_decode_empty_batch(device: torch.device) -> None:
+    kv = make_paged_kv([3], 1, 64, 16, torch.float32, device)
+    q = torch.empty((0, 2, 64), device=device)
+    out = paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables[:0], kv.context_lens[:0], 0.125)
+    assert out.shape == (0, 2, 64)
+
+
+def test_decode_rejects_bad_gqa(device: torch.device) -> None:
+    kv = make_paged_kv([3], 2, 64, 16, torch.float32, device)
+    q = torch.randn((1, 3, 64), device=device)
+    with pytest.raises(AssertionError, match="num_heads"):
+        paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, 0.125)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("batch", [1, 16, 64])
+def test_decode_gpu_llama_shapes(dtype: torch.dtype, batch: int) -> None:
+    gen = torch.Generator().manual_seed(batch)
+    contexts = torch.randint(1, 2049, (batch,), generator=gen).tolist()
+    contexts[0] = 2048
+    _run(torch.device("cuda"), dtype, 32, 8, 128, 16, contexts)
