@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
@@ -18,24 +20,25 @@ async def metered(deltas: AsyncIterator[TextDelta], metrics: RouterMetrics, mode
     status, reason = "error", ""
     metrics.inflight_requests.labels(model).inc()
     try:
-        async for d in deltas:
-            now = time.monotonic()
-            if d.token_ids:
-                if last is None:
-                    metrics.ttft_seconds.labels(model).observe(now - arrival)
-                else:
-                    metrics.itl_seconds.labels(model).observe(now - last)
-                last = now
-                metrics.generation_tokens_total.labels(model).inc(len(d.token_ids))
-            if d.finish_reason is not None:
-                status, reason = "ok", d.finish_reason
-                if d.usage is not None:
-                    metrics.prompt_tokens_total.labels(model).inc(d.usage.prompt_tokens)
-            yield d
+        async with contextlib.aclosing(deltas):  # type: ignore[type-var]
+            async for d in deltas:
+                now = time.monotonic()
+                if d.token_ids:
+                    if last is None:
+                        metrics.ttft_seconds.labels(model).observe(now - arrival)
+                    else:
+                        metrics.itl_seconds.labels(model).observe(now - last)
+                    last = now
+                    metrics.generation_tokens_total.labels(model).inc(len(d.token_ids))
+                if d.finish_reason is not None:
+                    status, reason = "ok", d.finish_reason
+                    if d.usage is not None:
+                        metrics.prompt_tokens_total.labels(model).inc(d.usage.prompt_tokens)
+                yield d
     except BackendError as e:
         metrics.errors_total.labels(model, e.code).inc()
         raise
-    except GeneratorExit:
+    except (GeneratorExit, asyncio.CancelledError):
         status, reason = "cancelled", "abort"
         raise
     finally:

@@ -1,0 +1,203 @@
+"""TextPipeline over a scripted backend and the byte-level tokenizer (id b < 256 is byte b, 256 is EOS)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from services.engine.sampling_params import InvalidRequestError, SamplingParams
+from services.engine.tokenizer import Tokenizer
+from services.router.pipeline import BackendError, TextDelta, TextPipeline, TokenEvent
+
+EOS = 256
+
+
+class ScriptedBackend:
+    """Yields the scripted events one by one; records aborts and how far the consumer read."""
+
+    def __init__(self, events: list[TokenEvent], *, error: BackendError | None = None, hang: bool = False) -> None:
+        self.events = events
+        self.error = error
+        self.hang = hang
+        self.aborted: list[str] = []
+        self.yielded = 0
+        self.closed = False
+
+    def model_name(self) -> str:
+        return "scripted"
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
+                       ) -> AsyncIterator[TokenEvent]:
+        if self.error is not None:
+            raise self.error
+        try:
+            for ev in self.events:
+                await asyncio.sleep(0)
+                self.yielded += 1
+                yield ev
+            if self.hang:
+                await asyncio.Event().wait()
+        finally:
+            self.closed = True
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def byte_events(text: str, finish: str | None = "length", *, eos: bool = False, prompt_tokens: int = 3
+                ) -> list[TokenEvent]:
+    ids = list(text.encode())
+    evs = [TokenEvent([t], [-0.5], prompt_tokens=prompt_tokens) for t in ids]
+    if eos:
+        evs.append(TokenEvent([EOS], [-0.1], prompt_tokens=prompt_tokens))
+    if finish is not None:
+        evs[-1].finish_reason = finish
+    return evs
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.byte_level(EOS)
+
+
+def make(tokenizer: Tokenizer, backend: ScriptedBackend, max_model_len: int = 64) -> TextPipeline:
+    return TextPipeline(tokenizer, backend, max_model_len)
+
+
+async def collect(p: TextPipeline, params: SamplingParams | None = None, prompt: str = "abc") -> list[TextDelta]:
+    ids = p.encode_text(prompt)
+    sp = p.check(ids, params or SamplingParams(), max_tokens=None)
+    return [d async for d in p.generate("r1", ids, sp)]
+
+
+async def test_streams_text_and_usage(tokenizer: Tokenizer) -> None:
+    be = ScriptedBackend(byte_events("hello world"))
+    out = await collect(make(tokenizer, be))
+    assert "".join(d.text for d in out) == "hello world"
+    assert [d.finish_reason for d in out[:-1]] == [None] * (len(out) - 1)
+    last = out[-1]
+    assert last.finish_reason == "length"
+    assert last.usage is not None
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.total_tokens) == (3, 11, 14)
+    assert sum(len(d.token_ids) for d in out) == 11
+    assert all(lp == -0.5 for d in out for lp in d.logprobs)
+    assert be.aborted == []
+
+
+async def test_eos_counts_as_a_token_but_not_as_text(tokenizer: Tokenizer) -> None:
+    out = await collect(make(tokenizer, ScriptedBackend(byte_events("hi", "stop", eos=True))))
+    assert "".join(d.text for d in out) == "hi"
+    assert out[-1].finish_reason == "stop"
+    assert out[-1].usage is not None and out[-1].usage.completion_tokens == 3
+
+
+async def test_multibyte_character_split_across_tokens(tokenizer: Tokenizer) -> None:
+    out = await collect(make(tokenizer, ScriptedBackend(byte_events("é!"))))
+    assert out[0].text == ""  # half a character is held back
+    assert "".join(d.text for d in out) == "é!"
+
+
+async def test_stop_string_spanning_events_truncates_and_aborts(tokenizer: Tokenizer) -> None:
+    be = ScriptedBackend(byte_events("hello STOP and more text", None))
+    out = await collect(make(tokenizer, be), SamplingParams(stop=["STOP"]))
+    assert "".join(d.text for d in out) == "hello "
+    assert out[-1].finish_reason == "stop"
+    assert be.aborted == ["r1"]
+    assert be.yielded == len("hello STOP")  # nothing read past the hit
+    assert be.closed
+    assert out[-1].usage is not None and out[-1].usage.completion_tokens == len("hello STOP")
+
+
+async def test_earliest_stop_string_wins(tokenizer: Tokenizer) -> None:
+    out = await collect(make(tokenizer, ScriptedBackend(byte_events("one two three"))),
+                        SamplingParams(stop=["three", "two"]))
+    assert "".join(d.text for d in out) == "one "
+
+
+async def test_partial_stop_string_released_at_the_end(tokenizer: Tokenizer) -> None:
+    be = ScriptedBackend(byte_events("xab"))
+    out = await collect(make(tokenizer, be), SamplingParams(stop=["abc"]))
+    assert "".join(d.text for d in out) == "xab"
+    assert out[-1].finish_reason == "length"
+    assert be.aborted == []
+
+
+async def test_closing_the_stream_early_aborts(tokenizer: Tokenizer) -> None:
+    be = ScriptedBackend(byte_events("abcdef", None), hang=True)
+    p = make(tokenizer, be)
+    ids = p.encode_text("x")
+    gen = p.generate("r-close", ids, p.check(ids, SamplingParams(), max_tokens=8))
+    assert (await anext(gen)).text == "a"
+    await gen.aclose()
+    assert be.aborted == ["r-close"]
+    assert be.closed
+
+
+async def test_cancelling_the_consumer_aborts(tokenizer: Tokenizer) -> None:
+    be = ScriptedBackend(byte_events("ab", None), hang=True)
+    p = make(tokenizer, be)
+    ids = p.encode_text("x")
+    seen: list[str] = []
+    two_seen = asyncio.Event()
+
+    async def consume() -> None:
+        async for d in p.generate("r-cancel", ids, p.check(ids, SamplingParams(), max_tokens=8)):
+            seen.append(d.text)
+            if len(seen) == 2:
+                two_seen.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(two_seen.wait(), 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert be.aborted == ["r-cancel"]
+
+
+async def test_backend_error_propagates(tokenizer: Tokenizer) -> None:
+    be = ScriptedBackend([], error=BackendError("unavailable", "no decode instance"))
+    with pytest.raises(BackendError) as ei:
+        await collect(make(tokenizer, be))
+    assert ei.value.code == "unavailable"
+
+
+async def test_stream_without_finish_reason_is_an_internal_error(tokenizer: Tokenizer) -> None:
+    with pytest.raises(BackendError) as ei:
+        await collect(make(tokenizer, ScriptedBackend(byte_events("ab", None))))
+    assert ei.value.code == "internal"
+
+
+def test_backend_error_code_is_checked() -> None:
+    with pytest.raises(ValueError):
+        BackendError("deadline", "x")
+
+
+def test_check_prompt_limits(tokenizer: Tokenizer) -> None:
+    p = make(tokenizer, ScriptedBackend([]), max_model_len=16)
+    with pytest.raises(InvalidRequestError) as ei:
+        p.check([], SamplingParams(), max_tokens=4, prompt_field="messages")
+    assert ei.value.field == "messages"
+    with pytest.raises(InvalidRequestError) as ei:
+        p.check(list(range(16)), SamplingParams(), max_tokens=None)
+    assert ei.value.field == "prompt" and "16 tokens" in str(ei.value)
+    with pytest.raises(InvalidRequestError) as ei:
+        p.check(list(range(10)), SamplingParams(), max_tokens=7)
+    assert ei.value.field == "max_tokens" and "17" in str(ei.value) and "16" in str(ei.value)
+    assert p.check(list(range(10)), SamplingParams(), max_tokens=None).max_tokens == 6
+    assert p.check(list(range(10)), SamplingParams(), max_tokens=6).max_tokens == 6
+    with pytest.raises(InvalidRequestError) as ei:
+        p.check([1], SamplingParams(temperature=-1.0), max_tokens=2)
+    assert ei.value.field == "temperature"
+
+
+def test_prompt_encoding(tokenizer: Tokenizer) -> None:
+    p = make(tokenizer, ScriptedBackend([]))
+    assert p.encode_text("hi") == [104, 105]
+    ids = p.encode_chat([{"role": "user", "content": "hi"}])
+    rendered = tokenizer.decode(ids)
+    assert rendered.startswith("<|im_start|>user\nhi") and rendered.endswith("<|im_start|>assistant\n")
+    with pytest.raises(InvalidRequestError) as ei:
+        p.encode_chat([])
+    assert ei.value.field == "messages"
