@@ -1,0 +1,194 @@
+"""Hostile and broken input on decode and prefill RPCs: the right status, a clear message, nothing
+leaked, and the service keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import zlib
+
+import grpc
+import pytest
+
+from services.common.grpc_util import create_channel
+from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from tests.e2e.cluster_util import load_sync, metric_sum, wait_idle
+
+pytestmark = pytest.mark.e2e
+
+PROMPT = list(range(100, 140))  # 40 tokens: 3 pages of 16
+
+
+async def _reserve(addr: str, ids=PROMPT, lease_ms: int = 60_000, **params) -> decode_pb2.ReserveResponse:
+    async with create_channel(addr) as ch:
+        return await decode_pb2_grpc.DecodeStub(ch).Reserve(decode_pb2.ReserveRequest(
+            request_id=f"t-{time.monotonic_ns()}", token_ids=ids, lease_ms=lease_ms,
+            params=common_pb2.SamplingParams(max_tokens=4, temperature=0.0, **params)), timeout=30)
+
+
+async def _push(addr: str, chunks: list[common_pb2.KVChunk]) -> tuple[grpc.StatusCode, str]:
+    async with create_channel(addr) as ch:
+        async def gen():
+            for c in chunks:
+                yield c
+        try:
+            await decode_pb2_grpc.DecodeStub(ch).PushKV(gen(), timeout=30)
+        except grpc.aio.AioRpcError as e:
+            return e.code(), e.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+def _chunk(resv: decode_pb2.ReserveResponse, index: int, first: int, n: int, *, fp: str | None = None,
+           payload: bytes | None = None, crc: int | None = None, last: bool = False) -> common_pb2.KVChunk:
+    data = payload if payload is not None else bytes(n * resv.layout.page_bytes)
+    c = common_pb2.KVChunk(reservation_id=resv.reservation_id, chunk_index=index, first_block=first, num_pages=n,
+                           token_start=first * 16, token_end=min((first + n) * 16, len(PROMPT)),
+                           layout_fingerprint=resv.layout.fingerprint if fp is None else fp, payload=data,
+                           checksum=zlib.crc32(data) if crc is None else crc, transport="grpc", is_last=last)
+    if last:
+        c.total_chunks = index + 1
+    return c
+
+
+@pytest.fixture
+def decode_addr(pd_cluster) -> str:
+    return pd_cluster.get("decode-0").ready["grpc"]
+
+
+def test_reserve_rejects_bad_requests(decode_addr):
+    cases = [
+        (decode_pb2.ReserveRequest(token_ids=PROMPT, params=common_pb2.SamplingParams(max_tokens=4)), "request_id"),
+        (decode_pb2.ReserveRequest(request_id="x", params=common_pb2.SamplingParams(max_tokens=4)), "prompt"),
+        (decode_pb2.ReserveRequest(request_id="x", token_ids=PROMPT, params=common_pb2.SamplingParams(max_tokens=0)),
+         "max_tokens"),
+        (decode_pb2.ReserveRequest(request_id="x", token_ids=PROMPT,
+                                   params=common_pb2.SamplingParams(max_tokens=4, temperature=-2)), "temperature"),
+        (decode_pb2.ReserveRequest(request_id="x", token_ids=[1] * 9000, params=common_pb2.SamplingParams(max_tokens=4)),
+         "context"),
+    ]
+
+    async def run(req):
+        async with create_channel(decode_addr) as ch:
+            try:
+                await decode_pb2_grpc.DecodeStub(ch).Reserve(req, timeout=30)
+            except grpc.aio.AioRpcError as e:
+                return e.code(), e.details()
+        return grpc.StatusCode.OK, ""
+
+    for req, word in cases:
+        code, details = asyncio.run(run(req))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and word in details, (word, code, details)
+    # Longer than the whole KV pool (but inside the context): no room, not a malformed request.
+    code, details = asyncio.run(run(decode_pb2.ReserveRequest(
+        request_id="big", token_ids=[5] * 6000, params=common_pb2.SamplingParams(max_tokens=4))))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "blocks" in details, details
+    rep = wait_idle(decode_addr)
+    assert rep.free_blocks == rep.total_blocks
+
+
+@pytest.mark.parametrize("case", ["fingerprint", "size", "out_of_order", "duplicate", "checksum", "range",
+                                  "early_end"])
+def test_push_kv_rejects_broken_chunks_and_frees_the_reservation(decode_addr, case):
+    resv = asyncio.run(_reserve(decode_addr))
+    assert len(resv.block_ids) == 3
+    good0 = _chunk(resv, 0, 0, 1)
+    chunks, code, words = {
+        "fingerprint": ([_chunk(resv, 0, 0, 1, fp="0123456789abcdef")], grpc.StatusCode.FAILED_PRECONDITION,
+                        ["0123456789abcdef", resv.layout.fingerprint]),
+        "size": ([_chunk(resv, 0, 0, 1, payload=b"\0" * 1000)], grpc.StatusCode.INVALID_ARGUMENT, ["1000 bytes"]),
+        "out_of_order": ([_chunk(resv, 1, 0, 1)], grpc.StatusCode.INVALID_ARGUMENT, ["out-of-order", "expected 0"]),
+        "duplicate": ([good0, _chunk(resv, 0, 1, 1)], grpc.StatusCode.INVALID_ARGUMENT, ["duplicate"]),
+        "checksum": ([_chunk(resv, 0, 0, 1, crc=12345)], grpc.StatusCode.DATA_LOSS, ["checksum"]),
+        "range": ([_chunk(resv, 0, 2, 5)], grpc.StatusCode.INVALID_ARGUMENT, ["outside"]),
+        "early_end": ([good0, _chunk(resv, 1, 1, 0, last=True)], grpc.StatusCode.INVALID_ARGUMENT, ["never"]),
+    }[case]
+    got, details = asyncio.run(_push(decode_addr, chunks))
+    assert got == code, (got, details)
+    for w in words:
+        assert w in details, details
+    rep = wait_idle(decode_addr)
+    assert rep.free_blocks == rep.total_blocks and rep.waiting_for_kv == 0
+
+
+def test_push_kv_unknown_reservation_and_generate_unknown(decode_addr):
+    resv = decode_pb2.ReserveResponse(reservation_id="rsv-nope", layout=common_pb2.PageLayout(page_bytes=8))
+    code, details = asyncio.run(_push(decode_addr, [_chunk(resv, 0, 0, 0)]))
+    assert code == grpc.StatusCode.NOT_FOUND and "rsv-nope" in details
+
+    async def gen():
+        async with create_channel(decode_addr) as ch:
+            try:
+                async for _ in decode_pb2_grpc.DecodeStub(ch).Generate(
+                        decode_pb2.DecodeGenerateRequest(reservation_id="rsv-nope"), timeout=10):
+                    pass
+            except grpc.aio.AioRpcError as e:
+                return e.code(), e.details()
+    code, details = asyncio.run(gen())
+    assert code == grpc.StatusCode.NOT_FOUND and "rsv-nope" in details
+
+
+def test_complete_handoff_by_hand_streams_tokens(decode_addr):
+    """A well-formed handoff (zero KV, so the tokens are meaningless) is accepted and decodes."""
+    resv = asyncio.run(_reserve(decode_addr))
+    last = _chunk(resv, 1, 1, 2, last=True)
+    last.first_token = 7
+    code, _ = asyncio.run(_push(decode_addr, [_chunk(resv, 0, 0, 1), last]))
+    assert code == grpc.StatusCode.OK
+
+    async def gen():
+        toks = []
+        async with create_channel(decode_addr) as ch:
+            async for m in decode_pb2_grpc.DecodeStub(ch).Generate(
+                    decode_pb2.DecodeGenerateRequest(reservation_id=resv.reservation_id), timeout=30):
+                toks += m.token_ids
+                reason = m.finish_reason
+        return toks, reason
+    toks, reason = asyncio.run(gen())
+    assert toks[0] == 7 and len(toks) == 4 and reason == common_pb2.FINISH_REASON_LENGTH
+
+
+def test_lease_expiry_frees_blocks(pd_cluster):
+    addr = pd_cluster.get("decode-1").ready["grpc"]
+    metrics = pd_cluster.get("decode-1").ready["metrics"]
+    before = metric_sum(metrics, "pdserve_decode_reservations_expired_total")
+    asyncio.run(_reserve(addr, lease_ms=300))
+    assert load_sync(addr).waiting_for_kv == 1
+    time.sleep(1.0)
+    rep = wait_idle(addr)
+    assert rep.free_blocks == rep.total_blocks and rep.waiting_for_kv == 0
+    assert metric_sum(metrics, "pdserve_decode_reservations_expired_total") == before + 1
+
+
+def test_prefill_rejects_bad_requests(pd_cluster):
+    prefill = pd_cluster.get("prefill-1").ready["grpc"]
+    decode = pd_cluster.get("decode-0").ready["grpc"]
+
+    async def run(req):
+        async with create_channel(prefill) as ch:
+            try:
+                await prefill_pb2_grpc.PrefillStub(ch).Prefill(req, timeout=60)
+            except grpc.aio.AioRpcError as e:
+                return e.code(), e.details()
+        return grpc.StatusCode.OK, ""
+
+    base = dict(request_id="p", token_ids=PROMPT, decode_address=decode, reservation_id="rsv-x",
+                params=common_pb2.SamplingParams(max_tokens=4))
+    cases = [
+        (prefill_pb2.PrefillRequest(**{**base, "decode_address": ""}), grpc.StatusCode.INVALID_ARGUMENT,
+         "decode_address"),
+        (prefill_pb2.PrefillRequest(**base, expected_layout_fingerprint="feedfacefeedface"),
+         grpc.StatusCode.FAILED_PRECONDITION, "feedfacefeedface"),
+        (prefill_pb2.PrefillRequest(**{**base, "params": common_pb2.SamplingParams(max_tokens=4, top_p=2.0)}),
+         grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+        (prefill_pb2.PrefillRequest(**{**base, "token_ids": []}), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+        # The decode does not know this reservation: the handoff fails and says so.
+        (prefill_pb2.PrefillRequest(**base), grpc.StatusCode.NOT_FOUND, "rsv-x"),
+        # Nobody listens there.
+        (prefill_pb2.PrefillRequest(**{**base, "decode_address": "127.0.0.1:1"}), grpc.StatusCode.UNAVAILABLE,
+         "KV handoff"),
+    ]
+    for req, code, word in cases:
+        got, details = asyncio.run(run(req))
+        assert got == code and word in details, (word, got, details)
+    rep = wait_idle(prefill)
+    assert rep.running == rep.waiting == 0 and rep.free_blocks == rep.total_blocks
