@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import zlib
 from dataclasses import asdict, dataclass, field
 
 import torch
+
+from services.engine.checksum import checksum
+
+__all__ = ["FP8_CODEC", "PageLayout", "Region", "checksum"]
 
 _CODEC_ELEM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 FP8_CODEC = "fp8-e4m3"
@@ -71,8 +74,3 @@ class PageLayout:
         return (f"{self.model_id} L{self.num_layers} kvh{self.num_kv_heads} d{self.head_dim} "
                 f"bs{self.block_size} {'+'.join(r.name + ':' + r.codec for r in self.regions)} "
                 f"[{self.fingerprint}]")
-
-
-def checksum(data: bytes | memoryview) -> int:
-    """CRC-32 of a payload (zlib's; runs at GB/s and ships with Python)."""
-    return zlib.crc32(data) & 0xFFFFFFFF

@@ -1,0 +1,81 @@
+"""``pdserve kvstore`` / ``python -m services.kvstore``: run the kvstore gRPC service."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+from services.common.config import ConfigError, add_dataclass_args, config_dict, from_args
+from services.common.logging import LoggingConfig, setup_logging
+from services.common.pb import kvstore_pb2_grpc as pb_grpc
+from services.common.server import ServiceServer, serve
+from services.kvstore.backend import KVStoreBackend
+from services.kvstore.config import KVStoreConfig
+from services.kvstore.servicer import KVStoreServicer
+
+log = logging.getLogger(__name__)
+
+
+async def build_backend(cfg: KVStoreConfig) -> KVStoreBackend:
+    """The configured backend, opened (the embedded disk index is rebuilt in a worker thread)."""
+    if cfg.backend == "mooncake":
+        from services.kvstore.mooncake_backend import MooncakeBackend, MooncakeSettings
+
+        settings = MooncakeSettings(
+            master_address=cfg.mooncake_master, local_hostname=cfg.mooncake_local_hostname,
+            metadata_server=cfg.mooncake_metadata_server, global_segment_bytes=cfg.mooncake_segment_bytes,
+            local_buffer_bytes=cfg.mooncake_buffer_bytes, protocol=cfg.mooncake_protocol,
+            device=cfg.mooncake_device, op_timeout_s=cfg.mooncake_op_timeout_s)
+        return await MooncakeBackend(settings).open()
+    from services.kvstore.embedded import EmbeddedBackend
+
+    return await asyncio.to_thread(EmbeddedBackend, cfg.memory_bytes, cfg.disk_dir, cfg.disk_bytes)
+
+
+class KVStoreService:
+    """The servicer is registered at once (health NOT_SERVING); the backend opens during warmup."""
+
+    def __init__(self, cfg: KVStoreConfig) -> None:
+        self.cfg = cfg
+        self.server = ServiceServer("kvstore", cfg, on_shutdown=self.close)
+        self.servicer = KVStoreServicer(None, max_page_bytes=cfg.max_page_bytes, piece_bytes=cfg.piece_bytes,
+                                        draining=self.server.draining)
+        self.server.add_service(pb_grpc.add_KVStoreServicer_to_server, self.servicer)
+
+    async def warmup(self) -> None:
+        self.servicer.backend = await build_backend(self.cfg)
+
+    async def close(self) -> None:
+        if self.servicer.backend is not None:
+            await self.servicer.backend.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve kvstore", description=(KVStoreConfig.__doc__ or "").strip())
+    add_dataclass_args(parser, KVStoreConfig)
+    add_dataclass_args(parser, LoggingConfig)
+    ns = parser.parse_args(argv)
+    try:
+        cfg = from_args(KVStoreConfig, ns)
+        log_cfg = from_args(LoggingConfig, ns)
+    except ConfigError as e:
+        parser.error(str(e))
+    setup_logging("kvstore", log_cfg)
+    log.info("kvstore config: %s", config_dict(cfg))
+
+    async def run() -> None:
+        service = KVStoreService(cfg)
+        await serve(service.server, warmup=service.warmup)
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
