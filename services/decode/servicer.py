@@ -42,6 +42,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.metrics = metrics
         self.draining = draining
         self.table = ReservationTable()
+        self._bg: set[asyncio.Future] = set()
         self.engine: AsyncEngine = None  # type: ignore[assignment]  # bound once the model is loaded
 
     def bind(self, engine: AsyncEngine) -> None:
@@ -92,7 +93,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         log.warning("reservation %s (request %s) expired without its KV", r.reservation_id, r.request_id)
         self.metrics.reservations_expired_total.labels(self.model).inc()
         r.lease = None
-        asyncio.ensure_future(self.receiver.release(r))
+        task = asyncio.ensure_future(self.receiver.release(r))
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
 
     def _landed(self, r: Reservation, last: common_pb2.KVChunk) -> None:
         self.metrics.kv_wait_seconds.labels(self.model).observe(r.kv_done_at - r.reserved_at)
@@ -210,5 +213,5 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def drain(self) -> None:
         """Wait for in-flight KV transfers to land (the server bounds the wait)."""
-        while any(r.receiving for r in self.table.values()):
+        while any(r.receiving for r in self.table.values()):  # noqa: ASYNC110 (bounded by the server's drain timeout)
             await asyncio.sleep(0.05)

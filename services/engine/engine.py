@@ -14,8 +14,8 @@ import torch
 
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
-from services.engine.kv_layout import PageLayout
 from services.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from services.engine.kv_layout import PageLayout
 from services.engine.model_loader import LoadedModel, load_model
 from services.engine.model_runner import ModelRunner
 from services.engine.sampling_params import InvalidRequestError, SamplingParams

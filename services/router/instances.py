@@ -49,9 +49,9 @@ class Instance:
         return prefill_pb2_grpc.PrefillStub(self.channel)
 
     def load_score(self) -> float:
-        l = self.load
-        polled = (l.running + l.waiting + l.waiting_for_kv) if l is not None else 0
-        usage = l.kv_usage if l is not None else 0.0
+        rep = self.load
+        polled = (rep.running + rep.waiting + rep.waiting_for_kv) if rep is not None else 0
+        usage = rep.kv_usage if rep is not None else 0.0
         return max(polled, self.inflight) + usage
 
     def prefix_match(self, hashes: list[bytes]) -> int:

@@ -66,5 +66,6 @@ class KVTransport(abc.ABC):
     @abc.abstractmethod
     def open(self, decode_address: str, request_id: str) -> KVSender: ...
 
+    @abc.abstractmethod
     async def close(self) -> None:
         """Release channels and buffers."""

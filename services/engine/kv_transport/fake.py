@@ -82,3 +82,6 @@ class FakeTransport(KVTransport):
         if decode_address not in self.receivers:
             raise TransferError(f"no fake receiver registered at {decode_address!r}", "UNAVAILABLE")
         return _FakeSender(self.receivers[decode_address], self.faults)
+
+    async def close(self) -> None:
+        self.receivers.clear()

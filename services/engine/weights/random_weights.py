@@ -1,0 +1,64 @@
+"""Named random model shapes (`random:NAME`) and a deterministic in-place initializer.
+
+Random models pair with the byte-level tokenizer (ids 0..255 = bytes, 256 = eos), so every shape's
+vocab covers at least 257 ids.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from services.engine.models.config import ModelArchConfig
+
+BYTE_EOS_ID = 256
+"""End-of-sequence id of the byte-level tokenizer that random models use."""
+
+INIT_STD = 0.02
+"""Std of every random matrix/bias; norms are 1. Keeps logits O(1) at any width."""
+
+_LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192}
+
+RANDOM_SHAPES: dict[str, dict[str, object]] = {
+    "smollm2-135m": dict(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
+                         rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True),
+    "llama-3-8b": dict(architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                       num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                       rope_theta=500000.0, rope_scaling=_LLAMA3_SCALING, max_position_embeddings=131072),
+    "qwen3-8b": dict(architecture="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                     num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                     rope_theta=1e6, max_position_embeddings=40960, qk_norm=True),
+    "tiny-llama": dict(architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                       rope_theta=500000.0, max_position_embeddings=1024,
+                       rope_scaling={**_LLAMA3_SCALING, "original_max_position_embeddings": 64}),
+    "tiny-qwen3": dict(architecture="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128,
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6,
+                       rope_theta=1e6, max_position_embeddings=1024, qk_norm=True),
+}
+
+
+def random_arch(name: str) -> ModelArchConfig:
+    """ModelArchConfig of shape `name` (a key of RANDOM_SHAPES); KeyError if unknown."""
+    return ModelArchConfig(**RANDOM_SHAPES[name], eos_token_ids=[BYTE_EOS_ID])  # type: ignore[arg-type]
+
+
+@torch.no_grad()
+def init_random_(model: nn.Module, seed: int = 0) -> None:
+    """Fill every parameter in place, on its own device and dtype (no CPU/fp32 staging copy).
+
+    Norm weights = 1, everything else ~ N(0, INIT_STD). Deterministic for a given seed, device type
+    and parameter order (CPU and CUDA generators give different, each reproducible, streams).
+    """
+    generators: dict[torch.device, torch.Generator] = {}
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+            continue
+        g = generators.get(p.device)
+        if g is None:
+            g = generators[p.device] = torch.Generator(device=p.device)
+            g.manual_seed(seed)
+        p.normal_(0.0, INIT_STD, generator=g)
