@@ -95,8 +95,12 @@ class LocalCluster:
             first: list[Proc] = []
             kv_addr = ""
             if self.kvstore:
-                kv = self._spawn("kvstore", "kvstore", ["--port", "0", "--metrics-port", "0",
-                                                        "--backend", self.kvstore])
+                kv_flags = ["--port", "0", "--metrics-port", "0", "--backend", self.kvstore]
+                if self.kvstore == "mooncake":  # a Mooncake Store master on loopback holds the pages
+                    master = self._spawn("mooncake-master", "kvstore.mooncake_master", ["--rpc-port", "0"])
+                    self._wait([master], timeout)
+                    kv_flags += ["--mooncake-master", master.ready["rpc"]]
+                kv = self._spawn("kvstore", "kvstore", kv_flags)
                 self._wait([kv], timeout)
                 kv_addr = kv.ready["grpc"]
             kv_args = ["--kvstore-address", kv_addr] if kv_addr else []

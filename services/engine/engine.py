@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.engine.block_manager import BlockManager
+from services.engine.block_manager import BlockManager, NoFreeBlocksError
 from services.engine.config import EngineConfig
 from services.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from services.engine.kv_layout import PageLayout
@@ -136,6 +136,37 @@ class LLMEngine:
         return RequestOutput(request_id=request_id, finished=True, finish_reason=FinishReason.ABORT,
                              num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
                              num_output_tokens=seq.num_output_tokens, first_token_time=req.first_token_time)
+
+    # --- prefix pages from elsewhere (kvstore) ---
+
+    def cached_prefix_blocks(self, prompt_token_ids: list[int]) -> int:
+        """Leading full blocks of a prompt this engine's prefix cache holds (capped so one token remains)."""
+        seq = Sequence(list(prompt_token_ids), SamplingParams(max_tokens=1))
+        return len(self.block_manager.get_computed_prefix(seq)[0])
+
+    def import_prefix_pages(self, prompt_token_ids: list[int], first_block: int, pages: torch.Tensor) -> int:
+        """Put pages for the leading full blocks [first_block, first_block + P) of a prompt into the prefix
+        cache, as if computed here, so the next request with that prefix hits them.
+
+        Blocks [0, first_block) must already be cached here; if they were evicted meanwhile nothing is
+        imported. Returns the number of blocks the cache gained."""
+        bs = self.config.block_size
+        n = first_block + pages.shape[0]
+        seq = Sequence(list(prompt_token_ids[: n * bs]), SamplingParams(max_tokens=1))
+        try:
+            held = self.block_manager.allocate_for_kv_import(seq)
+        except NoFreeBlocksError:
+            return 0
+        try:
+            if held < first_block:
+                return 0  # the local prefix was evicted: the pages would not chain onto anything
+            if held < n:
+                self.runner.write_pages(seq.block_table[held:n], pages[held - first_block:])
+                seq.num_computed_tokens = n * bs
+                self.block_manager.mark_computed(seq, n * bs)
+            return max(0, n - held)
+        finally:
+            self.block_manager.free(seq)
 
     # --- stepping ---
 

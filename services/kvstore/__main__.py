@@ -8,8 +8,11 @@ import logging
 import sys
 from collections.abc import Sequence
 
+import prometheus_client
+
 from services.common.config import ConfigError, add_dataclass_args, config_dict, from_args
 from services.common.logging import LoggingConfig, setup_logging
+from services.common.metrics import KVStoreMetrics
 from services.common.pb import kvstore_pb2_grpc as pb_grpc
 from services.common.server import ServiceServer, serve
 from services.kvstore.backend import KVStoreBackend
@@ -44,11 +47,42 @@ class KVStoreService:
         self.servicer = KVStoreServicer(None, max_page_bytes=cfg.max_page_bytes, piece_bytes=cfg.piece_bytes,
                                         draining=self.server.draining)
         self.server.add_service(pb_grpc.add_KVStoreServicer_to_server, self.servicer)
+        self.metrics = KVStoreMetrics(prometheus_client.REGISTRY)
+        self._last: dict[str, dict[str, int]] = {}
+        self._last_io: dict[str, int] = {}
+        self._metrics_task: asyncio.Task | None = None
 
     async def warmup(self) -> None:
         self.servicer.backend = await build_backend(self.cfg)
+        await self.export_metrics()
+        self._metrics_task = asyncio.get_running_loop().create_task(self._metrics_loop())
+
+    async def export_metrics(self) -> None:
+        """Mirror the backend's cumulative counters into Prometheus (counters advance by the delta)."""
+        m, stats = self.metrics, self.servicer.backend.stats()
+        for t in stats.tiers:
+            last = self._last.get(t.name, {})
+            for field, counter in (("hits", m.hits_total), ("misses", m.misses_total),
+                                   ("evictions", m.evictions_total), ("corrupt", m.corrupt_total)):
+                value = getattr(t, field)
+                counter.labels(t.name).inc(max(0, value - last.get(field, 0)))
+                last[field] = value
+            self._last[t.name] = last
+            m.stored_bytes.labels(t.name).set(t.bytes)
+            m.entries.labels(t.name).set(t.entries)
+        for name, counter in (("get", m.get_bytes_total), ("put", m.put_bytes_total)):
+            value = getattr(self.servicer, f"{name}_bytes")
+            counter.inc(max(0, value - self._last_io.get(name, 0)))
+            self._last_io[name] = value
+
+    async def _metrics_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            await self.export_metrics()
 
     async def close(self) -> None:
+        if self._metrics_task is not None:
+            self._metrics_task.cancel()
         if self.servicer.backend is not None:
             await self.servicer.backend.close()
 

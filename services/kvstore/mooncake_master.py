@@ -155,8 +155,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     master = MooncakeMaster(host=args.host, rpc_port=args.rpc_port, metrics_port=args.metrics_port,
                             extra_args=extra)
     master.start()
-    print(f"mooncake_master pid={master.proc.pid if master.proc else 0} rpc={master.address} "
-          f"metrics={args.host}:{master.metrics_port}", flush=True)
+    # The same ready line as pdserve's services, so `pdserve up` can start and wait for it.
+    print(f"PDSERVE_READY service=mooncake-master rpc={master.address} "
+          f"metrics={args.host}:{master.metrics_port} pid={master.proc.pid if master.proc else 0}", flush=True)
     try:
         assert master.proc is not None
         return master.proc.wait()

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 
 from services.common.grpc_util import abort, abort_if_draining, abort_invalid
+from services.common.kvstore_pages import DEFAULT_PIECE_BYTES, PageAssembler, PageStreamError, split_page
 from services.common.pb import kvstore_pb2 as pb
 from services.common.pb import kvstore_pb2_grpc as pb_grpc
 from services.kvstore.backend import (
@@ -19,7 +20,6 @@ from services.kvstore.backend import (
     hash_problem,
     key_str,
 )
-from services.kvstore.pages import DEFAULT_PIECE_BYTES, PageAssembler, PageStreamError, split_page
 
 SERVICE = "kvstore"
 
@@ -33,6 +33,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.max_page_bytes = max_page_bytes
         self.piece_bytes = piece_bytes
         self.draining = draining if draining is not None else asyncio.Event()
+        self.get_bytes = 0
+        """Page bytes returned by Get since start."""
+        self.put_bytes = 0
+        """Page bytes accepted by Put since start."""
 
     async def _backend(self, context: grpc.aio.ServicerContext) -> KVStoreBackend:
         if self.backend is None:
@@ -58,6 +62,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 if i == 0:
                     await abort(context, grpc.StatusCode.NOT_FOUND, f"page {key_str(fp, h)} not found")
                 return
+            self.get_bytes += len(page[0])
             for piece in split_page(fp, h, page[0], page[1], self.piece_bytes):
                 yield piece
 
@@ -76,6 +81,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                     continue
                 if await backend.put(page.fp, page.h, page.data, page.crc):
                     stored += 1
+                    self.put_bytes += len(page.data)
                 else:
                     skipped += 1
             assembler.finish()

@@ -27,6 +27,7 @@ async def amain(cfg: PrefillConfig, ecfg) -> None:
 
     service.on_stats.append(gauges)
     service.on_close.append(transport.close)
+    service.on_close.append(servicer.close)
     await service.run(servicer, prefill_pb2_grpc.add_PrefillServicer_to_server)
 
 

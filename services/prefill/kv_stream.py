@@ -28,6 +28,8 @@ class PagesReady:
     pages: torch.Tensor | None
     """[P, layers, 2, block_size, kv_heads, head_dim] on the host; None when no page is due."""
     last: bool = False
+    writeback: tuple[int, torch.Tensor] | None = None
+    """(first block, pages) of full blocks the kvstore lacks, on the last item only."""
     first_token: int = 0
     first_logprob: float = 0.0
     prefill_done_unix: float = 0.0
@@ -50,6 +52,9 @@ class RequestKVStream:
         self.num_chunks_computed = 0
         self.num_cached_tokens = 0
         self.num_computed_tokens = 0
+        self.hashes: list[bytes] = []
+        self.writeback_from: int | None = None
+        """Set when new full pages from this block on should go to the kvstore."""
 
     # --- engine thread ---
 
@@ -79,6 +84,10 @@ class RequestKVStream:
                 token, lp = sampled if sampled is not None else (0, None)
                 item.last, item.first_token, item.first_logprob = True, token, lp or 0.0
                 item.prefill_done_unix = time.time()
+                full = end // bs
+                if self.writeback_from is not None and full > self.writeback_from:
+                    item.writeback = (self.writeback_from,
+                                      self.read_pages(seq.block_table[self.writeback_from:full]))
             if item.pages is not None or item.last:
                 self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except BaseException as e:  # surfaced to the request's task, not the engine loop

@@ -17,10 +17,11 @@ from services.common.metrics import PrefillMetrics
 from services.common.pb import prefill_pb2, prefill_pb2_grpc
 from services.engine.async_engine import AsyncEngine
 from services.engine.kv_transport import KVTransport, TransferError
-from services.engine.sampling_params import InvalidRequestError
+from services.engine.sampling_params import InvalidRequestError, SamplingParams
 from services.engine.scheduler import ScheduledChunk
 from services.prefill.config import PrefillConfig
 from services.prefill.kv_stream import RequestKVStream, pump
+from services.prefill.kvstore_prefix import KVStorePrefix
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +36,42 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.engine: AsyncEngine = None  # type: ignore[assignment]  # bound once the model is loaded
         self.streams: dict[str, RequestKVStream] = {}
         self.inflight = 0
+        self.kvstore: KVStorePrefix | None = None
 
     def bind(self, engine: AsyncEngine) -> None:
         self.engine = engine
         self.model = engine.engine.loaded.model_id
         self.layout = engine.engine.layout
         engine.engine.chunk_listeners.append(self._on_chunk)
+        if self.config.kvstore_address:
+            r = engine.engine.runner
+            self.kvstore = KVStorePrefix(self.config.kvstore_address, self.layout,
+                                         (r.num_layers, 2, r.block_size, r.num_kv_heads, r.head_dim), r.dtype)
+
+    async def close(self) -> None:
+        if self.kvstore is not None:
+            await self.kvstore.close()
+
+    async def _admit(self, rid: str, ids: list[int], params: SamplingParams, stream: RequestKVStream) -> int:
+        """Load what the kvstore has beyond the local prefix, then admit the request (one engine-thread
+        step, so the loaded pages cannot be evicted in between). Returns the blocks loaded."""
+        eng = self.engine.engine
+        pages = None
+        first = 0
+        if self.kvstore is not None:
+            hashes = self.kvstore.hashes(ids)
+            first = await self.engine.call(eng.cached_prefix_blocks, ids)
+            present, pages = await self.kvstore.fetch(hashes, len(ids), first)
+            if self.config.kvstore_write_back:
+                stream.writeback_from = max(present, 0)
+                stream.hashes = hashes
+
+        def admit() -> int:
+            loaded = eng.import_prefix_pages(ids, first, pages) if pages is not None else 0
+            eng.add_request(rid, ids, params, False)
+            return loaded
+
+        return await self.engine.call(admit)
 
     def _on_chunk(self, ch: ScheduledChunk, sampled: tuple[int, float | None] | None) -> None:
         """Engine thread: route a computed chunk to its request's stream."""
@@ -83,8 +114,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             try:
                 sender = self.transport.open(request.decode_address, rid, metadata=tuple(tracing.inject_metadata()))
                 try:
-                    await self.engine.call(self.engine.engine.add_request, rid, list(request.token_ids),
-                                           first_params, False)
+                    loaded = await self._admit(rid, list(request.token_ids), first_params, stream)
                 except InvalidRequestError as e:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
                 except ValueError as e:
@@ -94,6 +124,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                                   payload_budget(self.config.max_message_bytes), transport)
                 with tracing.span("prefill.kv_finish"):
                     await sender.finish()
+                if last.writeback is not None and self.kvstore is not None:
+                    self.kvstore.write_back(stream.hashes, *last.writeback)
             except TransferError as e:
                 self.metrics.kv_transfer_failures_total.labels(transport, e.code.lower()).inc()
                 await self._cleanup(rid, sender, added, str(e))
@@ -113,8 +145,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         m.compute_seconds.labels(self.model).observe(max(0.0, compute_s))
         m.chunks_total.labels(self.model).inc(stream.num_chunks_computed)
         m.computed_tokens_total.labels(self.model).inc(stream.num_computed_tokens)
-        if stream.num_cached_tokens:
-            m.cached_prefix_tokens_total.labels(self.model, "local").inc(stream.num_cached_tokens)
+        from_store = min(stream.num_cached_tokens, loaded * self.layout.block_size)
+        if from_store:
+            m.cached_prefix_tokens_total.labels(self.model, "kvstore").inc(from_store)
+        if stream.num_cached_tokens > from_store:
+            m.cached_prefix_tokens_total.labels(self.model, "local").inc(stream.num_cached_tokens - from_store)
         if request.num_skip_blocks:
             m.cached_prefix_tokens_total.labels(self.model, "decode").inc(request.num_skip_blocks * self.layout.block_size)
         m.kv_sent_bytes_total.labels(transport).inc(sender.bytes_sent)
