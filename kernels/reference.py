@@ -114,12 +114,17 @@ def ref_store_kv(
 
 def ref_pack_pages(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """buffer[p, l, kv] = kv_cache[l, kv, block_ids[p]] -> [P, L, 2, bs, kvh, hd], contiguous."""
-    return kv_cache[:, :, block_ids.long()].permute(2, 0, 1, 3, 4, 5).contiguous()
+    num_layers, _, num_blocks = kv_cache.shape[:3]
+    rows = kv_cache.reshape(num_layers * 2, num_blocks, -1)  # each row: one layer's K or V of one block
+    out = rows.index_select(1, block_ids.long()).transpose(0, 1).contiguous()
+    return out.view(len(block_ids), *kv_cache.shape[:2], *kv_cache.shape[3:])
 
 
 def ref_unpack_pages(buffer: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
     """kv_cache[l, kv, block_ids[p]] = buffer[p, l, kv]."""
-    kv_cache[:, :, block_ids.long()] = buffer.permute(1, 2, 0, 3, 4, 5).to(kv_cache.dtype)
+    num_layers, _, num_blocks = kv_cache.shape[:3]
+    rows = kv_cache.view(num_layers * 2, num_blocks, -1)  # kv_cache is contiguous (the runner owns it)
+    rows[:, block_ids.long()] = buffer.reshape(buffer.shape[0], num_layers * 2, -1).transpose(0, 1).to(kv_cache.dtype)
 
 
 def ref_fp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,7 +134,10 @@ def ref_fp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Returns (q float8_e4m3fn shaped like x, scale fp32 shaped x.shape[:-1]).
     """
     xf = x.float()
-    scale = xf.abs().amax(dim=-1) / FP8_E4M3_MAX
+    amax = xf.abs().amax(dim=-1)
+    # Divide by a tensor, not a Python scalar: CUDA torch turns `t / scalar` into `t * (1 / scalar)`,
+    # one ulp off IEEE division, while the CPU and the Triton kernel (div_rn) divide exactly.
+    scale = amax / torch.full_like(amax, FP8_E4M3_MAX)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     qv = (xf / safe[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
     return qv, scale

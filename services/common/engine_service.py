@@ -55,11 +55,11 @@ class EngineService:
         srv = ServiceServer(self.name, self.cfg, drain=servicer.drain, on_shutdown=shutdown)
         servicer.draining = srv.draining
         srv.add_service(add_to_server, servicer)
-        instance = self.cfg.instance or f"{self.cfg.host}:{self.cfg.port}"
-        srv.add_service(common_pb2_grpc.add_AdminServicer_to_server,
-                        AdminServicer(self.stats, TraceCapture(self.name, instance)))
+        trace = TraceCapture(self.name, self.cfg.instance or f"{self.cfg.host}:{self.cfg.port}")
+        srv.add_service(common_pb2_grpc.add_AdminServicer_to_server, AdminServicer(self.stats, trace))
 
         async def warmup() -> None:
+            trace.instance = srv.instance  # the bound address (port 0 picks one at start)
             self.engine = await asyncio.to_thread(AsyncEngine, self.ecfg)
             servicer.bind(self.engine)
             await self.stats()

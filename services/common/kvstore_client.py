@@ -6,9 +6,9 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 
 import grpc
 
+from services.common.kvstore_pages import DEFAULT_PIECE_BYTES, AssembledPage, PageAssembler, split_page
 from services.common.pb import kvstore_pb2 as pb
 from services.common.pb import kvstore_pb2_grpc as pb_grpc
-from services.common.kvstore_pages import DEFAULT_PIECE_BYTES, AssembledPage, PageAssembler, split_page
 
 PageIn = tuple[bytes, bytes, int]
 """(block hash, payload, crc32)."""

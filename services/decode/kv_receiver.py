@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import warnings
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -75,22 +76,27 @@ class DecodeKVReceiver:
                 raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
                                    f"KV chunk payload is {len(c.payload)} bytes; {n} pages of "
                                    f"{self.layout.page_bytes} bytes need {want}", "size")
-            got = checksum(c.payload)
-            if got != c.checksum:
-                raise self._reject(grpc.StatusCode.DATA_LOSS,
-                                   f"KV chunk {c.chunk_index} checksum mismatch: header says {c.checksum:#010x}, "
-                                   f"payload hashes to {got:#010x}", "checksum")
         return r.block_ids[first:first + n]
 
-    def _write(self, block_ids: list[int], payload: bytes) -> None:
+    def _verify_and_write(self, c: common_pb2.KVChunk, block_ids: list[int]) -> None:
+        """Worker thread: checksum, then copy the pages into the cache (both release the GIL)."""
+        got = checksum(c.payload)
+        if got != c.checksum:
+            raise self._reject(grpc.StatusCode.DATA_LOSS,
+                               f"KV chunk {c.chunk_index} checksum mismatch: header says {c.checksum:#010x}, "
+                               f"payload hashes to {got:#010x}", "checksum")
         if not block_ids:
             return
-        flat = torch.frombuffer(bytearray(payload), dtype=self._dtype)
+        with warnings.catch_warnings():  # read-only view of the message's bytes: we only read it
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(c.payload, dtype=self._dtype)
         self._runner.write_pages(block_ids, flat.view(len(block_ids), *self._page_shape))
 
     async def receive(self, chunks: AsyncIterator[common_pb2.KVChunk]) -> decode_pb2.PushKVResponse:
         r: Reservation | None = None
         received = 0
+        # One chunk's checksum + page copy runs in a thread while the next chunk is read off the wire.
+        pending: asyncio.Future | None = None
         try:
             async for c in chunks:
                 if r is None:
@@ -110,14 +116,23 @@ class DecodeKVReceiver:
                                        f"one PushKV stream carries one reservation: got {c.reservation_id!r} "
                                        f"after {r.reservation_id!r}", "order")
                 block_ids = self._check(r, c)
+                if pending is not None:
+                    await pending
+                    pending = None
                 if c.payload:
-                    await asyncio.to_thread(self._write, block_ids, c.payload)
+                    pending = asyncio.ensure_future(asyncio.to_thread(self._verify_and_write, c, block_ids))
                 r.pages_written.update(range(c.first_block, c.first_block + c.num_pages))
                 r.next_chunk += 1
                 r.bytes_received += len(c.payload)
                 received += 1
                 if c.is_last:
+                    if pending is not None:
+                        await pending
+                        pending = None
                     await self._finish(r, c)
+            if pending is not None:
+                await pending
+                pending = None
             if r is not None and not r.complete:
                 raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
                                    f"KV stream of {r.reservation_id} ended before its last chunk "
@@ -127,6 +142,8 @@ class DecodeKVReceiver:
                 await self.release(r)
             raise
         finally:
+            if pending is not None:  # the stream broke: let the last copy finish before the blocks can be reused
+                await asyncio.gather(pending, return_exceptions=True)
             if r is not None:
                 r.receiving = False
         return decode_pb2.PushKVResponse(chunks_received=received, bytes_received=r.bytes_received if r else 0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from services.engine.attention import AttentionMetadata, ForwardContext, TorchPagedAttention
@@ -36,6 +37,9 @@ class ModelRunner:
                                     self.head_dim, dtype=self.dtype, device=self.device)
         self.attn_backend = self._make_backend()
         self.sampler = Sampler(config.seed)
+        self.graphs = None
+        if self.device.type == "cuda":
+            self._init_gpu(loaded)
         log.info("kv cache: %d blocks x %d tokens (%.1f MiB, %s)", self.num_blocks, self.block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.dtype)
 
@@ -99,6 +103,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> dict[int, tuple[int, float | None]]:
         if not out.chunks:
             return {}
+        if self.device.type == "cuda":
+            return self._execute_gpu(out)
         # One-token chunks first: the attention backend batches them as decode.
         chunks = sorted(out.chunks, key=lambda c: c.num_new_tokens != 1)
         ids, pos, meta = self._prepare(chunks)
@@ -115,6 +121,104 @@ class ModelRunner:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(ends, device=hidden.device)])
         tokens, logprobs = self.sampler(logits, rows)
+        return {sid: (t, lp) for sid, t, lp in zip(seq_ids, tokens, logprobs, strict=True)}
+
+    # --- GPU path (CUDA only; the CPU path above never reaches it) ---
+
+    def _init_gpu(self, loaded: LoadedModel) -> None:
+        """Max model length, and decode CUDA graphs when enabled with the Triton backend."""
+        from services.engine.gpu_attention import TritonPagedAttention
+
+        self.max_model_len = min(self.config.max_model_len or loaded.max_model_len, loaded.max_model_len)
+        self.model.rotary.ensure(self.max_model_len)
+        if self.config.cuda_graphs and isinstance(self.attn_backend, TritonPagedAttention):
+            from services.engine.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model, self.attn_backend, self.config.max_num_seqs,
+                                       self.max_model_len, self.block_size, self.device)
+            self.graphs.capture()
+
+    def _prepare_gpu(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Like `_prepare`, but all index tensors travel in ONE pinned host->device copy.
+
+        Layout of the buffer (bytes): int64 [ids T | positions T | slots T], then int32
+        [block_tables B*MB | context_lens B | cu_seqlens_q B+1]; the device tensors are views of it.
+        """
+        bs = self.block_size
+        n_tok = sum(ch.num_new_tokens for ch in chunks)
+        nseq = len(chunks)
+        query_lens = [ch.num_new_tokens for ch in chunks]
+        context_lens = [ch.seq.num_computed_tokens + ch.num_new_tokens for ch in chunks]
+        max_blocks = max((c + bs - 1) // bs for c in context_lens)
+        n64, n32 = 3 * n_tok, nseq * max_blocks + 2 * nseq + 1
+        host = torch.empty(8 * n64 + 4 * n32, dtype=torch.uint8, pin_memory=True)
+        h64 = host[: 8 * n64].view(torch.int64).numpy()
+        h32 = host[8 * n64:].view(torch.int32).numpy()
+        ids, pos, slots = h64[:n_tok], h64[n_tok:2 * n_tok], h64[2 * n_tok:]
+        bt = h32[: nseq * max_blocks].reshape(nseq, max_blocks)
+        bt[:] = 0
+        t = 0
+        for i, ch in enumerate(chunks):
+            seq = ch.seq
+            start, end = seq.num_computed_tokens, context_lens[i]
+            n = end - start
+            table = np.asarray(seq.block_table[: (end + bs - 1) // bs], dtype=np.int64)
+            bt[i, : len(table)] = table
+            p = np.arange(start, end, dtype=np.int64)
+            ids[t:t + n] = seq.token_ids[start:end]
+            pos[t:t + n] = p
+            slots[t:t + n] = table[p // bs] * bs + p % bs
+            t += n
+        off = nseq * max_blocks
+        h32[off:off + nseq] = context_lens
+        h32[off + nseq] = 0
+        np.cumsum(query_lens, out=h32[off + nseq + 1:])
+        dev = host.to(self.device, non_blocking=True)
+        d64 = dev[: 8 * n64].view(torch.int64)
+        d32 = dev[8 * n64:].view(torch.int32)
+        num_decode = 0
+        while num_decode < nseq and query_lens[num_decode] == 1:
+            num_decode += 1
+        meta = AttentionMetadata(
+            slot_mapping=d64[2 * n_tok:],
+            block_tables=d32[:off].view(nseq, max_blocks),
+            context_lens=d32[off:off + nseq],
+            query_lens=query_lens,
+            context_lens_host=context_lens,
+            num_decode=num_decode,
+            cu_seqlens_q=d32[off + nseq:],
+        )
+        return d64[:n_tok], d64[n_tok:2 * n_tok], meta
+
+    def _execute_gpu(self, out: SchedulerOutput) -> dict[int, tuple[int, float | None]]:
+        chunks = sorted(out.chunks, key=lambda c: c.num_new_tokens != 1)
+        ids, pos, meta = self._prepare_gpu(chunks)
+        bucket = None
+        if self.graphs is not None and meta.num_decode == len(chunks):
+            bucket = self.graphs.bucket_for(len(chunks), max(meta.context_lens_host))
+        if bucket is not None:
+            hidden = self.graphs.run(bucket, ids, pos, meta)
+        else:
+            hidden = self.model(ids, pos, ForwardContext(self.attn_backend, meta))
+        ends, rows, seq_ids = [], [], []
+        offset = 0
+        for ch in chunks:
+            offset += ch.num_new_tokens
+            if ch.sample:
+                ends.append(offset - 1)
+                rows.append(SamplingRow(ch.seq.params, ch.seq.num_output_tokens))
+                seq_ids.append(ch.seq.seq_id)
+        if not ends:
+            return {}
+        if len(ends) < hidden.shape[0]:
+            hidden = hidden[torch.tensor(ends).to(self.device, non_blocking=True)]
+        logits = self.model.compute_logits(hidden)
+        if all(r.params.greedy and not r.params.logprobs for r in rows):
+            # Greedy without logprobs: argmax on the device, copy back B ints instead of B x vocab floats.
+            tokens = logits.argmax(dim=-1).tolist()
+            logprobs: list[float | None] = [None] * len(tokens)
+        else:
+            tokens, logprobs = self.sampler(logits, rows)
         return {sid: (t, lp) for sid, t, lp in zip(seq_ids, tokens, logprobs, strict=True)}
 
     # --- page access for KV handoff (prefill packs, decode unpacks) ---

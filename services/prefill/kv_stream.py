@@ -59,6 +59,7 @@ class RequestKVStream:
     # --- engine thread ---
 
     def on_chunk(self, ch: ScheduledChunk, sampled: tuple[int, float | None] | None, step_start: float) -> None:
+        done_mono, done_unix = time.monotonic(), time.time()  # the chunk is computed; reading its pages is transfer
         seq = ch.seq
         start = seq.num_computed_tokens
         end = start + ch.num_new_tokens
@@ -80,10 +81,10 @@ class RequestKVStream:
                 self.next_block = limit
             item = PagesReady(first, first * bs, min(limit * bs, end) if limit > first else first * bs, pages)
             if last:
-                self.last_computed = time.monotonic()
+                self.last_computed = done_mono
                 token, lp = sampled if sampled is not None else (0, None)
                 item.last, item.first_token, item.first_logprob = True, token, lp or 0.0
-                item.prefill_done_unix = time.time()
+                item.prefill_done_unix = done_unix
                 full = end // bs
                 if self.writeback_from is not None and full > self.writeback_from:
                     item.writeback = (self.writeback_from,

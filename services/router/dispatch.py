@@ -147,7 +147,7 @@ class DisaggregatedBackend:
                 with tracing.span("router.reserve", decode=decode.address):
                     resv = await decode.decode.Reserve(decode_pb2.ReserveRequest(
                         request_id=request_id, token_ids=prompt_ids, params=params_to_pb(params),
-                        lease_ms=self.s.lease_ms), timeout=30.0, metadata=md)
+                        lease_ms=self.s.lease_ms), timeout=30.0, metadata=tracing.inject_metadata())
                 self.s.block_size = resv.block_size or self.s.block_size
                 decode.remember(hashes)
                 return decode, resv
@@ -190,7 +190,8 @@ class DisaggregatedBackend:
                 return
             try:
                 with inflight(prefill), tracing.span("router.prefill", prefill=prefill.address):
-                    resp = await prefill.prefill.Prefill(req, metadata=md, timeout=self.s.timeout_s)
+                    resp = await prefill.prefill.Prefill(req, metadata=tracing.inject_metadata(),
+                                                         timeout=self.s.timeout_s)
                 prefill.remember(hashes)
                 await events.put(("prefill", resp))
                 return

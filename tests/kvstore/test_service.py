@@ -10,13 +10,13 @@ import grpc
 import pytest
 
 from services.common.grpc_util import create_channel, server_options
+from services.common.kvstore_client import KVStoreClient
+from services.common.kvstore_pages import split_page
 from services.common.pb import kvstore_pb2 as pb
 from services.common.pb import kvstore_pb2_grpc as pb_grpc
 from services.engine.checksum import checksum
 from services.kvstore.backend import KVStoreBackend
-from services.kvstore.client import KVStoreClient
 from services.kvstore.config import KVStoreConfig
-from services.kvstore.pages import split_page
 from services.kvstore.servicer import KVStoreServicer
 from tests.kvstore.conftest import KiB, MiB, PageFactory, new_fp, new_hash
 
