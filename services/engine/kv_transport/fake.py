@@ -22,6 +22,12 @@ class Faults:
     """Flip a payload byte of this chunk index (-1: none)."""
 
 
+def _code(exc: BaseException | None) -> str:
+    """The gRPC status name a receiver's rejection carries (a StatusCode or its name), else INTERNAL."""
+    code = getattr(exc, "code", None)
+    return getattr(code, "name", None) or (code if isinstance(code, str) else "INTERNAL")
+
+
 class _FakeSender(KVSender):
     def __init__(self, receiver: KVReceiver, faults: Faults) -> None:
         super().__init__()
@@ -43,7 +49,7 @@ class _FakeSender(KVSender):
         if self._task.done():
             self.state = KVPoll.FAILED
             exc = self._task.exception()
-            raise TransferError(f"decode refused KV: {exc}", getattr(exc, "code", "INTERNAL"))
+            raise TransferError(f"decode refused KV: {exc}", _code(exc))
         if 0 <= f.fail_after_chunks <= self.chunks_sent:
             self.state = KVPoll.FAILED
             self._task.cancel()
@@ -62,7 +68,7 @@ class _FakeSender(KVSender):
             resp = await self._task
         except Exception as e:
             self.state = KVPoll.FAILED
-            raise TransferError(f"decode refused KV: {e}", getattr(e, "code", "INTERNAL")) from e
+            raise TransferError(f"decode refused KV: {e}", _code(e)) from e
         self.state = KVPoll.SUCCESS
         return resp
 
