@@ -42,12 +42,14 @@ class LocalCluster:
     def __init__(self, *, prefill: int = 1, decode: int = 1, kvstore: str | None = "embedded",
                  model: str | None = None, dtype: str = "bfloat16", host: str = "127.0.0.1",
                  http_port: int = 0, grpc_port: int = 0, extra: dict[str, list[str]] | None = None,
-                 colocated: bool = False, env: dict[str, str] | None = None, quiet: bool = False) -> None:
+                 colocated: bool = False, env: dict[str, str] | None = None, quiet: bool = False,
+                 kv_transport: str = "grpc") -> None:
         self.n_prefill, self.n_decode, self.kvstore = prefill, decode, kvstore
         self.model, self.dtype, self.host = model, dtype, host
         self.http_port, self.grpc_port = http_port, grpc_port
         self.extra = extra or {}
         self.colocated = colocated
+        self.kv_transport = kv_transport
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.quiet = quiet
         self.procs: list[Proc] = []
@@ -104,6 +106,8 @@ class LocalCluster:
                 self._wait([kv], timeout)
                 kv_addr = kv.ready["grpc"]
             kv_args = ["--kvstore-address", kv_addr] if kv_addr else []
+            shm = self.kv_transport == "shm"
+            kv_args += ["--kv-transport", "shm"] if shm else []
             if self.colocated:
                 for j in range(self.n_decode):
                     first.append(self._spawn(f"worker-{j}", "decode", ["--port", "0", "--metrics-port", "0",
@@ -115,6 +119,7 @@ class LocalCluster:
                                                                          *kv_args, *self.model_args()]))
                 for j in range(self.n_decode):
                     first.append(self._spawn(f"decode-{j}", "decode", ["--port", "0", "--metrics-port", "0",
+                                                                       *(["--kv-cache-shared"] if shm else []),
                                                                        *self.model_args()]))
             self._wait(first, timeout)
             prefills = [p.ready["grpc"] for p in first if p.name.startswith("prefill")]
@@ -193,12 +198,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--colocated", action="store_true", help="one service does prefill and decode (A/B)")
+    p.add_argument("--kv-transport", choices=("shm", "grpc"), default="shm",
+                   help="shm: prefill writes pages straight into decode's shared-memory pool (one host); "
+                        "grpc: page bytes inside the PushKV stream (what crosses hosts)")
     p.add_argument("--demo", action="store_true", help="send one chat request once the cluster is up")
     args = p.parse_args(argv)
     cluster = LocalCluster(prefill=args.prefill, decode=args.decode,
                            kvstore=None if args.kvstore == "none" else args.kvstore, model=args.model,
                            dtype=args.dtype, host=args.host, http_port=args.http_port,
-                           grpc_port=args.grpc_port, colocated=args.colocated)
+                           grpc_port=args.grpc_port, colocated=args.colocated, kv_transport=args.kv_transport)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

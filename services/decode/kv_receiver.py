@@ -123,7 +123,8 @@ class DecodeKVReceiver:
                     pending = asyncio.ensure_future(asyncio.to_thread(self._verify_and_write, c, block_ids))
                 r.pages_written.update(range(c.first_block, c.first_block + c.num_pages))
                 r.next_chunk += 1
-                r.bytes_received += len(c.payload)
+                # Page bytes landed, whichever way they came (in the message, or written by a side transport).
+                r.bytes_received += len(c.payload) or c.num_pages * self.layout.page_bytes
                 received += 1
                 if c.is_last:
                     if pending is not None:

@@ -83,9 +83,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                         lease_expires_unix=time.time() + lease_s)
         r.lease = asyncio.get_running_loop().call_later(lease_s, self._expire, r)
         self.table.add(r)
+        shm = self.engine.engine.runner.kv_shm_descriptor
         return decode_pb2.ReserveResponse(reservation_id=rid, num_cached_blocks=num_cached,
                                           block_size=self.layout.block_size, layout=layout_to_pb(self.layout),
-                                          lease_expires_unix=r.lease_expires_unix, block_ids=table)
+                                          lease_expires_unix=r.lease_expires_unix, block_ids=table,
+                                          transport_info={"shm": shm} if shm else {})
 
     def _expire(self, r: Reservation) -> None:
         if r.complete or self.table.get(r.reservation_id) is None:

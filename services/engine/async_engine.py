@@ -169,3 +169,4 @@ class AsyncEngine:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout)
+        self.engine.runner.release()

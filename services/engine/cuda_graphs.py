@@ -1,19 +1,31 @@
-"""CUDA graphs for pure-decode steps: one captured forward per batch-size bucket.
+"""CUDA graphs for pure-decode steps: one captured forward (+ LM head + greedy argmax) per batch bucket.
 
 A decode step of B sequences is padded to the smallest bucket >= B. The graph reads its inputs from
 static device buffers that the runner fills before each replay; padded rows get slot -1 (store_kv skips
 them) and context length 0 (attention writes zeros), so they never touch the cache. The decode kernel
 is captured with ``max_context_len = max_model_len`` so one graph serves every context length.
+
+The static inputs live in two device buffers mirrored by two pinned host buffers, so a step's inputs
+travel in two host->device copies and no copy kernels:
+  int64 [input_ids N | positions N | slot_mapping N]      (N = largest bucket)
+  int32 [context_lens N | block_tables N x max_blocks]     (only the first B table rows are copied)
+Besides the hidden state, each graph computes ``model.compute_logits`` (fp32 [bucket, vocab]) and their
+argmax, so a greedy step copies back B token ids and launches nothing but the replay.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from services.engine.attention import AttentionMetadata, ForwardContext
 from services.engine.gpu_attention import TritonPagedAttention
+
+if TYPE_CHECKING:
+    from services.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -25,32 +37,86 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
     return sorted({b for b in _BUCKETS if b < max_num_seqs} | {max_num_seqs})
 
 
+def fill_decode_rows(seqs: list[Sequence], bucket: int, block_size: int, rows: list[tuple[int, int]], ids: np.ndarray,
+                     pos: np.ndarray, slots: np.ndarray, ctx: np.ndarray, tables: np.ndarray) -> None:
+    """Write one decode token per sequence into the host input arrays; rows [len(seqs), bucket) are padding
+    (slot -1, context 0).
+
+    ``rows[i] = (seq_id, context_len)`` records what table row i was last filled for: a row that held the
+    same sequence one token earlier only gets its new table entries (block tables grow append-only
+    while a sequence keeps decoding); any other row is rewritten up to its last block.
+    """
+    b = len(seqs)
+    l_ids, l_pos, l_slots, l_ctx = [], [], [], []
+    for i, seq in enumerate(seqs):
+        p = seq.num_computed_tokens
+        table = seq.block_table
+        nblk = p // block_size + 1
+        sid = seq.seq_id
+        prev_sid, prev_ctx = rows[i]
+        start = (prev_ctx - 1) // block_size + 1 if prev_sid == sid and prev_ctx == p else 0
+        if start < nblk:
+            tables[i, start:nblk] = table[start:nblk]
+        rows[i] = (sid, p + 1)
+        l_ids.append(seq.token_ids[p])
+        l_pos.append(p)
+        l_slots.append(table[p // block_size] * block_size + p % block_size)
+        l_ctx.append(p + 1)
+    ids[:b] = l_ids
+    pos[:b] = l_pos
+    slots[:b] = l_slots
+    ctx[:b] = l_ctx
+    slots[b:bucket] = -1
+    ctx[b:bucket] = 0
+
+
 class DecodeGraphs:
-    """Captured decode forwards ``model(ids, positions, ctx) -> hidden`` for each bucket."""
+    """Captured decode steps ``ids, positions, meta -> (hidden, logits, greedy tokens)`` for each bucket."""
 
     def __init__(self, model: torch.nn.Module, backend: TritonPagedAttention, max_num_seqs: int,
-                 max_model_len: int, block_size: int, device: torch.device) -> None:
+                 max_model_len: int, block_size: int, device: torch.device, lm_head: bool = True) -> None:
         self.model = model
         self.backend = backend
         self.max_model_len = max_model_len
+        self.block_size = block_size
         self.buckets = decode_buckets(max_num_seqs)
+        #: Whether the graphs include compute_logits + argmax (a forward-only graph otherwise).
+        self.lm_head = lm_head
         n = self.buckets[-1]
         self.max_blocks = (max_model_len + block_size - 1) // block_size
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
-        self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
-        self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.host64 = torch.zeros(3 * n, dtype=torch.int64, pin_memory=True)
+        self.host32 = torch.zeros(n + n * self.max_blocks, dtype=torch.int32, pin_memory=True)
+        self.dev64 = torch.zeros(3 * n, dtype=torch.int64, device=device)
+        self.dev32 = torch.zeros(n + n * self.max_blocks, dtype=torch.int32, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self.dev64.view(3, n)
+        self.slot_mapping.fill_(-1)
+        self.context_lens = self.dev32[:n]
+        self.block_tables = self.dev32[n:].view(n, self.max_blocks)
+        h64 = self.host64.numpy()
+        h32 = self.host32.numpy()
+        self.h_ids, self.h_pos, self.h_slots = h64[:n], h64[n:2 * n], h64[2 * n:]
+        self.h_ctx = h32[:n]
+        self.h_tables = h32[n:].reshape(n, self.max_blocks)
+        self.h_slots[:] = -1
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        # Row cache of the host block table: (seq_id, context_len) each row was last filled for.
+        self._rows: list[tuple[int, int]] = [(-1, -1)] * n
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = {}
 
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs],
                                  context_lens=self.context_lens[:bs], query_lens=[1] * bs,
                                  context_lens_host=[self.max_model_len] * bs, num_decode=bs)
 
-    def _forward(self, bs: int) -> torch.Tensor:
-        return self.model(self.input_ids[:bs], self.positions[:bs], ForwardContext(self.backend, self._meta(bs)))
+    def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        hidden = self.model(self.input_ids[:bs], self.positions[:bs],
+                            ForwardContext(self.backend, self._meta(bs)))
+        if not self.lm_head:
+            return hidden, None, None
+        logits = self.model.compute_logits(hidden)
+        return hidden, logits, logits.argmax(dim=-1)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -72,7 +138,8 @@ class DecodeGraphs:
             torch.cuda.synchronize()
         finally:
             self.backend.decode_max_context_len = None
-        log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+        log.info("captured decode CUDA graphs for batch sizes %s (LM head in graph: %s)", self.buckets,
+                 self.lm_head)
 
     def bucket_for(self, batch: int, max_context_len: int) -> int | None:
         """The bucket a decode batch replays in, or None (run eagerly)."""
@@ -80,18 +147,27 @@ class DecodeGraphs:
             return None
         return next((b for b in self.buckets if b >= batch and b in self.graphs), None)
 
-    def run(self, bucket: int, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-            ) -> torch.Tensor:
-        """Copy a decode step's device inputs into the static buffers, replay, return hidden [B, hidden]."""
-        b = ids.shape[0]
-        nb = meta.block_tables.shape[1]
-        self.input_ids[:b].copy_(ids)
-        self.positions[:b].copy_(positions)
-        self.slot_mapping[:b].copy_(meta.slot_mapping)
-        self.block_tables[:b, :nb].copy_(meta.block_tables)
-        self.context_lens[:b].copy_(meta.context_lens)
-        if bucket > b:  # padded rows: no KV write, empty context
-            self.slot_mapping[b:bucket].fill_(-1)
-            self.context_lens[b:bucket].zero_()
+    def invalidate_rows(self) -> None:
+        """Forget the host block-table row cache (called after any step that did not replay)."""
+        self._rows = [(-1, -1)] * len(self._rows)
+
+    def run_host(self, bucket: int, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Fill the inputs of one decode token per sequence from the host, copy, replay.
+
+        Each sequence decodes its token at position ``num_computed_tokens`` (see `fill_decode_rows`).
+        Returns (hidden, logits, tokens) views of the first len(seqs) rows.
+        """
+        b = len(seqs)
+        self._copied.synchronize()  # the previous step's host->device copies have read the buffers
+        fill_decode_rows(seqs, bucket, self.block_size, self._rows, self.h_ids, self.h_pos, self.h_slots,
+                         self.h_ctx, self.h_tables)
+        n = len(self.h_ctx)
+        self.dev64.copy_(self.host64, non_blocking=True)
+        self.dev32[: n + b * self.max_blocks].copy_(self.host32[: n + b * self.max_blocks], non_blocking=True)
+        self._copied.record()
         self.graphs[bucket].replay()
-        return self.outputs[bucket][:b]
+        hidden, logits, tokens = self.outputs[bucket]
+        return hidden[:b], None if logits is None else logits[:b], None if tokens is None else tokens[:b]
+
+
+__all__ = ["DecodeGraphs", "decode_buckets"]

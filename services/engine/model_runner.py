@@ -6,13 +6,17 @@ It is the only engine part that touches tensors (STYLE rule 3). The scheduler ha
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
+import os
 
 import numpy as np
 import torch
 
 from services.engine.attention import AttentionMetadata, ForwardContext, TorchPagedAttention
 from services.engine.config import EngineConfig
+from services.engine.kv_transport.shm import create_shared_kv
 from services.engine.model_loader import LoadedModel
 from services.engine.sampler import Sampler, SamplingRow
 from services.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -33,8 +37,15 @@ class ModelRunner:
         self.head_dim = arch.head_dim
         self.block_size = config.block_size
         self.num_blocks = config.resolve_num_blocks(self.bytes_per_block)
-        self.kv_cache = torch.zeros(self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads,
-                                    self.head_dim, dtype=self.dtype, device=self.device)
+        shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.kv_shm_path: str | None = None
+        self.kv_shm_descriptor: str | None = None
+        """Set when the pool lives in shared memory (see kv_transport/shm.py)."""
+        if config.kv_cache_shared and self.device.type == "cpu":
+            self.kv_cache, self.kv_shm_path, self.kv_shm_descriptor = create_shared_kv(shape, self.dtype)
+            atexit.register(self.release)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.attn_backend = self._make_backend()
         self.sampler = Sampler(config.seed)
         self.graphs = None
@@ -42,6 +53,13 @@ class ModelRunner:
             self._init_gpu(loaded)
         log.info("kv cache: %d blocks x %d tokens (%.1f MiB, %s)", self.num_blocks, self.block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.dtype)
+
+    def release(self) -> None:
+        """Free what outlives the process otherwise: the shared-memory pool's file."""
+        if self.kv_shm_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.kv_shm_path)
+            self.kv_shm_path = None
 
     @property
     def bytes_per_block(self) -> int:
@@ -192,14 +210,14 @@ class ModelRunner:
 
     def _execute_gpu(self, out: SchedulerOutput) -> dict[int, tuple[int, float | None]]:
         chunks = sorted(out.chunks, key=lambda c: c.num_new_tokens != 1)
+        if self.graphs is not None and all(c.num_new_tokens == 1 for c in chunks):
+            bucket = self.graphs.bucket_for(len(chunks), max(c.seq.num_computed_tokens + 1 for c in chunks))
+            if bucket is not None:
+                return self._execute_graph(chunks, bucket)
+        if self.graphs is not None:
+            self.graphs.invalidate_rows()
         ids, pos, meta = self._prepare_gpu(chunks)
-        bucket = None
-        if self.graphs is not None and meta.num_decode == len(chunks):
-            bucket = self.graphs.bucket_for(len(chunks), max(meta.context_lens_host))
-        if bucket is not None:
-            hidden = self.graphs.run(bucket, ids, pos, meta)
-        else:
-            hidden = self.model(ids, pos, ForwardContext(self.attn_backend, meta))
+        hidden = self.model(ids, pos, ForwardContext(self.attn_backend, meta))
         ends, rows, seq_ids = [], [], []
         offset = 0
         for ch in chunks:
@@ -212,10 +230,36 @@ class ModelRunner:
             return {}
         if len(ends) < hidden.shape[0]:
             hidden = hidden[torch.tensor(ends).to(self.device, non_blocking=True)]
-        logits = self.model.compute_logits(hidden)
+        return self._sample_gpu(self.model.compute_logits(hidden), None, rows, seq_ids)
+
+    def _execute_graph(self, chunks: list[ScheduledChunk], bucket: int) -> dict[int, tuple[int, float | None]]:
+        """A pure-decode step replayed in a CUDA graph that also holds the LM head and greedy argmax.
+
+        The host builds the sampling rows while the GPU runs; a per-instance `compute_logits` (a test
+        or benchmark hook) is honoured by computing the logits outside the graph from its hidden state.
+        """
+        assert self.graphs is not None
+        hidden, logits, tokens = self.graphs.run_host(bucket, [ch.seq for ch in chunks])
+        rows, seq_ids, keep = [], [], []
+        for i, ch in enumerate(chunks):
+            if ch.sample:
+                keep.append(i)
+                rows.append(SamplingRow(ch.seq.params, ch.seq.num_output_tokens))
+                seq_ids.append(ch.seq.seq_id)
+        if not keep:
+            return {}
+        hooked = "compute_logits" in vars(self.model)
+        if logits is None or tokens is None or hooked or len(keep) < len(chunks):
+            if len(keep) < len(chunks):
+                hidden = hidden[torch.tensor(keep).to(self.device, non_blocking=True)]
+            return self._sample_gpu(self.model.compute_logits(hidden), None, rows, seq_ids)
+        return self._sample_gpu(logits, tokens, rows, seq_ids)
+
+    def _sample_gpu(self, logits: torch.Tensor, greedy_tokens: torch.Tensor | None, rows: list[SamplingRow],
+                    seq_ids: list[int]) -> dict[int, tuple[int, float | None]]:
         if all(r.params.greedy and not r.params.logprobs for r in rows):
             # Greedy without logprobs: argmax on the device, copy back B ints instead of B x vocab floats.
-            tokens = logits.argmax(dim=-1).tolist()
+            tokens = (logits.argmax(dim=-1) if greedy_tokens is None else greedy_tokens).tolist()
             logprobs: list[float | None] = [None] * len(tokens)
         else:
             tokens, logprobs = self.sampler(logits, rows)

@@ -17,7 +17,7 @@ from services.prefill.servicer import PrefillServicer
 
 async def amain(cfg: PrefillConfig, ecfg) -> None:
     metrics = PrefillMetrics(prometheus_client.REGISTRY)
-    transport = make_transport(cfg.kv_transport)
+    transport = make_transport("grpc")  # the descriptor stream; shm only changes where page bytes go
     service = EngineService("prefill", cfg, ecfg)
     servicer = PrefillServicer(cfg, metrics, transport, asyncio.Event())
 

@@ -14,7 +14,10 @@ class PrefillConfig(ServerConfig):
     chunked_transfer: bool = opt(True, "Send each chunk's KV pages as soon as the chunk is computed (on), or "
                                        "everything after the last chunk (off: the A/B baseline). A request "
                                        "may override it.")
-    kv_transport: str = opt("grpc", "How page bytes travel to decode.", choices=("grpc",))
+    kv_transport: str = opt("grpc", "How page bytes travel to decode: grpc (inside the PushKV stream, works "
+                                    "everywhere) or shm (written straight into the pool of a decode on this host "
+                                    "started with --kv-cache-shared; falls back to grpc otherwise).",
+                            choices=("grpc", "shm"))
     kvstore_address: str = opt("", "kvstore host:port for cross-instance prefix reuse; empty: none.")
     kvstore_write_back: bool = opt(True, "Write newly computed full pages to the kvstore (asynchronously).")
     tracing: str = opt("none", "OpenTelemetry exporter: none, console, otlp.", choices=("none", "console", "otlp"))

@@ -26,7 +26,9 @@ class PagesReady:
     token_start: int
     token_end: int
     pages: torch.Tensor | None
-    """[P, layers, 2, block_size, kv_heads, head_dim] on the host; None when no page is due."""
+    """[P, layers, 2, block_size, kv_heads, head_dim] on the host; None when no page is due or when a
+    side transport already wrote them (then num_pages says how many)."""
+    num_pages: int = 0
     last: bool = False
     writeback: tuple[int, torch.Tensor] | None = None
     """(first block, pages) of full blocks the kvstore lacks, on the last item only."""
@@ -39,9 +41,11 @@ class RequestKVStream:
     """One request's pages, from the engine thread to the sender task."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, read_pages, block_size: int, num_skip_blocks: int,
-                 chunked: bool, arrival: float) -> None:
+                 chunked: bool, arrival: float, write_direct=None) -> None:
         self.loop = loop
         self.read_pages = read_pages
+        self.write_direct = write_direct
+        """``f(first_block, src_block_ids)``: write pages straight into decode's pool (shm), or None."""
         self.block_size = block_size
         self.next_block = num_skip_blocks
         self.chunked = chunked
@@ -76,10 +80,13 @@ class RequestKVStream:
             limit = -(-end // bs) if last else end // bs
             pages = None
             first = self.next_block
-            if limit > first:
+            n = max(0, limit - first)
+            if n and self.write_direct is not None:
+                self.write_direct(first, seq.block_table[first:limit])
+            elif n:
                 pages = self.read_pages(seq.block_table[first:limit])
-                self.next_block = limit
-            item = PagesReady(first, first * bs, min(limit * bs, end) if limit > first else first * bs, pages)
+            self.next_block = max(self.next_block, limit)
+            item = PagesReady(first, first * bs, min(limit * bs, end) if n else first * bs, pages, n)
             if last:
                 self.last_computed = done_mono
                 token, lp = sampled if sampled is not None else (0, None)
@@ -89,7 +96,7 @@ class RequestKVStream:
                 if self.writeback_from is not None and full > self.writeback_from:
                     item.writeback = (self.writeback_from,
                                       self.read_pages(seq.block_table[self.writeback_from:full]))
-            if item.pages is not None or item.last:
+            if item.num_pages or item.last:
                 self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except BaseException as e:  # surfaced to the request's task, not the engine loop
             self.loop.call_soon_threadsafe(self.queue.put_nowait, e)
@@ -103,20 +110,25 @@ def _encode(pages: torch.Tensor) -> bytes:
 
 
 async def pump(stream: RequestKVStream, sender: KVSender, request_id: str, reservation_id: str,
-               layout: PageLayout, max_payload_bytes: int, transport: str) -> PagesReady:
-    """Send the stream's pages until the last chunk; returns the last item (first token)."""
+               layout: PageLayout, max_payload_bytes: int, transport: str) -> tuple[PagesReady, int]:
+    """Send the stream's pages until the last chunk; returns the last item (first token) and the
+    page bytes handed over (in messages or written directly)."""
     pages_per_msg = max(1, max_payload_bytes // layout.page_bytes)
+    page_bytes = 0
     index = 0
     while True:
         item = await stream.queue.get()
         if isinstance(item, BaseException):
             raise item
-        n = 0 if item.pages is None else item.pages.shape[0]
+        n = item.num_pages
+        page_bytes += n * layout.page_bytes
+        if item.pages is None:  # written by a side transport already: one descriptor for all of it
+            pages_per_msg = max(1, n)
         bs = layout.block_size
         pieces = [(o, min(pages_per_msg, n - o)) for o in range(0, n, pages_per_msg)] or [(0, 0)]
         for k, (off, cnt) in enumerate(pieces):
             payload = b""
-            if cnt:
+            if cnt and item.pages is not None:
                 payload = await asyncio.to_thread(_encode, item.pages[off:off + cnt])
             crc = await asyncio.to_thread(checksum, payload) if len(payload) > 1 << 20 else checksum(payload)
             first_block = item.first_block + off
@@ -135,4 +147,4 @@ async def pump(stream: RequestKVStream, sender: KVSender, request_id: str, reser
             await sender.send(msg)
             index += 1
         if item.last:
-            return item
+            return item, page_bytes

@@ -17,6 +17,7 @@ from services.common.metrics import PrefillMetrics
 from services.common.pb import prefill_pb2, prefill_pb2_grpc
 from services.engine.async_engine import AsyncEngine
 from services.engine.kv_transport import KVTransport, TransferError
+from services.engine.kv_transport.shm import SharedKVAttachError, SharedKVPools, copy_pages
 from services.engine.sampling_params import InvalidRequestError, SamplingParams
 from services.engine.scheduler import ScheduledChunk
 from services.prefill.config import PrefillConfig
@@ -37,6 +38,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.streams: dict[str, RequestKVStream] = {}
         self.inflight = 0
         self.kvstore: KVStorePrefix | None = None
+        self.shm_pools = SharedKVPools()
 
     def bind(self, engine: AsyncEngine) -> None:
         self.engine = engine
@@ -47,6 +49,30 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             r = engine.engine.runner
             self.kvstore = KVStorePrefix(self.config.kvstore_address, self.layout,
                                          (r.num_layers, 2, r.block_size, r.num_kv_heads, r.head_dim), r.dtype)
+
+    def _direct_writer(self, request: prefill_pb2.PrefillRequest):
+        """With --kv-transport shm and a decode on this host that offers its pool: a function writing a
+        chunk's pages straight into the reserved blocks (engine thread). Otherwise None (bytes in the stream)."""
+        desc = request.dest_transport_info.get("shm")
+        if self.config.kv_transport != "shm" or not desc:
+            return None
+        dest = list(request.dest_block_ids)
+        try:
+            pool = self.shm_pools.attach(desc)
+        except SharedKVAttachError as e:
+            log.warning("shm transport unavailable for %s (%s); sending pages in the stream", request.request_id, e)
+            return None
+        src = self.engine.engine.runner.kv_cache
+        if pool.shape[:2] != src.shape[:2] or pool.shape[3:] != src.shape[3:] or pool.dtype != src.dtype:
+            return None  # the fingerprint check refuses the mismatch; never reinterpret pages
+
+        def write(first_block: int, src_blocks: list[int]) -> None:
+            if first_block + len(src_blocks) > len(dest):
+                raise ValueError(f"pages [{first_block}, {first_block + len(src_blocks)}) outside the "
+                                 f"{len(dest)} reserved blocks")
+            copy_pages(src, src_blocks, pool, dest[first_block:first_block + len(src_blocks)])
+
+        return write
 
     async def close(self) -> None:
         if self.kvstore is not None:
@@ -102,9 +128,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         first_params = dataclasses.replace(params, max_tokens=1, stop=[], stop_token_ids=[], ignore_eos=True)
         chunked = request.chunked_transfer if request.HasField("chunked_transfer") else self.config.chunked_transfer
         rid = f"{request.request_id}/{uuid.uuid4().hex[:8]}"
+        write_direct = self._direct_writer(request)
         stream = RequestKVStream(asyncio.get_running_loop(), self.engine.engine.runner.read_pages,
-                                 self.layout.block_size, request.num_skip_blocks, chunked, time.monotonic())
-        transport = self.transport.name
+                                 self.layout.block_size, request.num_skip_blocks, chunked, time.monotonic(),
+                                 write_direct)
+        transport = "shm" if write_direct is not None else self.transport.name
         self.streams[rid] = stream
         self.inflight += 1
         sender = None
@@ -120,8 +148,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 except ValueError as e:
                     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
                 added = True
-                last = await pump(stream, sender, request.request_id, request.reservation_id, self.layout,
-                                  payload_budget(self.config.max_message_bytes), transport)
+                last, page_bytes = await pump(stream, sender, request.request_id, request.reservation_id,
+                                              self.layout, payload_budget(self.config.max_message_bytes), transport)
                 with tracing.span("prefill.kv_finish"):
                     await sender.finish()
                 if last.writeback is not None and self.kvstore is not None:
@@ -152,12 +180,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             m.cached_prefix_tokens_total.labels(self.model, "local").inc(stream.num_cached_tokens - from_store)
         if request.num_skip_blocks:
             m.cached_prefix_tokens_total.labels(self.model, "decode").inc(request.num_skip_blocks * self.layout.block_size)
-        m.kv_sent_bytes_total.labels(transport).inc(sender.bytes_sent)
+        m.kv_sent_bytes_total.labels(transport).inc(page_bytes)
         m.kv_chunks_sent_total.labels(transport).inc(sender.chunks_sent)
         return prefill_pb2.PrefillResponse(
             first_token=last.first_token, first_logprob=last.first_logprob,
             num_prompt_tokens=len(request.token_ids), num_cached_tokens=stream.num_cached_tokens,
-            num_chunks=sender.chunks_sent, kv_bytes_sent=sender.bytes_sent, queue_s=queue_s, compute_s=compute_s)
+            num_chunks=sender.chunks_sent, kv_bytes_sent=page_bytes, queue_s=queue_s, compute_s=compute_s)
 
     async def _cleanup(self, rid: str, sender, added: bool, reason: str) -> None:
         if added:

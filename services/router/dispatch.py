@@ -178,7 +178,7 @@ class DisaggregatedBackend:
             request_id=request_id, token_ids=prompt_ids, params=params_to_pb(params),
             decode_address=decode.address, reservation_id=resv.reservation_id,
             num_skip_blocks=resv.num_cached_blocks, expected_layout_fingerprint=resv.layout.fingerprint,
-            dest_block_ids=resv.block_ids)
+            dest_block_ids=resv.block_ids, dest_transport_info=dict(resv.transport_info))
         if self.s.chunked_transfer is not None:
             req.chunked_transfer = self.s.chunked_transfer
         tried: set[str] = set()

@@ -4,6 +4,11 @@ Parameters follow HF names (``model.layers.N.self_attn.o_proj.weight`` ...) exce
 ``self_attn.qkv_proj`` = rows [q_proj; k_proj; v_proj] and ``mlp.gate_up_proj`` = rows
 [gate_proj; up_proj]. :meth:`LlamaForCausalLM.load_weights` takes HF names and fills the fused slices.
 Qwen2 (qkv bias) and Qwen3 (q/k norm) are the same code behind ``ModelArchConfig`` flags.
+
+On CUDA with triton, the forward takes a fused path (``*_fused`` methods): residual-add + RMSNorm,
+SiLU*mul and in-place RoPE as single Triton kernels (``kernels/rms_norm.py``, ``activation.py``,
+``rotary.py``), the residual carried beside the hidden state. It computes the same bf16 sums; norms and
+RoPE round once in fp32 instead of per torch op. The CPU path is the plain torch code, unchanged.
 """
 
 from __future__ import annotations
@@ -59,6 +64,22 @@ class Attention(nn.Module):
         out = ctx.attend(self.layer_idx, q, k, v)  # [T, H, D]
         return self.o_proj(out.reshape(t, self.q_size))
 
+    def forward_fused(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                      ctx: ForwardContext) -> torch.Tensor:
+        """`forward` with RoPE applied in place by one Triton kernel (q/k stay views of the qkv output)."""
+        from kernels.rotary import apply_rotary_
+
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        apply_rotary_(q, k, positions, rotary.cos_cache, rotary.sin_cache)
+        out = ctx.attend(self.layer_idx, q, k, v)  # [T, H, D]
+        return self.o_proj(out.reshape(t, self.q_size))
+
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
@@ -73,6 +94,11 @@ class MLP(nn.Module):
         gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
+    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        from kernels.activation import silu_and_mul
+
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, arch: ModelArchConfig, layer_idx: int) -> None:
@@ -86,6 +112,24 @@ class DecoderLayer(nn.Module):
                 ctx: ForwardContext) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, rotary, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                      rotary: RotaryEmbedding, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """(delta, residual) -> (mlp delta, new residual); the layer's output is their sum.
+
+        residual None marks the first layer (h is then the embedding). Each add is fused into the next
+        RMSNorm, so a layer launches two norm kernels instead of ~12 elementwise ones.
+        """
+        from kernels.rms_norm import fused_add_rms_norm, rms_norm
+
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:
+            residual, x = h, rms_norm(h, ln1.weight, ln1.eps)
+        else:
+            x, residual = fused_add_rms_norm(h, residual, ln1.weight, ln1.eps)
+        a = self.self_attn.forward_fused(x, positions, rotary, ctx)
+        x, residual = fused_add_rms_norm(a, residual, ln2.weight, ln2.eps)
+        return self.mlp.forward_fused(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -115,6 +159,16 @@ class LlamaForCausalLM(nn.Module):
                                       arch.max_position_embeddings)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(
             arch.hidden_size, arch.vocab_size, bias=False)
+        #: Fused Triton path: None = automatic (CUDA tensors and triton installed); True/False forces it
+        #: (True on CPU needs TRITON_INTERPRET=1; tests use it to run the GPU path at tiny shapes).
+        self.fused_kernels: bool | None = None
+
+    def _use_fused(self, h: torch.Tensor) -> bool:
+        if self.fused_kernels is not None:
+            return self.fused_kernels
+        from kernels import HAS_TRITON
+
+        return h.is_cuda and HAS_TRITON and self.model.norm.weight.dtype == h.dtype
 
     def init_buffers(self) -> None:
         """(Re)build the fp32 RoPE tables on the model's device; needed after `to_empty` / dtype casts."""
@@ -124,9 +178,22 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)
+        if self._use_fused(h):
+            return self._forward_fused(h, positions, ctx)
         for layer in self.model.layers:
             h = layer(h, positions, self.rotary, ctx)
         return self.model.norm(h)
+
+    def _forward_fused(self, h: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        from kernels.rms_norm import fused_add_rms_norm
+
+        residual: torch.Tensor | None = None
+        for layer in self.model.layers:
+            h, residual = layer.forward_fused(h, residual, positions, self.rotary, ctx)
+        norm = self.model.norm
+        if residual is None:  # no layers
+            return norm(h)
+        return fused_add_rms_norm(h, residual, norm.weight, norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""

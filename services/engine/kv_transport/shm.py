@@ -1,0 +1,77 @@
+"""``shm`` payload mode: a same-host handoff straight into decode's KV pool.
+
+A decode started with ``--kv-cache-shared`` allocates its KV pool in a file under /dev/shm and
+offers it in ReserveResponse.transport_info["shm"]. A prefill on the same host maps that pool and
+copies each chunk's pages from its own cache into the reserved destination blocks (one copy, no
+packing, no bytes through gRPC); the PushKV stream then carries only the descriptors. The role
+CUDA IPC plays between GPUs of one host. A descriptor from another host (different boot id) is
+refused and the prefill falls back to bytes in the stream.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import uuid
+
+import torch
+
+SHM_DIR = "/dev/shm"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def host_id() -> str:
+    """This machine (boot) instance: two processes share /dev/shm only if these are equal."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "unknown"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def create_shared_kv(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, str, str]:
+    """A zeroed tensor backed by a new /dev/shm file: (tensor, its path, the descriptor to advertise)."""
+    name = next(k for k, v in _DTYPES.items() if v == dtype)
+    path = os.path.join(SHM_DIR, f"pdserve-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    tensor = torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
+    desc = json.dumps({"path": path, "shape": list(shape), "dtype": name, "host": host_id()})
+    return tensor, path, desc
+
+
+class SharedKVAttachError(RuntimeError):
+    pass
+
+
+class SharedKVPools:
+    """Prefill side: decode pools mapped by descriptor, cached (each decode maps once)."""
+
+    def __init__(self) -> None:
+        self._pools: dict[str, torch.Tensor] = {}
+
+    def attach(self, descriptor: str) -> torch.Tensor:
+        pool = self._pools.get(descriptor)
+        if pool is not None:
+            return pool
+        try:
+            d = json.loads(descriptor)
+            shape, dtype, path = tuple(d["shape"]), _DTYPES[d["dtype"]], d["path"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise SharedKVAttachError(f"malformed shm descriptor: {e}") from e
+        if d.get("host") != host_id():
+            raise SharedKVAttachError(f"shm pool {path} is on another host ({d.get('host')})")
+        if not os.path.exists(path) or os.path.getsize(path) != math.prod(shape) * torch.empty((), dtype=dtype).element_size():
+            raise SharedKVAttachError(f"shm pool {path} is missing or not {shape} {d['dtype']}")
+        pool = torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
+        self._pools[descriptor] = pool
+        return pool
+
+
+def copy_pages(src_cache: torch.Tensor, src_blocks: list[int], dst_cache: torch.Tensor, dst_blocks: list[int]) -> None:
+    """dst_cache[:, :, dst_blocks[i]] = src_cache[:, :, src_blocks[i]] (both [L, 2, blocks, bs, kvh, hd])."""
+    layers2 = src_cache.shape[0] * 2
+    src = src_cache.view(layers2, src_cache.shape[2], -1)
+    dst = dst_cache.view(layers2, dst_cache.shape[2], -1)
+    dst[:, torch.tensor(dst_blocks)] = src[:, torch.tensor(src_blocks)]
