@@ -60,6 +60,44 @@ def ceilings() -> dict[str, float]:
             "matmul_TFLOPs": 2 * n**3 / mm_ms / 1e9}
 
 
+def _fused_cases(t: int, rope: Any) -> list[tuple[str, Any, Any, int]]:
+    """(name, triton fn, torch reference fn, bytes moved) at Llama-3-8B shapes for t tokens."""
+    from kernels.activation import silu_and_mul
+    from kernels.reference import ref_apply_rotary_, ref_fused_add_rms_norm, ref_silu_and_mul
+    from kernels.rms_norm import fused_add_rms_norm
+    from kernels.rotary import apply_rotary_
+
+    x = torch.randn(t, 4096, dtype=torch.bfloat16, device="cuda")
+    r = torch.randn_like(x)
+    w = torch.ones(4096, dtype=torch.bfloat16, device="cuda")
+    gu = torch.randn(t, 2 * 14336, dtype=torch.bfloat16, device="cuda")
+    qkv = torch.randn(t, 48 * 128, dtype=torch.bfloat16, device="cuda")
+    q, k = qkv[:, :4096].view(t, 32, 128), qkv[:, 4096:5120].view(t, 8, 128)
+    pos = torch.randint(0, 8192, (t,), device="cuda")
+    cos, sin = rope.cos_cache, rope.sin_cache
+    return [
+        ("fused_add_rms_norm", lambda: fused_add_rms_norm(x, r, w, 1e-5),
+         lambda: ref_fused_add_rms_norm(x, r, w, 1e-5), 4 * x.numel() * 2),
+        ("silu_and_mul", lambda: silu_and_mul(gu), lambda: ref_silu_and_mul(gu), gu.numel() * 3),
+        ("apply_rotary_", lambda: apply_rotary_(q, k, pos, cos, sin),
+         lambda: ref_apply_rotary_(q, k, pos, cos, sin), 2 * 40 * 128 * t * 2),
+    ]
+
+
+def bench_fused_kernels(copy_gbps: float) -> list[dict[str, Any]]:
+    """The fused elementwise kernels vs their torch references at the decode-64 and prefill-8K shapes."""
+    from services.engine.models.rope import RotaryEmbedding
+
+    rope = RotaryEmbedding(128, 500000.0, None, 8192).to("cuda")
+    rows = []
+    for t in (64, 8192):
+        for name, fn, ref, nbytes in _fused_cases(t, rope):
+            us, ref_us = bench_ms(fn) * 1e3, bench_ms(ref) * 1e3
+            rows.append({"kernel": name, "tokens": t, "triton_us": us, "torch_ref_us": ref_us,
+                         "GBps": nbytes / us / 1e3, "fraction_of_copy": nbytes / us / 1e3 / copy_gbps})
+    return rows
+
+
 # --- model accounting ---
 
 def weight_bytes_per_decode_step(loaded: LoadedModel) -> int:
@@ -129,8 +167,20 @@ def bench_decode(loaded: LoadedModel, batch: int, ctx: int, steps: int, ceil: di
         torch.cuda.synchronize()
         return (time.perf_counter() - t) / n * 1e3, ctx0 + (n - 1) / 2
 
-    graph_ms, avg_ctx = timed_steps(steps)
     runner = eng.runner
+    exec_times: list[float] = []
+    orig_execute = runner.execute
+
+    def timed_execute(out):  # host + GPU time inside the model runner (prep, replay, token copy back)
+        t = time.perf_counter()
+        r = orig_execute(out)
+        exec_times.append(time.perf_counter() - t)
+        return r
+
+    runner.execute = timed_execute
+    graph_ms, avg_ctx = timed_steps(steps)
+    del runner.execute
+    execute_ms = statistics.mean(exec_times) * 1e3
     replay_ms = None
     if runner.graphs is not None:
         bucket = runner.graphs.bucket_for(batch, ctx + steps)
@@ -145,6 +195,7 @@ def bench_decode(loaded: LoadedModel, batch: int, ctx: int, steps: int, ceil: di
     kvbytes = batch * avg_ctx * kv_bytes_per_token(loaded)
     total = wbytes + kvbytes
     res = {"batch": batch, "context": ctx, "avg_context_timed": avg_ctx, "step_ms": graph_ms,
+           "runner_execute_ms": execute_ms, "fused_kernels": loaded.model.fused_kernels,
            "step_ms_eager": eager_ms, "graph_replay_ms": replay_ms, "weight_bytes": wbytes,
            "kv_bytes": kvbytes, "prefill_s_all_prompts": prefill_s,
            "hbm_GBps": total / graph_ms / 1e6, "hbm_fraction_of_copy": total / graph_ms / 1e6 / ceil["copy_GBps"],
@@ -355,6 +406,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("gpu_bench.json"), help="JSON results path")
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke run)")
     ap.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline")
+    ap.add_argument("--skip-unfused", action="store_true", help="skip the unfused-elementwise decode ablation")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "gpu_bench needs a CUDA device"
     import triton
@@ -383,10 +435,19 @@ def main() -> int:
     loaded = load_model(MODEL, torch.bfloat16, "cuda")
     torch.cuda.synchronize()
     log(f"loaded {MODEL} in {time.perf_counter() - t:.1f}s")
+    if ceil:
+        section("fused_kernels", lambda: bench_fused_kernels(ceil["copy_GBps"]))
     batches, ctx, steps = ((1, 16), 512, 8) if args.quick else ((1, 16, 64), 2048, 24)
     res["decode"] = []
     for b in batches:
         r = section(f"decode_b{b}", lambda b=b: bench_decode(loaded, b, ctx, steps, ceil))
+        if r:
+            res["decode"].append(r)
+    if not args.skip_unfused:  # ablation: the same step with the plain torch elementwise ops
+        loaded.model.fused_kernels = False
+        b = batches[-1]
+        r = section(f"decode_b{b}_unfused", lambda: bench_decode(loaded, b, ctx, steps, ceil))
+        loaded.model.fused_kernels = None
         if r:
             res["decode"].append(r)
     section("prefill", lambda: bench_prefill(loaded, 2048 if args.quick else 8192, 3 if args.quick else 5, ceil))
@@ -425,12 +486,16 @@ def main() -> int:
     print(f"device {res['device']}  torch {res['torch']}  triton {res['triton']}")
     print(f"ceilings: copy {fmt(c.get('copy_GBps'), 0)} GB/s (read+write, 1 GiB clone), "
           f"bf16 matmul {fmt(c.get('matmul_TFLOPs'), 1)} TFLOP/s (8192^3)")
-    print(f"{'decode':<10}{'ctx':>6}{'step ms':>9}{'eager ms':>10}{'replay ms':>11}{'GB/s':>8}{'frac':>7}"
-          f"{'frac(replay)':>14}")
+    print(f"{'decode':<12}{'ctx':>6}{'step ms':>9}{'exec ms':>9}{'eager ms':>10}{'replay ms':>11}{'GB/s':>8}"
+          f"{'frac':>7}{'frac(replay)':>14}")
     for r in res.get("decode", []):
-        print(f"b={r['batch']:<8}{r['context']:>6}{r['step_ms']:>9.2f}{r['step_ms_eager']:>10.2f}"
-              f"{fmt(r['graph_replay_ms'], 2):>11}{r['hbm_GBps']:>8.0f}{r['hbm_fraction_of_copy']:>7.2f}"
-              f"{fmt(r['hbm_fraction_graph_replay'], 2):>14}")
+        label = f"b={r['batch']}" + ("u" if r.get("fused_kernels") is False else "")
+        print(f"{label:<12}{r['context']:>6}{r['step_ms']:>9.2f}{r['runner_execute_ms']:>9.2f}"
+              f"{r['step_ms_eager']:>10.2f}{fmt(r['graph_replay_ms'], 2):>11}{r['hbm_GBps']:>8.0f}"
+              f"{r['hbm_fraction_of_copy']:>7.2f}{fmt(r['hbm_fraction_graph_replay'], 2):>14}")
+    for k in res.get("fused_kernels") or []:
+        print(f"{k['kernel']:<20} T={k['tokens']:<6} triton {k['triton_us']:8.1f} us  torch {k['torch_ref_us']:8.1f} us"
+              f"  {k['GBps']:6.0f} GB/s ({k['fraction_of_copy']:.2f} of copy)")
     p = res.get("prefill")
     if p:
         print(f"prefill {p['tokens']} tok: {p['step_ms']:.1f} ms, {p['TFLOPs']:.0f} TFLOP/s, "

@@ -180,3 +180,35 @@ def ref_unpack_pages_fp8(buffer: torch.Tensor, kv_cache: torch.Tensor, block_ids
         kv_cache.dtype,
     )
     ref_unpack_pages(pages, kv_cache, block_ids)
+
+
+def ref_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x * rsqrt(mean(x^2, -1) + eps)) in fp32, cast to x.dtype before the weight (as HF)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def ref_fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ref_rms_norm(x + residual), x + residual), the sum in x.dtype."""
+    s = x + residual
+    return ref_rms_norm(s, weight, eps), s
+
+
+def ref_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2N] = [gate | up] -> silu(gate) * up [T, N]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def ref_apply_rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
+                      sin_cache: torch.Tensor) -> None:
+    """In place: x = x * cos[p] + rotate_half(x) * sin[p] for q [T, H, D] and k [T, KVH, D] (neox layout)."""
+    cos = cos_cache[positions][:, None, :]  # [T, 1, D] fp32
+    sin = sin_cache[positions][:, None, :]
+    for x in (q, k):
+        half = x.shape[-1] // 2
+        xf = x.float()
+        rot = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+        x.copy_(xf * cos + rot * sin)

@@ -16,10 +16,10 @@ import torch
 
 from services.engine.attention import AttentionMetadata, ForwardContext, TorchPagedAttention
 from services.engine.config import EngineConfig
-from services.engine.kv_transport.shm import create_shared_kv
 from services.engine.model_loader import LoadedModel
 from services.engine.sampler import Sampler, SamplingRow
 from services.engine.scheduler import ScheduledChunk, SchedulerOutput
+from services.engine.shared_kv import create_shared_kv
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class ModelRunner:
         shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_shm_path: str | None = None
         self.kv_shm_descriptor: str | None = None
-        """Set when the pool lives in shared memory (see kv_transport/shm.py)."""
+        """Set when the pool lives in shared memory (see shared_kv.py)."""
         if config.kv_cache_shared and self.device.type == "cpu":
             self.kv_cache, self.kv_shm_path, self.kv_shm_descriptor = create_shared_kv(shape, self.dtype)
             atexit.register(self.release)

@@ -17,9 +17,9 @@ from services.common.metrics import PrefillMetrics
 from services.common.pb import prefill_pb2, prefill_pb2_grpc
 from services.engine.async_engine import AsyncEngine
 from services.engine.kv_transport import KVTransport, TransferError
-from services.engine.kv_transport.shm import SharedKVAttachError, SharedKVPools, copy_pages
 from services.engine.sampling_params import InvalidRequestError, SamplingParams
 from services.engine.scheduler import ScheduledChunk
+from services.engine.shared_kv import SharedKVAttachError, SharedKVPools, copy_pages
 from services.prefill.config import PrefillConfig
 from services.prefill.kv_stream import RequestKVStream, pump
 from services.prefill.kvstore_prefix import KVStorePrefix

@@ -1,0 +1,1 @@
+"""Benchmarks: ``pdserve bench engine|cluster|kvstore|kernels`` (see :mod:`benchmarks.cli`)."""

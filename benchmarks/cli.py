@@ -1,0 +1,48 @@
+"""``pdserve bench KIND ...``: dispatch to ``benchmarks.<KIND>_bench.main(argv)``.
+
+Modules are imported only when chosen, so one benchmark's heavy or missing dependencies never
+break another.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHES = {
+    "engine": ("benchmarks.engine_bench", "CPU/GPU engine: prefill and decode tokens/s vs transformers"),
+    "cluster": ("benchmarks.cluster_bench", "local P/D cluster: TTFT, ITL and throughput through the router"),
+    "kvstore": ("benchmarks.kvstore_bench", "kvstore put/get bandwidth and latency"),
+    "kernels": ("benchmarks.kernels_bench", "Triton kernels vs their torch references"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: pdserve bench {" + ",".join(BENCHES) + "} [ARGS ...]", "", "benchmarks:"]
+    lines += [f"  {name:<9} {help_}" for name, (_, help_) in BENCHES.items()]
+    lines.append("\n`pdserve bench KIND --help` lists a benchmark's own flags.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    kind, rest = argv[0], argv[1:]
+    if kind not in BENCHES:
+        print(f"pdserve bench: unknown benchmark {kind!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module_name = BENCHES[kind][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name != module_name:
+            raise
+        print(f"pdserve bench {kind}: {module_name} is not available in this checkout", file=sys.stderr)
+        return 2
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

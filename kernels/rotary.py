@@ -1,0 +1,92 @@
+"""Rotary position embedding (neox / HF rotate_half layout) applied to q and k in place."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotary_kernel(
+    Q_ptr,
+    K_ptr,
+    P_ptr,
+    COS_ptr,
+    SIN_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_cos,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_K_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Token t at position p = P[t], with c = COS[p, :HALF], s = SIN[p, :HALF] (fp32), for every head:
+        x1' = x1 * c - x2 * s,   x2' = x2 * c + x1 * s     (x1 = x[:HALF], x2 = x[HALF:]), fp32 math."""
+    t = tl.program_id(0).to(tl.int64)
+    p = tl.load(P_ptr + t).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < HALF
+    c = tl.load(COS_ptr + p * stride_cos + offs_d, mask=dmask, other=0.0)[None, :]
+    s = tl.load(SIN_ptr + p * stride_cos + offs_d, mask=dmask, other=0.0)[None, :]
+    offs_h = tl.arange(0, BLOCK_H)
+
+    qmask = (offs_h < NUM_Q_HEADS)[:, None] & dmask[None, :]
+    q1p = Q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
+    q1 = tl.load(q1p, mask=qmask, other=0.0)
+    q2 = tl.load(q1p + HALF, mask=qmask, other=0.0)
+    q1f, q2f = q1.to(tl.float32), q2.to(tl.float32)
+    tl.store(q1p, (q1f * c - q2f * s).to(q1.dtype), mask=qmask)
+    tl.store(q1p + HALF, (q2f * c + q1f * s).to(q1.dtype), mask=qmask)
+
+    kmask = (offs_h < NUM_K_HEADS)[:, None] & dmask[None, :]
+    k1p = K_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
+    k1 = tl.load(k1p, mask=kmask, other=0.0)
+    k2 = tl.load(k1p + HALF, mask=kmask, other=0.0)
+    k1f, k2f = k1.to(tl.float32), k2.to(tl.float32)
+    tl.store(k1p, (k1f * c - k2f * s).to(k1.dtype), mask=kmask)
+    tl.store(k1p + HALF, (k2f * c + k1f * s).to(k1.dtype), mask=kmask)
+
+
+def apply_rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
+                  sin_cache: torch.Tensor) -> None:
+    """Rotate q [T, H, D] and k [T, KVH, D] in place at int64 positions [T].
+
+    cos_cache/sin_cache: fp32 [max_positions, D] with both halves equal (HF layout); only the first D/2
+    columns are read. q/k may be strided views (e.g. of a fused qkv projection) with contiguous D.
+    """
+    assert q.dim() == 3 and k.dim() == 3 and q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2]
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    assert d % 2 == 0 and q.stride(-1) == 1 and k.stride(-1) == 1, "head_dim must be even and contiguous"
+    assert positions.shape == (t,) and positions.dtype == torch.int64 and positions.is_contiguous()
+    assert cos_cache.shape == sin_cache.shape and cos_cache.shape[1] == d
+    assert cos_cache.dtype == sin_cache.dtype == torch.float32 and cos_cache.stride() == sin_cache.stride()
+    assert cos_cache.stride(-1) == 1
+    if t == 0:
+        return
+    half = d // 2
+    block_h = triton.next_power_of_2(max(hq, hk))
+    block_d = triton.next_power_of_2(half)
+    _rotary_kernel[(t,)](
+        q,
+        k,
+        positions,
+        cos_cache,
+        sin_cache,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos_cache.stride(0),
+        NUM_Q_HEADS=hq,
+        NUM_K_HEADS=hk,
+        HALF=half,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        num_warps=4 if block_h * block_d >= 2048 else 2,
+    )

@@ -1,0 +1,156 @@
+"""Fused elementwise kernels (residual-add + RMSNorm, SiLU*mul, in-place RoPE) against their references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import assert_close, requires_cuda
+
+pytest.importorskip("triton")
+
+from kernels.activation import silu_and_mul
+from kernels.reference import ref_apply_rotary_, ref_fused_add_rms_norm, ref_rms_norm, ref_silu_and_mul
+from kernels.rms_norm import fused_add_rms_norm, rms_norm
+from kernels.rotary import apply_rotary_
+from services.engine.models.rope import RotaryEmbedding
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _randn(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=gen).to(dtype).to(device)
+
+
+def _check_norm(device: torch.device, dtype: torch.dtype, t: int, n: int) -> None:
+    x = _randn((t, n), dtype, device, 0)
+    res = _randn((t, n), dtype, device, 1) * 4
+    w = (1 + 0.1 * _randn((n,), torch.float32, device, 2)).to(dtype)
+    assert_close(rms_norm(x, w, 1e-6), ref_rms_norm(x, w, 1e-6), dtype)
+    out, new_res = fused_add_rms_norm(x, res, w, 1e-5)
+    ref_out, ref_res = ref_fused_add_rms_norm(x, res, w, 1e-5)
+    if device.type == "cuda" or dtype != torch.bfloat16:  # the interpreter truncates fp32 -> bf16
+        assert torch.equal(new_res, ref_res), "the residual sum is one rounding of x + residual"
+    assert_close(new_res, ref_res, dtype)
+    assert_close(out, ref_out, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("t", "n"), [(1, 64), (5, 96), (3, 200)])
+def test_rms_norm_matches_reference(device: torch.device, dtype: torch.dtype, t: int, n: int) -> None:
+    _check_norm(device, dtype, t, n)
+
+
+def test_rms_norm_strided_rows_and_empty(device: torch.device) -> None:
+    base = _randn((4, 160), torch.float32, device, 3)
+    x = base[:, :96]  # row stride 160
+    w = torch.ones(96, device=device)
+    assert_close(rms_norm(x, w, 1e-6), ref_rms_norm(x, w, 1e-6), torch.float32)
+    assert rms_norm(x[:0], w, 1e-6).shape == (0, 96)
+
+
+def test_rms_norm_rejects_mixed_dtypes(device: torch.device) -> None:
+    with pytest.raises(AssertionError):
+        rms_norm(torch.ones(2, 8, device=device, dtype=torch.float16), torch.ones(8, device=device), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("t", "n"), [(1, 32), (7, 100), (2, 1500)])
+def test_silu_and_mul_matches_reference(device: torch.device, dtype: torch.dtype, t: int, n: int) -> None:
+    x = _randn((t, 2 * n), dtype, device, 4) * 3
+    assert_close(silu_and_mul(x), ref_silu_and_mul(x), dtype)
+
+
+def _check_rotary(device: torch.device, dtype: torch.dtype, t: int, hq: int, hk: int, d: int,
+                  max_pos: int) -> None:
+    rope = RotaryEmbedding(d, 10000.0, None, max_pos).to(device)
+    # q/k as strided views of a fused qkv projection, the way the model produces them.
+    qkv = _randn((t, (hq + 2 * hk) * d), dtype, device, 5)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+    v_before = qkv[:, (hq + hk) * d :].clone()
+    gen = torch.Generator().manual_seed(6)
+    pos = torch.randint(0, max_pos, (t,), generator=gen).to(device)
+    q_ref, k_ref = q.clone(), k.clone()
+    ref_apply_rotary_(q_ref, k_ref, pos, rope.cos_cache, rope.sin_cache)
+    apply_rotary_(q, k, pos, rope.cos_cache, rope.sin_cache)
+    assert_close(q, q_ref, dtype)
+    assert_close(k, k_ref, dtype)
+    assert torch.equal(qkv[:, (hq + hk) * d :], v_before), "v must be untouched"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("t", "hq", "hk", "d"), [(1, 1, 1, 16), (6, 4, 2, 64), (3, 3, 1, 48)])
+def test_rotary_matches_reference(device: torch.device, dtype: torch.dtype, t: int, hq: int, hk: int,
+                                  d: int) -> None:
+    _check_rotary(device, dtype, t, hq, hk, d, max_pos=64)
+
+
+def test_rotary_matches_module_forward(device: torch.device) -> None:
+    """The kernel agrees with `RotaryEmbedding.forward` (the CPU engine path) in fp32."""
+    t, hq, hk, d = 5, 4, 2, 32
+    rope = RotaryEmbedding(d, 500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+                           128).to(device)
+    q = _randn((t, hq, d), torch.float32, device, 7)
+    k = _randn((t, hk, d), torch.float32, device, 8)
+    pos = torch.tensor([0, 3, 17, 64, 127], device=device)
+    q_ref, k_ref = rope(pos, q, k)
+    apply_rotary_(q, k, pos, rope.cos_cache, rope.sin_cache)
+    assert_close(q, q_ref, torch.float32)
+    assert_close(k, k_ref, torch.float32)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_fused_ops_gpu_llama_shapes() -> None:
+    dev = torch.device("cuda")
+    for t in (1, 64, 8192):
+        _check_norm(dev, torch.bfloat16, t, 4096)
+        x = _randn((t, 2 * 14336), torch.bfloat16, dev, 9)
+        assert_close(silu_and_mul(x), ref_silu_and_mul(x), torch.bfloat16)
+        _check_rotary(dev, torch.bfloat16, t, 32, 8, 128, max_pos=8192)
+
+
+@pytest.mark.parametrize("arch_name", ["llama", "qwen2", "qwen3"])
+def test_model_fused_path_matches_torch_path(device: torch.device, arch_name: str) -> None:
+    """The model's fused (GPU) forward at tiny shapes equals its plain torch forward: prefill + decode."""
+    from services.engine.attention import AttentionMetadata, ForwardContext, TorchPagedAttention
+    from services.engine.model_loader import build_empty_model
+    from services.engine.models.config import ModelArchConfig
+
+    arch = ModelArchConfig(architecture=arch_name, vocab_size=64, hidden_size=64, intermediate_size=96,
+                           num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                           max_position_embeddings=64, attention_bias=arch_name == "qwen2",
+                           qk_norm=arch_name == "qwen3")
+    model = build_empty_model(arch, torch.float32, device)
+    gen = torch.Generator().manual_seed(10)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+    bs, nblk = 4, 4
+
+    def run(fused: bool) -> list[torch.Tensor]:
+        model.fused_kernels = fused
+        kv = torch.zeros(arch.num_layers, 2, nblk * 2, bs, arch.num_kv_heads, arch.head_dim, device=device)
+        backend = TorchPagedAttention(kv, arch.head_dim ** -0.5)
+        tables = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32, device=device)
+        outs = []
+        # Prefill 5 + 3 tokens, then one decode step of both sequences.
+        ids = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8], device=device)
+        pos = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2], device=device)
+        slots = torch.tensor([0, 1, 2, 3, 4, 16, 17, 18], device=device)
+        meta = AttentionMetadata(slot_mapping=slots, block_tables=tables,
+                                 context_lens=torch.tensor([5, 3], dtype=torch.int32, device=device),
+                                 query_lens=[5, 3], context_lens_host=[5, 3], num_decode=0)
+        with torch.no_grad():
+            outs.append(model(ids, pos, ForwardContext(backend, meta)))
+            meta = AttentionMetadata(slot_mapping=torch.tensor([5, 19], device=device), block_tables=tables,
+                                     context_lens=torch.tensor([6, 4], dtype=torch.int32, device=device),
+                                     query_lens=[1, 1], context_lens_host=[6, 4], num_decode=2)
+            outs.append(model(torch.tensor([9, 10], device=device), torch.tensor([5, 3], device=device),
+                              ForwardContext(backend, meta)))
+        return outs
+
+    for got, ref in zip(run(True), run(False), strict=True):
+        assert_close(got, ref, torch.float32)
