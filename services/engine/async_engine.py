@@ -114,12 +114,14 @@ class AsyncEngine:
                 await asyncio.shield(self.call(self.engine.abort, request_id))  # consumer left: free it
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream a request's tokens. Raises InvalidRequestError before the first yield on bad input."""
+                       request_id: str | None = None, detokenize: bool = True) -> AsyncIterator[RequestOutput]:
+        """Stream a request's tokens. Raises InvalidRequestError before the first yield on bad input.
+
+        ``detokenize=False``: token ids only (the caller does text and stop strings, as the router does)."""
         rid = request_id or uuid.uuid4().hex
         q = self.open_stream(rid)
         try:
-            await self.call(self.engine.add_request, rid, prompt_token_ids, params)
+            await self.call(self.engine.add_request, rid, prompt_token_ids, params, detokenize)
         except BaseException:
             self.close_stream(rid)
             raise

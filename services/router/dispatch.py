@@ -117,8 +117,7 @@ class DisaggregatedBackend:
                                              [payload.first_logprob if params.logprobs else None],
                                              prompt_tokens=len(prompt_ids), cached_tokens=cached)
                         continue
-                    msg = payload  # decode GenerateResponse; its token positions start at `seen`
-                    seen = kind
+                    seen, msg = payload  # decode's GenerateResponse; its tokens start at output position `seen`
                     new = list(msg.token_ids)[max(0, emitted - seen):]
                     lps = list(msg.logprobs)[max(0, emitted - seen):] if msg.logprobs else [None] * len(new)
                     emitted = max(emitted, seen + len(msg.token_ids))
@@ -164,7 +163,7 @@ class DisaggregatedBackend:
             call = decode.decode.Generate(decode_pb2.DecodeGenerateRequest(reservation_id=reservation_id),
                                           metadata=md, timeout=self.s.timeout_s)
             async for msg in call:
-                await events.put((seen, msg))
+                await events.put(("decode", (seen, msg)))
                 seen += len(msg.token_ids)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE:

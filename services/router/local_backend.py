@@ -20,22 +20,7 @@ class LocalEngineBackend:
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
                        ) -> AsyncIterator[TokenEvent]:
-        eng = self.engine
-        # AsyncEngine.generate has no detokenize knob, so admit through its public pieces: the router
-        # does text, the engine must not (detokenize=False also leaves stop strings to the router).
-        q = eng.open_stream(request_id)
-        try:
-            await eng.call(eng.engine.add_request, request_id, prompt_ids, params, False)
-        except InvalidRequestError as e:
-            eng.close_stream(request_id)
-            raise BackendError("invalid_argument", str(e), param=e.field) from e
-        except EngineDeadError as e:
-            eng.close_stream(request_id)
-            raise BackendError("unavailable", str(e)) from e
-        except BaseException:
-            eng.close_stream(request_id)
-            raise
-        stream = eng.stream(request_id, q)
+        stream = self.engine.generate(prompt_ids, params, request_id, detokenize=False)
         try:
             async with contextlib.aclosing(stream):  # closing it early aborts the request
                 async for out in stream:
@@ -44,6 +29,8 @@ class LocalEngineBackend:
                         token_ids=list(out.new_token_ids), logprobs=list(out.new_logprobs),
                         finish_reason=reason, prompt_tokens=out.num_prompt_tokens,
                         cached_tokens=out.num_cached_tokens)
+        except InvalidRequestError as e:
+            raise BackendError("invalid_argument", str(e), param=e.field) from e
         except EngineDeadError as e:
             raise BackendError("unavailable", str(e)) from e
 
