@@ -21,7 +21,7 @@ Label values (small, closed sets; never request ids or prompts):
     code           gRPC status code name (e.g. UNAVAILABLE) or HTTP status (e.g. 429)
     role           prefill | decode | kvstore
     endpoint       host:port of a backend as the router sees it (not `instance`: Prometheus owns that)
-    reason         short snake_case cause, e.g. fingerprint_mismatch, checksum, timeout, unavailable
+    reason         short snake_case cause, e.g. fingerprint, checksum, order, size, unavailable
     source         local | kvstore | decode   (where a cached prefix came from)
     transport      grpc | cuda-ipc | mooncake
     tier           memory | disk | mooncake
@@ -170,7 +170,7 @@ SPECS: tuple[MetricSpec, ...] = (
     _s(DECODE_KV_CHUNKS_RECEIVED_TOTAL, "counter", ["transport"], "decode",
        "KV chunks accepted into the paged cache, by transport."),
     _s(DECODE_KV_CHUNKS_REJECTED_TOTAL, "counter", ["reason"], "decode",
-       "KV chunks refused, by reason (fingerprint_mismatch, checksum, unknown_request, expired, ...)."),
+       "KV chunks refused, by reason (fingerprint, order, range, size, checksum, incomplete, unknown_reservation)."),
     _s(DECODE_RESERVATIONS_EXPIRED_TOTAL, "counter", ["model"], "decode",
        "Block reservations released because their KV did not arrive in time."),
     _s(DECODE_KV_CACHE_USAGE_RATIO, "gauge", ["model"], "decode",
