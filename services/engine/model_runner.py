@@ -127,14 +127,7 @@ class ModelRunner:
         chunks = sorted(out.chunks, key=lambda c: c.num_new_tokens != 1)
         ids, pos, meta = self._prepare(chunks)
         hidden = self.model(ids, pos, ForwardContext(self.attn_backend, meta))
-        ends, rows, seq_ids = [], [], []
-        offset = 0
-        for ch in chunks:
-            offset += ch.num_new_tokens
-            if ch.sample:
-                ends.append(offset - 1)
-                rows.append(SamplingRow(ch.seq.params, ch.seq.num_output_tokens))
-                seq_ids.append(ch.seq.seq_id)
+        ends, rows, seq_ids = _sampled_rows(chunks)
         if not ends:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(ends, device=hidden.device)])
@@ -218,14 +211,7 @@ class ModelRunner:
             self.graphs.invalidate_rows()
         ids, pos, meta = self._prepare_gpu(chunks)
         hidden = self.model(ids, pos, ForwardContext(self.attn_backend, meta))
-        ends, rows, seq_ids = [], [], []
-        offset = 0
-        for ch in chunks:
-            offset += ch.num_new_tokens
-            if ch.sample:
-                ends.append(offset - 1)
-                rows.append(SamplingRow(ch.seq.params, ch.seq.num_output_tokens))
-                seq_ids.append(ch.seq.seq_id)
+        ends, rows, seq_ids = _sampled_rows(chunks)
         if not ends:
             return {}
         if len(ends) < hidden.shape[0]:
@@ -279,3 +265,16 @@ class ModelRunner:
 
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         unpack_pages(pages.to(self.device, non_blocking=True), self.kv_cache, idx)
+
+
+def _sampled_rows(chunks: list[ScheduledChunk]) -> tuple[list[int], list[SamplingRow], list[int]]:
+    """For the chunks that sample: (flat index of their last token, sampling row, seq id)."""
+    ends, rows, seq_ids = [], [], []
+    offset = 0
+    for ch in chunks:
+        offset += ch.num_new_tokens
+        if ch.sample:
+            ends.append(offset - 1)
+            rows.append(SamplingRow(ch.seq.params, ch.seq.num_output_tokens))
+            seq_ids.append(ch.seq.seq_id)
+    return ends, rows, seq_ids

@@ -8,6 +8,7 @@ bytes travel (inside the messages, or written by a side channel before the descr
 from __future__ import annotations
 
 import abc
+import asyncio
 import enum
 from collections.abc import AsyncIterator
 from typing import Protocol
@@ -53,6 +54,15 @@ class KVSender(abc.ABC):
 
     @abc.abstractmethod
     async def abort(self, reason: str) -> None: ...
+
+    @staticmethod
+    async def _drain(queue: asyncio.Queue, end: object) -> AsyncIterator[common_pb2.KVChunk]:
+        """The chunks put on ``queue`` until ``end``: the request stream a transport hands to decode."""
+        while True:
+            item = await queue.get()
+            if item is end:
+                return
+            yield item
 
     def _count(self, chunk: common_pb2.KVChunk) -> None:
         self.state = KVPoll.TRANSFERRING

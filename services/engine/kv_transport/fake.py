@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from services.common.pb import common_pb2, decode_pb2
@@ -33,14 +32,7 @@ class _FakeSender(KVSender):
         super().__init__()
         self._faults = faults
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._task = asyncio.ensure_future(receiver.receive(self._messages()))
-
-    async def _messages(self) -> AsyncIterator[common_pb2.KVChunk]:
-        while True:
-            item = await self._queue.get()
-            if item is _END:
-                return
-            yield item
+        self._task = asyncio.ensure_future(receiver.receive(self._drain(self._queue, _END)))
 
     async def send(self, chunk: common_pb2.KVChunk) -> None:
         f = self._faults

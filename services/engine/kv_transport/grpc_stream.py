@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
 
 import grpc
 
@@ -19,15 +18,8 @@ class _GrpcSender(KVSender):
     def __init__(self, stub: decode_pb2_grpc.DecodeStub, metadata: tuple[tuple[str, str], ...]) -> None:
         super().__init__()
         self._queue: asyncio.Queue = asyncio.Queue(maxsize=8)  # bounds host memory held by unsent chunks
-        self._call = stub.PushKV(self._messages(), metadata=metadata)
+        self._call = stub.PushKV(self._drain(self._queue, _END), metadata=metadata)
         self._watch = asyncio.ensure_future(self._call_done())
-
-    async def _messages(self) -> AsyncIterator[common_pb2.KVChunk]:
-        while True:
-            item = await self._queue.get()
-            if item is _END:
-                return
-            yield item
 
     async def send(self, chunk: common_pb2.KVChunk) -> None:
         if self.state == KVPoll.FAILED:
