@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.gpu_bench import logits_trace
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.model_loader import LoadedModel, build_empty_model, load_model
@@ -20,27 +21,7 @@ SPEC = "random:smollm2-135m"
 STEPS = 16
 
 
-def _logits_trace(engine: LLMEngine, prompt: list[int], steps: int, forced: list[int] | None = None
-                  ) -> tuple[list[int], torch.Tensor]:
-    """Greedy tokens and the fp32 logits of each sampled position; `forced` teacher-forces the tokens."""
-    model = engine.runner.model
-    orig = model.compute_logits
-    trace: list[torch.Tensor] = []
-
-    def hook(hidden: torch.Tensor) -> torch.Tensor:
-        logits = orig(hidden)
-        trace.append(logits[0].float().cpu())
-        if forced is not None:
-            logits = logits.clone()
-            logits[0, forced[len(trace) - 1]] = 1e9
-        return logits
-
-    model.compute_logits = hook
-    try:
-        tokens = engine.generate([prompt], SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))[0]
-    finally:
-        del model.compute_logits
-    return tokens, torch.stack(trace)
+_logits_trace = logits_trace  # the benchmark's greedy-with-logits runner, shared with its GPU check
 
 
 @pytest.fixture(scope="module")
