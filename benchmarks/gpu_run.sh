@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device run for the GPU engine path (issue 6): tests, kernel bench, engine bench, logs under $OUT.
+# The device run for the GPU engine path: tests, kernel bench, engine bench, logs under $OUT.
 #   bash benchmarks/gpu_run.sh [quick|full]      (from the repository root, on the GPU box)
 # quick: imports, GPU tests, a tiny engine run and --quick benches (smoke); full: the measured run.
 set -uo pipefail
