@@ -39,8 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     args = p.parse_args(argv)
     prompts = [[(97 * k + 13 * i) % 250 + 1 for i in range(args.prompt_tokens + 37 * k)] for k in range(4)]
-    ref = LLMEngine(EngineConfig(model=args.model, dtype="bfloat16", device="cuda", kv_cache_bytes=1 << 30))
-    want = ref.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True))
+    # Same chunking and one request at a time, as the cluster will run them: same kernels, same numerics.
+    ref = LLMEngine(EngineConfig(model=args.model, dtype="bfloat16", device="cuda", kv_cache_bytes=1 << 30,
+                                 max_prefill_chunk=256))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    want = [ref.generate([ids], params)[0] for ids in prompts]
     del ref
     dev = ["--device", "cuda", "--kv-cache-bytes", str(4 << 30), "--max-prefill-chunk", "256"]
     ok = True
