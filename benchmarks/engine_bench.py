@@ -19,6 +19,8 @@ prefill >= transformers; decode at 16 concurrent >= 10x transformers' batch-1 de
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import platform
@@ -131,8 +133,9 @@ class TransformersBench:
 
         transformers.logging.set_verbosity_error()
         transformers.logging.disable_progress_bar()
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=dtype).eval()
+        with contextlib.redirect_stderr(io.StringIO()):  # GGUF de-quantization progress bars
+            self.model = transformers.AutoModelForCausalLM.from_pretrained(
+                str(gguf.parent), gguf_file=gguf.name, dtype=dtype).eval()
 
     @torch.inference_mode()
     def prefill(self, prompt: list[int]) -> float:
@@ -176,6 +179,7 @@ def _pair(r: Results, key: str, tokens: int, eng: Callable[[], float], hf: Calla
           repeats: int) -> None:
     """Time the engine and transformers on one workload, alternating run by run so that load from
     other processes on the machine hits both alike; record median tokens/s."""
+    t0 = time.perf_counter()
     eng()
     if hf is not None:
         hf()
@@ -188,8 +192,8 @@ def _pair(r: Results, key: str, tokens: int, eng: Callable[[], float], hf: Calla
     r.engine[key] = tokens / statistics.median(te)
     if th:
         r.transformers[key] = tokens / statistics.median(th)
-    print(f"{key}: pdserve {_fmt(r.engine[key])} tok/s, transformers {_fmt(r.transformers.get(key))} tok/s",
-          flush=True)
+    print(f"{key}: pdserve {_fmt(r.engine[key])} tok/s, transformers {_fmt(r.transformers.get(key))} tok/s "
+          f"({time.perf_counter() - t0:.0f}s)", flush=True)
 
 
 def run(args: argparse.Namespace) -> Results:
