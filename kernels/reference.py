@@ -116,7 +116,12 @@ def ref_pack_pages(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Ten
     """buffer[p, l, kv] = kv_cache[l, kv, block_ids[p]] -> [P, L, 2, bs, kvh, hd], contiguous."""
     num_layers, _, num_blocks = kv_cache.shape[:3]
     rows = kv_cache.reshape(num_layers * 2, num_blocks, -1)  # each row: one layer's K or V of one block
-    out = rows.index_select(1, block_ids.long()).transpose(0, 1).contiguous()
+    out = torch.empty(len(block_ids), num_layers * 2, rows.shape[2], dtype=kv_cache.dtype, device=kv_cache.device)
+    if kv_cache.device.type == "cpu":  # one strided copy per page beats a gathered temporary on CPU
+        for p, b in enumerate(block_ids.tolist()):
+            out[p].copy_(rows[:, b])
+    else:
+        out.copy_(rows.index_select(1, block_ids.long()).transpose(0, 1))
     return out.view(len(block_ids), *kv_cache.shape[:2], *kv_cache.shape[3:])
 
 
@@ -124,7 +129,12 @@ def ref_unpack_pages(buffer: torch.Tensor, kv_cache: torch.Tensor, block_ids: to
     """kv_cache[l, kv, block_ids[p]] = buffer[p, l, kv]."""
     num_layers, _, num_blocks = kv_cache.shape[:3]
     rows = kv_cache.view(num_layers * 2, num_blocks, -1)  # kv_cache is contiguous (the runner owns it)
-    rows[:, block_ids.long()] = buffer.reshape(buffer.shape[0], num_layers * 2, -1).transpose(0, 1).to(kv_cache.dtype)
+    src = buffer.reshape(buffer.shape[0], num_layers * 2, -1)
+    if kv_cache.device.type == "cpu":
+        for p, b in enumerate(block_ids.tolist()):
+            rows[:, b].copy_(src[p])
+    else:
+        rows[:, block_ids.long()] = src.transpose(0, 1).to(kv_cache.dtype)
 
 
 def ref_fp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

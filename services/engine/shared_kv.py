@@ -69,9 +69,24 @@ class SharedKVPools:
         return pool
 
 
+def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """(src start, dst start, length) runs where both block lists advance by one together."""
+    runs: list[tuple[int, int, int]] = []
+    for a, b in zip(src, dst, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == a and runs[-1][1] + runs[-1][2] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((a, b, 1))
+    return runs
+
+
 def copy_pages(src_cache: torch.Tensor, src_blocks: list[int], dst_cache: torch.Tensor, dst_blocks: list[int]) -> None:
-    """dst_cache[:, :, dst_blocks[i]] = src_cache[:, :, src_blocks[i]] (both [L, 2, blocks, bs, kvh, hd])."""
+    """dst_cache[:, :, dst_blocks[i]] = src_cache[:, :, src_blocks[i]] (both [L, 2, blocks, bs, kvh, hd]).
+
+    One strided copy per run of consecutive blocks: no gathered temporary (several times faster than
+    advanced indexing on CPU)."""
     layers2 = src_cache.shape[0] * 2
     src = src_cache.view(layers2, src_cache.shape[2], -1)
     dst = dst_cache.view(layers2, dst_cache.shape[2], -1)
-    dst[:, torch.tensor(dst_blocks)] = src[:, torch.tensor(src_blocks)]
+    for a, b, n in _runs(src_blocks, dst_blocks):
+        dst[:, b:b + n].copy_(src[:, a:a + n])
