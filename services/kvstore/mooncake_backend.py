@@ -98,8 +98,8 @@ class MooncakeBackend(KVStoreBackend):
         return self
 
     def _setup(self) -> None:
-        # Mooncake's transfer engine reads its bind address from the environment at setup. Keep it on
-        # loopback unless the operator chose otherwise. TODO: move into services/common/config.py.
+        # Mooncake's native transfer engine takes its bind address only from the environment, at setup:
+        # bind to our own address (loopback for a local cluster) unless the operator set it.
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1" if _is_loopback(self.settings.local_hostname)
                               else self.settings.local_hostname)
         from mooncake.store import MooncakeDistributedStore
