@@ -19,7 +19,7 @@ from services.engine.config import EngineConfig
 from services.engine.model_loader import LoadedModel
 from services.engine.sampler import Sampler, SamplingRow
 from services.engine.scheduler import ScheduledChunk, SchedulerOutput
-from services.engine.shared_kv import create_shared_kv
+from services.engine.shared_kv import SharedKVAttachError, create_shared_kv
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +41,14 @@ class ModelRunner:
         self.kv_shm_path: str | None = None
         self.kv_shm_descriptor: str | None = None
         """Set when the pool lives in shared memory (see shared_kv.py)."""
+        self.kv_cache = None
         if config.kv_cache_shared and self.device.type == "cpu":
-            self.kv_cache, self.kv_shm_path, self.kv_shm_descriptor = create_shared_kv(shape, self.dtype)
-            atexit.register(self.release)
-        else:
+            try:
+                self.kv_cache, self.kv_shm_path, self.kv_shm_descriptor = create_shared_kv(shape, self.dtype)
+                atexit.register(self.release)
+            except (SharedKVAttachError, OSError) as e:
+                log.warning("KV pool stays private (prefills will send page bytes): %s", e)
+        if self.kv_cache is None:
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.attn_backend = self._make_backend()
         self.sampler = Sampler(config.seed)

@@ -32,17 +32,21 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+class SharedKVAttachError(RuntimeError):
+    pass
+
+
 def create_shared_kv(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, str, str]:
     """A zeroed tensor backed by a new /dev/shm file: (tensor, its path, the descriptor to advertise)."""
     name = next(k for k, v in _DTYPES.items() if v == dtype)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    st = os.statvfs(SHM_DIR)
+    if st.f_bavail * st.f_frsize < nbytes:  # tmpfs would SIGBUS on first touch past its size
+        raise SharedKVAttachError(f"{SHM_DIR} has {st.f_bavail * st.f_frsize} bytes free; the KV pool needs {nbytes}")
     path = os.path.join(SHM_DIR, f"pdserve-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}")
     tensor = torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
     desc = json.dumps({"path": path, "shape": list(shape), "dtype": name, "host": host_id()})
     return tensor, path, desc
-
-
-class SharedKVAttachError(RuntimeError):
-    pass
 
 
 class SharedKVPools:
