@@ -20,7 +20,10 @@ import torch
 from services.common.pb import common_pb2, decode_pb2
 from services.decode.reservations import Reservation, ReservationTable
 from services.engine.async_engine import AsyncEngine
-from services.engine.kv_layout import PageLayout, checksum
+from services.engine.kv_layout import FP8_CODEC, PageLayout, checksum
+
+IN_PLACE_TRANSPORTS = frozenset({"shm"})
+"""Transports that write pages into this decode's pool themselves; their chunks carry descriptors only."""
 
 
 class KVRejected(Exception):
@@ -33,10 +36,13 @@ class KVRejected(Exception):
 
 class DecodeKVReceiver:
     def __init__(self, engine: AsyncEngine, layout: PageLayout, table: ReservationTable,
+                 wire_layouts: list[PageLayout] | None = None,
                  on_landed: Callable[[Reservation, common_pb2.KVChunk], None] | None = None,
                  on_rejected: Callable[[str], None] | None = None) -> None:
         self.engine = engine
         self.layout = layout
+        # Layouts a chunk may arrive in: the cache's own, plus codecs decoded on arrival (fp8-e4m3).
+        self.layouts = {lay.fingerprint: lay for lay in [layout, *(wire_layouts or [])]}
         self.table = table
         self.on_landed = on_landed
         self.on_rejected = on_rejected
@@ -50,13 +56,15 @@ class DecodeKVReceiver:
             self.on_rejected(reason)
         return KVRejected(code, message, reason)
 
-    def _check(self, r: Reservation, c: common_pb2.KVChunk) -> list[int]:
-        """Validate one chunk against its reservation; returns the destination block ids."""
-        if c.layout_fingerprint != self.layout.fingerprint:
+    def _check(self, r: Reservation, c: common_pb2.KVChunk) -> tuple[list[int], PageLayout]:
+        """Validate one chunk against its reservation; returns the destination block ids and the layout
+        the chunk's pages are in."""
+        layout = self.layouts.get(c.layout_fingerprint)
+        if layout is None:
+            accepted = " or ".join(f"{fp} ({lay.describe()})" for fp, lay in self.layouts.items())
             raise self._reject(grpc.StatusCode.FAILED_PRECONDITION,
                                f"KV layout fingerprint mismatch: chunk has {c.layout_fingerprint or '(empty)'}, "
-                               f"this decode expects {self.layout.fingerprint} ({self.layout.describe()})",
-                               "fingerprint")
+                               f"this decode expects {accepted}", "fingerprint")
         if c.chunk_index != r.next_chunk:
             what = "duplicate" if c.chunk_index < r.next_chunk else "out-of-order"
             raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
@@ -70,15 +78,19 @@ class DecodeKVReceiver:
             raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
                                f"KV chunk pages [{first}, {first + n}) fall outside the reserved pages "
                                f"[{r.num_cached_blocks}, {len(r.block_ids)})", "range")
-        if c.transport in ("", "grpc"):
-            want = n * self.layout.page_bytes
+        if c.transport not in IN_PLACE_TRANSPORTS:
+            want = n * layout.page_bytes
             if len(c.payload) != want:
                 raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
                                    f"KV chunk payload is {len(c.payload)} bytes; {n} pages of "
-                                   f"{self.layout.page_bytes} bytes need {want}", "size")
-        return r.block_ids[first:first + n]
+                                   f"{layout.page_bytes} bytes ({layout.target_codec}) need {want}", "size")
+        elif layout is not self.layout:
+            raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"transport {c.transport!r} writes pages in place: they must be in this decode's "
+                               f"own layout {self.layout.fingerprint}", "fingerprint")
+        return r.block_ids[first:first + n], layout
 
-    def _verify_and_write(self, c: common_pb2.KVChunk, block_ids: list[int]) -> None:
+    def _verify_and_write(self, c: common_pb2.KVChunk, block_ids: list[int], layout: PageLayout) -> None:
         """Worker thread: checksum, then copy the pages into the cache (both release the GIL)."""
         got = checksum(c.payload)
         if got != c.checksum:
@@ -87,10 +99,14 @@ class DecodeKVReceiver:
                                f"payload hashes to {got:#010x}", "checksum")
         if not block_ids:
             return
+        fp8 = layout.target_codec == FP8_CODEC
         with warnings.catch_warnings():  # read-only view of the message's bytes: we only read it
             warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(c.payload, dtype=self._dtype)
-        self._runner.write_pages(block_ids, flat.view(len(block_ids), *self._page_shape))
+            flat = torch.frombuffer(c.payload, dtype=torch.uint8 if fp8 else self._dtype)
+        if fp8:
+            self._runner.write_pages(block_ids, flat.view(len(block_ids), layout.page_bytes), FP8_CODEC)
+        else:
+            self._runner.write_pages(block_ids, flat.view(len(block_ids), *self._page_shape))
 
     async def receive(self, chunks: AsyncIterator[common_pb2.KVChunk]) -> decode_pb2.PushKVResponse:
         r: Reservation | None = None
@@ -115,12 +131,12 @@ class DecodeKVReceiver:
                     raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
                                        f"one PushKV stream carries one reservation: got {c.reservation_id!r} "
                                        f"after {r.reservation_id!r}", "order")
-                block_ids = self._check(r, c)
+                block_ids, layout = self._check(r, c)
                 if pending is not None:
                     await pending
                     pending = None
                 if c.payload:
-                    pending = asyncio.ensure_future(asyncio.to_thread(self._verify_and_write, c, block_ids))
+                    pending = asyncio.ensure_future(asyncio.to_thread(self._verify_and_write, c, block_ids, layout))
                 r.pages_written.update(range(c.first_block, c.first_block + c.num_pages))
                 r.next_chunk += 1
                 # Page bytes landed, whichever way they came (in the message, or written by a side transport).

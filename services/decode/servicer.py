@@ -51,7 +51,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.engine = engine
         self.model = engine.engine.loaded.model_id
         self.layout = engine.engine.layout
-        self.receiver = DecodeKVReceiver(engine, self.layout, self.table, on_landed=self._landed,
+        self.receiver = DecodeKVReceiver(engine, self.layout, self.table, [engine.engine.fp8_layout],
+                                         on_landed=self._landed,
                                          on_rejected=lambda reason: metrics.kv_chunks_rejected_total.labels(reason).inc())
 
     # --- Reserve ---
@@ -84,10 +85,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         r.lease = asyncio.get_running_loop().call_later(lease_s, self._expire, r)
         self.table.add(r)
         shm = self.engine.engine.runner.kv_shm_descriptor
+        info = {"fp8": self.engine.engine.fp8_layout.fingerprint}  # accepts fp8-e4m3 pages, decoded on arrival
+        if shm:
+            info["shm"] = shm
         return decode_pb2.ReserveResponse(reservation_id=rid, num_cached_blocks=num_cached,
                                           block_size=self.layout.block_size, layout=layout_to_pb(self.layout),
                                           lease_expires_unix=r.lease_expires_unix, block_ids=table,
-                                          transport_info={"shm": shm} if shm else {})
+                                          transport_info=info)
 
     def _expire(self, r: Reservation) -> None:
         if r.complete or self.table.get(r.reservation_id) is None:

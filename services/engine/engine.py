@@ -15,7 +15,7 @@ import torch
 from services.engine.block_manager import BlockManager, NoFreeBlocksError
 from services.engine.config import EngineConfig
 from services.engine.detokenizer import IncrementalDetokenizer, StopChecker
-from services.engine.kv_layout import PageLayout
+from services.engine.kv_layout import FP8_CODEC, PageLayout
 from services.engine.model_loader import LoadedModel, load_model
 from services.engine.model_runner import ModelRunner
 from services.engine.sampling_params import InvalidRequestError, SamplingParams
@@ -76,6 +76,9 @@ class LLMEngine:
         arch = self.loaded.arch
         self.layout = PageLayout.for_model(self.loaded.model_id, arch.num_layers, arch.num_kv_heads, arch.head_dim,
                                            config.block_size, PageLayout.codec_for_dtype(config.torch_dtype))
+        self.fp8_layout = PageLayout.for_model(self.loaded.model_id, arch.num_layers, arch.num_kv_heads,
+                                               arch.head_dim, config.block_size, FP8_CODEC)
+        """The same pages on the wire as fp8-e4m3 with per-token-per-head scales (half the bytes of bf16)."""
 
     # --- admission ---
 

@@ -16,6 +16,7 @@ import torch
 
 from services.engine.attention import AttentionMetadata, ForwardContext, TorchPagedAttention
 from services.engine.config import EngineConfig
+from services.engine.kv_layout import FP8_CODEC
 from services.engine.model_loader import LoadedModel
 from services.engine.sampler import Sampler, SamplingRow
 from services.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -257,18 +258,22 @@ class ModelRunner:
 
     # --- page access for KV handoff (prefill packs, decode unpacks) ---
 
-    def read_pages(self, block_ids: list[int]) -> torch.Tensor:
-        """Pages of ``block_ids`` packed as [P, layers, 2, block_size, kv_heads, head_dim] on the host."""
-        from kernels import pack_pages
+    def read_pages(self, block_ids: list[int], codec: str | None = None) -> torch.Tensor:
+        """Pages of ``block_ids`` on the host: [P, layers, 2, block_size, kv_heads, head_dim] in the cache's
+        dtype, or with ``codec="fp8-e4m3"`` uint8 [P, fp8 page bytes] (values then per-token-per-head scales)."""
+        from kernels import pack_pages, pack_pages_fp8
 
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        return pack_pages(self.kv_cache, idx).cpu()
+        pack = pack_pages_fp8 if codec == FP8_CODEC else pack_pages
+        return pack(self.kv_cache, idx).cpu()
 
-    def write_pages(self, block_ids: list[int], pages: torch.Tensor) -> None:
-        from kernels import unpack_pages
+    def write_pages(self, block_ids: list[int], pages: torch.Tensor, codec: str | None = None) -> None:
+        """The inverse of read_pages (fp8 pages are dequantized into the cache's dtype)."""
+        from kernels import unpack_pages, unpack_pages_fp8
 
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        unpack_pages(pages.to(self.device, non_blocking=True), self.kv_cache, idx)
+        unpack = unpack_pages_fp8 if codec == FP8_CODEC else unpack_pages
+        unpack(pages.to(self.device, non_blocking=True), self.kv_cache, idx)
 
 
 def _sampled_rows(chunks: list[ScheduledChunk]) -> tuple[list[int], list[SamplingRow], list[int]]:

@@ -18,6 +18,10 @@ class PrefillConfig(ServerConfig):
                                     "everywhere) or shm (written straight into the pool of a decode on this host "
                                     "started with --kv-cache-shared; falls back to grpc otherwise).",
                             choices=("grpc", "shm"))
+    kv_wire_codec: str = opt("native", "Codec of page bytes sent in the stream: native (the cache's dtype) or "
+                                       "fp8-e4m3 (per-token-per-head scales; about half of bf16's bytes, decoded "
+                                       "on arrival; used only when the decode accepts it).",
+                             choices=("native", "fp8-e4m3"))
     kvstore_address: str = opt("", "kvstore host:port for cross-instance prefix reuse; empty: none.")
     kvstore_write_back: bool = opt(True, "Write newly computed full pages to the kvstore (asynchronously).")
     tracing: str = opt("none", "OpenTelemetry exporter: none, console, otlp.", choices=("none", "console", "otlp"))

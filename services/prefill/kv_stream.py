@@ -41,9 +41,12 @@ class RequestKVStream:
     """One request's pages, from the engine thread to the sender task."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, read_pages, block_size: int, num_skip_blocks: int,
-                 chunked: bool, arrival: float, write_direct=None) -> None:
+                 chunked: bool, arrival: float, write_direct=None, read_native=None) -> None:
         self.loop = loop
         self.read_pages = read_pages
+        """Packs pages for the wire (the cache's dtype, or a codec such as fp8-e4m3)."""
+        self.read_native = read_native or read_pages
+        """Packs pages in the cache's own layout (what the kvstore keeps)."""
         self.write_direct = write_direct
         """``f(first_block, src_block_ids)``: write pages straight into decode's pool (shm), or None."""
         self.block_size = block_size
@@ -95,7 +98,7 @@ class RequestKVStream:
                 full = end // bs
                 if self.writeback_from is not None and full > self.writeback_from:
                     item.writeback = (self.writeback_from,
-                                      self.read_pages(seq.block_table[self.writeback_from:full]))
+                                      self.read_native(seq.block_table[self.writeback_from:full]))
             if item.num_pages or item.last:
                 self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except BaseException as e:  # surfaced to the request's task, not the engine loop

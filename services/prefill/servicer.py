@@ -9,6 +9,7 @@ import time
 import uuid
 
 import grpc
+import torch
 
 from services.common import tracing
 from services.common.convert import params_from_pb
@@ -16,6 +17,7 @@ from services.common.grpc_util import KV_HANDOFF_FAILED, abort_if_draining, payl
 from services.common.metrics import PrefillMetrics
 from services.common.pb import prefill_pb2, prefill_pb2_grpc
 from services.engine.async_engine import AsyncEngine
+from services.engine.kv_layout import FP8_CODEC
 from services.engine.kv_transport import KVTransport, TransferError
 from services.engine.sampling_params import InvalidRequestError, SamplingParams
 from services.engine.scheduler import ScheduledChunk
@@ -129,9 +131,19 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         chunked = request.chunked_transfer if request.HasField("chunked_transfer") else self.config.chunked_transfer
         rid = f"{request.request_id}/{uuid.uuid4().hex[:8]}"
         write_direct = self._direct_writer(request)
-        stream = RequestKVStream(asyncio.get_running_loop(), self.engine.engine.runner.read_pages,
-                                 self.layout.block_size, request.num_skip_blocks, chunked, time.monotonic(),
-                                 write_direct)
+        runner = self.engine.engine.runner
+        wire = self.layout
+        read = runner.read_pages
+        fp8 = self.engine.engine.fp8_layout
+        if (write_direct is None and self.config.kv_wire_codec == FP8_CODEC
+                and request.dest_transport_info.get("fp8") == fp8.fingerprint):
+            wire = fp8
+
+            def read(ids: list[int]) -> torch.Tensor:
+                return runner.read_pages(ids, FP8_CODEC)
+
+        stream = RequestKVStream(asyncio.get_running_loop(), read, self.layout.block_size, request.num_skip_blocks,
+                                 chunked, time.monotonic(), write_direct, runner.read_pages)
         transport = "shm" if write_direct is not None else self.transport.name
         self.streams[rid] = stream
         self.inflight += 1
@@ -149,7 +161,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
                 added = True
                 last, page_bytes = await pump(stream, sender, request.request_id, request.reservation_id,
-                                              self.layout, payload_budget(self.config.max_message_bytes), transport)
+                                              wire, payload_budget(self.config.max_message_bytes), transport)
                 with tracing.span("prefill.kv_finish"):
                     await sender.finish()
                 if last.writeback is not None and self.kvstore is not None:

@@ -9,6 +9,7 @@ import asyncio
 
 import grpc
 import pytest
+import torch
 from prometheus_client import CollectorRegistry
 
 from services.common.metrics import DecodeMetrics, PrefillMetrics
@@ -61,6 +62,7 @@ def _prefill_req(resv: decode_pb2.ReserveResponse) -> prefill_pb2.PrefillRequest
     return prefill_pb2.PrefillRequest(request_id="r", token_ids=PROMPT, decode_address="decode-x",
                                       reservation_id=resv.reservation_id, num_skip_blocks=resv.num_cached_blocks,
                                       expected_layout_fingerprint=resv.layout.fingerprint,
+                                      dest_block_ids=resv.block_ids, dest_transport_info=dict(resv.transport_info),
                                       params=common_pb2.SamplingParams(max_tokens=6, temperature=0))
 
 
@@ -120,3 +122,26 @@ async def test_corrupted_chunk_is_refused_by_decode(rig):
     for side in (prefill, decode):
         s = await _idle(side)
         assert s["free_blocks"] == s["total_blocks"] and s["waiting_for_kv"] == 0
+
+
+async def test_fp8_wire_codec_halves_bytes_and_decodes_within_fp8_precision(rig):
+    decode, prefill, _, dstub, pstub = rig
+    prefill.config.kv_wire_codec = "fp8-e4m3"
+    resv = await _reserve(dstub, n=1)
+    assert resv.transport_info["fp8"] == decode.engine.engine.fp8_layout.fingerprint
+    resp = await pstub.Prefill(_prefill_req(resv))
+    fp8_layout = prefill.engine.engine.fp8_layout
+    assert resp.kv_bytes_sent == 3 * fp8_layout.page_bytes < 3 * prefill.layout.page_bytes // 3
+
+    # The KV decode holds for the prompt equals the colocated engine's, within fp8-e4m3 precision.
+    ref = LLMEngine(_ecfg())
+    tables: list[list[int]] = []
+    ref.chunk_listeners.append(lambda ch, _s: tables.append(list(ch.seq.block_table)))
+    ref.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0))
+    want = ref.runner.read_pages(tables[-1])            # [3, L, 2, bs, kvh, hd]
+    got = decode.engine.engine.runner.read_pages(list(resv.block_ids))
+    flat_w = want.permute(0, 3, 1, 2, 4, 5).reshape(3 * 16, -1, want.shape[-1])[: len(PROMPT)]
+    flat_g = got.permute(0, 3, 1, 2, 4, 5).reshape(3 * 16, -1, got.shape[-1])[: len(PROMPT)]
+    amax = flat_w.abs().amax(dim=-1, keepdim=True)      # per token, per (layer, K/V, head)
+    assert ((flat_g - flat_w).abs() <= amax / 16 + 1e-6).all()
+    assert not torch.equal(flat_g, flat_w)              # it really went through the codec
