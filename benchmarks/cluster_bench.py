@@ -71,34 +71,41 @@ def run_workload(tag: str, http: str, n: int, concurrency: int, prompt_words: in
             "requests": n}
 
 
-async def kv_stream_bytes_per_s(decode: str, prompt_len: int, repeats: int, shm: bool = False) -> dict[str, float]:
+async def kv_stream_bytes_per_s(decode: str, prompt_len: int, repeats: int, shm: bool = False,
+                                fp8: bool = False) -> dict[str, float]:
     """Push a whole prompt's pages into a decode reservation through the PushKV stream: page bytes in
     the messages (grpc), or, with ``shm``, copied from a local cache into decode's shared pool the way a
-    prefill does, with descriptor-only messages."""
+    prefill does, with descriptor-only messages. With ``fp8`` the messages carry fp8-e4m3 pages (decode
+    dequantizes them); MB/s then counts the cache's own page bytes delivered, the figure comparable with
+    the others."""
     async with create_channel(decode) as ch:
         stub = decode_pb2_grpc.DecodeStub(ch)
         rates = []
         for r in range(repeats):
-            ids = [(7 * r + 3 * shm + i) % 30000 + 100 for i in range(prompt_len)]  # distinct: no prefix-cache skip
+            ids = [(7 * r + 3 * shm + 5 * fp8 + i) % 30000 + 100 for i in range(prompt_len)]  # distinct: no prefix-cache skip
             resv = await stub.Reserve(decode_pb2.ReserveRequest(
                 request_id=f"kvbench-{r}", token_ids=ids, params=common_pb2.SamplingParams(max_tokens=1)))
             page_bytes = resv.layout.page_bytes
+            lay = resv.layout
+            wire_bytes = (lay.num_layers * 2 * lay.block_size * lay.num_kv_heads * (lay.head_dim + 4) if fp8
+                          else page_bytes)
+            fingerprint = resv.transport_info["fp8"] if fp8 else lay.fingerprint
             n_pages = len(resv.block_ids) - resv.num_cached_blocks
             assert n_pages == len(resv.block_ids), "the decode already held these pages; the figure would be empty"
             pool = SharedKVPools().attach(resv.transport_info["shm"]) if shm else None
             src = torch.randn(pool.shape[0], 2, len(resv.block_ids), *pool.shape[3:]).to(pool.dtype) if shm else None
-            per_msg = max(1, min(16, payload_budget() // page_bytes))
-            payload = bytes(range(256)) * (per_msg * page_bytes // 256 + 1)
+            per_msg = max(1, min(16, payload_budget() // wire_bytes))
+            payload = bytes(per_msg * wire_bytes) if fp8 else bytes(range(256)) * (per_msg * page_bytes // 256 + 1)
             msgs = []
             first = resv.num_cached_blocks
             while first < len(resv.block_ids):
                 n = min(per_msg, len(resv.block_ids) - first)
-                data = b"" if shm else payload[: n * page_bytes]
+                data = b"" if shm else payload[: n * wire_bytes]
                 last = first + n == len(resv.block_ids)
                 msgs.append(common_pb2.KVChunk(
                     reservation_id=resv.reservation_id, chunk_index=len(msgs), first_block=first, num_pages=n,
                     token_start=first * 16, token_end=min((first + n) * 16, prompt_len),
-                    layout_fingerprint=resv.layout.fingerprint, payload=data, checksum=zlib.crc32(data),
+                    layout_fingerprint=fingerprint, payload=data, checksum=zlib.crc32(data),
                     transport="shm" if shm else "grpc", is_last=last, total_chunks=len(msgs) + 1 if last else 0,
                     first_token=1))
                 first += n
@@ -177,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         results["disaggregated, chunked transfer"] = run_workload("Alpha", c.router["http"], *work)
         results["disaggregated, transfer after last chunk"] = run_workload("Bravo", off.ready["http"], *work)
         decode = c.get("decode-0").ready["grpc"]
-        kvres = {"grpc": asyncio.run(kv_stream_bytes_per_s(decode, args.kv_prompt_tokens, 3))}
+        kvres = {"grpc": asyncio.run(kv_stream_bytes_per_s(decode, args.kv_prompt_tokens, 3)),
+                 "grpc+fp8": asyncio.run(kv_stream_bytes_per_s(decode, args.kv_prompt_tokens, 3, fp8=True))}
         if args.kv_transport == "shm":
             kvres["shm"] = asyncio.run(kv_stream_bytes_per_s(decode, args.kv_prompt_tokens, 3, shm=True))
     with LocalCluster(prefill=0, decode=1, kvstore=None, dtype=args.dtype, quiet=True, colocated=True,
@@ -197,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
           f"bytes: {sock:.0f} MB/s (goal: >= 0.5x the socket)")
     for mode, r in kvres.items():
         r["ratio"] = r["MBps"] / sock
-        print(f"  {mode:5s} {r['MBps']:8.0f} MB/s  {r['ratio']:.2f}x the socket")
+        print(f"  {mode:9s} {r['MBps']:8.0f} MB/s  {r['ratio']:.2f}x the socket")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"workload": results, "kv_stream": kvres, "socket_MBps": sock}, f, indent=1)
