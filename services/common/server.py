@@ -115,7 +115,8 @@ class ServiceServer:
         # Set once shutdown begins: servicers refuse new work (grpc_util.abort_if_draining).
         self.draining = asyncio.Event()
         self.stopped = asyncio.Event()
-        # Set by a second signal or shutdown(force=True): skip the rest of draining and grace.
+        # Set by a second signal or shutdown(force=True): skip the rest of draining (and the grace, if
+        # server.stop() has not begun yet).
         self._force = asyncio.Event()
         self.grpc_port = 0
         self.metrics_port: int | None = None
@@ -206,7 +207,7 @@ class ServiceServer:
 
     # -- shutdown ----------------------------------------------------------------------------------
     def install_signal_handlers(self) -> None:
-        """SIGTERM/SIGINT start shutdown(); a second signal cuts draining and grace short."""
+        """SIGTERM/SIGINT start shutdown(); a second signal cuts draining short."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
@@ -237,13 +238,9 @@ class ServiceServer:
             await self._bounded(self._drain_hook, self.config.drain_timeout_s, "drain")
         grace = 0.0 if self._force.is_set() else self.config.grace_s
         if self._started:
-            stop = asyncio.ensure_future(self.server.stop(grace))
-            force_wait = asyncio.ensure_future(self._force.wait())
-            await asyncio.wait({stop, force_wait}, return_when=asyncio.FIRST_COMPLETED)
-            if not stop.done():
-                await self.server.stop(0)
-                await stop
-            force_wait.cancel()
+            # One stop() only: a second, concurrent stop() on a grpc.aio server crashes grpc's C core
+            # (seen as a segfault), so a later forced shutdown cannot cut this grace short.
+            await self.server.stop(grace)
         if self._shutdown_hook is not None:
             await self._bounded(self._shutdown_hook, None, "on_shutdown")
         self._stop_metrics()

@@ -1,7 +1,7 @@
 """One request, one trace: router, prefill and decode spans share a trace id across the gRPC hops.
 
-The in-memory exporter only sees spans of its own process, so the three services run here, in this
-process, as real grpc.aio servers on loopback built from the real servicers (wired as their
+The in-memory exporter only sees spans of its own process, so the three services run in one process
+(a fresh interpreter started by the test), as real grpc.aio servers on loopback built from the real servicers (wired as their
 ``__main__`` modules wire them), each with its own metrics registry; the request crosses real gRPC
 calls (Router.Generate -> Decode.Reserve/Generate + Prefill.Prefill -> Decode.PushKV), so trace
 context can only arrive through gRPC metadata.
@@ -10,8 +10,13 @@ context can only arrive through gRPC metadata.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -126,36 +131,59 @@ async def _one_traced_request() -> tuple[list[Any], common_pb2.GenerateResponse]
             e.shutdown()
 
 
-def test_one_request_gives_one_trace_across_router_prefill_and_decode() -> None:
+def _traced_request_in_fresh_process() -> tuple[list[dict[str, Any]], int]:
+    """Run the three services and one request in a new interpreter (several grpc.aio servers and event
+    loops in the long-lived pytest process have crashed grpc's C core); returns its finished spans."""
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve())], capture_output=True, text=True,
+                          timeout=300, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result["spans"], result["completion_tokens"]
+
+
+def _run_and_dump() -> None:
     tracing.setup_tracing("pdserve-e2e", "memory")
     try:
         spans, last = asyncio.run(_one_traced_request())
     finally:
         tracing.shutdown_tracing()
-    assert last.usage.completion_tokens == 6, last
+    print(json.dumps({"completion_tokens": last.usage.completion_tokens, "spans": [
+        {"name": s.name, "trace_id": f"{s.context.trace_id:032x}", "span_id": s.context.span_id,
+         "parent": s.parent.span_id if s.parent else None, "remote": bool(s.parent and s.parent.is_remote)}
+        for s in spans]}))
 
-    by_name: dict[str, list[Any]] = {}
+
+def test_one_request_gives_one_trace_across_router_prefill_and_decode() -> None:
+    spans, completion_tokens = _traced_request_in_fresh_process()
+    assert completion_tokens == 6
+
+    by_name: dict[str, list[dict[str, Any]]] = {}
     for s in spans:
-        by_name.setdefault(s.name, []).append(s)
-    summary = sorted((s.name, f"{s.context.trace_id:032x}", s.parent.span_id if s.parent else None) for s in spans)
+        by_name.setdefault(s["name"], []).append(s)
+    summary = sorted((s["name"], s["trace_id"], s["parent"]) for s in spans)
     for prefix in ("router.", "prefill.", "decode."):
         assert any(n.startswith(prefix) for n in by_name), f"no {prefix}* span: {summary}"
-    assert len({s.context.trace_id for s in spans}) == 1, f"more than one trace: {summary}"
+    assert len({s["trace_id"] for s in spans}) == 1, f"more than one trace: {summary}"
 
-    ids = {s.context.span_id: s for s in spans}
+    ids = {s["span_id"]: s for s in spans}
 
-    def parent(name: str) -> Any:
+    def parent(name: str) -> dict[str, Any]:
         (s,) = by_name[name]
-        assert s.parent is not None and s.parent.span_id in ids, f"{name} has no parent in the trace: {summary}"
-        return ids[s.parent.span_id]
+        assert s["parent"] is not None and s["parent"] in ids, f"{name} has no parent in the trace: {summary}"
+        return ids[s["parent"]]
 
     (root,) = by_name["router.request"]
-    assert root.parent is None  # the client sent no context: the router starts the trace
+    assert root["parent"] is None  # the client sent no context: the router starts the trace
     # Server spans in prefill and decode are children of router-side spans: context crossed the hops.
-    assert parent("prefill.request").name == "router.prefill"
-    assert parent("router.prefill").name == "router.request"
-    assert parent("decode.generate").name == "router.request"
+    assert parent("prefill.request")["name"] == "router.prefill"
+    assert parent("router.prefill")["name"] == "router.request"
+    assert parent("decode.generate")["name"] == "router.request"
     # The parents arrived through gRPC metadata (extracted: remote), not through this process' context.
-    assert all(by_name[n][0].parent.is_remote for n in ("prefill.request", "decode.generate", "decode.kv_push"))
+    assert all(by_name[n][0]["remote"] for n in ("prefill.request", "decode.generate", "decode.kv_push"))
     # ... and the KV push, opened by prefill, is a child of prefill's span in decode.
-    assert parent("decode.kv_push").name == "prefill.request"
+    assert parent("decode.kv_push")["name"] == "prefill.request"
+
+
+if __name__ == "__main__":
+    _run_and_dump()
