@@ -136,14 +136,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def Generate(self, request: decode_pb2.DecodeGenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[common_pb2.GenerateResponse]:
-        if not request.reservation_id:
-            await abort_if_draining(context, self.draining, "decode")
-        if self.engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode is still loading its model")
-        if not request.reservation_id:
+        if not request.reservation_id:  # a new colocated request: refused while draining
+            await self._ready(context)
             async for msg in self._colocated(request, context):
                 yield msg
             return
+        if self.engine is None:  # (an existing reservation is served while draining)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode is still loading its model")
         r = self.table.get(request.reservation_id)
         if r is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown reservation {request.reservation_id!r}")
