@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+import urllib.request
 
 from services.common.grpc_util import create_channel
 from services.common.pb import common_pb2, router_pb2, router_pb2_grpc
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="random:smollm2-135m")
     p.add_argument("--prompt-tokens", type=int, default=1000)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--kv-transport", default="grpc", choices=("grpc", "cuda-ipc"))
     args = p.parse_args(argv)
     prompts = [[(97 * k + 13 * i) % 250 + 1 for i in range(args.prompt_tokens + 37 * k)] for k in range(4)]
     # Same chunking and one request at a time, as the cluster will run them: same kernels, same numerics.
@@ -48,14 +50,18 @@ def main(argv: list[str] | None = None) -> int:
     dev = ["--device", "cuda", "--kv-cache-bytes", str(4 << 30), "--max-prefill-chunk", "256"]
     ok = True
     with LocalCluster(prefill=1, decode=1, kvstore=None, model=args.model, dtype="bfloat16", quiet=True,
-                      extra={"prefill": dev, "decode": dev}) as c:
+                      extra={"prefill": dev, "decode": dev}, kv_transport=args.kv_transport) as c:
         for k, ids in enumerate(prompts):
             got, ttft = asyncio.run(_generate(c.router["grpc"], ids, args.max_tokens))
             same = sum(a == b for a, b in zip(got, want[k], strict=False))
             ok &= got[0] == want[k][0]
             print(f"prompt {k}: {len(ids)} tokens, TTFT {ttft * 1000:.1f} ms, {same}/{len(want[k])} tokens equal "
                   f"the in-process engine")
-    print("first tokens equal:", ok)
+        pm = c.get("prefill-0").ready["metrics"]
+        with urllib.request.urlopen(f"http://{pm}/metrics", timeout=10) as r:
+            sent = [ln for ln in r.read().decode().splitlines() if ln.startswith("pdserve_prefill_kv_sent_bytes_total")]
+        print("prefill KV bytes by transport:", sent)
+    print("first tokens equal:", ok, f"(KV transport {args.kv_transport})")
     return 0 if ok else 1
 
 

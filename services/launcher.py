@@ -106,8 +106,8 @@ class LocalCluster:
                 self._wait([kv], timeout)
                 kv_addr = kv.ready["grpc"]
             kv_args = ["--kvstore-address", kv_addr] if kv_addr else []
-            shm = self.kv_transport == "shm"
-            kv_args += ["--kv-transport", "shm"] if shm else []
+            shm = self.kv_transport in ("shm", "cuda-ipc")  # decode shares its pool; prefill writes into it
+            kv_args += ["--kv-transport", self.kv_transport] if shm else []
             if self.colocated:
                 for j in range(self.n_decode):
                     first.append(self._spawn(f"worker-{j}", "decode", ["--port", "0", "--metrics-port", "0",
@@ -198,8 +198,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--colocated", action="store_true", help="one service does prefill and decode (A/B)")
-    p.add_argument("--kv-transport", choices=("shm", "grpc"), default="shm",
-                   help="shm: prefill writes pages straight into decode's shared-memory pool (one host); "
+    p.add_argument("--kv-transport", choices=("shm", "cuda-ipc", "grpc"), default="shm",
+                   help="shm (CPU) / cuda-ipc (GPU): prefill writes pages straight into decode's pool (one host); "
                         "grpc: page bytes inside the PushKV stream (what crosses hosts)")
     p.add_argument("--demo", action="store_true", help="send one chat request once the cluster is up")
     args = p.parse_args(argv)

@@ -22,7 +22,7 @@ from services.decode.reservations import Reservation, ReservationTable
 from services.engine.async_engine import AsyncEngine
 from services.engine.kv_layout import FP8_CODEC, PageLayout, checksum
 
-IN_PLACE_TRANSPORTS = frozenset({"shm"})
+IN_PLACE_TRANSPORTS = frozenset({"shm", "cuda-ipc"})
 """Transports that write pages into this decode's pool themselves; their chunks carry descriptors only."""
 
 

@@ -86,8 +86,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.table.add(r)
         shm = self.engine.engine.runner.kv_shm_descriptor
         info = {"fp8": self.engine.engine.fp8_layout.fingerprint}  # accepts fp8-e4m3 pages, decoded on arrival
-        if shm:
-            info["shm"] = shm
+        if shm:  # the pool prefills on this host may write into: a /dev/shm file or a CUDA IPC handle
+            info["cuda-ipc" if self.engine.engine.runner.device.type == "cuda" else "shm"] = shm
         return decode_pb2.ReserveResponse(reservation_id=rid, num_cached_blocks=num_cached,
                                           block_size=self.layout.block_size, layout=layout_to_pb(self.layout),
                                           lease_expires_unix=r.lease_expires_unix, block_ids=table,

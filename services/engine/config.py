@@ -30,8 +30,9 @@ class EngineConfig:
     max_model_len: int = opt(0, "Longest sequence (prompt + output); 0 takes the model's own limit.")
     enable_prefix_caching: bool = opt(True, "Reuse KV pages of identical prompt prefixes.")
     attention_backend: str = opt("auto", "auto (Triton on CUDA, torch on CPU) or torch.", choices=("auto", "torch"))
-    kv_cache_shared: bool = opt(False, "Allocate the KV pool in shared memory (/dev/shm; CPU only) so a prefill "
-                                       "on the same host writes pages straight into it (--kv-transport shm).")
+    kv_cache_shared: bool = opt(False, "Share the KV pool with prefills on this host so they write pages straight "
+                                       "into it: a /dev/shm file on CPU (prefill --kv-transport shm), a CUDA IPC "
+                                       "handle on GPU (prefill --kv-transport cuda-ipc).")
     cuda_graphs: bool = opt(True, "Capture CUDA graphs for decode batch sizes (GPU only).")
     seed: int = opt(0, "Seed of the sampler's generator for requests without their own seed.")
 

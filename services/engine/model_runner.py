@@ -20,7 +20,7 @@ from services.engine.kv_layout import FP8_CODEC
 from services.engine.model_loader import LoadedModel
 from services.engine.sampler import Sampler, SamplingRow
 from services.engine.scheduler import ScheduledChunk, SchedulerOutput
-from services.engine.shared_kv import SharedKVAttachError, create_shared_kv
+from services.engine.shared_kv import SharedKVAttachError, create_shared_kv, export_cuda_kv
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,8 @@ class ModelRunner:
                 log.warning("KV pool stays private (prefills will send page bytes): %s", e)
         if self.kv_cache is None:
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            if config.kv_cache_shared and self.device.type == "cuda":
+                self.kv_shm_descriptor = export_cuda_kv(self.kv_cache)
         self.attn_backend = self._make_backend()
         self.sampler = Sampler(config.seed)
         self.graphs = None

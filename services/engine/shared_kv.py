@@ -1,18 +1,23 @@
-"""``shm`` payload mode: a same-host handoff straight into decode's KV pool.
+"""``shm`` and ``cuda-ipc`` payload modes: a same-host handoff straight into decode's KV pool.
 
 A decode started with ``--kv-cache-shared`` allocates its KV pool in a file under /dev/shm and
 offers it in ReserveResponse.transport_info["shm"]. A prefill on the same host maps that pool and
 copies each chunk's pages from its own cache into the reserved destination blocks (one copy, no
 packing, no bytes through gRPC); the PushKV stream then carries only the descriptors. The role
-CUDA IPC plays between GPUs of one host. A descriptor from another host (different boot id) is
-refused and the prefill falls back to bytes in the stream.
+CUDA IPC plays between GPUs of one host, and on GPUs that is what ``cuda-ipc`` does: decode exports
+its device pool (a CUDA IPC handle, through torch's own tensor reducer), a prefill on the same host
+opens it and copies pages device to device (same GPU or a peer over NVLink/PCIe). A descriptor from
+another host (different boot id) is refused and the prefill falls back to bytes in the stream.
 """
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import math
 import os
+import pickle
 import socket
 import uuid
 
@@ -49,6 +54,19 @@ def create_shared_kv(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.
     return tensor, path, desc
 
 
+def export_cuda_kv(tensor: torch.Tensor) -> str:
+    """Descriptor of a CUDA tensor another process on this host can open (CUDA IPC). The exporting
+    process must keep the tensor alive while others use it (decode's pool lives as long as decode)."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (registers torch's CUDA IPC reducers with ForkingPickler)
+
+    buf = io.BytesIO()
+    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(tensor)
+    return json.dumps({"kind": "cuda-ipc", "host": host_id(), "shape": list(tensor.shape),
+                       "handle": base64.b64encode(buf.getvalue()).decode()})
+
+
 class SharedKVPools:
     """Prefill side: decode pools mapped by descriptor, cached (each decode maps once)."""
 
@@ -61,6 +79,8 @@ class SharedKVPools:
             return pool
         try:
             d = json.loads(descriptor)
+            if d.get("kind") == "cuda-ipc":
+                return self._attach_cuda(descriptor, d)
             shape, dtype, path = tuple(d["shape"]), _DTYPES[d["dtype"]], d["path"]
         except (ValueError, KeyError, TypeError) as e:
             raise SharedKVAttachError(f"malformed shm descriptor: {e}") from e
@@ -69,6 +89,20 @@ class SharedKVPools:
         if not os.path.exists(path) or os.path.getsize(path) != math.prod(shape) * torch.empty((), dtype=dtype).element_size():
             raise SharedKVAttachError(f"shm pool {path} is missing or not {shape} {d['dtype']}")
         pool = torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
+        self._pools[descriptor] = pool
+        return pool
+
+    def _attach_cuda(self, descriptor: str, d: dict) -> torch.Tensor:
+        if d.get("host") != host_id():
+            raise SharedKVAttachError(f"CUDA pool is on another host ({d.get('host')})")
+        import torch.multiprocessing  # noqa: F401  (the matching rebuild functions)
+
+        try:
+            pool = pickle.loads(base64.b64decode(d["handle"]))  # a descriptor from our own decode, by design
+        except Exception as e:  # CUDA or pickle errors: fall back to bytes in the stream
+            raise SharedKVAttachError(f"cannot open the CUDA IPC handle: {e!r}") from e
+        if list(pool.shape) != d["shape"]:
+            raise SharedKVAttachError(f"CUDA pool has shape {list(pool.shape)}, descriptor says {d['shape']}")
         self._pools[descriptor] = pool
         return pool
 

@@ -15,9 +15,9 @@ class PrefillConfig(ServerConfig):
                                        "everything after the last chunk (off: the A/B baseline). A request "
                                        "may override it.")
     kv_transport: str = opt("grpc", "How page bytes travel to decode: grpc (inside the PushKV stream, works "
-                                    "everywhere) or shm (written straight into the pool of a decode on this host "
-                                    "started with --kv-cache-shared; falls back to grpc otherwise).",
-                            choices=("grpc", "shm"))
+                                    "everywhere), shm (CPU) or cuda-ipc (GPU): written straight into the pool of "
+                                    "a decode on this host started with --kv-cache-shared; grpc otherwise.",
+                            choices=("grpc", "shm", "cuda-ipc"))
     kv_wire_codec: str = opt("native", "Codec of page bytes sent in the stream: native (the cache's dtype) or "
                                        "fp8-e4m3 (per-token-per-head scales; about half of bf16's bytes, decoded "
                                        "on arrival; used only when the decode accepts it).",

@@ -55,8 +55,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def _direct_writer(self, request: prefill_pb2.PrefillRequest):
         """With --kv-transport shm and a decode on this host that offers its pool: a function writing a
         chunk's pages straight into the reserved blocks (engine thread). Otherwise None (bytes in the stream)."""
-        desc = request.dest_transport_info.get("shm")
-        if self.config.kv_transport != "shm" or not desc:
+        mode = self.config.kv_transport
+        desc = request.dest_transport_info.get(mode)
+        if mode == "grpc" or not desc:
             return None
         dest = list(request.dest_block_ids)
         try:
@@ -73,6 +74,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 raise ValueError(f"pages [{first_block}, {first_block + len(src_blocks)}) outside the "
                                  f"{len(dest)} reserved blocks")
             copy_pages(src, src_blocks, pool, dest[first_block:first_block + len(src_blocks)])
+            if src.is_cuda:  # the pages must have landed before the descriptor tells decode they have
+                torch.cuda.current_stream(src.device).synchronize()
 
         return write
 
@@ -144,7 +147,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
         stream = RequestKVStream(asyncio.get_running_loop(), read, self.layout.block_size, request.num_skip_blocks,
                                  chunked, time.monotonic(), write_direct, runner.read_pages)
-        transport = "shm" if write_direct is not None else self.transport.name
+        transport = self.config.kv_transport if write_direct is not None else self.transport.name
         self.streams[rid] = stream
         self.inflight += 1
         sender = None
