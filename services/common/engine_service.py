@@ -83,3 +83,13 @@ def parse_service_args(name: str, config_cls: type, argv: list[str] | None, desc
     setup_logging(name, lcfg)
     tracing.setup_tracing(f"pdserve-{name}", cfg.tracing, cfg.otlp_endpoint or None)
     return cfg, ecfg
+
+
+def service_main(name: str, config_cls: type, amain: Callable[[Any, EngineConfig], Awaitable[None]],
+                 argv: list[str] | None, description: str) -> int:
+    """The ``main`` of an engine-backed service: parse flags, then run ``amain(cfg, engine_cfg)``."""
+    parsed = parse_service_args(name, config_cls, argv, description)
+    if parsed is None:
+        return 2
+    asyncio.run(amain(*parsed))
+    return 0

@@ -7,7 +7,7 @@ import sys
 
 import prometheus_client
 
-from services.common.engine_service import EngineService, parse_service_args
+from services.common.engine_service import EngineService, service_main
 from services.common.metrics import DecodeMetrics
 from services.common.pb import decode_pb2_grpc
 from services.decode.config import DecodeConfig
@@ -31,11 +31,7 @@ async def amain(cfg: DecodeConfig, ecfg) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parsed = parse_service_args("decode", DecodeConfig, argv, "The decode service.")
-    if parsed is None:
-        return 2
-    asyncio.run(amain(*parsed))
-    return 0
+    return service_main("decode", DecodeConfig, amain, argv, "The decode service.")
 
 
 if __name__ == "__main__":

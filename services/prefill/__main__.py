@@ -7,7 +7,7 @@ import sys
 
 import prometheus_client
 
-from services.common.engine_service import EngineService, parse_service_args
+from services.common.engine_service import EngineService, service_main
 from services.common.metrics import PrefillMetrics
 from services.common.pb import prefill_pb2_grpc
 from services.engine.kv_transport import make_transport
@@ -32,11 +32,7 @@ async def amain(cfg: PrefillConfig, ecfg) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parsed = parse_service_args("prefill", PrefillConfig, argv, "The prefill service.")
-    if parsed is None:
-        return 2
-    asyncio.run(amain(*parsed))
-    return 0
+    return service_main("prefill", PrefillConfig, amain, argv, "The prefill service.")
 
 
 if __name__ == "__main__":

@@ -13,12 +13,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_generated_code_matches_protos() -> None:
+    # The test extra pins grpcio-tools==1.84.0: without it the drift check cannot run, which must not
+    # pass silently.
     try:
         tools = metadata.version("grpcio-tools")
     except metadata.PackageNotFoundError:
-        pytest.skip("grpcio-tools not installed (pip install grpcio-tools==1.84.0)")
-    if tools != "1.84.0":
-        pytest.skip(f"gen_protos needs grpcio-tools==1.84.0, found {tools}")
+        pytest.fail("grpcio-tools is not installed (pip install grpcio-tools==1.84.0): cannot check for drift")
+    assert tools == "1.84.0", f"gen_protos needs grpcio-tools==1.84.0 (the version the code was made with), found {tools}"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "gen_protos.py"), "--check"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
