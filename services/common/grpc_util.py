@@ -11,6 +11,9 @@ from typing import Any, NoReturn
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.pb import common_pb2
+from services.common.tls import TLSConfig
+
 MiB = 1 << 20
 # Largest gRPC message either side accepts (bytes). KV chunks and kvstore page pieces are sized to fit
 # under it: see payload_budget().
@@ -27,9 +30,9 @@ MIN_PING_INTERVAL_MS = 10_000
 
 Options = list[tuple[str, Any]]
 
-# Prefix of the status message prefill answers with when its KV handoff to decode failed (the router
-# does not retry those on another prefill: the decode side is the problem).
-KV_HANDOFF_FAILED = "KV handoff to decode"
+# Trailing-metadata key of the serialized common_pb2.ErrorDetail that every pdserve failure carries.
+ERROR_DETAIL_KEY = "pdserve-error-bin"
+Reason = common_pb2.ErrorReason
 
 
 def payload_budget(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> int:
@@ -70,12 +73,18 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Optio
 
 
 def create_channel(address: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                   options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
-    """An insecure grpc.aio channel to ``address`` ("host:port", "dns:///svc:port") with pdserve options.
+                   options: Sequence[tuple[str, Any]] = (), tls: TLSConfig | None = None) -> grpc.aio.Channel:
+    """A grpc.aio channel to ``address`` ("host:port", "dns:///svc:port") with pdserve options.
 
-    ``options`` override the defaults key by key (gRPC core would keep the first of duplicate keys).
+    ``tls`` with mTLS on: the channel presents that certificate and verifies the server's against the
+    CA and ``tls.tls_server_name``. ``options`` override the defaults key by key (gRPC core would keep
+    the first of duplicate keys).
     """
-    return grpc.aio.insecure_channel(address, options=merge_options(channel_options(max_message_bytes), options))
+    opts = merge_options(channel_options(max_message_bytes), options)
+    if tls is not None and tls.tls_enabled:
+        opts = merge_options(opts, [("grpc.ssl_target_name_override", tls.tls_server_name)])
+        return grpc.aio.secure_channel(address, tls.channel_credentials(), options=opts)
+    return grpc.aio.insecure_channel(address, options=opts)
 
 
 def merge_options(base: Sequence[tuple[str, Any]], overrides: Sequence[tuple[str, Any]]) -> Options:
@@ -120,10 +129,51 @@ async def wait_for_serving(address: str, timeout_s: float, *, service: str = "",
             await asyncio.sleep(min(interval_s, max(0.0, deadline - time.monotonic())))
 
 
-async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
-    """Fail the RPC with ``code`` and a message saying what and why. Never returns."""
+_DEFAULT_REASON = {
+    grpc.StatusCode.INVALID_ARGUMENT: (Reason.ERROR_REASON_INVALID_INPUT, False),
+    grpc.StatusCode.OUT_OF_RANGE: (Reason.ERROR_REASON_INVALID_INPUT, False),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (Reason.ERROR_REASON_OVERLOADED, True),
+    grpc.StatusCode.UNAVAILABLE: (Reason.ERROR_REASON_UNSPECIFIED, True),
+    grpc.StatusCode.PERMISSION_DENIED: (Reason.ERROR_REASON_PERMISSION, False),
+    grpc.StatusCode.UNAUTHENTICATED: (Reason.ERROR_REASON_PERMISSION, False),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (Reason.ERROR_REASON_DEADLINE, False),
+    grpc.StatusCode.DATA_LOSS: (Reason.ERROR_REASON_DATA_LOSS, True),
+    grpc.StatusCode.CANCELLED: (Reason.ERROR_REASON_CANCELLED, False),
+}
+
+
+def error_detail(reason: int, *, retryable: bool = False, side: str = "", field: str = "",
+                 retry_after_ms: int = 0) -> common_pb2.ErrorDetail:
+    return common_pb2.ErrorDetail(reason=reason, retryable=retryable, side=side, field=field,
+                                  retry_after_ms=retry_after_ms)
+
+
+async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str,
+                detail: common_pb2.ErrorDetail | None = None) -> NoReturn:
+    """Fail the RPC with ``code``, a message saying what and why, and a typed ErrorDetail in the
+    trailing metadata (derived from ``code`` when not given). Never returns."""
+    if detail is None:
+        reason, retryable = _DEFAULT_REASON.get(code, (Reason.ERROR_REASON_UNSPECIFIED, False))
+        detail = error_detail(reason, retryable=retryable)
+    context.set_trailing_metadata(((ERROR_DETAIL_KEY, detail.SerializeToString()),))
     await context.abort(code, message)
     raise AssertionError("unreachable: context.abort returned")  # pragma: no cover
+
+
+def detail_of(err: grpc.aio.AioRpcError) -> common_pb2.ErrorDetail:
+    """The ErrorDetail a pdserve peer attached to ``err``; for a failure without one (connection refused,
+    a peer that died mid-call, a deadline) one derived from the status code: UNAVAILABLE without a
+    detail means the peer could not be reached, which is retryable elsewhere."""
+    for key, value in err.trailing_metadata() or ():
+        if key == ERROR_DETAIL_KEY and isinstance(value, bytes):
+            d = common_pb2.ErrorDetail()
+            try:
+                d.ParseFromString(value)
+                return d
+            except ValueError:  # a malformed detail (DecodeError) reads as none
+                break
+    reason, retryable = _DEFAULT_REASON.get(err.code(), (Reason.ERROR_REASON_UNSPECIFIED, False))
+    return error_detail(reason, retryable=retryable)
 
 
 async def abort_invalid(context: grpc.aio.ServicerContext, what: str, why: str) -> NoReturn:
@@ -139,7 +189,8 @@ async def abort_not_found(context: grpc.aio.ServicerContext, what: str, key: str
 async def abort_if_draining(context: grpc.aio.ServicerContext, draining: asyncio.Event, service: str) -> None:
     """UNAVAILABLE when the service is shutting down, so clients retry elsewhere."""
     if draining.is_set():
-        await abort(context, grpc.StatusCode.UNAVAILABLE, f"{service} is draining for shutdown; retry another instance")
+        await abort(context, grpc.StatusCode.UNAVAILABLE, f"{service} is draining for shutdown; retry another instance",
+                    error_detail(Reason.ERROR_REASON_DRAINING, retryable=True, side=service))
 
 
 def rpc_error_summary(err: BaseException) -> str:

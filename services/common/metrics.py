@@ -6,7 +6,7 @@ in-process servers never collide on the global registry:
     registry = CollectorRegistry()
     m = DecodeMetrics(registry)
     m.kv_wait_seconds.labels(model="smollm2-135m").observe(0.042)
-    port = start_metrics_server(registry, "0.0.0.0", 0)
+    port = start_metrics_server(registry, "127.0.0.1", 0)
 
 Names follow Prometheus conventions: `pdserve_<service>_` prefix, histograms in `_seconds`, counters
 end in `_total`, byte counts in `_bytes` (`_bytes_total` for counters). The NAME constants below are what
@@ -336,7 +336,7 @@ METRICS_CLASSES: dict[str, type[MetricGroup]] = {
 class MetricsServer:
     """A running /metrics HTTP server (prometheus_client's WSGI server in a daemon thread)."""
 
-    def __init__(self, registry: CollectorRegistry, host: str = "0.0.0.0", port: int = 0) -> None:
+    def __init__(self, registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0) -> None:
         result = start_http_server(port, addr=host, registry=registry)
         if result is None:  # prometheus_client < 0.20 returns nothing; port 0 would be unknowable
             raise RuntimeError("prometheus_client >= 0.20 is required (start_http_server must return the server)")
@@ -354,7 +354,7 @@ _servers: dict[int, MetricsServer] = {}
 _servers_lock = threading.Lock()
 
 
-def start_metrics_server(registry: CollectorRegistry, host: str = "0.0.0.0", port: int = 0) -> int:
+def start_metrics_server(registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0) -> int:
     """Serve `registry` on http://host:port/metrics in a daemon thread; returns the bound port (port 0 works)."""
     server = MetricsServer(registry, host, port)
     with _servers_lock:

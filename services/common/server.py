@@ -31,6 +31,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common.config import opt, require
 from services.common.grpc_util import DEFAULT_MAX_MESSAGE_BYTES, server_options
+from services.common.tls import TLSConfig
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +41,15 @@ _WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]"}
 
 
 @dataclass
-class ServerConfig:
-    """gRPC server, metrics endpoint and shutdown bounds. Services subclass it to change defaults."""
+class ServerConfig(TLSConfig):
+    """gRPC server, metrics endpoint, mTLS and shutdown bounds. Services subclass it to change defaults.
 
-    host: str = opt("0.0.0.0", "Address the gRPC server binds.")
+    Everything binds loopback unless told otherwise: internal RPCs are reachable from other hosts only
+    when the operator says so (and then they should run with mTLS)."""
+
+    host: str = opt("127.0.0.1", "Address the gRPC server binds (0.0.0.0: every interface; use mTLS then).")
     port: int = opt(0, "gRPC port; 0 picks a free one (reported in the ready line).")
-    metrics_host: str = opt("0.0.0.0", "Address the Prometheus /metrics HTTP server binds.")
+    metrics_host: str = opt("127.0.0.1", "Address the Prometheus /metrics HTTP server binds.")
     metrics_port: int = opt(0, "Prometheus /metrics port; 0 picks a free one, -1 disables it.")
     max_message_bytes: int = opt(DEFAULT_MAX_MESSAGE_BYTES, "Largest gRPC message sent or received (bytes).")
     drain_timeout_s: float = opt(30.0, "On shutdown, longest wait for in-flight work to drain (seconds).")
@@ -53,6 +57,7 @@ class ServerConfig:
     instance: str = opt("", "Instance name in logs and traces (e.g. the pod name); empty: host:port.")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         require(0 <= self.port <= 65535, self, "port", f"must be in [0, 65535], got {self.port}")
         require(-1 <= self.metrics_port <= 65535, self, "metrics_port",
                 f"must be in [-1, 65535], got {self.metrics_port}")
@@ -163,7 +168,10 @@ class ServiceServer:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         bind = _join(self.config.host, self.config.port)
         try:
-            port = self.server.add_insecure_port(bind)
+            if self.config.tls_enabled:
+                port = self.server.add_secure_port(bind, self.config.server_credentials())
+            else:  # loopback by default; docs/SECURITY.md says what an insecure port trusts
+                port = self.server.add_insecure_port(bind)
         except RuntimeError as e:
             raise OSError(f"{self.service}: cannot bind gRPC on {bind}: {e}") from e
         if port == 0:

@@ -12,7 +12,7 @@ from services.router.policy import POLICIES
 @dataclass
 class RouterConfig(ServerConfig):
     port: int = opt(50051, "gRPC port of the Router API; 0 picks a free one.")
-    http_host: str = opt("0.0.0.0", "Address the OpenAI-compatible HTTP API binds.")
+    http_host: str = opt("127.0.0.1", "Address the OpenAI-compatible HTTP API binds (0.0.0.0: every interface).")
     http_port: int = opt(8000, "HTTP port of the OpenAI-compatible API; 0 picks a free one.")
     prefill: str = opt("", "Prefill instances: comma-separated host:port, or dns:NAME:PORT for a headless "
                            "Service (all A records, refreshed). Empty: colocated mode (decode does both).")

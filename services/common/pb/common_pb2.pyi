@@ -7,12 +7,41 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ERROR_REASON_UNSPECIFIED: _ClassVar[ErrorReason]
+    ERROR_REASON_INVALID_INPUT: _ClassVar[ErrorReason]
+    ERROR_REASON_OVERLOADED: _ClassVar[ErrorReason]
+    ERROR_REASON_DRAINING: _ClassVar[ErrorReason]
+    ERROR_REASON_LOADING: _ClassVar[ErrorReason]
+    ERROR_REASON_KV_HANDOFF_FAILED: _ClassVar[ErrorReason]
+    ERROR_REASON_RESERVATION_GONE: _ClassVar[ErrorReason]
+    ERROR_REASON_PERMISSION: _ClassVar[ErrorReason]
+    ERROR_REASON_LAYOUT_MISMATCH: _ClassVar[ErrorReason]
+    ERROR_REASON_DEADLINE: _ClassVar[ErrorReason]
+    ERROR_REASON_ENGINE_DEAD: _ClassVar[ErrorReason]
+    ERROR_REASON_DATA_LOSS: _ClassVar[ErrorReason]
+    ERROR_REASON_CANCELLED: _ClassVar[ErrorReason]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
+ERROR_REASON_UNSPECIFIED: ErrorReason
+ERROR_REASON_INVALID_INPUT: ErrorReason
+ERROR_REASON_OVERLOADED: ErrorReason
+ERROR_REASON_DRAINING: ErrorReason
+ERROR_REASON_LOADING: ErrorReason
+ERROR_REASON_KV_HANDOFF_FAILED: ErrorReason
+ERROR_REASON_RESERVATION_GONE: ErrorReason
+ERROR_REASON_PERMISSION: ErrorReason
+ERROR_REASON_LAYOUT_MISMATCH: ErrorReason
+ERROR_REASON_DEADLINE: ErrorReason
+ERROR_REASON_ENGINE_DEAD: ErrorReason
+ERROR_REASON_DATA_LOSS: ErrorReason
+ERROR_REASON_CANCELLED: ErrorReason
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -71,7 +100,7 @@ class PageLayout(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., page_bytes: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("request_id", "reservation_id", "chunk_index", "token_start", "token_end", "first_block", "num_pages", "layout_fingerprint", "checksum", "payload", "transport", "is_last", "first_token", "first_logprob", "prefill_done_unix", "total_chunks", "transport_meta")
+    __slots__ = ("request_id", "reservation_id", "chunk_index", "token_start", "token_end", "first_block", "num_pages", "layout_fingerprint", "checksum", "payload", "transport", "is_last", "first_token", "first_logprob", "prefill_done_unix", "total_chunks", "transport_meta", "reservation_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +118,7 @@ class KVChunk(_message.Message):
     PREFILL_DONE_UNIX_FIELD_NUMBER: _ClassVar[int]
     TOTAL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_META_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     reservation_id: str
     chunk_index: int
@@ -106,23 +136,46 @@ class KVChunk(_message.Message):
     prefill_done_unix: float
     total_chunks: int
     transport_meta: bytes
-    def __init__(self, request_id: _Optional[str] = ..., reservation_id: _Optional[str] = ..., chunk_index: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., first_block: _Optional[int] = ..., num_pages: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., checksum: _Optional[int] = ..., payload: _Optional[bytes] = ..., transport: _Optional[str] = ..., is_last: _Optional[bool] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., prefill_done_unix: _Optional[float] = ..., total_chunks: _Optional[int] = ..., transport_meta: _Optional[bytes] = ...) -> None: ...
+    reservation_token: bytes
+    def __init__(self, request_id: _Optional[str] = ..., reservation_id: _Optional[str] = ..., chunk_index: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., first_block: _Optional[int] = ..., num_pages: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., checksum: _Optional[int] = ..., payload: _Optional[bytes] = ..., transport: _Optional[str] = ..., is_last: _Optional[bool] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., prefill_done_unix: _Optional[float] = ..., total_chunks: _Optional[int] = ..., transport_meta: _Optional[bytes] = ..., reservation_token: _Optional[bytes] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("running", "waiting", "waiting_for_kv", "free_blocks", "total_blocks", "kv_usage")
+    __slots__ = ("running", "waiting", "waiting_for_kv", "free_blocks", "total_blocks", "kv_usage", "published_unix", "step_running_s", "max_waiting", "saturated")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FOR_KV_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    STEP_RUNNING_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_WAITING_FIELD_NUMBER: _ClassVar[int]
+    SATURATED_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     waiting_for_kv: int
     free_blocks: int
     total_blocks: int
     kv_usage: float
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., waiting_for_kv: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ...) -> None: ...
+    published_unix: float
+    step_running_s: float
+    max_waiting: int
+    saturated: bool
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., waiting_for_kv: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., published_unix: _Optional[float] = ..., step_running_s: _Optional[float] = ..., max_waiting: _Optional[int] = ..., saturated: _Optional[bool] = ...) -> None: ...
+
+class ErrorDetail(_message.Message):
+    __slots__ = ("reason", "retryable", "side", "field", "retry_after_ms")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    RETRYABLE_FIELD_NUMBER: _ClassVar[int]
+    SIDE_FIELD_NUMBER: _ClassVar[int]
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    reason: ErrorReason
+    retryable: bool
+    side: str
+    field: str
+    retry_after_ms: int
+    def __init__(self, reason: _Optional[_Union[ErrorReason, str]] = ..., retryable: _Optional[bool] = ..., side: _Optional[str] = ..., field: _Optional[str] = ..., retry_after_ms: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")

@@ -8,41 +8,102 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "params", "lease_ms")
+    __slots__ = ("request_id", "token_ids", "params", "lease_ms", "deadline_unix")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
     lease_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    deadline_unix: float
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., lease_ms: _Optional[int] = ..., deadline_unix: _Optional[float] = ...) -> None: ...
+
+class ShmPool(_message.Message):
+    __slots__ = ("name", "shape", "dtype", "host_id")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    host_id: str
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...
+
+class CudaIpcPool(_message.Message):
+    __slots__ = ("host_id", "device", "handle", "storage_bytes", "storage_offset", "shape", "dtype", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    host_id: str
+    device: int
+    handle: bytes
+    storage_bytes: int
+    storage_offset: int
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, host_id: _Optional[str] = ..., device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_bytes: _Optional[int] = ..., storage_offset: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
+
+class KVDestination(_message.Message):
+    __slots__ = ("shm", "cuda_ipc")
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    shm: ShmPool
+    cuda_ipc: CudaIpcPool
+    def __init__(self, shm: _Optional[_Union[ShmPool, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcPool, _Mapping]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("reservation_id", "num_cached_blocks", "block_size", "layout", "lease_expires_unix", "block_ids", "transport_info")
-    class TransportInfoEntry(_message.Message):
-        __slots__ = ("key", "value")
-        KEY_FIELD_NUMBER: _ClassVar[int]
-        VALUE_FIELD_NUMBER: _ClassVar[int]
-        key: str
-        value: str
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    __slots__ = ("reservation_id", "num_cached_blocks", "block_size", "layout", "lease_expires_unix", "block_ids", "reservation_token", "destination", "accepted_wire_fingerprints")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_UNIX_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    TRANSPORT_INFO_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_WIRE_FINGERPRINTS_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     num_cached_blocks: int
     block_size: int
     layout: _common_pb2.PageLayout
     lease_expires_unix: float
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    transport_info: _containers.ScalarMap[str, str]
-    def __init__(self, reservation_id: _Optional[str] = ..., num_cached_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., layout: _Optional[_Union[_common_pb2.PageLayout, _Mapping]] = ..., lease_expires_unix: _Optional[float] = ..., block_ids: _Optional[_Iterable[int]] = ..., transport_info: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    reservation_token: bytes
+    destination: KVDestination
+    accepted_wire_fingerprints: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, reservation_id: _Optional[str] = ..., num_cached_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., layout: _Optional[_Union[_common_pb2.PageLayout, _Mapping]] = ..., lease_expires_unix: _Optional[float] = ..., block_ids: _Optional[_Iterable[int]] = ..., reservation_token: _Optional[bytes] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., accepted_wire_fingerprints: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RenewLeaseRequest(_message.Message):
+    __slots__ = ("reservation_id", "reservation_token", "lease_ms")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    reservation_token: bytes
+    lease_ms: int
+    def __init__(self, reservation_id: _Optional[str] = ..., reservation_token: _Optional[bytes] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class RenewLeaseResponse(_message.Message):
+    __slots__ = ("lease_expires_unix",)
+    LEASE_EXPIRES_UNIX_FIELD_NUMBER: _ClassVar[int]
+    lease_expires_unix: float
+    def __init__(self, lease_expires_unix: _Optional[float] = ...) -> None: ...
 
 class DecodeGenerateRequest(_message.Message):
     __slots__ = ("reservation_id", "request_id", "token_ids", "params")

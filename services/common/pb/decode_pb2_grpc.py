@@ -55,6 +55,11 @@ class DecodeStub:
                 request_serializer=pdserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_common__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.RenewLease = channel.unary_unary(
+                '/pdserve.v1.Decode/RenewLease',
+                request_serializer=pdserve_dot_v1_dot_decode__pb2.RenewLeaseRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_decode__pb2.RenewLeaseResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -88,6 +93,13 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenewLease(self, request, context):
+        """Extend a reservation's lease (the router does while it retries a prefill).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +122,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=pdserve_dot_v1_dot_common__pb2.AbortRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_common__pb2.AbortResponse.SerializeToString,
+            ),
+            'RenewLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewLease,
+                    request_deserializer=pdserve_dot_v1_dot_decode__pb2.RenewLeaseRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_decode__pb2.RenewLeaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +237,33 @@ class Decode:
             '/pdserve.v1.Decode/Abort',
             pdserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
             pdserve_dot_v1_dot_common__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Decode/RenewLease',
+            pdserve_dot_v1_dot_decode__pb2.RenewLeaseRequest.SerializeToString,
+            pdserve_dot_v1_dot_decode__pb2.RenewLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
