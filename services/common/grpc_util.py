@@ -9,6 +9,7 @@ from types import ModuleType
 from typing import Any, NoReturn
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.pb import common_pb2
@@ -170,7 +171,7 @@ def detail_of(err: grpc.aio.AioRpcError) -> common_pb2.ErrorDetail:
             try:
                 d.ParseFromString(value)
                 return d
-            except ValueError:  # a malformed detail (DecodeError) reads as none
+            except DecodeError:  # a malformed detail reads as none
                 break
     reason, retryable = _DEFAULT_REASON.get(err.code(), (Reason.ERROR_REASON_UNSPECIFIED, False))
     return error_detail(reason, retryable=retryable)
