@@ -11,7 +11,12 @@ from dataclasses import dataclass
 
 from services.common.grpc_util import MiB
 from services.common.pb import kvstore_pb2 as pb
-from services.kvstore.backend import key_str
+
+
+def key_str(fp: str, h: bytes) -> str:
+    """The printable page key ``<fp>/<hash hex>`` (as the kvstore prints it)."""
+    return f"{fp}/{h.hex()}"
+
 
 DEFAULT_PIECE_BYTES = 4 * MiB
 """Payload bytes per Page message (well under the 64 MiB message limit)."""
@@ -51,12 +56,16 @@ class AssembledPage:
 
 
 class PageAssembler:
-    """Feeds pieces in order; ``add`` returns a whole page on its last piece, else None."""
+    """Feeds pieces in order; ``add`` returns a whole page on its last piece, else None.
+
+    Memory grows only with the bytes that arrived: a piece's ``total_size`` is an announcement, checked
+    against ``max_page_bytes`` at once but never allocated ahead (the pieces are joined on the last one).
+    """
 
     def __init__(self, max_page_bytes: int) -> None:
         self.max_page_bytes = max_page_bytes
         self._head: pb.Page | None = None
-        self._buf: bytearray | None = None
+        self._pieces: list[bytes] = []
         self._filled = 0
 
     @property
@@ -77,7 +86,7 @@ class PageAssembler:
             if piece.last_piece and size == piece.total_size:
                 return AssembledPage(piece.layout_fingerprint, piece.block_hash, piece.payload, piece.checksum)
             self._head = piece
-            self._buf = bytearray(piece.total_size)
+            self._pieces = []
             self._filled = 0
         head = self._head
         name = key_str(head.layout_fingerprint, head.block_hash)
@@ -92,16 +101,16 @@ class PageAssembler:
         if self._filled + size > head.total_size:
             raise PageStreamError("invalid", f"page {name}: pieces add up to more than total_size "
                                   f"{head.total_size} bytes")
-        assert self._buf is not None
-        self._buf[self._filled:self._filled + size] = piece.payload
+        if size:
+            self._pieces.append(piece.payload)
         self._filled += size
         if not piece.last_piece:
             return None
         if self._filled != head.total_size:
             raise PageStreamError("invalid", f"page {name}: truncated: pieces add up to {self._filled} of "
                                   f"total_size {head.total_size} bytes")
-        page = AssembledPage(head.layout_fingerprint, head.block_hash, bytes(self._buf), head.checksum)
-        self._head, self._buf, self._filled = None, None, 0
+        page = AssembledPage(head.layout_fingerprint, head.block_hash, b"".join(self._pieces), head.checksum)
+        self._head, self._pieces, self._filled = None, [], 0
         return page
 
     def finish(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import sys
 from collections.abc import Sequence
@@ -45,11 +46,14 @@ class KVStoreService:
         self.cfg = cfg
         self.server = ServiceServer("kvstore", cfg, on_shutdown=self.close)
         self.servicer = KVStoreServicer(None, max_page_bytes=cfg.max_page_bytes, piece_bytes=cfg.piece_bytes,
-                                        draining=self.server.draining)
+                                        draining=self.server.draining,
+                                        max_inflight_put_bytes=cfg.max_inflight_put_bytes,
+                                        put_idle_timeout_s=cfg.put_idle_timeout_s, tls_on=cfg.tls_enabled)
         self.server.add_service(pb_grpc.add_KVStoreServicer_to_server, self.servicer)
         self.metrics = KVStoreMetrics(prometheus_client.REGISTRY)
         self._last: dict[str, dict[str, int]] = {}
         self._last_io: dict[str, int] = {}
+        self._last_refused: dict[str, int] = {}
         self._metrics_task: asyncio.Task | None = None
 
     async def warmup(self) -> None:
@@ -74,6 +78,10 @@ class KVStoreService:
             value = getattr(self.servicer, f"{name}_bytes")
             counter.inc(max(0, value - self._last_io.get(name, 0)))
             self._last_io[name] = value
+        for reason, value in list(self.servicer.put_refused.items()):
+            m.put_refused_total.labels(reason).inc(max(0, value - self._last_refused.get(reason, 0)))
+            self._last_refused[reason] = value
+        m.put_inflight_bytes.set(self.servicer.quota.used)
 
     async def _metrics_loop(self) -> None:
         while True:
@@ -83,6 +91,8 @@ class KVStoreService:
     async def close(self) -> None:
         if self._metrics_task is not None:
             self._metrics_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._metrics_task
         if self.servicer.backend is not None:
             await self.servicer.backend.close()
 

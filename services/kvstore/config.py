@@ -31,6 +31,12 @@ class KVStoreConfig(ServerConfig):
                               env=_env("max_page_bytes"))
     piece_bytes: int = opt(4 * MiB, "Payload bytes per Page message when streaming a page (bytes).",
                            env=_env("piece_bytes"))
+    max_inflight_put_bytes: int = opt(256 * MiB, "Most page bytes all open Put streams together may be assembling "
+                                      "(bytes, counted as each page announces its total_size); past it Put "
+                                      "answers RESOURCE_EXHAUSTED.", env=_env("max_inflight_put_bytes"))
+    put_idle_timeout_s: float = opt(30.0, "A Put stream sending no piece for this long is ended (seconds); it "
+                                          "frees the quota its unfinished page holds.",
+                                    env=_env("put_idle_timeout_s"))
     mooncake_master: str = opt("127.0.0.1:50051", "mooncake: master RPC address host:port.",
                                env=_env("mooncake_master"))
     mooncake_local_hostname: str = opt("127.0.0.1", "mooncake: address other Mooncake clients reach us at.",
@@ -52,6 +58,9 @@ class KVStoreConfig(ServerConfig):
         require(self.memory_bytes >= 0, self, "memory_bytes", f"must be >= 0, got {self.memory_bytes}")
         require(self.disk_bytes >= 0, self, "disk_bytes", f"must be >= 0, got {self.disk_bytes}")
         require(self.max_page_bytes > 0, self, "max_page_bytes", f"must be > 0, got {self.max_page_bytes}")
+        require(self.max_inflight_put_bytes >= self.max_page_bytes, self, "max_inflight_put_bytes",
+                f"must be >= --max-page-bytes ({self.max_page_bytes}), got {self.max_inflight_put_bytes}")
+        require(self.put_idle_timeout_s > 0, self, "put_idle_timeout_s", f"must be > 0, got {self.put_idle_timeout_s}")
         require(0 < self.piece_bytes <= payload_budget(self.max_message_bytes), self, "piece_bytes",
                 f"must be in (0, {payload_budget(self.max_message_bytes)}] to fit a "
                 f"{self.max_message_bytes}-byte message (--max-message-bytes), got {self.piece_bytes}")

@@ -1,16 +1,24 @@
-"""gRPC KVStore servicer: proto <-> backend calls, bad input refused with a status naming what and why."""
+"""gRPC KVStore servicer: proto <-> backend calls, bad input refused with a status naming what and why.
+
+Writes are guarded: with mTLS on, only a peer whose certificate says ``prefill`` may Put or Delete
+(Lookup/Get answer any authenticated peer). A Put stream never allocates what a page announces: pieces
+are kept as they arrive, and the pages all open Put streams are assembling may announce at most
+``max_inflight_put_bytes`` together (past it RESOURCE_EXHAUSTED, retryable).
+"""
 
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
-from services.common.grpc_util import abort, abort_if_draining, abort_invalid
+from services.common.grpc_util import Reason, abort, abort_if_draining, abort_invalid, error_detail
 from services.common.kvstore_pages import DEFAULT_PIECE_BYTES, PageAssembler, PageStreamError, split_page
 from services.common.pb import kvstore_pb2 as pb
 from services.common.pb import kvstore_pb2_grpc as pb_grpc
+from services.common.tls import peer_may_write_kv
 from services.kvstore.backend import (
     ChecksumMismatchError,
     InvalidKeyError,
@@ -22,26 +30,62 @@ from services.kvstore.backend import (
 )
 
 SERVICE = "kvstore"
+QUOTA_RETRY_AFTER_MS = 1000
+"""Suggested wait before retrying a Put refused for the in-flight quota (milliseconds)."""
+
+
+class PutQuota:
+    """Bytes announced by the pages open Put streams are assembling (one event loop: no lock)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def take(self, n: int) -> bool:
+        if self.used + n > self.limit:
+            return False
+        self.used += n
+        return True
+
+    def release(self, n: int) -> None:
+        self.used -= n
+        assert self.used >= 0, "PutQuota released more than it took"
 
 
 class KVStoreServicer(pb_grpc.KVStoreServicer):
     """``backend`` may be set after registration (it opens during warmup); until then UNAVAILABLE."""
 
     def __init__(self, backend: KVStoreBackend | None, *, max_page_bytes: int,
-                 piece_bytes: int = DEFAULT_PIECE_BYTES, draining: asyncio.Event | None = None) -> None:
+                 piece_bytes: int = DEFAULT_PIECE_BYTES, draining: asyncio.Event | None = None,
+                 max_inflight_put_bytes: int = 256 << 20, put_idle_timeout_s: float = 30.0,
+                 tls_on: bool = False) -> None:
         self.backend = backend
         self.max_page_bytes = max_page_bytes
         self.piece_bytes = piece_bytes
         self.draining = draining if draining is not None else asyncio.Event()
+        self.quota = PutQuota(max_inflight_put_bytes)
+        self.put_idle_timeout_s = put_idle_timeout_s
+        self.tls_on = tls_on
+        """With mTLS on, Put and Delete need a peer certificate with role prefill."""
         self.get_bytes = 0
         """Page bytes returned by Get since start."""
         self.put_bytes = 0
         """Page bytes accepted by Put since start."""
+        self.put_refused: Counter[str] = Counter()
+        """Put streams refused since start, by reason (the metric's label)."""
 
     async def _backend(self, context: grpc.aio.ServicerContext) -> KVStoreBackend:
         if self.backend is None:
-            await abort(context, grpc.StatusCode.UNAVAILABLE, "kvstore is starting: its backend is not open yet")
+            await abort(context, grpc.StatusCode.UNAVAILABLE, "kvstore is starting: its backend is not open yet",
+                        error_detail(Reason.ERROR_REASON_LOADING, retryable=True, side=SERVICE))
         return self.backend
+
+    async def _require_writer(self, context: grpc.aio.ServicerContext, rpc: str) -> None:
+        if not peer_may_write_kv(context, self.tls_on):
+            self.put_refused["permission"] += rpc == "Put"
+            await abort(context, grpc.StatusCode.PERMISSION_DENIED,
+                        f"{rpc}: only a prefill (client certificate role 'prefill') may write KV pages",
+                        error_detail(Reason.ERROR_REASON_PERMISSION, side=SERVICE))
 
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
         backend = await self._backend(context)
@@ -69,13 +113,35 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     async def Put(self, request_iterator: AsyncIterator[pb.Page], context: grpc.aio.ServicerContext
                   ) -> pb.PutResponse:
         await abort_if_draining(context, self.draining, SERVICE)
+        await self._require_writer(context, "Put")
         backend = await self._backend(context)
         assembler = PageAssembler(self.max_page_bytes)
         stored = skipped = 0
+        held = 0  # quota this stream holds for the page it is assembling (bytes)
+        reason, code, message = "", grpc.StatusCode.OK, ""
+        detail = None
+        pieces = aiter(request_iterator)
         try:
-            async for piece in request_iterator:
+            while True:
+                try:
+                    piece = await asyncio.wait_for(anext(pieces), self.put_idle_timeout_s)
+                except StopAsyncIteration:
+                    break
                 if assembler.in_progress is None:
-                    await _check_keys(context, piece.layout_fingerprint, [piece.block_hash])
+                    bad = _key_problem(piece.layout_fingerprint, [piece.block_hash])
+                    if bad is not None:
+                        reason, code, message = "invalid", grpc.StatusCode.INVALID_ARGUMENT, f"{bad[0]}: {bad[1]}"
+                        break
+                    if piece.total_size <= self.max_page_bytes:  # larger: the assembler refuses it below
+                        if not self.quota.take(piece.total_size):
+                            reason, code = "quota", grpc.StatusCode.RESOURCE_EXHAUSTED
+                            message = (f"page {key_str(piece.layout_fingerprint, piece.block_hash)}: open Put "
+                                       f"streams already hold {self.quota.used} of {self.quota.limit} bytes "
+                                       f"(--max-inflight-put-bytes); {piece.total_size} more do not fit")
+                            detail = error_detail(Reason.ERROR_REASON_OVERLOADED, retryable=True, side=SERVICE,
+                                                  retry_after_ms=QUOTA_RETRY_AFTER_MS)
+                            break
+                        held = piece.total_size
                 page = assembler.add(piece)
                 if page is None:
                     continue
@@ -84,19 +150,36 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                     self.put_bytes += len(page.data)
                 else:
                     skipped += 1
-            assembler.finish()
+                self.quota.release(held)
+                held = 0
+            if not reason:
+                assembler.finish()
+        except TimeoutError:
+            reason, code = "idle", grpc.StatusCode.DEADLINE_EXCEEDED
+            message = f"no piece for {self.put_idle_timeout_s} s (--put-idle-timeout-s)"
         except PageStreamError as e:
-            code = grpc.StatusCode.RESOURCE_EXHAUSTED if e.kind == "too_large" else grpc.StatusCode.INVALID_ARGUMENT
-            await abort(context, code, f"{e} ({stored} earlier pages stored, {skipped} skipped)")
+            too_large = e.kind == "too_large"
+            reason = "too_large" if too_large else "invalid"
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if too_large else grpc.StatusCode.INVALID_ARGUMENT
+            message = str(e)
+            detail = error_detail(Reason.ERROR_REASON_INVALID_INPUT, side=SERVICE, field="total_size" if too_large
+                                  else "")
         except ChecksumMismatchError as e:
-            await abort(context, grpc.StatusCode.DATA_LOSS, f"{e} ({stored} earlier pages stored)")
+            reason, code, message = "checksum", grpc.StatusCode.DATA_LOSS, str(e)
         except PageTooLargeError as e:
-            await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            reason, code, message = "too_large", grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
+            detail = error_detail(Reason.ERROR_REASON_INVALID_INPUT, side=SERVICE, field="total_size")
         except InvalidKeyError as e:
-            await abort_invalid(context, "page key", str(e))
+            reason, code, message = "invalid", grpc.StatusCode.INVALID_ARGUMENT, f"page key: {e}"
+        finally:
+            self.quota.release(held)
+        if reason:
+            self.put_refused[reason] += 1
+            await abort(context, code, f"{message} ({stored} earlier pages stored, {skipped} skipped)", detail)
         return pb.PutResponse(stored=stored, skipped_existing=skipped)
 
     async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
+        await self._require_writer(context, "Delete")
         backend = await self._backend(context)
         fp = request.layout_fingerprint
         await _check_keys(context, fp, request.block_hashes)
@@ -116,11 +199,19 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         ])
 
 
-async def _check_keys(context: grpc.aio.ServicerContext, fp: str, hashes: Sequence[bytes]) -> None:
+def _key_problem(fp: str, hashes: Sequence[bytes]) -> tuple[str, str] | None:
+    """(field, why) of the first malformed key part, or None."""
     problem = fingerprint_problem(fp)
     if problem is not None:
-        await abort_invalid(context, "layout_fingerprint", problem)
+        return "layout_fingerprint", problem
     for i, h in enumerate(hashes):
         problem = hash_problem(h)
         if problem is not None:
-            await abort_invalid(context, f"block_hashes[{i}]" if len(hashes) > 1 else "block_hash", problem)
+            return (f"block_hashes[{i}]" if len(hashes) > 1 else "block_hash"), problem
+    return None
+
+
+async def _check_keys(context: grpc.aio.ServicerContext, fp: str, hashes: Sequence[bytes]) -> None:
+    bad = _key_problem(fp, hashes)
+    if bad is not None:
+        await abort_invalid(context, *bad)

@@ -1,0 +1,226 @@
+"""kvstore Put under attack: announcements cost nothing until bytes arrive, a quota bounds all open Put
+streams together, idle streams end, and with mTLS only a prefill may write (issue 9)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.common.grpc_util import Reason, create_channel, detail_of, server_options
+from services.common.kvstore_client import KVStoreClient
+from services.common.pb import kvstore_pb2 as pb
+from services.common.pb import kvstore_pb2_grpc as pb_grpc
+from services.common.tls import DEFAULT_SERVER_NAME, TLSConfig, make_certs
+from services.engine.checksum import checksum
+from services.kvstore.embedded import EmbeddedBackend
+from services.kvstore.servicer import KVStoreServicer
+from tests.kvstore.conftest import KiB, MiB, new_fp, new_hash
+
+
+@dataclass
+class Store:
+    address: str
+    servicer: KVStoreServicer
+
+
+async def _serve(tls: TLSConfig | None = None, **kwargs) -> tuple[grpc.aio.Server, Store]:
+    kwargs.setdefault("max_page_bytes", 64 * MiB)
+    servicer = KVStoreServicer(EmbeddedBackend(memory_bytes=256 * MiB), tls_on=tls is not None, **kwargs)
+    server = grpc.aio.server(options=server_options())
+    pb_grpc.add_KVStoreServicer_to_server(servicer, server)
+    if tls is None:
+        port = server.add_insecure_port("127.0.0.1:0")
+    else:
+        port = server.add_secure_port("127.0.0.1:0", tls.server_credentials())
+    await server.start()
+    return server, Store(f"127.0.0.1:{port}", servicer)
+
+
+@pytest.fixture
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
+    server, s = await _serve(**getattr(request, "param", {}))
+    try:
+        yield s
+    finally:
+        await server.stop(0)
+        await s.servicer.backend.close()
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+class OpenPut:
+    """A Put stream that sends the first piece of a page announcing ``total`` bytes, then waits."""
+
+    def __init__(self, stub: pb_grpc.KVStoreStub, total: int, first: int = 64 * KiB) -> None:
+        self.fp, self.h = new_fp(), new_hash()
+        self.data = os.urandom(first)
+        self.total = total
+        self.release = asyncio.Event()
+        self.finish_page = False
+        self.call = stub.Put(self._pieces())
+
+    async def _pieces(self) -> AsyncIterator[pb.Page]:
+        rest = os.urandom(self.total - len(self.data)) if self.total <= 8 * MiB else b""
+        crc = checksum(self.data + rest)  # the same on every piece of a page
+        yield pb.Page(layout_fingerprint=self.fp, block_hash=self.h, payload=self.data, checksum=crc, offset=0,
+                      total_size=self.total)
+        await self.release.wait()
+        if self.finish_page:
+            yield pb.Page(layout_fingerprint=self.fp, block_hash=self.h, payload=rest, checksum=crc,
+                          offset=len(self.data), total_size=self.total, last_piece=True)
+
+    async def outcome(self) -> grpc.StatusCode | pb.PutResponse:
+        try:
+            return await self.call
+        except grpc.aio.AioRpcError as e:
+            return e.code()
+
+
+async def _wait_for(cond, timeout_s: float = 10.0) -> None:
+    for _ in range(int(timeout_s / 0.02)):
+        if cond():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
+async def test_huge_announcements_cost_no_memory_and_the_quota_refuses_the_rest(store: Store) -> None:
+    """10 streams announcing 60 MiB each (the attack that cost +615 MB RSS): at most the 256 MiB quota's
+    worth is admitted (4), the other 6 get RESOURCE_EXHAUSTED at once, and RSS grows by what arrived."""
+    announced = 60 * MiB
+    async with create_channel(store.address) as ch:
+        stub = pb_grpc.KVStoreStub(ch)
+        await KVStoreClient(ch).stats()  # channel up before the RSS baseline
+        rss0 = _rss_bytes()
+        puts = [OpenPut(stub, announced) for _ in range(10)]
+        await _wait_for(lambda: store.servicer.put_refused["quota"] == 6)
+        assert store.servicer.quota.used == 4 * announced
+        grown = _rss_bytes() - rss0
+        assert grown < 40 * MiB, f"RSS grew {grown / MiB:.1f} MiB for {10 * announced / MiB:.0f} MiB announced"
+        refused = [p for p in puts if p.call.done()]
+        assert len(refused) == 6
+        for p in refused:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await p.call
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            d = detail_of(e.value)
+            assert (d.reason, d.retryable, d.side) == (Reason.ERROR_REASON_OVERLOADED, True, "kvstore")
+            assert d.retry_after_ms > 0 and "--max-inflight-put-bytes" in e.value.details()
+        for p in puts:
+            p.release.set()  # the admitted four end truncated
+        outcomes = await asyncio.gather(*(p.outcome() for p in puts))
+        assert outcomes.count(grpc.StatusCode.INVALID_ARGUMENT) == 4
+        assert store.servicer.quota.used == 0
+        # The store still serves.
+        data = os.urandom(4 * KiB)
+        h = new_hash()
+        resp = await KVStoreClient(ch).put(new_fp(), [(h, data, checksum(data))])
+        assert resp.stored == 1
+
+
+async def test_announcement_over_the_page_limit_is_refused_at_once(store: Store) -> None:
+    async with create_channel(store.address) as ch:
+        p = OpenPut(pb_grpc.KVStoreStub(ch), 64 * MiB + 1)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await asyncio.wait_for(p.call, 10)  # never released: refused before the stream ends
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert detail_of(e.value).reason == Reason.ERROR_REASON_INVALID_INPUT
+        assert store.servicer.put_refused["too_large"] == 1 and store.servicer.quota.used == 0
+
+
+@pytest.mark.parametrize("store", [dict(max_page_bytes=4 * MiB, max_inflight_put_bytes=8 * MiB)], indirect=True)
+async def test_quota_is_shared_by_concurrent_streams_and_freed_as_pages_land(store: Store) -> None:
+    async with create_channel(store.address) as ch:
+        stub = pb_grpc.KVStoreStub(ch)
+        a, b = OpenPut(stub, 3 * MiB), OpenPut(stub, 3 * MiB)
+        await _wait_for(lambda: store.servicer.quota.used == 6 * MiB)
+        c = OpenPut(stub, 3 * MiB)
+        assert await asyncio.wait_for(c.outcome(), 10) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        a.finish_page = True
+        a.release.set()
+        resp = await a.outcome()
+        assert isinstance(resp, pb.PutResponse) and resp.stored == 1
+        assert store.servicer.quota.used == 3 * MiB  # b still holds its page
+        d = OpenPut(stub, 3 * MiB)
+        await _wait_for(lambda: store.servicer.quota.used == 6 * MiB)  # a's share went to d
+        for p in (b, d):
+            p.finish_page = True
+            p.release.set()
+        assert [r.stored for r in await asyncio.gather(b.outcome(), d.outcome())] == [1, 1]
+        assert store.servicer.quota.used == 0
+        got = await KVStoreClient(ch).get(a.fp, [a.h])
+        assert len(got[0].data) == 3 * MiB
+
+
+@pytest.mark.parametrize("store", [dict(put_idle_timeout_s=0.3)], indirect=True)
+async def test_an_idle_put_stream_ends_and_frees_its_quota(store: Store) -> None:
+    async with create_channel(store.address) as ch:
+        p = OpenPut(pb_grpc.KVStoreStub(ch), 1 * MiB)
+        assert await asyncio.wait_for(p.outcome(), 10) == grpc.StatusCode.DEADLINE_EXCEEDED
+        p.release.set()
+    assert store.servicer.quota.used == 0 and store.servicer.put_refused["idle"] == 1
+
+
+# --- mTLS: only a prefill writes ------------------------------------------------------------------
+
+
+def _tls(d: Path, role: str) -> TLSConfig:
+    return TLSConfig(tls_cert=str(d / f"{role}.pem"), tls_key=str(d / f"{role}-key.pem"), tls_ca=str(d / "ca.pem"))
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+async def test_with_mtls_only_a_prefill_may_put_or_delete(certs: Path, tmp_path: Path) -> None:
+    server, s = await _serve(_tls(certs, "kvstore"))
+    fp = new_fp()
+    data = os.urandom(8 * KiB)
+    page = (new_hash(), data, checksum(data))
+    try:
+        async with create_channel(s.address, tls=_tls(certs, "router")) as ch:
+            router = KVStoreClient(ch)
+            for call in (router.put(fp, [page]), router.delete(fp, [page[0]])):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await call
+                assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                assert detail_of(e.value).reason == Reason.ERROR_REASON_PERMISSION
+            assert (await router.lookup(fp, [page[0]])).num_present == 0  # reads are fine, nothing landed
+        async with create_channel(s.address, tls=_tls(certs, "prefill")) as ch:
+            prefill = KVStoreClient(ch)
+            assert (await prefill.put(fp, [page])).stored == 1
+        async with create_channel(s.address, tls=_tls(certs, "decode")) as ch:
+            got = await KVStoreClient(ch).get(fp, [page[0]])  # any authenticated peer reads
+            assert got[0].data == data
+        # No client certificate: the handshake fails, nothing is answered.
+        creds = grpc.ssl_channel_credentials(root_certificates=(certs / "ca.pem").read_bytes())
+        async with grpc.aio.secure_channel(s.address, creds, options=[
+                ("grpc.ssl_target_name_override", DEFAULT_SERVER_NAME)]) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await KVStoreClient(ch).lookup(fp, [page[0]])
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        # A certificate from another CA (role prefill in its name) is refused the same way.
+        other = make_certs(tmp_path / "other", roles=("prefill",))
+        async with create_channel(s.address, tls=TLSConfig(
+                tls_cert=str(other / "prefill.pem"), tls_key=str(other / "prefill-key.pem"),
+                tls_ca=str(certs / "ca.pem"))) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await KVStoreClient(ch).put(fp, [(new_hash(), data, checksum(data))])
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert s.servicer.put_refused["permission"] == 1
+    finally:
+        await server.stop(0)
+        await s.servicer.backend.close()
