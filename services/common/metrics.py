@@ -74,6 +74,9 @@ PREFILL_KV_CHUNKS_SENT_TOTAL = "pdserve_prefill_kv_chunks_sent_total"
 PREFILL_KV_TRANSFER_FAILURES_TOTAL = "pdserve_prefill_kv_transfer_failures_total"
 PREFILL_RUNNING_REQUESTS = "pdserve_prefill_running_requests"
 PREFILL_WAITING_REQUESTS = "pdserve_prefill_waiting_requests"
+PREFILL_REQUESTS_ABORTED_TOTAL = "pdserve_prefill_requests_aborted_total"
+PREFILL_KVSTORE_ERRORS_TOTAL = "pdserve_prefill_kvstore_errors_total"
+PREFILL_KV_TRANSPORT_FALLBACKS_TOTAL = "pdserve_prefill_kv_transport_fallbacks_total"
 
 # --- decode -------------------------------------------------------------------------------------
 DECODE_KV_WAIT_SECONDS = "pdserve_decode_kv_wait_seconds"
@@ -99,6 +102,8 @@ KVSTORE_STORED_BYTES = "pdserve_kvstore_stored_bytes"
 KVSTORE_ENTRIES = "pdserve_kvstore_entries"
 KVSTORE_GET_BYTES_TOTAL = "pdserve_kvstore_get_bytes_total"
 KVSTORE_PUT_BYTES_TOTAL = "pdserve_kvstore_put_bytes_total"
+KVSTORE_PUT_REFUSED_TOTAL = "pdserve_kvstore_put_refused_total"
+KVSTORE_PUT_INFLIGHT_BYTES = "pdserve_kvstore_put_inflight_bytes"
 
 
 @dataclass(frozen=True)
@@ -154,6 +159,14 @@ SPECS: tuple[MetricSpec, ...] = (
        "KV transfers to decode that failed, by transport and reason."),
     _s(PREFILL_RUNNING_REQUESTS, "gauge", ["model"], "prefill", "Requests with a chunk in the running batch."),
     _s(PREFILL_WAITING_REQUESTS, "gauge", ["model"], "prefill", "Requests queued, no chunk scheduled yet."),
+    _s(PREFILL_REQUESTS_ABORTED_TOTAL, "counter", ["reason"], "prefill",
+       "Prefill requests that ended without a first token, by reason (overloaded, invalid, deadline, "
+       "cancelled, kv_handoff, permission)."),
+    _s(PREFILL_KVSTORE_ERRORS_TOTAL, "counter", ["reason"], "prefill",
+       "kvstore calls that failed or were skipped (the request went on without reuse), by reason "
+       "(lookup, get, put, bad_page, down, write_back_dropped)."),
+    _s(PREFILL_KV_TRANSPORT_FALLBACKS_TOTAL, "counter", ["transport", "reason"], "prefill",
+       "Requests whose side transport (shm, cuda-ipc) was refused, so pages went as bytes in the stream."),
     # decode
     _s(DECODE_KV_WAIT_SECONDS, "histogram", ["model"], "decode",
        "Decode KV-wait: reservation -> last KV chunk landed (seconds). Includes prefill queue and "
@@ -191,6 +204,10 @@ SPECS: tuple[MetricSpec, ...] = (
     _s(KVSTORE_ENTRIES, "gauge", ["tier"], "kvstore", "KV pages held by this tier."),
     _s(KVSTORE_GET_BYTES_TOTAL, "counter", [], "kvstore", "Page bytes returned by Get."),
     _s(KVSTORE_PUT_BYTES_TOTAL, "counter", [], "kvstore", "Page bytes accepted by Put."),
+    _s(KVSTORE_PUT_REFUSED_TOTAL, "counter", ["reason"], "kvstore",
+       "Put streams refused, by reason (too_large, quota, permission, invalid, checksum, idle)."),
+    _s(KVSTORE_PUT_INFLIGHT_BYTES, "gauge", [], "kvstore",
+       "Bytes announced by pages of open Put streams, held against --max-inflight-put-bytes."),
 )
 
 SPECS_BY_NAME: dict[str, MetricSpec] = {s.name: s for s in SPECS}
@@ -288,6 +305,9 @@ class PrefillMetrics(MetricGroup):
         self.kv_transfer_failures_total = self._counter(PREFILL_KV_TRANSFER_FAILURES_TOTAL)
         self.running_requests = self._gauge(PREFILL_RUNNING_REQUESTS)
         self.waiting_requests = self._gauge(PREFILL_WAITING_REQUESTS)
+        self.requests_aborted_total = self._counter(PREFILL_REQUESTS_ABORTED_TOTAL)
+        self.kvstore_errors_total = self._counter(PREFILL_KVSTORE_ERRORS_TOTAL)
+        self.kv_transport_fallbacks_total = self._counter(PREFILL_KV_TRANSPORT_FALLBACKS_TOTAL)
 
 
 class DecodeMetrics(MetricGroup):
@@ -323,6 +343,8 @@ class KVStoreMetrics(MetricGroup):
         self.entries = self._gauge(KVSTORE_ENTRIES)
         self.get_bytes_total = self._counter(KVSTORE_GET_BYTES_TOTAL)
         self.put_bytes_total = self._counter(KVSTORE_PUT_BYTES_TOTAL)
+        self.put_refused_total = self._counter(KVSTORE_PUT_REFUSED_TOTAL)
+        self.put_inflight_bytes = self._gauge(KVSTORE_PUT_INFLIGHT_BYTES)
 
 
 METRICS_CLASSES: dict[str, type[MetricGroup]] = {
