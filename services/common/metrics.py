@@ -25,6 +25,7 @@ Label values (small, closed sets; never request ids or prompts):
     source         local | kvstore | decode   (where a cached prefix came from)
     transport      grpc | cuda-ipc | mooncake
     tier           memory | disk | mooncake
+    outcome        ok | failed   (router migrations)
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ ROUTER_ERRORS_TOTAL = "pdserve_router_errors_total"
 ROUTER_DISPATCH_RETRIES_TOTAL = "pdserve_router_dispatch_retries_total"
 ROUTER_INFLIGHT_REQUESTS = "pdserve_router_inflight_requests"
 ROUTER_INSTANCE_HEALTHY = "pdserve_router_instance_healthy"
+ROUTER_MIGRATIONS_TOTAL = "pdserve_router_migrations_total"
 
 # --- prefill ------------------------------------------------------------------------------------
 PREFILL_QUEUE_SECONDS = "pdserve_prefill_queue_seconds"
@@ -141,6 +143,8 @@ SPECS: tuple[MetricSpec, ...] = (
     _s(ROUTER_INFLIGHT_REQUESTS, "gauge", ["model"], "router", "Client requests currently in flight."),
     _s(ROUTER_INSTANCE_HEALTHY, "gauge", ["role", "endpoint"], "router",
        "1 if the router sees the backend instance as SERVING, else 0."),
+    _s(ROUTER_MIGRATIONS_TOTAL, "counter", ["outcome"], "router",
+       "Streams moved to another decode after theirs died mid-generation, by outcome (ok, failed)."),
     # prefill
     _s(PREFILL_QUEUE_SECONDS, "histogram", ["model"], "prefill",
        "Prefill queue: Prefill request arrives -> its first chunk is scheduled (seconds)."),
@@ -288,6 +292,7 @@ class RouterMetrics(MetricGroup):
         self.dispatch_retries_total = self._counter(ROUTER_DISPATCH_RETRIES_TOTAL)
         self.inflight_requests = self._gauge(ROUTER_INFLIGHT_REQUESTS)
         self.instance_healthy = self._gauge(ROUTER_INSTANCE_HEALTHY)
+        self.migrations_total = self._counter(ROUTER_MIGRATIONS_TOTAL)
 
 
 class PrefillMetrics(MetricGroup):

@@ -33,14 +33,14 @@ async def amain(cfg: RouterConfig) -> None:
         metrics.instance_healthy.labels(inst.role, inst.address).set(1 if inst.healthy else 0)
 
     prefill_targets = RouterConfig.targets(cfg.prefill)
+    pool_args = dict(health_interval_s=cfg.health_interval_s, dead_after_s=cfg.dead_after_s,
+                     resolve_interval_s=cfg.resolve_interval_s, tls=cfg if cfg.tls_enabled else None,
+                     on_health=on_health)
     decode_pool = InstancePool("decode" if prefill_targets else "worker", RouterConfig.targets(cfg.decode),
-                               health_interval_s=cfg.health_interval_s, resolve_interval_s=cfg.resolve_interval_s,
-                               on_health=on_health)
-    prefill_pool = InstancePool("prefill", prefill_targets, health_interval_s=cfg.health_interval_s,
-                                resolve_interval_s=cfg.resolve_interval_s,
-                                on_health=on_health) if prefill_targets else None
+                               **pool_args)
+    prefill_pool = InstancePool("prefill", prefill_targets, **pool_args) if prefill_targets else None
     backend = DisaggregatedBackend(prefill_pool, decode_pool, DispatchSettings(
-        policy=cfg.policy, lease_ms=cfg.lease_ms, max_retries=cfg.max_retries,
+        policy=cfg.policy, prefix_credit=cfg.prefix_credit, lease_ms=cfg.lease_ms, max_retries=cfg.max_retries,
         chunked_transfer=cfg.chunked_transfer, timeout_s=cfg.request_timeout_s), metrics, served)
     pipeline = TextPipeline(tok, backend, max_len)
     runner: web.AppRunner | None = None
@@ -49,6 +49,7 @@ async def amain(cfg: RouterConfig) -> None:
     async def shutdown() -> None:
         if runner is not None:
             await runner.cleanup()
+        await backend.close()
         for p in pools:
             await p.close()
 

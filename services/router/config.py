@@ -21,11 +21,20 @@ class RouterConfig(ServerConfig):
                                   "the workers; default: the embedded SmolLM2-135M-Instruct).")
     served_model_name: str = opt("", "Model name clients send and /v1/models lists; empty: the model's id.")
     policy: str = opt("prefix_aware", "Instance selection policy.", choices=POLICIES)
-    lease_ms: int = opt(30_000, "Decode reservation lease: freed if its KV has not arrived by then (ms).")
-    max_retries: int = opt(2, "Other instances tried when one is unavailable before sending KV.")
+    prefix_credit: float = opt(2.0, "prefix_aware: load units (queued requests) a cached copy of the whole "
+                                    "prompt is worth; a shared system prompt wins only until that instance has "
+                                    "this many more requests than another.")
+    lease_ms: int = opt(30_000, "Longest decode reservation lease the router asks for (ms), never past the "
+                                "request's deadline; renewed every lease/3 while its prefill runs, so it "
+                                "lapses this long after a router disappears.")
+    max_retries: int = opt(2, "Other instances tried per dispatch step when one is full or unreachable "
+                              "(Reserve, Prefill); also the most migrations of one stream to another decode.")
     chunked_transfer: bool | None = opt(None, "Force chunked KV transfer on/off for every request; "
                                               "unset: each prefill's own default.")
     health_interval_s: float = opt(1.0, "Health and load polling period per instance (seconds).")
+    dead_after_s: float = opt(10.0, "An instance is dead after this long without a SERVING health answer "
+                                    "(seconds); a refused connection or NOT_SERVING is dead at once, a slow "
+                                    "answer is not.")
     resolve_interval_s: float = opt(10.0, "DNS re-resolution period for dns: targets (seconds).")
     request_timeout_s: float = opt(600.0, "Longest a request may run (seconds).")
     max_body_bytes: int = opt(4 << 20, "Largest HTTP request body (bytes); larger answers 413.")
@@ -37,6 +46,8 @@ class RouterConfig(ServerConfig):
         require(bool(self.decode), self, "decode", "at least one decode instance is required")
         require(self.max_retries >= 0, self, "max_retries", f"must be >= 0, got {self.max_retries}")
         require(self.lease_ms > 0, self, "lease_ms", f"must be > 0, got {self.lease_ms}")
+        require(self.dead_after_s > 0, self, "dead_after_s", f"must be > 0, got {self.dead_after_s}")
+        require(self.prefix_credit >= 0, self, "prefix_credit", f"must be >= 0, got {self.prefix_credit}")
 
     @staticmethod
     def targets(value: str) -> list[str]:

@@ -7,7 +7,10 @@ from collections.abc import AsyncIterator
 
 from services.engine.async_engine import AsyncEngine, EngineDeadError
 from services.engine.sampling_params import InvalidRequestError, SamplingParams
+from services.engine.sequence import FinishReason
 from services.router.pipeline import BackendError, TokenEvent
+
+_COMPLETED = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 
 
 class LocalEngineBackend:
@@ -18,13 +21,18 @@ class LocalEngineBackend:
     def model_name(self) -> str:
         return self._model_name
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
-                       ) -> AsyncIterator[TokenEvent]:
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
+                       deadline: float | None = None) -> AsyncIterator[TokenEvent]:
+        """``deadline`` is enforced by the pipeline; this engine runs in the caller's process."""
         stream = self.engine.generate(prompt_ids, params, request_id, detokenize=False)
         try:
             async with contextlib.aclosing(stream):  # closing it early aborts the request
                 async for out in stream:
-                    reason = (out.finish_reason.value if out.finish_reason else "stop") if out.finished else None
+                    reason = None
+                    if out.finished:
+                        reason = _COMPLETED.get(out.finish_reason or FinishReason.STOP)
+                        if reason is None:  # an engine-side abort is a failure, never an empty success
+                            raise BackendError("unavailable", f"request {request_id}: the engine aborted it")
                     yield TokenEvent(
                         token_ids=list(out.new_token_ids), logprobs=list(out.new_logprobs),
                         finish_reason=reason, prompt_tokens=out.num_prompt_tokens,

@@ -155,6 +155,7 @@ _LABEL_VALUES: dict[str, list[str]] = {
     "source": ["local", "kvstore", "decode"],
     "transport": ["grpc", "mooncake"],
     "tier": ["memory", "disk"],
+    "outcome": ["ok", "failed"],
 }
 
 

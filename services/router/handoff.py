@@ -1,0 +1,275 @@
+"""One P/D dispatch of a prompt: Reserve on a decode, Prefill with its destination, merged token stream.
+
+1. Reserve on decode (it allocates destination blocks, reports which prefix blocks it holds). A full
+   (OVERLOADED), unreachable or departing decode is skipped for the next; when none is left the
+   request fails ``resource_exhausted`` (with a retry-after) if any was only full, else ``unavailable``.
+2. Open decode's token stream for that reservation, and at the same time
+3. send Prefill with that destination. A prefill that dies or is full is retried on another with the
+   SAME reservation (decode keeps it when a PushKV stream breaks); the router renews the lease every
+   lease/3 while Prefill is in flight, so a long prefill queue does not expire it and a router that
+   disappears lets it lapse. No prefill left: the request fails and its reservation is aborted.
+4. The first token arrives with PrefillResponse or first on decode's stream, whichever is first;
+   later tokens come from decode. Tokens are merged by output position, so none is sent twice.
+
+A decode that dies (its stream fails UNAVAILABLE without a detail, ENGINE_DEAD, DRAINING) raises
+:class:`DecodeLostError` out of the attempt; the caller migrates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
+
+from services.common import tracing
+from services.common.convert import params_to_pb
+from services.common.metrics import RouterMetrics
+from services.common.pb import common_pb2, decode_pb2, prefill_pb2
+from services.engine.block_hash import block_hashes
+from services.engine.sampling_params import SamplingParams
+from services.router.instances import Instance, InstancePool, inflight
+from services.router.pipeline import BackendError, TokenEvent
+from services.router.policy import NoInstanceError, choose
+from services.router.request_state import (
+    CONTROL_TIMEOUT_S,
+    DecodeLost,
+    DecodeLostError,
+    DecodeTokens,
+    DispatchEvent,
+    DispatchSettings,
+    Failed,
+    HandoffFailed,
+    PrefillDone,
+    RequestState,
+)
+from services.router.rpc_failure import RpcFailure
+
+log = logging.getLogger(__name__)
+
+_FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
+_FINISH_NAMES = {v.number: v.name for v in common_pb2.FinishReason.DESCRIPTOR.values}
+
+
+def finish_of(msg: common_pb2.GenerateResponse, where: str) -> str | None:
+    """"stop" / "length" / None (not finished). Any other ending (ABORT: lease ran out, the service
+    gave the request up) is a failure, never a successful completion."""
+    if msg.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
+        return None
+    reason = _FINISH.get(msg.finish_reason)
+    if reason is None:
+        name = _FINISH_NAMES.get(msg.finish_reason, str(msg.finish_reason))
+        raise BackendError("unavailable", f"{where} ended the request without completing it ({name})")
+    return reason
+
+
+def pick(pool: InstancePool, settings: DispatchSettings, hashes: list[bytes], exclude: set[str],
+         last: RpcFailure | None) -> Instance:
+    """An instance to try; when none is left, the error the client gets."""
+    try:
+        return choose(pool, settings.policy, hashes, exclude, prefix_credit=settings.prefix_credit)
+    except NoInstanceError as e:
+        raise exhausted(pool.role, last, str(e)) from e
+
+
+def exhausted(role: str, last: RpcFailure | None, why: str) -> BackendError:
+    if last is not None and last.overloaded:
+        return BackendError("resource_exhausted", f"every {role} instance is full ({last.where}: {last.message})",
+                            retry_after_s=last.retry_after_s)
+    if last is not None and not last.retryable:
+        return last.error()
+    suffix = f"; last failure: {last.where}: {last.code.name} {last.message}" if last is not None else ""
+    return BackendError("unavailable", why + suffix)
+
+
+class Handoff:
+    """P/D attempts; one object per router, per-request state in :class:`RequestState`."""
+
+    def __init__(self, prefill: InstancePool, decode: InstancePool, settings: DispatchSettings,
+                 metrics: RouterMetrics, spawn: Callable[[Awaitable[object]], object]) -> None:
+        self.prefill_pool = prefill
+        self.decode_pool = decode
+        self.s = settings
+        self.metrics = metrics
+        self._spawn = spawn
+        """Runs a coroutine in a task the backend owns (aborts that must outlive the request)."""
+
+    async def attempt(self, st: RequestState, prompt: list[int], params: SamplingParams
+                      ) -> AsyncIterator[TokenEvent]:
+        """Token events of ``prompt`` (output positions from 0); raises BackendError or DecodeLostError."""
+        hashes = block_hashes(prompt, self.s.block_size)
+        decode, resv = await self._reserve(st, prompt, params, hashes)
+        st.target = (decode, resv.reservation_id)
+        events: asyncio.Queue[DispatchEvent] = asyncio.Queue()
+        prefill_over = asyncio.Event()
+        tasks = [
+            asyncio.create_task(self._decode_stream(st, decode, resv, events)),
+            asyncio.create_task(self._prefill(st, prompt, params, hashes, decode, resv, events, prefill_over)),
+            asyncio.create_task(self._renew(st, decode, resv, prefill_over)),
+        ]
+        finished = False
+        try:
+            with inflight(decode):
+                emitted = 0
+                from_decode = False  # decode's stream has delivered: the KV landed, prefill's fate no longer matters
+                cached = 0
+                while True:
+                    ev = await events.get()
+                    if isinstance(ev, Failed):
+                        if ev.side == "prefill" and from_decode:
+                            continue
+                        raise ev.error
+                    if isinstance(ev, DecodeLost):
+                        raise DecodeLostError(decode.address, f"{ev.failure.code.name} {ev.failure.message}")
+                    if isinstance(ev, HandoffFailed):
+                        if from_decode:
+                            continue
+                        if not await self.decode_pool.probe(decode):
+                            raise DecodeLostError(decode.address, f"{ev.failure.where}: {ev.failure.message}")
+                        raise ev.failure.error()
+                    if isinstance(ev, PrefillDone):
+                        cached = ev.resp.num_cached_tokens + resv.num_cached_blocks * resv.block_size
+                        if emitted == 0:
+                            emitted = 1
+                            yield TokenEvent([ev.resp.first_token],
+                                             [ev.resp.first_logprob if params.logprobs else None],
+                                             prompt_tokens=len(prompt), cached_tokens=cached)
+                        continue
+                    from_decode = True
+                    msg = ev.msg
+                    reason = finish_of(msg, f"decode {decode.address}")
+                    skip = max(0, emitted - ev.start)
+                    new = list(msg.token_ids)[skip:]
+                    lps: list[float | None] = list(msg.logprobs)[skip:] if msg.logprobs else [None] * len(new)
+                    emitted = max(emitted, ev.start + len(msg.token_ids))
+                    finished = reason is not None  # set before the yield: the consumer may close us there
+                    if new or reason:
+                        yield TokenEvent(new, lps, finish_reason=reason, prompt_tokens=len(prompt),
+                                         cached_tokens=max(cached, msg.usage.cached_tokens))
+                    if finished:
+                        return
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            st.target = None
+            if not finished:
+                self._spawn(abort_quietly(decode, resv.reservation_id, "router"))
+
+    # --- 1. Reserve ---
+
+    async def _reserve(self, st: RequestState, prompt: list[int], params: SamplingParams, hashes: list[bytes]
+                       ) -> tuple[Instance, decode_pb2.ReserveResponse]:
+        tried = set(st.lost)
+        last: RpcFailure | None = None
+        for _ in range(self.s.max_retries + 1):
+            decode = pick(self.decode_pool, self.s, hashes, tried, last)
+            try:
+                with tracing.span("router.reserve", decode=decode.address):
+                    resv = await decode.decode.Reserve(decode_pb2.ReserveRequest(
+                        request_id=st.request_id, token_ids=prompt, params=params_to_pb(params),
+                        lease_ms=st.lease_ms(self.s), deadline_unix=st.deadline_unix),
+                        timeout=st.timeout_s(CONTROL_TIMEOUT_S), metadata=tracing.inject_metadata())
+                decode.remember(hashes)
+                return decode, resv
+            except grpc.aio.AioRpcError as e:
+                last = RpcFailure.of(f"decode {decode.address} Reserve", e)
+                if not last.retryable:
+                    raise last.error() from e
+                last.note(self.decode_pool, decode)
+                self.metrics.dispatch_retries_total.labels("decode", last.label).inc()
+                tried.add(decode.address)
+        raise exhausted("decode", last, f"{self.s.max_retries + 1} decode instances failed Reserve")
+
+    # --- 2. decode's token stream ---
+
+    async def _decode_stream(self, st: RequestState, decode: Instance, resv: decode_pb2.ReserveResponse,
+                             events: asyncio.Queue[DispatchEvent]) -> None:
+        start = 0
+        try:
+            call = decode.decode.Generate(decode_pb2.DecodeGenerateRequest(reservation_id=resv.reservation_id),
+                                          metadata=st.metadata, timeout=st.timeout_s())
+            async for msg in call:
+                await events.put(DecodeTokens(start, msg))
+                start += len(msg.token_ids)
+            await events.put(Failed(BackendError("internal", f"decode {decode.address} ended the stream "
+                                                             "without a finish reason"), "decode"))
+        except grpc.aio.AioRpcError as e:
+            f = RpcFailure.of(f"decode {decode.address} Generate", e)
+            f.note(self.decode_pool, decode)
+            await events.put(DecodeLost(f) if f.instance_lost else Failed(f.error(), "decode"))
+        except BackendError as e:
+            await events.put(Failed(e, "decode"))
+
+    # --- 3. Prefill, retried with the same reservation ---
+
+    async def _prefill(self, st: RequestState, prompt: list[int], params: SamplingParams, hashes: list[bytes],
+                       decode: Instance, resv: decode_pb2.ReserveResponse, events: asyncio.Queue[DispatchEvent],
+                       over: asyncio.Event) -> None:
+        req = prefill_pb2.PrefillRequest(
+            request_id=st.request_id, token_ids=prompt, params=params_to_pb(params),
+            decode_address=decode.address, reservation_id=resv.reservation_id,
+            num_skip_blocks=resv.num_cached_blocks, expected_layout_fingerprint=resv.layout.fingerprint,
+            dest_block_ids=resv.block_ids, reservation_token=resv.reservation_token,
+            accepted_wire_fingerprints=resv.accepted_wire_fingerprints, deadline_unix=st.deadline_unix)
+        if resv.HasField("destination"):
+            req.destination.CopyFrom(resv.destination)
+        if self.s.chunked_transfer is not None:
+            req.chunked_transfer = self.s.chunked_transfer
+        tried: set[str] = set()
+        last: RpcFailure | None = None
+        try:
+            for _ in range(self.s.max_retries + 1):
+                prefill = pick(self.prefill_pool, self.s, hashes, tried, last)
+                try:
+                    with inflight(prefill), tracing.span("router.prefill", prefill=prefill.address):
+                        resp = await prefill.prefill.Prefill(req, metadata=tracing.inject_metadata(),
+                                                             timeout=st.timeout_s())
+                    prefill.remember(hashes)
+                    await events.put(PrefillDone(resp))
+                    return
+                except grpc.aio.AioRpcError as e:
+                    last = RpcFailure.of(f"prefill {prefill.address}", e)
+                    if last.handoff_failed:
+                        await events.put(HandoffFailed(last))
+                        return
+                    if not last.retryable:
+                        raise last.error() from e
+                    last.note(self.prefill_pool, prefill)
+                    log.warning("%s failed (%s %s); retrying request %s on another prefill with the same "
+                                "reservation", last.where, last.code.name, last.label, st.request_id)
+                    self.metrics.dispatch_retries_total.labels("prefill", last.label).inc()
+                    tried.add(prefill.address)
+            raise exhausted("prefill", last, f"{self.s.max_retries + 1} prefill instances failed")
+        except BackendError as e:
+            await events.put(Failed(e, "prefill"))
+        finally:
+            over.set()
+
+    async def _renew(self, st: RequestState, decode: Instance, resv: decode_pb2.ReserveResponse,
+                     prefill_over: asyncio.Event) -> None:
+        """RenewLease every lease/3 until Prefill returns (its KV landed, or it failed for good)."""
+        interval_s = st.lease_ms(self.s) / 3000.0
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(prefill_over.wait(), interval_s)
+                return
+            try:
+                await decode.decode.RenewLease(decode_pb2.RenewLeaseRequest(
+                    reservation_id=resv.reservation_id, reservation_token=resv.reservation_token,
+                    lease_ms=st.lease_ms(self.s)), timeout=st.timeout_s(min(interval_s, CONTROL_TIMEOUT_S)))
+            except grpc.aio.AioRpcError as e:  # the decode stream reports a lost reservation or decode
+                log.warning("decode %s RenewLease of %s failed: %s %s", decode.address, resv.reservation_id,
+                            e.code().name, e.details())
+            except BackendError:  # deadline passed: decode drops the reservation itself
+                return
+
+
+async def abort_quietly(inst: Instance, key: str, why: str) -> None:
+    """Abort ``key`` (reservation or request id) on ``inst``; failures are logged, never raised."""
+    try:
+        await inst.decode.Abort(common_pb2.AbortRequest(request_id=key, reason=why), timeout=CONTROL_TIMEOUT_S)
+    except grpc.aio.AioRpcError as e:
+        log.info("Abort of %s on %s failed: %s", key, inst.address, e.code().name)

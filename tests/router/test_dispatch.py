@@ -1,0 +1,328 @@
+"""Router dispatch against fake decode/prefill servers at the gRPC boundary (tests/router/fake_peers.py):
+merge of prefill's first token with decode's stream, retries, leases, aborts, migration."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from services.common.metrics import ROUTER_DISPATCH_RETRIES_TOTAL, ROUTER_MIGRATIONS_TOTAL, RouterMetrics
+from services.engine.block_hash import block_hashes
+from services.engine.sampling_params import SamplingParams
+from services.router.dispatch import DisaggregatedBackend, DispatchSettings
+from services.router.instances import InstancePool, Liveness
+from services.router.pipeline import BackendError, TokenEvent
+from tests.router.fake_peers import BLOCK, FINGERPRINT, FakeCluster, reference
+
+PROMPT = list(range(100, 140))  # 40 tokens: 2 full blocks
+
+
+@dataclasses.dataclass
+class Router:
+    backend: DisaggregatedBackend
+    registry: CollectorRegistry
+    decode_pool: InstancePool
+    prefill_pool: InstancePool | None
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.registry.get_sample_value(name, labels) or 0.0
+
+
+@contextlib.asynccontextmanager
+async def router(cluster: FakeCluster, *, colocated: bool = False, **settings) -> AsyncIterator[Router]:
+    registry = CollectorRegistry()
+    pool_args = dict(health_interval_s=0.2, dead_after_s=2.0)
+    decode_pool = InstancePool("worker" if colocated else "decode",
+                               [cluster.decode_addr(i) for i in range(len(cluster.decodes))], **pool_args)
+    prefill_pool = None if colocated else InstancePool(
+        "prefill", [cluster.prefill_addr(i) for i in range(len(cluster.prefills))], **pool_args)
+    pools = [p for p in (decode_pool, prefill_pool) if p is not None]
+    for p in pools:
+        await p.start()
+        await p.check_now()
+        assert all(i.state == Liveness.HEALTHY for i in p.instances.values())
+    backend = DisaggregatedBackend(prefill_pool, decode_pool, DispatchSettings(**{"policy": "prefix_aware",
+                                                                                   **settings}),
+                                   RouterMetrics(registry), "fake")
+    try:
+        yield Router(backend, registry, decode_pool, prefill_pool)
+    finally:
+        await backend.close()
+        for p in pools:
+            await p.close()
+
+
+@pytest.fixture
+async def cluster_factory():
+    started: list[FakeCluster] = []
+
+    async def make(n_decode: int, n_prefill: int) -> FakeCluster:
+        c = await FakeCluster.start(n_decode, n_prefill)
+        started.append(c)
+        return c
+
+    yield make
+    for c in started:
+        await c.stop()
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+async def collect(r: Router, n: int, prompt: list[int] = PROMPT, rid: str = "req-1",
+                  deadline: float | None = None) -> list[TokenEvent]:
+    out = []
+    async for ev in r.backend.generate(rid, prompt, greedy(n), deadline=deadline):
+        out.append(ev)
+    return out
+
+
+def tokens(events: list[TokenEvent]) -> list[int]:
+    return [t for ev in events for t in ev.token_ids]
+
+
+def prefer(pool: InstancePool, address: str, prompt: list[int] = PROMPT) -> None:
+    """Make prefix_aware try ``address`` first (it 'holds' the prompt's prefix)."""
+    pool.instances[address].remember(block_hashes(prompt, BLOCK))
+
+
+async def eventually(cond, within_s: float = 5.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+# --- merge, leases, deadlines ---
+
+@pytest.mark.parametrize("reply_delay_s", [0.0, 0.3])
+async def test_prefill_first_token_and_decode_stream_merge_without_dup_or_gap(cluster_factory, reply_delay_s):
+    c = await cluster_factory(1, 1)
+    c.prefill(0).reply_delay_s = reply_delay_s  # 0.3: decode's stream delivers the first token before prefill answers
+    deadline = time.time() + 20
+    async with router(c, lease_ms=30_000) as r:
+        events = await collect(r, 8, deadline=deadline)
+    assert tokens(events) == reference(PROMPT, 8)
+    assert events[-1].finish_reason == "length" and all(ev.finish_reason is None for ev in events[:-1])
+    assert all(ev.prompt_tokens == len(PROMPT) for ev in events)
+    (reserve,) = c.decode(0).reserves
+    (prefill,) = c.prefill(0).requests
+    # Lease and deadline derive from the request's deadline; the reservation's secrets reach prefill.
+    assert reserve.deadline_unix == pytest.approx(deadline) and prefill.deadline_unix == pytest.approx(deadline)
+    assert 15_000 < reserve.lease_ms <= 20_000
+    resv = c.decode(0).reservations[prefill.reservation_id]
+    assert prefill.reservation_token == resv.token and prefill.expected_layout_fingerprint == FINGERPRINT
+    assert list(prefill.accepted_wire_fingerprints) == ["fp-wire"] and list(prefill.dest_block_ids) == [1, 2, 3]
+    assert list(prefill.token_ids) == PROMPT and prefill.decode_address == c.decode_addr(0)
+
+
+async def test_settings_are_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        DispatchSettings().block_size = 32  # type: ignore[misc]
+
+
+async def test_decode_abort_finish_is_an_error_not_a_short_success(cluster_factory):
+    c = await cluster_factory(1, 1)
+    c.decode(0).finish_abort_after = 2
+    async with router(c) as r:
+        got: list[int] = []
+        with pytest.raises(BackendError) as e:
+            async for ev in r.backend.generate("req-1", PROMPT, greedy(8)):
+                assert ev.finish_reason in (None, "stop", "length")
+                got += ev.token_ids
+    assert e.value.code == "unavailable"
+    assert got == reference(PROMPT, 2)
+
+
+# --- prefill faults ---
+
+async def test_prefill_death_retries_on_another_with_the_same_reservation_and_renews_lease(cluster_factory):
+    c = await cluster_factory(1, 2)
+    c.prefill(0).die_after_s = 0.5  # dies mid-call ("mid-transfer")
+    c.prefill(1).compute_s = 0.4
+    async with router(c, lease_ms=300) as r:  # renewed every 100 ms while Prefill is in flight
+        prefer(r.prefill_pool, c.prefill_addr(0))
+        events = await collect(r, 6)
+        assert tokens(events) == reference(PROMPT, 6)
+        assert r.metric(ROUTER_DISPATCH_RETRIES_TOTAL, role="prefill", reason="unavailable") == 1
+        assert r.prefill_pool.instances[c.prefill_addr(0)].state == Liveness.DEAD  # connectivity probe: refused
+    (first,), (second,) = c.prefill(0).requests, c.prefill(1).requests
+    assert len(c.decode(0).reserves) == 1
+    assert second.reservation_id == first.reservation_id and second.reservation_token == first.reservation_token
+    renewed = [x for x in c.decode(0).renewals if x.reservation_id == first.reservation_id]
+    assert len(renewed) >= 4  # ~0.9 s of prefill at one renewal per 100 ms
+    assert all(x.reservation_token == first.reservation_token and 0 < x.lease_ms <= 300 for x in renewed)
+
+
+async def test_no_prefill_left_fails_unavailable_and_aborts_the_reservation(cluster_factory):
+    c = await cluster_factory(1, 1)
+    c.prefill(0).die_after_s = 0.2
+    async with router(c, lease_ms=300) as r:
+        with pytest.raises(BackendError) as e:
+            await collect(r, 6)
+        assert e.value.code == "unavailable"
+        rid = c.decode(0).reserves and next(iter(c.prefill(0).requests)).reservation_id
+        await eventually(lambda: rid in c.decode(0).aborts)
+        assert rid not in c.decode(0).reservations  # freed
+
+
+async def test_prefill_overloaded_everywhere_is_resource_exhausted_with_retry_after(cluster_factory):
+    c = await cluster_factory(1, 2)
+    for i in range(2):
+        c.prefill(i).full_retry_after_ms = 1500
+    async with router(c) as r:
+        with pytest.raises(BackendError) as e:
+            await collect(r, 4)
+        assert e.value.code == "resource_exhausted" and e.value.retry_after_s == pytest.approx(1.5)
+        await eventually(lambda: len(c.decode(0).aborts) == 1)
+
+
+async def test_handoff_failure_with_a_live_decode_fails_without_retrying_prefill(cluster_factory):
+    c = await cluster_factory(1, 2)
+    c.prefill(0).handoff_fails = c.prefill(1).handoff_fails = True
+    async with router(c) as r:
+        with pytest.raises(BackendError) as e:
+            await collect(r, 4)
+    assert e.value.code == "unavailable"
+    assert len(c.prefill(0).requests) + len(c.prefill(1).requests) == 1
+
+
+# --- reserve faults ---
+
+async def test_reserve_overloaded_moves_to_the_next_decode(cluster_factory):
+    c = await cluster_factory(2, 1)
+    c.decode(0).full_retry_after_ms = 2000
+    async with router(c) as r:
+        prefer(r.decode_pool, c.decode_addr(0))
+        events = await collect(r, 5)
+        assert tokens(events) == reference(PROMPT, 5)
+        assert len(c.decode(0).reserves) == 1 and len(c.decode(1).reserves) == 1
+        assert r.metric(ROUTER_DISPATCH_RETRIES_TOTAL, role="decode", reason="overloaded") == 1
+        full = r.decode_pool.instances[c.decode_addr(0)]
+        assert full.alive and full.overloaded  # alive, skipped while another has room
+        await collect(r, 3, rid="req-2")
+        assert len(c.decode(0).reserves) == 1 and len(c.decode(1).reserves) == 2
+
+
+async def test_all_decodes_overloaded_is_resource_exhausted_with_retry_after(cluster_factory):
+    c = await cluster_factory(2, 1)
+    c.decode(0).full_retry_after_ms = c.decode(1).full_retry_after_ms = 700
+    async with router(c) as r:
+        with pytest.raises(BackendError) as e:
+            await collect(r, 4)
+    assert e.value.code == "resource_exhausted" and e.value.retry_after_s == pytest.approx(0.7)
+    assert len(c.decode(0).reserves) == 1 and len(c.decode(1).reserves) == 1
+    assert not c.prefill(0).requests
+
+
+async def test_unreachable_decode_is_skipped_at_reserve(cluster_factory):
+    c = await cluster_factory(2, 1)
+    async with router(c) as r:
+        prefer(r.decode_pool, c.decode_addr(0))
+        await c.decodes[0][0].die()
+        events = await collect(r, 4)
+        assert tokens(events) == reference(PROMPT, 4)
+        assert r.metric(ROUTER_DISPATCH_RETRIES_TOTAL, role="decode", reason="unavailable") == 1
+        await eventually(lambda: r.decode_pool.instances[c.decode_addr(0)].state == Liveness.DEAD)
+
+
+# --- migration ---
+
+async def test_decode_death_mid_stream_migrates_with_the_exact_tokens(cluster_factory):
+    c = await cluster_factory(2, 1)
+    c.decode(0).die_after_tokens = 3
+    async with router(c) as r:
+        prefer(r.decode_pool, c.decode_addr(0))
+        events = await collect(r, 10)
+        assert tokens(events) == reference(PROMPT, 10)  # no duplicate, no gap
+        assert events[-1].finish_reason == "length"
+        assert r.metric(ROUTER_MIGRATIONS_TOTAL, outcome="ok") == 1
+    (moved,) = c.decode(1).reserves
+    assert list(moved.token_ids) == PROMPT + reference(PROMPT, 3)
+    assert moved.params.max_tokens == 7
+    assert list(c.prefill(0).requests[-1].token_ids) == PROMPT + reference(PROMPT, 3)
+
+
+async def test_decode_death_with_no_decode_left_fails_mid_stream(cluster_factory):
+    c = await cluster_factory(1, 1)
+    c.decode(0).die_after_tokens = 3
+    async with router(c) as r:
+        got: list[int] = []
+        with pytest.raises(BackendError) as e:
+            async for ev in r.backend.generate("req-1", PROMPT, greedy(10)):
+                got += ev.token_ids
+        assert e.value.code == "unavailable"
+        assert got == reference(PROMPT, 3)
+        assert r.metric(ROUTER_MIGRATIONS_TOTAL, outcome="failed") == 1
+
+
+async def test_colocated_worker_death_mid_stream_migrates(cluster_factory):
+    c = await cluster_factory(2, 0)
+    c.decode(0).die_after_tokens = 4
+    async with router(c, colocated=True) as r:
+        prefer(r.decode_pool, c.decode_addr(0))
+        events = await collect(r, 9)
+        assert tokens(events) == reference(PROMPT, 9)
+        assert r.metric(ROUTER_MIGRATIONS_TOTAL, outcome="ok") == 1
+    (moved,) = c.decode(1).colocated
+    assert list(moved.token_ids) == PROMPT + reference(PROMPT, 4) and moved.params.max_tokens == 5
+
+
+async def test_colocated_full_worker_is_skipped(cluster_factory):
+    c = await cluster_factory(2, 0)
+    c.decode(0).full_retry_after_ms = 500
+    async with router(c, colocated=True) as r:
+        prefer(r.decode_pool, c.decode_addr(0))
+        assert tokens(await collect(r, 4)) == reference(PROMPT, 4)
+        assert r.metric(ROUTER_DISPATCH_RETRIES_TOTAL, role="worker", reason="overloaded") == 1
+
+
+# --- cancel ---
+
+async def test_client_cancel_aborts_the_reservation(cluster_factory):
+    c = await cluster_factory(1, 1)
+    c.decode(0).token_delay_s = 0.05
+    async with router(c) as r:
+        gen = r.backend.generate("req-1", PROMPT, greedy(50))
+        got = []
+        async for ev in gen:
+            got += ev.token_ids
+            if len(got) >= 3:
+                break
+        await gen.aclose()
+        (rid,) = c.decode(0).reservations
+        await eventually(lambda: rid in c.decode(0).aborts)
+        assert r.backend.active == {}
+
+
+async def test_backend_abort_reaches_the_decode_holding_the_request(cluster_factory):
+    c = await cluster_factory(1, 1)
+    c.decode(0).token_delay_s = 0.05
+    async with router(c) as r:
+        gen = r.backend.generate("req-7", PROMPT, greedy(50))
+        await anext(gen)
+        (rid,) = c.decode(0).reservations
+        await r.backend.abort("req-7")
+        assert rid in c.decode(0).aborts
+        await gen.aclose()
+
+
+async def test_decode_death_before_the_first_token_redispatches(cluster_factory):
+    c = await cluster_factory(2, 1)
+    c.prefill(0).compute_s = 0.5
+    async with router(c) as r:
+        prefer(r.decode_pool, c.decode_addr(0))
+        task = asyncio.create_task(collect(r, 6))
+        await eventually(lambda: len(c.decode(0).reserves) == 1)
+        await c.decodes[0][0].die()
+        assert tokens(await task) == reference(PROMPT, 6)
+        assert r.metric(ROUTER_DISPATCH_RETRIES_TOTAL, role="decode", reason="lost") == 1
+        assert r.metric(ROUTER_MIGRATIONS_TOTAL, outcome="ok") == 0  # nothing was sent yet: not a migration
+    assert len(c.decode(1).reserves) == 1
