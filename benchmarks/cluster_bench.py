@@ -89,10 +89,12 @@ async def kv_stream_bytes_per_s(decode: str, prompt_len: int, repeats: int, shm:
             lay = resv.layout
             wire_bytes = (lay.num_layers * 2 * lay.block_size * lay.num_kv_heads * (lay.head_dim + 4) if fp8
                           else page_bytes)
-            fingerprint = resv.transport_info["fp8"] if fp8 else lay.fingerprint
+            if fp8:
+                assert resv.accepted_wire_fingerprints, "this decode accepts no fp8-e4m3 pages"
+            fingerprint = resv.accepted_wire_fingerprints[0] if fp8 else lay.fingerprint
             n_pages = len(resv.block_ids) - resv.num_cached_blocks
             assert n_pages == len(resv.block_ids), "the decode already held these pages; the figure would be empty"
-            pool = SharedKVPools().attach(resv.transport_info["shm"]) if shm else None
+            pool = SharedKVPools().attach(resv.destination) if shm else None
             src = torch.randn(pool.shape[0], 2, len(resv.block_ids), *pool.shape[3:]).to(pool.dtype) if shm else None
             per_msg = max(1, min(16, payload_budget() // wire_bytes))
             payload = bytes(per_msg * wire_bytes) if fp8 else bytes(range(256)) * (per_msg * page_bytes // 256 + 1)
@@ -107,7 +109,7 @@ async def kv_stream_bytes_per_s(decode: str, prompt_len: int, repeats: int, shm:
                     token_start=first * 16, token_end=min((first + n) * 16, prompt_len),
                     layout_fingerprint=fingerprint, payload=data, checksum=zlib.crc32(data),
                     transport="shm" if shm else "grpc", is_last=last, total_chunks=len(msgs) + 1 if last else 0,
-                    first_token=1))
+                    first_token=1, reservation_token=resv.reservation_token))
                 first += n
 
             async def gen(msgs=msgs, pool=pool, src=src, resv=resv):

@@ -147,7 +147,8 @@ async def measure(address: str, backend: str, page_bytes: int, total_bytes: int)
 
 async def run_backend(backend: str, sizes: list[int], total: int, workdir: Path) -> list[Result]:
     master = None
-    args = ["--max-page-bytes", str(max(sizes)), "--memory-bytes", str(total + 64 * MiB)]
+    args = ["--max-page-bytes", str(max(sizes)), "--max-inflight-put-bytes", str(max(max(sizes), 256 * MiB)),
+            "--memory-bytes", str(total + 64 * MiB)]
     if backend == "mooncake":
         from services.kvstore.mooncake_master import MooncakeMaster, find_master_binary
 

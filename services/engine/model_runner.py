@@ -14,6 +14,7 @@ import os
 import numpy as np
 import torch
 
+from services.common.pb import decode_pb2
 from services.engine.attention import AttentionMetadata, ForwardContext, TorchPagedAttention
 from services.engine.config import EngineConfig
 from services.engine.kv_layout import FP8_CODEC
@@ -40,19 +41,23 @@ class ModelRunner:
         self.num_blocks = config.resolve_num_blocks(self.bytes_per_block)
         shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_shm_path: str | None = None
-        self.kv_shm_descriptor: str | None = None
-        """Set when the pool lives in shared memory (see shared_kv.py)."""
+        """The /dev/shm file backing the pool when it is shared (removed by release())."""
+        self.kv_destination: decode_pb2.KVDestination | None = None
+        """The pool as a same-host prefill may write it (shm file or CUDA IPC handle); None when private."""
         self.kv_cache = None
         if config.kv_cache_shared and self.device.type == "cpu":
             try:
-                self.kv_cache, self.kv_shm_path, self.kv_shm_descriptor = create_shared_kv(shape, self.dtype)
+                self.kv_cache, self.kv_shm_path, self.kv_destination = create_shared_kv(shape, self.dtype)
                 atexit.register(self.release)
             except (SharedKVAttachError, OSError) as e:
                 log.warning("KV pool stays private (prefills will send page bytes): %s", e)
         if self.kv_cache is None:
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             if config.kv_cache_shared and self.device.type == "cuda":
-                self.kv_shm_descriptor = export_cuda_kv(self.kv_cache)
+                try:
+                    self.kv_destination = export_cuda_kv(self.kv_cache)
+                except (SharedKVAttachError, RuntimeError) as e:
+                    log.warning("KV pool stays private (CUDA IPC export failed; prefills will send page bytes): %s", e)
         self.attn_backend = self._make_backend()
         self.sampler = Sampler(config.seed)
         self.graphs = None
@@ -67,6 +72,7 @@ class ModelRunner:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.kv_shm_path)
             self.kv_shm_path = None
+            self.kv_destination = None
 
     @property
     def bytes_per_block(self) -> int:

@@ -1,30 +1,53 @@
 """``shm`` and ``cuda-ipc`` payload modes: a same-host handoff straight into decode's KV pool.
 
-A decode started with ``--kv-cache-shared`` allocates its KV pool in a file under /dev/shm and
-offers it in ReserveResponse.transport_info["shm"]. A prefill on the same host maps that pool and
-copies each chunk's pages from its own cache into the reserved destination blocks (one copy, no
-packing, no bytes through gRPC); the PushKV stream then carries only the descriptors. The role
-CUDA IPC plays between GPUs of one host, and on GPUs that is what ``cuda-ipc`` does: decode exports
-its device pool (a CUDA IPC handle, through torch's own tensor reducer), a prefill on the same host
-opens it and copies pages device to device (same GPU or a peer over NVLink/PCIe). A descriptor from
-another host (different boot id) is refused and the prefill falls back to bytes in the stream.
+A decode started with ``--kv-cache-shared`` keeps its KV pool where a prefill on the same host can
+reach it and offers it as a typed ``KVDestination`` in ReserveResponse.destination:
+
+* ``shm`` (CPU): the pool is the file ``/dev/shm/<name>``; the message carries only the name, shape,
+  dtype and host id. A prefill opens nothing but ``/dev/shm/<name>`` for a name matching
+  :data:`SHM_NAME_RE`, and only a regular file (not a symlink) owned by its own uid whose size is the
+  pool's.
+* ``cuda-ipc`` (GPU): the pool's CUDA allocation exported as a CUDA IPC memory handle plus torch's
+  cross-process reference counter, as the fields of ``storage._share_cuda_()``; the prefill rebuilds
+  the tensor with ``torch.multiprocessing.reductions.rebuild_cuda_tensor`` from those typed fields.
+
+Nothing from the message is unpickled, evaluated or used as a path: the only bytes it carries are
+CUDA handles, interpreted by the CUDA driver. A descriptor from another host (different boot id) or
+one that fails a check is refused with :class:`SharedKVAttachError`; the prefill then sends page bytes
+in the stream instead. Which reservation the pages belong to is decided by decode (the reservation
+token on every KVChunk), never by this module.
 """
 
 from __future__ import annotations
 
-import base64
-import io
-import json
+import contextlib
 import math
+import mmap
 import os
-import pickle
+import re
 import socket
+import stat
 import uuid
+from collections import OrderedDict
 
 import torch
 
+from services.common.pb import decode_pb2
+
 SHM_DIR = "/dev/shm"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SHM_NAME_RE = re.compile(r"^pdserve-kv-[0-9]+-[0-9a-f]{12}$")
+"""The only file names a prefill opens under SHM_DIR (what :func:`create_shared_kv` makes)."""
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+POOL_DIMS = 6
+"""[layers, 2, blocks, block_size, kv_heads, head_dim]."""
+CUDA_IPC_HANDLE_BYTES = 64
+"""sizeof(cudaIpcMemHandle_t) == sizeof(cudaIpcEventHandle_t)."""
+_REF_COUNTER_RE = re.compile(rb"^/torch_[0-9]+_[0-9]+_[0-9]+$")
+"""torch's cross-process CUDA reference-counter shm names (at::NewProcessWideShmHandle)."""
+_REF_COUNTER_SLOTS = 10000
+"""Entries in one torch CUDA IPC ref-counter file (torch::CUDA_IPC_REF_COUNTER_FILE_SIZE)."""
+MAX_ATTACHED_POOLS = 8
+"""Decode pools a prefill keeps mapped at once (least recently used beyond it are dropped)."""
 
 
 def host_id() -> str:
@@ -38,73 +61,212 @@ def host_id() -> str:
 
 
 class SharedKVAttachError(RuntimeError):
-    pass
+    """A destination was refused or could not be opened; ``reason`` is a short metric label."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
-def create_shared_kv(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, str, str]:
-    """A zeroed tensor backed by a new /dev/shm file: (tensor, its path, the descriptor to advertise)."""
-    name = next(k for k, v in _DTYPES.items() if v == dtype)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+def _dtype_name(dtype: torch.dtype) -> str:
+    for name, dt in DTYPES.items():
+        if dt == dtype:
+            return name
+    raise SharedKVAttachError("dtype", f"no shared-pool dtype for {dtype}")
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _map(fd: int, nbytes: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor over a MAP_SHARED mapping of ``fd`` (the tensor keeps the mapping alive)."""
+    buf = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(buf, dtype=dtype).view(shape)
+
+
+# --- decode side: make and export the pool ------------------------------------------------------
+
+
+def create_shared_kv(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, str, decode_pb2.KVDestination]:
+    """A zeroed tensor backed by a new /dev/shm file: (tensor, its path, the destination to offer).
+
+    The file is created exclusively (mode 0600, never following a link) and its pages are allocated up
+    front, so a full tmpfs fails here with an error instead of a SIGBUS on first touch."""
+    name = _dtype_name(dtype)
+    nbytes = math.prod(shape) * _itemsize(dtype)
     st = os.statvfs(SHM_DIR)
-    if st.f_bavail * st.f_frsize < nbytes:  # tmpfs would SIGBUS on first touch past its size
-        raise SharedKVAttachError(f"{SHM_DIR} has {st.f_bavail * st.f_frsize} bytes free; the KV pool needs {nbytes}")
-    path = os.path.join(SHM_DIR, f"pdserve-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}")
-    tensor = torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
-    desc = json.dumps({"path": path, "shape": list(shape), "dtype": name, "host": host_id()})
-    return tensor, path, desc
+    if st.f_bavail * st.f_frsize < nbytes:
+        raise SharedKVAttachError("space", f"{SHM_DIR} has {st.f_bavail * st.f_frsize} bytes free; the KV pool "
+                                           f"needs {nbytes}")
+    file_name = f"pdserve-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    path = os.path.join(SHM_DIR, file_name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        os.posix_fallocate(fd, 0, nbytes)
+        tensor = _map(fd, nbytes, shape, dtype)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+    dest = decode_pb2.KVDestination(shm=decode_pb2.ShmPool(name=file_name, shape=list(shape), dtype=name,
+                                                           host_id=host_id()))
+    return tensor, path, dest
 
 
-def export_cuda_kv(tensor: torch.Tensor) -> str:
-    """Descriptor of a CUDA tensor another process on this host can open (CUDA IPC). The exporting
-    process must keep the tensor alive while others use it (decode's pool lives as long as decode)."""
-    from multiprocessing.reduction import ForkingPickler
+def export_cuda_kv(tensor: torch.Tensor) -> decode_pb2.KVDestination:
+    """The CUDA IPC destination of a contiguous CUDA pool tensor. The exporting process must keep the
+    tensor alive while others use it (decode's pool lives as long as decode)."""
+    if not tensor.is_cuda or not tensor.is_contiguous() or tensor.storage_offset() != 0:
+        raise SharedKVAttachError("layout", "only a contiguous CUDA tensor at offset 0 can be exported")
+    (device, handle, storage_bytes, storage_offset, ref_handle, ref_offset, event_handle,
+     event_sync) = tensor.untyped_storage()._share_cuda_()
+    return decode_pb2.KVDestination(cuda_ipc=decode_pb2.CudaIpcPool(
+        host_id=host_id(), device=int(device), handle=bytes(handle), storage_bytes=int(storage_bytes),
+        storage_offset=int(storage_offset), shape=list(tensor.shape), dtype=_dtype_name(tensor.dtype),
+        ref_counter_handle=bytes(ref_handle or b""), ref_counter_offset=int(ref_offset),
+        event_handle=bytes(event_handle or b""), event_sync_required=bool(event_sync)))
 
-    import torch.multiprocessing  # noqa: F401  (registers torch's CUDA IPC reducers with ForkingPickler)
 
-    buf = io.BytesIO()
-    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(tensor)
-    return json.dumps({"kind": "cuda-ipc", "host": host_id(), "shape": list(tensor.shape),
-                       "handle": base64.b64encode(buf.getvalue()).decode()})
+# --- prefill side: check and open a destination -------------------------------------------------
+
+
+def _shape_and_dtype(shape: list[int], dtype_name: str) -> tuple[tuple[int, ...], torch.dtype]:
+    if dtype_name not in DTYPES:
+        raise SharedKVAttachError("dtype", f"unknown pool dtype {dtype_name!r}; known: {sorted(DTYPES)}")
+    if len(shape) != POOL_DIMS or any(d <= 0 or d >= 1 << 40 for d in shape):
+        raise SharedKVAttachError("shape", f"pool shape {list(shape)} is not {POOL_DIMS} positive dimensions")
+    return tuple(int(d) for d in shape), DTYPES[dtype_name]
+
+
+def _check_host(remote: str) -> None:
+    if remote != host_id():
+        raise SharedKVAttachError("host", f"the pool is on another host ({remote!r}, this is {host_id()!r})")
+
+
+def open_shm_pool(pool: decode_pb2.ShmPool) -> torch.Tensor:
+    """Map a decode's /dev/shm pool after every check; raises SharedKVAttachError otherwise."""
+    _check_host(pool.host_id)
+    if not SHM_NAME_RE.fullmatch(pool.name):
+        raise SharedKVAttachError("name", f"shm pool name {pool.name!r} is not a pdserve KV pool name")
+    shape, dtype = _shape_and_dtype(list(pool.shape), pool.dtype)
+    nbytes = math.prod(shape) * _itemsize(dtype)
+    path = os.path.join(SHM_DIR, pool.name)
+    try:
+        before = os.lstat(path)
+    except OSError as e:
+        raise SharedKVAttachError("file", f"shm pool {pool.name}: {e.strerror}") from e
+    _check_file(pool.name, before, nbytes)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise SharedKVAttachError("file", f"shm pool {pool.name}: {e.strerror}") from e
+    try:
+        opened = os.fstat(fd)
+        if (opened.st_dev, opened.st_ino) != (before.st_dev, before.st_ino):
+            raise SharedKVAttachError("file", f"shm pool {pool.name} changed while it was opened")
+        _check_file(pool.name, opened, nbytes)
+        return _map(fd, nbytes, shape, dtype)
+    finally:
+        os.close(fd)
+
+
+def _check_file(name: str, st: os.stat_result, nbytes: int) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise SharedKVAttachError("file", f"shm pool {name} is not a regular file")
+    if st.st_uid != os.getuid():
+        raise SharedKVAttachError("file", f"shm pool {name} is owned by uid {st.st_uid}, not this process's "
+                                          f"{os.getuid()}")
+    if st.st_size != nbytes:
+        raise SharedKVAttachError("file", f"shm pool {name} has {st.st_size} bytes, its shape needs {nbytes}")
+
+
+def check_cuda_pool(pool: decode_pb2.CudaIpcPool) -> tuple[tuple[int, ...], torch.dtype]:
+    """Every check of a CUDA IPC destination that needs no GPU; returns (shape, dtype)."""
+    _check_host(pool.host_id)
+    shape, dtype = _shape_and_dtype(list(pool.shape), pool.dtype)
+    if len(pool.handle) != CUDA_IPC_HANDLE_BYTES:
+        raise SharedKVAttachError("handle", f"CUDA IPC handle has {len(pool.handle)} bytes, expected "
+                                            f"{CUDA_IPC_HANDLE_BYTES}")
+    if pool.event_sync_required and len(pool.event_handle) != CUDA_IPC_HANDLE_BYTES:
+        raise SharedKVAttachError("handle", f"CUDA IPC event handle has {len(pool.event_handle)} bytes, expected "
+                                            f"{CUDA_IPC_HANDLE_BYTES}")
+    if pool.ref_counter_handle and not _REF_COUNTER_RE.fullmatch(pool.ref_counter_handle):
+        raise SharedKVAttachError("handle", "CUDA IPC ref counter is not a torch ref-counter name")
+    if pool.ref_counter_offset >= _REF_COUNTER_SLOTS:
+        raise SharedKVAttachError("handle", f"CUDA IPC ref counter offset {pool.ref_counter_offset} is outside "
+                                            f"[0, {_REF_COUNTER_SLOTS})")
+    if pool.device < 0:
+        raise SharedKVAttachError("device", f"CUDA device {pool.device} is negative")
+    if math.prod(shape) * _itemsize(dtype) > pool.storage_bytes:
+        raise SharedKVAttachError("shape", f"pool shape {list(shape)} {pool.dtype} exceeds the shared storage of "
+                                           f"{pool.storage_bytes} bytes")
+    return shape, dtype
+
+
+def open_cuda_pool(pool: decode_pb2.CudaIpcPool) -> torch.Tensor:
+    """Open a decode's CUDA pool on this host from its typed fields (GPU only)."""
+    shape, dtype = check_cuda_pool(pool)
+    if not torch.cuda.is_available() or pool.device >= torch.cuda.device_count():
+        raise SharedKVAttachError("device", f"CUDA device {pool.device} is not visible here")
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    try:
+        tensor = rebuild_cuda_tensor(
+            torch.Tensor, torch.Size(shape), strides, 0, torch.UntypedStorage, dtype, pool.device,
+            pool.handle, pool.storage_bytes, pool.storage_offset, False,
+            pool.ref_counter_handle or None, pool.ref_counter_offset,
+            pool.event_handle or None, pool.event_sync_required)
+    except (RuntimeError, OSError) as e:  # the driver refused the handle
+        raise SharedKVAttachError("cuda", f"cannot open the CUDA IPC handle: {e}") from e
+    if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+        raise SharedKVAttachError("shape", f"CUDA pool opened as {tuple(tensor.shape)} {tensor.dtype}, "
+                                           f"expected {shape} {dtype}")
+    return tensor
 
 
 class SharedKVPools:
-    """Prefill side: decode pools mapped by descriptor, cached (each decode maps once)."""
+    """Prefill side: decode pools opened by destination, kept open (each decode's opened once).
+
+    A cached shm pool is used only while its file still exists as the same inode (a decode that went
+    away takes its file with it); at most :data:`MAX_ATTACHED_POOLS` stay open."""
 
     def __init__(self) -> None:
-        self._pools: dict[str, torch.Tensor] = {}
+        self._pools: OrderedDict[bytes, tuple[torch.Tensor, tuple[int, int] | None]] = OrderedDict()
 
-    def attach(self, descriptor: str) -> torch.Tensor:
-        pool = self._pools.get(descriptor)
-        if pool is not None:
-            return pool
-        try:
-            d = json.loads(descriptor)
-            if d.get("kind") == "cuda-ipc":
-                return self._attach_cuda(descriptor, d)
-            shape, dtype, path = tuple(d["shape"]), _DTYPES[d["dtype"]], d["path"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise SharedKVAttachError(f"malformed shm descriptor: {e}") from e
-        if d.get("host") != host_id():
-            raise SharedKVAttachError(f"shm pool {path} is on another host ({d.get('host')})")
-        if not os.path.exists(path) or os.path.getsize(path) != math.prod(shape) * torch.empty((), dtype=dtype).element_size():
-            raise SharedKVAttachError(f"shm pool {path} is missing or not {shape} {d['dtype']}")
-        pool = torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
-        self._pools[descriptor] = pool
-        return pool
+    def attach(self, dest: decode_pb2.KVDestination) -> torch.Tensor:
+        kind = dest.WhichOneof("pool")
+        if kind is None:
+            raise SharedKVAttachError("none", "the decode offers no shared pool")
+        key = dest.SerializeToString(deterministic=True)
+        hit = self._pools.get(key)
+        if hit is not None:
+            tensor, ident = hit
+            if ident is None or _inode(dest.shm.name) == ident:
+                self._pools.move_to_end(key)
+                return tensor
+            del self._pools[key]
+        if kind == "shm":
+            tensor = open_shm_pool(dest.shm)
+            ident = _inode(dest.shm.name)
+        else:
+            tensor, ident = open_cuda_pool(dest.cuda_ipc), None
+        self._pools[key] = (tensor, ident)
+        while len(self._pools) > MAX_ATTACHED_POOLS:
+            self._pools.popitem(last=False)
+        return tensor
 
-    def _attach_cuda(self, descriptor: str, d: dict) -> torch.Tensor:
-        if d.get("host") != host_id():
-            raise SharedKVAttachError(f"CUDA pool is on another host ({d.get('host')})")
-        import torch.multiprocessing  # noqa: F401  (the matching rebuild functions)
 
-        try:
-            pool = pickle.loads(base64.b64decode(d["handle"]))  # a descriptor from our own decode, by design
-        except Exception as e:  # CUDA or pickle errors: fall back to bytes in the stream
-            raise SharedKVAttachError(f"cannot open the CUDA IPC handle: {e!r}") from e
-        if list(pool.shape) != d["shape"]:
-            raise SharedKVAttachError(f"CUDA pool has shape {list(pool.shape)}, descriptor says {d['shape']}")
-        self._pools[descriptor] = pool
-        return pool
+def _inode(name: str) -> tuple[int, int] | None:
+    try:
+        st = os.lstat(os.path.join(SHM_DIR, name))
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
@@ -122,7 +284,12 @@ def copy_pages(src_cache: torch.Tensor, src_blocks: list[int], dst_cache: torch.
     """dst_cache[:, :, dst_blocks[i]] = src_cache[:, :, src_blocks[i]] (both [L, 2, blocks, bs, kvh, hd]).
 
     One strided copy per run of consecutive blocks: no gathered temporary (several times faster than
-    advanced indexing on CPU)."""
+    advanced indexing on CPU). Every block id must be inside its cache (checked: a slice past the end
+    would silently copy less)."""
+    for blocks, cache, side in ((src_blocks, src_cache, "source"), (dst_blocks, dst_cache, "destination")):
+        bad = next((b for b in blocks if not 0 <= b < cache.shape[2]), None)
+        if bad is not None:
+            raise ValueError(f"{side} block {bad} is outside the pool's {cache.shape[2]} blocks")
     layers2 = src_cache.shape[0] * 2
     src = src_cache.view(layers2, src_cache.shape[2], -1)
     dst = dst_cache.view(layers2, dst_cache.shape[2], -1)

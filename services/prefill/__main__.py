@@ -17,7 +17,8 @@ from services.prefill.servicer import PrefillServicer
 
 async def amain(cfg: PrefillConfig, ecfg) -> None:
     metrics = PrefillMetrics(prometheus_client.REGISTRY)
-    transport = make_transport("grpc")  # the descriptor stream; shm only changes where page bytes go
+    # The descriptor stream (and page bytes unless shm/cuda-ipc writes them), over mTLS when configured.
+    transport = make_transport("grpc", tls=cfg if cfg.tls_enabled else None, max_message_bytes=cfg.max_message_bytes)
     service = EngineService("prefill", cfg, ecfg)
     servicer = PrefillServicer(cfg, metrics, transport, asyncio.Event())
 

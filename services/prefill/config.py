@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.config import opt
+from services.common.config import opt, require
 from services.common.server import ServerConfig
 
 
@@ -24,7 +24,25 @@ class PrefillConfig(ServerConfig):
                              choices=("native", "fp8-e4m3"))
     kvstore_address: str = opt("", "kvstore host:port for cross-instance prefix reuse; empty: none.")
     kvstore_write_back: bool = opt(True, "Write newly computed full pages to the kvstore (asynchronously).")
+    kvstore_timeout_s: float = opt(2.0, "Longest wait for one kvstore Lookup or Get (seconds); past it the "
+                                        "request computes its prefix instead.")
+    kvstore_retry_s: float = opt(1.0, "After the kvstore failed to answer, skip it for this long (seconds) so "
+                                      "no request waits on a store that is down; then try again.")
+    kvstore_max_pending_writes: int = opt(8, "Background kvstore write-backs under way at once (count); more are "
+                                             "dropped (counted), bounding the host memory they hold.")
+    max_queued: int = opt(64, "Prefill requests admitted and not finished (count); past it Prefill answers "
+                              "RESOURCE_EXHAUSTED (reason OVERLOADED, with a retry-after hint).")
     tracing: str = opt("none", "OpenTelemetry exporter: none, console, otlp.", choices=("none", "console", "otlp"))
     otlp_endpoint: str = opt("", "OTLP collector endpoint when --tracing otlp.")
     slowdown_ms_per_chunk: int = opt(0, "Testing aid: sleep this long after each computed chunk (simulates a "
                                         "slower prefill device). 0 in production.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.max_queued > 0, self, "max_queued", f"must be > 0, got {self.max_queued}")
+        require(self.kvstore_timeout_s > 0, self, "kvstore_timeout_s", f"must be > 0, got {self.kvstore_timeout_s}")
+        require(self.kvstore_retry_s >= 0, self, "kvstore_retry_s", f"must be >= 0, got {self.kvstore_retry_s}")
+        require(self.kvstore_max_pending_writes > 0, self, "kvstore_max_pending_writes",
+                f"must be > 0, got {self.kvstore_max_pending_writes}")
+        require(self.slowdown_ms_per_chunk >= 0, self, "slowdown_ms_per_chunk",
+                f"must be >= 0, got {self.slowdown_ms_per_chunk}")

@@ -113,9 +113,11 @@ def _encode(pages: torch.Tensor) -> bytes:
 
 
 async def pump(stream: RequestKVStream, sender: KVSender, request_id: str, reservation_id: str,
-               layout: PageLayout, max_payload_bytes: int, transport: str) -> tuple[PagesReady, int]:
+               reservation_token: bytes, layout: PageLayout, max_payload_bytes: int, transport: str
+               ) -> tuple[PagesReady, int]:
     """Send the stream's pages until the last chunk; returns the last item (first token) and the
-    page bytes handed over (in messages or written directly)."""
+    page bytes handed over (in messages or written directly). Every message carries the reservation's
+    decode-issued token."""
     pages_per_msg = max(1, max_payload_bytes // layout.page_bytes)
     page_bytes = 0
     index = 0
@@ -140,7 +142,7 @@ async def pump(stream: RequestKVStream, sender: KVSender, request_id: str, reser
                 token_start=first_block * bs,
                 token_end=min((first_block + cnt) * bs, item.token_end) if cnt else item.token_start,
                 first_block=first_block, num_pages=cnt, layout_fingerprint=layout.fingerprint,
-                checksum=crc, payload=payload, transport=transport)
+                checksum=crc, payload=payload, transport=transport, reservation_token=reservation_token)
             if item.last and k == len(pieces) - 1:
                 msg.is_last = True
                 msg.first_token = item.first_token

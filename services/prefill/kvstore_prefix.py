@@ -3,60 +3,114 @@
 Lookups and loads happen before the request is admitted (only when the store holds more leading
 blocks than the local prefix cache); write-back runs in the background after the handoff, so the
 first token never waits for it. Any kvstore failure is a miss, logged and counted, never an error
-for the request.
+for the request. After a failure the store is skipped for ``retry_s`` (no request waits on a dead
+store), then tried again: the channel reconnects on its own (backoff capped at a few seconds), so
+reuse resumes once the store is back.
+
+Pages loaded are checked before they enter the prefix cache: the key (layout fingerprint and block
+hash) must be the one asked for, the size one page of this layout, and the CRC-32 must verify.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable
 
 import grpc
 import torch
 
-from services.common.grpc_util import create_channel
+from services.common.grpc_util import create_channel, rpc_error_summary
 from services.common.kvstore_client import KVStoreClient
+from services.common.tls import TLSConfig
 from services.engine.block_hash import block_hashes
 from services.engine.checksum import checksum
 from services.engine.kv_layout import PageLayout
 
 log = logging.getLogger(__name__)
 
+RECONNECT_BACKOFF_MS = (500, 2000)
+"""(first, longest) wait between reconnect attempts to a kvstore that went away (milliseconds)."""
+WRITE_BACK_TIMEOUT_S = 60.0
+"""Longest one background Put may take (seconds)."""
+_UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
 
 class KVStorePrefix:
-    def __init__(self, address: str, layout: PageLayout, page_shape: tuple[int, ...], dtype: torch.dtype,
-                 timeout_s: float = 5.0) -> None:
+    """``on_error(reason)`` is told of every failure or skip (the prefill's kvstore-errors metric)."""
+
+    def __init__(self, address: str, layout: PageLayout, page_shape: tuple[int, ...], dtype: torch.dtype, *,
+                 tls: TLSConfig | None = None, timeout_s: float = 2.0, retry_s: float = 1.0,
+                 max_pending_writes: int = 8, on_error: Callable[[str], None] | None = None) -> None:
         self.address = address
         self.layout = layout
         self.page_shape = page_shape
         self.dtype = dtype
         self.timeout_s = timeout_s
-        self._channel = create_channel(address)
-        self.client = KVStoreClient(self._channel)
+        self.retry_s = retry_s
+        self.max_pending_writes = max_pending_writes
+        self._on_error = on_error
+        first, longest = RECONNECT_BACKOFF_MS
+        self._channel = create_channel(address, tls=tls, options=[
+            ("grpc.initial_reconnect_backoff_ms", first), ("grpc.min_reconnect_backoff_ms", first),
+            ("grpc.max_reconnect_backoff_ms", longest)])
+        self.client = KVStoreClient(self._channel, max_page_bytes=layout.page_bytes)
         self._bg: set[asyncio.Task] = set()
+        self._down_until = 0.0  # monotonic time before which the store is not asked
         self.failures = 0
 
     def hashes(self, ids: list[int]) -> list[bytes]:
         return block_hashes(ids, self.layout.block_size)
 
+    def _failed(self, reason: str, what: str, err: BaseException) -> None:
+        """Count a failure; one that says the store is unreachable or stuck also backs off ``retry_s``."""
+        self.failures += 1
+        self._count(reason)
+        unreachable = isinstance(err, TimeoutError) or (
+            isinstance(err, grpc.aio.AioRpcError) and err.code() in _UNREACHABLE)
+        if unreachable:
+            self._down_until = time.monotonic() + self.retry_s
+        log.warning("kvstore %s: %s failed (%s)%s", self.address, what, rpc_error_summary(err),
+                    f"; going on without it for {self.retry_s:.1f} s" if unreachable else "")
+
+    def _count(self, reason: str) -> None:
+        if self._on_error is not None:
+            self._on_error(reason)
+
+    @property
+    def available(self) -> bool:
+        """False while backing off after a failure."""
+        return time.monotonic() >= self._down_until
+
     async def fetch(self, hashes: list[bytes], prompt_len: int, local_blocks: int) -> tuple[int, torch.Tensor | None]:
         """(blocks present in the store, pages for blocks [local_blocks, usable) or None)."""
+        if not self.available:
+            self._count("down")
+            return 0, None
         usable = min(len(hashes), (prompt_len - 1) // self.layout.block_size)  # one token is always computed
         fp = self.layout.fingerprint
         try:
             present = (await asyncio.wait_for(self.client.lookup(fp, hashes), self.timeout_s)).num_present
-            want = min(present, usable)
-            if want <= local_blocks:
-                return present, None
-            pages = await asyncio.wait_for(self.client.get(fp, hashes[local_blocks:want]), self.timeout_s)
         except (grpc.aio.AioRpcError, TimeoutError) as e:
-            self.failures += 1
-            log.warning("kvstore %s unusable for this request (%r): computing instead", self.address, e)
+            self._failed("lookup", "Lookup", e)
             return 0, None
+        want = min(present, usable)
+        if want <= local_blocks:
+            return present, None
+        try:
+            pages = await asyncio.wait_for(self.client.get(fp, hashes[local_blocks:want]), self.timeout_s)
+        except (grpc.aio.AioRpcError, TimeoutError, ValueError) as e:  # ValueError: a malformed piece stream
+            self._failed("get", "Get", e)
+            return present, None
         # Get streams the leading present pages; an eviction between Lookup and Get shortens it.
         good = []
         for want_hash, page in zip(hashes[local_blocks:want], pages, strict=False):
-            if page.h != want_hash or len(page.data) != self.layout.page_bytes or checksum(page.data) != page.crc:
+            if (page.fp != fp or page.h != want_hash or len(page.data) != self.layout.page_bytes
+                    or checksum(page.data) != page.crc):
+                self._count("bad_page")
+                log.warning("kvstore %s returned a page that does not verify (key, size or CRC); ignoring it "
+                            "and the pages after it", self.address)
                 break
             good.append(page.data)
         if not good:
@@ -65,7 +119,11 @@ class KVStorePrefix:
         return present, flat.view(len(good), *self.page_shape)
 
     def write_back(self, hashes: list[bytes], first_block: int, pages: torch.Tensor) -> None:
-        """Put pages of blocks [first_block, first_block + P) in the background."""
+        """Put pages of blocks [first_block, first_block + P) in the background (dropped, and counted,
+        while the store is backing off or ``max_pending_writes`` are already under way)."""
+        if not self.available or len(self._bg) >= self.max_pending_writes:
+            self._count("write_back_dropped")
+            return
         task = asyncio.create_task(self._put(hashes[first_block:first_block + pages.shape[0]], pages))
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)
@@ -81,12 +139,14 @@ class KVStorePrefix:
 
         try:
             items = await asyncio.to_thread(encode)
-            await asyncio.wait_for(self.client.put(self.layout.fingerprint, items), 60.0)
+            await asyncio.wait_for(self.client.put(self.layout.fingerprint, items), WRITE_BACK_TIMEOUT_S)
         except (grpc.aio.AioRpcError, TimeoutError) as e:
-            self.failures += 1
-            log.warning("kvstore write-back of %d pages failed: %r", len(hashes), e)
+            self._failed("put", f"write-back of {len(hashes)} pages", e)
 
     async def close(self) -> None:
         for t in list(self._bg):
             await asyncio.wait({t}, timeout=5.0)
+        for t in list(self._bg):
+            t.cancel()
+        await asyncio.gather(*self._bg, return_exceptions=True)
         await self._channel.close()

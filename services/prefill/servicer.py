@@ -1,4 +1,12 @@
-"""Prefill servicer: computes a prompt's KV in chunks and streams the pages to a reserved decode."""
+"""Prefill servicer: computes a prompt's KV in chunks and streams the pages to a reserved decode.
+
+Admission is bounded (``--max-queued`` requests admitted and not finished; past it RESOURCE_EXHAUSTED
+with reason OVERLOADED and a retry-after hint). A request's deadline (``deadline_unix`` or the gRPC
+deadline, the earlier) bounds everything it does here: past it the request is aborted in the engine,
+its blocks freed, and the RPC ends DEADLINE_EXCEEDED. A cancelled RPC frees everything the same way.
+Every failure carries a typed ErrorDetail (side "prefill", or side "decode" with reason
+KV_HANDOFF_FAILED when the handoff to decode failed).
+"""
 
 from __future__ import annotations
 
@@ -13,20 +21,28 @@ import torch
 
 from services.common import tracing
 from services.common.convert import params_from_pb
-from services.common.grpc_util import KV_HANDOFF_FAILED, abort_if_draining, payload_budget
+from services.common.grpc_util import Reason, abort, abort_if_draining, error_detail, payload_budget
 from services.common.metrics import PrefillMetrics
 from services.common.pb import prefill_pb2, prefill_pb2_grpc
-from services.engine.async_engine import AsyncEngine
+from services.common.tls import peer_role
+from services.engine.async_engine import AsyncEngine, EngineDeadError
 from services.engine.kv_layout import FP8_CODEC
-from services.engine.kv_transport import KVTransport, TransferError
-from services.engine.sampling_params import InvalidRequestError, SamplingParams
+from services.engine.kv_transport import KVSender, KVTransport, TransferError
+from services.engine.sampling_params import InvalidRequestError
 from services.engine.scheduler import ScheduledChunk
-from services.engine.shared_kv import SharedKVAttachError, SharedKVPools, copy_pages
 from services.prefill.config import PrefillConfig
+from services.prefill.direct_write import DirectWrites, InvalidDestinationError
 from services.prefill.kv_stream import RequestKVStream, pump
 from services.prefill.kvstore_prefix import KVStorePrefix
+from services.prefill.request_checks import deadline_monotonic, problem
 
 log = logging.getLogger(__name__)
+
+SIDE = "prefill"
+RETRY_AFTER_MS = (100, 30_000)
+"""Bounds of the retry-after hint sent with OVERLOADED (milliseconds)."""
+_EWMA = 0.2
+"""Weight of the newest request in the moving average of request durations."""
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
@@ -39,8 +55,19 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.engine: AsyncEngine = None  # type: ignore[assignment]  # bound once the model is loaded
         self.streams: dict[str, RequestKVStream] = {}
         self.inflight = 0
+        """Requests admitted and not finished (bounded by config.max_queued)."""
         self.kvstore: KVStorePrefix | None = None
-        self.shm_pools = SharedKVPools()
+        self.direct = DirectWrites(config.kv_transport, metrics)
+        self._request_s = 1.0  # moving average of admitted requests' durations (seconds)
+
+    @property
+    def max_queued(self) -> int:
+        return self.config.max_queued
+
+    @property
+    def saturated(self) -> bool:
+        """True when a new request would be refused now (load reports read it)."""
+        return self.inflight >= self.config.max_queued
 
     def bind(self, engine: AsyncEngine) -> None:
         self.engine = engine
@@ -49,41 +76,171 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         engine.engine.chunk_listeners.append(self._on_chunk)
         if self.config.kvstore_address:
             r = engine.engine.runner
-            self.kvstore = KVStorePrefix(self.config.kvstore_address, self.layout,
-                                         (r.num_layers, 2, r.block_size, r.num_kv_heads, r.head_dim), r.dtype)
-
-    def _direct_writer(self, request: prefill_pb2.PrefillRequest):
-        """With --kv-transport shm and a decode on this host that offers its pool: a function writing a
-        chunk's pages straight into the reserved blocks (engine thread). Otherwise None (bytes in the stream)."""
-        mode = self.config.kv_transport
-        desc = request.dest_transport_info.get(mode)
-        if mode == "grpc" or not desc:
-            return None
-        dest = list(request.dest_block_ids)
-        try:
-            pool = self.shm_pools.attach(desc)
-        except SharedKVAttachError as e:
-            log.warning("shm transport unavailable for %s (%s); sending pages in the stream", request.request_id, e)
-            return None
-        src = self.engine.engine.runner.kv_cache
-        if pool.shape[:2] != src.shape[:2] or pool.shape[3:] != src.shape[3:] or pool.dtype != src.dtype:
-            return None  # the fingerprint check refuses the mismatch; never reinterpret pages
-
-        def write(first_block: int, src_blocks: list[int]) -> None:
-            if first_block + len(src_blocks) > len(dest):
-                raise ValueError(f"pages [{first_block}, {first_block + len(src_blocks)}) outside the "
-                                 f"{len(dest)} reserved blocks")
-            copy_pages(src, src_blocks, pool, dest[first_block:first_block + len(src_blocks)])
-            if src.is_cuda:  # the pages must have landed before the descriptor tells decode they have
-                torch.cuda.current_stream(src.device).synchronize()
-
-        return write
+            cfg = self.config
+            self.kvstore = KVStorePrefix(
+                cfg.kvstore_address, self.layout, (r.num_layers, 2, r.block_size, r.num_kv_heads, r.head_dim),
+                r.dtype, tls=cfg if cfg.tls_enabled else None, timeout_s=cfg.kvstore_timeout_s,
+                retry_s=cfg.kvstore_retry_s, max_pending_writes=cfg.kvstore_max_pending_writes,
+                on_error=lambda reason: self.metrics.kvstore_errors_total.labels(reason).inc())
 
     async def close(self) -> None:
         if self.kvstore is not None:
             await self.kvstore.close()
 
-    async def _admit(self, rid: str, ids: list[int], params: SamplingParams, stream: RequestKVStream) -> int:
+    # --- engine thread ---
+
+    def _on_chunk(self, ch: ScheduledChunk, sampled: tuple[int, float | None] | None) -> None:
+        """Engine thread: route a computed chunk to its request's stream."""
+        stream = self.streams.get(ch.seq.request_id)
+        if stream is not None:
+            stream.on_chunk(ch, sampled, self.engine.engine.last_step_start)
+            if self.config.slowdown_ms_per_chunk:
+                time.sleep(self.config.slowdown_ms_per_chunk / 1000.0)
+
+    # --- the RPC ---
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, reason: str, code: grpc.StatusCode, message: str,
+                      detail_reason: int, *, retryable: bool = False, field: str = "", retry_after_ms: int = 0
+                      ) -> None:
+        self.metrics.requests_aborted_total.labels(reason).inc()
+        await abort(context, code, message, error_detail(detail_reason, retryable=retryable, side=SIDE, field=field,
+                                                         retry_after_ms=retry_after_ms))
+
+    async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+                      ) -> prefill_pb2.PrefillResponse:
+        await abort_if_draining(context, self.draining, SIDE)
+        if self.engine is None:
+            await abort(context, grpc.StatusCode.UNAVAILABLE, "prefill is still loading its model",
+                        error_detail(Reason.ERROR_REASON_LOADING, retryable=True, side=SIDE))
+        if self.config.tls_enabled and peer_role(context) != "router":
+            await self._refuse(context, "permission", grpc.StatusCode.PERMISSION_DENIED,
+                               "Prefill: only the router (client certificate role 'router') may call it",
+                               Reason.ERROR_REASON_PERMISSION)
+        eng = self.engine.engine
+        bad = problem(request, vocab_size=eng.vocab_size, max_model_len=eng.max_model_len,
+                      block_size=self.layout.block_size)
+        if bad is not None:
+            await self._refuse(context, "invalid", grpc.StatusCode.INVALID_ARGUMENT, f"{bad[0]}: {bad[1]}",
+                               Reason.ERROR_REASON_INVALID_INPUT, field=bad[0])
+        fp = self.layout.fingerprint
+        if request.expected_layout_fingerprint and request.expected_layout_fingerprint != fp:
+            await self._refuse(context, "invalid", grpc.StatusCode.FAILED_PRECONDITION,
+                               f"KV layout fingerprint mismatch: decode expects {request.expected_layout_fingerprint}, "
+                               f"this prefill produces {fp} ({self.layout.describe()})",
+                               Reason.ERROR_REASON_LAYOUT_MISMATCH, field="expected_layout_fingerprint")
+        try:
+            params = params_from_pb(request.params)
+        except InvalidRequestError as e:
+            await self._refuse(context, "invalid", grpc.StatusCode.INVALID_ARGUMENT, str(e),
+                               Reason.ERROR_REASON_INVALID_INPUT, field=f"params.{e.field}")
+        deadline = deadline_monotonic(request.deadline_unix, context.time_remaining())
+        if deadline is not None and deadline <= time.monotonic():
+            await self._refuse(context, "deadline", grpc.StatusCode.DEADLINE_EXCEEDED,
+                               "the request's deadline passed before prefill began", Reason.ERROR_REASON_DEADLINE)
+        if self.saturated:
+            retry_ms = min(max(int(self._request_s * 1000), RETRY_AFTER_MS[0]), RETRY_AFTER_MS[1])
+            await self._refuse(context, "overloaded", grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"prefill queue full: {self.inflight} requests admitted (--max-queued "
+                               f"{self.config.max_queued}); retry another instance or in {retry_ms} ms",
+                               Reason.ERROR_REASON_OVERLOADED, retryable=True, retry_after_ms=retry_ms)
+        # Prefill samples the first token only; stopping is decode's job.
+        first_params = dataclasses.replace(params, max_tokens=1, stop=[], stop_token_ids=[], ignore_eos=True)
+        self.inflight += 1
+        start = time.monotonic()
+        try:
+            loop = asyncio.get_running_loop()
+            try:
+                when = None if deadline is None else loop.time() + (deadline - time.monotonic())
+                async with asyncio.timeout_at(when):
+                    resp = await self._serve(request, context, first_params)
+            except TimeoutError:
+                await self._refuse(context, "deadline", grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   f"the request's deadline passed after {time.monotonic() - start:.2f} s in prefill; "
+                                   "it was dropped and its blocks freed", Reason.ERROR_REASON_DEADLINE)
+            self._request_s += _EWMA * (time.monotonic() - start - self._request_s)
+            return resp
+        except asyncio.CancelledError:
+            self.metrics.requests_aborted_total.labels("cancelled").inc()
+            raise
+        finally:
+            self.inflight -= 1
+
+    async def _serve(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext,
+                     first_params) -> prefill_pb2.PrefillResponse:
+        runner = self.engine.engine.runner
+        ids = list(request.token_ids)
+        try:
+            write_direct = await self.direct.writer(request, runner.kv_cache, -(-len(ids) // self.layout.block_size))
+        except InvalidDestinationError as e:
+            await self._refuse(context, "invalid", grpc.StatusCode.INVALID_ARGUMENT, f"dest_block_ids: {e}",
+                               Reason.ERROR_REASON_INVALID_INPUT, field="dest_block_ids")
+        wire, read = self._wire_codec(request, write_direct is not None)
+        chunked = request.chunked_transfer if request.HasField("chunked_transfer") else self.config.chunked_transfer
+        rid = f"{request.request_id}/{uuid.uuid4().hex[:8]}"
+        stream = RequestKVStream(asyncio.get_running_loop(), read, self.layout.block_size, request.num_skip_blocks,
+                                 chunked, time.monotonic(), write_direct, runner.read_pages)
+        transport = self.config.kv_transport if write_direct is not None else self.transport.name
+        self.streams[rid] = stream
+        sender: KVSender | None = None
+        with tracing.span_from_metadata("prefill.request", context.invocation_metadata(),
+                                        request_id=request.request_id, prompt_tokens=len(ids)) as sp:
+            try:
+                sender = self.transport.open(request.decode_address, rid, metadata=tuple(tracing.inject_metadata()))
+                try:
+                    loaded = await self._admit(rid, ids, first_params, stream)
+                except ValueError as e:  # InvalidRequestError, or a prompt this pool can never hold
+                    await self._cleanup(rid, sender, "refused")
+                    await self._refuse(context, "invalid", grpc.StatusCode.INVALID_ARGUMENT, str(e),
+                                       Reason.ERROR_REASON_INVALID_INPUT,
+                                       field=getattr(e, "field", "") or "token_ids")
+                last, page_bytes = await pump(stream, sender, request.request_id, request.reservation_id,
+                                              request.reservation_token, wire,
+                                              payload_budget(self.config.max_message_bytes), transport)
+                with tracing.span("prefill.kv_finish"):
+                    await sender.finish()
+                if last.writeback is not None and self.kvstore is not None:
+                    self.kvstore.write_back(stream.hashes, *last.writeback)
+            except TransferError as e:
+                self.metrics.kv_transfer_failures_total.labels(transport, e.code.name.lower()).inc()
+                await self._cleanup(rid, sender, str(e))
+                self.metrics.requests_aborted_total.labels("kv_handoff").inc()
+                await abort(context, e.code, f"KV handoff to decode {request.decode_address} failed: {e}",
+                            error_detail(Reason.ERROR_REASON_KV_HANDOFF_FAILED, retryable=False, side="decode"))
+            except grpc.aio.AbortError:
+                raise
+            except Exception as e:  # a page read or direct write failed on the engine thread
+                log.exception("prefill of %s failed", request.request_id)
+                await self._cleanup(rid, sender, repr(e))
+                self.metrics.requests_aborted_total.labels("internal").inc()
+                await abort(context, grpc.StatusCode.INTERNAL, f"prefill failed: {e!r}",
+                            error_detail(Reason.ERROR_REASON_UNSPECIFIED, side=SIDE))
+            except BaseException:  # cancelled: the client left or the deadline passed
+                await self._cleanup(rid, sender, "cancelled")
+                raise
+            finally:
+                self.streams.pop(rid, None)
+            sp.set_attribute("chunks", stream.num_chunks_computed)
+        self._observe(request, stream, loaded, transport, page_bytes, sender.chunks_sent)
+        queue_s, compute_s = stream_times(stream)
+        return prefill_pb2.PrefillResponse(
+            first_token=last.first_token, first_logprob=last.first_logprob,
+            num_prompt_tokens=len(ids), num_cached_tokens=stream.num_cached_tokens,
+            num_chunks=sender.chunks_sent, kv_bytes_sent=page_bytes, queue_s=queue_s, compute_s=compute_s)
+
+    def _wire_codec(self, request: prefill_pb2.PrefillRequest, direct: bool):
+        """(layout of the bytes in the stream, page reader): fp8-e4m3 when configured, decode accepts that
+        layout's fingerprint and no side transport writes the pages; the cache's own layout otherwise."""
+        runner = self.engine.engine.runner
+        fp8 = self.engine.engine.fp8_layout
+        if (not direct and self.config.kv_wire_codec == FP8_CODEC
+                and fp8.fingerprint in request.accepted_wire_fingerprints):
+            def read(block_ids: list[int]) -> torch.Tensor:
+                return runner.read_pages(block_ids, FP8_CODEC)
+
+            return fp8, read
+        return self.layout, runner.read_pages
+
+    async def _admit(self, rid: str, ids: list[int], params, stream: RequestKVStream) -> int:
         """Load what the kvstore has beyond the local prefix, then admit the request (one engine-thread
         step, so the loaded pages cannot be evicted in between). Returns the blocks loaded."""
         eng = self.engine.engine
@@ -93,7 +250,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             hashes = self.kvstore.hashes(ids)
             first = await self.engine.call(eng.cached_prefix_blocks, ids)
             present, pages = await self.kvstore.fetch(hashes, len(ids), first)
-            if self.config.kvstore_write_back:
+            if self.config.kvstore_write_back and self.kvstore.available:
                 stream.writeback_from = max(present, 0)
                 stream.hashes = hashes
 
@@ -104,110 +261,44 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
         return await self.engine.call(admit)
 
-    def _on_chunk(self, ch: ScheduledChunk, sampled: tuple[int, float | None] | None) -> None:
-        """Engine thread: route a computed chunk to its request's stream."""
-        stream = self.streams.get(ch.seq.request_id)
-        if stream is not None:
-            stream.on_chunk(ch, sampled, self.engine.engine.last_step_start)
-            if self.config.slowdown_ms_per_chunk:
-                time.sleep(self.config.slowdown_ms_per_chunk / 1000.0)
-
-    async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
-                      ) -> prefill_pb2.PrefillResponse:
-        await abort_if_draining(context, self.draining, "prefill")
-        if self.engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill is still loading its model")
-        for name in ("request_id", "decode_address", "reservation_id"):
-            if not getattr(request, name):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: must not be empty")
-        fp = self.layout.fingerprint
-        if request.expected_layout_fingerprint and request.expected_layout_fingerprint != fp:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"KV layout fingerprint mismatch: decode expects {request.expected_layout_fingerprint}, "
-                                f"this prefill produces {fp} ({self.layout.describe()})")
+    async def _cleanup(self, rid: str, sender: KVSender | None, reason: str) -> None:
+        """Abort the request in the engine (frees its blocks; a no-op when it never got there: an admit
+        still queued runs first, so it cannot slip past) and the KV stream to decode."""
         try:
-            params = params_from_pb(request.params)
-        except InvalidRequestError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        # Prefill samples the first token only; stopping is decode's job.
-        first_params = dataclasses.replace(params, max_tokens=1, stop=[], stop_token_ids=[], ignore_eos=True)
-        chunked = request.chunked_transfer if request.HasField("chunked_transfer") else self.config.chunked_transfer
-        rid = f"{request.request_id}/{uuid.uuid4().hex[:8]}"
-        write_direct = self._direct_writer(request)
-        runner = self.engine.engine.runner
-        wire = self.layout
-        read = runner.read_pages
-        fp8 = self.engine.engine.fp8_layout
-        if (write_direct is None and self.config.kv_wire_codec == FP8_CODEC
-                and request.dest_transport_info.get("fp8") == fp8.fingerprint):
-            wire = fp8
+            await asyncio.shield(self.engine.abort(rid))
+        except EngineDeadError:  # nothing left to free
+            log.warning("engine is dead; %s was not aborted in it", rid)
+        if sender is not None:
+            await sender.abort(reason)
 
-            def read(ids: list[int]) -> torch.Tensor:
-                return runner.read_pages(ids, FP8_CODEC)
-
-        stream = RequestKVStream(asyncio.get_running_loop(), read, self.layout.block_size, request.num_skip_blocks,
-                                 chunked, time.monotonic(), write_direct, runner.read_pages)
-        transport = self.config.kv_transport if write_direct is not None else self.transport.name
-        self.streams[rid] = stream
-        self.inflight += 1
-        sender = None
-        added = False
-        with tracing.span_from_metadata("prefill.request", context.invocation_metadata(),
-                                        request_id=request.request_id, prompt_tokens=len(request.token_ids)) as sp:
-            try:
-                sender = self.transport.open(request.decode_address, rid, metadata=tuple(tracing.inject_metadata()))
-                try:
-                    loaded = await self._admit(rid, list(request.token_ids), first_params, stream)
-                except InvalidRequestError as e:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-                except ValueError as e:
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-                added = True
-                last, page_bytes = await pump(stream, sender, request.request_id, request.reservation_id,
-                                              wire, payload_budget(self.config.max_message_bytes), transport)
-                with tracing.span("prefill.kv_finish"):
-                    await sender.finish()
-                if last.writeback is not None and self.kvstore is not None:
-                    self.kvstore.write_back(stream.hashes, *last.writeback)
-            except TransferError as e:
-                self.metrics.kv_transfer_failures_total.labels(transport, e.code.lower()).inc()
-                await self._cleanup(rid, sender, added, str(e))
-                code = getattr(grpc.StatusCode, e.code, grpc.StatusCode.UNAVAILABLE)
-                await context.abort(code, f"{KV_HANDOFF_FAILED} {request.decode_address} failed: {e}")
-            except BaseException:
-                await self._cleanup(rid, sender, added, "cancelled")
-                raise
-            finally:
-                self.streams.pop(rid, None)
-                self.inflight -= 1
-            sp.set_attribute("chunks", stream.num_chunks_computed)
-        queue_s = (stream.first_scheduled or stream.arrival) - stream.arrival
-        compute_s = (stream.last_computed or time.monotonic()) - (stream.first_scheduled or stream.arrival)
+    def _observe(self, request: prefill_pb2.PrefillRequest, stream: RequestKVStream, loaded: int, transport: str,
+                 page_bytes: int, chunks_sent: int) -> None:
         m = self.metrics
-        m.queue_seconds.labels(self.model).observe(max(0.0, queue_s))
-        m.compute_seconds.labels(self.model).observe(max(0.0, compute_s))
+        queue_s, compute_s = stream_times(stream)
+        m.queue_seconds.labels(self.model).observe(queue_s)
+        m.compute_seconds.labels(self.model).observe(compute_s)
         m.chunks_total.labels(self.model).inc(stream.num_chunks_computed)
         m.computed_tokens_total.labels(self.model).inc(stream.num_computed_tokens)
-        from_store = min(stream.num_cached_tokens, loaded * self.layout.block_size)
+        bs = self.layout.block_size
+        from_store = min(stream.num_cached_tokens, loaded * bs)
         if from_store:
             m.cached_prefix_tokens_total.labels(self.model, "kvstore").inc(from_store)
         if stream.num_cached_tokens > from_store:
             m.cached_prefix_tokens_total.labels(self.model, "local").inc(stream.num_cached_tokens - from_store)
         if request.num_skip_blocks:
-            m.cached_prefix_tokens_total.labels(self.model, "decode").inc(request.num_skip_blocks * self.layout.block_size)
+            m.cached_prefix_tokens_total.labels(self.model, "decode").inc(request.num_skip_blocks * bs)
         m.kv_sent_bytes_total.labels(transport).inc(page_bytes)
-        m.kv_chunks_sent_total.labels(transport).inc(sender.chunks_sent)
-        return prefill_pb2.PrefillResponse(
-            first_token=last.first_token, first_logprob=last.first_logprob,
-            num_prompt_tokens=len(request.token_ids), num_cached_tokens=stream.num_cached_tokens,
-            num_chunks=sender.chunks_sent, kv_bytes_sent=page_bytes, queue_s=queue_s, compute_s=compute_s)
-
-    async def _cleanup(self, rid: str, sender, added: bool, reason: str) -> None:
-        if added:
-            await asyncio.shield(self.engine.abort(rid))
-        if sender is not None:
-            await sender.abort(reason)
+        m.kv_chunks_sent_total.labels(transport).inc(chunks_sent)
 
     async def drain(self) -> None:
         while self.inflight:  # noqa: ASYNC110 (bounded by the server's drain timeout)
             await asyncio.sleep(0.05)
+
+
+def stream_times(stream: RequestKVStream) -> tuple[float, float]:
+    """(queue, compute) seconds of a finished request: arrival -> first chunk scheduled -> last computed."""
+    first = stream.first_scheduled or stream.arrival
+    queue_s = first - stream.arrival
+    compute_s = (stream.last_computed or time.monotonic()) - first
+    return max(0.0, queue_s), max(0.0, compute_s)
+

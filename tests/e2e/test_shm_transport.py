@@ -1,5 +1,6 @@
-"""The shm transport: prefill writes pages straight into a same-host decode's shared-memory pool; the
-PushKV stream carries descriptors only. Same tokens as the engine; the pool's file goes with decode."""
+"""The shm transport: prefill writes pages straight into a same-host decode's shared-memory pool (named by
+decode's typed ShmPool destination); the PushKV stream carries descriptors only. Same tokens as the
+engine; the pool's file goes with decode."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ def test_shm_transport_gives_engine_tokens_and_cleans_up(reference_engine):
         pm, dm = c.get("prefill-0").ready["metrics"], c.get("decode-0").ready["metrics"]
         assert metric_sum(pm, "pdserve_prefill_kv_sent_bytes_total", transport="shm") > 0
         assert metric_sum(pm, "pdserve_prefill_kv_sent_bytes_total", transport="grpc") == 0
+        assert metric_sum(pm, "pdserve_prefill_kv_transport_fallbacks_total") == 0
         assert metric_sum(dm, "pdserve_decode_kv_received_bytes_total", transport="shm") == \
             metric_sum(pm, "pdserve_prefill_kv_sent_bytes_total", transport="shm")
         rep = wait_idle(c.get("decode-0").ready["grpc"])

@@ -6,12 +6,15 @@ travel through FakeTransport instead of the PushKV stream."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import os
 
 import grpc
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from services.common.grpc_util import Reason, detail_of
 from services.common.metrics import DecodeMetrics, PrefillMetrics
 from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from services.decode.config import DecodeConfig
@@ -62,7 +65,9 @@ def _prefill_req(resv: decode_pb2.ReserveResponse) -> prefill_pb2.PrefillRequest
     return prefill_pb2.PrefillRequest(request_id="r", token_ids=PROMPT, decode_address="decode-x",
                                       reservation_id=resv.reservation_id, num_skip_blocks=resv.num_cached_blocks,
                                       expected_layout_fingerprint=resv.layout.fingerprint,
-                                      dest_block_ids=resv.block_ids, dest_transport_info=dict(resv.transport_info),
+                                      dest_block_ids=resv.block_ids, reservation_token=resv.reservation_token,
+                                      destination=resv.destination,
+                                      accepted_wire_fingerprints=resv.accepted_wire_fingerprints,
                                       params=common_pb2.SamplingParams(max_tokens=6, temperature=0))
 
 
@@ -103,6 +108,8 @@ async def test_injected_transport_failure_fails_prefill_and_frees_its_blocks(rig
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await pstub.Prefill(_prefill_req(resv))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "KV handoff" in err.value.details()
+    detail = detail_of(err.value)
+    assert (detail.reason, detail.retryable, detail.side) == (Reason.ERROR_REASON_KV_HANDOFF_FAILED, False, "decode")
     s = await _idle(prefill)
     assert s["free_blocks"] == s["total_blocks"] and s["running"] == 0
     # Decode still holds the reservation (a retried prefill may resend); Abort frees it.
@@ -128,7 +135,7 @@ async def test_fp8_wire_codec_halves_bytes_and_decodes_within_fp8_precision(rig)
     decode, prefill, _, dstub, pstub = rig
     prefill.config.kv_wire_codec = "fp8-e4m3"
     resv = await _reserve(dstub, n=1)
-    assert resv.transport_info["fp8"] == decode.engine.engine.fp8_layout.fingerprint
+    assert decode.engine.engine.fp8_layout.fingerprint in resv.accepted_wire_fingerprints
     resp = await pstub.Prefill(_prefill_req(resv))
     fp8_layout = prefill.engine.engine.fp8_layout
     assert resp.kv_bytes_sent == 3 * fp8_layout.page_bytes < 3 * prefill.layout.page_bytes // 3
@@ -145,3 +152,43 @@ async def test_fp8_wire_codec_halves_bytes_and_decodes_within_fp8_precision(rig)
     amax = flat_w.abs().amax(dim=-1, keepdim=True)      # per token, per (layer, K/V, head)
     assert ((flat_g - flat_w).abs() <= amax / 16 + 1e-6).all()
     assert not torch.equal(flat_g, flat_w)              # it really went through the codec
+
+
+async def test_shm_transport_writes_into_a_shared_decode_pool_and_gives_the_colocated_tokens() -> None:
+    """Decode's pool in /dev/shm (offered as a typed ShmPool in Reserve); prefill writes pages into it and
+    sends descriptors only."""
+    decode = DecodeServicer(DecodeConfig(), DecodeMetrics(CollectorRegistry()), asyncio.Event())
+    decode.bind(AsyncEngine(dataclasses.replace(_ecfg(), kv_cache_shared=True)))
+    registry = CollectorRegistry()
+    prefill = PrefillServicer(PrefillConfig(kv_transport="shm"), PrefillMetrics(registry),
+                              FakeTransport({"decode-x": decode.receiver}), asyncio.Event())
+    prefill.bind(AsyncEngine(_ecfg()))
+    server = grpc.aio.server()
+    decode_pb2_grpc.add_DecodeServicer_to_server(decode, server)
+    prefill_pb2_grpc.add_PrefillServicer_to_server(prefill, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    path = decode.engine.engine.runner.kv_shm_path
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            dstub, pstub = decode_pb2_grpc.DecodeStub(channel), prefill_pb2_grpc.PrefillStub(channel)
+            resv = await _reserve(dstub)
+            assert resv.destination.WhichOneof("pool") == "shm" and resv.destination.shm.name in path
+            tokens: list[int] = []
+
+            async def consume():
+                async for msg in dstub.Generate(decode_pb2.DecodeGenerateRequest(reservation_id=resv.reservation_id)):
+                    tokens.extend(msg.token_ids)
+
+            task = asyncio.create_task(consume())
+            resp = await pstub.Prefill(_prefill_req(resv))
+            await task
+        want = LLMEngine(_ecfg()).generate([PROMPT], SamplingParams(max_tokens=6, temperature=0))[0]
+        assert tokens == want and resp.kv_bytes_sent == 3 * prefill.layout.page_bytes
+        assert registry.get_sample_value("pdserve_prefill_kv_sent_bytes_total", {"transport": "shm"}) == \
+            resp.kv_bytes_sent
+    finally:
+        await server.stop(None)
+        decode.engine.shutdown()
+        prefill.engine.shutdown()
+    assert not await asyncio.to_thread(os.path.exists, path)  # the pool's file goes with decode

@@ -13,6 +13,8 @@ import enum
 from collections.abc import AsyncIterator
 from typing import Protocol
 
+import grpc
+
 from services.common.pb import common_pb2, decode_pb2
 
 
@@ -24,11 +26,14 @@ class KVPoll(enum.Enum):
 
 
 class TransferError(RuntimeError):
-    """The handoff failed. ``code`` is the gRPC status name decode answered with, if any."""
+    """The handoff failed. ``code`` is the status decode answered with (UNAVAILABLE when it could not be
+    reached); ``detail`` the ErrorDetail it attached, if any."""
 
-    def __init__(self, message: str, code: str = "UNAVAILABLE") -> None:
+    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE,
+                 detail: common_pb2.ErrorDetail | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.detail = detail
 
 
 class KVReceiver(Protocol):
@@ -74,7 +79,9 @@ class KVTransport(abc.ABC):
     name: str = ""
 
     @abc.abstractmethod
-    def open(self, decode_address: str, request_id: str) -> KVSender: ...
+    def open(self, decode_address: str, request_id: str, metadata: tuple[tuple[str, str], ...] = ()) -> KVSender:
+        """A sender for one request's chunks to the decode at ``decode_address`` (gRPC ``metadata`` rides
+        along, e.g. trace context)."""
 
     @abc.abstractmethod
     async def close(self) -> None:

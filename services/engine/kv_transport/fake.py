@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+import grpc
+
 from services.common.pb import common_pb2, decode_pb2
 from services.engine.kv_transport.base import KVPoll, KVReceiver, KVSender, KVTransport, TransferError
 
@@ -21,10 +23,14 @@ class Faults:
     """Flip a payload byte of this chunk index (-1: none)."""
 
 
-def _code(exc: BaseException | None) -> str:
-    """The gRPC status name a receiver's rejection carries (a StatusCode or its name), else INTERNAL."""
+def _refused(exc: BaseException | None) -> TransferError:
+    """A receiver's rejection as the TransferError the grpc transport would raise: its status code (a
+    ``code`` attribute holding a grpc.StatusCode, else INTERNAL) and its ``detail`` ErrorDetail, if any."""
     code = getattr(exc, "code", None)
-    return getattr(code, "name", None) or (code if isinstance(code, str) else "INTERNAL")
+    detail = getattr(exc, "detail", None)
+    return TransferError(f"decode refused KV: {exc}",
+                         code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.INTERNAL,
+                         detail if isinstance(detail, common_pb2.ErrorDetail) else None)
 
 
 class _FakeSender(KVSender):
@@ -40,12 +46,11 @@ class _FakeSender(KVSender):
             await asyncio.sleep(f.delay_s)
         if self._task.done():
             self.state = KVPoll.FAILED
-            exc = self._task.exception()
-            raise TransferError(f"decode refused KV: {exc}", _code(exc))
+            raise _refused(self._task.exception())
         if 0 <= f.fail_after_chunks <= self.chunks_sent:
             self.state = KVPoll.FAILED
             self._task.cancel()
-            raise TransferError("injected transport failure", "UNAVAILABLE")
+            raise TransferError("injected transport failure", grpc.StatusCode.UNAVAILABLE)
         if chunk.chunk_index == f.corrupt_chunk and chunk.payload:
             c = common_pb2.KVChunk()
             c.CopyFrom(chunk)
@@ -60,7 +65,7 @@ class _FakeSender(KVSender):
             resp = await self._task
         except Exception as e:
             self.state = KVPoll.FAILED
-            raise TransferError(f"decode refused KV: {e}", _code(e)) from e
+            raise _refused(e) from e
         self.state = KVPoll.SUCCESS
         return resp
 
@@ -78,7 +83,7 @@ class FakeTransport(KVTransport):
 
     def open(self, decode_address: str, request_id: str, metadata: tuple[tuple[str, str], ...] = ()) -> KVSender:
         if decode_address not in self.receivers:
-            raise TransferError(f"no fake receiver registered at {decode_address!r}", "UNAVAILABLE")
+            raise TransferError(f"no fake receiver registered at {decode_address!r}", grpc.StatusCode.UNAVAILABLE)
         return _FakeSender(self.receivers[decode_address], self.faults)
 
     async def close(self) -> None:

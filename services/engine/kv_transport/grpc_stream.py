@@ -7,8 +7,9 @@ import contextlib
 
 import grpc
 
-from services.common.grpc_util import create_channel
+from services.common.grpc_util import DEFAULT_MAX_MESSAGE_BYTES, create_channel, detail_of, rpc_error_summary
 from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc
+from services.common.tls import TLSConfig
 from services.engine.kv_transport.base import KVPoll, KVSender, KVTransport, TransferError
 
 _END = object()
@@ -23,7 +24,7 @@ class _GrpcSender(KVSender):
 
     async def send(self, chunk: common_pb2.KVChunk) -> None:
         if self.state == KVPoll.FAILED:
-            raise TransferError("KV stream already failed")
+            raise TransferError("KV stream already failed", grpc.StatusCode.UNAVAILABLE)
         if self._call.done():
             await self._raise_from_call()
         put = asyncio.ensure_future(self._queue.put(chunk))
@@ -42,8 +43,8 @@ class _GrpcSender(KVSender):
         try:
             await self._call
         except grpc.aio.AioRpcError as e:
-            raise TransferError(f"decode refused KV: {e.details()}", e.code().name) from e
-        raise TransferError("decode closed the KV stream early", "INTERNAL")
+            raise _refused(e) from e
+        raise TransferError("decode closed the KV stream early", grpc.StatusCode.INTERNAL)
 
     async def finish(self) -> decode_pb2.PushKVResponse:
         await self._queue.put(_END)
@@ -51,7 +52,7 @@ class _GrpcSender(KVSender):
             resp = await self._call
         except grpc.aio.AioRpcError as e:
             self.state = KVPoll.FAILED
-            raise TransferError(f"decode refused KV: {e.details()}", e.code().name) from e
+            raise _refused(e) from e
         self.state = KVPoll.SUCCESS
         return resp
 
@@ -61,17 +62,28 @@ class _GrpcSender(KVSender):
         self._watch.cancel()
 
 
+def _refused(e: grpc.aio.AioRpcError) -> TransferError:
+    """What decode answered (or UNAVAILABLE when it could not be reached), with its typed detail."""
+    return TransferError(f"decode refused KV: {rpc_error_summary(e)}", e.code(), detail_of(e))
+
+
 class GrpcStreamTransport(KVTransport):
+    """``tls``: the service's TLSConfig when mTLS is on (channels present its certificate), else None."""
+
     name = "grpc"
 
-    def __init__(self, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+    def __init__(self, metadata: tuple[tuple[str, str], ...] = (), tls: TLSConfig | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._metadata = metadata
+        self._tls = tls
+        self._max_message_bytes = max_message_bytes
 
     def stub(self, address: str) -> decode_pb2_grpc.DecodeStub:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = create_channel(address)
+            ch = self._channels[address] = create_channel(address, tls=self._tls,
+                                                          max_message_bytes=self._max_message_bytes)
         return decode_pb2_grpc.DecodeStub(ch)
 
     def open(self, decode_address: str, request_id: str, metadata: tuple[tuple[str, str], ...] = ()) -> KVSender:

@@ -1,0 +1,131 @@
+"""Prefill service rigs: a real PrefillServicer and engine (random tiny Llama, fp32) on a grpc.aio server
+on an ephemeral loopback port, handing KV to an in-process recording receiver (FakeTransport)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry
+
+from services.common.grpc_util import create_channel
+from services.common.metrics import PrefillMetrics
+from services.common.pb import common_pb2, decode_pb2, prefill_pb2, prefill_pb2_grpc
+from services.common.tls import TLSConfig
+from services.engine.async_engine import AsyncEngine
+from services.engine.config import EngineConfig
+from services.engine.kv_transport import FakeTransport
+from services.engine.kv_transport.fake import Faults
+from services.prefill.config import PrefillConfig
+from services.prefill.servicer import PrefillServicer
+
+TOKEN = bytes(range(16))
+"""The reservation token every rig request carries."""
+
+
+class RecordingReceiver:
+    """Decode's side of the fake transport: keeps every chunk; ``gate`` (when set) holds each stream
+    after its first chunk until opened."""
+
+    def __init__(self) -> None:
+        self.chunks: list[common_pb2.KVChunk] = []
+        self.gate: asyncio.Event | None = None
+        self.first_chunk = asyncio.Event()
+
+    async def receive(self, chunks: AsyncIterator[common_pb2.KVChunk]) -> decode_pb2.PushKVResponse:
+        n = 0
+        async for c in chunks:
+            self.chunks.append(c)
+            n += 1
+            self.first_chunk.set()
+            if self.gate is not None:
+                await self.gate.wait()
+        return decode_pb2.PushKVResponse(chunks_received=n)
+
+
+@dataclass
+class PrefillRig:
+    servicer: PrefillServicer
+    stub: prefill_pb2_grpc.PrefillStub
+    receiver: RecordingReceiver
+    faults: Faults
+    registry: CollectorRegistry
+    address: str
+    closers: list[Callable[[], Awaitable[Any]]] = field(default_factory=list)
+
+    @property
+    def engine(self) -> AsyncEngine:
+        return self.servicer.engine
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.registry.get_sample_value(name, labels) or 0.0
+
+    async def idle(self, timeout_s: float = 10.0) -> dict[str, float]:
+        """Engine stats once nothing runs or waits and every block is free (or the last seen)."""
+        s: dict[str, float] = {}
+        for _ in range(int(timeout_s / 0.05)):
+            s = await self.engine.stats()
+            if s["free_blocks"] == s["total_blocks"] and not (s["running"] + s["waiting"]):
+                return s
+            await asyncio.sleep(0.05)
+        return s
+
+
+def engine_config(**overrides: Any) -> EngineConfig:
+    return EngineConfig(**{"model": "random:tiny-llama", "dtype": "float32", "num_kv_blocks": 64,
+                           "max_prefill_chunk": 7, **overrides})
+
+
+def prefill_request(ids: list[int], **overrides: Any) -> prefill_pb2.PrefillRequest:
+    fields: dict[str, Any] = dict(request_id="req", token_ids=ids, decode_address="decode-x", reservation_id="resv",
+                                  reservation_token=TOKEN, params=common_pb2.SamplingParams(max_tokens=4, temperature=0))
+    fields.update(overrides)
+    return prefill_pb2.PrefillRequest(**fields)
+
+
+async def start_prefill(config: PrefillConfig | None = None, engine: EngineConfig | None = None,
+                        server_tls: TLSConfig | None = None) -> PrefillRig:
+    registry = CollectorRegistry()
+    receiver = RecordingReceiver()
+    faults = Faults()
+    servicer = PrefillServicer(config or PrefillConfig(), PrefillMetrics(registry),
+                               FakeTransport({"decode-x": receiver}, faults), asyncio.Event())
+    servicer.bind(await asyncio.to_thread(AsyncEngine, engine or engine_config()))
+    server = grpc.aio.server()
+    prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
+    if server_tls is None:
+        port = server.add_insecure_port("127.0.0.1:0")
+    else:
+        port = server.add_secure_port("127.0.0.1:0", server_tls.server_credentials())
+    await server.start()
+    address = f"127.0.0.1:{port}"
+    channel = create_channel(address, tls=server_tls)
+    rig = PrefillRig(servicer, prefill_pb2_grpc.PrefillStub(channel), receiver, faults, registry, address)
+
+    async def close() -> None:
+        await channel.close()
+        await server.stop(None)
+        await servicer.close()
+        servicer.engine.shutdown()
+
+    rig.closers.append(close)
+    return rig
+
+
+@pytest.fixture
+async def make_prefill() -> AsyncIterator[Callable[..., Awaitable[PrefillRig]]]:
+    rigs: list[PrefillRig] = []
+
+    async def make(**kwargs: Any) -> PrefillRig:
+        rig = await start_prefill(**kwargs)
+        rigs.append(rig)
+        return rig
+
+    yield make
+    for rig in rigs:
+        for close in rig.closers:
+            await close()
