@@ -62,7 +62,11 @@ class AdminServicer(common_pb2_grpc.AdminServicer):
                                      waiting_for_kv=int(s.get("waiting_for_kv", 0)),
                                      free_blocks=int(s.get("free_blocks", 0)),
                                      total_blocks=int(s.get("total_blocks", 0)),
-                                     kv_usage=float(s.get("kv_usage", 0.0)))
+                                     kv_usage=float(s.get("kv_usage", 0.0)),
+                                     published_unix=float(s.get("published_unix", 0.0)),
+                                     step_running_s=float(s.get("step_running_s", 0.0)),
+                                     max_waiting=int(s.get("max_waiting", 0)),
+                                     saturated=bool(s.get("saturated", 0.0)))
 
     async def CaptureTrace(self, request: common_pb2.CaptureTraceRequest, context: grpc.aio.ServicerContext
                            ) -> common_pb2.CaptureTraceResponse:

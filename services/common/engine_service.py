@@ -1,12 +1,19 @@
 """Lifecycle shared by the engine-backed services (prefill, decode): NOT_SERVING while the model
-loads on a worker thread, Admin (load reports, trace capture), load gauges, engine shutdown."""
+loads on a worker thread, Admin (load reports, trace capture), load gauges, engine shutdown.
+
+Load reports and gauges read the engine's published stats (never wait on a step). If the engine
+loop dies, health goes NOT_SERVING at once, open streams end with UNAVAILABLE/ENGINE_DEAD (the
+servicers map the engine's error), the server shuts down and :func:`service_main` returns
+:data:`EXIT_ENGINE_DEAD` so a supervisor restarts the process."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import sys
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 from services.common import tracing
@@ -18,41 +25,96 @@ from services.common.server import ServerConfig, ServiceServer, serve
 from services.engine.async_engine import AsyncEngine
 from services.engine.config import EngineConfig
 
+log = logging.getLogger(__name__)
+
 GAUGE_PERIOD_S = 1.0
+EXIT_ENGINE_DEAD = 3
+"""Process exit status when the engine loop died (non-zero: the supervisor restarts the service)."""
+
+
+class EngineDiedError(RuntimeError):
+    """The engine loop died and the service shut down because of it."""
 
 
 class EngineService:
-    """Wires one servicer (with ``bind(engine)`` and ``drain()``) to a ServiceServer."""
+    """Wires one servicer (with ``bind(engine)`` and ``drain()``; optionally ``admission(stats) ->
+    (max_waiting, queue_full)`` for the load report) to a ServiceServer."""
 
     def __init__(self, name: str, cfg: ServerConfig, ecfg: EngineConfig) -> None:
         self.name = name
         self.cfg = cfg
         self.ecfg = ecfg
         self.engine: AsyncEngine | None = None
+        self.server: ServiceServer | None = None
+        self.servicer: Any = None
+        self.died: BaseException | None = None
+        """What killed the engine loop, once it died."""
         self.on_stats: list[Callable[[dict[str, float]], None]] = []
         self.on_close: list[Callable[[], Awaitable[None]]] = []
+        self._tasks: set[asyncio.Future] = set()
+        self._gauge_task: asyncio.Future | None = None
 
     async def stats(self) -> dict[str, float]:
+        """The engine's published figures plus max_waiting and saturated (1.0/0.0); answers at once.
+        Raises RuntimeError while the model loads or after the engine died (GetLoad: UNAVAILABLE)."""
         if self.engine is None:
             raise RuntimeError("model loading")
-        s = await self.engine.stats()
+        if self.engine.dead is not None:
+            raise RuntimeError("engine loop died")
+        s = self.engine.published_stats()
+        admission = getattr(self.servicer, "admission", None)
+        max_waiting, full = admission(s) if admission is not None else (0, False)
+        s["max_waiting"] = float(max_waiting)
+        s["saturated"] = 1.0 if full or s.get("free_blocks", 1) <= 0 else 0.0
         for fn in self.on_stats:
             fn(s)
         return s
 
     async def _gauges(self) -> None:
         while True:
-            await self.stats()
+            try:
+                await self.stats()
+            except RuntimeError:  # the engine died: the service is going down
+                return
             await asyncio.sleep(GAUGE_PERIOD_S)
 
+    def _spawn(self, coro: Awaitable[None]) -> asyncio.Future:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _on_engine_death(self, loop: asyncio.AbstractEventLoop, exc: BaseException) -> None:
+        """Engine thread: hand the death to the event loop."""
+        loop.call_soon_threadsafe(self._begin_death, exc)
+
+    def _begin_death(self, exc: BaseException) -> None:
+        if self.died is not None:
+            return
+        self.died = exc
+        log.error("%s: engine loop died (%r): NOT_SERVING, shutting down", self.name, exc)
+        self._spawn(self._die())
+
+    async def _die(self) -> None:
+        srv = self.server
+        if srv is None:
+            return
+        await srv.health.enter_graceful_shutdown()  # NOT_SERVING before anything else
+        await srv.shutdown("engine loop died")
+
     async def run(self, servicer: Any, add_to_server: Callable[[Any, Any], None]) -> None:
+        """Serve until shutdown. Raises EngineDiedError if the engine loop died."""
         async def shutdown() -> None:
+            if self._gauge_task is not None:
+                self._gauge_task.cancel()
             for fn in self.on_close:
                 await fn()
             if self.engine is not None:
                 self.engine.shutdown()
 
+        self.servicer = servicer
         srv = ServiceServer(self.name, self.cfg, drain=servicer.drain, on_shutdown=shutdown)
+        self.server = srv
         servicer.draining = srv.draining
         srv.add_service(add_to_server, servicer)
         trace = TraceCapture(self.name, self.cfg.instance or f"{self.cfg.host}:{self.cfg.port}")
@@ -62,10 +124,18 @@ class EngineService:
             trace.instance = srv.instance  # the bound address (port 0 picks one at start)
             self.engine = await asyncio.to_thread(AsyncEngine, self.ecfg)
             servicer.bind(self.engine)
+            self.engine.add_death_callback(partial(self._on_engine_death, asyncio.get_running_loop()))
             await self.stats()
-            asyncio.get_running_loop().create_task(self._gauges())
+            self._gauge_task = self._spawn(self._gauges())
 
-        await serve(srv, warmup=warmup)
+        try:
+            await serve(srv, warmup=warmup)
+        finally:  # the gauges; a death handler whose shutdown has completed
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.died is not None:
+            raise EngineDiedError(f"{self.name}: engine loop died: {self.died!r}") from self.died
 
 
 def parse_service_args(name: str, config_cls: type, argv: list[str] | None, description: str
@@ -91,5 +161,9 @@ def service_main(name: str, config_cls: type, amain: Callable[[Any, EngineConfig
     parsed = parse_service_args(name, config_cls, argv, description)
     if parsed is None:
         return 2
-    asyncio.run(amain(*parsed))
+    try:
+        asyncio.run(amain(*parsed))
+    except EngineDiedError as e:
+        log.error("%s", e)
+        return EXIT_ENGINE_DEAD
     return 0

@@ -27,6 +27,7 @@ async def amain(cfg: DecodeConfig, ecfg) -> None:
         metrics.waiting_for_kv_requests.labels(model).set(s["waiting_for_kv"])
 
     service.on_stats.append(gauges)
+    service.on_close.append(servicer.close)
     await service.run(servicer, decode_pb2_grpc.add_DecodeServicer_to_server)
 
 

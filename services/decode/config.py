@@ -15,9 +15,20 @@ class DecodeConfig(ServerConfig):
                                      "prefills (the A/B baseline).", choices=("disaggregated", "colocated"))
     lease_ms: int = opt(30_000, "How long a reservation waits for its KV before its blocks are freed (ms), "
                                 "unless the Reserve call asks for another lease.")
+    max_lease_ms: int = opt(300_000, "Longest lease a Reserve or RenewLease may ask for (ms); longer asks are "
+                                     "capped to it. A lease never outlives the request's deadline either.")
+    max_pending: int = opt(256, "Most requests admitted but not yet running (reservations whose KV has not "
+                                "landed + requests queued in the engine); past it Reserve and colocated "
+                                "Generate answer RESOURCE_EXHAUSTED (reason OVERLOADED).")
+    overload_retry_after_ms: int = opt(1_000, "retry_after_ms suggested to callers refused as OVERLOADED (ms).")
     tracing: str = opt("none", "OpenTelemetry exporter: none, console, otlp.", choices=("none", "console", "otlp"))
     otlp_endpoint: str = opt("", "OTLP collector endpoint when --tracing otlp.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(self.lease_ms > 0, self, "lease_ms", f"must be > 0, got {self.lease_ms}")
+        require(self.max_lease_ms > 0, self, "max_lease_ms", f"must be > 0, got {self.max_lease_ms}")
+        require(0 < self.lease_ms <= self.max_lease_ms, self, "lease_ms",
+                f"must be in (0, max_lease_ms={self.max_lease_ms}], got {self.lease_ms}")
+        require(self.max_pending > 0, self, "max_pending", f"must be > 0, got {self.max_pending}")
+        require(self.overload_retry_after_ms > 0, self, "overload_retry_after_ms",
+                f"must be > 0, got {self.overload_retry_after_ms}")

@@ -1,15 +1,26 @@
 """Decode's end of the KV handoff: checks every chunk, writes its pages into the paged cache.
 
-Checks, in order (each failure is a :class:`KVRejected` with the gRPC status to answer):
-known reservation, layout fingerprint, chunk order (no gap, no duplicate), page range inside the
-reservation and not over blocks decode already holds, payload size, checksum. A rejected stream
-frees the reservation: its KV can no longer be trusted. When the last chunk lands, every prompt
-page must be present; then the request joins continuous batching.
+Checks, in order (each failure is a :class:`KVRejected` with the gRPC status and ErrorDetail reason
+to answer): known reservation, its token (the decode-issued secret), layout fingerprint, chunk order
+(no gap, no duplicate), token and page ranges inside the reservation and not over blocks decode
+already holds, payload size, ``first_token`` inside the vocabulary, checksum.
+
+What a failure does to the reservation:
+  * a wrong token (or a second stream while one is open) changes nothing: a forger cannot cancel
+    someone else's work;
+  * a protocol violation (layout, order, range, size, checksum, pages missing at the last chunk)
+    frees it: its KV can no longer be trusted;
+  * a stream that breaks (the peer died: the iterator raises or is cancelled, or it ends without its
+    last chunk) keeps it and forgets the stream's progress, so a retried prefill can send a fresh
+    stream from chunk 0; its lease keeps running and frees it if no one comes.
+When the last chunk lands, every prompt page must be present; then the request joins continuous
+batching.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import warnings
 from collections.abc import AsyncIterator, Callable
@@ -17,28 +28,55 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 import torch
 
+from services.common.grpc_util import Reason
 from services.common.pb import common_pb2, decode_pb2
-from services.decode.reservations import Reservation, ReservationTable
-from services.engine.async_engine import AsyncEngine
+from services.decode.reservations import EndCause, Reservation, ReservationTable
+from services.engine.async_engine import AsyncEngine, EngineDeadError
 from services.engine.kv_layout import FP8_CODEC, PageLayout, checksum
 
 IN_PLACE_TRANSPORTS = frozenset({"shm", "cuda-ipc"})
 """Transports that write pages into this decode's pool themselves; their chunks carry descriptors only."""
 
+_END = object()
+
 
 class KVRejected(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str, reason: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str,
+                 detail_reason: int = Reason.ERROR_REASON_INVALID_INPUT, *, retryable: bool = False,
+                 frees: bool = True, field: str = "") -> None:
         super().__init__(message)
         self.code = code
         self.reason = reason
         """Short label for the rejected-chunks metric."""
+        self.detail_reason = detail_reason
+        """common_pb2.ErrorReason for the ErrorDetail."""
+        self.retryable = retryable
+        self.frees = frees
+        """Whether the reservation is freed (a protocol violation), or left as it was."""
+        self.field = field
+
+
+def _gone(r: Reservation | str) -> KVRejected:
+    rid = r.reservation_id if isinstance(r, Reservation) else r
+    why = f"ended: {r.end_cause.value}" if isinstance(r, Reservation) and r.end_cause else \
+        "expired, aborted or never made"
+    return KVRejected(grpc.StatusCode.NOT_FOUND, f"unknown reservation {rid!r} ({why})", "unknown_reservation",
+                      Reason.ERROR_REASON_RESERVATION_GONE, retryable=True, frees=False)
+
+
+async def _read(it: AsyncIterator[common_pb2.KVChunk]) -> common_pb2.KVChunk | object:
+    try:
+        return await anext(it)
+    except StopAsyncIteration:
+        return _END
 
 
 class DecodeKVReceiver:
     def __init__(self, engine: AsyncEngine, layout: PageLayout, table: ReservationTable,
                  wire_layouts: list[PageLayout] | None = None,
                  on_landed: Callable[[Reservation, common_pb2.KVChunk], None] | None = None,
-                 on_rejected: Callable[[str], None] | None = None) -> None:
+                 on_rejected: Callable[[str], None] | None = None,
+                 on_broken: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.layout = layout
         # Layouts a chunk may arrive in: the cache's own, plus codecs decoded on arrival (fp8-e4m3).
@@ -46,48 +84,87 @@ class DecodeKVReceiver:
         self.table = table
         self.on_landed = on_landed
         self.on_rejected = on_rejected
+        self.on_broken = on_broken
+        self.vocab_size = engine.engine.vocab_size
         runner = engine.engine.runner
         self._page_shape = (runner.num_layers, 2, runner.block_size, runner.num_kv_heads, runner.head_dim)
         self._dtype = runner.dtype
         self._runner = runner
 
-    def _reject(self, code: grpc.StatusCode, message: str, reason: str) -> KVRejected:
+    def _reject(self, code: grpc.StatusCode, message: str, reason: str,
+                detail_reason: int = Reason.ERROR_REASON_INVALID_INPUT, **kw: object) -> KVRejected:
         if self.on_rejected is not None:
             self.on_rejected(reason)
-        return KVRejected(code, message, reason)
+        return KVRejected(code, message, reason, detail_reason, **kw)  # type: ignore[arg-type]
+
+    def _open(self, c: common_pb2.KVChunk) -> Reservation:
+        """The reservation a stream's first chunk names, if the chunk may write into it (touches nothing)."""
+        r = self.table.get(c.reservation_id)
+        if r is None:
+            if self.on_rejected is not None:
+                self.on_rejected("unknown_reservation")
+            raise _gone(c.reservation_id)
+        if not r.token_ok(c.reservation_token):
+            raise self._permission(c)
+        if r.complete or r.receiving:
+            raise self._reject(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"reservation {r.reservation_id} already "
+                               f"{'has all its KV' if r.complete else 'has a KV stream open'}", "state",
+                               Reason.ERROR_REASON_KV_HANDOFF_FAILED, retryable=not r.complete, frees=False)
+        return r
+
+    def _permission(self, c: common_pb2.KVChunk) -> KVRejected:
+        return self._reject(grpc.StatusCode.PERMISSION_DENIED,
+                            f"reservation_token: wrong or missing for reservation {c.reservation_id!r}",
+                            "permission", Reason.ERROR_REASON_PERMISSION, frees=False, field="reservation_token")
 
     def _check(self, r: Reservation, c: common_pb2.KVChunk) -> tuple[list[int], PageLayout]:
         """Validate one chunk against its reservation; returns the destination block ids and the layout
         the chunk's pages are in."""
+        if c.reservation_id != r.reservation_id:
+            raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"reservation_id: one PushKV stream carries one reservation: got "
+                               f"{c.reservation_id!r} after {r.reservation_id!r}", "order", field="reservation_id")
+        if not r.token_ok(c.reservation_token):
+            raise self._permission(c)
         layout = self.layouts.get(c.layout_fingerprint)
         if layout is None:
             accepted = " or ".join(f"{fp} ({lay.describe()})" for fp, lay in self.layouts.items())
             raise self._reject(grpc.StatusCode.FAILED_PRECONDITION,
                                f"KV layout fingerprint mismatch: chunk has {c.layout_fingerprint or '(empty)'}, "
-                               f"this decode expects {accepted}", "fingerprint")
+                               f"this decode expects {accepted}", "fingerprint", Reason.ERROR_REASON_LAYOUT_MISMATCH,
+                               field="layout_fingerprint")
         if c.chunk_index != r.next_chunk:
             what = "duplicate" if c.chunk_index < r.next_chunk else "out-of-order"
             raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"{what} KV chunk index {c.chunk_index}: expected {r.next_chunk}", "order")
+                               f"chunk_index: {what} KV chunk index {c.chunk_index}: expected {r.next_chunk}",
+                               "order", field="chunk_index")
         if c.token_end > r.prompt_len or c.token_start > c.token_end:
             raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"KV chunk token range [{c.token_start}, {c.token_end}) is outside the prompt "
-                               f"of {r.prompt_len} tokens", "range")
+                               f"token_start/token_end: KV chunk token range [{c.token_start}, {c.token_end}) is "
+                               f"outside the prompt of {r.prompt_len} tokens", "range", field="token_end")
         first, n = c.first_block, c.num_pages
         if first < r.num_cached_blocks or first + n > len(r.block_ids):
             raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"KV chunk pages [{first}, {first + n}) fall outside the reserved pages "
-                               f"[{r.num_cached_blocks}, {len(r.block_ids)})", "range")
+                               f"first_block/num_pages: KV chunk pages [{first}, {first + n}) fall outside the "
+                               f"reserved pages [{r.num_cached_blocks}, {len(r.block_ids)})", "range",
+                               field="first_block")
+        if c.is_last and not 0 <= c.first_token < self.vocab_size:
+            raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"first_token: {c.first_token} is outside the vocabulary [0, {self.vocab_size})",
+                               "range", field="first_token")
         if c.transport not in IN_PLACE_TRANSPORTS:
             want = n * layout.page_bytes
             if len(c.payload) != want:
                 raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"KV chunk payload is {len(c.payload)} bytes; {n} pages of "
-                                   f"{layout.page_bytes} bytes ({layout.target_codec}) need {want}", "size")
+                                   f"payload: KV chunk payload is {len(c.payload)} bytes; {n} pages of "
+                                   f"{layout.page_bytes} bytes ({layout.target_codec}) need {want}", "size",
+                                   field="payload")
         elif layout is not self.layout:
             raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
                                f"transport {c.transport!r} writes pages in place: they must be in this decode's "
-                               f"own layout {self.layout.fingerprint}", "fingerprint")
+                               f"own layout {self.layout.fingerprint}", "fingerprint",
+                               Reason.ERROR_REASON_LAYOUT_MISMATCH, field="layout_fingerprint")
         return r.block_ids[first:first + n], layout
 
     def _verify_and_write(self, c: common_pb2.KVChunk, block_ids: list[int], layout: PageLayout) -> None:
@@ -96,7 +173,8 @@ class DecodeKVReceiver:
         if got != c.checksum:
             raise self._reject(grpc.StatusCode.DATA_LOSS,
                                f"KV chunk {c.chunk_index} checksum mismatch: header says {c.checksum:#010x}, "
-                               f"payload hashes to {got:#010x}", "checksum")
+                               f"payload hashes to {got:#010x}", "checksum", Reason.ERROR_REASON_DATA_LOSS,
+                               retryable=True, field="checksum")
         if not block_ids:
             return
         fp8 = layout.target_codec == FP8_CODEC
@@ -108,29 +186,40 @@ class DecodeKVReceiver:
         else:
             self._runner.write_pages(block_ids, flat.view(len(block_ids), *self._page_shape))
 
+    async def _next(self, it: AsyncIterator[common_pb2.KVChunk], r: Reservation | None,
+                    gone: asyncio.Future | None) -> common_pb2.KVChunk | object:
+        """The next chunk, or _END; raises the gone rejection if the reservation ends while we wait."""
+        if r is None or gone is None:
+            return await _read(it)
+        nxt = asyncio.ensure_future(_read(it))
+        await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not nxt.done():
+            nxt.cancel()
+            with contextlib.suppress(BaseException):
+                await nxt
+            raise _gone(r)
+        return nxt.result()
+
     async def receive(self, chunks: AsyncIterator[common_pb2.KVChunk]) -> decode_pb2.PushKVResponse:
         r: Reservation | None = None
         received = 0
+        it = aiter(chunks)
+        gone: asyncio.Future | None = None
         # One chunk's checksum + page copy runs in a thread while the next chunk is read off the wire.
         pending: asyncio.Future | None = None
         try:
-            async for c in chunks:
+            while True:
+                c = await self._next(it, r, gone)
+                if c is _END:
+                    break
+                assert isinstance(c, common_pb2.KVChunk)
                 if r is None:
-                    r = self.table.get(c.reservation_id)
-                    if r is None:
-                        raise self._reject(grpc.StatusCode.NOT_FOUND,
-                                           f"unknown reservation {c.reservation_id!r} (expired, aborted or never "
-                                           "made)", "unknown_reservation")
-                    if r.complete or r.receiving:
-                        raise KVRejected(grpc.StatusCode.FAILED_PRECONDITION,
-                                         f"reservation {r.reservation_id} already "
-                                         f"{'has all its KV' if r.complete else 'has a KV stream open'}", "state")
+                    r = self._open(c)
                     r.receiving = True
-                    r.next_chunk = 0  # a new stream (a retried prefill) starts over
-                elif c.reservation_id != r.reservation_id:
-                    raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
-                                       f"one PushKV stream carries one reservation: got {c.reservation_id!r} "
-                                       f"after {r.reservation_id!r}", "order")
+                    r.reset_transfer()  # a new stream (a retried prefill) starts over
+                    gone = asyncio.ensure_future(r.gone.wait())
+                if r.end_cause is not None:
+                    raise _gone(r)
                 block_ids, layout = self._check(r, c)
                 if pending is not None:
                     await pending
@@ -151,40 +240,72 @@ class DecodeKVReceiver:
                 await pending
                 pending = None
             if r is not None and not r.complete:
-                raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"KV stream of {r.reservation_id} ended before its last chunk "
-                                   f"({r.next_chunk} received)", "incomplete")
-        except KVRejected:
-            if r is not None and not r.complete:
-                await self.release(r)
+                if r.end_cause is not None:
+                    raise _gone(r)
+                if self.on_broken is not None:
+                    self.on_broken()
+                raise KVRejected(grpc.StatusCode.ABORTED,
+                                 f"KV stream of {r.reservation_id} ended before its last chunk ({r.next_chunk} "
+                                 "received); the reservation is kept: resend from chunk 0", "incomplete",
+                                 Reason.ERROR_REASON_KV_HANDOFF_FAILED, retryable=True, frees=False)
+        except KVRejected as e:
+            if e.frees and r is not None and not r.complete:
+                await self.release(r, EndCause.REJECTED)
+            raise
+        except EngineDeadError:
+            raise
+        except BaseException:  # the stream broke (peer gone, cancelled): keep the reservation for a retry
+            if r is not None and not r.complete and r.end_cause is None and self.on_broken is not None:
+                self.on_broken()
             raise
         finally:
-            if pending is not None:  # the stream broke: let the last copy finish before the blocks can be reused
+            if gone is not None:
+                gone.cancel()
+            if pending is not None:  # let the last copy finish before the blocks can be reused
                 await asyncio.gather(pending, return_exceptions=True)
             if r is not None:
                 r.receiving = False
+                if r.end_cause is not None:  # released while this stream wrote: free the blocks now
+                    await self._free(r)
+                elif not r.complete:
+                    r.reset_transfer()
         return decode_pb2.PushKVResponse(chunks_received=received, bytes_received=r.bytes_received if r else 0)
 
     async def _finish(self, r: Reservation, c: common_pb2.KVChunk) -> None:
         if c.total_chunks and c.total_chunks != c.chunk_index + 1:
             raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"last KV chunk says total_chunks={c.total_chunks} but is chunk {c.chunk_index}",
-                               "order")
+                               f"total_chunks: last KV chunk says total_chunks={c.total_chunks} but is chunk "
+                               f"{c.chunk_index}", "order", field="total_chunks")
         missing = sorted(set(range(r.num_cached_blocks, len(r.block_ids))) - r.pages_written)
         if missing:
             raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
                                f"last KV chunk arrived but pages {missing[:8]}{'...' if len(missing) > 8 else ''} "
                                "of the prompt never did", "incomplete")
-        r.kv_done_at = time.monotonic()
-        if r.lease is not None:
+        if r.end_cause is not None:
+            raise _gone(r)
+        if r.lease is not None:  # every page is in: the lease has done its job
             r.lease.cancel()
             r.lease = None
+        if not await self.engine.kv_import_done(r.reservation_id, c.first_token,
+                                                c.first_logprob if r.params.logprobs else None):
+            await self.release(r, EndCause.ABORTED)  # the engine no longer waits for it
+            raise _gone(r)
+        r.kv_done_at = time.monotonic()
         if self.on_landed is not None:
             self.on_landed(r, c)
-        await self.engine.kv_import_done(r.reservation_id, c.first_token,
-                                         c.first_logprob if r.params.logprobs else None)
 
-    async def release(self, r: Reservation) -> None:
-        """Free a reservation that will not run (rejected, expired, aborted)."""
+    async def release(self, r: Reservation, cause: EndCause) -> None:
+        """End a reservation that will not run to completion (rejected, expired, deadline, aborted): it
+        leaves the table at once; its blocks are freed now, or by its KV stream once the page write in
+        flight is done. Idempotent."""
+        if r.end_cause is not None:
+            return
+        r.end_cause = cause
         self.table.remove(r)
-        await self.engine.abort(r.reservation_id)
+        r.gone.set()
+        if not r.receiving:
+            await self._free(r)
+
+    async def _free(self, r: Reservation) -> None:
+        with contextlib.suppress(EngineDeadError):  # a dead engine frees nothing (the process is going)
+            await asyncio.shield(self.engine.abort(r.reservation_id))

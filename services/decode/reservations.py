@@ -1,17 +1,48 @@
 """Reservations: destination blocks held for a request whose KV a prefill is sending.
 
-A reservation lives from Reserve until its last KV chunk lands (then the request runs) or until
-its lease runs out, whichever is first; an expired reservation's blocks are freed.
+A reservation lives from Reserve until its request finishes, or until it ends early: its lease runs
+out before the KV lands, the request's deadline passes, its KV stream breaks the protocol, or it is
+aborted. An ended reservation leaves the table at once; its blocks are freed as soon as no page write
+into them is in flight (see DecodeKVReceiver.release).
+
+Only the holder of the reservation's token (issued by Reserve, 16 random bytes) may write KV into it
+or renew its lease; a wrong token changes nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
+import hmac
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
 
 from services.engine.sampling_params import SamplingParams
+
+TOKEN_BYTES = 16
+
+
+class EndCause(enum.Enum):
+    """Why a reservation ended before its request finished."""
+
+    EXPIRED = "expired"      # the lease ran out before the KV landed
+    DEADLINE = "deadline"    # the request's deadline_unix passed
+    REJECTED = "rejected"    # its KV stream broke the protocol: the pages cannot be trusted
+    ABORTED = "aborted"      # Abort RPC, or its Generate consumer went away
+
+
+def new_token() -> bytes:
+    return secrets.token_bytes(TOKEN_BYTES)
+
+
+def lease_expiry(now_unix: float, requested_ms: int, default_ms: int, max_ms: int, deadline_unix: float) -> float:
+    """When a lease asked for at ``now_unix`` ends (Unix seconds): ``requested_ms`` (0: ``default_ms``)
+    capped at ``max_ms``, and never past ``deadline_unix`` when that is non-zero."""
+    ms = min(requested_ms or default_ms, max_ms)
+    expiry = now_unix + ms / 1000.0
+    return min(expiry, deadline_unix) if deadline_unix > 0 else expiry
 
 
 @dataclass(eq=False)
@@ -25,9 +56,17 @@ class Reservation:
     num_cached_blocks: int
     """Leading blocks already valid here (prefix cache); the sender skips them."""
     stream: asyncio.Queue
+    token: bytes = field(default_factory=new_token, repr=False)
+    deadline_unix: float = 0.0
+    """The request's deadline (Unix seconds); 0: none."""
     reserved_at: float = field(default_factory=time.monotonic)
     lease_expires_unix: float = 0.0
     lease: asyncio.TimerHandle | None = None
+    deadline_timer: asyncio.TimerHandle | None = None
+    end_cause: EndCause | None = None
+    """Set once when the reservation ends early; it has then left the table."""
+    gone: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set with end_cause: wakes a KV stream waiting for its next chunk."""
     # KV arrival bookkeeping (one PushKV stream at a time; a new stream restarts at chunk 0).
     next_chunk: int = 0
     pages_written: set[int] = field(default_factory=set)
@@ -39,6 +78,16 @@ class Reservation:
     @property
     def complete(self) -> bool:
         return self.kv_done_at is not None
+
+    def token_ok(self, token: bytes) -> bool:
+        """Constant-time comparison with the token Reserve issued."""
+        return hmac.compare_digest(token, self.token)
+
+    def reset_transfer(self) -> None:
+        """Forget a broken stream's progress: the next stream (a retried prefill) starts at chunk 0."""
+        self.next_chunk = 0
+        self.pages_written.clear()
+        self.bytes_received = 0
 
 
 class ReservationTable:
@@ -65,9 +114,10 @@ class ReservationTable:
         return r
 
     def remove(self, r: Reservation) -> None:
-        if r.lease is not None:
-            r.lease.cancel()
-            r.lease = None
+        for timer in (r.lease, r.deadline_timer):
+            if timer is not None:
+                timer.cancel()
+        r.lease = r.deadline_timer = None
         self._by_id.pop(r.reservation_id, None)
         if self._by_request.get(r.request_id) == r.reservation_id:
             del self._by_request[r.request_id]
@@ -77,3 +127,7 @@ class ReservationTable:
 
     def values(self) -> list[Reservation]:
         return list(self._by_id.values())
+
+    def num_awaiting_kv(self) -> int:
+        """Reservations whose KV has not fully landed yet (count)."""
+        return sum(1 for r in self._by_id.values() if not r.complete)

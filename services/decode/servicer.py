@@ -1,28 +1,44 @@
-"""Decode servicer: Reserve, PushKV, Generate, Abort (thin; domain logic in reservations/kv_receiver)."""
+"""Decode servicer: Reserve, RenewLease, PushKV, Generate, Abort (thin; domain logic in reservations,
+leases and kv_receiver).
+
+Admission (Reserve, colocated Generate) reads the engine's published stats, never waits behind a
+step to refuse: draining -> UNAVAILABLE/DRAINING, engine dead -> UNAVAILABLE/ENGINE_DEAD, more than
+``max_pending`` requests admitted and not running, or no free KV block -> RESOURCE_EXHAUSTED/OVERLOADED
+(retryable, with retry_after_ms). Block allocation itself runs on the engine thread. Existing
+reservations (PushKV, Generate, RenewLease) are served while draining.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 import grpc
 
 from services.common import tracing
 from services.common.convert import finish_to_pb, layout_to_pb, params_from_pb
-from services.common.grpc_util import abort_if_draining
+from services.common.grpc_util import Reason, abort_if_draining
 from services.common.metrics import DecodeMetrics
 from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc
+from services.common.tls import peer_may_write_kv
+from services.decode import errors
 from services.decode.config import DecodeConfig
 from services.decode.kv_receiver import DecodeKVReceiver, KVRejected
-from services.decode.reservations import Reservation, ReservationTable
-from services.engine.async_engine import AsyncEngine
+from services.decode.leases import LeaseKeeper
+from services.decode.reservations import EndCause, Reservation, ReservationTable
+from services.engine.async_engine import AsyncEngine, EngineDeadError
 from services.engine.block_manager import NoFreeBlocksError
 from services.engine.engine import RequestOutput
-from services.engine.sampling_params import InvalidRequestError
+from services.engine.sampling_params import InvalidRequestError, SamplingParams
+from services.engine.sequence import FinishReason
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def _response(rid: str, o: RequestOutput) -> common_pb2.GenerateResponse:
@@ -43,6 +59,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.draining = draining
         self.table = ReservationTable()
         self._bg: set[asyncio.Future] = set()
+        self._admitting = 0
+        """Admission calls waiting on the engine thread (count; part of the pending bound)."""
+        self._generating = 0
+        """Open Generate streams (count; drain waits for them)."""
+        self._colocated_ids: dict[str, str] = {}
+        """Colocated requests: the caller's request id -> engine request id (decode picks the latter)."""
         self.engine: AsyncEngine = None  # type: ignore[assignment]  # bound once the model is loaded
 
     def bind(self, engine: AsyncEngine) -> None:
@@ -51,57 +73,156 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.engine = engine
         self.model = engine.engine.loaded.model_id
         self.layout = engine.engine.layout
+        self.vocab_size = engine.engine.vocab_size
+        self.max_model_len = engine.engine.max_model_len
         self.receiver = DecodeKVReceiver(engine, self.layout, self.table, [engine.engine.fp8_layout],
                                          on_landed=self._landed,
-                                         on_rejected=lambda reason: metrics.kv_chunks_rejected_total.labels(reason).inc())
+                                         on_rejected=lambda reason: metrics.kv_chunks_rejected_total.labels(reason).inc(),
+                                         on_broken=lambda: metrics.kv_streams_broken_total.labels(self.model).inc())
+        self.leases = LeaseKeeper(self.config, self.receiver.release, on_end=self._lease_ended)
 
-    # --- Reserve ---
+    # --- admission ---
 
-    async def _ready(self, context: grpc.aio.ServicerContext) -> None:
-        await abort_if_draining(context, self.draining, "decode")
+    def _pending(self, stats: dict[str, float]) -> int:
+        return self.table.num_awaiting_kv() + int(stats.get("waiting", 0)) + self._admitting
+
+    def admission(self, stats: dict[str, float]) -> tuple[int, bool]:
+        """(max_waiting, queue full) for the load report, from the engine's published ``stats``."""
+        return self.config.max_pending, self._pending(stats) >= self.config.max_pending
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, reason: int,
+                      label: str, **kw: object) -> None:
+        self.metrics.requests_refused_total.labels(label).inc()
+        await errors.fail(context, code, message, reason, **kw)  # type: ignore[arg-type]
+
+    async def _admit(self, context: grpc.aio.ServicerContext, *, needs_blocks: bool) -> None:
+        """Refuse new work from published state only (never waits on the engine)."""
+        if self.draining.is_set():
+            self.metrics.requests_refused_total.labels("draining").inc()
+            await abort_if_draining(context, self.draining, "decode")
         if self.engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode is still loading its model")
+            await errors.loading(context)
+        if self.engine.dead is not None:
+            await errors.engine_dead(context, self.engine.dead)
+        s = self.engine.published_stats()
+        pending = self._pending(s)
+        if pending >= self.config.max_pending or (needs_blocks and s.get("free_blocks", 1) <= 0):
+            why = (f"{pending} requests pending (max {self.config.max_pending})" if pending >= self.config.max_pending
+                   else "no free KV blocks")
+            await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode is overloaded: {why}",
+                               Reason.ERROR_REASON_OVERLOADED, "overloaded", retryable=True,
+                               retry_after_ms=self.config.overload_retry_after_ms)
+
+    async def _check_prompt(self, context: grpc.aio.ServicerContext, ids: list[int]) -> None:
+        if not ids:
+            await errors.invalid(context, "token_ids", "token_ids (prompt): must not be empty")
+        if len(ids) >= self.max_model_len:
+            await errors.invalid(context, "token_ids", f"token_ids (prompt): {len(ids)} tokens do not fit the "
+                                                       f"context of {self.max_model_len} tokens (one position must "
+                                                       "remain for the output)")
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            await errors.invalid(context, "token_ids", f"token_ids: token id {ids[bad]} at position {bad} is outside "
+                                                       f"the vocabulary [0, {self.vocab_size})")
+
+    async def _params(self, context: grpc.aio.ServicerContext, p: common_pb2.SamplingParams) -> SamplingParams:
+        try:
+            return params_from_pb(p)
+        except InvalidRequestError as e:
+            await errors.invalid(context, f"params.{e.field}", str(e))
+
+    async def _engine_admit(self, context: grpc.aio.ServicerContext, admit: Awaitable[T],
+                            undo: Callable[[], Awaitable[object]]) -> T:
+        """Await an admission on the engine thread; if the call is cancelled meanwhile, ``undo()`` runs once
+        the engine has admitted it (nobody will consume it). Engine refusals become statuses."""
+        fut = asyncio.ensure_future(admit)
+        self._admitting += 1
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            fut.add_done_callback(lambda f: self._undo(f, undo))
+            raise
+        except InvalidRequestError as e:
+            await errors.invalid(context, e.field, str(e))
+        except NoFreeBlocksError as e:
+            await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"cannot reserve KV blocks: {e}",
+                               Reason.ERROR_REASON_OVERLOADED, "overloaded", retryable=True,
+                               retry_after_ms=self.config.overload_retry_after_ms)
+        except EngineDeadError as e:
+            await errors.engine_dead(context, e)
+        except ValueError as e:  # the prompt can never fit this pool
+            await errors.fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"cannot reserve KV blocks: {e}",
+                              Reason.ERROR_REASON_INVALID_INPUT, field="token_ids")
+        finally:
+            self._admitting -= 1
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _undo(self, fut: asyncio.Future, undo: Callable[[], Awaitable[object]]) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            return  # nothing was admitted
+        task = asyncio.ensure_future(undo())
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+
+    # --- Reserve / RenewLease ---
 
     async def Reserve(self, request: decode_pb2.ReserveRequest, context: grpc.aio.ServicerContext
                       ) -> decode_pb2.ReserveResponse:
-        await self._ready(context)
+        await self._admit(context, needs_blocks=True)
         if not request.request_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
-        try:
-            params = params_from_pb(request.params)
-        except InvalidRequestError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await errors.invalid(context, "request_id", "request_id: must not be empty")
+        ids = list(request.token_ids)
+        await self._check_prompt(context, ids)
+        params = await self._params(context, request.params)
+        deadline = request.deadline_unix
+        if not math.isfinite(deadline) or deadline < 0:
+            await errors.invalid(context, "deadline_unix", f"deadline_unix: must be a Unix time >= 0, got {deadline}")
+        if deadline and deadline <= time.time():
+            await self._refuse(context, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_unix: the request's deadline "
+                               "has already passed", Reason.ERROR_REASON_DEADLINE, "deadline", field="deadline_unix")
         rid = self.table.new_id()
-        try:
-            q, num_cached, table = await self.engine.reserve(rid, list(request.token_ids), params,
-                                                             detokenize=bool(params.stop))
-        except InvalidRequestError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except (NoFreeBlocksError, ValueError) as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"cannot reserve KV blocks: {e}")
-        lease_s = (request.lease_ms or self.config.lease_ms) / 1000.0
-        r = Reservation(rid, request.request_id, len(request.token_ids), params, table, num_cached, q,
-                        lease_expires_unix=time.time() + lease_s)
-        r.lease = asyncio.get_running_loop().call_later(lease_s, self._expire, r)
+        q, num_cached, block_ids = await self._engine_admit(
+            context, self.engine.reserve(rid, ids, params, detokenize=bool(params.stop)), lambda: self._drop(rid))
+        r = Reservation(rid, request.request_id, len(ids), params, block_ids, num_cached, q, deadline_unix=deadline)
         self.table.add(r)
-        shm = self.engine.engine.runner.kv_shm_descriptor
-        info = {"fp8": self.engine.engine.fp8_layout.fingerprint}  # accepts fp8-e4m3 pages, decoded on arrival
-        if shm:  # the pool prefills on this host may write into: a /dev/shm file or a CUDA IPC handle
-            info["cuda-ipc" if self.engine.engine.runner.device.type == "cuda" else "shm"] = shm
-        return decode_pb2.ReserveResponse(reservation_id=rid, num_cached_blocks=num_cached,
-                                          block_size=self.layout.block_size, layout=layout_to_pb(self.layout),
-                                          lease_expires_unix=r.lease_expires_unix, block_ids=table,
-                                          transport_info=info)
+        self.leases.arm(r, request.lease_ms)
+        resp = decode_pb2.ReserveResponse(
+            reservation_id=rid, num_cached_blocks=num_cached, block_size=self.layout.block_size,
+            layout=layout_to_pb(self.layout), lease_expires_unix=r.lease_expires_unix, block_ids=block_ids,
+            reservation_token=r.token, accepted_wire_fingerprints=[self.engine.engine.fp8_layout.fingerprint])
+        dest = getattr(self.engine.engine.runner, "kv_destination", None)
+        if isinstance(dest, decode_pb2.KVDestination):  # a pool same-host prefills may write into
+            resp.destination.CopyFrom(dest)
+        return resp
 
-    def _expire(self, r: Reservation) -> None:
-        if r.complete or self.table.get(r.reservation_id) is None:
-            return
-        log.warning("reservation %s (request %s) expired without its KV", r.reservation_id, r.request_id)
-        self.metrics.reservations_expired_total.labels(self.model).inc()
-        r.lease = None
-        task = asyncio.ensure_future(self.receiver.release(r))
-        self._bg.add(task)
-        task.add_done_callback(self._bg.discard)
+    async def _drop(self, engine_rid: str) -> None:
+        """Undo an admission whose caller went away."""
+        self.engine.close_stream(engine_rid)
+        try:
+            await self.engine.abort(engine_rid)
+        except EngineDeadError:
+            pass
+
+    async def RenewLease(self, request: decode_pb2.RenewLeaseRequest, context: grpc.aio.ServicerContext
+                         ) -> decode_pb2.RenewLeaseResponse:
+        """A fresh lease from now (capped like Reserve's). 0 when the KV has already landed: no lease is
+        needed any more."""
+        if self.engine is None:
+            await errors.loading(context)
+        r = self.table.get(request.reservation_id)
+        if r is None:
+            await errors.gone(context, request.reservation_id)
+        if not r.token_ok(request.reservation_token):
+            await self._refuse(context, grpc.StatusCode.PERMISSION_DENIED, "reservation_token: wrong or missing for "
+                               f"reservation {r.reservation_id!r}", Reason.ERROR_REASON_PERMISSION, "permission",
+                               field="reservation_token")
+        if r.complete:
+            return decode_pb2.RenewLeaseResponse(lease_expires_unix=0.0)
+        return decode_pb2.RenewLeaseResponse(lease_expires_unix=self.leases.set_lease(r, request.lease_ms))
+
+    def _lease_ended(self, r: Reservation, cause: EndCause) -> None:
+        if cause is EndCause.EXPIRED:
+            self.metrics.reservations_expired_total.labels(self.model).inc()
 
     def _landed(self, r: Reservation, last: common_pb2.KVChunk) -> None:
         self.metrics.kv_wait_seconds.labels(self.model).observe(r.kv_done_at - r.reserved_at)
@@ -114,7 +235,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def PushKV(self, request_iterator: AsyncIterator[common_pb2.KVChunk],
                      context: grpc.aio.ServicerContext) -> decode_pb2.PushKVResponse:
         if self.engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode is still loading its model")
+            await errors.loading(context)
+        if not peer_may_write_kv(context, self.config.tls_enabled):
+            await self._refuse(context, grpc.StatusCode.PERMISSION_DENIED, "only a peer with a prefill certificate "
+                               "may push KV", Reason.ERROR_REASON_PERMISSION, "permission")
         transport = "grpc"
 
         async def counted() -> AsyncIterator[common_pb2.KVChunk]:
@@ -127,7 +251,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             try:
                 resp = await self.receiver.receive(counted())
             except KVRejected as e:
-                await context.abort(e.code, str(e))
+                await errors.fail(context, e.code, str(e), e.detail_reason, retryable=e.retryable, field=e.field)
+            except EngineDeadError as e:
+                await errors.engine_dead(context, e)
+            except Exception as e:  # the request stream broke; the reservation is kept for a retry
+                await errors.fail(context, grpc.StatusCode.ABORTED, f"KV stream broke ({e!r}); the reservation "
+                                  "is kept: resend from chunk 0", Reason.ERROR_REASON_KV_HANDOFF_FAILED,
+                                  retryable=True)
         self.metrics.kv_chunks_received_total.labels(transport).inc(resp.chunks_received)
         self.metrics.kv_received_bytes_total.labels(transport).inc(resp.bytes_received)
         return resp
@@ -136,35 +266,46 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def Generate(self, request: decode_pb2.DecodeGenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[common_pb2.GenerateResponse]:
-        if not request.reservation_id:  # a new colocated request: refused while draining
-            await self._ready(context)
+        if not request.reservation_id:  # a new colocated request: admission applies
             async for msg in self._colocated(request, context):
                 yield msg
             return
         if self.engine is None:  # (an existing reservation is served while draining)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode is still loading its model")
+            await errors.loading(context)
         r = self.table.get(request.reservation_id)
         if r is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown reservation {request.reservation_id!r}")
+            await errors.gone(context, request.reservation_id)
         if r.streaming:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"reservation {r.reservation_id} is already being streamed")
+            await errors.fail(context, grpc.StatusCode.FAILED_PRECONDITION,
+                              f"reservation {r.reservation_id} is already being streamed",
+                              Reason.ERROR_REASON_INVALID_INPUT, field="reservation_id")
         r.streaming = True
+        self._generating += 1
+        finished = False
         with tracing.span_from_metadata("decode.generate", context.invocation_metadata(),
                                         request_id=r.request_id):
             try:
-                async for msg in self._stream(r.reservation_id, r.request_id, r.stream, lambda: r.kv_done_at):
-                    yield msg
+                async for o in self._stream(r.reservation_id, r.stream, lambda: r.kv_done_at, abort_on_exit=False):
+                    if o.finished and o.finish_reason == FinishReason.ABORT and r.end_cause is not None:
+                        await errors.ended(context, r.reservation_id, r.end_cause)
+                    finished = o.finished
+                    yield _response(r.request_id, o)
+            except EngineDeadError as e:
+                await errors.engine_dead(context, e)
             finally:
-                self.table.remove(r)
+                self._generating -= 1
+                if finished:
+                    self.table.remove(r)
+                else:  # the consumer left or the stream failed: free what the request holds
+                    await self.receiver.release(r, EndCause.ABORTED)
 
-    async def _stream(self, engine_rid: str, request_id: str, q: asyncio.Queue, kv_done_at
-                      ) -> AsyncIterator[common_pb2.GenerateResponse]:
+    async def _stream(self, engine_rid: str, q: asyncio.Queue, kv_done_at, abort_on_exit: bool = True
+                      ) -> AsyncIterator[RequestOutput]:
         """Output 1 carries prefill's token; output 2 is the first decode step (decode queue = KV
         complete -> that step's token); later gaps are TPOT."""
         last: float | None = None
         index = 0
-        async for o in self.engine.stream(engine_rid, q):
+        async for o in self.engine.stream(engine_rid, q, abort_on_exit):
             now = time.monotonic()
             if o.new_token_ids:
                 index += 1
@@ -175,33 +316,40 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 if index > 1:
                     self.metrics.generation_tokens_total.labels(self.model).inc(len(o.new_token_ids))
                 last = now
-            yield _response(request_id, o)
+            yield o
 
     async def _colocated(self, request: decode_pb2.DecodeGenerateRequest, context: grpc.aio.ServicerContext
                          ) -> AsyncIterator[common_pb2.GenerateResponse]:
         """Colocated mode: this process runs prefill and decode for the prompt (the A/B baseline)."""
+        await self._admit(context, needs_blocks=False)
         if self.config.mode != "colocated":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "reservation_id: required (this decode runs disaggregated; start it with "
-                                "--mode colocated to take prompts)")
-        try:
-            params = params_from_pb(request.params)
-        except InvalidRequestError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        rid = request.request_id or self.table.new_id()
+            await errors.invalid(context, "reservation_id",
+                                 "reservation_id: required (this decode runs disaggregated; start it with "
+                                 "--mode colocated to take prompts)")
+        ids = list(request.token_ids)
+        await self._check_prompt(context, ids)
+        params = await self._params(context, request.params)
+        request_id = request.request_id or uuid.uuid4().hex
+        rid = "col-" + uuid.uuid4().hex  # never the caller's id: it must not collide with another request's
         q = self.engine.open_stream(rid)
         try:
-            await self.engine.call(self.engine.engine.add_request, rid, list(request.token_ids), params,
-                                   bool(params.stop))
-        except InvalidRequestError as e:
+            await self._engine_admit(context, self.engine.call(self.engine.engine.add_request, rid, ids, params,
+                                                               bool(params.stop)), lambda: self._drop(rid))
+        except BaseException:
             self.engine.close_stream(rid)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except ValueError as e:
-            self.engine.close_stream(rid)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        with tracing.span_from_metadata("decode.generate", context.invocation_metadata(), request_id=rid):
-            async for o in self.engine.stream(rid, q):
-                yield _response(rid, o)
+            raise
+        self._colocated_ids[request_id] = rid
+        self._generating += 1
+        with tracing.span_from_metadata("decode.generate", context.invocation_metadata(), request_id=request_id):
+            try:
+                async for o in self._stream(rid, q, lambda: None):
+                    yield _response(request_id, o)
+            except EngineDeadError as e:
+                await errors.engine_dead(context, e)
+            finally:
+                self._generating -= 1
+                if self._colocated_ids.get(request_id) == rid:
+                    del self._colocated_ids[request_id]
 
     # --- Abort ---
 
@@ -211,12 +359,27 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             return common_pb2.AbortResponse(found=False)
         r = self.table.find(request.request_id)
         if r is not None:
-            await self.receiver.release(r)
+            await self.receiver.release(r, EndCause.ABORTED)
             return common_pb2.AbortResponse(found=True)
-        found = await self.engine.abort(request.request_id)
-        return common_pb2.AbortResponse(found=found)
+        rid = self._colocated_ids.get(request.request_id)
+        if rid is None:
+            return common_pb2.AbortResponse(found=False)
+        try:
+            return common_pb2.AbortResponse(found=await self.engine.abort(rid))
+        except EngineDeadError as e:
+            await errors.engine_dead(context, e)
+
+    # --- lifecycle ---
 
     async def drain(self) -> None:
-        """Wait for in-flight KV transfers to land (the server bounds the wait)."""
-        while any(r.receiving for r in self.table.values()):  # noqa: ASYNC110 (bounded by the server's drain timeout)
+        """Wait for open Generate streams and KV transfers in flight (the server bounds the wait)."""
+        while (self.engine is not None and self.engine.dead is None  # noqa: ASYNC110 (bounded by the server)
+               and (self._generating or any(r.receiving for r in self.table.values()))):
             await asyncio.sleep(0.05)
+
+    async def close(self) -> None:
+        """Shutdown: wait for background releases."""
+        if self.engine is not None:
+            await self.leases.close()
+        if self._bg:
+            await asyncio.gather(*self._bg, return_exceptions=True)

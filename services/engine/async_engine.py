@@ -3,6 +3,12 @@
 Everything that touches the scheduler, block manager or KV tensors runs on the engine thread:
 callers submit closures with :meth:`AsyncEngine.call` and await their result. Outputs travel back
 to per-request asyncio queues through ``loop.call_soon_threadsafe``.
+
+The engine thread publishes a stats snapshot after every command, after every step and while idle
+(every ``IDLE_WAIT_S``); :meth:`AsyncEngine.stats` answers from it at once, however long a step runs,
+so health, load reports and admission never wait on the engine. If the loop dies, every pending
+call and open stream fails with :class:`EngineDeadError` and the death callbacks run (the service
+takes health NOT_SERVING and exits non-zero).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
@@ -23,6 +30,11 @@ from services.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+IDLE_WAIT_S = 0.05
+"""Longest the idle engine thread sleeps before looking at its command queue again (seconds)."""
+
+DeathCallback = Callable[[BaseException], None]
 
 
 class EngineDeadError(RuntimeError):
@@ -38,7 +50,14 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stopping = False
         self._dead: BaseException | None = None
+        self._death_callbacks: list[DeathCallback] = []
+        self._death_lock = threading.Lock()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # Written by the engine thread only; readers take the whole dict (one reference read).
+        self._published: dict[str, float] = {}
+        self._step_start = 0.0
+        """monotonic time the running step began; 0.0 between steps."""
+        self._publish()
         self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
         self._thread.start()
 
@@ -48,27 +67,67 @@ class AsyncEngine:
         eng = self.engine
         while not self._stopping:
             try:
-                while True:
-                    try:
-                        fn, fut = self._commands.get_nowait()
-                    except queue.Empty:
-                        break
-                    if fut.set_running_or_notify_cancel():
-                        try:
-                            fut.set_result(fn())
-                        except BaseException as e:  # delivered to the caller
-                            fut.set_exception(e)
+                self._run_commands()
                 if eng.has_work():
-                    self._deliver(eng.step())
+                    self._step_start = time.monotonic()
+                    outputs = eng.step()
+                    self._step_start = 0.0
+                    self._deliver(outputs)
+                    self._publish()
                 else:
-                    self._wake.wait(0.05)
+                    self._publish()
+                    self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()
             except BaseException as e:
-                log.exception("engine loop died")
-                self._dead = e
-                for loop, q in list(self._streams.values()):
-                    loop.call_soon_threadsafe(q.put_nowait, e)
+                self._die(e)
                 return
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn()
+            except BaseException as e:  # delivered to the caller
+                self._publish()
+                fut.set_exception(e)
+            else:
+                self._publish()  # a caller woken by its result sees the state its command left
+                fut.set_result(result)
+
+    def _publish(self) -> None:
+        s = self.engine.stats()
+        s["published_unix"] = time.time()
+        self._published = s
+
+    def _die(self, e: BaseException) -> None:
+        log.exception("engine loop died")
+        with self._death_lock:
+            self._dead = e
+            callbacks = list(self._death_callbacks)
+        self._step_start = 0.0
+        self._fail_pending()
+        for loop, q in list(self._streams.values()):
+            loop.call_soon_threadsafe(q.put_nowait, e)
+        for cb in callbacks:
+            try:
+                cb(e)
+            except Exception:
+                log.exception("engine death callback failed")
+
+    def _fail_pending(self) -> None:
+        """Fail every queued command (any thread may call this once the loop is dead)."""
+        while True:
+            try:
+                _, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(EngineDeadError(f"engine loop died: {self._dead!r}"))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for o in outputs:
@@ -76,6 +135,30 @@ class AsyncEngine:
             if target is not None:
                 loop, q = target
                 loop.call_soon_threadsafe(q.put_nowait, o)
+
+    # --- health ---
+
+    @property
+    def dead(self) -> BaseException | None:
+        """The exception that killed the engine loop, or None while it runs."""
+        return self._dead
+
+    def add_death_callback(self, fn: DeathCallback) -> None:
+        """Call ``fn(exc)`` once if the loop dies (on the engine thread; at once if it is already dead)."""
+        with self._death_lock:
+            if self._dead is None:
+                self._death_callbacks.append(fn)
+                return
+        fn(self._dead)
+
+    def published_stats(self) -> dict[str, float]:
+        """The engine's latest published figures (never waits on the engine thread): running, waiting,
+        waiting_for_kv, free_blocks, total_blocks, kv_usage, published_unix (Unix s) and step_running_s
+        (seconds the current step has run; 0 between steps)."""
+        s = dict(self._published)
+        start = self._step_start
+        s["step_running_s"] = max(0.0, time.monotonic() - start) if start else 0.0
+        return s
 
     # --- caller side ---
 
@@ -86,18 +169,24 @@ class AsyncEngine:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put((lambda: fn(*args), fut))
         self._wake.set()
+        if self._dead is not None:  # died after the check above: nobody else will fail the command
+            self._fail_pending()
         return await asyncio.wrap_future(fut)
 
     def open_stream(self, request_id: str) -> asyncio.Queue:
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
+        if self._dead is not None:  # a stream opened after the loop died ends at once
+            q.put_nowait(self._dead)
         return q
 
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
-    async def stream(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-        """Yield a request's outputs until it finishes; aborts it if the consumer goes away."""
+    async def stream(self, request_id: str, q: asyncio.Queue, abort_on_exit: bool = True
+                     ) -> AsyncIterator[RequestOutput]:
+        """Yield a request's outputs until it finishes; aborts it if the consumer goes away (unless
+        ``abort_on_exit`` is False: then the caller frees it). Raises EngineDeadError if the loop died."""
         finished = False
         try:
             while True:
@@ -110,7 +199,7 @@ class AsyncEngine:
                     return
         finally:
             self.close_stream(request_id)
-            if not finished and self._dead is None and not self._stopping:
+            if abort_on_exit and not finished and self._dead is None and not self._stopping:
                 await asyncio.shield(self.call(self.engine.abort, request_id))  # consumer left: free it
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -156,16 +245,22 @@ class AsyncEngine:
             raise
         return q, num_cached, table
 
-    async def kv_import_done(self, request_id: str, first_token: int, logprob: float | None) -> None:
-        """Decode side: every page landed; the request joins the running batch."""
+    async def kv_import_done(self, request_id: str, first_token: int, logprob: float | None) -> bool:
+        """Decode side: every page landed; the request joins the running batch. False (nothing done)
+        when the request is no longer waiting for its KV (expired or aborted meanwhile)."""
 
-        def done() -> None:
-            self._deliver(self.engine.kv_import_done(request_id, first_token, logprob))
+        def done() -> bool:
+            outputs = self.engine.kv_import_done(request_id, first_token, logprob)
+            if outputs is None:
+                return False
+            self._deliver(outputs)
+            return True
 
-        await self.call(done)
+        return await self.call(done)
 
     async def stats(self) -> dict[str, float]:
-        return await self.call(self.engine.stats)
+        """The published snapshot (see :meth:`published_stats`); answers at once."""
+        return self.published_stats()
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stopping = True

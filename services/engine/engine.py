@@ -20,7 +20,7 @@ from services.engine.model_loader import LoadedModel, load_model
 from services.engine.model_runner import ModelRunner
 from services.engine.sampling_params import InvalidRequestError, SamplingParams
 from services.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
-from services.engine.sequence import FinishReason, Sequence
+from services.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +122,18 @@ class LLMEngine:
         self._track(seq, detokenize)
         return seq, num_cached
 
-    def kv_import_done(self, request_id: str, first_token: int, logprob: float | None) -> list[RequestOutput]:
-        req = self.requests[request_id]
+    def kv_import_done(self, request_id: str, first_token: int, logprob: float | None
+                       ) -> list[RequestOutput] | None:
+        """Every page of a reserved prompt landed: the request joins the batch with ``first_token``.
+
+        Returns None (and changes nothing) when the request is no longer waiting for its KV (it expired
+        or was aborted while the last chunk landed). Raises InvalidRequestError for a token id outside
+        the vocabulary, before touching any state."""
+        if not 0 <= first_token < self.vocab_size:
+            raise InvalidRequestError("first_token", f"{first_token} is outside the vocabulary [0, {self.vocab_size})")
+        req = self.requests.get(request_id)
+        if req is None or req.seq.status != SequenceStatus.WAITING_FOR_KV:
+            return None
         self.scheduler.kv_import_done(req.seq.seq_id, first_token, logprob)
         req.first_token_time = time.monotonic()
         return [self._emit(req, [first_token], [logprob])]

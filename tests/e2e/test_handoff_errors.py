@@ -39,12 +39,14 @@ async def _push(addr: str, chunks: list[common_pb2.KVChunk]) -> tuple[grpc.Statu
 
 
 def _chunk(resv: decode_pb2.ReserveResponse, index: int, first: int, n: int, *, fp: str | None = None,
-           payload: bytes | None = None, crc: int | None = None, last: bool = False) -> common_pb2.KVChunk:
+           payload: bytes | None = None, crc: int | None = None, last: bool = False,
+           token: bytes | None = None) -> common_pb2.KVChunk:
     data = payload if payload is not None else bytes(n * resv.layout.page_bytes)
     c = common_pb2.KVChunk(reservation_id=resv.reservation_id, chunk_index=index, first_block=first, num_pages=n,
                            token_start=first * 16, token_end=min((first + n) * 16, len(PROMPT)),
                            layout_fingerprint=resv.layout.fingerprint if fp is None else fp, payload=data,
-                           checksum=zlib.crc32(data) if crc is None else crc, transport="grpc", is_last=last)
+                           checksum=zlib.crc32(data) if crc is None else crc, transport="grpc", is_last=last,
+                           reservation_token=resv.reservation_token if token is None else token)
     if last:
         c.total_chunks = index + 1
     return c
@@ -147,6 +149,58 @@ def test_complete_handoff_by_hand_streams_tokens(decode_addr):
     assert toks[0] == 7 and len(toks) == 4 and reason == common_pb2.FINISH_REASON_LENGTH
 
 
+async def _abort(addr: str, reservation_id: str) -> bool:
+    async with create_channel(addr) as ch:
+        return (await decode_pb2_grpc.DecodeStub(ch).Abort(common_pb2.AbortRequest(request_id=reservation_id),
+                                                          timeout=30)).found
+
+
+def test_push_kv_without_the_reservation_token_changes_nothing(decode_addr):
+    resv = asyncio.run(_reserve(decode_addr))
+    for token in (b"", bytes(16)):
+        code, details = asyncio.run(_push(decode_addr, [_chunk(resv, 0, 0, 1, token=token)]))
+        assert code == grpc.StatusCode.PERMISSION_DENIED and "reservation_token" in details, details
+    assert load_sync(decode_addr).waiting_for_kv >= 1  # the reservation is still there
+    assert asyncio.run(_abort(decode_addr, resv.reservation_id))
+    rep = wait_idle(decode_addr)
+    assert rep.free_blocks == rep.total_blocks
+
+
+def _all_pages(resv: decode_pb2.ReserveResponse, first_token: int) -> list[common_pb2.KVChunk]:
+    """The pages decode does not cache yet in one last chunk (zero KV: the tokens are meaningless)."""
+    first = resv.num_cached_blocks
+    last = _chunk(resv, 0, first, len(resv.block_ids) - first, last=True)
+    last.first_token = first_token
+    return [last]
+
+
+def test_huge_first_token_is_refused_and_decode_keeps_serving(decode_addr):
+    ids = list(range(200, 240))  # a prompt no other test caches
+    resv = asyncio.run(_reserve(decode_addr, ids))
+    code, details = asyncio.run(_push(decode_addr, _all_pages(resv, 2_000_000_000)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "first_token" in details, details
+    rep = wait_idle(decode_addr)
+    assert rep.free_blocks == rep.total_blocks and rep.waiting_for_kv == 0
+    # The engine loop is alive: a well-formed handoff decodes.
+    resv = asyncio.run(_reserve(decode_addr, ids))
+    assert asyncio.run(_push(decode_addr, _all_pages(resv, 7)))[0] == grpc.StatusCode.OK
+
+    async def gen():
+        async with create_channel(decode_addr) as ch:
+            return [t async for m in decode_pb2_grpc.DecodeStub(ch).Generate(
+                decode_pb2.DecodeGenerateRequest(reservation_id=resv.reservation_id), timeout=30) for t in m.token_ids]
+    toks = asyncio.run(gen())
+    assert toks[0] == 7 and len(toks) == 4
+
+
+def test_huge_lease_is_capped(decode_addr):
+    resv = asyncio.run(_reserve(decode_addr, lease_ms=4294967295))
+    assert resv.lease_expires_unix <= time.time() + 300 + 1  # --max-lease-ms defaults to 300 s
+    assert asyncio.run(_abort(decode_addr, resv.reservation_id))
+    rep = wait_idle(decode_addr)
+    assert rep.free_blocks == rep.total_blocks
+
+
 def test_lease_expiry_frees_blocks(pd_cluster):
     addr = pd_cluster.get("decode-1").ready["grpc"]
     metrics = pd_cluster.get("decode-1").ready["metrics"]
@@ -172,7 +226,7 @@ def test_prefill_rejects_bad_requests(pd_cluster):
         return grpc.StatusCode.OK, ""
 
     base = dict(request_id="p", token_ids=PROMPT, decode_address=decode, reservation_id="rsv-x",
-                params=common_pb2.SamplingParams(max_tokens=4))
+                reservation_token=bytes(16), params=common_pb2.SamplingParams(max_tokens=4))
     cases = [
         (prefill_pb2.PrefillRequest(**{**base, "decode_address": ""}), grpc.StatusCode.INVALID_ARGUMENT,
          "decode_address"),
@@ -180,7 +234,7 @@ def test_prefill_rejects_bad_requests(pd_cluster):
          grpc.StatusCode.FAILED_PRECONDITION, "feedfacefeedface"),
         (prefill_pb2.PrefillRequest(**{**base, "params": common_pb2.SamplingParams(max_tokens=4, top_p=2.0)}),
          grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
-        (prefill_pb2.PrefillRequest(**{**base, "token_ids": []}), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+        (prefill_pb2.PrefillRequest(**{**base, "token_ids": []}), grpc.StatusCode.INVALID_ARGUMENT, "token_ids"),
         # The decode does not know this reservation: the handoff fails and says so.
         (prefill_pb2.PrefillRequest(**base), grpc.StatusCode.NOT_FOUND, "rsv-x"),
         # Nobody listens there.

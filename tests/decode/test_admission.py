@@ -1,0 +1,89 @@
+"""Admission at decode's boundary: range checks name the field, a bounded queue answers OVERLOADED,
+draining refuses new work but serves existing reservations."""
+
+from __future__ import annotations
+
+import grpc
+
+from services.common.grpc_util import Reason
+from services.common.pb import common_pb2, decode_pb2
+from tests.decode.kv_util import PROMPT, chunks, generate, idle, prompt, push, reference, refused, reserve
+
+P = common_pb2.SamplingParams
+
+
+async def test_reserve_range_checks_name_the_field_and_the_service_keeps_serving(decode_rig):
+    rig = await decode_rig()
+    base = await idle(rig.engine)
+    cases = [
+        (dict(request_id="", token_ids=PROMPT, params=P(max_tokens=4)), "request_id"),
+        (dict(request_id="x", token_ids=[], params=P(max_tokens=4)), "token_ids"),
+        (dict(request_id="x", token_ids=[*PROMPT, 512], params=P(max_tokens=4)), "token_ids"),
+        (dict(request_id="x", token_ids=[-1, *PROMPT], params=P(max_tokens=4)), "token_ids"),
+        (dict(request_id="x", token_ids=[1] * 1024, params=P(max_tokens=4)), "token_ids"),
+        (dict(request_id="x", token_ids=PROMPT, params=P(max_tokens=0)), "params.max_tokens"),
+        (dict(request_id="x", token_ids=PROMPT, params=P(max_tokens=4, temperature=-2)), "params.temperature"),
+        (dict(request_id="x", token_ids=PROMPT, params=P(max_tokens=4, top_p=2.0)), "params.top_p"),
+        (dict(request_id="x", token_ids=PROMPT, params=P(max_tokens=4), deadline_unix=float("nan")),
+         "deadline_unix"),
+    ]
+    for fields, field in cases:
+        out = await refused(rig.stub.Reserve(decode_pb2.ReserveRequest(**fields)))
+        assert out.code == grpc.StatusCode.INVALID_ARGUMENT, (field, out)
+        assert out.detail.reason == Reason.ERROR_REASON_INVALID_INPUT and out.detail.field == field, out
+        assert field.split(".")[-1] in out.details
+    assert (await idle(rig.engine))["free_blocks"] == base["free_blocks"] and len(rig.servicer.table) == 0
+    ref = reference(PROMPT, 6)
+    resv = await reserve(rig.stub)
+    assert (await push(rig.stub, chunks(resv, PROMPT, ref))).code == grpc.StatusCode.OK
+    tokens, _, out = await generate(rig.stub, decode_pb2.DecodeGenerateRequest(reservation_id=resv.reservation_id))
+    assert out.code == grpc.StatusCode.OK and tokens == ref.tokens
+
+
+async def test_bounded_queue_answers_overloaded_with_retry_after(decode_rig):
+    rig = await decode_rig(mode="colocated", max_pending=2, overload_retry_after_ms=750)
+    base = await idle(rig.engine)
+    held = [await reserve(rig.stub, prompt(i)) for i in range(2)]
+    assert rig.servicer.admission(await rig.engine.stats()) == (2, True)
+    colocated = decode_pb2.DecodeGenerateRequest(request_id="c", token_ids=PROMPT, params=P(max_tokens=2))
+    for out in (await refused(reserve(rig.stub, prompt(7))), (await generate(rig.stub, colocated))[2]):
+        assert out.code == grpc.StatusCode.RESOURCE_EXHAUSTED, out
+        assert out.detail.reason == Reason.ERROR_REASON_OVERLOADED and out.detail.retryable
+        assert out.detail.retry_after_ms == 750
+    assert rig.metric("pdserve_decode_requests_refused_total", reason="overloaded") == 2
+    await rig.stub.Abort(common_pb2.AbortRequest(request_id=held[0].reservation_id))
+    resv = await reserve(rig.stub, prompt(7))
+    for r in (held[1], resv):
+        assert (await rig.stub.Abort(common_pb2.AbortRequest(request_id=r.reservation_id))).found
+    assert (await idle(rig.engine))["free_blocks"] == base["free_blocks"]
+
+
+async def test_draining_refuses_new_work_and_serves_existing_reservations(decode_rig):
+    rig = await decode_rig(mode="colocated")
+    base = await idle(rig.engine)
+    ref = reference(PROMPT, 6)
+    resv = await reserve(rig.stub)
+    rig.servicer.draining.set()
+    out = await refused(reserve(rig.stub, prompt(2)))
+    assert out.code == grpc.StatusCode.UNAVAILABLE and out.detail.reason == Reason.ERROR_REASON_DRAINING
+    _, _, out = await generate(rig.stub, decode_pb2.DecodeGenerateRequest(request_id="c", token_ids=PROMPT,
+                                                                          params=P(max_tokens=2)))
+    assert out.code == grpc.StatusCode.UNAVAILABLE and out.detail.reason == Reason.ERROR_REASON_DRAINING
+    assert (await push(rig.stub, chunks(resv, PROMPT, ref))).code == grpc.StatusCode.OK
+    tokens, _, out = await generate(rig.stub, decode_pb2.DecodeGenerateRequest(reservation_id=resv.reservation_id))
+    assert out.code == grpc.StatusCode.OK and tokens == ref.tokens
+    assert (await idle(rig.engine))["free_blocks"] == base["free_blocks"]
+
+
+async def test_colocated_request_id_cannot_hijack_a_reservations_stream(decode_rig):
+    rig = await decode_rig(mode="colocated")
+    base = await idle(rig.engine)
+    ref = reference(PROMPT, 6)
+    resv = await reserve(rig.stub)
+    tokens, _, out = await generate(rig.stub, decode_pb2.DecodeGenerateRequest(
+        request_id=resv.reservation_id, token_ids=PROMPT, params=P(max_tokens=2, temperature=0)))
+    assert out.code == grpc.StatusCode.OK and tokens == ref.tokens[:2]
+    assert (await push(rig.stub, chunks(resv, PROMPT, ref))).code == grpc.StatusCode.OK
+    tokens, _, out = await generate(rig.stub, decode_pb2.DecodeGenerateRequest(reservation_id=resv.reservation_id))
+    assert out.code == grpc.StatusCode.OK and tokens == ref.tokens
+    assert (await idle(rig.engine))["free_blocks"] == base["free_blocks"]

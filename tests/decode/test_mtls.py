@@ -1,0 +1,62 @@
+"""With mTLS on, only a peer whose certificate says ``prefill`` may push KV into a decode (and it still
+needs the reservation's token); the router's certificate may reserve but not write pages."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry
+
+from services.common.grpc_util import Reason, create_channel
+from services.common.metrics import DecodeMetrics
+from services.common.pb import decode_pb2, decode_pb2_grpc
+from services.common.tls import TLSConfig, make_certs
+from services.decode.config import DecodeConfig
+from services.decode.servicer import DecodeServicer
+from services.engine.async_engine import AsyncEngine
+from tests.decode.kv_util import PROMPT, chunks, ecfg, generate, idle, push, reference, reserve
+
+
+def _tls(certs: Path, role: str) -> TLSConfig:
+    return TLSConfig(tls_cert=str(certs / f"{role}.pem"), tls_key=str(certs / f"{role}-key.pem"),
+                     tls_ca=str(certs / "ca.pem"))
+
+
+@pytest.fixture
+async def tls_decode(tmp_path: Path):
+    certs = make_certs(tmp_path / "certs")
+    cfg = DecodeConfig(host="127.0.0.1", port=0, metrics_port=-1, tls_cert=str(certs / "decode.pem"),
+                       tls_key=str(certs / "decode-key.pem"), tls_ca=str(certs / "ca.pem"))
+    servicer = DecodeServicer(cfg, DecodeMetrics(CollectorRegistry()), asyncio.Event())
+    servicer.bind(await asyncio.to_thread(AsyncEngine, ecfg()))
+    server = grpc.aio.server()
+    decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
+    port = server.add_secure_port("127.0.0.1:0", cfg.server_credentials())
+    await server.start()
+    yield servicer, f"127.0.0.1:{port}", certs
+    await server.stop(None)
+    await servicer.close()
+    servicer.engine.shutdown()
+
+
+async def test_only_a_prefill_certificate_may_push_kv(tls_decode):
+    servicer, addr, certs = tls_decode
+    base = await idle(servicer.engine)
+    ref = reference(PROMPT, 6)
+    async with create_channel(addr, tls=_tls(certs, "router")) as router, \
+            create_channel(addr, tls=_tls(certs, "prefill")) as prefill:
+        resv = await reserve(decode_pb2_grpc.DecodeStub(router))
+        out = await push(decode_pb2_grpc.DecodeStub(router), chunks(resv, PROMPT, ref))
+        assert out.code == grpc.StatusCode.PERMISSION_DENIED and out.detail.reason == Reason.ERROR_REASON_PERMISSION
+        assert servicer.table.get(resv.reservation_id) is not None  # untouched
+        pstub = decode_pb2_grpc.DecodeStub(prefill)
+        out = await push(pstub, chunks(resv, PROMPT, ref, token=bytes(16)))  # right role, wrong token
+        assert out.code == grpc.StatusCode.PERMISSION_DENIED
+        assert (await push(pstub, chunks(resv, PROMPT, ref))).code == grpc.StatusCode.OK
+        tokens, _, out = await generate(decode_pb2_grpc.DecodeStub(router),
+                                        decode_pb2.DecodeGenerateRequest(reservation_id=resv.reservation_id))
+        assert out.code == grpc.StatusCode.OK and tokens == ref.tokens
+    assert (await idle(servicer.engine))["free_blocks"] == base["free_blocks"]
