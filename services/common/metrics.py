@@ -16,9 +16,10 @@ differences, except the exposed KV transfer, which spans two hosts (see docs/MET
 
 Label values (small, closed sets; never request ids or prompts):
     model          served model id
-    status         ok | error | cancelled
-    finish_reason  stop | length | abort | error
-    code           gRPC status code name (e.g. UNAVAILABLE) or HTTP status (e.g. 429)
+    status         ok | error | cancelled   (cancelled: the client went away)
+    finish_reason  stop | length (status ok) | error | cancelled
+    code           lower-case gRPC status name, whichever API failed (HTTP 400 -> invalid_argument,
+                   401 -> unauthenticated, 429 -> resource_exhausted, 503 -> unavailable, 504 -> deadline_exceeded)
     role           prefill | decode | kvstore
     endpoint       host:port of a backend as the router sees it (not `instance`: Prometheus owns that)
     reason         short snake_case cause, e.g. fingerprint, checksum, order, size, unavailable
@@ -132,14 +133,16 @@ SPECS: tuple[MetricSpec, ...] = (
     _s(ROUTER_ITL_SECONDS, "histogram", ["model"], "router",
        "Client inter-token latency: gap between consecutive streamed tokens (seconds)."),
     _s(ROUTER_E2E_SECONDS, "histogram", ["model"], "router",
-       "End-to-end latency: request arrives at the router -> last token sent (seconds)."),
+       "End-to-end latency of completed requests: arrival at the router -> last token sent (seconds)."),
     _s(ROUTER_REQUESTS_TOTAL, "counter", ["model", "status", "finish_reason"], "router",
-       "Finished client requests by status (ok|error|cancelled) and finish reason."),
+       "Client generation requests (HTTP and gRPC) by outcome: ok (finish_reason stop|length), error "
+       "(refused or failed, 4xx included), cancelled (the client went away). Each request counts once."),
     _s(ROUTER_PROMPT_TOKENS_TOTAL, "counter", ["model"], "router", "Prompt tokens received (tokens in)."),
     _s(ROUTER_GENERATION_TOKENS_TOTAL, "counter", ["model"], "router",
        "Generated tokens sent to clients (tokens out)."),
     _s(ROUTER_ERRORS_TOTAL, "counter", ["model", "code"], "router",
-       "Requests failed towards the client, by gRPC status code name or HTTP status."),
+       "Requests refused or failed towards the client, 4xx included, by lower-case gRPC status name "
+       "(invalid_argument, unauthenticated, resource_exhausted, unavailable, deadline_exceeded, ...)."),
     _s(ROUTER_DISPATCH_RETRIES_TOTAL, "counter", ["role", "reason"], "router",
        "Dispatch attempts retried on another prefill/decode instance."),
     _s(ROUTER_INFLIGHT_REQUESTS, "gauge", ["model"], "router", "Client requests currently in flight."),

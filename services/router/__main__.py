@@ -16,15 +16,17 @@ from services.common.metrics import RouterMetrics
 from services.common.pb import router_pb2_grpc
 from services.common.server import ServiceServer, connectable_host, serve
 from services.engine.model_loader import load_tokenizer
+from services.router.auth import APIKeys
 from services.router.config import RouterConfig
 from services.router.dispatch import DisaggregatedBackend, DispatchSettings
 from services.router.instances import InstancePool
-from services.router.openai_http import make_app
+from services.router.metering import RequestMeter
+from services.router.openai_http import make_app, make_runner
 from services.router.pipeline import TextPipeline
 from services.router.servicer import RouterServicer
 
 
-async def amain(cfg: RouterConfig) -> None:
+async def amain(cfg: RouterConfig, api_keys: APIKeys | None = None) -> None:
     metrics = RouterMetrics(prometheus_client.REGISTRY)
     tok, model_id, max_len = await asyncio.to_thread(load_tokenizer, cfg.model)
     served = cfg.served_model_name or model_id
@@ -54,8 +56,11 @@ async def amain(cfg: RouterConfig) -> None:
             await p.close()
 
     srv = ServiceServer("router", cfg, on_shutdown=shutdown)
+    # One admission bound and one set of request counters for both APIs.
+    meter = RequestMeter(metrics, served, max_inflight=cfg.max_inflight_requests)
     srv.add_service(router_pb2_grpc.add_RouterServicer_to_server,
-                    RouterServicer(pipeline, metrics, served, srv.draining))
+                    RouterServicer(pipeline, metrics, served, srv.draining, meter=meter, api_keys=api_keys,
+                                   request_timeout_s=cfg.request_timeout_s))
 
     def ready() -> bool:
         return not srv.draining.is_set() and all(p.healthy() for p in pools)
@@ -69,8 +74,9 @@ async def amain(cfg: RouterConfig) -> None:
             if ready():
                 break
             await asyncio.sleep(0.2)
-        app = make_app(pipeline, max_body_bytes=cfg.max_body_bytes, ready=ready, metrics=metrics)
-        runner = web.AppRunner(app, handle_signals=False, access_log=None)
+        app = make_app(pipeline, max_body_bytes=cfg.max_body_bytes, ready=ready, meter=meter, api_keys=api_keys,
+                       read_timeout_s=cfg.http_read_timeout_s, request_timeout_s=cfg.request_timeout_s)
+        runner = make_runner(app)
         await runner.setup()
         site = web.TCPSite(runner, cfg.http_host, cfg.http_port)
         await site.start()
@@ -87,12 +93,13 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     try:
         cfg, lcfg = from_args(RouterConfig, ns), from_args(LoggingConfig, ns)
+        api_keys = APIKeys.load(cfg.api_key, cfg.api_key_file)
     except (ConfigError, ValueError) as e:
         print(f"pdserve router: {e}", file=sys.stderr)
         return 2
     setup_logging("router", lcfg)
     tracing.setup_tracing("pdserve-router", cfg.tracing, cfg.otlp_endpoint or None)
-    asyncio.run(amain(cfg))
+    asyncio.run(amain(cfg, api_keys))
     return 0
 
 

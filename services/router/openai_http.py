@@ -2,41 +2,71 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE), GET /v1/models, GET /health,
 GET /ready. Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}``.
+
+Every generation request ends in one of three ways a client can tell apart (DESIGN section 7):
+
+- completed: HTTP 200, finish_reason ``stop`` or ``length``; a stream ends with ``data: [DONE]``;
+- refused or failed before the first byte: 4xx/5xx with a JSON error (429 and 503 carry Retry-After,
+  401 carries ``WWW-Authenticate: Bearer``, 504 when the request's deadline passed); after the first
+  byte: one SSE event ``data: {"error": {...}}`` and the stream ends with no ``[DONE]``;
+- the client went away: the generation is aborted (counted ``cancelled``).
+
+Deadline: ``X-Request-Timeout: <seconds>`` (a positive number) bounds one request, capped by the
+router's ``request_timeout_s`` (the bound when the header is absent). Slow clients: a request body must
+arrive within ``read_timeout_s`` (else 408), and a connection whose request head does not arrive within
+it is closed (:func:`make_runner`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
+import math
 import time
-import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
 from services.common.metrics import RouterMetrics
 from services.engine.sampling_params import InvalidRequestError
-from services.router.metering import metered
-from services.router.openai_schema import APIError, GenerateRequest, parse_request
-from services.router.pipeline import BackendError, TextDelta, TextPipeline, Usage
+from services.router.auth import APIKeys
+from services.router.metering import RequestMeter, RequestRecord, code_for_http_status
+from services.router.openai_format import Formatter
+from services.router.openai_schema import APIError, GenerateRequest, load_json, parse_request
+from services.router.pipeline import DEFAULT_RETRY_AFTER_S, BackendError, TextDelta, TextPipeline
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 DISCONNECT_POLL_S = 0.2
 """How often a request waiting on the backend checks whether its client is still connected."""
+TIMEOUT_HEADER = "X-Request-Timeout"
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 _BACKEND_STATUS = {"invalid_argument": 400, "not_found": 404, "resource_exhausted": 429,
-                   "unavailable": 503, "internal": 500}
+                   "unavailable": 503, "internal": 500, "deadline_exceeded": 504}
 _BACKEND_TYPE = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
-                 503: "service_unavailable_error", 500: "internal_server_error"}
+                 503: "service_unavailable_error", 500: "internal_server_error", 504: "timeout_error"}
+
+
+@dataclass(frozen=True)
+class HTTPSettings:
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    read_timeout_s: float = 30.0
+    """Longest wait for a request's head (then the connection closes) or body (then 408), seconds."""
+    request_timeout_s: float = 600.0
+    """Longest a generation request may run, seconds; X-Request-Timeout can only shorten it."""
+
 
 PIPELINE_KEY = web.AppKey("pipeline", TextPipeline)
 READY_KEY = web.AppKey("ready", Callable[[], bool])
-METRICS_KEY = web.AppKey("metrics", RouterMetrics)
+METER_KEY = web.AppKey("meter", RequestMeter)
+KEYS_KEY = web.AppKey("api_keys", APIKeys)
+SETTINGS_KEY = web.AppKey("settings", HTTPSettings)
+RECORD_KEY = web.RequestKey("record", RequestRecord)
 
 Deltas = AsyncGenerator[TextDelta, None]
 
@@ -45,27 +75,43 @@ class ClientGone(Exception):
     """The client closed the connection before the response was complete."""
 
 
+def retry_after_header(seconds: float | None) -> dict[str, str]:
+    """Retry-After in whole seconds (the header allows no fraction), at least 1."""
+    return {"Retry-After": str(max(1, math.ceil(DEFAULT_RETRY_AFTER_S if seconds is None else seconds)))}
+
+
 def backend_api_error(e: BackendError) -> APIError:
     status = _BACKEND_STATUS.get(e.code, 500)
-    return APIError(status, e.message, param=e.param, code=e.code, type=_BACKEND_TYPE[status])
+    headers = retry_after_header(e.retry_after_s) if status in (429, 503) else {}
+    return APIError(status, e.message, param=e.param, code=e.code, type=_BACKEND_TYPE[status], headers=headers)
+
+
+def _api_error(e: Exception) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, BackendError):
+        return backend_api_error(e)
+    if isinstance(e, InvalidRequestError):
+        return APIError(400, str(e), param=e.field)
+    return APIError(500, f"internal error: {type(e).__name__}", code="internal", type="internal_server_error")
 
 
 def _error_response(e: APIError) -> web.Response:
-    return web.json_response(e.body(), status=e.status)
+    resp = web.json_response(e.body(), status=e.status, headers=e.headers)
+    if e.status == 408:
+        resp.force_close()  # the rest of the body may still be on its way
+    return resp
 
 
 @web.middleware
 async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                   ) -> web.StreamResponse:
+    """Outermost: every failure becomes an OpenAI JSON error (never aiohttp's plain-text 500)."""
     try:
         return await handler(request)
-    except APIError as e:
-        return _error_response(e)
-    except InvalidRequestError as e:
-        return _error_response(APIError(400, str(e), param=e.field))
-    except BackendError as e:
-        return _error_response(backend_api_error(e))
-    except ClientGone:
+    except (APIError, InvalidRequestError, BackendError) as e:
+        return _error_response(_api_error(e))
+    except (ClientGone, ConnectionResetError):
         return web.Response(status=499)  # nobody reads it; keeps the access log honest
     except web.HTTPRequestEntityTooLarge as e:
         return _error_response(APIError(413, f"request body too large: {e.text}", code="request_too_large"))
@@ -74,25 +120,76 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
             raise
         return _error_response(APIError(e.status, f"{request.method} {request.path}: {e.reason}",
                                         code=e.reason.lower().replace(" ", "_")))
+    except Exception as e:
+        log.exception("%s %s failed", request.method, request.path)
+        return _error_response(_api_error(e))
+
+
+@web.middleware
+async def _account(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                   ) -> web.StreamResponse:
+    """Generation requests: one RequestRecord each, whatever ends them (401s and 400s included)."""
+    if request.method != "POST" or request.path not in GENERATION_PATHS:
+        return await handler(request)
+    with request.app[METER_KEY].request() as rec:
+        request[RECORD_KEY] = rec
+        try:
+            return await handler(request)
+        except APIError as e:
+            rec.fail(code_for_http_status(e.status))
+            raise
+        except InvalidRequestError:
+            rec.fail("invalid_argument")
+            raise
+        except web.HTTPException as e:
+            if e.status >= 400:
+                rec.fail(code_for_http_status(e.status))
+            raise
+        except (ClientGone, ConnectionResetError):
+            rec.cancel()
+            raise
+
+
+@web.middleware
+async def _auth(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                ) -> web.StreamResponse:
+    """/v1/* needs ``Authorization: Bearer <key>`` when keys are configured; /health and /ready never."""
+    if request.path.startswith("/v1/") and not request.app[KEYS_KEY].allows(request.headers.get("Authorization")):
+        raise APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
+                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    return await handler(request)
 
 
 def make_app(pipeline: TextPipeline, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-             ready: Callable[[], bool] | None = None, metrics: RouterMetrics | None = None) -> web.Application:
+             ready: Callable[[], bool] | None = None, metrics: RouterMetrics | None = None,
+             meter: RequestMeter | None = None, api_keys: APIKeys | None = None,
+             read_timeout_s: float = 30.0, request_timeout_s: float = 600.0) -> web.Application:
     """The OpenAI HTTP application.
 
-    ``ready`` answers GET /ready (default: always ready); ``metrics``, when given, times every
-    generation (client TTFT/ITL/e2e, counters) through :func:`services.router.metering.metered`."""
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[_errors])
+    ``ready`` answers GET /ready (default: always ready). ``meter`` admits and accounts every
+    generation request (share one with the gRPC API); without it one is made over ``metrics`` (None:
+    no metrics) with the default in-flight bound. ``api_keys``: None or empty leaves /v1/* open."""
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[_errors, _account, _auth])
     app[PIPELINE_KEY] = pipeline
     app[READY_KEY] = ready or (lambda: True)
-    if metrics is not None:
-        app[METRICS_KEY] = metrics
+    app[METER_KEY] = meter or RequestMeter(metrics, pipeline.model_name())
+    app[KEYS_KEY] = api_keys or APIKeys()
+    app[SETTINGS_KEY] = HTTPSettings(max_body_bytes, read_timeout_s, request_timeout_s)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
     return app
+
+
+def make_runner(app: web.Application) -> web.AppRunner:
+    """The app's runner: a connection idle (no complete request head) for read_timeout_s is closed,
+    on its first request as between keep-alive requests; the rest of a body answered before it was
+    read (408, 413) is drained for at most read_timeout_s before the connection closes."""
+    timeout_s = app[SETTINGS_KEY].read_timeout_s
+    return web.AppRunner(app, handle_signals=False, access_log=None, keepalive_timeout=timeout_s,
+                         lingering_time=timeout_s)
 
 
 # --- simple routes ---
@@ -126,12 +223,28 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, chat=True)
 
 
-async def _read_json(request: web.Request) -> Any:
-    raw = await request.read()  # raises HTTPRequestEntityTooLarge past client_max_size
+def _timeout_s(request: web.Request, cap_s: float) -> float:
+    raw = request.headers.get(TIMEOUT_HEADER)
+    if raw is None:
+        return cap_s
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from e
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise APIError(400, f"{TIMEOUT_HEADER}: must be a positive number of seconds, got {raw[:40]!r}",
+                       param=TIMEOUT_HEADER)
+    return min(value, cap_s)
+
+
+async def _read_json(request: web.Request, timeout_s: float) -> Any:
+    try:
+        async with asyncio.timeout(timeout_s):
+            raw = await request.read()  # raises HTTPRequestEntityTooLarge past client_max_size
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout_s:g} s",
+                       code="request_timeout") from None
+    return load_json(raw)
 
 
 def _prompt_ids(pipeline: TextPipeline, req: GenerateRequest) -> list[int]:
@@ -144,22 +257,24 @@ def _prompt_ids(pipeline: TextPipeline, req: GenerateRequest) -> list[int]:
 
 
 async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
-    arrival = time.monotonic()
+    rec = request[RECORD_KEY]
+    settings = request.app[SETTINGS_KEY]
+    rec.admit()  # 429 past max in-flight, before any work on the body
+    deadline = time.time() + _timeout_s(request, settings.request_timeout_s)  # Unix seconds
     pipeline = request.app[PIPELINE_KEY]
-    req = parse_request(await _read_json(request), chat=chat)
+    req = parse_request(await _read_json(request, settings.read_timeout_s), chat=chat)
     served = pipeline.model_name()
     if req.model is not None and req.model != served:
         raise APIError(404, f"model {req.model!r} does not exist; this server serves {served!r}",
                        param="model", code="model_not_found")
     prompt_ids = await asyncio.to_thread(_prompt_ids, pipeline, req)
     pipeline.check(prompt_ids, req.params, max_tokens=req.max_tokens, prompt_field=req.prompt_field)
-    fmt = _Formatter(pipeline, req, served)
-    inner = pipeline.generate(fmt.id, prompt_ids, req.params)
-    metrics = request.app.get(METRICS_KEY)
-    deltas = inner if metrics is None else metered(inner, metrics, served, arrival)
+    fmt = Formatter(pipeline, req, served)
+    inner = pipeline.generate(fmt.id, prompt_ids, req.params, deadline=deadline)
+    deltas = rec.observe(inner)
     try:
         if req.stream:
-            return await _stream(request, fmt, deltas)
+            return await _stream(request, fmt, deltas, rec)
         return await _until_disconnect(request, _collect(fmt, deltas))
     finally:  # outer first: closing the pipeline's generator is what aborts the backend request
         await deltas.aclose()
@@ -184,7 +299,7 @@ async def _until_disconnect(request: web.Request, coro: Awaitable[Any]) -> Any:
                 await task
 
 
-async def _collect(fmt: _Formatter, deltas: Deltas) -> web.Response:
+async def _collect(fmt: Formatter, deltas: Deltas) -> web.Response:
     text: list[str] = []
     token_ids: list[int] = []
     logprobs: list[float | None] = []
@@ -194,28 +309,34 @@ async def _collect(fmt: _Formatter, deltas: Deltas) -> web.Response:
         token_ids.extend(d.token_ids)
         logprobs.extend(d.logprobs)
         last = d
+    if last.finish_reason is None:  # the pipeline raises instead; never answer an unfinished 200
+        raise BackendError("internal", f"{fmt.id}: the generation ended without a finish reason")
     full = TextDelta("".join(text), token_ids, logprobs, last.finish_reason, last.usage)
     return web.json_response(fmt.full(full))
 
 
-async def _stream(request: web.Request, fmt: _Formatter, deltas: Deltas) -> web.StreamResponse:
-    # Before the first event, a backend error still gets a plain HTTP error status.
+async def _stream(request: web.Request, fmt: Formatter, deltas: Deltas, rec: RequestRecord) -> web.StreamResponse:
+    # Before the first event, a failure still gets a plain HTTP error status (raised from here).
     first = await _until_disconnect(request, anext(deltas))
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
     try:
         await resp.prepare(request)
-        await _until_disconnect(request, _pump(resp, fmt, first, deltas))
-        await resp.write(b"data: [DONE]\n\n")
+        if await _until_disconnect(request, _pump(resp, fmt, first, deltas, rec)):
+            await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
     except (ClientGone, ConnectionResetError) as e:
+        rec.cancel()
         log.info("%s: client went away mid-stream (%s); generation aborted", fmt.id, type(e).__name__)
     return resp
 
 
-async def _pump(resp: web.StreamResponse, fmt: _Formatter, first: TextDelta, deltas: Deltas) -> None:
+async def _pump(resp: web.StreamResponse, fmt: Formatter, first: TextDelta, deltas: Deltas,
+                rec: RequestRecord) -> bool:
+    """Write the SSE events; True when the generation completed, False after a failure, which is
+    written as one error event (the caller then ends the stream without [DONE])."""
     async def send(obj: dict[str, Any]) -> None:
-        await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+        await resp.write(b"data: " + Formatter.dumps(obj) + b"\n\n")
 
     try:
         if fmt.req.chat:
@@ -227,85 +348,17 @@ async def _pump(resp: web.StreamResponse, fmt: _Formatter, first: TextDelta, del
             if d.finish_reason is not None:
                 if fmt.req.include_usage and d.usage is not None:
                     await send(fmt.usage_chunk(d.usage))
-                return
+                return True
             d = await anext(deltas, None)
-    except (APIError, InvalidRequestError, BackendError) as e:
-        api = e if isinstance(e, APIError) else (
-            backend_api_error(e) if isinstance(e, BackendError) else APIError(400, str(e), param=e.field))
-        log.warning("%s: failed mid-stream: %s", fmt.id, api.message)
+        raise BackendError("internal", f"{fmt.id}: the generation ended without a finish reason")
+    except (ClientGone, ConnectionResetError):
+        raise
+    except Exception as e:
+        api = _api_error(e)
+        if api.status == 500 and not isinstance(e, BackendError):
+            log.exception("%s: failed mid-stream", fmt.id)
+        else:
+            log.warning("%s: failed mid-stream: %s", fmt.id, api.message)
+        rec.fail(e.code if isinstance(e, BackendError) else code_for_http_status(api.status))
         await send(api.body())
-
-
-class _Formatter:
-    """Builds the OpenAI response objects of one request."""
-
-    def __init__(self, pipeline: TextPipeline, req: GenerateRequest, model: str) -> None:
-        self.pipeline = pipeline
-        self.req = req
-        self.model = model
-        self.id = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self._text_offset = 0
-
-    def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def _logprobs(self, d: TextDelta) -> dict[str, Any] | None:
-        if not self.req.logprobs:
-            return None
-        tokens = [self.pipeline.token_text(t) for t in d.token_ids]
-        lps = list(d.logprobs) + [None] * (len(tokens) - len(d.logprobs))
-        # Only the chosen token's logprob is known: top_logprobs lists hold just that token.
-        if self.req.chat:
-            return {"content": [
-                {"token": s, "logprob": lp, "bytes": list(s.encode()),
-                 "top_logprobs": [{"token": s, "logprob": lp, "bytes": list(s.encode())}]
-                 if self.req.top_logprobs else []}
-                for s, lp in zip(tokens, lps, strict=True)]}
-        offsets = []
-        for s in tokens:
-            offsets.append(self._text_offset)
-            self._text_offset += len(s)
-        return {"tokens": tokens, "token_logprobs": lps,
-                "top_logprobs": [{s: lp} for s, lp in zip(tokens, lps, strict=True)] if self.req.top_logprobs
-                else None,
-                "text_offset": offsets}
-
-    @staticmethod
-    def _usage(u: Usage | None) -> dict[str, Any] | None:
-        if u is None:
-            return None
-        return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-                "total_tokens": u.total_tokens, "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
-
-    def full(self, d: TextDelta) -> dict[str, Any]:
-        if self.req.chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": d.text},
-                                      "logprobs": self._logprobs(d), "finish_reason": d.finish_reason}
-            body = self._head("chat.completion")
-        else:
-            choice = {"index": 0, "text": d.text, "logprobs": self._logprobs(d), "finish_reason": d.finish_reason}
-            body = self._head("text_completion")
-        body["choices"] = [choice]
-        body["usage"] = self._usage(d.usage)
-        return body
-
-    def chunk(self, d: TextDelta, role: bool = False) -> dict[str, Any]:
-        if self.req.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {"content": d.text}
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None if role else self._logprobs(d),
-                                      "finish_reason": d.finish_reason}
-            body = self._head("chat.completion.chunk")
-        else:
-            choice = {"index": 0, "text": d.text, "logprobs": self._logprobs(d), "finish_reason": d.finish_reason}
-            body = self._head("text_completion")
-        body["choices"] = [choice]
-        if self.req.include_usage:
-            body["usage"] = None
-        return body
-
-    def usage_chunk(self, u: Usage) -> dict[str, Any]:
-        body = self._head("chat.completion.chunk" if self.req.chat else "text_completion")
-        body["choices"] = []
-        body["usage"] = self._usage(u)
-        return body
+        return False

@@ -1,8 +1,15 @@
-"""OpenAI request bodies -> validated domain requests. Every error names the offending field."""
+"""OpenAI request bodies -> validated domain requests. Every error names the offending field.
+
+Hostile bodies answer 400, never 500: JSON nested deeper than :data:`MAX_JSON_DEPTH`, strings holding
+lone surrogates (``"\\ud800"``: valid JSON, not encodable text), integers outside what the wire
+(protobuf int32/int64) and the engine can hold, and values of the wrong type anywhere.
+"""
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,19 +17,27 @@ from services.engine.sampling_params import SamplingParams
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 256
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of arrays/objects a body may have (a chat body needs 4)."""
+INT32_MAX = (1 << 31) - 1
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class APIError(Exception):
     """An error answered as OpenAI does: ``{"error": {"message", "type", "param", "code"}}``."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error") -> None:
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.type = type
+        self.headers = headers or {}
+        """Extra response headers (Retry-After, WWW-Authenticate)."""
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -30,6 +45,46 @@ class APIError(Exception):
 
 def invalid(param: str, message: str, code: str | None = None) -> APIError:
     return APIError(400, f"{param}: {message}", param=param, code=code)
+
+
+def load_json(raw: bytes) -> Any:
+    """Parse a request body; APIError(400) for anything that is not JSON we can safely walk."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise APIError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels",
+                       code="invalid_json") from None
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError; integers past int_max_str_digits
+        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    _check_tree(body)
+    return body
+
+
+def _check_tree(body: Any) -> None:
+    """Depth and text check of a parsed body, iteratively (no recursion to exhaust). The error names
+    the top-level field that holds the fault."""
+    stack: list[tuple[Any, int, str | None]] = [(body, 1, None)]
+    while stack:
+        node, depth, top = stack.pop()
+        if isinstance(node, str):
+            if _SURROGATE.search(node):
+                raise APIError(400, f"{top or 'body'}: contains a lone UTF-16 surrogate (not valid Unicode text)",
+                               param=top, code="invalid_text")
+            continue
+        if not isinstance(node, (dict, list)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(400, f"{top or 'body'}: nests deeper than {MAX_JSON_DEPTH} levels", param=top,
+                           code="invalid_json")
+        if isinstance(node, dict):
+            for k, v in node.items():
+                field_name = k if top is None else top
+                if _SURROGATE.search(k):
+                    raise APIError(400, "a key contains a lone UTF-16 surrogate (not valid Unicode text)",
+                                   param=top, code="invalid_text")
+                stack.append((v, depth + 1, field_name))
+        else:
+            stack.extend((v, depth + 1, top) for v in node)
 
 
 @dataclass
@@ -61,32 +116,49 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _int(body: dict[str, Any], name: str, default: int | None = None) -> int | None:
+def _int(body: dict[str, Any], name: str, default: int | None = None, *, lo: int = INT64_MIN,
+         hi: int = INT64_MAX, param: str | None = None) -> int | None:
+    """An integer field in [lo, hi] (default: int64, what protobuf carries)."""
     v = body.get(name)
+    param = param or name
     if v is None:
         return default
     if isinstance(v, float) and v.is_integer():
         v = int(v)
     if not _is_int(v):
-        raise invalid(name, f"must be an integer, got {v!r}")
+        raise invalid(param, f"must be an integer, got {_show(v)}")
+    if not lo <= v <= hi:
+        raise invalid(param, f"must be in [{lo}, {hi}], got {_show(v)}")
     return v
+
+
+def _show(v: Any) -> str:
+    """A value for an error message, bounded in length (bodies can be megabytes)."""
+    text = repr(v)
+    return text if len(text) <= 80 else f"{text[:77]}..."
 
 
 def _float(body: dict[str, Any], name: str, default: float) -> float:
     v = body.get(name)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise invalid(name, f"must be a finite number, got {v!r}")
-    return float(v)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise invalid(name, f"must be a finite number, got {_show(v)}")
+    try:
+        f = float(v)
+    except OverflowError:  # an integer past float range
+        raise invalid(name, f"must be a finite number, got {_show(v)}") from None
+    if not math.isfinite(f):
+        raise invalid(name, f"must be a finite number, got {_show(v)}")
+    return f
 
 
-def _bool(body: dict[str, Any], name: str, default: bool = False) -> bool:
+def _bool(body: dict[str, Any], name: str, default: bool = False, *, param: str | None = None) -> bool:
     v = body.get(name)
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise invalid(name, f"must be a boolean, got {v!r}")
+        raise invalid(param or name, f"must be a boolean, got {_show(v)}")
     return v
 
 
@@ -96,7 +168,7 @@ def _stop(body: dict[str, Any]) -> list[str]:
         return []
     stops = [v] if isinstance(v, str) else v
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise invalid("stop", f"must be a string or a list of strings, got {v!r}")
+        raise invalid("stop", f"must be a string or a list of strings, got {_show(v)}")
     if len(stops) > MAX_STOP_STRINGS:
         raise invalid("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
     if any(not s for s in stops):
@@ -108,8 +180,11 @@ def _stop_token_ids(body: dict[str, Any]) -> list[int]:
     v = body.get("stop_token_ids")
     if v is None:
         return []
-    if not isinstance(v, list) or not all(_is_int(t) and t >= 0 for t in v):
-        raise invalid("stop_token_ids", f"must be a list of non-negative integers, got {v!r}")
+    if not isinstance(v, list) or not all(_is_int(t) and 0 <= t <= INT32_MAX for t in v):
+        raise invalid("stop_token_ids", f"must be a list of token ids (integers in [0, {INT32_MAX}]), "
+                                        f"got {_show(v)}")
+    if len(v) > MAX_STOP_TOKEN_IDS:
+        raise invalid("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(v)}")
     return v
 
 
@@ -136,7 +211,7 @@ def _reject_unsupported(body: dict[str, Any]) -> None:
 
 
 def _sampling(body: dict[str, Any], req: GenerateRequest) -> None:
-    n = _int(body, "n", 1)
+    n = _int(body, "n", 1, lo=1, hi=INT32_MAX)
     if n != 1:
         raise invalid("n", f"only n=1 is supported, got {n}")
     _reject_unsupported(body)
@@ -152,10 +227,8 @@ def _sampling(body: dict[str, Any], req: GenerateRequest) -> None:
     top_p = _float(body, "top_p", 1.0)
     if not 0.0 < top_p <= 1.0:
         raise invalid("top_p", f"must be in (0, 1], got {top_p}")
-    top_k = _int(body, "top_k", 0)
+    top_k = _int(body, "top_k", 0, lo=-1, hi=INT32_MAX)  # -1 or 0 disables
     assert top_k is not None
-    if top_k < -1:
-        raise invalid("top_k", f"must be >= -1 (0 or -1 disables), got {top_k}")
     seed = _int(body, "seed")
     req.max_tokens = max_tokens
     req.stream = _bool(body, "stream")
@@ -165,7 +238,7 @@ def _sampling(body: dict[str, Any], req: GenerateRequest) -> None:
             raise invalid("stream_options", f"must be an object, got {opts!r}")
         if not req.stream:
             raise invalid("stream_options", "is only allowed when stream is true")
-        req.include_usage = _bool(opts, "include_usage")
+        req.include_usage = _bool(opts, "include_usage", param="stream_options.include_usage")
     req.params = SamplingParams(
         max_tokens=max_tokens or 1, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
         stop=_stop(body), stop_token_ids=_stop_token_ids(body), ignore_eos=_bool(body, "ignore_eos"),
@@ -180,8 +253,8 @@ def _message(i: int, m: Any) -> dict[str, str]:
     role = m.get("role")
     if role is None:
         raise invalid(f"{where}.role", "is required")
-    if role not in CHAT_ROLES:
-        raise invalid(f"{where}.role", f"must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+    if not isinstance(role, str) or role not in CHAT_ROLES:
+        raise invalid(f"{where}.role", f"must be one of {', '.join(CHAT_ROLES)}, got {_show(role)}")
     if "content" not in m:
         raise invalid(f"{where}.content", "is required")
     content = m["content"]
@@ -195,7 +268,7 @@ def _message(i: int, m: Any) -> dict[str, str]:
             parts.append(p["text"])
         content = "".join(parts)
     if not isinstance(content, str):
-        raise invalid(f"{where}.content", f"must be a string or a list of text parts, got {content!r}")
+        raise invalid(f"{where}.content", f"must be a string or a list of text parts, got {_show(content)}")
     return {"role": role, "content": content}
 
 
@@ -203,17 +276,17 @@ def _prompt(body: dict[str, Any], req: GenerateRequest) -> None:
     if "prompt" not in body or body["prompt"] is None:
         raise invalid("prompt", "is required")
     p = body["prompt"]
+    if isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
+        raise invalid("prompt", f"got {len(p)} prompts; send one prompt per request (batched prompts are "
+                                "not supported)")
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]  # a batch of one
     if isinstance(p, str):
         req.prompt_text = p
     elif isinstance(p, list) and all(_is_int(t) for t in p):
-        if any(t < 0 for t in p):
-            raise invalid("prompt", "token ids must be non-negative")
+        if any(not 0 <= t <= INT32_MAX for t in p):
+            raise invalid("prompt", f"token ids must be non-negative integers up to {INT32_MAX}")
         req.prompt_ids = list(p)
-    elif isinstance(p, list) and all(isinstance(x, (str, list)) for x in p):
-        raise invalid("prompt", f"got {len(p)} prompts; send one prompt per request (batched prompts are "
-                                "not supported)")
     else:
         raise invalid("prompt", "must be a string, a list of token ids, or a list holding one of those")
 
@@ -224,7 +297,7 @@ def parse_request(body: Any, *, chat: bool) -> GenerateRequest:
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise invalid("model", f"must be a string, got {model!r}")
+        raise invalid("model", f"must be a string, got {_show(model)}")
     req = GenerateRequest(chat=chat, model=model)
     if chat:
         msgs = body.get("messages")
@@ -236,22 +309,18 @@ def parse_request(body: Any, *, chat: bool) -> GenerateRequest:
             raise invalid("messages", "must contain at least one message")
         req.messages = [_message(i, m) for i, m in enumerate(msgs)]
         req.logprobs = _bool(body, "logprobs")
-        top = _int(body, "top_logprobs", 0)
+        top = _int(body, "top_logprobs", 0, lo=0, hi=20)
         assert top is not None
-        if not 0 <= top <= 20:
-            raise invalid("top_logprobs", f"must be in [0, 20], got {top}")
         if top and not req.logprobs:
             raise invalid("top_logprobs", "requires logprobs to be true")
         req.top_logprobs = top
     else:
         _prompt(body, req)
-        lp = _int(body, "logprobs")
-        if lp is not None and not 0 <= lp <= 5:
-            raise invalid("logprobs", f"must be in [0, 5], got {lp}")
+        lp = _int(body, "logprobs", lo=0, hi=5)
         req.logprobs = lp is not None
         req.top_logprobs = lp or 0
     user = body.get("user")
     if user is not None and not isinstance(user, str):
-        raise invalid("user", f"must be a string, got {user!r}")
+        raise invalid("user", f"must be a string, got {_show(user)}")
     _sampling(body, req)
     return req

@@ -5,55 +5,31 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import Future
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
-from aiohttp import web
-from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry
 
-from services.common.metrics import ROUTER_TTFT_SECONDS, RouterMetrics
+from services.common.metrics import (
+    ROUTER_ERRORS_TOTAL,
+    ROUTER_INFLIGHT_REQUESTS,
+    ROUTER_REQUESTS_TOTAL,
+    ROUTER_TTFT_SECONDS,
+    RouterMetrics,
+)
 from services.engine.async_engine import AsyncEngine
 from services.engine.config import EngineConfig
-from services.engine.sampling_params import SamplingParams
-from services.engine.tokenizer import Tokenizer
 from services.router.local_backend import LocalEngineBackend
 from services.router.openai_http import make_app
-from services.router.pipeline import BackendError, TextPipeline, TokenEvent
+from services.router.pipeline import TextPipeline
+from tests.router.harness import LoopThread, http
 
 QUESTION = "What is the capital of France?"
-
-
-class LoopThread:
-    """An event loop in a daemon thread: the aiohttp servers live there; tests stay synchronous."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="http-test-loop", daemon=True)
-        self._thread.start()
-
-    def run(self, coro: Any, timeout: float = 60.0) -> Any:
-        fut: Future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        return fut.result(timeout)
-
-    def serve(self, app_factory: Callable[[], web.Application]) -> TestServer:
-        async def start() -> TestServer:
-            server = TestServer(app_factory(), host="127.0.0.1")
-            await server.start_server()
-            return server
-        return self.run(start())
-
-    def stop(self, server: TestServer) -> None:
-        self.run(server.close())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(5)
 
 
 @dataclass
@@ -97,27 +73,37 @@ def served() -> Iterator[Served]:
         free = loop.run(engine.stats())["free_blocks"]
         yield Served(engine, pipeline, loop, f"http://127.0.0.1:{server.port}", free, registry)
     finally:
-        loop.stop(server)
+        loop.close(server)
         engine.shutdown()
 
 
-@dataclass
-class Reply:
-    status: int
-    text: str
+def eventually(check: Any, timeout: float = 10.0) -> Any:
+    """Poll ``check()`` until truthy (a server counts a request just after its last byte is sent)."""
+    deadline = time.monotonic() + timeout
+    while not (got := check()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return got
 
-    def json(self) -> Any:
-        return json.loads(self.text)
+
+def counts(served: Served) -> dict[str, float]:
+    """requests_total by "status/finish_reason" and errors_total by "error:code", plus the in-flight gauge."""
+    out: dict[str, float] = {}
+    for fam in served.registry.collect():
+        for smp in fam.samples:
+            if smp.labels.get("model") != served.model:
+                continue
+            if smp.name == ROUTER_REQUESTS_TOTAL:
+                out[f"{smp.labels['status']}/{smp.labels['finish_reason']}"] = smp.value
+            elif smp.name == ROUTER_ERRORS_TOTAL:
+                out[f"error:{smp.labels['code']}"] = smp.value
+            elif smp.name == ROUTER_INFLIGHT_REQUESTS:
+                out["inflight"] = smp.value
+    return out
 
 
-def http(base: str, method: str, path: str, body: Any = None, *, raw: bytes | None = None) -> Reply:
-    """One raw HTTP exchange (aiohttp client on a private loop: the test stays synchronous)."""
-    async def go() -> Reply:
-        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-        async with aiohttp.ClientSession() as s, s.request(
-                method, f"{base}{path}", data=data, headers={"Content-Type": "application/json"}) as r:
-            return Reply(r.status, await r.text())
-    return asyncio.run(go())
+def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in set(before) | set(after)
+            if k != "inflight" and after.get(k, 0.0) != before.get(k, 0.0)}
 
 
 def chat_ids(served: Served, text: str) -> list[int]:
@@ -271,6 +257,42 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens", ["> 0"]),
     (COMPLETIONS, {"prompt": "hi", "logprobs": 9}, 400, "logprobs", ["logprobs"]),
     (COMPLETIONS, {"prompt": "hi", "frequency_penalty": 1.0}, 400, "frequency_penalty", ["not supported"]),
+    # Hostile input (issue #9): each of these answered a plain-text 500 once.
+    (CHAT, {"messages": USER_MSG, "top_k": 2**31}, 400, "top_k", ["top_k", str(2**31 - 1)]),
+    (CHAT, {"messages": USER_MSG, "top_k": 2**70}, 400, "top_k", ["top_k"]),
+    (CHAT, {"messages": USER_MSG, "seed": 2**64}, 400, "seed", ["seed"]),
+    (CHAT, {"messages": USER_MSG, "seed": -(2**64)}, 400, "seed", ["seed"]),
+    (CHAT, {"messages": USER_MSG, "stop_token_ids": [2**31]}, 400, "stop_token_ids", ["stop_token_ids"]),
+    (CHAT, {"messages": USER_MSG, "stop_token_ids": [-1]}, 400, "stop_token_ids", ["stop_token_ids"]),
+    (CHAT, {"messages": USER_MSG, "stop_token_ids": [10**6]}, 400, "stop_token_ids", ["vocabulary"]),
+    (COMPLETIONS, {"prompt": [2**31]}, 400, "prompt", ["token ids"]),
+    (COMPLETIONS, {"prompt": [1, 2**40]}, 400, "prompt", ["token ids"]),
+    (COMPLETIONS, {"prompt": [[1, -5]]}, 400, "prompt", ["token ids"]),
+    (CHAT, {"messages": USER_MSG, "max_tokens": 10**30}, 400, "max_tokens", ["max_tokens"]),
+    (CHAT, {"messages": USER_MSG, "max_tokens": 1e300}, 400, "max_tokens", ["max_tokens"]),
+    (CHAT, {"messages": USER_MSG, "temperature": 10**400}, 400, "temperature", ["finite"]),
+    (COMPLETIONS, {"prompt": "a\ud800b"}, 400, "prompt", ["surrogate"]),
+    (CHAT, {"messages": [{"role": "user", "content": "\ud800"}]}, 400, "messages", ["surrogate"]),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]}, 400, "messages",
+     ["surrogate"]),
+    (CHAT, {"messages": USER_MSG, "stop": ["ok", "\udc80"]}, 400, "stop", ["surrogate"]),
+    (CHAT, {"messages": USER_MSG, "metadata": {"\ud800": 1}}, 400, "metadata", ["surrogate"]),
+    (CHAT, {"messages": USER_MSG, "metadata": json.loads("[" * 80 + "]" * 80)}, 400, "metadata", ["64"]),
+    (CHAT, {"messages": [{"role": ["user"], "content": "hi"}]}, 400, "messages[0].role", ["role"]),
+    (CHAT, {"messages": [{"role": 7, "content": "hi"}]}, 400, "messages[0].role", ["role"]),
+    (CHAT, {"messages": [{"role": "user", "content": [1, 2]}]}, 400, "messages[0].content[0]", ["text"]),
+    (CHAT, {"messages": [{"role": "user", "content": {"text": "hi"}}]}, 400, "messages[0].content", ["string"]),
+    (CHAT, {"messages": [["user", "hi"]]}, 400, "messages[0]", ["object"]),
+    (CHAT, {"messages": USER_MSG, "model": ["gpt"]}, 400, "model", ["string"]),
+    (CHAT, {"messages": USER_MSG, "stop": [["a"]]}, 400, "stop", ["stop"]),
+    (CHAT, {"messages": USER_MSG, "n": "2"}, 400, "n", ["integer"]),
+    (CHAT, {"messages": USER_MSG, "n": 5}, 400, "n", ["n=1"]),
+    (CHAT, {"messages": USER_MSG, "top_logprobs": 21, "logprobs": True}, 400, "top_logprobs", ["20"]),
+    (CHAT, {"messages": USER_MSG, "stream": True, "stream_options": {"include_usage": "yes"}}, 400,
+     "stream_options.include_usage", ["boolean"]),
+    (CHAT, {"messages": USER_MSG, "stream": "yes"}, 400, "stream", ["boolean"]),
+    (COMPLETIONS, {"prompt": "x" * (8192 * 16 + 1)}, 400, "prompt", ["characters", str(8192 * 16)]),
+    (CHAT, {"messages": [{"role": "user", "content": "x" * (8192 * 16 + 1)}]}, 400, "messages", ["characters"]),
 ]
 
 
@@ -286,6 +308,23 @@ def test_bad_request(served: Served, route: str, body: dict[str, Any], status: i
     assert err["param"] == param
     for w in words:
         assert w in err["message"], (w, err["message"])
+
+
+def test_accounting_counts_what_happened(served: Served) -> None:
+    """A finished stream is ok (not cancelled), a 400 and a 404 are errors by code, in the real registry."""
+    before = counts(served)
+    client = served.client()
+    chunks = list(client.completions.create(model=served.model, prompt="Hello", max_tokens=3, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    client.completions.create(model=served.model, prompt="Hello", max_tokens=2, temperature=0,
+                              extra_body={"ignore_eos": True})
+    assert http(served.base, "POST", CHAT, {"messages": USER_MSG, "top_k": 2**31}).status == 400
+    assert http(served.base, "POST", CHAT, {"messages": USER_MSG, "model": "nope"}).status == 404
+    assert http(served.base, "POST", CHAT, None, raw=b"[" * 100_000).status == 400
+    want = {"ok/length": 2, "error/error": 3, "error:invalid_argument": 2, "error:not_found": 1}
+    assert eventually(lambda: delta(before, counts(served)) == want), delta(before, counts(served))
+    assert counts(served)["inflight"] == 0
 
 
 def test_unknown_model_names_both(served: Served) -> None:
@@ -308,6 +347,11 @@ def test_oversize_prompt_names_token_counts(served: Served) -> None:
 def test_malformed_json_wrong_body_type_and_oversize_body(served: Served) -> None:
     r = http(served.base, "POST", CHAT, None, raw=b'{"messages": [')
     assert r.status == 400 and "JSON" in r.json()["error"]["message"]
+    for raw in (b"[" * 200_000, b'{"a":' * 100_000, b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}",
+                b'{"prompt": "\xff\xfe"}', b"\xff\xfe{}"):
+        r = http(served.base, "POST", COMPLETIONS, None, raw=raw)
+        assert r.status == 400, (raw[:40], r.text)
+        assert r.json()["error"]["code"] == "invalid_json"
     r = http(served.base, "POST", CHAT, [1, 2])
     assert r.status == 400 and "object" in r.json()["error"]["message"]
     big = json.dumps({"prompt": "x" * (5 << 20)}).encode()
@@ -349,8 +393,11 @@ def test_disconnect_mid_stream_aborts(served: Served) -> None:
             r.close()  # drops the connection mid-stream
             return seen
 
+    before = counts(served)
     assert asyncio.run(read_a_few_then_hang_up()) == 4
     assert served.wait_idle() == (0, 0, served.free_blocks)
+    assert eventually(lambda: delta(before, counts(served)) == {"cancelled/cancelled": 1}), \
+        delta(before, counts(served))
 
 
 def test_disconnect_while_waiting_non_stream_aborts(served: Served) -> None:
@@ -363,36 +410,3 @@ def test_disconnect_while_waiting_non_stream_aborts(served: Served) -> None:
     with pytest.raises(asyncio.TimeoutError):
         asyncio.run(give_up_after_a_second())
     assert served.wait_idle() == (0, 0, served.free_blocks)
-
-
-
-class FailingBackend:
-    def __init__(self, error: BackendError) -> None:
-        self.error = error
-
-    def model_name(self) -> str:
-        return "fake"
-
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
-                       ) -> AsyncIterator[TokenEvent]:
-        raise self.error
-        yield TokenEvent([], [])  # an async generator that fails on first use
-
-    async def abort(self, request_id: str) -> None: ...
-
-
-@pytest.mark.parametrize(("code", "status"), [("unavailable", 503), ("resource_exhausted", 429),
-                                               ("internal", 500), ("invalid_argument", 400), ("not_found", 404)])
-def test_backend_errors_map_to_status(code: str, status: int) -> None:
-    pipeline = TextPipeline(Tokenizer.byte_level(256), FailingBackend(BackendError(code, f"backend says {code}")), 128)
-    loop = LoopThread()
-    server = loop.serve(lambda: make_app(pipeline, ready=lambda: False))
-    base = f"http://127.0.0.1:{server.port}"
-    try:
-        for stream in (False, True):
-            r = http(base, "POST", COMPLETIONS, {"prompt": "hi", "stream": stream})
-            assert r.status == status, r.text
-            assert r.json()["error"]["code"] == code and code in r.json()["error"]["message"]
-        assert http(base, "GET", "/ready").status == 503
-    finally:
-        loop.stop(server)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import pytest
 
 from services.engine.sampling_params import InvalidRequestError, SamplingParams
 from services.engine.tokenizer import Tokenizer
-from services.router.pipeline import BackendError, TextDelta, TextPipeline, TokenEvent
+from services.router.pipeline import MAX_CHARS_PER_TOKEN, BackendError, TextDelta, TextPipeline, TokenEvent
 
 EOS = 256
 
@@ -24,12 +25,16 @@ class ScriptedBackend:
         self.aborted: list[str] = []
         self.yielded = 0
         self.closed = False
+        self.called = False
+        self.deadline: float | None = None
 
     def model_name(self) -> str:
         return "scripted"
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
-                       ) -> AsyncIterator[TokenEvent]:
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
+                       deadline: float | None = None) -> AsyncIterator[TokenEvent]:
+        self.called = True
+        self.deadline = deadline
         if self.error is not None:
             raise self.error
         try:
@@ -66,10 +71,11 @@ def make(tokenizer: Tokenizer, backend: ScriptedBackend, max_model_len: int = 64
     return TextPipeline(tokenizer, backend, max_model_len)
 
 
-async def collect(p: TextPipeline, params: SamplingParams | None = None, prompt: str = "abc") -> list[TextDelta]:
+async def collect(p: TextPipeline, params: SamplingParams | None = None, prompt: str = "abc",
+                  deadline: float | None = None) -> list[TextDelta]:
     ids = p.encode_text(prompt)
     sp = p.check(ids, params or SamplingParams(), max_tokens=None)
-    return [d async for d in p.generate("r1", ids, sp)]
+    return [d async for d in p.generate("r1", ids, sp, deadline=deadline)]
 
 
 async def test_streams_text_and_usage(tokenizer: Tokenizer) -> None:
@@ -172,6 +178,73 @@ async def test_stream_without_finish_reason_is_an_internal_error(tokenizer: Toke
 def test_backend_error_code_is_checked() -> None:
     with pytest.raises(ValueError):
         BackendError("deadline", "x")
+    e = BackendError("invalid_argument", "bad", "top_k")  # positional param stays
+    assert (e.code, e.param, e.retry_after_s, e.retryable) == ("invalid_argument", "top_k", None, False)
+    e = BackendError("resource_exhausted", "full", retry_after_s=2.5)
+    assert (e.retry_after_s, e.retryable) == (2.5, True)
+
+
+# --- honest endings: a client only ever sees stop/length; everything else is a BackendError ---
+
+
+async def test_aborted_backend_stream_is_an_unavailable_error(tokenizer: Tokenizer) -> None:
+    be = ScriptedBackend(byte_events("ab", "abort"))
+    with pytest.raises(BackendError) as ei:
+        await collect(make(tokenizer, be))
+    assert ei.value.code == "unavailable" and ei.value.retry_after_s is not None
+    assert be.aborted == ["r1"]
+
+
+async def test_aborted_after_the_deadline_is_deadline_exceeded(tokenizer: Tokenizer) -> None:
+    be = ScriptedBackend([TokenEvent([97], [-0.1])])
+
+    async def slow_abort() -> AsyncIterator[TokenEvent]:
+        yield TokenEvent([97], [-0.1])
+        time.sleep(0.2)  # noqa: ASYNC251 - blocks on purpose: the abort lands past the deadline, before its timer
+        yield TokenEvent([98], [-0.1], finish_reason="abort")
+
+    be.generate = lambda *a, **k: slow_abort()  # type: ignore[method-assign]
+    with pytest.raises(BackendError) as ei:
+        await collect(make(tokenizer, be), deadline=time.time() + 0.1)
+    assert ei.value.code == "deadline_exceeded" and "gave it up" in ei.value.message
+
+
+async def test_unknown_finish_reason_and_tokenless_finish_are_internal(tokenizer: Tokenizer) -> None:
+    with pytest.raises(BackendError) as ei:
+        await collect(make(tokenizer, ScriptedBackend(byte_events("ab", "eos"))))
+    assert ei.value.code == "internal" and "eos" in ei.value.message
+    with pytest.raises(BackendError) as ei:
+        await collect(make(tokenizer, ScriptedBackend([TokenEvent([], [], finish_reason="stop")])))
+    assert ei.value.code == "internal" and "without generating a token" in ei.value.message
+
+
+async def test_deadline_passing_mid_generation_aborts(tokenizer: Tokenizer) -> None:
+    be = ScriptedBackend(byte_events("ab", None), hang=True)
+    p = make(tokenizer, be)
+    seen: list[str] = []
+    deadline = time.time() + 0.3
+    with pytest.raises(BackendError) as ei:
+        ids = p.encode_text("x")
+        async for d in p.generate("r-dl", ids, p.check(ids, SamplingParams(), max_tokens=8), deadline=deadline):
+            seen.append(d.text)
+    assert ei.value.code == "deadline_exceeded"
+    assert seen == ["a", "b"] and time.time() >= deadline
+    assert be.deadline == deadline  # handed down to the backend as given (Unix seconds)
+    assert be.aborted == ["r-dl"] and be.closed
+
+
+async def test_deadline_already_past_never_reaches_the_backend(tokenizer: Tokenizer) -> None:
+    be = ScriptedBackend(byte_events("ab"))
+    with pytest.raises(BackendError) as ei:
+        await collect(make(tokenizer, be), deadline=time.time() - 1)
+    assert ei.value.code == "deadline_exceeded" and not be.called
+
+
+async def test_deadline_not_reached_changes_nothing(tokenizer: Tokenizer) -> None:
+    be = ScriptedBackend(byte_events("hello"))
+    out = await collect(make(tokenizer, be), deadline=time.time() + 60)
+    assert "".join(d.text for d in out) == "hello" and out[-1].finish_reason == "length"
+    assert be.aborted == []
 
 
 def test_check_prompt_limits(tokenizer: Tokenizer) -> None:
@@ -190,6 +263,33 @@ def test_check_prompt_limits(tokenizer: Tokenizer) -> None:
     with pytest.raises(InvalidRequestError) as ei:
         p.check([1], SamplingParams(temperature=-1.0), max_tokens=2)
     assert ei.value.field == "temperature"
+    vocab = tokenizer.vocab_size
+    with pytest.raises(InvalidRequestError) as ei:
+        p.check([1, vocab], SamplingParams(), max_tokens=2, prompt_field="token_ids")
+    assert ei.value.field == "token_ids" and "vocabulary" in str(ei.value)
+    with pytest.raises(InvalidRequestError) as ei:
+        p.check([1, -1], SamplingParams(), max_tokens=2)
+    assert ei.value.field == "prompt"
+    with pytest.raises(InvalidRequestError) as ei:
+        p.check([1], SamplingParams(stop_token_ids=[vocab + 5]), max_tokens=2)
+    assert ei.value.field == "stop_token_ids"
+    assert p.check([1, vocab - 1], SamplingParams(stop_token_ids=[vocab - 1]), max_tokens=2).max_tokens == 2
+
+
+def test_prompt_characters_capped_before_tokenizing(tokenizer: Tokenizer) -> None:
+    p = make(tokenizer, ScriptedBackend([]), max_model_len=16)
+    limit = 16 * MAX_CHARS_PER_TOKEN
+    assert p.max_prompt_chars == limit
+    assert len(p.encode_text("x" * limit)) == limit  # at the cap: tokenized (check() refuses it by tokens)
+    with pytest.raises(InvalidRequestError) as ei:
+        p.encode_text("x" * (limit + 1))
+    assert ei.value.field == "prompt" and str(limit) in str(ei.value)
+    with pytest.raises(InvalidRequestError) as ei:
+        p.encode_text("x" * (limit + 1), "text")
+    assert ei.value.field == "text"
+    with pytest.raises(InvalidRequestError) as ei:
+        p.encode_chat([{"role": "user", "content": "y" * limit}])
+    assert ei.value.field == "messages" and "characters" in str(ei.value)
 
 
 def test_prompt_encoding(tokenizer: Tokenizer) -> None:
