@@ -78,8 +78,6 @@ def exhausted(role: str, last: RpcFailure | None, why: str) -> BackendError:
     if last is not None and last.overloaded:
         return BackendError("resource_exhausted", f"every {role} instance is full ({last.where}: {last.message})",
                             retry_after_s=last.retry_after_s)
-    if last is not None and not last.retryable:
-        return last.error()
     suffix = f"; last failure: {last.where}: {last.code.name} {last.message}" if last is not None else ""
     return BackendError("unavailable", why + suffix)
 
@@ -176,9 +174,12 @@ class Handoff:
                 return decode, resv
             except grpc.aio.AioRpcError as e:
                 last = RpcFailure.of(f"decode {decode.address} Reserve", e)
-                if not last.retryable:
+                hung = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and st.remaining_s() > 0  # our cap, not the client's
+                if not (last.retryable or hung):
                     raise last.error() from e
                 last.note(self.decode_pool, decode)
+                if hung:
+                    self.decode_pool.report_unreachable(decode, f"{last.where}: no answer in {CONTROL_TIMEOUT_S:g}s")
                 self.metrics.dispatch_retries_total.labels("decode", last.label).inc()
                 tried.add(decode.address)
         raise exhausted("decode", last, f"{self.s.max_retries + 1} decode instances failed Reserve")
