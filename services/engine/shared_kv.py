@@ -40,8 +40,10 @@ SHM_NAME_RE = re.compile(r"^pdserve-kv-[0-9]+-[0-9a-f]{12}$")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 POOL_DIMS = 6
 """[layers, 2, blocks, block_size, kv_heads, head_dim]."""
-CUDA_IPC_HANDLE_BYTES = 64
-"""sizeof(cudaIpcMemHandle_t) == sizeof(cudaIpcEventHandle_t)."""
+CUDA_IPC_HANDLE_MAX_BYTES = 1024
+"""Longest CUDA IPC memory or event handle accepted (bytes). torch's are a cudaIpc*Handle_t (64 bytes),
+the memory one behind a short type prefix (66 bytes on torch 2.11); the CUDA driver and torch's own
+parser, never Python, interpret them."""
 _REF_COUNTER_RE = re.compile(rb"^/torch_[0-9]+_[0-9]+_[0-9]+$")
 """torch's cross-process CUDA reference-counter shm names (at::NewProcessWideShmHandle)."""
 _REF_COUNTER_SLOTS = 10000
@@ -188,12 +190,12 @@ def check_cuda_pool(pool: decode_pb2.CudaIpcPool) -> tuple[tuple[int, ...], torc
     """Every check of a CUDA IPC destination that needs no GPU; returns (shape, dtype)."""
     _check_host(pool.host_id)
     shape, dtype = _shape_and_dtype(list(pool.shape), pool.dtype)
-    if len(pool.handle) != CUDA_IPC_HANDLE_BYTES:
-        raise SharedKVAttachError("handle", f"CUDA IPC handle has {len(pool.handle)} bytes, expected "
-                                            f"{CUDA_IPC_HANDLE_BYTES}")
-    if pool.event_sync_required and len(pool.event_handle) != CUDA_IPC_HANDLE_BYTES:
-        raise SharedKVAttachError("handle", f"CUDA IPC event handle has {len(pool.event_handle)} bytes, expected "
-                                            f"{CUDA_IPC_HANDLE_BYTES}")
+    if not 0 < len(pool.handle) <= CUDA_IPC_HANDLE_MAX_BYTES:
+        raise SharedKVAttachError("handle", f"CUDA IPC handle has {len(pool.handle)} bytes, expected 1 to "
+                                            f"{CUDA_IPC_HANDLE_MAX_BYTES}")
+    if len(pool.event_handle) > CUDA_IPC_HANDLE_MAX_BYTES or (pool.event_sync_required and not pool.event_handle):
+        raise SharedKVAttachError("handle", f"CUDA IPC event handle has {len(pool.event_handle)} bytes (event sync "
+                                            f"{'required' if pool.event_sync_required else 'not required'})")
     if pool.ref_counter_handle and not _REF_COUNTER_RE.fullmatch(pool.ref_counter_handle):
         raise SharedKVAttachError("handle", "CUDA IPC ref counter is not a torch ref-counter name")
     if pool.ref_counter_offset >= _REF_COUNTER_SLOTS:
