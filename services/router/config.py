@@ -36,8 +36,17 @@ class RouterConfig(ServerConfig):
                                     "(seconds); a refused connection or NOT_SERVING is dead at once, a slow "
                                     "answer is not.")
     resolve_interval_s: float = opt(10.0, "DNS re-resolution period for dns: targets (seconds).")
-    request_timeout_s: float = opt(600.0, "Longest a request may run (seconds).")
+    request_timeout_s: float = opt(600.0, "Longest a request may run (seconds); a client's shorter deadline "
+                                          "(HTTP header X-Request-Timeout, the gRPC deadline) wins.")
     max_body_bytes: int = opt(4 << 20, "Largest HTTP request body (bytes); larger answers 413.")
+    max_inflight_requests: int = opt(256, "Client requests the router admits at once (HTTP and gRPC together); "
+                                          "past it HTTP 429 / gRPC RESOURCE_EXHAUSTED with a retry delay.")
+    http_read_timeout_s: float = opt(30.0, "Longest wait for an HTTP request's head (then the connection is "
+                                           "closed) or body (then 408), and idle keep-alive time (seconds).")
+    api_key: str = opt("", "API key clients must send (HTTP 'Authorization: Bearer <key>', gRPC metadata "
+                           "'authorization'); empty: no key. Prefer PDSERVE_API_KEY or --api-key-file over "
+                           "the flag, which other users can read in the process list.")
+    api_key_file: str = opt("", "File of accepted API keys, one per line ('#' comments); adds to --api-key.")
     tracing: str = opt("none", "OpenTelemetry exporter: none, console, otlp.", choices=("none", "console", "otlp"))
     otlp_endpoint: str = opt("", "OTLP collector endpoint when --tracing otlp.")
 
@@ -46,6 +55,11 @@ class RouterConfig(ServerConfig):
         require(bool(self.decode), self, "decode", "at least one decode instance is required")
         require(self.max_retries >= 0, self, "max_retries", f"must be >= 0, got {self.max_retries}")
         require(self.lease_ms > 0, self, "lease_ms", f"must be > 0, got {self.lease_ms}")
+        require(self.max_inflight_requests > 0, self, "max_inflight_requests",
+                f"must be > 0, got {self.max_inflight_requests}")
+        require(self.http_read_timeout_s > 0, self, "http_read_timeout_s",
+                f"must be > 0, got {self.http_read_timeout_s}")
+        require(self.request_timeout_s > 0, self, "request_timeout_s", f"must be > 0, got {self.request_timeout_s}")
         require(self.dead_after_s > 0, self, "dead_after_s", f"must be > 0, got {self.dead_after_s}")
         require(self.prefix_credit >= 0, self, "prefix_credit", f"must be >= 0, got {self.prefix_credit}")
 
