@@ -1,9 +1,10 @@
-"""The ``pdserve`` command: generate, up (local P/D cluster), bench, trace, and the services."""
+"""The ``pdserve`` command: generate, up (local P/D cluster), certs, health, bench, trace, and the services."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 
 def _generate(argv: list[str]) -> int:
@@ -13,9 +14,87 @@ def _generate(argv: list[str]) -> int:
 
 
 def _up(argv: list[str]) -> int:
-    from services.launcher import main
+    from services.up import main
 
     return main(argv)
+
+
+def _certs(argv: list[str]) -> int:
+    """Write a CA and one certificate per role for mTLS (local clusters, Kubernetes Secrets)."""
+    from pathlib import Path
+
+    from services.common.tls import ROLES, make_certs
+
+    p = argparse.ArgumentParser(prog="pdserve certs", description=_certs.__doc__)
+    p.add_argument("--out", required=True, help="directory to write ca.pem and <role>.pem/<role>-key.pem into "
+                                                "(created mode 0700)")
+    p.add_argument("--hosts", default="localhost,127.0.0.1",
+                   help="comma-separated DNS names / IPs every certificate is valid for (besides pdserve.internal)")
+    p.add_argument("--days", type=int, default=365, help="validity (days)")
+    p.add_argument("--force", action="store_true", help="replace an existing CA in --out")
+    p.add_argument("--namespace", default="pdserve", help="namespace in the printed kubectl commands")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    if (out / "ca.pem").exists() and not args.force:
+        print(f"pdserve certs: {out / 'ca.pem'} exists; --force replaces the CA (and breaks every certificate "
+              "it signed)", file=sys.stderr)
+        return 2
+    out.mkdir(mode=0o700, parents=True, exist_ok=True)
+    hosts = tuple(h.strip() for h in args.hosts.split(",") if h.strip())
+    make_certs(out, hosts=hosts, days=args.days)
+    print(f"wrote {out}/ca.pem and a certificate + key for each of {', '.join((*ROLES, 'client'))} "
+          f"(keys mode 0600). For deploy/k8s/overlays/mtls:")
+    for role in ROLES:
+        print(f"  kubectl -n {args.namespace} create secret generic pdserve-tls-{role} "
+              f"--from-file=tls.crt={out}/{role}.pem --from-file=tls.key={out}/{role}-key.pem "
+              f"--from-file=ca.crt={out}/ca.pem")
+    return 0
+
+
+def health_parser() -> argparse.ArgumentParser:
+    """Flags of ``pdserve health`` (the deploy tests parse the probes' commands with it)."""
+    from services.common.config import add_dataclass_args
+    from services.common.tls import TLSConfig
+
+    p = argparse.ArgumentParser(prog="pdserve health", description=_health.__doc__, exit_on_error=False)
+    p.add_argument("--address", required=True, help="host:port of the service's gRPC server")
+    p.add_argument("--service", default="", help="health service name; empty: the whole server")
+    p.add_argument("--timeout-s", type=float, default=3.0, help="RPC deadline (seconds)")
+    add_dataclass_args(p, TLSConfig)
+    return p
+
+
+def _health(argv: list[str]) -> int:
+    """grpc.health.v1 check of one service, over mTLS when PDSERVE_TLS_* / --tls-* are set: the
+    Kubernetes probe under mTLS (the kubelet's own grpc: probe speaks no TLS). Exit 0 when SERVING."""
+    import asyncio
+
+    from services.common.config import ConfigError, from_args
+    from services.common.grpc_util import check_health, create_channel
+    from services.common.tls import TLSConfig
+
+    args = health_parser().parse_args(argv)
+    try:
+        tls = from_args(TLSConfig, args)
+    except ConfigError as e:
+        print(f"pdserve health: {e}", file=sys.stderr)
+        return 2
+
+    async def check() -> int:
+        async with create_channel(args.address, tls=tls if tls.tls_enabled else None) as ch:
+            return await check_health(ch, args.service, timeout_s=args.timeout_s)
+
+    import grpc
+    from grpc_health.v1 import health_pb2
+
+    try:
+        status = asyncio.run(check())
+    except grpc.aio.AioRpcError as e:
+        print(f"pdserve health: {args.address}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+    print(f"{args.address}: {name}")
+    return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
 def _bench(argv: list[str]) -> int:
@@ -30,7 +109,7 @@ def _trace(argv: list[str]) -> int:
     return main(argv)
 
 
-def _service(module: str) -> callable:
+def _service(module: str) -> Callable[[list[str]], int]:
     def run(argv: list[str]) -> int:
         import importlib
 
@@ -41,7 +120,9 @@ def _service(module: str) -> callable:
 
 COMMANDS = {
     "generate": (_generate, "generate text with the engine in this process"),
-    "up": (_up, "start router + prefill + decode (+ kvstore) as local processes"),
+    "up": (_up, "start router + prefill + decode (+ kvstore) as local processes, restarted when they exit"),
+    "certs": (_certs, "write a CA and per-role certificates for mTLS"),
+    "health": (_health, "grpc.health.v1 check of a service (mTLS aware; the Kubernetes probe under mTLS)"),
     "bench": (_bench, "benchmarks (engine, cluster, kvstore)"),
     "trace": (_trace, "capture a timed torch-profiler trace on every prefill and decode"),
     "router": (_service("router"), "run the router service"),

@@ -1,144 +1,262 @@
-"""``pdserve up``: a local P/D cluster as real processes on loopback.
+"""A local P/D cluster as real processes: what ``pdserve up``, the e2e tests and the benchmarks run.
 
-Starts kvstore, N prefill and M decode services, then the router pointed at them; waits until
-every one reports ready (its ``PDSERVE_READY`` line, printed once health is SERVING), prints the
-endpoints, and stops them all on Ctrl-C / SIGTERM (or when any of them dies).
+:class:`LocalCluster` starts kvstore, N prefill and M decode services, then the router pointed at them,
+and waits until each reports ready (its ``PDSERVE_READY`` line, printed once health is SERVING). Every
+service gets fixed ports picked up front (gRPC, metrics, the router's HTTP), so a service restarted by
+the supervisor (``supervise=True``) comes back on the same address: the router keeps its targets and a
+Prometheus config stays valid. Everything binds ``host`` (loopback by default); with ``tls_dir`` every
+service runs mTLS with its role's certificate (docs/SECURITY.md).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
-import subprocess
+import socket
 import sys
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
-READY_PREFIX = "PDSERVE_READY "
+from services.process import RestartPolicy, ServiceProc, exit_text, parse_ready
+
+__all__ = ["LocalCluster", "Proc", "RestartPolicy", "StartCancelled", "parse_ready", "served_model"]
+
+Proc = ServiceProc
+# Stop order: routers first (no new work arrives while the workers drain), then the workers, then the
+# stores they read from.
+_STOP_TIER = {"router": 0, "prefill": 1, "decode": 1, "kvstore": 2, "kvstore.mooncake_master": 3}
+# The certificate each service module presents (a colocated worker is a decode).
+_ROLE = {"router": "router", "prefill": "prefill", "decode": "decode", "kvstore": "kvstore"}
+# Settings only the router may see (the others never get the API key in their environment).
+_ROUTER_ONLY_ENV = ("PDSERVE_API_KEY", "PDSERVE_API_KEY_FILE")
+_WILDCARD = {"", "0.0.0.0", "::", "[::]"}
 
 
-@dataclass
-class Proc:
+def pick_port(host: str, taken: set[int]) -> int:
+    """A port nothing listens on at ``host`` right now (bind port 0, read it, close), not in ``taken``."""
+    for _ in range(64):
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.bind((host.strip("[]") or "0.0.0.0", 0))
+            port = int(s.getsockname()[1])
+        if port not in taken:
+            taken.add(port)
+            return port
+    raise OSError(f"no free port on {host}")
+
+
+def dial_host(host: str) -> str:
+    """The host a local client dials for a bind address (wildcards: loopback)."""
+    return "127.0.0.1" if host in _WILDCARD else host
+
+
+class StartCancelled(RuntimeError):
+    """start() gave up because request_stop() was called."""
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """How to (re)start one service: module, its own args (ports included), and which ports were picked."""
+
     name: str
-    popen: subprocess.Popen
-    ready: dict[str, str] = field(default_factory=dict)
-    event: threading.Event = field(default_factory=threading.Event)
-    lines: list[str] = field(default_factory=list)
-
-
-def parse_ready(line: str) -> dict[str, str] | None:
-    if not line.startswith(READY_PREFIX):
-        return None
-    return dict(kv.split("=", 1) for kv in line[len(READY_PREFIX):].split() if "=" in kv)
+    module: str
+    args: Callable[[], list[str]]
+    picked: tuple[str, ...] = ()
 
 
 class LocalCluster:
-    """Processes of one local cluster; usable from tests as a context manager."""
+    """Processes of one local cluster; usable from tests as a context manager.
+
+    ``supervise``: after start(), a watcher thread restarts any service that exits unexpectedly, with
+    the same command and ports, backing off per ``restart_policy``; a service that keeps dying is given
+    up (listed in :attr:`failed`). Off by default: tests that kill services expect them to stay dead.
+    """
 
     def __init__(self, *, prefill: int = 1, decode: int = 1, kvstore: str | None = "embedded",
                  model: str | None = None, dtype: str = "bfloat16", host: str = "127.0.0.1",
                  http_port: int = 0, grpc_port: int = 0, extra: dict[str, list[str]] | None = None,
                  colocated: bool = False, env: dict[str, str] | None = None, quiet: bool = False,
-                 kv_transport: str = "grpc") -> None:
+                 kv_transport: str = "grpc", tls_dir: str | os.PathLike[str] | None = None,
+                 api_key: str | None = None, api_key_file: str | None = None, supervise: bool = False,
+                 restart_policy: RestartPolicy | None = None) -> None:
         self.n_prefill, self.n_decode, self.kvstore = prefill, decode, kvstore
         self.model, self.dtype, self.host = model, dtype, host
         self.http_port, self.grpc_port = http_port, grpc_port
+        # Extra flags per module ("prefill") or per instance ("prefill-1"); the instance's come last.
         self.extra = extra or {}
         self.colocated = colocated
         self.kv_transport = kv_transport
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.quiet = quiet
+        self.tls_dir = Path(tls_dir) if tls_dir is not None else None
+        # The router's API key(s): given to the router alone, in its environment (not its argv, which
+        # every local user can read).
+        self.api_key, self.api_key_file = api_key, api_key_file
+        self.supervise = supervise
+        self.restart_policy = restart_policy or RestartPolicy()
         self.procs: list[Proc] = []
+        # Services the supervisor gave up on (they kept exiting); `pdserve up` stops when one appears.
+        self.failed: list[Proc] = []
+        self.ports: dict[str, dict[str, int]] = {}
+        self._taken: set[int] = set()
+        self._lock = threading.RLock()
+        self._stopping = threading.Event()
+        self._watcher: threading.Thread | None = None
+        if self.tls_dir is not None:
+            for f in ("ca.pem", *(f"{r}{s}" for r in set(_ROLE.values()) for s in (".pem", "-key.pem"))):
+                if not (self.tls_dir / f).is_file():
+                    raise FileNotFoundError(f"TLS directory {self.tls_dir} lacks {f} (pdserve certs --out DIR)")
 
-    def _spawn(self, name: str, module: str, args: list[str]) -> Proc:
-        cmd = [sys.executable, "-m", f"services.{module}", "--host", self.host, *args,
-               *self.extra.get(module, []), *self.extra.get(name, [])]
-        popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                 env=self.env, start_new_session=True)
-        proc = Proc(name, popen)
-
-        def pump() -> None:
-            assert popen.stdout is not None
-            for line in popen.stdout:
-                line = line.rstrip("\n")
-                proc.lines.append(line)
-                del proc.lines[:-400]
-                info = parse_ready(line)
-                if info is not None:
-                    proc.ready = info
-                    proc.event.set()
-                elif not self.quiet:
-                    print(f"[{name}] {line}", flush=True)
-            proc.event.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        self.procs.append(proc)
-        return proc
-
-    def _wait(self, procs: list[Proc], timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            if not p.event.wait(max(0.0, deadline - time.monotonic())) or not p.ready:
-                tail = "\n".join(p.lines[-30:])
-                raise RuntimeError(f"{p.name} did not become ready (exit code {p.popen.poll()}):\n{tail}")
-
+    # -- commands ----------------------------------------------------------------------------------
     def model_args(self) -> list[str]:
+        """Flags every model-running service gets (prefill, decode, colocated worker)."""
         args = ["--dtype", self.dtype]
         if self.model:
             args += ["--model", self.model]
         return args
 
+    def tls_args(self, module: str) -> list[str]:
+        role = _ROLE.get(module)
+        if self.tls_dir is None or role is None:
+            return []
+        d = self.tls_dir
+        return ["--tls-cert", str(d / f"{role}.pem"), "--tls-key", str(d / f"{role}-key.pem"),
+                "--tls-ca", str(d / "ca.pem")]
+
+    def _host_args(self, module: str) -> list[str]:
+        if module == "kvstore.mooncake_master":
+            return ["--host", self.host]
+        args = ["--host", self.host, "--metrics-host", self.host]
+        return args + (["--http-host", self.host] if module == "router" else [])
+
+    def _env_for(self, module: str) -> dict[str, str]:
+        if module == "router":
+            keys = {"PDSERVE_API_KEY": self.api_key, "PDSERVE_API_KEY_FILE": self.api_key_file}
+            return {**self.env, **{k: v for k, v in keys.items() if v}}
+        return {k: v for k, v in self.env.items() if k not in _ROUTER_ONLY_ENV}
+
+    def _command(self, name: str, module: str, args: list[str]) -> list[str]:
+        return [sys.executable, "-m", f"services.{module}", *self._host_args(module), *self.tls_args(module),
+                *args, *self.extra.get(module, []), *self.extra.get(name, [])]
+
+    def _spawn(self, name: str, module: str, args: list[str]) -> Proc:
+        """Start one service process now (no ports picked: ``args`` say them)."""
+        proc = Proc(name, module, self._command(name, module, args), self._env_for(module), echo=not self.quiet)
+        proc.launch()
+        with self._lock:
+            self.procs.append(proc)
+        return proc
+
+    def _wait(self, procs: list[Proc], timeout: float) -> None:
+        """Wait until each of ``procs`` is ready; RuntimeError if one exits or ``timeout`` passes,
+        StartCancelled once stop is requested."""
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            while not p.wait_ready(min(0.25, max(0.0, deadline - time.monotonic()))):
+                if self._stopping.is_set():
+                    raise StartCancelled("stop requested while starting")
+                if p.event.is_set() or time.monotonic() >= deadline:
+                    raise RuntimeError(f"{p.name} did not become ready (exit code {p.popen.poll()}):\n{p.tail(30)}")
+
+    def request_stop(self) -> None:
+        """Make a start() in progress give up (it raises StartCancelled and stops what it started);
+        safe from a signal handler."""
+        self._stopping.set()
+
+    def _port(self, name: str, kind: str, given: int = 0) -> int:
+        ports = self.ports.setdefault(name, {})
+        if kind not in ports:
+            ports[kind] = given or pick_port(self.host, self._taken)
+        return ports[kind]
+
+    def _launch_all(self, specs: list[_Spec], timeout: float) -> list[Proc]:
+        """Start services in parallel and wait for each; one whose picked port someone took meanwhile
+        is started again on new ports (twice at most)."""
+        deadline = time.monotonic() + timeout
+        procs = [self._spawn(s.name, s.module, s.args()) for s in specs]
+        out = []
+        for spec, proc in zip(specs, procs, strict=True):
+            for retries_left in (2, 1, 0):
+                try:
+                    self._wait([proc], deadline - time.monotonic())
+                    break
+                except RuntimeError as e:
+                    lost = proc.popen.poll() is not None and proc.bind_failed()
+                    if isinstance(e, StartCancelled) or not (lost and spec.picked and retries_left):
+                        raise
+                    with self._lock:
+                        self.procs.remove(proc)
+                    for kind in spec.picked:
+                        del self.ports[spec.name][kind]
+                    proc = self._spawn(spec.name, spec.module, spec.args())
+            out.append(proc)
+        return out
+
+    def _service(self, name: str, module: str, extra_args: list[str], *, metrics: bool = True) -> _Spec:
+        def args() -> list[str]:
+            out = ["--port", str(self._port(name, "grpc"))]
+            if metrics:
+                out += ["--metrics-port", str(self._port(name, "metrics"))]
+            return out + extra_args
+        return _Spec(name, module, args, ("grpc", "metrics") if metrics else ("grpc",))
+
+    # -- lifecycle ---------------------------------------------------------------------------------
     def start(self, timeout: float = 180.0) -> LocalCluster:
         try:
-            first: list[Proc] = []
-            kv_addr = ""
-            if self.kvstore:
-                kv_flags = ["--port", "0", "--metrics-port", "0", "--backend", self.kvstore]
-                if self.kvstore == "mooncake":  # a Mooncake Store master on loopback holds the pages
-                    master = self._spawn("mooncake-master", "kvstore.mooncake_master", ["--rpc-port", "0"])
-                    self._wait([master], timeout)
-                    kv_flags += ["--mooncake-master", master.ready["rpc"]]
-                kv = self._spawn("kvstore", "kvstore", kv_flags)
-                self._wait([kv], timeout)
-                kv_addr = kv.ready["grpc"]
-            kv_args = ["--kvstore-address", kv_addr] if kv_addr else []
-            shm = self.kv_transport in ("shm", "cuda-ipc")  # decode shares its pool; prefill writes into it
-            kv_args += ["--kv-transport", self.kv_transport] if shm else []
-            if self.colocated:
-                for j in range(self.n_decode):
-                    first.append(self._spawn(f"worker-{j}", "decode", ["--port", "0", "--metrics-port", "0",
-                                                                       "--mode", "colocated",
-                                                                       *self.model_args()]))
-            else:
-                for i in range(self.n_prefill):
-                    first.append(self._spawn(f"prefill-{i}", "prefill", ["--port", "0", "--metrics-port", "0",
-                                                                         *kv_args, *self.model_args()]))
-                for j in range(self.n_decode):
-                    first.append(self._spawn(f"decode-{j}", "decode", ["--port", "0", "--metrics-port", "0",
-                                                                       *(["--kv-cache-shared"] if shm else []),
-                                                                       *self.model_args()]))
-            self._wait(first, timeout)
-            prefills = [p.ready["grpc"] for p in first if p.name.startswith("prefill")]
-            decodes = [p.ready["grpc"] for p in first if not p.name.startswith("prefill")]
-            rargs = ["--http-port", str(self.http_port), "--port", str(self.grpc_port), "--metrics-port", "0",
-                     "--decode", ",".join(decodes)]
-            if prefills:
-                rargs += ["--prefill", ",".join(prefills)]
-            if self.model:
-                rargs += ["--model", self.model]
-            router = self._spawn("router", "router", rargs)
-            self._wait([router], timeout)
+            self._start(timeout)
         except BaseException:
             self.stop()
             raise
+        if self.supervise:
+            self._watcher = threading.Thread(target=self._watch, name="pdserve-supervisor", daemon=True)
+            self._watcher.start()
         return self
 
+    def _start(self, timeout: float) -> None:
+        kv_args: list[str] = []
+        if self.kvstore:
+            kv_flags = ["--backend", self.kvstore]
+            if self.kvstore == "mooncake":  # a Mooncake Store master on loopback holds the pages
+                def master_args() -> list[str]:
+                    return ["--rpc-port", str(self._port("mooncake-master", "grpc")),
+                            "--metrics-port", str(self._port("mooncake-master", "metrics"))]
+                master, = self._launch_all([_Spec("mooncake-master", "kvstore.mooncake_master", master_args,
+                                                  ("grpc", "metrics"))], timeout)
+                kv_flags += ["--mooncake-master", master.ready["rpc"]]
+            kv, = self._launch_all([self._service("kvstore", "kvstore", kv_flags)], timeout)
+            kv_args = ["--kvstore-address", kv.ready["grpc"]]
+        shm = self.kv_transport in ("shm", "cuda-ipc")  # decode shares its pool; prefill writes into it
+        kv_args += ["--kv-transport", self.kv_transport] if shm else []
+        specs: list[_Spec] = []
+        if self.colocated:
+            specs += [self._service(f"worker-{j}", "decode", ["--mode", "colocated", *self.model_args()])
+                      for j in range(self.n_decode)]
+        else:
+            specs += [self._service(f"prefill-{i}", "prefill", [*kv_args, *self.model_args()])
+                      for i in range(self.n_prefill)]
+            specs += [self._service(f"decode-{j}", "decode", [*(["--kv-cache-shared"] if shm else []),
+                                                             *self.model_args()])
+                      for j in range(self.n_decode)]
+        workers = self._launch_all(specs, timeout)  # they load their models in parallel
+        prefills = [p.ready["grpc"] for p in workers if p.module == "prefill"]
+        decodes = [p.ready["grpc"] for p in workers if p.module == "decode"]
+        picked = tuple(k for k, given in (("grpc", self.grpc_port), ("http", self.http_port)) if not given)
+
+        def router_args() -> list[str]:
+            out = ["--port", str(self._port("router", "grpc", self.grpc_port)),
+                   "--http-port", str(self._port("router", "http", self.http_port)),
+                   "--metrics-port", str(self._port("router", "metrics")), "--decode", ",".join(decodes)]
+            out += ["--prefill", ",".join(prefills)] if prefills else []
+            return out + (["--model", self.model] if self.model else [])
+        self._launch_all([_Spec("router", "router", router_args, (*picked, "metrics"))], timeout)
+
     def get(self, name: str) -> Proc:
-        return next(p for p in self.procs if p.name == name)
+        with self._lock:
+            return next(p for p in self.procs if p.name == name)
 
     @property
     def router(self) -> dict[str, str]:
@@ -148,20 +266,58 @@ class LocalCluster:
         return {p.name: p.ready for p in self.procs}
 
     def dead(self) -> list[Proc]:
-        return [p for p in self.procs if p.popen.poll() is not None]
+        return [p for p in self.procs if p.exited() is not None]
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> int:
+        """Send ``sig`` to a service's process group (a fault, not a stop: a supervised cluster restarts
+        it). Returns the pid it was sent to."""
+        p = self.get(name)
+        assert p.popen is not None
+        p.signal(sig)
+        return p.popen.pid
+
+    def restart(self, name: str, timeout: float = 180.0, grace: float = 10.0) -> Proc:
+        """Stop a service (SIGTERM, SIGKILL after ``grace``) and start it again on the same ports; waits
+        until it is ready. The supervisor leaves it alone meanwhile."""
+        p = self.get(name)
+        with self._lock:
+            p.held, p.restart_due = True, None
+        try:
+            p.terminate(grace)
+            p.launch()
+            if not p.wait_ready(timeout):
+                raise RuntimeError(f"{name} did not become ready after restart (exit code {p.popen.poll()}):\n"
+                                   f"{p.tail(30)}")
+        finally:
+            with self._lock:
+                p.held = False
+        return p
 
     def stop(self, grace: float = 10.0) -> None:
-        # Router first, so no new work arrives while the workers drain.
-        for p in reversed(self.procs):
-            if p.popen.poll() is None:
-                p.popen.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for p in self.procs:
-            try:
-                p.popen.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(p.popen.pid, signal.SIGKILL)
-                p.popen.wait()
+        """Stop everything, one tier after the other (routers, workers, stores); each tier gets ``grace``
+        seconds after SIGTERM before its process groups are killed."""
+        self._stopping.set()
+        if self._watcher is not None:
+            self._watcher.join()
+            self._watcher = None
+        with self._lock:
+            procs = list(self.procs)
+            for p in procs:
+                p.held = True
+        for tier in sorted({_STOP_TIER.get(p.module, 1) for p in procs}):
+            group = [p for p in procs if _STOP_TIER.get(p.module, 1) == tier]
+            for p in group:
+                p.signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            for p in group:
+                p.reap(max(0.1, deadline - time.monotonic()))
+        for p in procs:
+            p.join_output(5.0)
+
+    def kill_all(self) -> None:
+        """SIGKILL every service's process group at once (a second Ctrl-C)."""
+        for p in list(self.procs):
+            p.signal(signal.SIGKILL)
 
     def __enter__(self) -> LocalCluster:
         return self.start()
@@ -169,67 +325,55 @@ class LocalCluster:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    # -- supervision -------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        while not self._stopping.wait(0.2):
+            with self._lock:
+                for p in self.procs:
+                    self._supervise(p, time.monotonic())
 
-def served_model(http: str) -> str:
-    with urllib.request.urlopen(f"http://{http}/v1/models", timeout=10) as r:
+    def _supervise(self, p: Proc, now: float) -> None:
+        if p.held or p in self.failed:
+            return
+        if p.announce and p.ready:
+            p.announce = False
+            self._say(f"{p.name} is back (pid {p.ready.get('pid', p.popen.pid)}): "
+                      + " ".join(f"{k}={v}" for k, v in sorted(p.ready.items()) if k != "pid"))
+        code = p.exited()
+        if code is None:
+            return
+        policy = self.restart_policy
+        if p.restart_due is None:
+            recent = policy.recent(p.restart_times, now)
+            if len(recent) >= policy.max_restarts:
+                self.failed.append(p)
+                self._say(f"{p.name} exited with {exit_text(code)} after {len(recent)} restarts within "
+                          f"{policy.window_s:g} s; giving up on it")
+                return
+            delay = policy.delay(len(recent))
+            p.restart_due = now + delay
+            self._say(f"{p.name} (pid {p.popen.pid}) exited with {exit_text(code)}; restarting it in "
+                      f"{delay:g} s on the same ports (restart {len(recent) + 1} of at most "
+                      f"{policy.max_restarts} within {policy.window_s:g} s)")
+        elif now >= p.restart_due:
+            p.restart_due = None
+            p.restart_times.append(now)
+            p.launch()
+            p.announce = True
+
+    def _say(self, msg: str) -> None:
+        print(f"pdserve up: {msg}", file=sys.stderr, flush=True)
+
+
+def served_model(http: str, api_key: str | None = None) -> str:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    req = urllib.request.Request(f"http://{http}/v1/models", headers=headers)
+    with urllib.request.urlopen(req, timeout=10) as r:
         return json.load(r)["data"][0]["id"]
 
 
-def _demo(http: str) -> None:
-    body = json.dumps({"model": served_model(http), "max_tokens": 48, "temperature": 0,
-                       "messages": [{"role": "user", "content": "What is the capital of France?"}]}).encode()
-    req = urllib.request.Request(f"http://{http}/v1/chat/completions", body, {"Content-Type": "application/json"})
-    t0 = time.perf_counter()
-    with urllib.request.urlopen(req, timeout=120) as r:
-        out = json.load(r)
-    dt = time.perf_counter() - t0
-    print(f"demo: Q: What is the capital of France?\ndemo: A: {out['choices'][0]['message']['content']!r}"
-          f"  ({out['usage']['completion_tokens']} tokens in {dt:.2f}s)", flush=True)
-
-
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="pdserve up", description=__doc__)
-    p.add_argument("--prefill", type=int, default=1, help="prefill instances")
-    p.add_argument("--decode", type=int, default=1, help="decode instances")
-    p.add_argument("--kvstore", choices=("embedded", "mooncake", "none"), default="embedded")
-    p.add_argument("--model", default=None, help="model spec (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--grpc-port", type=int, default=50051)
-    p.add_argument("--colocated", action="store_true", help="one service does prefill and decode (A/B)")
-    p.add_argument("--kv-transport", choices=("shm", "cuda-ipc", "grpc"), default="shm",
-                   help="shm (CPU) / cuda-ipc (GPU): prefill writes pages straight into decode's pool (one host); "
-                        "grpc: page bytes inside the PushKV stream (what crosses hosts)")
-    p.add_argument("--demo", action="store_true", help="send one chat request once the cluster is up")
-    args = p.parse_args(argv)
-    cluster = LocalCluster(prefill=args.prefill, decode=args.decode,
-                           kvstore=None if args.kvstore == "none" else args.kvstore, model=args.model,
-                           dtype=args.dtype, host=args.host, http_port=args.http_port,
-                           grpc_port=args.grpc_port, colocated=args.colocated, kv_transport=args.kv_transport)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    print("pdserve up: starting ...", flush=True)
-    try:
-        cluster.start()
-    except RuntimeError as e:
-        print(f"pdserve up: {e}", file=sys.stderr)
-        return 1
-    for name, info in cluster.endpoints().items():
-        print(f"  {name:10s} " + "  ".join(f"{k}={v}" for k, v in sorted(info.items())), flush=True)
-    http = cluster.router["http"]
-    print(f"pdserve up: serving. OpenAI API at http://{http}/v1 (Ctrl-C stops everything)\n"
-          f"  curl http://{http}/v1/chat/completions -H 'Content-Type: application/json' "
-          f"-d '{{\"model\":\"{served_model(http)}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hi\"}}]}}'", flush=True)
-    try:
-        if args.demo:
-            _demo(http)
-        while not stop.wait(0.5):
-            if cluster.dead():
-                print(f"pdserve up: {', '.join(p.name for p in cluster.dead())} exited; stopping", file=sys.stderr)
-                return 1
-    finally:
-        cluster.stop()
-        print("pdserve up: stopped", flush=True)
-    return 0
+    """``pdserve up`` (kept here for callers of ``services.launcher.main``)."""
+    from services.up import main as up_main
+
+    return up_main(argv)

@@ -1,7 +1,9 @@
 """deploy/k8s: every kustomization renders, validates against the Kubernetes OpenAPI schema (strict), and
 keeps the contract with the services: probes on the gRPC port, metrics port and Prometheus annotations,
 drain-aware termination grace, router targets that are real headless Services, and only flags / PDSERVE_*
-env vars the services actually declare (parsed with the services' own config dataclasses)."""
+env vars the services actually declare (parsed with the services' own config dataclasses); pods listen
+on every interface (the services' defaults are loopback), and under mTLS every service runs with its
+role's certificate from a Secret, probed through `pdserve health` (kubelet grpc: probes speak no TLS)."""
 
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ import dataclasses
 import functools
 import importlib
 import importlib.util
+import os
 import re
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +28,7 @@ from services.common.config import add_dataclass_args, env_name, from_args
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
-KUSTOMIZATIONS = ("base", "overlays/cpu-local", "overlays/gpu", "overlays/mooncake")
+KUSTOMIZATIONS = ("base", "overlays/cpu-local", "overlays/gpu", "overlays/mooncake", "overlays/mtls")
 OVERLAYS = tuple(k for k in KUSTOMIZATIONS if k != "base")
 COMPONENTS = ("router", "prefill", "decode", "kvstore")
 # kubernetes-validate ships schemas up to its own release; 1.33 is what current kind/minikube/EKS/GKE run
@@ -39,9 +43,22 @@ pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None,
 
 @functools.cache
 def render(kustomization: str) -> tuple[dict[str, Any], ...]:
-    proc = subprocess.run(["kubectl", "kustomize", str(K8S / kustomization)], capture_output=True, text=True,
-                          timeout=60)
-    assert proc.returncode == 0, f"kubectl kustomize {kustomization} failed:\n{proc.stderr}"
+    """Render deploy/k8s/<kustomization>, or a combination "overlays/gpu+mtls+mooncake": the overlay with
+    those components added (a kustomization written to a temporary directory)."""
+    if "+" not in kustomization:
+        return _render_dir(K8S / kustomization)
+    overlay, *components = kustomization.split("+")
+    with tempfile.TemporaryDirectory() as d:
+        rel = Path(os.path.relpath(K8S, d))
+        (Path(d) / "kustomization.yaml").write_text(yaml.safe_dump({
+            "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+            "resources": [str(rel / overlay)], "components": [str(rel / "components" / c) for c in components]}))
+        return _render_dir(Path(d))
+
+
+def _render_dir(path: Path) -> tuple[dict[str, Any], ...]:
+    proc = subprocess.run(["kubectl", "kustomize", str(path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"kubectl kustomize {path} failed:\n{proc.stderr}"
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     return tuple(d for d in yaml.load_all(proc.stdout, Loader=loader) if d)
 
@@ -151,15 +168,46 @@ def expand(arg: str, env: dict[str, str]) -> str:
     return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), arg)
 
 
+def mounted_secret(w: dict[str, Any], c: dict[str, Any], path: str) -> tuple[str, str] | None:
+    """(Secret name, key) of a file ``path`` under one of the container's Secret mounts (which must be
+    read-only), else None."""
+    vols = {v["name"]: v for v in w["spec"]["template"]["spec"].get("volumes", [])}
+    for m in c.get("volumeMounts", []):
+        secret = vols.get(m["name"], {}).get("secret")
+        root = m["mountPath"].rstrip("/") + "/"
+        if secret is not None and path.startswith(root):
+            assert m.get("readOnly") is True, f"{c['name']}: Secret mount {root} is not readOnly"
+            return secret["secretName"], path[len(root):]
+    return None
+
+
+_MOUNTS = Path(tempfile.mkdtemp(prefix="pdserve-deploy-test-"))
+
+
+def localize(w: dict[str, Any], c: dict[str, Any], value: str) -> str:
+    """A file under a Secret mount (as a value or ``--flag=value``) -> an empty local stand-in (configs
+    check that their files exist)."""
+    flag, eq, path = value.partition("=") if value.startswith("--") else ("", "", value)
+    found = mounted_secret(w, c, path)
+    if found is None:
+        return value
+    local = _MOUNTS / found[0] / found[1]
+    local.parent.mkdir(parents=True, exist_ok=True)
+    local.touch()
+    return f"{flag}{eq}{local}"
+
+
 def effective_config(objs: tuple[dict[str, Any], ...], component: str) -> dict[type, Any]:
-    """Build the service's configs exactly as it would at start: its args, then its env."""
+    """Build the service's configs exactly as it would at start: its args, then its env (files from
+    Secret mounts stand in as empty local files)."""
     parsed = service_parser(component)
     assert parsed is not None
     parser, _, classes = parsed
     w = workload_of(objs, component)
     c = service_container(w)
     env, _ = container_env(objs, w, c)
-    ns = parser.parse_args([expand(a, env) for a in c["args"][1:]])
+    env = {k: localize(w, c, v) for k, v in env.items()}
+    ns = parser.parse_args([localize(w, c, expand(a, env)) for a in c["args"][1:]])
     return {cls: from_args(cls, ns, environ=env) for cls in classes}
 
 
@@ -252,9 +300,13 @@ def test_service_probes_ports_and_drain_match_its_config(kustomization: str, com
     server = server_config(effective_config(objs, component))
     assert port_named(c, "grpc") == server.port, f"{component}: grpc containerPort != --port {server.port}"
     assert port_named(c, "metrics") == server.metrics_port, f"{component}: metrics port != --metrics-port"
+    env, _ = container_env(objs, w, c)
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert c[probe].get("grpc", {}).get("port") == server.port, \
-            f"{component}: {probe} is not grpc:{server.port}"
+        if server.tls_enabled:
+            assert_health_exec_probe(w, c, env, probe, server.port)
+        else:
+            assert c[probe].get("grpc", {}).get("port") == server.port, \
+                f"{component}: {probe} is not grpc:{server.port}"
     # Startup is for model loading; liveness must not fire during it (the startup probe gates it).
     startup = c["startupProbe"]
     assert startup.get("periodSeconds", 10) * startup.get("failureThreshold", 3) >= 60, f"{component}: startup"
@@ -285,6 +337,39 @@ def test_flags_and_env_vars_are_declared_by_the_service(kustomization: str, comp
         if name.startswith("PDSERVE_"):
             assert name in envs, f"{kustomization}: {component} declares no env var {name} (from {origin[name]})"
     effective_config(objs, component)  # every value parses and validates (ConfigError otherwise)
+
+
+def assert_health_exec_probe(w: dict[str, Any], c: dict[str, Any], env: dict[str, str], probe: str,
+                             port: int) -> None:
+    """Under mTLS a probe runs `python -m services.cli health --address=127.0.0.1:<port>`, which finds the
+    pod's certificate through the container's PDSERVE_TLS_* env (the kubelet's grpc: probe has no TLS)."""
+    from services.cli import health_parser
+    from services.common.tls import TLSConfig
+
+    p = c[probe]
+    where = f"{c['name']} {probe}"
+    assert "grpc" not in p, f"{where}: a grpc: probe cannot pass mTLS"
+    cmd = p.get("exec", {}).get("command", [])
+    assert cmd[:4] == ["python", "-m", "services.cli", "health"], f"{where}: {cmd}"
+    ns = health_parser().parse_args(cmd[4:])
+    assert ns.address == f"127.0.0.1:{port}", f"{where}: checks {ns.address}"
+    tls = from_args(TLSConfig, ns, environ={k: localize(w, c, v) for k, v in env.items()})
+    assert tls.tls_enabled, f"{where}: the probe would not present a certificate"
+    assert p.get("timeoutSeconds", 1) >= 5, f"{where}: a Python start needs timeoutSeconds >= 5"
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_pods_listen_on_every_interface(kustomization: str, component: str) -> None:
+    """The services bind loopback by default; in a pod the kubelet, Services and peers come in on the
+    pod IP, so every listener is told 0.0.0.0 explicitly."""
+    require_parser(component)
+    cfgs = effective_config(render(kustomization), component)
+    server = server_config(cfgs)
+    assert (server.host, server.metrics_host) == ("0.0.0.0", "0.0.0.0"), f"{kustomization}: {component}"
+    if component == "router":
+        from services.router.config import RouterConfig
+        assert cfgs[RouterConfig].http_host == "0.0.0.0", f"{kustomization}: router HTTP"
 
 
 # ---- wiring between services ------------------------------------------------------------------------
@@ -451,3 +536,62 @@ def test_mooncake_overlay_runs_a_master_and_the_mooncake_backend() -> None:
     assert master_addr == [f"pdserve-mooncake-master:{rpc_port}"], master_addr
     bind = next(e for e in c["env"] if e["name"] == "MC_TCP_BIND_ADDRESS")
     assert bind["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+
+
+# ---- mTLS ----------------------------------------------------------------------------------------------
+
+MTLS = ("overlays/mtls", "overlays/gpu+mtls+mooncake")
+
+
+@pytest.mark.parametrize("kustomization", MTLS)
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_mtls_runs_every_service_with_its_roles_certificate(kustomization: str, component: str) -> None:
+    objs = render(kustomization)
+    w = workload_of(objs, component)
+    c = service_container(w)
+    env, _ = container_env(objs, w, c)
+    require_parser(component)
+    server = server_config(effective_config(objs, component))
+    assert server.tls_enabled, f"{kustomization}: {component} runs without TLS"
+    files = {"PDSERVE_TLS_CERT": "tls.crt", "PDSERVE_TLS_KEY": "tls.key", "PDSERVE_TLS_CA": "ca.crt"}
+    for var, key in files.items():
+        assert mounted_secret(w, c, env[var]) == (f"pdserve-tls-{component}", key), f"{component}: {var}"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert_health_exec_probe(w, c, env, probe, server.port)
+
+
+@pytest.mark.parametrize("kustomization", MTLS)
+def test_mtls_router_key_and_service_protocols(kustomization: str) -> None:
+    objs = render(kustomization)
+    w = workload_of(objs, "router")
+    c = service_container(w)
+    env, _ = container_env(objs, w, c)
+    if kustomization == "overlays/mtls":
+        assert mounted_secret(w, c, env["PDSERVE_API_KEY_FILE"]) == ("pdserve-api-key", "api-key")
+    assert "PDSERVE_API_KEY" not in env, "the key itself must not sit in the manifest"
+    for svc in (o for o in objs if o["kind"] == "Service"):
+        for port in svc["spec"]["ports"]:
+            assert port.get("appProtocol") != "kubernetes.io/h2c", f"{svc['metadata']['name']}: h2c under TLS"
+
+
+def test_mtls_combines_with_the_gpu_overlay_and_mooncake() -> None:
+    objs = render("overlays/gpu+mtls+mooncake")
+    errors = []
+    for o in objs:
+        try:
+            kubernetes_validate.validate(o, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            errors.append(f"{o['kind']}/{o['metadata']['name']}: {e.message}")
+    assert not errors, "\n".join(errors)
+    for component in ("prefill", "decode"):
+        startup = service_container(workload_of(objs, component))["startupProbe"]
+        assert (startup["periodSeconds"], startup["failureThreshold"]) == (10, 180), f"{component}: gpu timing lost"
+    assert find(objs, "Deployment", "pdserve-mooncake-master") is not None
+
+
+@pytest.mark.parametrize("kustomization", [k for k in KUSTOMIZATIONS if k not in MTLS])
+def test_plain_overlays_run_without_tls(kustomization: str) -> None:
+    objs = render(kustomization)
+    for component in COMPONENTS:
+        require_parser(component)
+        assert not server_config(effective_config(objs, component)).tls_enabled, f"{kustomization}: {component}"

@@ -1,0 +1,170 @@
+"""One service process of a local cluster: its command, output, ready line, and restart bookkeeping.
+
+A :class:`ServiceProc` keeps its command and environment, so it can be launched again with the same
+flags (and therefore the same ports) after it exits. Each launch gets a fresh process group (a new
+session), so signals to it reach the service and anything it started, and a terminal's Ctrl-C reaches
+only the launcher, which stops services in order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+from dataclasses import dataclass
+
+READY_PREFIX = "PDSERVE_READY "
+_BIND_ERRORS = ("cannot bind", "address already in use")
+
+
+def parse_ready(line: str) -> dict[str, str] | None:
+    """``PDSERVE_READY service=decode grpc=127.0.0.1:40123 ...`` -> {"service": "decode", ...}."""
+    if not line.startswith(READY_PREFIX):
+        return None
+    return dict(kv.split("=", 1) for kv in line[len(READY_PREFIX):].split() if "=" in kv)
+
+
+def exit_text(code: int) -> str:
+    """A returncode as people read it: "exit code 1", "signal SIGKILL"."""
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When a supervised service that exited is started again.
+
+    The k-th restart within ``window_s`` waits ``backoff_s * 2**k`` (capped at ``max_backoff_s``); a
+    service that already restarted ``max_restarts`` times within the window is given up."""
+
+    max_restarts: int = 5
+    window_s: float = 60.0
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0 or self.window_s <= 0 or self.backoff_s < 0 or self.max_backoff_s < self.backoff_s:
+            raise ValueError(f"invalid restart policy {self}")
+
+    def recent(self, times: list[float], now: float) -> list[float]:
+        """The restart times (monotonic seconds) that fall within the window ending ``now``."""
+        return [t for t in times if now - t < self.window_s]
+
+    def delay(self, recent_restarts: int) -> float:
+        """Seconds to wait before the next restart, given how many happened within the window."""
+        return min(self.max_backoff_s, self.backoff_s * 2.0 ** min(recent_restarts, 30))
+
+
+class ServiceProc:
+    """A service process and the state a supervisor keeps about it."""
+
+    def __init__(self, name: str, module: str, cmd: list[str], env: dict[str, str], *, echo: bool) -> None:
+        self.name, self.module, self.cmd, self.env, self.echo = name, module, cmd, env, echo
+        self.popen: subprocess.Popen[str] | None = None
+        # key=value pairs of the current launch's ready line (empty until it is printed).
+        self.ready: dict[str, str] = {}
+        self.event = threading.Event()
+        self.lines: list[str] = []  # the last 400 output lines, across launches
+        # Supervisor state: held (being stopped/restarted on purpose), restart_due (monotonic time of a
+        # scheduled restart), restart_times (monotonic times of past restarts), announce (log when ready).
+        self.held = False
+        self.restart_due: float | None = None
+        self.restart_times: list[float] = []
+        self.announce = False
+        self._pumps: list[threading.Thread] = []
+        self._cleaned = False  # leftovers of the current launch's group were killed
+
+    def launch(self) -> None:
+        """Start the command (again); the ready line of this launch replaces ``ready``."""
+        self.ready = {}
+        self._cleaned = False
+        event = self.event = threading.Event()
+        popen = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 text=True, env=self.env, start_new_session=True)
+        self.popen = popen
+        pump = threading.Thread(target=self._pump, args=(popen, event), name=f"pdserve-out-{self.name}", daemon=True)
+        pump.start()
+        self._pumps = [t for t in self._pumps if t.is_alive()] + [pump]
+
+    def _pump(self, popen: subprocess.Popen[str], event: threading.Event) -> None:
+        assert popen.stdout is not None
+        for raw in popen.stdout:
+            line = raw.rstrip("\n")
+            self.lines.append(line)
+            del self.lines[:-400]
+            info = parse_ready(line)
+            if info is not None and popen is self.popen:
+                self.ready = info
+                event.set()
+            elif self.echo:
+                print(f"[{self.name}] {line}", flush=True)
+        event.set()
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait for this launch's ready line; False if it exited first or ``timeout`` passed."""
+        return self.event.wait(timeout) and bool(self.ready)
+
+    def tail(self, n: int) -> str:
+        return "\n".join(self.lines[-n:])
+
+    def bind_failed(self) -> bool:
+        """Whether the last output says a port could not be bound (someone else took it)."""
+        return any(e in line.lower() for line in self.lines[-60:] for e in _BIND_ERRORS)
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the process group of the current launch (nothing once it has been reaped:
+        its pid may belong to someone else by then)."""
+        if self.popen is not None and self.popen.returncode is None:
+            self._killpg(sig)
+
+    def _killpg(self, sig: int) -> None:
+        assert self.popen is not None
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, sig)
+
+    def kill_leftovers(self) -> None:
+        """Once the service itself has exited and been reaped, SIGKILL what is left of its process group
+        (children it started), once per launch. Only while no process has the service's old pid: then
+        no one else can lead a group with that id, and every member is ours."""
+        if self.popen is None or self.popen.returncode is None or self._cleaned:
+            return
+        self._cleaned = True
+        if not os.path.exists(f"/proc/{self.popen.pid}"):
+            self._killpg(signal.SIGKILL)
+
+    def exited(self) -> int | None:
+        """The exit code of the current launch, or None while it runs; the first time an exit is seen,
+        leftovers of its group are killed."""
+        if self.popen is None:
+            return None
+        code = self.popen.poll()
+        if code is not None:
+            self.kill_leftovers()
+        return code
+
+    def reap(self, timeout: float) -> int:
+        """Wait up to ``timeout`` for the process to exit, SIGKILL its group after that; then kill
+        whatever is left of the group (also when it had exited before). Returns the exit code."""
+        assert self.popen is not None
+        try:
+            code = self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._killpg(signal.SIGKILL)
+            code = self.popen.wait()
+        self.kill_leftovers()  # the group outlives its leader through children of the service
+        return code
+
+    def terminate(self, grace: float) -> int:
+        """SIGTERM, then :meth:`reap` with ``grace``."""
+        self.signal(signal.SIGTERM)
+        return self.reap(grace)
+
+    def join_output(self, timeout: float) -> None:
+        for t in self._pumps:
+            t.join(timeout)

@@ -1,0 +1,224 @@
+"""``pdserve up``: a local P/D cluster as real processes, supervised.
+
+Starts kvstore, N prefill and M decode services, then the router pointed at them (services.launcher),
+each on fixed ports picked up front, and prints the endpoints. A service that exits is restarted with
+the same command and ports (backoff 1 s, 2 s, 4 s ... up to --max-restart-backoff-s); one that exits
+more than --max-restarts times within --restart-window-s is given up and the cluster stops (exit 1).
+SIGTERM / Ctrl-C stops everything, router first so in-flight work drains, and exits 0 (a second one
+kills what is left).
+
+Everything binds --host (127.0.0.1 by default). --tls runs mTLS between all services with a fresh CA
+and per-role certificates in a private temporary directory (or --tls-dir with existing ones);
+--api-key (or PDSERVE_API_KEY) makes the router's public API require ``Authorization: Bearer KEY``.
+docs/SECURITY.md says what each mode trusts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.common.config import ConfigError, add_dataclass_args, from_args, opt, require
+from services.launcher import LocalCluster, RestartPolicy, StartCancelled, dial_host, served_model
+
+
+def _env(name: str) -> str:
+    return "PDSERVE_UP_" + name.upper()
+
+
+@dataclass
+class UpConfig:
+    """pdserve up: one local cluster."""
+
+    prefill: int = opt(1, "Prefill instances.", env=_env("prefill"))
+    decode: int = opt(1, "Decode instances (colocated workers with --colocated).", env=_env("decode"))
+    kvstore: str = opt("embedded", "kvstore backend; none: no kvstore.", choices=("embedded", "mooncake", "none"),
+                       env=_env("kvstore"))
+    model: str | None = opt(None, "Model spec (default: the embedded SmolLM2-135M-Instruct).", env=_env("model"))
+    dtype: str = opt("bfloat16", "Model dtype.", choices=("float32", "bfloat16"), env=_env("dtype"))
+    host: str = opt("127.0.0.1", "Address every service binds (gRPC, metrics, the router's HTTP); 0.0.0.0 "
+                                 "exposes internal RPCs to the network: use --tls then.", env=_env("host"))
+    http_port: int = opt(8000, "Router HTTP (OpenAI API) port; 0 picks a free one.", env=_env("http_port"))
+    grpc_port: int = opt(50051, "Router gRPC port; 0 picks a free one.", env=_env("grpc_port"))
+    colocated: bool = opt(False, "One service does prefill and decode (A/B).", env=_env("colocated"))
+    kv_transport: str = opt("shm", "shm (CPU) / cuda-ipc (GPU): prefill writes pages straight into decode's "
+                                   "pool (one host); grpc: page bytes inside the PushKV stream.",
+                            choices=("shm", "cuda-ipc", "grpc"), env=_env("kv_transport"))
+    demo: bool = opt(False, "Send one chat request once the cluster is up.", env=_env("demo"))
+    tls: bool = opt(False, "mTLS between all services, with a fresh CA and per-role certificates in a "
+                           "private temporary directory (removed at exit).", env=_env("tls"))
+    tls_dir: str = opt("", "mTLS with existing certificates: DIR holds ca.pem and <role>.pem/<role>-key.pem "
+                           "for router, prefill, decode, kvstore (pdserve certs --out DIR).", env=_env("tls_dir"))
+    api_key: str = opt("", "API key the router's public API requires (Authorization: Bearer KEY); empty: none.",
+                       env="PDSERVE_API_KEY")
+    api_key_file: str = opt("", "File holding the router's API key (instead of --api-key).",
+                            env="PDSERVE_API_KEY_FILE")
+    restart: bool = opt(True, "Restart a service that exits; --no-restart stops the cluster instead.",
+                        env=_env("restart"))
+    max_restarts: int = opt(5, "Restarts of one service within --restart-window-s before giving up.",
+                            env=_env("max_restarts"))
+    restart_window_s: float = opt(60.0, "Window over which restarts are counted (seconds).",
+                                  env=_env("restart_window_s"))
+    max_restart_backoff_s: float = opt(30.0, "Longest wait before a restart (seconds; doubles from 1 s).",
+                                       env=_env("max_restart_backoff_s"))
+    stop_grace_s: float = opt(45.0, "On stop, how long each tier (routers, workers, stores) may drain after "
+                                    "SIGTERM before it is killed (seconds).", env=_env("stop_grace_s"))
+    start_timeout_s: float = opt(300.0, "Longest wait for the cluster to become ready (seconds).",
+                                 env=_env("start_timeout_s"))
+    prometheus_sd: str = opt("", "Write the services' metrics addresses here as a Prometheus file_sd target "
+                                 "list (deploy/prometheus/prometheus-local.yml reads targets/*.json).",
+                             env=_env("prometheus_sd"))
+
+    def __post_init__(self) -> None:
+        require(self.prefill >= (0 if self.colocated else 1), self, "prefill", f"must be >= 1, got {self.prefill}")
+        require(self.decode >= 1, self, "decode", f"must be >= 1, got {self.decode}")
+        require(not (self.tls and self.tls_dir), self, "tls", "give --tls or --tls-dir, not both")
+        require(not self.tls_dir or Path(self.tls_dir).is_dir(), self, "tls_dir", f"no such directory: {self.tls_dir}")
+        require(not (self.api_key and self.api_key_file), self, "api_key", "give --api-key or --api-key-file, not both")
+        require(not self.api_key_file or Path(self.api_key_file).is_file(), self, "api_key_file",
+                f"no such file: {self.api_key_file}")
+        require(self.max_restarts >= 0, self, "max_restarts", f"must be >= 0, got {self.max_restarts}")
+        require(self.restart_window_s > 0, self, "restart_window_s", f"must be > 0, got {self.restart_window_s}")
+        require(self.max_restart_backoff_s >= 1, self, "max_restart_backoff_s",
+                f"must be >= 1, got {self.max_restart_backoff_s}")
+
+    def key(self) -> str | None:
+        """The key the router is given (and the demo sends): --api-key, or the first key in the file
+        (one per line, '#' comments, like the router's --api-key-file)."""
+        if self.api_key_file:
+            lines = (ln.strip() for ln in Path(self.api_key_file).read_text().splitlines())
+            return next((ln for ln in lines if ln and not ln.startswith("#")), None)
+        return self.api_key or None
+
+
+def _say(msg: str, *, err: bool = False) -> None:
+    print(f"pdserve up: {msg}", file=sys.stderr if err else sys.stdout, flush=True)
+
+
+def _demo(http: str, api_key: str | None) -> None:
+    body = json.dumps({"model": served_model(http, api_key), "max_tokens": 48, "temperature": 0,
+                       "messages": [{"role": "user", "content": "What is the capital of France?"}]}).encode()
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    req = urllib.request.Request(f"http://{http}/v1/chat/completions", body, headers)
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=120) as r:
+        out = json.load(r)
+    dt = time.perf_counter() - t0
+    print(f"demo: Q: What is the capital of France?\ndemo: A: {out['choices'][0]['message']['content']!r}"
+          f"  ({out['usage']['completion_tokens']} tokens in {dt:.2f}s)", flush=True)
+
+
+def _write_targets(path: str, cluster: LocalCluster) -> None:
+    targets = sorted(info["metrics"] for info in cluster.endpoints().values() if "metrics" in info)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")  # Prometheus re-reads the file: replace it whole
+    tmp.write_text(json.dumps([{"targets": targets, "labels": {"namespace": "local"}}], indent=2) + "\n")
+    tmp.replace(out)
+
+
+def _print_endpoints(cfg: UpConfig, cluster: LocalCluster, tls_dir: Path | None, key: str | None) -> None:
+    for name, info in cluster.endpoints().items():
+        print(f"  {name:16s} " + "  ".join(f"{k}={v}" for k, v in sorted(info.items()) if k != "service"), flush=True)
+    if dial_host(cfg.host) != cfg.host:
+        _say(f"every port above is bound on {cfg.host or 'every interface'}: other hosts reach them at this "
+             "host's addresses")
+    if tls_dir is None and dial_host(cfg.host) not in ("127.0.0.1", "localhost", "::1"):
+        _say("WARNING: internal RPCs (Reserve, PushKV, Prefill, kvstore Put) are reachable from the network "
+             "without authentication; use --tls (docs/SECURITY.md)", err=True)
+    if tls_dir is not None:
+        _say(f"mTLS between all services; certificates in {tls_dir} (gRPC clients of the router present "
+             "client.pem/client-key.pem and trust ca.pem)")
+    http = cluster.router["http"]
+    auth = " -H \"Authorization: Bearer $PDSERVE_API_KEY\"" if key else ""
+    _say(f"serving. OpenAI API at http://{http}/v1{' (API key required)' if key else ''}; "
+         "Ctrl-C stops everything\n"
+         f"  curl http://{http}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+         f"-d '{{\"model\":\"{served_model(http, key)}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hi\"}}]}}'")
+
+
+def _run(cfg: UpConfig, tls_dir: Path | None, key: str | None) -> int:
+    policy = RestartPolicy(max_restarts=cfg.max_restarts, window_s=cfg.restart_window_s,
+                           max_backoff_s=cfg.max_restart_backoff_s)
+    cluster = LocalCluster(prefill=cfg.prefill, decode=cfg.decode,
+                           kvstore=None if cfg.kvstore == "none" else cfg.kvstore, model=cfg.model,
+                           dtype=cfg.dtype, host=cfg.host, http_port=cfg.http_port, grpc_port=cfg.grpc_port,
+                           colocated=cfg.colocated, kv_transport=cfg.kv_transport, tls_dir=tls_dir,
+                           api_key=None if cfg.api_key_file else key,
+                           api_key_file=str(Path(cfg.api_key_file).resolve()) if cfg.api_key_file else None,
+                           supervise=cfg.restart, restart_policy=policy)
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        if stop.is_set():  # a second signal: do not wait for draining
+            _say(f"{signal.Signals(signum).name} again: killing every service", err=True)
+            cluster.kill_all()
+        stop.set()
+        cluster.request_stop()
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    _say("starting ...")
+    try:
+        cluster.start(cfg.start_timeout_s)
+    except StartCancelled:
+        _say("stopped")
+        return 0
+    except (RuntimeError, OSError) as e:
+        _say(str(e), err=True)
+        return 1
+    rc = 0
+    try:
+        _print_endpoints(cfg, cluster, tls_dir, key)
+        if cfg.prometheus_sd:
+            _write_targets(cfg.prometheus_sd, cluster)
+            _say(f"Prometheus targets (fixed across restarts) in {cfg.prometheus_sd}")
+        if cfg.demo:
+            _demo(cluster.router["http"], key)
+        while not stop.wait(0.5):
+            if cluster.failed:
+                _say(f"gave up on {', '.join(p.name for p in cluster.failed)}; stopping", err=True)
+                rc = 1
+                break
+            if not cfg.restart and cluster.dead():
+                _say(f"{', '.join(p.name for p in cluster.dead())} exited; stopping (--no-restart)", err=True)
+                rc = 1
+                break
+    finally:
+        _say("stopping (router first) ...")
+        cluster.stop(grace=cfg.stop_grace_s)
+        _say("stopped")
+    return rc
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="pdserve up", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_dataclass_args(p, UpConfig)
+    try:
+        cfg = from_args(UpConfig, p.parse_args(argv))
+        key = cfg.key()
+    except (ConfigError, OSError) as e:
+        print(f"pdserve up: {e}", file=sys.stderr)
+        return 2
+    tls_dir: Path | None = Path(cfg.tls_dir) if cfg.tls_dir else None
+    tmp: str | None = None
+    if cfg.tls:
+        from services.common.tls import make_certs
+
+        tmp = tempfile.mkdtemp(prefix="pdserve-tls-")  # mode 0700: only this user reads the keys
+        tls_dir = make_certs(tmp, hosts=tuple(dict.fromkeys(("localhost", "127.0.0.1", dial_host(cfg.host)))))
+    try:
+        return _run(cfg, tls_dir, key)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
