@@ -3,7 +3,9 @@
 A lease bounds how long a reservation waits for its KV: Reserve's ``lease_ms`` (0: the server
 default) capped at ``--max-lease-ms`` and never past the request's ``deadline_unix``. A huge ask
 (``lease_ms=4294967295``) is capped, not refused. RenewLease sets a fresh lease the same way. When
-the lease runs out before the last KV chunk lands, the reservation is released (blocks freed).
+the lease runs out before the last KV chunk lands, the reservation is released (blocks freed). Once
+the KV has landed, a request no Generate stream has picked up gets one more lease of the same length
+to be picked up; then it is released too (nobody would ever read its tokens).
 
 Independently, a request with a deadline is released when the deadline passes, whatever it is doing
 (waiting for KV or generating).
@@ -47,22 +49,38 @@ class LeaseKeeper:
         """(Re)start ``r``'s lease from now; returns when it ends (Unix seconds)."""
         if r.lease is not None:
             r.lease.cancel()
+        r.lease_ms = requested_ms
         r.lease_expires_unix = self.expiry(requested_ms, r.deadline_unix)
         delay = max(0.0, r.lease_expires_unix - time.time())
         r.lease = asyncio.get_running_loop().call_later(delay, self._fire, r, EndCause.EXPIRED)
         return r.lease_expires_unix
 
+    def landed(self, r: Reservation) -> None:
+        """``r``'s KV landed: its lease now bounds the wait for a Generate stream, if none is open."""
+        if r.streaming:
+            self.picked_up(r)
+        else:
+            self.set_lease(r, r.lease_ms)
+
+    @staticmethod
+    def picked_up(r: Reservation) -> None:
+        """A Generate stream is attached: once the KV is in, no lease is needed any more."""
+        if r.complete and r.lease is not None:
+            r.lease.cancel()
+            r.lease = None
+
     def _fire(self, r: Reservation, cause: EndCause) -> None:
         if cause is EndCause.EXPIRED:
             r.lease = None
-            if r.complete:
+            if r.complete and r.streaming:
                 return
         else:
             r.deadline_timer = None
         if r.end_cause is not None:
             return
+        what = {EndCause.EXPIRED: "expired without a Generate stream" if r.complete else "expired without its KV"}
         log.warning("reservation %s (request %s) %s", r.reservation_id, r.request_id,
-                    "expired without its KV" if cause is EndCause.EXPIRED else "passed its deadline")
+                    what.get(cause, "passed its deadline"))
         if self._on_end is not None:
             self._on_end(r, cause)
         task = asyncio.ensure_future(self._release(r, cause))

@@ -1,8 +1,8 @@
 """Reservations: destination blocks held for a request whose KV a prefill is sending.
 
 A reservation lives from Reserve until its request finishes, or until it ends early: its lease runs
-out before the KV lands, the request's deadline passes, its KV stream breaks the protocol, or it is
-aborted. An ended reservation leaves the table at once; its blocks are freed as soon as no page write
+out before the KV lands (or, once it landed, before a Generate stream picks the request up), the
+request's deadline passes, its KV stream breaks the protocol, or it is aborted. An ended reservation leaves the table at once; its blocks are freed as soon as no page write
 into them is in flight (see DecodeKVReceiver.release).
 
 Only the holder of the reservation's token (issued by Reserve, 16 random bytes) may write KV into it
@@ -60,6 +60,8 @@ class Reservation:
     deadline_unix: float = 0.0
     """The request's deadline (Unix seconds); 0: none."""
     reserved_at: float = field(default_factory=time.monotonic)
+    lease_ms: int = 0
+    """The lease the caller asked for (ms; 0: the server default), before the caps."""
     lease_expires_unix: float = 0.0
     lease: asyncio.TimerHandle | None = None
     deadline_timer: asyncio.TimerHandle | None = None

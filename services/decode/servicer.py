@@ -205,8 +205,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def RenewLease(self, request: decode_pb2.RenewLeaseRequest, context: grpc.aio.ServicerContext
                          ) -> decode_pb2.RenewLeaseResponse:
-        """A fresh lease from now (capped like Reserve's). 0 when the KV has already landed: no lease is
-        needed any more."""
+        """A fresh lease from now (capped like Reserve's). 0 when the KV has landed and a Generate stream
+        has the request: no lease is needed any more."""
         if self.engine is None:
             await errors.loading(context)
         r = self.table.get(request.reservation_id)
@@ -216,15 +216,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             await self._refuse(context, grpc.StatusCode.PERMISSION_DENIED, "reservation_token: wrong or missing for "
                                f"reservation {r.reservation_id!r}", Reason.ERROR_REASON_PERMISSION, "permission",
                                field="reservation_token")
-        if r.complete:
+        if r.complete and r.streaming:
             return decode_pb2.RenewLeaseResponse(lease_expires_unix=0.0)
         return decode_pb2.RenewLeaseResponse(lease_expires_unix=self.leases.set_lease(r, request.lease_ms))
 
     def _lease_ended(self, r: Reservation, cause: EndCause) -> None:
-        if cause is EndCause.EXPIRED:
+        if cause is EndCause.EXPIRED and not r.complete:
             self.metrics.reservations_expired_total.labels(self.model).inc()
 
     def _landed(self, r: Reservation, last: common_pb2.KVChunk) -> None:
+        self.leases.landed(r)
         self.metrics.kv_wait_seconds.labels(self.model).observe(r.kv_done_at - r.reserved_at)
         if last.prefill_done_unix:
             self.metrics.kv_transfer_exposed_seconds.labels(self.model).observe(
@@ -280,6 +281,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                               f"reservation {r.reservation_id} is already being streamed",
                               Reason.ERROR_REASON_INVALID_INPUT, field="reservation_id")
         r.streaming = True
+        self.leases.picked_up(r)
         self._generating += 1
         finished = False
         with tracing.span_from_metadata("decode.generate", context.invocation_metadata(),

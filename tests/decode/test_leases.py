@@ -104,3 +104,23 @@ async def test_a_request_past_its_deadline_is_stopped_and_freed(decode_rig, monk
     assert out.code == grpc.StatusCode.DEADLINE_EXCEEDED and out.detail.reason == Reason.ERROR_REASON_DEADLINE
     assert 0 < len(tokens) < 500
     assert (await idle(rig.engine))["free_blocks"] == base["free_blocks"]
+
+
+async def test_landed_kv_that_no_generate_picks_up_is_freed_after_another_lease(decode_rig):
+    rig = await decode_rig()
+    base = await idle(rig.engine)
+    ids = prompt(6)
+    ref = reference(ids, 4)
+    resv = await reserve(rig.stub, ids, max_tokens=4, lease_ms=500)
+    assert (await push(rig.stub, chunks(resv, ids, ref))).code == grpc.StatusCode.OK
+    r = rig.servicer.table.get(resv.reservation_id)
+    assert r is not None and r.complete and r.lease is not None  # now waiting to be picked up
+    for _ in range(100):
+        if rig.servicer.table.get(resv.reservation_id) is None:
+            break
+        await asyncio.sleep(0.05)
+    assert rig.servicer.table.get(resv.reservation_id) is None
+    _, _, out = await generate(rig.stub, decode_pb2.DecodeGenerateRequest(reservation_id=resv.reservation_id))
+    assert out.code == grpc.StatusCode.NOT_FOUND and out.detail.reason == Reason.ERROR_REASON_RESERVATION_GONE
+    assert rig.metric("pdserve_decode_reservations_expired_total", model=rig.servicer.model) == 0
+    assert (await idle(rig.engine))["free_blocks"] == base["free_blocks"]
