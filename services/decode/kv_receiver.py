@@ -195,8 +195,7 @@ class DecodeKVReceiver:
         await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not nxt.done():
             nxt.cancel()
-            with contextlib.suppress(BaseException):
-                await nxt
+            await asyncio.wait({nxt})  # let the read unwind (its outcome no longer matters)
             raise _gone(r)
         return nxt.result()
 
