@@ -190,8 +190,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             reservation_id=rid, num_cached_blocks=num_cached, block_size=self.layout.block_size,
             layout=layout_to_pb(self.layout), lease_expires_unix=r.lease_expires_unix, block_ids=block_ids,
             reservation_token=r.token, accepted_wire_fingerprints=[self.engine.engine.fp8_layout.fingerprint])
-        dest = getattr(self.engine.engine.runner, "kv_destination", None)
-        if isinstance(dest, decode_pb2.KVDestination):  # a pool same-host prefills may write into
+        dest = self.engine.engine.runner.kv_destination
+        if dest is not None:  # a pool same-host prefills may write into
             resp.destination.CopyFrom(dest)
         return resp
 

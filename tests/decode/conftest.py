@@ -43,13 +43,13 @@ class Rig:
 
 @pytest.fixture
 async def decode_rig() -> AsyncIterator[Callable[..., Awaitable[Rig]]]:
-    """``await decode_rig(**config_fields)``: a bound DecodeServicer served on 127.0.0.1:0."""
+    """``await decode_rig(engine=dict(...), **config_fields)``: a bound DecodeServicer served on 127.0.0.1:0."""
     made: list[tuple[Rig, grpc.aio.Server]] = []
 
-    async def make(**cfg: object) -> Rig:
+    async def make(engine: dict | None = None, **cfg: object) -> Rig:
         registry = CollectorRegistry()
         servicer = DecodeServicer(DecodeConfig(**{**SERVER, **cfg}), DecodeMetrics(registry), asyncio.Event())
-        servicer.bind(await asyncio.to_thread(AsyncEngine, ecfg()))
+        servicer.bind(await asyncio.to_thread(AsyncEngine, ecfg(**(engine or {}))))
         server = grpc.aio.server()
         decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
         port = server.add_insecure_port("127.0.0.1:0")

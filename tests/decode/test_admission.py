@@ -87,3 +87,18 @@ async def test_colocated_request_id_cannot_hijack_a_reservations_stream(decode_r
     tokens, _, out = await generate(rig.stub, decode_pb2.DecodeGenerateRequest(reservation_id=resv.reservation_id))
     assert out.code == grpc.StatusCode.OK and tokens == ref.tokens
     assert (await idle(rig.engine))["free_blocks"] == base["free_blocks"]
+
+
+async def test_reserve_offers_the_wire_codecs_and_a_shared_pool_as_typed_fields(decode_rig):
+    rig = await decode_rig()
+    resv = await reserve(rig.stub)
+    assert list(resv.accepted_wire_fingerprints) == [rig.engine.engine.fp8_layout.fingerprint]
+    assert not resv.HasField("destination")  # a private pool: nothing to offer
+    await rig.stub.Abort(common_pb2.AbortRequest(request_id=resv.reservation_id))
+    shared = await decode_rig(engine=dict(kv_cache_shared=True))
+    if shared.engine.engine.runner.kv_destination is None:
+        return  # /dev/shm had no room: the pool stayed private (logged)
+    resv = await reserve(shared.stub)
+    assert resv.destination.WhichOneof("pool") == "shm"
+    assert resv.destination.shm.name.startswith("pdserve-kv-") and "/" not in resv.destination.shm.name
+    await shared.stub.Abort(common_pb2.AbortRequest(request_id=resv.reservation_id))
