@@ -9,9 +9,11 @@ deadline ``after + duration + --margin`` has passed), prints one line per captur
 
     <service> <instance> <path>
 
-and names every target that failed or did not answer on stderr, exiting 1 then. Paths are on each
-service's host (``--out`` is made absolute here; on one host, or with a shared volume, they are
-readable where the command ran). Open them in chrome://tracing or https://ui.perfetto.dev.
+and names every target that failed or did not answer on stderr, exiting 1 then. Each service writes
+its trace under its own ``--trace-dir`` (the request names only a session, never a path); a trace
+readable where the command runs (one host, or a shared volume) is copied into ``--out`` and that
+copy is printed, otherwise the path on the service's host. Open them in chrome://tracing or
+https://ui.perfetto.dev.
 Exit status: 0 all captured, 1 some target failed, 2 bad arguments.
 """
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -139,11 +142,23 @@ async def _capture_one(target: Target, req: common_pb2.CaptureTraceRequest, dead
 
 async def capture(targets: list[Target], after_s: float, duration_s: float, out_dir: str,
                   margin_s: float = DEFAULT_MARGIN_S) -> list[Outcome]:
-    """Ask every target for the same window; returns one Outcome per target, in order."""
+    """Ask every target for the same window; returns one Outcome per target, in order. Traces readable
+    here are copied into ``out_dir`` (the Outcome's path is then the copy)."""
     start = time.time() + after_s
-    req = common_pb2.CaptureTraceRequest(start_unix=start, duration_s=duration_s, out_dir=out_dir)
+    session = f"trace-{int(start * 1000)}"
+    req = common_pb2.CaptureTraceRequest(start_unix=start, duration_s=duration_s, out_dir=session)
     deadline = start + duration_s + margin_s
-    return list(await asyncio.gather(*(_capture_one(t, req, deadline) for t in targets)))
+    outcomes = list(await asyncio.gather(*(_capture_one(t, req, deadline) for t in targets)))
+    await asyncio.to_thread(_collect, outcomes, out_dir)
+    return outcomes
+
+
+def _collect(outcomes: list[Outcome], out_dir: str) -> None:
+    """Copy each trace readable on this host into ``out_dir``; the outcome's path becomes the copy."""
+    for o in outcomes:
+        if not o.error and os.path.isfile(o.path):
+            os.makedirs(out_dir, exist_ok=True)
+            o.path = shutil.copy2(o.path, os.path.join(out_dir, os.path.basename(o.path)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,7 @@ from services.common.convert import finish_to_pb, layout_to_pb, params_from_pb
 from services.common.grpc_util import Reason, abort_if_draining
 from services.common.metrics import DecodeMetrics
 from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc
-from services.common.tls import peer_may_write_kv
+from services.common.tls import peer_may_write_kv, peer_role
 from services.decode import errors
 from services.decode.config import DecodeConfig
 from services.decode.kv_receiver import DecodeKVReceiver, KVRejected
@@ -94,6 +94,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                       label: str, **kw: object) -> None:
         self.metrics.requests_refused_total.labels(label).inc()
         await errors.fail(context, code, message, reason, **kw)  # type: ignore[arg-type]
+
+    async def _router_only(self, context: grpc.aio.ServicerContext, rpc: str) -> None:
+        """With mTLS on, Reserve/Generate/RenewLease/Abort answer only the router's certificate."""
+        if self.config.tls_enabled and peer_role(context) != "router":
+            await self._refuse(context, grpc.StatusCode.PERMISSION_DENIED,
+                               f"{rpc}: only the router (client certificate role 'router') may call it",
+                               Reason.ERROR_REASON_PERMISSION, "permission")
 
     async def _admit(self, context: grpc.aio.ServicerContext, *, needs_blocks: bool) -> None:
         """Refuse new work from published state only (never waits on the engine)."""
@@ -168,6 +175,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def Reserve(self, request: decode_pb2.ReserveRequest, context: grpc.aio.ServicerContext
                       ) -> decode_pb2.ReserveResponse:
+        await self._router_only(context, "Reserve")
         await self._admit(context, needs_blocks=True)
         if not request.request_id:
             await errors.invalid(context, "request_id", "request_id: must not be empty")
@@ -207,6 +215,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                          ) -> decode_pb2.RenewLeaseResponse:
         """A fresh lease from now (capped like Reserve's). 0 when the KV has landed and a Generate stream
         has the request: no lease is needed any more."""
+        await self._router_only(context, "RenewLease")
         if self.engine is None:
             await errors.loading(context)
         r = self.table.get(request.reservation_id)
@@ -267,6 +276,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def Generate(self, request: decode_pb2.DecodeGenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[common_pb2.GenerateResponse]:
+        await self._router_only(context, "Generate")
         if not request.reservation_id:  # a new colocated request: admission applies
             async for msg in self._colocated(request, context):
                 yield msg
@@ -357,6 +367,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def Abort(self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
                     ) -> common_pb2.AbortResponse:
+        await self._router_only(context, "Abort")
         if self.engine is None:
             return common_pb2.AbortResponse(found=False)
         r = self.table.find(request.request_id)

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from services.common.grpc_util import Reason, create_channel
 from services.common.metrics import DecodeMetrics
-from services.common.pb import decode_pb2, decode_pb2_grpc
+from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc
 from services.common.tls import TLSConfig, make_certs
 from services.decode.config import DecodeConfig
 from services.decode.servicer import DecodeServicer
@@ -59,4 +59,23 @@ async def test_only_a_prefill_certificate_may_push_kv(tls_decode):
         tokens, _, out = await generate(decode_pb2_grpc.DecodeStub(router),
                                         decode_pb2.DecodeGenerateRequest(reservation_id=resv.reservation_id))
         assert out.code == grpc.StatusCode.OK and tokens == ref.tokens
+    assert (await idle(servicer.engine))["free_blocks"] == base["free_blocks"]
+
+
+async def test_only_the_router_certificate_may_reserve_generate_or_abort(tls_decode):
+    servicer, addr, certs = tls_decode
+    base = await idle(servicer.engine)
+    async with create_channel(addr, tls=_tls(certs, "router")) as router, \
+            create_channel(addr, tls=_tls(certs, "prefill")) as prefill:
+        pstub = decode_pb2_grpc.DecodeStub(prefill)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await reserve(pstub)
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        resv = await reserve(decode_pb2_grpc.DecodeStub(router))
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await pstub.Abort(common_pb2.AbortRequest(request_id=resv.reservation_id))
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert servicer.table.get(resv.reservation_id) is not None  # a prefill cannot cancel others' work
+        found = await decode_pb2_grpc.DecodeStub(router).Abort(common_pb2.AbortRequest(request_id=resv.reservation_id))
+        assert found.found
     assert (await idle(servicer.engine))["free_blocks"] == base["free_blocks"]

@@ -286,7 +286,7 @@ def _make_failures(o: Obs) -> None:
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await prefill_pb2_grpc.PrefillStub(pch).Prefill(prefill_pb2.PrefillRequest(
                     request_id="obs-lost", token_ids=_prompt(40), params=params, decode_address=decode,
-                    reservation_id="rsv-gone"), timeout=60)
+                    reservation_id="rsv-gone", reservation_token=b"\x00" * 16), timeout=60)
             assert e.value.code() == grpc.StatusCode.NOT_FOUND, e.value
             await asyncio.sleep(0.5)
 

@@ -3,6 +3,7 @@ same window; a target that cannot capture is named and the exit status is non-ze
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import subprocess
@@ -10,9 +11,12 @@ import sys
 import threading
 from pathlib import Path
 
+import grpc
 import pytest
 
 from services import trace_capture
+from services.common.grpc_util import create_channel
+from services.common.pb import common_pb2, common_pb2_grpc
 from services.launcher import LocalCluster, served_model
 from tests.e2e.cluster_util import post_json
 
@@ -79,15 +83,25 @@ def test_trace_command_names_targets_that_fail(cluster: LocalCluster, tmp_path: 
     assert prefill not in err and f"FAILED {decode}" not in err, err
     assert sorted(line.split()[0] for line in out.splitlines()) == ["decode", "prefill"], out  # the others still did
 
-    # A service that cannot write its trace (out dir under a regular file) is named too.
-    blocker = tmp_path / "not-a-dir"
-    blocker.write_text("")
-    rc = trace_capture.main(["--after", "0", "--duration", "0.2", "--out", str(blocker / "sub"),
-                             "--targets", f"{prefill},{decode}"])
-    out, err = capsys.readouterr()
-    assert rc == 1 and out == ""
-    for addr in (prefill, decode):
-        assert f"FAILED {addr}: INTERNAL: cannot write the trace" in err, err
+
+
+@pytest.mark.parametrize("session", ["../../../tmp/pdserve-escape", "/etc", "a/b", "..", ""])
+def test_capture_trace_takes_no_path_from_the_wire(cluster: LocalCluster, session: str) -> None:
+    """Admin.CaptureTrace names a session under the service's own --trace-dir; a path is refused and
+    nothing is written outside that root."""
+    prefill, _ = _addresses(cluster)
+    escape = Path("/tmp/pdserve-escape")
+
+    async def call() -> grpc.aio.AioRpcError:
+        async with create_channel(prefill) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await common_pb2_grpc.AdminStub(ch).CaptureTrace(
+                    common_pb2.CaptureTraceRequest(duration_s=0.1, out_dir=session), timeout=10)
+            return e.value
+
+    err = asyncio.run(call())
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "out_dir" in (err.details() or ""), err
+    assert not escape.exists()
 
 
 def test_trace_command_wrong_role_is_a_failure(cluster: LocalCluster, tmp_path: Path,
