@@ -1,6 +1,6 @@
 """Engine benchmark: prefill and decode tokens/s of the pdserve engine beside transformers, same run.
 
-    pdserve bench engine [--dtype bfloat16] [--model PATH.gguf] [--repeats 3] [--json out.json]
+    pdserve bench engine [--dtype auto] [--cpu-threads N] [--model PATH.gguf] [--repeats 3] [--json out.json]
     python -m benchmarks.engine_bench ...
 
 Workloads (same weights, dtype and machine for both):
@@ -10,6 +10,10 @@ Workloads (same weights, dtype and machine for both):
     each, EOS ignored. Decode tokens/s = C * 127 / (time from the first token of all C sequences to
     the last). transformers: ``generate(max_new_tokens=128, min_new_tokens=128)`` minus
     ``generate(max_new_tokens=1)`` on the same [C, 32] batch (greedy, KV cache on).
+
+``--dtype auto`` (the default) resolves as the engine does (bf16 where the CPU has AMX-BF16 or
+AVX512-BF16, fp32 otherwise); transformers runs in the resolved dtype. The run prints the CPU model,
+its avx2/avx512f/avx512_bf16/amx_bf16 flags, the dtype and why, and torch's thread count.
 
 Each figure is the median of ``--repeats`` timed runs after one warm-up run; engine and
 transformers runs alternate so that load from other processes hits both alike. Goals (issue 2):
@@ -34,6 +38,7 @@ from pathlib import Path
 import torch
 
 from services.engine.config import EngineConfig
+from services.engine.cpu_features import DTYPE_REASONS, host_cpu, torch_cpu_capability
 from services.engine.engine import LLMEngine
 from services.engine.sampling_params import SamplingParams
 from services.engine.weights.gguf_loader import default_gguf_path
@@ -47,7 +52,14 @@ DECODE_GOAL = 10.0
 @dataclass
 class Results:
     machine: str
+    cpu_model: str
+    cpu_flags: list[str]
+    """Of avx2, avx512f, avx512_bf16, amx_bf16: those the CPU has."""
+    torch_cpu_capability: str
     dtype: str
+    """The dtype both engines ran in (``--dtype auto`` resolved)."""
+    dtype_reason: str
+    """Why: a services.engine.cpu_features.DTYPE_REASONS code."""
     model: str
     torch_threads: int
     prompt_len: int
@@ -68,30 +80,24 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def _machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-        flags = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags"))
-        isa = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags]
-    except (OSError, StopIteration):
-        isa = []
+    cpu = host_cpu()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return f"{os.cpu_count()} cores {platform.machine()} {cpu} ({', '.join(isa) or 'no AVX-512'}), {gpu}"
+    return (f"{len(cpu.cpus)} CPUs {platform.machine()} {cpu.model} "
+            f"({', '.join(cpu.reported_flags()) or 'no AVX2'}), {gpu}")
 
 
 # --- pdserve engine ---------------------------------------------------------------------------------
 
 
 class EngineBench:
-    def __init__(self, model: str | None, dtype: str, prompt_len: int, max_seqs: int, seq_len: int) -> None:
+    def __init__(self, model: str | None, dtype: str, prompt_len: int, max_seqs: int, seq_len: int,
+                 cpu_threads: int = 0) -> None:
         blocks = max(prompt_len + 1, max_seqs * seq_len) // 16 + 2 * max_seqs + 8
-        self.engine = LLMEngine(EngineConfig(
-            model=model, dtype=dtype, num_kv_blocks=blocks, block_size=16, max_num_seqs=max_seqs,
+        self.config = EngineConfig(
+            model=model, dtype=dtype, cpu_threads=cpu_threads, num_kv_blocks=blocks, block_size=16, max_num_seqs=max_seqs,
             max_num_batched_tokens=max(prompt_len, 2048), max_prefill_chunk=prompt_len,
-            enable_prefix_caching=False))
+            enable_prefix_caching=False)
+        self.engine = LLMEngine(self.config)
         self.vocab = self.engine.vocab_size
         self._n = 0
 
@@ -199,14 +205,20 @@ def _pair(r: Results, key: str, tokens: int, eng: Callable[[], float], hf: Calla
 def run(args: argparse.Namespace) -> Results:
     gguf = Path(args.model) if args.model else default_gguf_path()
     concurrencies = sorted({int(c) for c in args.concurrency.split(",")})
-    r = Results(machine=_machine(), dtype=args.dtype, model=gguf.name, torch_threads=torch.get_num_threads(),
-                prompt_len=args.prompt_len, decode_prompt_len=args.decode_prompt_len,
-                output_len=args.output_len, repeats=args.repeats, load_avg=[os.getloadavg()[0]])
-    print(f"machine: {r.machine}; torch {torch.__version__}, {r.torch_threads} threads", flush=True)
-    print(f"model: {gguf.name}, dtype {args.dtype}", flush=True)
+    load0 = os.getloadavg()[0]
     eng = EngineBench(str(gguf), args.dtype, args.prompt_len, max(concurrencies),
-                      args.decode_prompt_len + args.output_len)
-    hf = None if args.skip_transformers else TransformersBench(gguf, getattr(torch, args.dtype))
+                      args.decode_prompt_len + args.output_len, args.cpu_threads)
+    cpu, cfg = host_cpu(), eng.config
+    r = Results(machine=_machine(), cpu_model=cpu.model, cpu_flags=cpu.reported_flags(),
+                torch_cpu_capability=torch_cpu_capability(), dtype=cfg.resolved_dtype,
+                dtype_reason=cfg.dtype_reason, model=gguf.name, torch_threads=torch.get_num_threads(),
+                prompt_len=args.prompt_len, decode_prompt_len=args.decode_prompt_len,
+                output_len=args.output_len, repeats=args.repeats, load_avg=[load0])
+    print(f"machine: {r.machine}; torch {torch.__version__} (CPU kernels {r.torch_cpu_capability}), "
+          f"{r.torch_threads} threads", flush=True)
+    print(f"cpu: {r.cpu_model}; flags: {' '.join(r.cpu_flags) or '-'}", flush=True)
+    print(f"model: {gguf.name}, dtype {r.dtype} ({DTYPE_REASONS[r.dtype_reason]})", flush=True)
+    hf = None if args.skip_transformers else TransformersBench(gguf, cfg.torch_dtype)
     long_prompt = _prompts(1, args.prompt_len, eng.vocab, seed=1)[0]
     decode_prompts = _prompts(max(concurrencies), args.decode_prompt_len, eng.vocab, seed=2)
 
@@ -234,7 +246,9 @@ def run(args: argparse.Namespace) -> Results:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pdserve bench engine", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="a .gguf file (default: the embedded SmolLM2-135M GGUF)")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                   help="auto: bfloat16 where the CPU has AMX-BF16/AVX512-BF16, else float32")
+    p.add_argument("--cpu-threads", type=int, default=0, help="torch threads (0: every CPU this process may use)")
     p.add_argument("--prompt-len", type=int, default=512, help="prefill prompt tokens")
     p.add_argument("--decode-prompt-len", type=int, default=32, help="prompt tokens of each decode sequence")
     p.add_argument("--output-len", type=int, default=128, help="generated tokens per decode sequence")
@@ -248,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     r = run(args)
     print()
     print(_table(r, sorted({int(c) for c in args.concurrency.split(",")})))
-    print(f"\n(total {time.perf_counter() - t0:.0f}s; 1-min load average {r.load_avg[0]:.2f} at start, "
+    print(f"\n{r.cpu_model} [{' '.join(r.cpu_flags) or '-'}], dtype {r.dtype} ({r.dtype_reason}), "
+          f"{r.torch_threads} torch threads")
+    print(f"(total {time.perf_counter() - t0:.0f}s; 1-min load average {r.load_avg[0]:.2f} at start, "
           f"{r.load_avg[-1]:.2f} at end, on {os.cpu_count()} cores)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

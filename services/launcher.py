@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.engine.cpu_features import engine_cpu_args, quiet_openmp_env
 from services.process import RestartPolicy, ServiceProc, exit_text, parse_ready
 
 __all__ = ["LocalCluster", "Proc", "RestartPolicy", "StartCancelled", "parse_ready", "served_model"]
@@ -77,12 +78,12 @@ class LocalCluster:
     """
 
     def __init__(self, *, prefill: int = 1, decode: int = 1, kvstore: str | None = "embedded",
-                 model: str | None = None, dtype: str = "bfloat16", host: str = "127.0.0.1",
+                 model: str | None = None, dtype: str = "auto", host: str = "127.0.0.1",
                  http_port: int = 0, grpc_port: int = 0, extra: dict[str, list[str]] | None = None,
                  colocated: bool = False, env: dict[str, str] | None = None, quiet: bool = False,
                  kv_transport: str = "grpc", tls_dir: str | os.PathLike[str] | None = None,
                  api_key: str | None = None, api_key_file: str | None = None, supervise: bool = False,
-                 restart_policy: RestartPolicy | None = None) -> None:
+                 restart_policy: RestartPolicy | None = None, pin_cores: bool = False) -> None:
         self.n_prefill, self.n_decode, self.kvstore = prefill, decode, kvstore
         self.model, self.dtype, self.host = model, dtype, host
         self.http_port, self.grpc_port = http_port, grpc_port
@@ -90,7 +91,9 @@ class LocalCluster:
         self.extra = extra or {}
         self.colocated = colocated
         self.kv_transport = kv_transport
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        # OpenMP workers sleep when idle (engines share the host's cores); set before torch loads.
+        self.env = {**quiet_openmp_env(os.environ), "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.pin_cores = pin_cores
         self.quiet = quiet
         self.tls_dir = Path(tls_dir) if tls_dir is not None else None
         # The router's API key(s): given to the router alone, in its environment (not its argv, which
@@ -232,14 +235,16 @@ class LocalCluster:
         shm = self.kv_transport in ("shm", "cuda-ipc")  # decode shares its pool; prefill writes into it
         kv_args += ["--kv-transport", self.kv_transport] if shm else []
         specs: list[_Spec] = []
+        # Each engine process gets its share of this host's cores (--cpu-threads, --cpu-affinity if pinned).
+        cpu = engine_cpu_args(0 if self.colocated else self.n_prefill, self.n_decode, pin=self.pin_cores)
         if self.colocated:
-            specs += [self._service(f"worker-{j}", "decode", ["--mode", "colocated", *self.model_args()])
+            specs += [self._service(f"worker-{j}", "decode", ["--mode", "colocated", *self.model_args(), *cpu[j]])
                       for j in range(self.n_decode)]
         else:
-            specs += [self._service(f"prefill-{i}", "prefill", [*kv_args, *self.model_args()])
+            specs += [self._service(f"prefill-{i}", "prefill", [*kv_args, *self.model_args(), *cpu[i]])
                       for i in range(self.n_prefill)]
             specs += [self._service(f"decode-{j}", "decode", [*(["--kv-cache-shared"] if shm else []),
-                                                             *self.model_args()])
+                                                             *self.model_args(), *cpu[self.n_prefill + j]])
                       for j in range(self.n_decode)]
         workers = self._launch_all(specs, timeout)  # they load their models in parallel
         prefills = [p.ready["grpc"] for p in workers if p.module == "prefill"]

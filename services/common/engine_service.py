@@ -116,6 +116,7 @@ class EngineService:
         srv = ServiceServer(self.name, self.cfg, drain=servicer.drain, on_shutdown=shutdown)
         self.server = srv
         servicer.draining = srv.draining
+        servicer.metrics.engine_info.labels(**self.ecfg.info_labels()).set(1)  # pdserve_<name>_engine_info
         srv.add_service(add_to_server, servicer)
         trace = TraceCapture(self.name, self.cfg.instance or f"{self.cfg.host}:{self.cfg.port}")
         srv.add_service(common_pb2_grpc.add_AdminServicer_to_server, AdminServicer(self.stats, trace))

@@ -27,6 +27,7 @@ Label values (small, closed sets; never request ids or prompts):
     transport      grpc | cuda-ipc | mooncake
     tier           memory | disk | mooncake
     outcome        ok | failed   (router migrations)
+    dtype, dtype_reason, device, cpu_model, cpu_threads   (engine info gauges only: one series per process)
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ PREFILL_KV_CHUNKS_SENT_TOTAL = "pdserve_prefill_kv_chunks_sent_total"
 PREFILL_KV_TRANSFER_FAILURES_TOTAL = "pdserve_prefill_kv_transfer_failures_total"
 PREFILL_RUNNING_REQUESTS = "pdserve_prefill_running_requests"
 PREFILL_WAITING_REQUESTS = "pdserve_prefill_waiting_requests"
+PREFILL_ENGINE_INFO = "pdserve_prefill_engine_info"
 PREFILL_REQUESTS_ABORTED_TOTAL = "pdserve_prefill_requests_aborted_total"
 PREFILL_KVSTORE_ERRORS_TOTAL = "pdserve_prefill_kvstore_errors_total"
 PREFILL_KV_TRANSPORT_FALLBACKS_TOTAL = "pdserve_prefill_kv_transport_fallbacks_total"
@@ -97,6 +99,7 @@ DECODE_WAITING_FOR_KV_REQUESTS = "pdserve_decode_waiting_for_kv_requests"
 DECODE_GENERATION_TOKENS_TOTAL = "pdserve_decode_generation_tokens_total"
 DECODE_KV_STREAMS_BROKEN_TOTAL = "pdserve_decode_kv_streams_broken_total"
 DECODE_REQUESTS_REFUSED_TOTAL = "pdserve_decode_requests_refused_total"
+DECODE_ENGINE_INFO = "pdserve_decode_engine_info"
 
 # --- kvstore ------------------------------------------------------------------------------------
 KVSTORE_HITS_TOTAL = "pdserve_kvstore_hits_total"
@@ -109,6 +112,10 @@ KVSTORE_GET_BYTES_TOTAL = "pdserve_kvstore_get_bytes_total"
 KVSTORE_PUT_BYTES_TOTAL = "pdserve_kvstore_put_bytes_total"
 KVSTORE_PUT_REFUSED_TOTAL = "pdserve_kvstore_put_refused_total"
 KVSTORE_PUT_INFLIGHT_BYTES = "pdserve_kvstore_put_inflight_bytes"
+
+
+ENGINE_INFO_LABELS = ("dtype", "dtype_reason", "device", "cpu_model", "cpu_threads")
+"""Labels of the engine info gauges: EngineConfig.info_labels() gives their values."""
 
 
 @dataclass(frozen=True)
@@ -168,6 +175,8 @@ SPECS: tuple[MetricSpec, ...] = (
        "KV transfers to decode that failed, by transport and reason."),
     _s(PREFILL_RUNNING_REQUESTS, "gauge", ["model"], "prefill", "Requests with a chunk in the running batch."),
     _s(PREFILL_WAITING_REQUESTS, "gauge", ["model"], "prefill", "Requests queued, no chunk scheduled yet."),
+    _s(PREFILL_ENGINE_INFO, "gauge", ENGINE_INFO_LABELS, "prefill",
+       "1, labelled with the engine's resolved dtype and why, device, CPU model and torch threads."),
     _s(PREFILL_REQUESTS_ABORTED_TOTAL, "counter", ["reason"], "prefill",
        "Prefill requests that ended without a first token, by reason (overloaded, invalid, deadline, "
        "cancelled, kv_handoff, permission)."),
@@ -208,6 +217,8 @@ SPECS: tuple[MetricSpec, ...] = (
     _s(DECODE_REQUESTS_REFUSED_TOTAL, "counter", ["reason"], "decode",
        "Reserve/Generate/PushKV/RenewLease calls refused before any work, by reason "
        "(overloaded, draining, deadline, permission)."),
+    _s(DECODE_ENGINE_INFO, "gauge", ENGINE_INFO_LABELS, "decode",
+       "1, labelled with the engine's resolved dtype and why, device, CPU model and torch threads."),
     # kvstore
     _s(KVSTORE_HITS_TOTAL, "counter", ["tier"], "kvstore", "Page lookups answered by this tier."),
     _s(KVSTORE_MISSES_TOTAL, "counter", ["tier"], "kvstore", "Page lookups this tier could not answer."),
@@ -320,6 +331,7 @@ class PrefillMetrics(MetricGroup):
         self.kv_transfer_failures_total = self._counter(PREFILL_KV_TRANSFER_FAILURES_TOTAL)
         self.running_requests = self._gauge(PREFILL_RUNNING_REQUESTS)
         self.waiting_requests = self._gauge(PREFILL_WAITING_REQUESTS)
+        self.engine_info = self._gauge(PREFILL_ENGINE_INFO)
         self.requests_aborted_total = self._counter(PREFILL_REQUESTS_ABORTED_TOTAL)
         self.kvstore_errors_total = self._counter(PREFILL_KVSTORE_ERRORS_TOTAL)
         self.kv_transport_fallbacks_total = self._counter(PREFILL_KV_TRANSPORT_FALLBACKS_TOTAL)
@@ -345,6 +357,7 @@ class DecodeMetrics(MetricGroup):
         self.generation_tokens_total = self._counter(DECODE_GENERATION_TOKENS_TOTAL)
         self.kv_streams_broken_total = self._counter(DECODE_KV_STREAMS_BROKEN_TOTAL)
         self.requests_refused_total = self._counter(DECODE_REQUESTS_REFUSED_TOTAL)
+        self.engine_info = self._gauge(DECODE_ENGINE_INFO)
 
 
 class KVStoreMetrics(MetricGroup):

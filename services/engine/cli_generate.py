@@ -16,7 +16,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--model", default=None, help="a .gguf, a HF directory or random:NAME (default: embedded)")
-    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="auto: bfloat16 on GPU or a CPU with AMX/AVX512-BF16, else float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)

@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from services.common.config import opt
+from services.engine.cpu_features import (
+    DTYPE_REASONS,
+    apply_cpu_threads,
+    available_cpus,
+    bf16_cross_check,
+    host_cpu,
+    parse_cpu_list,
+    resolve_dtype,
+    torch_cpu_capability,
+)
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_CHOICES = ("auto", *_DTYPES)
 
 
 class EngineConfigError(ValueError):
@@ -19,8 +33,15 @@ class EngineConfigError(ValueError):
 class EngineConfig:
     model: str | None = opt(None, "Model: a .gguf file, a Hugging Face directory, or random:NAME. "
                                    "Default: the embedded SmolLM2-135M-Instruct GGUF.")
-    dtype: str = opt("bfloat16", "Weights and KV dtype.", choices=tuple(_DTYPES))
+    dtype: str = opt("auto", "Weights and KV dtype. auto: bfloat16 on GPU and on CPUs with native bf16 "
+                             "(AMX-BF16 or AVX512-BF16), float32 on other CPUs (torch's bf16 matmuls there "
+                             "run several times slower than fp32). Prefill and decode must agree: pin it on "
+                             "mixed hosts.", choices=DTYPE_CHOICES)
     device: str = opt("cpu", "Torch device (cpu, cuda, cuda:N).")
+    cpu_threads: int = opt(0, "Torch intra-op threads of this engine process; 0: one per CPU the process may "
+                              "run on (its affinity mask). pdserve up gives each engine its share of the host.")
+    cpu_affinity: str = opt("", "Pin this engine process to these CPUs at start (Linux cpulist, e.g. 0-3,8); "
+                                "empty: keep the inherited affinity.")
     block_size: int = opt(16, "Tokens per KV page.")
     num_kv_blocks: int = opt(0, "KV pages to allocate; 0 sizes the pool from kv_cache_bytes.")
     kv_cache_bytes: int = opt(1 << 30, "Bytes for the KV pool when num_kv_blocks is 0.")
@@ -37,8 +58,17 @@ class EngineConfig:
     seed: int = opt(0, "Seed of the sampler's generator for requests without their own seed.")
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise EngineConfigError(f"dtype: must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise EngineConfigError(f"dtype: must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}")
+        if self.cpu_threads < 0:
+            raise EngineConfigError(f"--cpu-threads / PDSERVE_CPU_THREADS: must be >= 0, got {self.cpu_threads}")
+        try:
+            self.cpu_affinity_list: list[int] = parse_cpu_list(self.cpu_affinity)
+        except ValueError as e:
+            raise EngineConfigError(f"--cpu-affinity / PDSERVE_CPU_AFFINITY: {e}") from None
+        # The dtype the engine runs in, and why (a DTYPE_REASONS code); fixed for the config's life.
+        flags = host_cpu().flags if self.dtype == "auto" else frozenset()
+        self.resolved_dtype, self.dtype_reason = resolve_dtype(self.dtype, self.device, flags)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
             if getattr(self, name) <= 0:
                 raise EngineConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
@@ -49,7 +79,29 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return _DTYPES[self.resolved_dtype]
+
+    @property
+    def resolved_cpu_threads(self) -> int:
+        """The torch thread count apply_host sets: cpu_threads, or one per CPU the process may use."""
+        return self.cpu_threads or len(self.cpu_affinity_list or available_cpus())
+
+    def info_labels(self) -> dict[str, str]:
+        """Labels of the ``pdserve_<service>_engine_info`` gauge (services/common/metrics.py)."""
+        return {"dtype": self.resolved_dtype, "dtype_reason": self.dtype_reason, "device": self.device,
+                "cpu_model": host_cpu().model, "cpu_threads": str(self.resolved_cpu_threads)}
+
+    def apply_host(self) -> None:
+        """At engine start, before the first op: pin (cpu_affinity), set torch's threads, log the choices."""
+        threads = apply_cpu_threads(self.cpu_threads, self.cpu_affinity_list)
+        cpu = host_cpu()
+        capability = torch_cpu_capability()
+        log.info("engine: dtype %s (%s), device %s, %d torch threads on CPUs %s; CPU %s [%s], torch ISA %s",
+                 self.resolved_dtype, DTYPE_REASONS[self.dtype_reason], self.device, threads,
+                 self.cpu_affinity or "inherited", cpu.model, " ".join(cpu.reported_flags()) or "-", capability)
+        warning = bf16_cross_check(self.resolved_dtype, self.dtype_reason, capability)
+        if warning:
+            log.warning("engine: %s", warning)
 
     def resolve_num_blocks(self, bytes_per_block: int) -> int:
         if self.num_kv_blocks:

@@ -55,6 +55,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         torch.set_grad_enabled(False)
+        config.apply_host()  # pin, torch threads, log the dtype choice: before the first op
         self.loaded = loaded or load_model(config.model, config.torch_dtype, config.device)
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(config.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len)

@@ -156,6 +156,11 @@ _LABEL_VALUES: dict[str, list[str]] = {
     "transport": ["grpc", "mooncake"],
     "tier": ["memory", "disk"],
     "outcome": ["ok", "failed"],
+    "dtype": ["bfloat16"],
+    "dtype_reason": ["cpu_amx_bf16"],
+    "device": ["cpu"],
+    "cpu_model": ["Xeon"],
+    "cpu_threads": ["2"],
 }
 
 
