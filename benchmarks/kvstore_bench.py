@@ -114,9 +114,9 @@ class ServiceProcess:
 
 
 async def measure(address: str, backend: str, page_bytes: int, total_bytes: int) -> Result:
+    from services.common.checksum import checksum
     from services.common.grpc_util import create_channel
     from services.common.kvstore_client import KVStoreClient
-    from services.engine.checksum import checksum
 
     n = max(2, total_bytes // page_bytes)
     fp = os.urandom(8).hex()

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 
-from services.engine.block_hash import block_hashes
+from services.common.block_hash import block_hashes
 from services.engine.sequence import Sequence
 
 

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from services.engine.checksum import checksum
+from services.common.checksum import checksum
 
 __all__ = ["FP8_CODEC", "PageLayout", "Region", "checksum"]
 

@@ -1,7 +1,7 @@
 """The kvstore backend interface, its key rules, errors and per-tier counters.
 
 A key is (layout fingerprint, chained block hash): a 16-hex-char string and 16 bytes. A value is one
-packed KV page with its CRC-32 (``services.engine.kv_layout.checksum``). Backends are caches: a lost,
+packed KV page with its CRC-32 (``services.common.checksum``). Backends are caches: a lost,
 evicted, truncated or corrupt page is a miss (and a counter), never wrong bytes and never an exception
 to the caller of ``get``/``lookup``.
 
@@ -18,8 +18,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from services.engine.block_hash import HASH_SIZE
-from services.engine.checksum import checksum
+from services.common.block_hash import HASH_SIZE
+from services.common.checksum import checksum
+from services.common.kvstore_pages import key_str
 
 FINGERPRINT_CHARS = 16
 """Characters in a layout fingerprint (lower-case hex)."""
@@ -55,11 +56,6 @@ class PageTooLargeError(KVStoreError, ValueError):
                          f"budget ({limit} bytes)")
         self.size = size
         self.limit = limit
-
-
-def key_str(fp: str, h: bytes) -> str:
-    """The printable key, also the Mooncake object key: ``<fp>/<hash hex>``."""
-    return f"{fp}/{h.hex()}"
 
 
 def fingerprint_problem(fp: str) -> str | None:

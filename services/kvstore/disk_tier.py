@@ -26,7 +26,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.engine.checksum import checksum
+from services.common.checksum import checksum
 from services.kvstore.backend import Key, TierStats, fingerprint_problem, key_str
 
 log = logging.getLogger(__name__)

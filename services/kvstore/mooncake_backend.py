@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from services.engine.checksum import checksum
+from services.common.checksum import checksum
 from services.kvstore.backend import (
     KVStoreBackend,
     StoreStats,

@@ -21,11 +21,11 @@ from collections.abc import Callable
 import grpc
 import torch
 
+from services.common.block_hash import block_hashes
+from services.common.checksum import checksum
 from services.common.grpc_util import create_channel, rpc_error_summary
 from services.common.kvstore_client import KVStoreClient
 from services.common.tls import TLSConfig
-from services.engine.block_hash import block_hashes
-from services.engine.checksum import checksum
 from services.engine.kv_layout import PageLayout
 
 log = logging.getLogger(__name__)

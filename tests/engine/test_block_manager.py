@@ -5,7 +5,7 @@ import struct
 
 import pytest
 
-from services.engine.block_hash import (
+from services.common.block_hash import (
     ROOT_HASH,
     block_hashes,
     hash_block,

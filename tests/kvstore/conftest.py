@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from services.engine.checksum import checksum
+from services.common.checksum import checksum
 from services.kvstore.backend import KVStoreBackend
 from services.kvstore.embedded import EmbeddedBackend
 from services.kvstore.mooncake_master import MooncakeMaster, find_master_binary

@@ -42,7 +42,7 @@ async def test_put_existing_is_skipped(backend: KVStoreBackend, page: PageFactor
     assert await backend.put(fp, h, data, crc) is True
     assert await backend.put(fp, h, data, crc) is False
     other = os.urandom(3 * KiB)
-    from services.engine.checksum import checksum
+    from services.common.checksum import checksum
 
     assert await backend.put(fp, h, other, checksum(other)) is False
     assert await backend.get(fp, h) == data  # never overwritten

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.engine.checksum import checksum
+from services.common.checksum import checksum
 from services.kvstore.backend import PageTooLargeError
 from services.kvstore.disk_tier import HEADER_SIZE, DiskTier
 from services.kvstore.embedded import EmbeddedBackend

@@ -12,12 +12,12 @@ from pathlib import Path
 import grpc
 import pytest
 
+from services.common.checksum import checksum
 from services.common.grpc_util import Reason, create_channel, detail_of, server_options
 from services.common.kvstore_client import KVStoreClient
 from services.common.pb import kvstore_pb2 as pb
 from services.common.pb import kvstore_pb2_grpc as pb_grpc
 from services.common.tls import DEFAULT_SERVER_NAME, TLSConfig, make_certs
-from services.engine.checksum import checksum
 from services.kvstore.embedded import EmbeddedBackend
 from services.kvstore.servicer import KVStoreServicer
 from tests.kvstore.conftest import KiB, MiB, new_fp, new_hash

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
+from services.common.checksum import checksum
 from services.common.grpc_util import create_channel, server_options
 from services.common.kvstore_client import KVStoreClient
 from services.common.kvstore_pages import split_page
 from services.common.pb import kvstore_pb2 as pb
 from services.common.pb import kvstore_pb2_grpc as pb_grpc
-from services.engine.checksum import checksum
 from services.kvstore.backend import KVStoreBackend
 from services.kvstore.config import KVStoreConfig
 from services.kvstore.servicer import KVStoreServicer

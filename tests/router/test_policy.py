@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from services.common.block_hash import block_hashes
 from services.common.pb import common_pb2
-from services.engine.block_hash import block_hashes
 from services.router.instances import Instance, InstancePool, Liveness, _resolve
 from services.router.policy import NoInstanceError, choose
 

@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 import pytest
 from prometheus_client import CollectorRegistry
 
+from services.common.block_hash import block_hashes
 from services.common.metrics import ROUTER_DISPATCH_RETRIES_TOTAL, ROUTER_MIGRATIONS_TOTAL, RouterMetrics
-from services.engine.block_hash import block_hashes
 from services.engine.sampling_params import SamplingParams
 from services.router.dispatch import DisaggregatedBackend, DispatchSettings
 from services.router.instances import InstancePool, Liveness
