@@ -1,4 +1,5 @@
-"""``pdserve bench KIND ...``: dispatch to ``benchmarks.<KIND>_bench.main(argv)``.
+"""``pdserve bench KIND ...``: dispatch to ``benchmarks.<KIND>_bench.main(argv)`` (or the
+``module:function`` a BENCHES entry names).
 
 Modules are imported only when chosen, so one benchmark's heavy or missing dependencies never
 break another.
@@ -14,6 +15,9 @@ BENCHES = {
     "cluster": ("benchmarks.cluster_bench", "local P/D cluster: TTFT, ITL and throughput through the router"),
     "kvstore": ("benchmarks.kvstore_bench", "kvstore put/get bandwidth and latency"),
     "kernels": ("benchmarks.kernels_bench", "Triton kernels vs their torch references"),
+    "serve": ("benchmarks.serve.cli:serve_main", "any OpenAI-compatible server (or a recipe's deployment): "
+                                                 "concurrency/rate sweeps, SLO goodput, plots, accuracy"),
+    "ab": ("benchmarks.serve.cli:ab_main", "two recipes' deployments on the same workload, one report"),
 }
 
 
@@ -33,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     if kind not in BENCHES:
         print(f"pdserve bench: unknown benchmark {kind!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module_name = BENCHES[kind][0]
+    module_name, _, func = BENCHES[kind][0].partition(":")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
@@ -41,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"pdserve bench {kind}: {module_name} is not available in this checkout", file=sys.stderr)
         return 2
-    return int(module.main(rest) or 0)
+    return int(getattr(module, func or "main")(rest) or 0)
 
 
 if __name__ == "__main__":
