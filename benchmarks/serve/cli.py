@@ -113,7 +113,7 @@ def serve_main(argv: list[str]) -> int:
         recipe = load_recipe(ns.recipe) if ns.recipe else None
         t, w, load, rep = _configs(ns, recipe)
         if (recipe is None) == (not t.base_url):
-            p.error("give --base-url URL (any OpenAI-compatible server) or --recipe FILE, not both")
+            raise ConfigError("give --base-url URL (any OpenAI-compatible server) or --recipe FILE (one of them)")
         command = "pdserve bench serve " + shlex.join(argv)
         host = host_info()
         if recipe is not None:

@@ -107,15 +107,6 @@ class HistogramDelta:
             lower, prev = le, cum
         return lower
 
-    def bucket_of(self, value: float) -> tuple[float, float]:
-        """(lower, upper) bounds of the bucket ``value`` falls in."""
-        lower = 0.0
-        for le, _ in self.buckets:
-            if value <= le:
-                return lower, le
-            lower = le
-        return lower, math.inf
-
     def summary(self) -> dict[str, float | None]:
         return {"count": self.count, "mean": self.sum / self.count if self.count else None,
                 "p50": self.quantile(0.5), "p90": self.quantile(0.9), "p99": self.quantile(0.99)}
