@@ -123,7 +123,8 @@ COMMANDS = {
     "up": (_up, "start router + prefill + decode (+ kvstore) as local processes, restarted when they exit"),
     "certs": (_certs, "write a CA and per-role certificates for mTLS"),
     "health": (_health, "grpc.health.v1 check of a service (mTLS aware; the Kubernetes probe under mTLS)"),
-    "bench": (_bench, "benchmarks (engine, cluster, kvstore)"),
+    "bench": (_bench, "benchmarks (engine, cluster, kvstore, kernels; serve: any OpenAI server or a recipe; "
+                        "ab: two recipes, one report)"),
     "trace": (_trace, "capture a timed torch-profiler trace on every prefill and decode"),
     "router": (_service("router"), "run the router service"),
     "prefill": (_service("prefill"), "run a prefill service"),
