@@ -11,15 +11,14 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 
-import torch
-
 from services.common.checksum import checksum
 
 __all__ = ["FP8_CODEC", "PageLayout", "Region", "checksum"]
 
 _CODEC_ELEM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 FP8_CODEC = "fp8-e4m3"
-_DTYPE_CODEC = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_DTYPE_CODEC = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+"""torch dtype name (``str(dtype)`` less ``torch.``) -> codec; names, so this module needs no torch."""
 
 
 @dataclass(frozen=True)
@@ -54,8 +53,12 @@ class PageLayout:
                           (Region("target", codec, nbytes),))
 
     @staticmethod
-    def codec_for_dtype(dtype: torch.dtype) -> str:
-        return _DTYPE_CODEC[dtype]
+    def codec_for_dtype(dtype: object) -> str:
+        """Codec of a torch dtype (``torch.bfloat16``) or its name (``"bfloat16"``)."""
+        name = str(dtype).removeprefix("torch.")
+        if name not in _DTYPE_CODEC:
+            raise ValueError(f"no KV codec for dtype {dtype}; known: {sorted(_DTYPE_CODEC)}")
+        return _DTYPE_CODEC[name]
 
     @property
     def page_bytes(self) -> int:

@@ -15,7 +15,7 @@ from services.common.logging import LoggingConfig, setup_logging
 from services.common.metrics import RouterMetrics
 from services.common.pb import router_pb2_grpc
 from services.common.server import ServiceServer, connectable_host, serve
-from services.engine.model_loader import load_tokenizer
+from services.engine.model_source import load_tokenizer
 from services.router.auth import APIKeys
 from services.router.config import RouterConfig
 from services.router.dispatch import DisaggregatedBackend, DispatchSettings

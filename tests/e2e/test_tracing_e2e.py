@@ -40,7 +40,7 @@ from services.decode.servicer import DecodeServicer
 from services.engine.async_engine import AsyncEngine
 from services.engine.config import EngineConfig
 from services.engine.kv_transport import make_transport
-from services.engine.model_loader import load_tokenizer
+from services.engine.model_source import load_tokenizer
 from services.prefill.config import PrefillConfig
 from services.prefill.servicer import PrefillServicer
 from services.router.config import RouterConfig

@@ -173,7 +173,7 @@ def test_sharded_hf_dir_loads_like_single_file(tiny_qwen3_dir: Path, tmp_path: P
 
 
 def test_load_tokenizer_without_weights(gguf_path: Path) -> None:
-    from services.engine.model_loader import load_tokenizer
+    from services.engine.model_source import load_tokenizer
 
     tok, model_id, max_len = load_tokenizer(None)
     assert (model_id, max_len) == ("SmolLM2-135M-Instruct.Q4_1", 8192)

@@ -1,24 +1,9 @@
-"""Model architectures, one module per family; `get_model_class` picks one by `ModelArchConfig.architecture`."""
+"""Model architectures, one module per family. This package's own namespace is torch-free (the
+architecture description only), so a process that runs no model can read a model's shape;
+:mod:`services.engine.models.registry` picks the torch module of an architecture."""
 
 from __future__ import annotations
 
 from services.engine.models.config import ARCHITECTURES, ModelArchConfig, ModelConfigError
-from services.engine.models.llama import LlamaForCausalLM
-from services.engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
-_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
-    "llama": LlamaForCausalLM,
-    "qwen2": Qwen2ForCausalLM,
-    "qwen3": Qwen3ForCausalLM,
-}
-
-
-def get_model_class(arch: str) -> type[LlamaForCausalLM]:
-    try:
-        return _REGISTRY[arch]
-    except KeyError:
-        raise ModelConfigError(f"architecture={arch!r}: supported are {sorted(_REGISTRY)}") from None
-
-
-__all__ = ["ARCHITECTURES", "LlamaForCausalLM", "ModelArchConfig", "ModelConfigError",
-           "Qwen2ForCausalLM", "Qwen3ForCausalLM", "get_model_class"]
+__all__ = ["ARCHITECTURES", "ModelArchConfig", "ModelConfigError"]

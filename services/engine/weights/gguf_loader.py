@@ -1,5 +1,8 @@
 """GGUF (llama.cpp) files: metadata -> ModelArchConfig, tensors -> dequantized HF-named torch tensors.
 
+Reading metadata needs numpy and the ``gguf`` package, not torch: torch is imported by
+:meth:`GGUFFile.tensors` alone, so the router reads its tokenizer here without loading torch.
+
 Tensor conventions: GGUF lists dims innermost-first (ne0 = input features), so a tensor of GGUF shape
 [in, out] is the torch weight [out, in]. llama.cpp's converter permutes the rows of attn_q/attn_k of
 `llama` models (`w.reshape(n_head, 2, head_dim // 2, in).swapaxes(1, 2)`, interleaved -> halves RoPE);
@@ -12,13 +15,15 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from services.engine.models.config import ModelArchConfig, ModelConfigError
 from services.engine.weights.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    import torch
 
 # llama.cpp stores the q/k rows of these architectures permuted for its interleaved RoPE.
 _PERMUTED_QK_ARCHS = {"llama"}
@@ -137,6 +142,7 @@ class GGUFFile:
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, float32 CPU tensor) per tensor, dequantized one at a time (peak = one tensor)."""
+        import torch
         from gguf.quants import dequantize
 
         arch = self.arch

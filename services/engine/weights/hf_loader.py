@@ -6,11 +6,13 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from services.engine.models.config import ModelArchConfig, ModelConfigError
 from services.engine.weights.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    import torch
 
 _INDEX = "model.safetensors.index.json"
 

@@ -1,15 +1,18 @@
 """Named random model shapes (`random:NAME`) and a deterministic in-place initializer.
 
 Random models pair with the byte-level tokenizer (ids 0..255 = bytes, 256 = eos), so every shape's
-vocab covers at least 257 ids.
+vocab covers at least 257 ids. The shapes are readable without torch (the router resolves
+``random:NAME`` specs); :func:`init_random_` alone needs it.
 """
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
 from services.engine.models.config import ModelArchConfig
+
+if TYPE_CHECKING:
+    from torch import nn
 
 BYTE_EOS_ID = 256
 """End-of-sequence id of the byte-level tokenizer that random models use."""
@@ -45,20 +48,22 @@ def random_arch(name: str) -> ModelArchConfig:
     return ModelArchConfig(**RANDOM_SHAPES[name], eos_token_ids=[BYTE_EOS_ID])  # type: ignore[arg-type]
 
 
-@torch.no_grad()
 def init_random_(model: nn.Module, seed: int = 0) -> None:
     """Fill every parameter in place, on its own device and dtype (no CPU/fp32 staging copy).
 
     Norm weights = 1, everything else ~ N(0, INIT_STD). Deterministic for a given seed, device type
     and parameter order (CPU and CUDA generators give different, each reproducible, streams).
     """
+    import torch
+
     generators: dict[torch.device, torch.Generator] = {}
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.fill_(1.0)
-            continue
-        g = generators.get(p.device)
-        if g is None:
-            g = generators[p.device] = torch.Generator(device=p.device)
-            g.manual_seed(seed)
-        p.normal_(0.0, INIT_STD, generator=g)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+                continue
+            g = generators.get(p.device)
+            if g is None:
+                g = generators[p.device] = torch.Generator(device=p.device)
+                g.manual_seed(seed)
+            p.normal_(0.0, INIT_STD, generator=g)
