@@ -30,6 +30,10 @@ from services.common.config import ConfigError, add_dataclass_args, config_dict,
 START_TIMEOUT_S = 600.0  # a busy CPU host loads several engines at once
 
 
+class DeployError(RuntimeError):
+    """A recipe's deployment did not start (the message holds the failing service's output tail)."""
+
+
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -62,7 +66,10 @@ def deployed(recipe: Recipe) -> Iterator[tuple[str, tuple[str, ...]]]:
 
     _say(f"[{recipe.name}] starting {recipe.deployment.describe()} ...")
     cluster = LocalCluster(**recipe.deployment.cluster_kwargs(), quiet=True)
-    cluster.start(START_TIMEOUT_S)
+    try:
+        cluster.start(START_TIMEOUT_S)
+    except RuntimeError as e:  # start() has stopped whatever it had started
+        raise DeployError(f"{recipe.path}: the deployment did not start: {e}") from None
     try:
         metrics = tuple(info["metrics"] for info in cluster.endpoints().values() if "metrics" in info)
         yield f"http://{cluster.router['http']}/v1", metrics
@@ -101,7 +108,8 @@ def _finish(rep_cfg: ReportConfig, report: Report) -> int:
     else:
         _say("(--out DIR writes report.json, report.md and plots)")
         if any(s.sweep.accuracy for s in report.sides) or report.comparison:
-            print(markdown(report, []).split("## Accuracy", 1)[-1])
+            md = markdown(report, [])
+            print(md[md.index("## Accuracy"):] if "## Accuracy" in md else md)
     # Failed requests are data (counted in the report); a point where nothing completed is a failed run.
     return 1 if any(p["requests"]["completed"] == 0 for s in report.sides for p in s.sweep.points) else 0
 
@@ -134,6 +142,9 @@ def serve_main(argv: list[str]) -> int:
     except (ConfigError, RecipeError, TraceError, FileNotFoundError) as e:
         print(f"pdserve bench serve: {e}", file=sys.stderr)
         return 2
+    except DeployError as e:
+        print(f"pdserve bench serve: {e}", file=sys.stderr)
+        return 1
     report = Report(f"pdserve bench serve: {label}", command, _workload_info(w, load, rep), sides,
                     note=rep.note, host_before=host, comparison=comparison)
     return _finish(rep, report)
@@ -157,6 +168,9 @@ def ab_main(argv: list[str]) -> int:
     except (ConfigError, RecipeError, TraceError, FileNotFoundError) as e:
         print(f"pdserve bench ab: {e}", file=sys.stderr)
         return 2
+    except DeployError as e:
+        print(f"pdserve bench ab: {e}", file=sys.stderr)
+        return 1
     comparison: dict[str, Any] = {}
     if w.workload == "accuracy":
         comparison["token_agreement"] = {

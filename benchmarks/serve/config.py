@@ -56,7 +56,8 @@ class WorkloadConfig:
     turn_gap_s: float = opt(0.0, "Think time between a conversation's turns (seconds).", env=_env("turn_gap_s"))
     trace: str = opt("", "JSONL trace (workload trace) or question file (workload accuracy; empty: the "
                          "seeded built-in set). Format: benchmarks/serve/workload.py.", env=_env("trace"))
-    accuracy_items: int = opt(40, "accuracy: questions in the seeded built-in set.", env=_env("accuracy_items"))
+    accuracy_items: int = opt(40, "accuracy: questions in the seeded built-in set (every question is asked at "
+                                  "each sweep point; --requests does not apply).", env=_env("accuracy_items"))
     seed: int = opt(0, "Seed of every random choice (lengths, words, arrivals, questions).", env=_env("seed"))
     ignore_eos: bool = opt(True, "Ask the server to ignore EOS so outputs have the requested length "
                                  "(accuracy: always off).", env=_env("ignore_eos"))

@@ -85,12 +85,15 @@ def markdown(rep: Report, plots: list[Path]) -> str:
                 "p50/p90 are interpolated within the histogram buckets, means are exact. docs/METRICS.md "
                 "says what each timer measures.", "", srv, "", "Counters over the same windows:", "",
                 counters_table(rows), ""]
-    for s in rep.sides:
-        acc = s.sweep.accuracy
-        if acc:
-            out += [f"## Accuracy: {s.sweep.label}", "",
-                    f"{acc['correct']}/{acc['questions']} correct ({(acc['accuracy'] or 0):.0%}); by grade: "
-                    + ", ".join(f"{g} {v['correct']}/{v['questions']}" for g, v in acc["by_grade"].items()), ""]
+    if any(s.sweep.accuracy for s in rep.sides):
+        out += ["## Accuracy", "", "Greedy decoding; exact match of the extracted answer "
+                "(benchmarks/serve/accuracy.py says how each grade extracts it).", ""]
+        for s in rep.sides:
+            for acc in s.sweep.accuracy:
+                out.append(f"- {s.sweep.label}, {acc['point']}: {acc['correct']}/{acc['questions']} correct "
+                           f"({(acc['accuracy'] or 0):.0%}); by grade: "
+                           + ", ".join(f"{g} {v['correct']}/{v['questions']}" for g, v in acc["by_grade"].items()))
+        out.append("")
     agree = rep.comparison.get("token_agreement")
     if agree:
         out += ["## Token agreement", ""]

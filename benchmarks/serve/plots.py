@@ -48,8 +48,11 @@ def vs_load(sweeps: list[SweepResult], path: Path) -> Path:
         ax.set_xlabel(_xlabel(sweeps))
         ax.set_ylabel(unit)
         ax.set_title(title)
-        if len({_x(s) for sw in sweeps for s in sw.points}) > 2:
+        xs_all = sorted({_x(s) for sw in sweeps for s in sw.points})
+        if len(xs_all) > 2 and xs_all[0] > 0:
             ax.set_xscale("log", base=2)
+        ax.set_xticks(xs_all, [f"{x:g}" for x in xs_all])
+        ax.minorticks_off()
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -97,7 +100,7 @@ def ab_bars(a: SweepResult, b: SweepResult, path: Path) -> Path:
         for off, sw in ((-width / 2, a), (width / 2, b)):
             vals = [get(s) for s in sw.points]
             bars = ax.bar([x + off for x in xs], vals, width, label=sw.label)
-            ax.bar_label(bars, fmt="%.0f", fontsize=7)
+            ax.bar_label(bars, fmt="%.3g", fontsize=7)
         ax.set_xticks(list(xs), labels, fontsize=7)
         ax.set_title(title)
         ax.grid(True, axis="y", alpha=0.3)

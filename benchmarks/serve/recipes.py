@@ -12,6 +12,7 @@
       prefill_chunk: 64    # --max-prefill-chunk of every engine (tokens); 0: the engine default
       router_policy: ""    # round_robin | least_loaded | prefix_aware; empty: the router default
       kv_cache_mib: 256    # KV pool of every engine (MiB)
+      prefill_kv_cache_mib: 0   # the prefills' KV pool (their local prefix cache) if not 0
       dtype: auto
       tp: 1                # tensor parallel degree: only 1 (LocalCluster runs one process per engine)
       extra: {}            # more flags per service: {prefill: ["--flag", "value"], router: [...]}
@@ -53,6 +54,7 @@ class Deployment:
     prefill_chunk: int = 0
     router_policy: str = ""
     kv_cache_mib: int = 256
+    prefill_kv_cache_mib: int = 0
     dtype: str = "auto"
     tp: int = 1
     extra: dict[str, list[str]] = field(default_factory=dict)
@@ -64,6 +66,10 @@ class Deployment:
             raise bad("kvstore", f"embedded or none, got {self.kvstore!r}")
         if self.kv_transport not in ("shm", "grpc"):
             raise bad("kv_transport", f"shm or grpc, got {self.kv_transport!r}")
+        if self.kv_cache_mib < 1 or self.prefill_kv_cache_mib < 0:
+            raise bad("kv_cache_mib", "must be >= 1 (prefill_kv_cache_mib >= 0)")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise bad("dtype", f"auto, float32 or bfloat16, got {self.dtype!r}")
         if self.decode < 1 or self.prefill < (0 if self.colocated else 1):
             raise bad("prefill", f"needs >= 1 decode and (unless colocated) >= 1 prefill, got "
                                  f"{self.prefill}P{self.decode}D")
@@ -82,16 +88,21 @@ class Deployment:
             parts += [f"transport {self.kv_transport}", f"chunked transfer {'on' if self.chunked_transfer else 'off'}"]
         if self.prefill_chunk:
             parts.append(f"prefill chunk {self.prefill_chunk}")
+        if self.prefill_kv_cache_mib and not self.colocated:
+            parts.append(f"prefill KV cache {self.prefill_kv_cache_mib} MiB")
+        if self.dtype != "auto":
+            parts.append(self.dtype)
         if self.router_policy:
             parts.append(f"policy {self.router_policy}")
         return ", ".join(parts)
 
     def cluster_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of services.launcher.LocalCluster for this deployment."""
-        engine = ["--kv-cache-bytes", str(self.kv_cache_mib << 20)]
-        if self.prefill_chunk:
-            engine += ["--max-prefill-chunk", str(self.prefill_chunk)]
-        extra: dict[str, list[str]] = {"prefill": list(engine), "decode": list(engine), "router": []}
+        engine = ["--max-prefill-chunk", str(self.prefill_chunk)] if self.prefill_chunk else []
+        prefill_kv = self.prefill_kv_cache_mib or self.kv_cache_mib
+        extra: dict[str, list[str]] = {"prefill": ["--kv-cache-bytes", str(prefill_kv << 20), *engine],
+                                       "decode": ["--kv-cache-bytes", str(self.kv_cache_mib << 20), *engine],
+                                       "router": []}
         if not self.chunked_transfer:
             extra["router"].append("--no-chunked-transfer")
         if self.router_policy:

@@ -36,7 +36,8 @@ class SweepResult:
     points: list[dict[str, Any]] = field(default_factory=list)
     latencies: list[dict[str, list[float]]] = field(default_factory=list)
     results: list[list[RequestResult]] = field(default_factory=list)
-    accuracy: dict[str, Any] | None = None
+    accuracy: list[dict[str, Any]] = field(default_factory=list)
+    """accuracy workload: the grading of each point (its ``point`` key names it)."""
 
 
 def served_model(target: TargetConfig) -> str:
@@ -62,8 +63,10 @@ def build_workload(w: WorkloadConfig, texts: WordText, point: int) -> Workload:
     return trace_workload(convs, "accuracy")
 
 
-def sweep_points(load: LoadConfig, seed: int, turn_gap_s: float) -> list[LoadPoint]:
-    common = {"requests": load.requests, "duration_s": load.duration_s, "warmup": load.warmup, "seed": seed,
+def sweep_points(load: LoadConfig, seed: int, turn_gap_s: float, whole_set: bool = False) -> list[LoadPoint]:
+    """One LoadPoint per rate (if any) or concurrency level; ``whole_set``: no request limit (accuracy
+    asks every question)."""
+    common = {"requests": None if whole_set else load.requests, "duration_s": load.duration_s, "warmup": load.warmup, "seed": seed,
               "turn_gap_s": turn_gap_s}
     if load.rate:
         cap = load.concurrency[0]
@@ -89,12 +92,13 @@ def run_sweep(label: str, t: TargetConfig, w: WorkloadConfig, load: LoadConfig, 
     slo = SLO(rep.slo_ttft_ms / 1000, rep.slo_tpot_ms / 1000, rep.slo_e2e_ms / 1000)
     out = SweepResult(label)
     warm_spec = RandomSpec(min(w.input_tokens, 64), min(w.output_tokens, 4))
-    for i, point in enumerate(sweep_points(load, w.seed, w.turn_gap_s)):
+    for i, point in enumerate(sweep_points(load, w.seed, w.turn_gap_s, whole_set=w.workload == "accuracy")):
         workload = build_workload(w, texts, i)
         warm = random_workload(warm_spec, texts, requests=None, seed=w.seed, tag=f"Warmup {label} {point.label()}")
         window = Window(list(t.metrics_urls))
         runner = Runner(target, counter, progress=rep.progress)
-        say(f"[{label}] {point.label()}: {workload.name} workload, up to {point.requests} requests"
+        say(f"[{label}] {point.label()}: {workload.name} workload, "
+            f"{'every' if point.requests is None else f'up to {point.requests}'} request(s)"
             + (f" or {point.duration_s:g} s" if point.duration_s else "") + f", warmup {point.warmup}")
         run = asyncio.run(runner.run(workload, point, warm, window if t.metrics_urls else None))
         if t.metrics_urls:
@@ -107,7 +111,7 @@ def run_sweep(label: str, t: TargetConfig, w: WorkloadConfig, load: LoadConfig, 
         if w.save_trace and i == 0:
             write_trace(w.save_trace, run.conversations)
         if workload.name == "accuracy":
-            out.accuracy = accuracy.grade(run.conversations, run.results)
+            out.accuracy.append({"point": point.label(), **accuracy.grade(run.conversations, run.results)})
         s = summary
         say(f"[{label}] {point.label()}: {s['requests']['completed']}/{s['requests']['sent']} ok, "
             f"{s['throughput']['requests_per_s']:.2f} req/s, {s['throughput']['output_tok_s']:.1f} out tok/s, "

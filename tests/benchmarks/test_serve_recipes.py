@@ -23,7 +23,7 @@ def test_each_recipe_loads_into_configs(path):
     r = load_recipe(path)
     ns = _parser("t", ab=False).parse_args([])
     _t, w, load, _rep = _configs(ns, r)
-    assert load.requests >= 1 and w.workload in ("random", "multi_turn")
+    assert load.requests >= 1 and w.workload in ("random", "multi_turn", "accuracy")
     kw = r.deployment.cluster_kwargs()
     assert kw["colocated"] == r.deployment.colocated
 
@@ -40,6 +40,9 @@ def test_ab_pairs_differ_only_in_what_they_compare():
     assert s_off.deployment.cluster_kwargs()["kvstore"] is None
     assert s_on.sections == s_off.sections
     assert dep("disagg-1p1d").sections == dep("colocated").sections
+    a1, a2 = dep("accuracy-1p1d-fp32"), dep("accuracy-colocated-fp32")
+    assert a1.sections == a2.sections and a1.deployment.dtype == a2.deployment.dtype == "float32"
+    assert a2.deployment.colocated and not a1.deployment.colocated
 
 
 def test_flags_override_recipe_values(tmp_path):
@@ -54,6 +57,7 @@ def test_flags_override_recipe_values(tmp_path):
     ("workload: {input_tokenz: 3}", "input_tokenz"),
     ("deployment: {tp: 2}", "tensor parallel"),
     ("deployment: {kvstore: redis}", "kvstore"),
+    ("deployment: {dtype: fp8}", "dtype"),
     ("deployment: {prefill: 0, decode: 1}", "prefill"),
     ("extras: {}", "unknown top-level"),
     ("- a list", "mapping"),
