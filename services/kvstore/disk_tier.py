@@ -1,9 +1,7 @@
 """On-disk tier: one file per page, LRU by access time, a hard byte budget, survives restarts.
 
-Layout: ``<dir>/<fp>/<hash hex[:2]>/<hash hex>.page``. A file is a fixed header followed by the payload:
-
-    magic 8s | version u16 | header size u16 | fingerprint 16s | block hash 16s | payload length u64 |
-    crc32 u32 | reserved u32                                  (little-endian, HEADER_SIZE bytes)
+Layout: ``<dir>/<fp>/<hash hex[:2]>/<hash hex>.page``. A file is one page record
+(:mod:`services.kvstore.page_record`: header, then payload), the same bytes the Mooncake backend stores.
 
 Files are written under a temporary name and ``os.replace``d into place, so a crash leaves either the
 old state or a whole file (a torn ``.tmp`` is deleted at the next start). The index is rebuilt at start
@@ -19,23 +17,23 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.checksum import checksum
 from services.kvstore.backend import Key, TierStats, fingerprint_problem, key_str
+from services.kvstore.page_record import (
+    HEADER_SIZE,
+    crc_problem,
+    decode_header,
+    encode_header,
+    record_problem,
+)
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"PDKVPAGE"
-VERSION = 1
-_HEADER = struct.Struct("<8sHH16s16sQI4x")
-HEADER_SIZE = _HEADER.size
-"""Bytes before the payload in every page file."""
 PAGE_SUFFIX = ".page"
 TMP_SUFFIX = ".tmp"
 
@@ -45,24 +43,6 @@ class _Entry:
     file_bytes: int
     ready: bool
     """False while the file is being written (the page is not visible yet)."""
-
-
-def encode_header(fp: str, h: bytes, length: int, crc: int) -> bytes:
-    return _HEADER.pack(MAGIC, VERSION, HEADER_SIZE, fp.encode("ascii"), h, length, crc)
-
-
-def decode_header(raw: bytes) -> tuple[str, bytes, int, int] | None:
-    """(fingerprint, hash, payload length, crc) or None when ``raw`` is not a valid header."""
-    if len(raw) < HEADER_SIZE:
-        return None
-    magic, version, hsize, fp, h, length, crc = _HEADER.unpack_from(raw)
-    if magic != MAGIC or version != VERSION or hsize != HEADER_SIZE:
-        return None
-    try:
-        fp_str = fp.decode("ascii")
-    except UnicodeDecodeError:
-        return None
-    return fp_str, h, length, crc
 
 
 class DiskTier:
@@ -123,9 +103,8 @@ class DiskTier:
             return None
         if header is None:
             return None
-        fp, h, length, _ = header
-        key = (fp, h)
-        if fp != fp_name or self.path(key) != path or st.st_size != HEADER_SIZE + length:
+        key = (header.fp, header.h)
+        if header.fp != fp_name or self.path(key) != path or record_problem(header, key, st.st_size) is not None:
             return None
         return max(st.st_atime, st.st_mtime), key, st.st_size
 
@@ -241,20 +220,14 @@ class DiskTier:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             header = decode_header(f.read(HEADER_SIZE))
-            if header is None:
-                return None, "bad header"
-            fp, h, length, crc = header
-            if (fp, h) != key:
-                return None, f"header names {key_str(fp, h)}"
-            if size != HEADER_SIZE + length:
-                return None, f"file is {size} bytes, header says {HEADER_SIZE + length}"
-            data = f.read(length)
-        if len(data) != length:
-            return None, f"read {len(data)} of {length} payload bytes"
-        got = checksum(data)
-        if got != crc:
-            return None, f"crc32 0x{got:08x} != stored 0x{crc:08x}"
-        return (data, crc), None
+            problem = record_problem(header, key, size)
+            if problem is not None or header is None:
+                return None, problem
+            data = f.read(header.length)
+        if len(data) != header.length:
+            return None, f"read {len(data)} of {header.length} payload bytes"
+        problem = crc_problem(data, header.crc)
+        return (None, problem) if problem is not None else ((data, header.crc), None)
 
     def delete(self, keys: list[Key]) -> int:
         """Remove pages; returns how many were present."""

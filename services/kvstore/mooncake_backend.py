@@ -2,9 +2,9 @@
 
 This process is a Mooncake client that also contributes ``global_segment_size`` bytes of memory to
 the cluster; ``mooncake_master`` (see ``mooncake_master.py``) holds the metadata. Object key:
-``<fp>/<hash hex>``. Object value: a small header (magic, version, payload length, CRC-32,
-fingerprint, hash) followed by the page, so a lost, evicted, truncated or foreign value is detected and
-reported as a miss, never served.
+``<fp>/<hash hex>``. Object value: one page record (:mod:`services.kvstore.page_record`, the disk
+tier's file format: a header naming the key, length and CRC-32, then the page), so a lost, evicted,
+truncated or foreign value is detected and reported as a miss, never served.
 
 Mooncake semantics mapped onto the interface:
 - put never overwrites: an existing key is reported as skipped (checked with is_exist first).
@@ -22,14 +22,12 @@ import asyncio
 import concurrent.futures
 import logging
 import os
-import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from services.common.checksum import checksum
 from services.kvstore.backend import (
     KVStoreBackend,
     StoreStats,
@@ -38,14 +36,10 @@ from services.kvstore.backend import (
     validate_key,
     verify_checksum,
 )
+from services.kvstore.page_record import encode_header, parse_record
 
 log = logging.getLogger(__name__)
 
-_MAGIC = b"PDKV"
-_VERSION = 1
-_HEADER = struct.Struct("<4sHHIQ16s16s")
-HEADER_SIZE = _HEADER.size
-"""Bytes stored in front of every page value."""
 TIER = "mooncake"
 T = TypeVar("T")
 # Return codes meaning "cannot talk to the master" (Mooncake ErrorCode RPC_FAIL = -900), plus our -1
@@ -189,14 +183,14 @@ class MooncakeBackend(KVStoreBackend):
                 self._failed("get", -1)
             self._count(misses=1)
             return None
-        problem = _check_value(value, fp, h)
-        if problem is not None:
+        page, problem = parse_record(value, (fp, h))
+        if page is None:
             log.warning("kvstore mooncake: value of %s is corrupt (%s); removed", key, problem)
             self._store.remove(key, True)
             self._count(misses=1, corrupt=1)
             return None
         self._count(hits=1)
-        return value[HEADER_SIZE:], _HEADER.unpack_from(value)[3]
+        return page
 
     def _put(self, fp: str, h: bytes, data: bytes, crc: int) -> bool:
         if not self._available():
@@ -216,8 +210,7 @@ class MooncakeBackend(KVStoreBackend):
             if exists < 0:
                 self._failed("is_exist", exists)
                 return False
-            header = _HEADER.pack(_MAGIC, _VERSION, HEADER_SIZE, crc, len(data), fp.encode("ascii"), h)
-            rc = self._store.put_parts(key, header, data)
+            rc = self._store.put_parts(key, encode_header(fp, h, len(data), crc), data)
             if rc != 0:
                 self._failed(f"put of {key} ({len(data)} bytes)", rc)
                 return False
@@ -271,23 +264,6 @@ class MooncakeBackend(KVStoreBackend):
         """``bytes``/``entries`` stay 0 (unknown: the cluster evicts silently); capacity is our segment."""
         with self._lock:
             return StoreStats(backend=self.name, tiers=[TierStats(**vars(self._stats))])
-
-
-def _check_value(value: bytes, fp: str, h: bytes) -> str | None:
-    """Why ``value`` is not a valid stored page for (fp, h), or None."""
-    if len(value) < HEADER_SIZE:
-        return f"value is {len(value)} bytes, shorter than the {HEADER_SIZE}-byte header"
-    magic, version, hsize, crc, length, vfp, vh = _HEADER.unpack_from(value)
-    if magic != _MAGIC or version != _VERSION or hsize != HEADER_SIZE:
-        return "bad header"
-    if vfp != fp.encode("ascii") or vh != h:
-        return "header names another key"
-    if len(value) - HEADER_SIZE != length:
-        return f"payload is {len(value) - HEADER_SIZE} bytes, header says {length}"
-    got = checksum(memoryview(value)[HEADER_SIZE:])
-    if got != crc:
-        return f"crc32 0x{got:08x} != stored 0x{crc:08x}"
-    return None
 
 
 def _is_loopback(host: str) -> bool:

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 from services.kvstore.backend import KVStoreBackend, key_str
-from services.kvstore.mooncake_backend import HEADER_SIZE
 from services.kvstore.mooncake_master import MooncakeMaster
+from services.kvstore.page_record import HEADER_SIZE
 from tests.kvstore.conftest import KiB, MiB, PageFactory, new_fp, open_mooncake
 
 
