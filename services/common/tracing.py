@@ -22,7 +22,10 @@ import logging
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
+
+from services.common.config import opt
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
@@ -78,6 +81,19 @@ _state = _State()
 
 class TracingUnavailableError(RuntimeError):
     """Tracing was asked for but the opentelemetry packages it needs are missing."""
+
+
+@dataclass
+class TracingConfig:
+    """OpenTelemetry export of a service's spans; the configs of the services that trace (router,
+    prefill, decode) inherit these fields, so each flag and ``PDSERVE_*`` variable is declared here once."""
+
+    tracing: str = opt("none", "OpenTelemetry exporter: none, console, otlp.", choices=("none", "console", "otlp"))
+    otlp_endpoint: str = opt("", "OTLP collector endpoint when --tracing otlp.")
+
+    def setup_tracing(self, service_name: str) -> bool:
+        """:func:`setup_tracing` with these settings; returns whether tracing is on."""
+        return setup_tracing(service_name, self.tracing, self.otlp_endpoint or None)
 
 
 def tracing_enabled() -> bool:

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 
 from services.common.config import opt, require
 from services.common.server import ServerConfig
+from services.common.tracing import TracingConfig
 
 
 @dataclass
-class DecodeConfig(ServerConfig):
+class DecodeConfig(ServerConfig, TracingConfig):
     port: int = opt(50062, "gRPC port; 0 picks a free one (reported in the ready line).")
     mode: str = opt("disaggregated", "disaggregated: KV comes from prefill; colocated: this service also "
                                      "prefills (the A/B baseline).", choices=("disaggregated", "colocated"))
@@ -21,8 +22,6 @@ class DecodeConfig(ServerConfig):
                                 "landed + requests queued in the engine); past it Reserve and colocated "
                                 "Generate answer RESOURCE_EXHAUSTED (reason OVERLOADED).")
     overload_retry_after_ms: int = opt(1_000, "retry_after_ms suggested to callers refused as OVERLOADED (ms).")
-    tracing: str = opt("none", "OpenTelemetry exporter: none, console, otlp.", choices=("none", "console", "otlp"))
-    otlp_endpoint: str = opt("", "OTLP collector endpoint when --tracing otlp.")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 
 from services.common.config import opt, require
 from services.common.server import ServerConfig
+from services.common.tracing import TracingConfig
 
 
 @dataclass
-class PrefillConfig(ServerConfig):
+class PrefillConfig(ServerConfig, TracingConfig):
     port: int = opt(50061, "gRPC port; 0 picks a free one (reported in the ready line).")
     chunked_transfer: bool = opt(True, "Send each chunk's KV pages as soon as the chunk is computed (on), or "
                                        "everything after the last chunk (off: the A/B baseline). A request "
@@ -32,8 +33,6 @@ class PrefillConfig(ServerConfig):
                                              "dropped (counted), bounding the host memory they hold.")
     max_queued: int = opt(64, "Prefill requests admitted and not finished (count); past it Prefill answers "
                               "RESOURCE_EXHAUSTED (reason OVERLOADED, with a retry-after hint).")
-    tracing: str = opt("none", "OpenTelemetry exporter: none, console, otlp.", choices=("none", "console", "otlp"))
-    otlp_endpoint: str = opt("", "OTLP collector endpoint when --tracing otlp.")
     slowdown_ms_per_chunk: int = opt(0, "Testing aid: sleep this long after each computed chunk (simulates a "
                                         "slower prefill device). 0 in production.")
 

@@ -9,7 +9,6 @@ import sys
 import prometheus_client
 from aiohttp import web
 
-from services.common import tracing
 from services.common.config import ConfigError, add_dataclass_args, from_args
 from services.common.logging import LoggingConfig, setup_logging
 from services.common.metrics import RouterMetrics
@@ -41,9 +40,7 @@ async def amain(cfg: RouterConfig, api_keys: APIKeys | None = None) -> None:
     decode_pool = InstancePool("decode" if prefill_targets else "worker", RouterConfig.targets(cfg.decode),
                                **pool_args)
     prefill_pool = InstancePool("prefill", prefill_targets, **pool_args) if prefill_targets else None
-    backend = DisaggregatedBackend(prefill_pool, decode_pool, DispatchSettings(
-        policy=cfg.policy, prefix_credit=cfg.prefix_credit, lease_ms=cfg.lease_ms, max_retries=cfg.max_retries,
-        chunked_transfer=cfg.chunked_transfer, timeout_s=cfg.request_timeout_s), metrics, served)
+    backend = DisaggregatedBackend(prefill_pool, decode_pool, DispatchSettings.from_config(cfg), metrics, served)
     pipeline = TextPipeline(tok, backend, max_len)
     runner: web.AppRunner | None = None
     pools = [p for p in (prefill_pool, decode_pool) if p is not None]
@@ -98,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pdserve router: {e}", file=sys.stderr)
         return 2
     setup_logging("router", lcfg)
-    tracing.setup_tracing("pdserve-router", cfg.tracing, cfg.otlp_endpoint or None)
+    cfg.setup_tracing("pdserve-router")
     asyncio.run(amain(cfg, api_keys))
     return 0
 

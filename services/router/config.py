@@ -6,11 +6,12 @@ from dataclasses import dataclass
 
 from services.common.config import opt, require
 from services.common.server import ServerConfig
-from services.router.policy import POLICIES
+from services.common.tracing import TracingConfig
+from services.router.policy import DEFAULT_PREFIX_CREDIT, POLICIES
 
 
 @dataclass
-class RouterConfig(ServerConfig):
+class RouterConfig(ServerConfig, TracingConfig):
     port: int = opt(50051, "gRPC port of the Router API; 0 picks a free one.")
     http_host: str = opt("127.0.0.1", "Address the OpenAI-compatible HTTP API binds (0.0.0.0: every interface).")
     http_port: int = opt(8000, "HTTP port of the OpenAI-compatible API; 0 picks a free one.")
@@ -21,9 +22,10 @@ class RouterConfig(ServerConfig):
                                   "the workers; default: the embedded SmolLM2-135M-Instruct).")
     served_model_name: str = opt("", "Model name clients send and /v1/models lists; empty: the model's id.")
     policy: str = opt("prefix_aware", "Instance selection policy.", choices=POLICIES)
-    prefix_credit: float = opt(2.0, "prefix_aware: load units (queued requests) a cached copy of the whole "
-                                    "prompt is worth; a shared system prompt wins only until that instance has "
-                                    "this many more requests than another.")
+    prefix_credit: float = opt(DEFAULT_PREFIX_CREDIT, "prefix_aware: load units (queued requests) a cached copy "
+                                                      "of the whole prompt is worth; a shared system prompt wins "
+                                                      "only until that instance has this many more requests than "
+                                                      "another.")
     lease_ms: int = opt(30_000, "Longest decode reservation lease the router asks for (ms), never past the "
                                 "request's deadline; renewed every lease/3 while its prefill runs, so it "
                                 "lapses this long after a router disappears.")
@@ -47,8 +49,6 @@ class RouterConfig(ServerConfig):
                            "'authorization'); empty: no key. Prefer PDSERVE_API_KEY or --api-key-file over "
                            "the flag, which other users can read in the process list.")
     api_key_file: str = opt("", "File of accepted API keys, one per line ('#' comments); adds to --api-key.")
-    tracing: str = opt("none", "OpenTelemetry exporter: none, console, otlp.", choices=("none", "console", "otlp"))
-    otlp_endpoint: str = opt("", "OTLP collector endpoint when --tracing otlp.")
 
     def __post_init__(self) -> None:
         super().__post_init__()

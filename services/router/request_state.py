@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.common.pb import common_pb2, prefill_pb2
+from services.router.config import RouterConfig
 from services.router.instances import Instance
 from services.router.pipeline import BackendError
-from services.router.policy import DEFAULT_PREFIX_CREDIT
 from services.router.rpc_failure import RpcFailure
 
 CONTROL_TIMEOUT_S = 30.0
@@ -16,23 +18,33 @@ CONTROL_TIMEOUT_S = 30.0
 instance that needs longer is hung. Also bounded by the request's deadline."""
 
 
+def _router_default(name: str) -> Any:
+    """RouterConfig's default of ``name``: each dispatch setting is declared (help, default, flag,
+    env var) once, there."""
+    return next(f.default for f in dataclasses.fields(RouterConfig) if f.name == name)
+
+
 @dataclass(frozen=True)
 class DispatchSettings:
-    """The router's dispatch knobs (from RouterConfig); immutable, shared by all requests."""
+    """The router's dispatch knobs: a frozen copy of RouterConfig's fields (see their help there),
+    shared by every request and never written after start."""
 
-    policy: str = "prefix_aware"
-    prefix_credit: float = DEFAULT_PREFIX_CREDIT
-    lease_ms: int = 30_000
-    """Longest decode lease asked for (ms); never past the request's deadline; renewed every lease/3
-    while the request's prefill is in flight."""
-    max_retries: int = 2
-    """Other instances tried per phase (reserve, prefill); also the most migrations per request."""
-    chunked_transfer: bool | None = None
+    policy: str = _router_default("policy")
+    prefix_credit: float = _router_default("prefix_credit")
+    lease_ms: int = _router_default("lease_ms")
+    max_retries: int = _router_default("max_retries")
+    chunked_transfer: bool | None = _router_default("chunked_transfer")
     block_size: int = 16
     """Tokens per block of the routing hashes (the prefix index); a decode's own block size comes
     with its Reserve answer and is used for that request only."""
-    timeout_s: float = 600.0
-    """Deadline of a request whose client named none (seconds from arrival)."""
+    timeout_s: float = _router_default("request_timeout_s")
+    """Deadline of a request whose client named none (seconds from arrival): --request-timeout-s."""
+
+    @classmethod
+    def from_config(cls, cfg: RouterConfig) -> DispatchSettings:
+        return cls(policy=cfg.policy, prefix_credit=cfg.prefix_credit, lease_ms=cfg.lease_ms,
+                   max_retries=cfg.max_retries, chunked_transfer=cfg.chunked_transfer,
+                   timeout_s=cfg.request_timeout_s)
 
 
 @dataclass(eq=False)
