@@ -7,11 +7,11 @@ import sys
 
 import prometheus_client
 
-from services.common.engine_service import EngineService, service_main
 from services.common.metrics import DecodeMetrics
 from services.common.pb import decode_pb2_grpc
 from services.decode.config import DecodeConfig
 from services.decode.servicer import DecodeServicer
+from services.worker.engine_service import EngineService, service_main
 
 
 async def amain(cfg: DecodeConfig, ecfg) -> None:

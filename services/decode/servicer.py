@@ -21,7 +21,6 @@ from typing import TypeVar
 import grpc
 
 from services.common import tracing
-from services.common.convert import finish_to_pb, layout_to_pb, params_from_pb
 from services.common.grpc_util import Reason, abort_if_draining
 from services.common.metrics import DecodeMetrics
 from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc
@@ -33,6 +32,7 @@ from services.decode.leases import LeaseKeeper
 from services.decode.reservations import EndCause, Reservation, ReservationTable
 from services.engine.async_engine import AsyncEngine, EngineDeadError
 from services.engine.block_manager import NoFreeBlocksError
+from services.engine.convert import finish_to_pb, layout_to_pb, params_from_pb
 from services.engine.engine import RequestOutput
 from services.engine.sampling_params import InvalidRequestError, SamplingParams
 from services.engine.sequence import FinishReason

@@ -7,12 +7,12 @@ import sys
 
 import prometheus_client
 
-from services.common.engine_service import EngineService, service_main
 from services.common.metrics import PrefillMetrics
 from services.common.pb import prefill_pb2_grpc
 from services.engine.kv_transport import make_transport
 from services.prefill.config import PrefillConfig
 from services.prefill.servicer import PrefillServicer
+from services.worker.engine_service import EngineService, service_main
 
 
 async def amain(cfg: PrefillConfig, ecfg) -> None:

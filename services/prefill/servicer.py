@@ -20,12 +20,12 @@ import grpc
 import torch
 
 from services.common import tracing
-from services.common.convert import params_from_pb
 from services.common.grpc_util import Reason, abort, abort_if_draining, error_detail, payload_budget
 from services.common.metrics import PrefillMetrics
 from services.common.pb import prefill_pb2, prefill_pb2_grpc
 from services.common.tls import peer_role
 from services.engine.async_engine import AsyncEngine, EngineDeadError
+from services.engine.convert import params_from_pb
 from services.engine.kv_layout import FP8_CODEC
 from services.engine.kv_transport import KVSender, KVTransport, TransferError
 from services.engine.sampling_params import InvalidRequestError

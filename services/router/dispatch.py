@@ -24,9 +24,9 @@ import grpc
 
 from services.common import tracing
 from services.common.block_hash import block_hashes
-from services.common.convert import params_to_pb
 from services.common.metrics import RouterMetrics
 from services.common.pb import decode_pb2
+from services.engine.convert import params_to_pb
 from services.engine.sampling_params import SamplingParams
 from services.router.handoff import Handoff, abort_quietly, exhausted, finish_of, pick
 from services.router.instances import InstancePool, inflight

@@ -26,9 +26,9 @@ import grpc
 
 from services.common import tracing
 from services.common.block_hash import block_hashes
-from services.common.convert import params_to_pb
 from services.common.metrics import RouterMetrics
 from services.common.pb import common_pb2, decode_pb2, prefill_pb2
+from services.engine.convert import params_to_pb
 from services.engine.sampling_params import SamplingParams
 from services.router.instances import Instance, InstancePool, inflight
 from services.router.pipeline import BackendError, TokenEvent

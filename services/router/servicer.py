@@ -20,10 +20,10 @@ from typing import NoReturn
 import grpc
 
 from services.common import tracing
-from services.common.convert import params_from_pb
 from services.common.grpc_util import Reason, abort, abort_if_draining, error_detail
 from services.common.metrics import RouterMetrics
 from services.common.pb import common_pb2, router_pb2, router_pb2_grpc
+from services.engine.convert import params_from_pb
 from services.engine.sampling_params import InvalidRequestError, SamplingParams
 from services.router.auth import APIKeys
 from services.router.metering import RequestMeter, RequestRecord

@@ -13,13 +13,13 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
-from services.common.engine_service import EngineDiedError, EngineService
 from services.common.grpc_util import wait_for_serving
 from services.common.metrics import DecodeMetrics
 from services.common.pb import common_pb2_grpc, decode_pb2_grpc
 from services.decode.config import DecodeConfig
 from services.decode.servicer import DecodeServicer
 from services.engine.async_engine import AsyncEngine
+from services.worker.engine_service import EngineDiedError, EngineService
 from tests.decode.kv_util import ecfg
 
 SERVER = dict(host="127.0.0.1", port=0, metrics_port=-1, drain_timeout_s=10.0, grace_s=2.0)

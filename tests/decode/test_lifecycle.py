@@ -12,10 +12,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.engine_service import EXIT_ENGINE_DEAD, EngineDiedError, service_main
 from services.common.grpc_util import Reason
 from services.common.pb import common_pb2, decode_pb2
 from services.decode.config import DecodeConfig
+from services.worker.engine_service import EXIT_ENGINE_DEAD, EngineDiedError, service_main
 from tests.decode.kv_util import PROMPT, chunks, generate, idle, prompt, push, reference, refused, reserve
 
 P = common_pb2.SamplingParams

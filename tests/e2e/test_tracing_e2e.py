@@ -23,7 +23,6 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from services.common import tracing
-from services.common.admin import AdminServicer, TraceCapture
 from services.common.grpc_util import create_channel
 from services.common.metrics import DecodeMetrics, PrefillMetrics, RouterMetrics
 from services.common.pb import (
@@ -48,6 +47,7 @@ from services.router.dispatch import DisaggregatedBackend, DispatchSettings
 from services.router.instances import InstancePool
 from services.router.pipeline import TextPipeline
 from services.router.servicer import RouterServicer
+from services.worker.admin import AdminServicer, TraceCapture
 
 pytest.importorskip("opentelemetry.sdk")
 pytestmark = pytest.mark.e2e
@@ -59,7 +59,7 @@ SERVER = dict(host="127.0.0.1", port=0, metrics_port=-1, drain_timeout_s=1.0, gr
 
 async def _engine_server(name: str, cfg: Any, servicer: Any, add: Callable[[Any, Any], None],
                          engine: AsyncEngine) -> ServiceServer:
-    """As services.common.engine_service.EngineService wires it: servicer + Admin, SERVING once bound."""
+    """As services.worker.engine_service.EngineService wires it: servicer + Admin, SERVING once bound."""
     srv = ServiceServer(name, cfg, drain=servicer.drain)
     servicer.draining = srv.draining
     srv.add_service(add, servicer)

@@ -1,4 +1,6 @@
-"""Proto <-> engine domain conversions shared by the services (small helpers, STYLE rule 6)."""
+"""Proto <-> engine domain conversions shared by the services (small helpers, STYLE rule 6).
+
+Torch-free (sampling params, finish reasons, page layouts): the router imports it too."""
 
 from __future__ import annotations
 

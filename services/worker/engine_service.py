@@ -16,14 +16,13 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
-from services.common import tracing
-from services.common.admin import AdminServicer, TraceCapture
 from services.common.config import ConfigError, add_dataclass_args, from_args
 from services.common.logging import LoggingConfig, setup_logging
 from services.common.pb import common_pb2_grpc
 from services.common.server import ServerConfig, ServiceServer, serve
 from services.engine.async_engine import AsyncEngine
 from services.engine.config import EngineConfig
+from services.worker.admin import AdminServicer, TraceCapture
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +151,7 @@ def parse_service_args(name: str, config_cls: type, argv: list[str] | None, desc
         print(f"pdserve {name}: {e}", file=sys.stderr)
         return None
     setup_logging(name, lcfg)
-    tracing.setup_tracing(f"pdserve-{name}", cfg.tracing, cfg.otlp_endpoint or None)
+    cfg.setup_tracing(f"pdserve-{name}")
     return cfg, ecfg
 
 
