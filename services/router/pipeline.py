@@ -1,7 +1,7 @@
 """The router's text pipeline: prompt -> token ids -> backend -> incremental text with stop strings.
 
 Shared by the OpenAI HTTP API and the router's gRPC ``Generate``. The backend (the router's
-dispatch core, or :class:`services.router.local_backend.LocalEngineBackend` in one process) deals in
+dispatch core, or :class:`tests.router.local_backend.LocalEngineBackend` in one process) deals in
 token ids only; this module owns tokenization, the chat template, detokenization and stop strings.
 """
 

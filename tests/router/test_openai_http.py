@@ -24,10 +24,10 @@ from services.common.metrics import (
 )
 from services.engine.async_engine import AsyncEngine
 from services.engine.config import EngineConfig
-from services.router.local_backend import LocalEngineBackend
 from services.router.openai_http import make_app
 from services.router.pipeline import TextPipeline
 from tests.router.harness import LoopThread, http
+from tests.router.local_backend import LocalEngineBackend
 
 QUESTION = "What is the capital of France?"
 

@@ -1,4 +1,6 @@
-"""A :class:`GenerationBackend` over an in-process :class:`AsyncEngine` (tests, single-process dev mode)."""
+"""A :class:`GenerationBackend` over an in-process :class:`AsyncEngine`: router tests run the text pipeline
+over a real engine in one process. It lives with the tests because the router itself runs no model (and
+imports no torch)."""
 
 from __future__ import annotations
 
