@@ -15,6 +15,7 @@ BENCHES = {
     "cluster": ("benchmarks.cluster_bench", "local P/D cluster: TTFT, ITL and throughput through the router"),
     "kvstore": ("benchmarks.kvstore_bench", "kvstore put/get bandwidth and latency"),
     "kernels": ("benchmarks.kernels_bench", "Triton kernels vs their torch references"),
+    "kv": ("benchmarks.kv_bench", "KV transports (grpc, shm, mooncake) vs a loopback socket and a memcpy"),
     "serve": ("benchmarks.serve.cli:serve_main", "any OpenAI-compatible server (or a recipe's deployment): "
                                                  "concurrency/rate sweeps, SLO goodput, plots, accuracy"),
     "ab": ("benchmarks.serve.cli:ab_main", "two recipes' deployments on the same workload, one report"),

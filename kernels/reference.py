@@ -112,14 +112,25 @@ def ref_store_kv(
     v_cache[blk, off] = v.to(v_cache.dtype)
 
 
+def _block_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(page index, first block, length) of each run of consecutive block ids."""
+    runs: list[tuple[int, int, int]] = []
+    for p, b in enumerate(block_ids):
+        if runs and runs[-1][1] + runs[-1][2] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((p, b, 1))
+    return runs
+
+
 def ref_pack_pages(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """buffer[p, l, kv] = kv_cache[l, kv, block_ids[p]] -> [P, L, 2, bs, kvh, hd], contiguous."""
     num_layers, _, num_blocks = kv_cache.shape[:3]
     rows = kv_cache.reshape(num_layers * 2, num_blocks, -1)  # each row: one layer's K or V of one block
     out = torch.empty(len(block_ids), num_layers * 2, rows.shape[2], dtype=kv_cache.dtype, device=kv_cache.device)
-    if kv_cache.device.type == "cpu":  # one strided copy per page beats a gathered temporary on CPU
-        for p, b in enumerate(block_ids.tolist()):
-            out[p].copy_(rows[:, b])
+    if kv_cache.device.type == "cpu":  # one strided copy per run of consecutive blocks: no gathered temporary
+        for p, b, n in _block_runs(block_ids.tolist()):
+            out[p:p + n].copy_(rows[:, b:b + n].transpose(0, 1))
     else:
         out.copy_(rows.index_select(1, block_ids.long()).transpose(0, 1))
     return out.view(len(block_ids), *kv_cache.shape[:2], *kv_cache.shape[3:])
@@ -131,8 +142,8 @@ def ref_unpack_pages(buffer: torch.Tensor, kv_cache: torch.Tensor, block_ids: to
     rows = kv_cache.view(num_layers * 2, num_blocks, -1)  # kv_cache is contiguous (the runner owns it)
     src = buffer.reshape(buffer.shape[0], num_layers * 2, -1)
     if kv_cache.device.type == "cpu":
-        for p, b in enumerate(block_ids.tolist()):
-            rows[:, b].copy_(src[p])
+        for p, b, n in _block_runs(block_ids.tolist()):
+            rows[:, b:b + n].copy_(src[p:p + n].transpose(0, 1))
     else:
         rows[:, block_ids.long()] = src.transpose(0, 1).to(kv_cache.dtype)
 

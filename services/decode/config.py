@@ -22,6 +22,10 @@ class DecodeConfig(ServerConfig, TracingConfig):
                                 "landed + requests queued in the engine); past it Reserve and colocated "
                                 "Generate answer RESOURCE_EXHAUSTED (reason OVERLOADED).")
     overload_retry_after_ms: int = opt(1_000, "retry_after_ms suggested to callers refused as OVERLOADED (ms).")
+    kv_mooncake_host: str = opt("", "Register the KV pool with the Mooncake Transfer Engine at this address (the "
+                                    "host prefills reach this decode at; TCP, RDMA where the NIC has it) and offer "
+                                    "it to prefills (--kv-transport mooncake), instead of a same-host shm/CUDA IPC "
+                                    "pool; empty: off.")
 
     def __post_init__(self) -> None:
         super().__post_init__()

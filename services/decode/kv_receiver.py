@@ -15,12 +15,21 @@ What a failure does to the reservation:
     stream from chunk 0; its lease keeps running and frees it if no one comes.
 When the last chunk lands, every prompt page must be present; then the request joins continuous
 batching.
+
+Side transports (shm, cuda-ipc, mooncake) write pages straight into this decode's pool. Their stream
+starts with a claim (KVChunk.claim: the token, the reservation's block ids, the pool): decode checks it
+against what it issued, marks the reservation as being written, and only then acknowledges (the
+writer writes nothing before). While a claimed stream is open the reservation's blocks are never
+freed: if the reservation ends meanwhile (lease, deadline, Abort), decode drops the stream's further
+chunks and frees the blocks only when the writer's stream ends (the writer stops as soon as it sees
+its stream fail, or at its last chunk).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import warnings
 from collections.abc import AsyncIterator, Callable
@@ -33,11 +42,34 @@ from services.common.pb import common_pb2, decode_pb2
 from services.decode.reservations import EndCause, Reservation, ReservationTable
 from services.engine.async_engine import AsyncEngine, EngineDeadError
 from services.engine.kv_layout import FP8_CODEC, PageLayout, checksum
+from services.engine.kv_pages import KVPages
+from services.engine.kv_transport import mooncake
+from services.engine.kv_transport.base import OnClaimed
+from services.engine.shared_kv import SharedKVAttachError, pool_id
 
-IN_PLACE_TRANSPORTS = frozenset({"shm", "cuda-ipc"})
+IN_PLACE_TRANSPORTS = frozenset({"shm", "cuda-ipc", "mooncake"})
 """Transports that write pages into this decode's pool themselves; their chunks carry descriptors only."""
+_CODEC = {common_pb2.KV_CODEC_FP8_E4M3: FP8_CODEC}
+"""KVCodec -> the layout codec it names (KV_CODEC_NATIVE: the cache's own)."""
 
 _END = object()
+log = logging.getLogger(__name__)
+
+
+def offered_pool(pages: KVPages, mooncake_host: str) -> decode_pb2.KVDestination | None:
+    """The pool this decode offers side transports: registered with Mooncake when ``mooncake_host`` is
+    set (any host may write), else the engine's same-host shm / CUDA IPC pool, else None."""
+    if mooncake_host:
+        why = mooncake.available()
+        try:
+            if why is not None:
+                raise SharedKVAttachError("unavailable", why)
+            engine = mooncake.MooncakeEngine(mooncake_host)
+            pages.exporters.append(engine)  # the engine serves the registered pool as long as it lives
+            return mooncake.export_pool(engine, pages.pool)
+        except SharedKVAttachError as e:
+            log.warning("KV pool not offered over Mooncake (prefills send page bytes instead): %s", e)
+    return pages.destination
 
 
 class KVRejected(Exception):
@@ -76,8 +108,11 @@ class DecodeKVReceiver:
                  wire_layouts: list[PageLayout] | None = None,
                  on_landed: Callable[[Reservation, common_pb2.KVChunk], None] | None = None,
                  on_rejected: Callable[[str], None] | None = None,
-                 on_broken: Callable[[], None] | None = None) -> None:
+                 on_broken: Callable[[], None] | None = None,
+                 destination: decode_pb2.KVDestination | None = None) -> None:
         self.engine = engine
+        self.pool_id = pool_id(destination) if destination is not None and destination.WhichOneof("pool") else ""
+        """The pool side transports may claim (what Reserve offers); empty: none."""
         self.layout = layout
         # Layouts a chunk may arrive in: the cache's own, plus codecs decoded on arrival (fp8-e4m3).
         self.layouts = {lay.fingerprint: lay for lay in [layout, *(wire_layouts or [])]}
@@ -118,9 +153,30 @@ class DecodeKVReceiver:
                             f"reservation_token: wrong or missing for reservation {c.reservation_id!r}",
                             "permission", Reason.ERROR_REASON_PERMISSION, frees=False, field="reservation_token")
 
-    def _check(self, r: Reservation, c: common_pb2.KVChunk) -> tuple[list[int], PageLayout]:
-        """Validate one chunk against its reservation; returns the destination block ids and the layout
-        the chunk's pages are in."""
+    def _check_claim(self, r: Reservation, c: common_pb2.KVChunk) -> None:
+        """A side-transport writer's claim must name this decode's pool and exactly the reservation's
+        blocks (a descriptor for another reservation or another pool is refused; nothing is freed)."""
+        claim = c.claim
+        if claim.transport not in IN_PLACE_TRANSPORTS:
+            raise self._reject(grpc.StatusCode.INVALID_ARGUMENT, f"claim.transport: {claim.transport!r} does not "
+                               f"write pages in place (known: {sorted(IN_PLACE_TRANSPORTS)})", "claim",
+                               frees=False, field="claim.transport")
+        if not self.pool_id or claim.pool_id != self.pool_id:
+            raise self._reject(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"claim.pool_id: {claim.pool_id!r} is not this decode's pool "
+                               f"({self.pool_id or 'none offered'})", "claim", Reason.ERROR_REASON_PERMISSION,
+                               frees=False, field="claim.pool_id")
+        if list(claim.dest_block_ids) != r.block_ids:
+            raise self._reject(grpc.StatusCode.PERMISSION_DENIED,
+                               f"claim.dest_block_ids: the writer names {len(claim.dest_block_ids)} blocks that are "
+                               f"not reservation {r.reservation_id}'s", "claim", Reason.ERROR_REASON_PERMISSION,
+                               frees=False, field="claim.dest_block_ids")
+
+    def _check(self, r: Reservation, c: common_pb2.KVChunk, claimed: bool, payload: bytes
+               ) -> tuple[list[int], PageLayout]:
+        """Validate one chunk (``payload``: its payload, read once) against its reservation (``claimed``: the
+        stream began with an accepted claim); returns the destination block ids and the layout the chunk's
+        pages are in."""
         if c.reservation_id != r.reservation_id:
             raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
                                f"reservation_id: one PushKV stream carries one reservation: got "
@@ -134,6 +190,11 @@ class DecodeKVReceiver:
                                f"KV layout fingerprint mismatch: chunk has {c.layout_fingerprint or '(empty)'}, "
                                f"this decode expects {accepted}", "fingerprint", Reason.ERROR_REASON_LAYOUT_MISMATCH,
                                field="layout_fingerprint")
+        if c.codec and _CODEC.get(c.codec, self.layout.target_codec) != layout.target_codec:
+            raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"codec: {common_pb2.KVCodec.Name(c.codec)} does not match the layout's codec "
+                               f"{layout.target_codec}", "fingerprint", Reason.ERROR_REASON_LAYOUT_MISMATCH,
+                               field="codec")
         if c.chunk_index != r.next_chunk:
             what = "duplicate" if c.chunk_index < r.next_chunk else "out-of-order"
             raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
@@ -155,11 +216,15 @@ class DecodeKVReceiver:
                                "range", field="first_token")
         if c.transport not in IN_PLACE_TRANSPORTS:
             want = n * layout.page_bytes
-            if len(c.payload) != want:
+            if len(payload) != want:
                 raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"payload: KV chunk payload is {len(c.payload)} bytes; {n} pages of "
+                                   f"payload: KV chunk payload is {len(payload)} bytes; {n} pages of "
                                    f"{layout.page_bytes} bytes ({layout.target_codec}) need {want}", "size",
                                    field="payload")
+        elif not claimed:
+            raise self._reject(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"transport {c.transport!r} writes pages in place: its stream must start with a "
+                               "claim", "claim", Reason.ERROR_REASON_KV_HANDOFF_FAILED, field="claim")
         elif layout is not self.layout:
             raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
                                f"transport {c.transport!r} writes pages in place: they must be in this decode's "
@@ -167,9 +232,10 @@ class DecodeKVReceiver:
                                Reason.ERROR_REASON_LAYOUT_MISMATCH, field="layout_fingerprint")
         return r.block_ids[first:first + n], layout
 
-    def _verify_and_write(self, c: common_pb2.KVChunk, block_ids: list[int], layout: PageLayout) -> None:
+    def _verify_and_write(self, c: common_pb2.KVChunk, payload: bytes, block_ids: list[int], layout: PageLayout
+                          ) -> None:
         """Worker thread: checksum, then copy the pages into the cache (both release the GIL)."""
-        got = checksum(c.payload)
+        got = checksum(payload)
         if got != c.checksum:
             raise self._reject(grpc.StatusCode.DATA_LOSS,
                                f"KV chunk {c.chunk_index} checksum mismatch: header says {c.checksum:#010x}, "
@@ -180,7 +246,7 @@ class DecodeKVReceiver:
         fp8 = layout.target_codec == FP8_CODEC
         with warnings.catch_warnings():  # read-only view of the message's bytes: we only read it
             warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(c.payload, dtype=torch.uint8 if fp8 else self._dtype)
+            flat = torch.frombuffer(payload, dtype=torch.uint8 if fp8 else self._dtype)
         if fp8:
             self._runner.write_pages(block_ids, flat.view(len(block_ids), layout.page_bytes), FP8_CODEC)
         else:
@@ -199,36 +265,53 @@ class DecodeKVReceiver:
             raise _gone(r)
         return nxt.result()
 
-    async def receive(self, chunks: AsyncIterator[common_pb2.KVChunk]) -> decode_pb2.PushKVResponse:
+    async def receive(self, chunks: AsyncIterator[common_pb2.KVChunk],
+                      on_claimed: OnClaimed | None = None) -> decode_pb2.PushKVResponse:
         r: Reservation | None = None
         received = 0
+        claimed = False
         it = aiter(chunks)
         gone: asyncio.Future | None = None
         # One chunk's checksum + page copy runs in a thread while the next chunk is read off the wire.
         pending: asyncio.Future | None = None
         try:
             while True:
-                c = await self._next(it, r, gone)
+                # A claimed stream outlives its reservation: a writer may be writing into its blocks.
+                c = await self._next(it, r, None if claimed else gone)
                 if c is _END:
                     break
                 assert isinstance(c, common_pb2.KVChunk)
                 if r is None:
                     r = self._open(c)
+                    if c.HasField("claim"):
+                        self._check_claim(r, c)
                     r.receiving = True
                     r.reset_transfer()  # a new stream (a retried prefill) starts over
                     gone = asyncio.ensure_future(r.gone.wait())
+                    if c.HasField("claim"):
+                        claimed = True
+                        if on_claimed is not None:
+                            await on_claimed()
+                        continue
                 if r.end_cause is not None:
+                    if claimed:
+                        continue  # dropped: the blocks stay held until the writer's stream ends
                     raise _gone(r)
-                block_ids, layout = self._check(r, c)
+                if c.HasField("claim"):
+                    raise self._reject(grpc.StatusCode.INVALID_ARGUMENT, "claim: only a stream's first message "
+                                       "may claim the reservation", "order", field="claim")
+                payload = c.payload  # read once: every read of a bytes field copies it (upb)
+                block_ids, layout = self._check(r, c, claimed, payload)
                 if pending is not None:
                     await pending
                     pending = None
-                if c.payload:
-                    pending = asyncio.ensure_future(asyncio.to_thread(self._verify_and_write, c, block_ids, layout))
+                if payload:
+                    pending = asyncio.ensure_future(asyncio.to_thread(self._verify_and_write, c, payload, block_ids,
+                                                                         layout))
                 r.pages_written.update(range(c.first_block, c.first_block + c.num_pages))
                 r.next_chunk += 1
                 # Page bytes landed, whichever way they came (in the message, or written by a side transport).
-                r.bytes_received += len(c.payload) or c.num_pages * self.layout.page_bytes
+                r.bytes_received += len(payload) or c.num_pages * self.layout.page_bytes
                 received += 1
                 if c.is_last:
                     if pending is not None:

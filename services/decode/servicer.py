@@ -27,13 +27,15 @@ from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc
 from services.common.tls import peer_may_write_kv, peer_role
 from services.decode import errors
 from services.decode.config import DecodeConfig
-from services.decode.kv_receiver import DecodeKVReceiver, KVRejected
+from services.decode.kv_receiver import DecodeKVReceiver, KVRejected, offered_pool
 from services.decode.leases import LeaseKeeper
 from services.decode.reservations import EndCause, Reservation, ReservationTable
 from services.engine.async_engine import AsyncEngine, EngineDeadError
 from services.engine.block_manager import NoFreeBlocksError
 from services.engine.convert import finish_to_pb, layout_to_pb, params_from_pb
 from services.engine.engine import RequestOutput
+from services.engine.kv_pages import pages_of
+from services.engine.kv_transport.base import CLAIM_ACK
 from services.engine.sampling_params import InvalidRequestError, SamplingParams
 from services.engine.sequence import FinishReason
 
@@ -75,8 +77,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.layout = engine.engine.layout
         self.vocab_size = engine.engine.vocab_size
         self.max_model_len = engine.engine.max_model_len
+        self.destination = offered_pool(pages_of(engine.engine), self.config.kv_mooncake_host)
+        """The pool this decode offers side transports (None: page bytes in the stream only)."""
         self.receiver = DecodeKVReceiver(engine, self.layout, self.table, [engine.engine.fp8_layout],
-                                         on_landed=self._landed,
+                                         destination=self.destination, on_landed=self._landed,
                                          on_rejected=lambda reason: metrics.kv_chunks_rejected_total.labels(reason).inc(),
                                          on_broken=lambda: metrics.kv_streams_broken_total.labels(self.model).inc())
         self.leases = LeaseKeeper(self.config, self.receiver.release, on_end=self._lease_ended)
@@ -198,9 +202,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             reservation_id=rid, num_cached_blocks=num_cached, block_size=self.layout.block_size,
             layout=layout_to_pb(self.layout), lease_expires_unix=r.lease_expires_unix, block_ids=block_ids,
             reservation_token=r.token, accepted_wire_fingerprints=[self.engine.engine.fp8_layout.fingerprint])
-        dest = self.engine.engine.runner.kv_destination
-        if dest is not None:  # a pool same-host prefills may write into
-            resp.destination.CopyFrom(dest)
+        if self.destination is not None:  # a pool prefills may write into
+            resp.destination.CopyFrom(self.destination)
         return resp
 
     async def _drop(self, engine_rid: str) -> None:
@@ -259,7 +262,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
         with tracing.span_from_metadata("decode.kv_push", context.invocation_metadata()):
             try:
-                resp = await self.receiver.receive(counted())
+                resp = await self.receiver.receive(counted(), on_claimed=lambda: context.send_initial_metadata(CLAIM_ACK))
             except KVRejected as e:
                 await errors.fail(context, e.code, str(e), e.detail_reason, retryable=e.retryable, field=e.field)
             except EngineDeadError as e:

@@ -21,6 +21,7 @@ token on every KVChunk), never by this module.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import mmap
 import os
@@ -229,6 +230,19 @@ def open_cuda_pool(pool: decode_pb2.CudaIpcPool) -> torch.Tensor:
         raise SharedKVAttachError("shape", f"CUDA pool opened as {tuple(tensor.shape)} {tensor.dtype}, "
                                            f"expected {shape} {dtype}")
     return tensor
+
+
+def pool_id(dest: decode_pb2.KVDestination) -> str:
+    """A short name for the pool a destination opens (what a writer's claim carries): the shm file
+    name, the CUDA device and a digest of its IPC handle, or the Mooncake segment and base address."""
+    kind = dest.WhichOneof("pool")
+    if kind == "shm":
+        return f"shm:{dest.shm.name}"
+    if kind == "cuda_ipc":
+        return f"cuda-ipc:{dest.cuda_ipc.device}:{hashlib.sha256(dest.cuda_ipc.handle).hexdigest()[:16]}"
+    if kind == "mooncake":
+        return f"mooncake:{dest.mooncake.segment}@{dest.mooncake.base_address:x}"
+    return ""
 
 
 class SharedKVPools:

@@ -17,8 +17,13 @@ class PrefillConfig(ServerConfig, TracingConfig):
                                        "may override it.")
     kv_transport: str = opt("grpc", "How page bytes travel to decode: grpc (inside the PushKV stream, works "
                                     "everywhere), shm (CPU) or cuda-ipc (GPU): written straight into the pool of "
-                                    "a decode on this host started with --kv-cache-shared; grpc otherwise.",
-                            choices=("grpc", "shm", "cuda-ipc"))
+                                    "a decode on this host started with --kv-cache-shared; mooncake: written by "
+                                    "the Mooncake Transfer Engine into the pool of a decode (any host) started "
+                                    "with --kv-mooncake-host; auto: whichever of these the decode offers. Falls "
+                                    "back to grpc (counted, logged once) when the decode offers none.",
+                            choices=("grpc", "shm", "cuda-ipc", "mooncake", "auto"))
+    kv_mooncake_host: str = opt("127.0.0.1", "Address this prefill's Mooncake Transfer Engine binds and is "
+                                             "reached at (--kv-transport mooncake/auto).")
     kv_wire_codec: str = opt("native", "Codec of page bytes sent in the stream: native (the cache's dtype) or "
                                        "fp8-e4m3 (per-token-per-head scales; about half of bf16's bytes, decoded "
                                        "on arrival; used only when the decode accepts it).",

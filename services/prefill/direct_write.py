@@ -1,10 +1,10 @@
-"""Same-host direct writes (``--kv-transport shm`` / ``cuda-ipc``): pages copied straight into the
-reserved blocks of decode's pool, the PushKV stream carrying descriptors only.
+"""Choosing how a request's page bytes travel: a side transport that writes straight into the reserved
+blocks of decode's pool (``shm``, ``cuda-ipc``, ``mooncake``), or bytes in the PushKV stream (``grpc``).
 
-The destination is the typed ``KVDestination`` decode issued with the reservation (see
-services/engine/shared_kv.py for what is checked before a pool is opened). When it cannot be used
-(decode offers none, another host, a file that fails a check, a pool of another shape) the request
-falls back to page bytes in the stream: counted per (transport, reason) and logged once for each.
+Decode advertises one pool (ReserveResponse.destination, forwarded by the router); the prefill takes it
+when its ``--kv-transport`` is that transport (or ``auto``) and every check passes (see
+services/engine/shared_kv.py and kv_transport/mooncake.py). Otherwise it falls back to page bytes in
+the stream: counted per (transport, reason) and logged once for each.
 """
 
 from __future__ import annotations
@@ -12,22 +12,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable
 
 import torch
 
 from services.common.metrics import PrefillMetrics
 from services.common.pb import prefill_pb2
-from services.engine.shared_kv import SharedKVAttachError, SharedKVPools, copy_pages
+from services.engine.kv_transport import mooncake
+from services.engine.kv_transport.base import PageWriter
+from services.engine.kv_transport.shared_pool import ONEOF_OF, SharedPoolWriter
+from services.engine.shared_kv import SharedKVAttachError, SharedKVPools, pool_id
 
 log = logging.getLogger(__name__)
 
-DirectWriter = Callable[[int, list[int]], None]
-"""``write(first_block, src_block_ids)``: copy pages into the reservation's blocks from first_block on
-(runs on the engine thread)."""
-
-ONEOF_OF = {"shm": "shm", "cuda-ipc": "cuda_ipc"}
-"""--kv-transport -> the KVDestination.pool case it writes into."""
+TRANSPORT_OF = {oneof: name for name, oneof in ONEOF_OF.items()}
+"""KVDestination.pool case -> the transport that writes into it."""
 
 
 class InvalidDestinationError(ValueError):
@@ -35,27 +33,39 @@ class InvalidDestinationError(ValueError):
 
 
 class DirectWrites:
-    def __init__(self, mode: str, metrics: PrefillMetrics) -> None:
+    def __init__(self, mode: str, metrics: PrefillMetrics, mooncake_host: str = "127.0.0.1") -> None:
         self.mode = mode
-        """The configured transport: grpc (never writes directly), shm or cuda-ipc."""
+        """The configured transport: grpc (never writes directly), shm, cuda-ipc, mooncake or auto (whichever
+        side transport decode offers)."""
         self.metrics = metrics
         self.pools = SharedKVPools()
-        self._lock = threading.Lock()  # attach() runs in worker threads
+        self.mooncake_host = mooncake_host
+        self._mooncake: mooncake.MooncakeEngine | None = None
+        self._lock = threading.Lock()  # attach() and the Mooncake start run in worker threads
         self._logged: set[tuple[str, str]] = set()
 
-    def _fallback(self, reason: str, message: str) -> None:
-        self.metrics.kv_transport_fallbacks_total.labels(self.mode, reason).inc()
-        if (self.mode, reason) not in self._logged:
-            self._logged.add((self.mode, reason))
+    def _fallback(self, transport: str, reason: str, message: str) -> None:
+        self.metrics.kv_transport_fallbacks_total.labels(transport, reason).inc()
+        if (transport, reason) not in self._logged:
+            self._logged.add((transport, reason))
             log.warning("%s transport refused (%s): %s; sending page bytes in the stream (logged once per reason)",
-                        self.mode, reason, message)
+                        transport, reason, message)
 
     def _attach(self, request: prefill_pb2.PrefillRequest) -> torch.Tensor:
         with self._lock:
             return self.pools.attach(request.destination)
 
+    def _engine(self) -> mooncake.MooncakeEngine:
+        with self._lock:
+            if self._mooncake is None:
+                why = mooncake.available()
+                if why is not None:
+                    raise SharedKVAttachError("unavailable", why)
+                self._mooncake = mooncake.MooncakeEngine(self.mooncake_host)
+            return self._mooncake
+
     async def writer(self, request: prefill_pb2.PrefillRequest, src: torch.Tensor, num_blocks: int
-                     ) -> DirectWriter | None:
+                     ) -> PageWriter | None:
         """A writer into the request's reserved blocks, or None (page bytes go in the stream).
 
         ``src`` is this prefill's KV cache; ``num_blocks`` the prompt's block count, which the request's
@@ -63,32 +73,38 @@ class DirectWrites:
         if self.mode == "grpc":
             return None
         offered = request.destination.WhichOneof("pool")
-        if offered != ONEOF_OF[self.mode]:
-            self._fallback("none", f"the decode offers {offered or 'no shared pool'}")
+        transport = TRANSPORT_OF.get(offered or "", "")
+        if not transport or (self.mode != "auto" and transport != self.mode):
+            self._fallback(self.mode, "none", f"the decode offers {offered or 'no shared pool'}")
             return None
         dest = list(request.dest_block_ids)
         if len(dest) != num_blocks:
-            self._fallback("blocks", f"{len(dest)} destination block ids for a {num_blocks}-block prompt")
+            self._fallback(transport, "blocks", f"{len(dest)} destination block ids for a {num_blocks}-block prompt")
             return None
         try:
-            pool = await asyncio.to_thread(self._attach, request)
+            if transport == "mooncake":
+                if src.is_cuda:
+                    raise SharedKVAttachError("device", "this Mooncake build writes from host memory only")
+                shape, dtype = mooncake.check_pool(request.destination.mooncake, request.decode_address)
+                engine = await asyncio.to_thread(self._engine)
+                pool_shape, pool_dtype = shape, dtype
+            else:
+                pool = await asyncio.to_thread(self._attach, request)
+                pool_shape, pool_dtype = tuple(pool.shape), pool.dtype
         except SharedKVAttachError as e:
-            self._fallback(e.reason, str(e))
+            self._fallback(transport, e.reason, str(e))
             return None
-        if pool.shape[:2] != src.shape[:2] or pool.shape[3:] != src.shape[3:] or pool.dtype != src.dtype:
-            self._fallback("shape", f"decode's pool is {tuple(pool.shape)} {pool.dtype}, this cache "
-                                    f"{tuple(src.shape)} {src.dtype}")
+        if pool_shape[:2] != src.shape[:2] or pool_shape[3:] != src.shape[3:] or pool_dtype != src.dtype:
+            self._fallback(transport, "shape", f"decode's pool is {pool_shape} {pool_dtype}, this cache "
+                                               f"{tuple(src.shape)} {src.dtype}")
             return None  # the fingerprint check would refuse the pages; never reinterpret them
-        bad = next((b for b in dest if b >= pool.shape[2]), None)
+        bad = next((b for b in dest if b >= pool_shape[2]), None)
         if bad is not None:
-            raise InvalidDestinationError(f"block {bad} is outside the decode pool's {pool.shape[2]} blocks")
-
-        def write(first_block: int, src_blocks: list[int]) -> None:
-            if first_block + len(src_blocks) > len(dest):
-                raise ValueError(f"pages [{first_block}, {first_block + len(src_blocks)}) outside the "
-                                 f"{len(dest)} reserved blocks")
-            copy_pages(src, src_blocks, pool, dest[first_block:first_block + len(src_blocks)])
-            if src.is_cuda:  # the pages must have landed before the descriptor tells decode they have
-                torch.cuda.current_stream(src.device).synchronize()
-
-        return write
+            raise InvalidDestinationError(f"block {bad} is outside the decode pool's {pool_shape[2]} blocks")
+        if transport == "mooncake":
+            try:
+                return await asyncio.to_thread(mooncake.MooncakeWriter, engine, src, request.destination, dest)
+            except SharedKVAttachError as e:
+                self._fallback(transport, e.reason, str(e))
+                return None
+        return SharedPoolWriter(transport, pool_id(request.destination), src, pool, dest)

@@ -1,23 +1,33 @@
-"""Prefill's side of the chunked KV handoff.
+"""One request's KV pages from the engine thread to its sender, and the pump that sends them.
 
-After the model computes a chunk (engine thread), :class:`RequestKVStream` packs the pages that
-became complete into one host buffer and queues it; an asyncio task turns buffers into
-``KVChunk`` messages (bytes, CRC-32, split under the message limit) and sends them while the next
-chunk computes. With chunked transfer off, nothing is queued until the last chunk.
+Engine thread (``on_chunk``, while the chunk's blocks are held): either a side transport's writer
+starts writing the chunk's pages into decode's pool, or the page API starts exporting them to host
+memory (a gather; on GPU an async copy on a side stream). Nothing else happens on the step loop.
+
+Sender task (``pump``): waits for the write or the export in a worker thread, checksums the bytes
+there, and sends one message per piece; the page bytes go from the page tensor to gRPC with one copy
+(a memoryview, see grpc_stream.serialize), and the next piece is prepared while the previous one is
+on the wire.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from services.common.pb import common_pb2
-from services.engine.kv_layout import PageLayout, checksum
+from services.engine.kv_layout import FP8_CODEC, PageLayout, checksum
+from services.engine.kv_pages import PageExport
 from services.engine.kv_transport import KVSender
+from services.engine.kv_transport.base import PageWriter
 from services.engine.scheduler import ScheduledChunk
+
+CRC_IN_THREAD_BYTES = 1 << 18
+"""Payloads at least this large are checksummed in a worker thread (zlib releases the GIL)."""
 
 
 @dataclass
@@ -25,30 +35,34 @@ class PagesReady:
     first_block: int
     token_start: int
     token_end: int
-    pages: torch.Tensor | None
-    """[P, layers, 2, block_size, kv_heads, head_dim] on the host; None when no page is due or when a
-    side transport already wrote them (then num_pages says how many)."""
+    pages: PageExport | None
+    """The chunk's pages on their way to the host; None when no page is due or when a side transport
+    writes them (then num_pages says how many and ``write`` is its handle)."""
     num_pages: int = 0
+    write: object = None
     last: bool = False
     writeback: tuple[int, torch.Tensor] | None = None
     """(first block, pages) of full blocks the kvstore lacks, on the last item only."""
     first_token: int = 0
     first_logprob: float = 0.0
+    first_top: object = None
+    """Alternatives to first_token (a TopLogprobs, when the request asked for top_logprobs)."""
     prefill_done_unix: float = 0.0
 
 
 class RequestKVStream:
     """One request's pages, from the engine thread to the sender task."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, read_pages, block_size: int, num_skip_blocks: int,
-                 chunked: bool, arrival: float, write_direct=None, read_native=None) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, export: Callable[[list[int]], PageExport], block_size: int,
+                 num_skip_blocks: int, chunked: bool, arrival: float, writer: PageWriter | None = None,
+                 read_native: Callable[[list[int]], torch.Tensor] | None = None) -> None:
         self.loop = loop
-        self.read_pages = read_pages
-        """Packs pages for the wire (the cache's dtype, or a codec such as fp8-e4m3)."""
-        self.read_native = read_native or read_pages
-        """Packs pages in the cache's own layout (what the kvstore keeps)."""
-        self.write_direct = write_direct
-        """``f(first_block, src_block_ids)``: write pages straight into decode's pool (shm), or None."""
+        self.export = export
+        """Starts a chunk's page export for the wire (the cache's dtype, or a codec such as fp8-e4m3)."""
+        self.read_native = read_native or (lambda ids: export(ids).wait())
+        """Pages in the cache's own layout, on the host (what the kvstore keeps)."""
+        self.writer = writer
+        """Writes pages straight into decode's pool (shm, cuda-ipc, mooncake), or None."""
         self.block_size = block_size
         self.next_block = num_skip_blocks
         self.chunked = chunked
@@ -65,7 +79,8 @@ class RequestKVStream:
 
     # --- engine thread ---
 
-    def on_chunk(self, ch: ScheduledChunk, sampled: tuple[int, float | None] | None, step_start: float) -> None:
+    def on_chunk(self, ch: ScheduledChunk, sampled: tuple | None, step_start: float) -> None:
+        """``sampled``: (token, logprob[, top alternatives]) of the last chunk, None on the others."""
         done_mono, done_unix = time.monotonic(), time.time()  # the chunk is computed; reading its pages is transfer
         seq = ch.seq
         start = seq.num_computed_tokens
@@ -81,19 +96,21 @@ class RequestKVStream:
                 return
             bs = self.block_size
             limit = -(-end // bs) if last else end // bs
-            pages = None
             first = self.next_block
             n = max(0, limit - first)
-            if n and self.write_direct is not None:
-                self.write_direct(first, seq.block_table[first:limit])
+            item = PagesReady(first, first * bs, min(limit * bs, end) if n else first * bs, None, n)
+            if n and self.writer is not None:
+                item.write = self.writer.write(first, seq.block_table[first:limit])
             elif n:
-                pages = self.read_pages(seq.block_table[first:limit])
+                item.pages = self.export(seq.block_table[first:limit])
+            if last and self.writer is not None:
+                self.writer.quiesce()  # the request's blocks are freed after this step: every write has landed
             self.next_block = max(self.next_block, limit)
-            item = PagesReady(first, first * bs, min(limit * bs, end) if n else first * bs, pages, n)
             if last:
                 self.last_computed = done_mono
-                token, lp = sampled if sampled is not None else (0, None)
-                item.last, item.first_token, item.first_logprob = True, token, lp or 0.0
+                s = tuple(sampled) if sampled is not None else (0, None)
+                item.last, item.first_token, item.first_logprob = True, s[0], s[1] or 0.0
+                item.first_top = s[2] if len(s) > 2 else None
                 item.prefill_done_unix = done_unix
                 full = end // bs
                 if self.writeback_from is not None and full > self.writeback_from:
@@ -108,8 +125,15 @@ class RequestKVStream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, exc)
 
 
-def _encode(pages: torch.Tensor) -> bytes:
-    return pages.contiguous().view(torch.uint8).numpy().tobytes()
+def _bytes_view(pages: torch.Tensor) -> memoryview:
+    """The pages' bytes without a copy (the view keeps the tensor alive)."""
+    return memoryview(pages.contiguous().view(torch.uint8).reshape(-1).numpy())
+
+
+async def _crc(payload: memoryview) -> int:
+    if len(payload) >= CRC_IN_THREAD_BYTES:
+        return await asyncio.to_thread(checksum, payload)
+    return checksum(payload)
 
 
 async def pump(stream: RequestKVStream, sender: KVSender, request_id: str, reservation_id: str,
@@ -117,8 +141,9 @@ async def pump(stream: RequestKVStream, sender: KVSender, request_id: str, reser
                ) -> tuple[PagesReady, int]:
     """Send the stream's pages until the last chunk; returns the last item (first token) and the
     page bytes handed over (in messages or written directly). Every message carries the reservation's
-    decode-issued token."""
+    decode-issued token and the codec of its pages."""
     pages_per_msg = max(1, max_payload_bytes // layout.page_bytes)
+    codec = common_pb2.KV_CODEC_FP8_E4M3 if layout.target_codec == FP8_CODEC else common_pb2.KV_CODEC_NATIVE
     page_bytes = 0
     index = 0
     while True:
@@ -127,29 +152,45 @@ async def pump(stream: RequestKVStream, sender: KVSender, request_id: str, reser
             raise item
         n = item.num_pages
         page_bytes += n * layout.page_bytes
-        if item.pages is None:  # written by a side transport already: one descriptor for all of it
+        data = memoryview(b"")
+        if item.pages is not None:
+            data = _bytes_view(await asyncio.to_thread(item.pages.wait))
+        elif n and stream.writer is not None:  # written by a side transport: one descriptor once it landed
+            if item.write is not None:
+                await asyncio.to_thread(stream.writer.wait, item.write)
             pages_per_msg = max(1, n)
         bs = layout.block_size
         pieces = [(o, min(pages_per_msg, n - o)) for o in range(0, n, pages_per_msg)] or [(0, 0)]
         for k, (off, cnt) in enumerate(pieces):
-            payload = b""
-            if cnt and item.pages is not None:
-                payload = await asyncio.to_thread(_encode, item.pages[off:off + cnt])
-            crc = await asyncio.to_thread(checksum, payload) if len(payload) > 1 << 20 else checksum(payload)
+            payload = data[off * layout.page_bytes:(off + cnt) * layout.page_bytes] if len(data) else data
             first_block = item.first_block + off
             msg = common_pb2.KVChunk(
                 request_id=request_id, reservation_id=reservation_id, chunk_index=index,
                 token_start=first_block * bs,
                 token_end=min((first_block + cnt) * bs, item.token_end) if cnt else item.token_start,
                 first_block=first_block, num_pages=cnt, layout_fingerprint=layout.fingerprint,
-                checksum=crc, payload=payload, transport=transport, reservation_token=reservation_token)
+                checksum=await _crc(payload), transport=transport, reservation_token=reservation_token,
+                codec=codec)
             if item.last and k == len(pieces) - 1:
                 msg.is_last = True
                 msg.first_token = item.first_token
                 msg.first_logprob = item.first_logprob
+                if item.first_top is not None:
+                    from services.engine.convert import top_to_pb
+
+                    msg.first_top_logprobs.CopyFrom(top_to_pb(item.first_top))
                 msg.prefill_done_unix = item.prefill_done_unix
                 msg.total_chunks = index + 1
-            await sender.send(msg)
+            await sender.send(msg, payload)
             index += 1
         if item.last:
             return item, page_bytes
+
+
+def claim_message(request_id: str, reservation_id: str, reservation_token: bytes, writer: PageWriter,
+                  dest_block_ids: list[int]) -> common_pb2.KVChunk:
+    """The first message of a side transport's stream: it claims the reservation before any write."""
+    return common_pb2.KVChunk(
+        request_id=request_id, reservation_id=reservation_id, reservation_token=reservation_token,
+        transport=writer.transport,
+        claim=common_pb2.KVClaim(transport=writer.transport, dest_block_ids=dest_block_ids, pool_id=writer.pool_id))

@@ -17,7 +17,6 @@ import time
 import uuid
 
 import grpc
-import torch
 
 from services.common import tracing
 from services.common.grpc_util import Reason, abort, abort_if_draining, error_detail, payload_budget
@@ -27,12 +26,14 @@ from services.common.tls import peer_role
 from services.engine.async_engine import AsyncEngine, EngineDeadError
 from services.engine.convert import params_from_pb
 from services.engine.kv_layout import FP8_CODEC
+from services.engine.kv_pages import pages_of
 from services.engine.kv_transport import KVSender, KVTransport, TransferError
+from services.engine.kv_transport.base import PageWriter
 from services.engine.sampling_params import InvalidRequestError
 from services.engine.scheduler import ScheduledChunk
 from services.prefill.config import PrefillConfig
 from services.prefill.direct_write import DirectWrites, InvalidDestinationError
-from services.prefill.kv_stream import RequestKVStream, pump
+from services.prefill.kv_stream import RequestKVStream, claim_message, pump
 from services.prefill.kvstore_prefix import KVStorePrefix
 from services.prefill.request_checks import deadline_monotonic, problem
 
@@ -57,7 +58,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.inflight = 0
         """Requests admitted and not finished (bounded by config.max_queued)."""
         self.kvstore: KVStorePrefix | None = None
-        self.direct = DirectWrites(config.kv_transport, metrics)
+        self.direct = DirectWrites(config.kv_transport, metrics, config.kv_mooncake_host)
         self._request_s = 1.0  # moving average of admitted requests' durations (seconds)
 
     @property
@@ -74,12 +75,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.model = engine.engine.loaded.model_id
         self.layout = engine.engine.layout
         engine.engine.chunk_listeners.append(self._on_chunk)
+        self.pages = pages_of(engine.engine)
         if self.config.kvstore_address:
-            r = engine.engine.runner
             cfg = self.config
             self.kvstore = KVStorePrefix(
-                cfg.kvstore_address, self.layout, (r.num_layers, 2, r.block_size, r.num_kv_heads, r.head_dim),
-                r.dtype, tls=cfg if cfg.tls_enabled else None, timeout_s=cfg.kvstore_timeout_s,
+                cfg.kvstore_address, self.layout, self.pages.page_shape,
+                self.pages.dtype, tls=cfg if cfg.tls_enabled else None, timeout_s=cfg.kvstore_timeout_s,
                 retry_s=cfg.kvstore_retry_s, max_pending_writes=cfg.kvstore_max_pending_writes,
                 on_error=lambda reason: self.metrics.kvstore_errors_total.labels(reason).inc())
 
@@ -167,29 +168,35 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     async def _serve(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext,
                      first_params) -> prefill_pb2.PrefillResponse:
-        runner = self.engine.engine.runner
         ids = list(request.token_ids)
         try:
-            write_direct = await self.direct.writer(request, runner.kv_cache, -(-len(ids) // self.layout.block_size))
+            writer = await self.direct.writer(request, self.pages.pool, -(-len(ids) // self.layout.block_size))
         except InvalidDestinationError as e:
             await self._refuse(context, "invalid", grpc.StatusCode.INVALID_ARGUMENT, f"dest_block_ids: {e}",
                                Reason.ERROR_REASON_INVALID_INPUT, field="dest_block_ids")
-        wire, read = self._wire_codec(request, write_direct is not None)
+        wire, export = self._wire_codec(request, writer is not None)
         chunked = request.chunked_transfer if request.HasField("chunked_transfer") else self.config.chunked_transfer
         rid = f"{request.request_id}/{uuid.uuid4().hex[:8]}"
-        stream = RequestKVStream(asyncio.get_running_loop(), read, self.layout.block_size, request.num_skip_blocks,
-                                 chunked, time.monotonic(), write_direct, runner.read_pages)
-        transport = self.config.kv_transport if write_direct is not None else self.transport.name
-        self.streams[rid] = stream
+        stream = RequestKVStream(asyncio.get_running_loop(), export, self.layout.block_size, request.num_skip_blocks,
+                                 chunked, time.monotonic(), writer, lambda b: self.pages.export(b).wait())
+        transport = writer.transport if writer is not None else self.transport.name
         sender: KVSender | None = None
         with tracing.span_from_metadata("prefill.request", context.invocation_metadata(),
                                         request_id=request.request_id, prompt_tokens=len(ids)) as sp:
             try:
                 sender = self.transport.open(request.decode_address, rid, metadata=tuple(tracing.inject_metadata()))
+                if writer is not None:  # decode must hold the reservation for this writer before any write
+                    writer.sender = sender
+                    await sender.bootstrap(claim_message(request.request_id, request.reservation_id,
+                                                         request.reservation_token, writer,
+                                                         list(request.dest_block_ids)))
+                else:
+                    await sender.bootstrap()
+                self.streams[rid] = stream
                 try:
                     loaded = await self._admit(rid, ids, first_params, stream)
                 except ValueError as e:  # InvalidRequestError, or a prompt this pool can never hold
-                    await self._cleanup(rid, sender, "refused")
+                    await self._cleanup(rid, sender, "refused", writer)
                     await self._refuse(context, "invalid", grpc.StatusCode.INVALID_ARGUMENT, str(e),
                                        Reason.ERROR_REASON_INVALID_INPUT,
                                        field=getattr(e, "field", "") or "token_ids")
@@ -202,7 +209,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     self.kvstore.write_back(stream.hashes, *last.writeback)
             except TransferError as e:
                 self.metrics.kv_transfer_failures_total.labels(transport, e.code.name.lower()).inc()
-                await self._cleanup(rid, sender, str(e))
+                await self._cleanup(rid, sender, str(e), writer)
                 self.metrics.requests_aborted_total.labels("kv_handoff").inc()
                 await abort(context, e.code, f"KV handoff to decode {request.decode_address} failed: {e}",
                             error_detail(Reason.ERROR_REASON_KV_HANDOFF_FAILED, retryable=False, side="decode"))
@@ -210,12 +217,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 raise
             except Exception as e:  # a page read or direct write failed on the engine thread
                 log.exception("prefill of %s failed", request.request_id)
-                await self._cleanup(rid, sender, repr(e))
+                await self._cleanup(rid, sender, repr(e), writer)
                 self.metrics.requests_aborted_total.labels("internal").inc()
                 await abort(context, grpc.StatusCode.INTERNAL, f"prefill failed: {e!r}",
                             error_detail(Reason.ERROR_REASON_UNSPECIFIED, side=SIDE))
             except BaseException:  # cancelled: the client left or the deadline passed
-                await self._cleanup(rid, sender, "cancelled")
+                await self._cleanup(rid, sender, "cancelled", writer)
                 raise
             finally:
                 self.streams.pop(rid, None)
@@ -228,17 +235,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             num_chunks=sender.chunks_sent, kv_bytes_sent=page_bytes, queue_s=queue_s, compute_s=compute_s)
 
     def _wire_codec(self, request: prefill_pb2.PrefillRequest, direct: bool):
-        """(layout of the bytes in the stream, page reader): fp8-e4m3 when configured, decode accepts that
-        layout's fingerprint and no side transport writes the pages; the cache's own layout otherwise."""
-        runner = self.engine.engine.runner
+        """(layout of the pages on the wire, page exporter). The codec is chosen on its own: fp8-e4m3 when
+        configured and decode accepted that layout's fingerprint at Reserve; the cache's own layout
+        otherwise, and always for a side transport (it writes into decode's pool, which holds that)."""
         fp8 = self.engine.engine.fp8_layout
         if (not direct and self.config.kv_wire_codec == FP8_CODEC
                 and fp8.fingerprint in request.accepted_wire_fingerprints):
-            def read(block_ids: list[int]) -> torch.Tensor:
-                return runner.read_pages(block_ids, FP8_CODEC)
-
-            return fp8, read
-        return self.layout, runner.read_pages
+            return fp8, lambda block_ids: self.pages.export(block_ids, FP8_CODEC)
+        return self.layout, self.pages.export
 
     async def _admit(self, rid: str, ids: list[int], params, stream: RequestKVStream) -> int:
         """Load what the kvstore has beyond the local prefix, then admit the request (one engine-thread
@@ -261,13 +265,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
         return await self.engine.call(admit)
 
-    async def _cleanup(self, rid: str, sender: KVSender | None, reason: str) -> None:
+    async def _cleanup(self, rid: str, sender: KVSender | None, reason: str, writer: PageWriter | None = None
+                       ) -> None:
         """Abort the request in the engine (frees its blocks; a no-op when it never got there: an admit
-        still queued runs first, so it cannot slip past) and the KV stream to decode."""
+        still queued runs first, so it cannot slip past) and the KV stream to decode. A side transport's
+        writes in flight land first: decode frees the blocks they target once the stream ends."""
         try:
             await asyncio.shield(self.engine.abort(rid))
         except EngineDeadError:  # nothing left to free
             log.warning("engine is dead; %s was not aborted in it", rid)
+        if writer is not None:
+            await asyncio.shield(asyncio.to_thread(writer.quiesce))
         if sender is not None:
             await sender.abort(reason)
 
@@ -285,8 +293,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             m.cached_prefix_tokens_total.labels(self.model, "kvstore").inc(from_store)
         if stream.num_cached_tokens > from_store:
             m.cached_prefix_tokens_total.labels(self.model, "local").inc(stream.num_cached_tokens - from_store)
-        if request.num_skip_blocks:
-            m.cached_prefix_tokens_total.labels(self.model, "decode").inc(request.num_skip_blocks * bs)
+        if request.num_skip_blocks:  # not sent, not "not computed": computed + cached stays the prompt
+            m.kv_skipped_tokens_total.labels(self.model).inc(min(len(request.token_ids),
+                                                                 request.num_skip_blocks * bs))
         m.kv_sent_bytes_total.labels(transport).inc(page_bytes)
         m.kv_chunks_sent_total.labels(transport).inc(chunks_sent)
 

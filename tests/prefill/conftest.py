@@ -36,9 +36,11 @@ class RecordingReceiver:
         self.gate: asyncio.Event | None = None
         self.first_chunk = asyncio.Event()
 
-    async def receive(self, chunks: AsyncIterator[common_pb2.KVChunk]) -> decode_pb2.PushKVResponse:
+    async def receive(self, chunks: AsyncIterator[common_pb2.KVChunk], on_claimed=None) -> decode_pb2.PushKVResponse:
         n = 0
         async for c in chunks:
+            if c.HasField("claim") and on_claimed is not None:
+                await on_claimed()
             self.chunks.append(c)
             n += 1
             self.first_chunk.set()

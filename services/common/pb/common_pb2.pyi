@@ -7,6 +7,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class KVCodec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_CODEC_UNSPECIFIED: _ClassVar[KVCodec]
+    KV_CODEC_NATIVE: _ClassVar[KVCodec]
+    KV_CODEC_FP8_E4M3: _ClassVar[KVCodec]
+
 class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ERROR_REASON_UNSPECIFIED: _ClassVar[ErrorReason]
@@ -29,6 +35,9 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
+KV_CODEC_UNSPECIFIED: KVCodec
+KV_CODEC_NATIVE: KVCodec
+KV_CODEC_FP8_E4M3: KVCodec
 ERROR_REASON_UNSPECIFIED: ErrorReason
 ERROR_REASON_INVALID_INPUT: ErrorReason
 ERROR_REASON_OVERLOADED: ErrorReason
@@ -100,7 +109,7 @@ class PageLayout(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., page_bytes: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("request_id", "reservation_id", "chunk_index", "token_start", "token_end", "first_block", "num_pages", "layout_fingerprint", "checksum", "payload", "transport", "is_last", "first_token", "first_logprob", "prefill_done_unix", "total_chunks", "transport_meta", "reservation_token")
+    __slots__ = ("request_id", "reservation_id", "chunk_index", "token_start", "token_end", "first_block", "num_pages", "layout_fingerprint", "checksum", "payload", "transport", "is_last", "first_token", "first_logprob", "prefill_done_unix", "total_chunks", "transport_meta", "reservation_token", "claim", "codec")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +128,8 @@ class KVChunk(_message.Message):
     TOTAL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_META_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     reservation_id: str
     chunk_index: int
@@ -137,7 +148,19 @@ class KVChunk(_message.Message):
     total_chunks: int
     transport_meta: bytes
     reservation_token: bytes
-    def __init__(self, request_id: _Optional[str] = ..., reservation_id: _Optional[str] = ..., chunk_index: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., first_block: _Optional[int] = ..., num_pages: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., checksum: _Optional[int] = ..., payload: _Optional[bytes] = ..., transport: _Optional[str] = ..., is_last: _Optional[bool] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., prefill_done_unix: _Optional[float] = ..., total_chunks: _Optional[int] = ..., transport_meta: _Optional[bytes] = ..., reservation_token: _Optional[bytes] = ...) -> None: ...
+    claim: KVClaim
+    codec: KVCodec
+    def __init__(self, request_id: _Optional[str] = ..., reservation_id: _Optional[str] = ..., chunk_index: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., first_block: _Optional[int] = ..., num_pages: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., checksum: _Optional[int] = ..., payload: _Optional[bytes] = ..., transport: _Optional[str] = ..., is_last: _Optional[bool] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., prefill_done_unix: _Optional[float] = ..., total_chunks: _Optional[int] = ..., transport_meta: _Optional[bytes] = ..., reservation_token: _Optional[bytes] = ..., claim: _Optional[_Union[KVClaim, _Mapping]] = ..., codec: _Optional[_Union[KVCodec, str]] = ...) -> None: ...
+
+class KVClaim(_message.Message):
+    __slots__ = ("transport", "dest_block_ids", "pool_id")
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    DEST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    transport: str
+    dest_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    pool_id: str
+    def __init__(self, transport: _Optional[str] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., pool_id: _Optional[str] = ...) -> None: ...
 
 class LoadReport(_message.Message):
     __slots__ = ("running", "waiting", "waiting_for_kv", "free_blocks", "total_blocks", "kv_usage", "published_unix", "step_running_s", "max_waiting", "saturated")

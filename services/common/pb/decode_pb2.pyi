@@ -59,13 +59,31 @@ class CudaIpcPool(_message.Message):
     event_sync_required: bool
     def __init__(self, host_id: _Optional[str] = ..., device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_bytes: _Optional[int] = ..., storage_offset: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
+class MooncakePool(_message.Message):
+    __slots__ = ("segment", "base_address", "pool_bytes", "shape", "dtype", "protocol")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    segment: str
+    base_address: int
+    pool_bytes: int
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    protocol: str
+    def __init__(self, segment: _Optional[str] = ..., base_address: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., protocol: _Optional[str] = ...) -> None: ...
+
 class KVDestination(_message.Message):
-    __slots__ = ("shm", "cuda_ipc")
+    __slots__ = ("shm", "cuda_ipc", "mooncake")
     SHM_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    MOONCAKE_FIELD_NUMBER: _ClassVar[int]
     shm: ShmPool
     cuda_ipc: CudaIpcPool
-    def __init__(self, shm: _Optional[_Union[ShmPool, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcPool, _Mapping]] = ...) -> None: ...
+    mooncake: MooncakePool
+    def __init__(self, shm: _Optional[_Union[ShmPool, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcPool, _Mapping]] = ..., mooncake: _Optional[_Union[MooncakePool, _Mapping]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("reservation_id", "num_cached_blocks", "block_size", "layout", "lease_expires_unix", "block_ids", "reservation_token", "destination", "accepted_wire_fingerprints")

@@ -1,12 +1,25 @@
-"""KV transports: how a request's KV chunks move from prefill to decode (DESIGN section 5)."""
+"""KV transports: how a request's KV chunks move from prefill to decode (DESIGN section 5).
+
+``grpc`` carries page bytes in the PushKV stream; ``shm`` / ``cuda-ipc`` (same host) and ``mooncake``
+(any host) are page writers into decode's pool whose PushKV stream carries a claim and descriptors.
+"""
 
 from __future__ import annotations
 
-from services.engine.kv_transport.base import KVPoll, KVReceiver, KVSender, KVTransport, TransferError
+from services.engine.kv_transport.base import (
+    CLAIM_ACK,
+    KVPoll,
+    KVReceiver,
+    KVSender,
+    KVTransport,
+    PageWriter,
+    TransferError,
+)
 from services.engine.kv_transport.fake import FakeTransport
 from services.engine.kv_transport.grpc_stream import GrpcStreamTransport
 
 TRANSPORTS = {"grpc": GrpcStreamTransport, "fake": FakeTransport}
+"""Descriptor-stream transports by name (page writers are chosen per request: prefill/direct_write.py)."""
 
 
 def make_transport(name: str, **kwargs) -> KVTransport:
@@ -15,5 +28,5 @@ def make_transport(name: str, **kwargs) -> KVTransport:
     return TRANSPORTS[name](**kwargs)
 
 
-__all__ = ["TRANSPORTS", "FakeTransport", "GrpcStreamTransport", "KVPoll", "KVReceiver", "KVSender",
-           "KVTransport", "TransferError", "make_transport"]
+__all__ = ["CLAIM_ACK", "TRANSPORTS", "FakeTransport", "GrpcStreamTransport", "KVPoll", "KVReceiver", "KVSender",
+           "KVTransport", "PageWriter", "TransferError", "make_transport"]

@@ -1,28 +1,41 @@
 """The transport interface: explicit states, one sender per request, a receiver on decode.
 
-The descriptor stream (``KVChunk`` messages: request, chunk index, token range, fingerprint,
-checksum, first token) always goes to the decode's receiver; a transport decides how the page
-bytes travel (inside the messages, or written by a side channel before the descriptor is sent).
+Two planes. The **descriptor stream** (``KVChunk`` messages over PushKV: request, chunk index, token
+range, fingerprint, codec, checksum, first token) always goes to decode's receiver; a
+:class:`KVSender` owns it. The **page bytes** ride inside those messages (``grpc``) or are written
+straight into decode's pool by a :class:`PageWriter` (``shm``, ``cuda-ipc``, ``mooncake``) before the
+message describing them is sent.
+
+A writer may touch decode's pool only while decode knows it does: the sender first sends a
+:class:`~common_pb2.KVClaim` (token, block ids, pool) and waits for decode's acknowledgement
+(:meth:`KVSender.bootstrap`); decode then holds the reservation's blocks until the stream ends, and
+the writer stops as soon as the stream breaks (:meth:`KVSender.poll` reads ``FAILED``).
+
+States (SGLang's KVPoll): BOOTSTRAPPING (stream opening, claim not yet acknowledged) ->
+WAITING_FOR_INPUT (ready, nothing sent) -> TRANSFERRING -> SUCCESS | FAILED.
 """
 
 from __future__ import annotations
 
 import abc
-import asyncio
 import enum
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
 import grpc
 
 from services.common.pb import common_pb2, decode_pb2
 
+CLAIM_ACK = (("pdserve-kv-claim", "ok"),)
+"""Initial metadata decode sends once it accepted a stream's claim (the writer may write from then on)."""
+
 
 class KVPoll(enum.Enum):
-    BOOTSTRAPPING = "bootstrapping"  # opened, nothing sent yet
-    TRANSFERRING = "transferring"    # at least one chunk sent, the last one not yet acknowledged
-    SUCCESS = "success"              # decode acknowledged the last chunk
-    FAILED = "failed"                # the stream broke or decode refused a chunk
+    BOOTSTRAPPING = "bootstrapping"            # stream opening; a claim not yet acknowledged
+    WAITING_FOR_INPUT = "waiting_for_input"    # ready; no chunk sent yet
+    TRANSFERRING = "transferring"              # at least one chunk sent, the last not yet acknowledged
+    SUCCESS = "success"                        # decode acknowledged the last chunk
+    FAILED = "failed"                          # the stream broke or decode refused a chunk
 
 
 class TransferError(RuntimeError):
@@ -36,22 +49,39 @@ class TransferError(RuntimeError):
         self.detail = detail
 
 
+OnClaimed = Callable[[], Awaitable[None]]
+"""Decode's acknowledgement of a claim (the servicer sends CLAIM_ACK as initial metadata)."""
+
+
 class KVReceiver(Protocol):
     """Decode's side: consumes one request's chunk stream and acknowledges it."""
 
-    async def receive(self, chunks: AsyncIterator[common_pb2.KVChunk]) -> decode_pb2.PushKVResponse: ...
+    async def receive(self, chunks: AsyncIterator[common_pb2.KVChunk],
+                      on_claimed: OnClaimed | None = None) -> decode_pb2.PushKVResponse: ...
 
 
 class KVSender(abc.ABC):
-    """Prefill's side for one request. ``send`` queues; ``finish`` waits for decode's acknowledgement."""
+    """Prefill's side for one request: ``bootstrap`` once, ``send`` each message, then ``finish``.
+
+    ``poll()`` may be read from any thread (the engine thread reads it before every direct write)."""
 
     def __init__(self) -> None:
         self.state = KVPoll.BOOTSTRAPPING
         self.bytes_sent = 0
         self.chunks_sent = 0
 
+    def poll(self) -> KVPoll:
+        return self.state
+
     @abc.abstractmethod
-    async def send(self, chunk: common_pb2.KVChunk) -> None: ...
+    async def bootstrap(self, claim: common_pb2.KVChunk | None = None) -> None:
+        """Open the stream. With ``claim`` (a message whose ``claim`` field is set), send it and return only
+        once decode acknowledged it; raise TransferError if decode refused or went away."""
+
+    @abc.abstractmethod
+    async def send(self, chunk: common_pb2.KVChunk, payload: memoryview | bytes = b"") -> None:
+        """Queue one message; ``payload`` (the page bytes, when they ride in the stream) is attached
+        as the message's payload field without an intermediate copy."""
 
     @abc.abstractmethod
     async def finish(self) -> decode_pb2.PushKVResponse:
@@ -60,19 +90,35 @@ class KVSender(abc.ABC):
     @abc.abstractmethod
     async def abort(self, reason: str) -> None: ...
 
-    @staticmethod
-    async def _drain(queue: asyncio.Queue, end: object) -> AsyncIterator[common_pb2.KVChunk]:
-        """The chunks put on ``queue`` until ``end``: the request stream a transport hands to decode."""
-        while True:
-            item = await queue.get()
-            if item is end:
-                return
-            yield item
-
-    def _count(self, chunk: common_pb2.KVChunk) -> None:
+    def _count(self, nbytes: int) -> None:
         self.state = KVPoll.TRANSFERRING
         self.chunks_sent += 1
-        self.bytes_sent += len(chunk.payload)
+        self.bytes_sent += nbytes
+
+
+class PageWriter(abc.ABC):
+    """Writes one request's pages straight into the reserved blocks of decode's pool (prefill side).
+
+    ``write`` runs on the engine thread while the source blocks are held; it must not return before the
+    pages are readable by decode, unless ``wait`` says when they are (then the descriptor is sent only
+    after ``wait``). It raises TransferError once the request's stream is broken (nothing is written)."""
+
+    transport: str = ""
+    pool_id: str = ""
+    """The pool written into, as decode names it (what the claim carries)."""
+
+    @abc.abstractmethod
+    def write(self, first_block: int, src_blocks: list[int]) -> object:
+        """Engine thread: start writing src_blocks into dest blocks [first_block, first_block + n).
+        Returns a handle for :meth:`wait`."""
+
+    def wait(self, handle: object) -> None:
+        """Worker thread: block until the write started by ``write`` has landed (default: it already has)."""
+        return None
+
+    def quiesce(self) -> None:
+        """Worker thread: block until no write of this request is in flight (before its stream ends)."""
+        return None
 
 
 class KVTransport(abc.ABC):

@@ -38,26 +38,61 @@ class _FakeSender(KVSender):
         super().__init__()
         self._faults = faults
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._task = asyncio.ensure_future(receiver.receive(self._drain(self._queue, _END)))
+        self._claimed = asyncio.Event()
+        self._task = asyncio.ensure_future(receiver.receive(self._drain(), on_claimed=self._ack))
+        self._task.add_done_callback(self._ended)
 
-    async def send(self, chunk: common_pb2.KVChunk) -> None:
+    def _ended(self, _task: object) -> None:
+        if self.state is not KVPoll.SUCCESS:
+            self.state = KVPoll.FAILED
+
+    async def _ack(self) -> None:
+        self._claimed.set()
+
+    async def _drain(self):
+        while True:
+            item = await self._queue.get()
+            if item is _END:
+                return
+            yield item
+
+    async def _raise(self) -> None:
+        self.state = KVPoll.FAILED
+        if not self._task.done():
+            self._task.cancel()
+            raise TransferError("KV stream cancelled", grpc.StatusCode.CANCELLED)
+        raise _refused(None if self._task.cancelled() else self._task.exception())
+
+    async def bootstrap(self, claim: common_pb2.KVChunk | None = None) -> None:
+        if claim is not None:
+            await self._queue.put(claim)
+            ack = asyncio.ensure_future(self._claimed.wait())
+            await asyncio.wait({ack, self._task}, return_when=asyncio.FIRST_COMPLETED)
+            if not ack.done():
+                ack.cancel()
+                await self._raise()
+        if self._task.done():
+            await self._raise()
+        self.state = KVPoll.WAITING_FOR_INPUT
+
+    async def send(self, chunk: common_pb2.KVChunk, payload: memoryview | bytes = b"") -> None:
         f = self._faults
         if f.delay_s:
             await asyncio.sleep(f.delay_s)
         if self._task.done():
-            self.state = KVPoll.FAILED
-            raise _refused(self._task.exception())
+            await self._raise()
         if 0 <= f.fail_after_chunks <= self.chunks_sent:
             self.state = KVPoll.FAILED
             self._task.cancel()
             raise TransferError("injected transport failure", grpc.StatusCode.UNAVAILABLE)
-        if chunk.chunk_index == f.corrupt_chunk and chunk.payload:
-            c = common_pb2.KVChunk()
-            c.CopyFrom(chunk)
-            c.payload = bytes([chunk.payload[0] ^ 0xFF]) + chunk.payload[1:]
-            chunk = c
-        await self._queue.put(chunk)
-        self._count(chunk)
+        c = common_pb2.KVChunk()
+        c.CopyFrom(chunk)
+        if len(payload):
+            c.payload = bytes(payload)
+        if c.chunk_index == f.corrupt_chunk and c.payload:
+            c.payload = bytes([c.payload[0] ^ 0xFF]) + c.payload[1:]
+        await self._queue.put(c)
+        self._count(len(payload))
 
     async def finish(self) -> decode_pb2.PushKVResponse:
         await self._queue.put(_END)

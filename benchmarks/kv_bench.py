@@ -1,0 +1,291 @@
+"""``pdserve bench kv``: KV bytes/s of each transport against a loopback socket copy and a memcpy of the
+same bytes, measured in one run.
+
+The pages are a KV pool of a real model's shape (default SmolLM2-135M: 30 layers, 3 KV heads, head dim
+64, 16-token pages) in the engine's pool layout [layers, 2, blocks, block_size, kv_heads, head_dim].
+Every transport moves the same ``--mib`` of pages, chunk by chunk (``--chunk-pages``):
+
+  memcpy    one torch copy of the pool's bytes (in-process)                      the shm ceiling
+  socket    the bytes over a loopback TCP socket to another process              the network ceiling
+  shm       copy_pages into a /dev/shm pool, run by run (what the shm transport does)
+  grpc      the pages packed (gather), checksummed and sent as PushKV messages by the grpc transport's
+            sender (one copy into gRPC) to another process that checks the CRC and copies them into
+            its pool (what decode does)
+  mooncake  the Mooncake Transfer Engine over loopback TCP writing each chunk's (layer, K|V) runs from
+            this process's registered pool into another process's registered pool (what the mooncake
+            transport does)
+
+Goals (issue 10, on a CPU box): grpc >= 0.5x socket, mooncake >= 0.7x socket, shm >= 0.5x memcpy.
+The receiving side runs in a child process (no shared GIL). Prints the CPU model and flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import grpc
+import torch
+
+from services.common.checksum import checksum
+from services.common.pb import common_pb2, decode_pb2
+from services.engine.cpu_features import host_cpu
+from services.engine.kv_transport import KVPoll
+from services.engine.kv_transport.grpc_stream import GrpcStreamTransport
+
+GOALS = {"grpc": ("socket", 0.5), "mooncake": ("socket", 0.7), "shm": ("memcpy", 0.5)}
+
+
+@dataclass
+class Results:
+    cpu_model: str
+    cpu_flags: list[str]
+    load_avg: float
+    torch_threads: int
+    pool_shape: list[int]
+    dtype: str
+    bytes: int
+    chunk_pages: int
+    gbps: dict[str, float] = field(default_factory=dict)
+    """Median GB/s (10^9 bytes/s) of each path over the repeats."""
+    best_gbps: dict[str, float] = field(default_factory=dict)
+    ratios: dict[str, float] = field(default_factory=dict)
+    """Of the medians."""
+
+
+# --- the receiving process ----------------------------------------------------------------------
+
+
+def _sink_socket(sock: socket.socket, nbytes: int) -> None:
+    buf = bytearray(1 << 22)
+    view = memoryview(buf)
+    while True:
+        conn, _ = sock.accept()
+        with conn:
+            left = nbytes
+            while left:
+                got = conn.recv_into(view[:min(len(view), left)])
+                if not got:
+                    break
+                left -= got
+            conn.sendall(b"k")
+
+
+class _PushSink:
+    """PushKV as decode receives it: parse; then, in a worker thread while the next message is read,
+    check the CRC and copy the pages into a pool tensor."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.pool = torch.empty(nbytes, dtype=torch.uint8)
+
+    def _land(self, c: common_pb2.KVChunk, payload: bytes, off: int) -> None:
+        if checksum(payload) != c.checksum:
+            raise ValueError(f"chunk {c.chunk_index}: checksum mismatch")
+        self.pool[off:off + len(payload)].copy_(torch.frombuffer(payload, dtype=torch.uint8))
+
+    async def push(self, it, context) -> decode_pb2.PushKVResponse:
+        off = n = 0
+        pending: asyncio.Future | None = None
+        async for c in it:
+            if pending is not None:
+                await pending
+            payload = c.payload  # read once: every read of a bytes field copies it (upb)
+            pending = asyncio.ensure_future(asyncio.to_thread(self._land, c, payload, off)) if payload else None
+            off += len(payload)
+            n += 1
+        if pending is not None:
+            await pending
+        return decode_pb2.PushKVResponse(chunks_received=n, bytes_received=off)
+
+
+def _receiver(conn, nbytes: int, want_mooncake: bool, threads: int) -> None:
+    import warnings
+
+    torch.set_num_threads(threads)
+
+    warnings.simplefilter("ignore", UserWarning)  # frombuffer of read-only message bytes (only read)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(4)
+    threading.Thread(target=_sink_socket, args=(sock, nbytes), daemon=True).start()
+    info: dict[str, object] = {"socket": sock.getsockname()[1]}
+    keep: list[object] = []
+    if want_mooncake:
+        from services.engine.kv_transport.mooncake import MooncakeEngine
+
+        eng = MooncakeEngine("127.0.0.1")
+        pool = torch.empty(nbytes, dtype=torch.uint8)
+        keep += [eng, pool]
+        info["mooncake"] = (eng.segment, eng.register(pool))
+
+    async def serve() -> None:
+        sink = _PushSink(nbytes)
+        handler = grpc.method_handlers_generic_handler("pdserve.v1.Decode", {"PushKV": grpc.stream_unary_rpc_method_handler(
+            sink.push, request_deserializer=common_pb2.KVChunk.FromString,
+            response_serializer=decode_pb2.PushKVResponse.SerializeToString)})
+        opts = [("grpc.max_receive_message_length", 64 << 20)]
+        server = grpc.aio.server(options=opts)
+        server.add_generic_rpc_handlers((handler,))
+        info["grpc"] = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        conn.send(info)
+        await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # until the parent says stop
+        await server.stop(None)
+
+    asyncio.run(serve())
+
+
+# --- the sending side ---------------------------------------------------------------------------
+
+
+def _time_all(paths: dict[str, Callable[[], None]], repeat: int) -> dict[str, list[float]]:
+    """Seconds of each run of each path; the paths take turns in every round, so a busy box's load
+    swings hit all of them alike."""
+    for fn in paths.values():
+        fn()  # warm-up (connections, page faults)
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for _ in range(repeat):
+        for name, fn in paths.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def _runs_of(num_blocks: int, chunk: int) -> list[list[int]]:
+    return [list(range(b, min(b + chunk, num_blocks))) for b in range(0, num_blocks, chunk)]
+
+
+def _socket_copy(port: int, data: memoryview) -> None:
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(data)
+        s.recv(1)
+
+
+async def _grpc_send(address: str, src: torch.Tensor, chunks: list[list[int]], page_bytes: int) -> None:
+    from kernels import pack_pages
+    from services.prefill.kv_stream import _bytes_view, _crc
+
+    transport = GrpcStreamTransport(max_message_bytes=64 << 20)
+    sender = transport.open(address, "bench")
+    await sender.bootstrap()
+    for i, blocks in enumerate(chunks):
+        pages = pack_pages(src, torch.tensor(blocks, dtype=torch.int64))
+        payload = _bytes_view(pages)
+        hdr = common_pb2.KVChunk(chunk_index=i, num_pages=len(blocks), checksum=await _crc(payload))
+        await sender.send(hdr, payload)
+    resp = await sender.finish()
+    await transport.close()
+    assert resp.bytes_received == sum(len(c) for c in chunks) * page_bytes
+
+
+class _Ready:
+    def poll(self) -> KVPoll:
+        return KVPoll.WAITING_FOR_INPUT
+
+
+def run(args: argparse.Namespace) -> Results:
+    shape = [int(x) for x in args.page_shape.split(",")]  # layers, 2, block_size, kv_heads, head_dim
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    page_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nblocks = max(1, (args.mib << 20) // page_bytes)
+    pool_shape = [shape[0], 2, nblocks, *shape[2:]]
+    src = torch.randn(pool_shape).to(dtype)
+    nbytes = src.numel() * src.element_size()
+    cpu = host_cpu()
+    torch.set_num_threads(args.threads)
+    r = Results(cpu.model, cpu.reported_flags(), os.getloadavg()[0], args.threads, pool_shape, args.dtype, nbytes,
+                args.chunk_pages)
+    print(f"cpu: {r.cpu_model}; flags: {' '.join(r.cpu_flags) or '-'}; {os.cpu_count()} CPUs, load avg "
+          f"{r.load_avg:.1f}; torch threads {args.threads}", flush=True)
+    print(f"pool {pool_shape} {args.dtype}: {nbytes / 2**20:.0f} MiB, {page_bytes} B/page, {args.chunk_pages} "
+          f"pages/chunk, median of {args.repeat}", flush=True)
+    chunks = _runs_of(nblocks, args.chunk_pages)
+    want_mc = not args.no_mooncake
+    if want_mc:
+        from services.engine.kv_transport import mooncake
+
+        why = mooncake.available()
+        if why is not None:
+            print(f"mooncake: skipped ({why})")
+            want_mc = False
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_receiver, args=(child, nbytes, want_mc, args.threads), daemon=True)
+    proc.start()
+    info = parent.recv()
+    try:
+        flat = src.view(-1).view(torch.uint8)
+        dst = torch.empty_like(flat)
+        paths: dict[str, Callable[[], None]] = {
+            "memcpy": lambda: dst.copy_(flat),
+            "socket": lambda: _socket_copy(int(info["socket"]), memoryview(flat.numpy())),
+        }
+        from services.engine.shared_kv import copy_pages, create_shared_kv, open_shm_pool
+
+        _decode_pool, path, dest = create_shared_kv(tuple(pool_shape), dtype)
+        opened = open_shm_pool(dest.shm)
+        order = list(range(nblocks))
+        paths["shm"] = lambda: [copy_pages(src, c, opened, c) for c in chunks]
+        paths["grpc"] = lambda: asyncio.run(_grpc_send(f"127.0.0.1:{info['grpc']}", src, chunks, page_bytes))
+        if want_mc:
+            from services.engine.kv_transport.mooncake import MooncakeEngine, MooncakeWriter
+
+            eng = MooncakeEngine("127.0.0.1")
+            segment, base = info["mooncake"]
+            mdest = decode_pb2.KVDestination(mooncake=decode_pb2.MooncakePool(
+                segment=segment, base_address=base, pool_bytes=nbytes, shape=pool_shape, dtype=args.dtype))
+            writer = MooncakeWriter(eng, src, mdest, order)
+            writer.sender = _Ready()  # type: ignore[assignment]
+
+            def mooncake_write() -> None:
+                handles = [writer.write(c[0], c) for c in chunks]  # several chunks in flight
+                for h in handles:
+                    writer.wait(h)
+
+            paths["mooncake"] = mooncake_write
+        for name, secs in _time_all(paths, args.repeat).items():
+            r.gbps[name] = nbytes / statistics.median(secs) / 1e9
+            r.best_gbps[name] = nbytes / min(secs) / 1e9
+            print(f"{name:>9}: {r.gbps[name]:6.2f} GB/s median, {r.best_gbps[name]:6.2f} best", flush=True)
+        os.unlink(path)
+    finally:
+        parent.send("stop")
+        proc.join(10)
+    for name, (base_name, goal) in GOALS.items():
+        if name in r.gbps and base_name in r.gbps:
+            r.ratios[name] = r.gbps[name] / r.gbps[base_name]
+            ok = "meets" if r.ratios[name] >= goal else "MISSES"
+            print(f"{name} / {base_name} = {r.ratios[name]:.2f}x median ({ok} the >= {goal}x goal), "
+                  f"{r.best_gbps[name] / r.best_gbps[base_name]:.2f}x best")
+    return r
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pdserve bench kv", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mib", type=int, default=256, help="KV bytes each transport moves (MiB).")
+    p.add_argument("--chunk-pages", type=int, default=32, help="Pages per chunk (one message / one batch).")
+    p.add_argument("--page-shape", default="30,2,16,3,64",
+                   help="layers,2,block_size,kv_heads,head_dim of a page (default: SmolLM2-135M).")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--repeat", type=int, default=5, help="Timed runs per path (median reported).")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads of both processes (copies).")
+    p.add_argument("--no-mooncake", action="store_true", help="Skip the Mooncake path.")
+    p.add_argument("--json", default="", help="Also write the results to this file.")
+    args = p.parse_args(argv)
+    r = run(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(asdict(r), f, indent=2)
+    return 0

@@ -1,0 +1,107 @@
+"""The engine's page export/import API: the only way services touch KV pages (never ``engine.runner``).
+
+Thread rules:
+  * ``export`` runs on the engine thread (inside a chunk listener, while the source blocks are held).
+    On CPU it gathers the pages into a fresh host tensor (one memcpy; checksums and encoding happen
+    later in a worker). On GPU it only enqueues work: a side CUDA stream waits for the step's compute,
+    gathers the pages into a device staging buffer (one kernel), and copies it to pinned host memory
+    asynchronously; the compute stream waits for the gather only (GPU-side), so the next chunk's
+    compute never waits for the device-to-host copy. ``PageExport.wait`` (a worker thread) blocks
+    until the host bytes are ready.
+  * ``import_pages`` writes into blocks a reservation owns and the engine does not read until the
+    import is done (kv_import_done), so it may run in a worker thread; pages for blocks the engine
+    uses (the prefix cache) go through the engine thread instead (LLMEngine.import_prefix_pages).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.common.pb import decode_pb2
+from services.engine.kv_layout import FP8_CODEC
+
+
+@dataclass
+class PageExport:
+    """Pages of a chunk on their way to host memory: [P, layers, 2, bs, kvh, hd] (cache dtype) or uint8
+    [P, fp8 page bytes]."""
+
+    host: torch.Tensor
+    done: torch.cuda.Event | None = None
+    """Recorded on the side stream after the device-to-host copy (GPU only)."""
+
+    def wait(self) -> torch.Tensor:
+        """Worker thread: the host pages, once they are there."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host
+
+
+class KVPages:
+    def __init__(self, runner) -> None:
+        self._runner = runner
+        self.device = runner.device
+        self._side: torch.cuda.Stream | None = None
+        self.exporters: list[object] = []
+        """What serves this pool to other processes (a Mooncake engine): kept as long as the engine."""
+
+    @property
+    def pool(self) -> torch.Tensor:
+        """The KV pool [layers, 2, blocks, block_size, kv_heads, head_dim] (side transports write into it)."""
+        return self._runner.kv_cache
+
+    @property
+    def destination(self) -> decode_pb2.KVDestination | None:
+        """The pool as a same-host prefill may open it (shm / CUDA IPC); None when private."""
+        return self._runner.kv_destination
+
+    @property
+    def page_shape(self) -> tuple[int, int, int, int, int]:
+        r = self._runner
+        return (r.num_layers, 2, r.block_size, r.num_kv_heads, r.head_dim)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._runner.dtype
+
+    def export(self, block_ids: list[int], codec: str | None = None) -> PageExport:
+        """Engine thread: start copying the pages of ``block_ids`` to the host (see the module docstring)."""
+        from kernels import pack_pages, pack_pages_fp8
+
+        pack = pack_pages_fp8 if codec == FP8_CODEC else pack_pages
+        cache = self._runner.kv_cache
+        if not cache.is_cuda:
+            return PageExport(pack(cache, torch.tensor(block_ids, dtype=torch.int64)))
+        if self._side is None:
+            self._side = torch.cuda.Stream(device=cache.device)
+        compute = torch.cuda.current_stream(cache.device)
+        side = self._side
+        side.wait_stream(compute)  # the chunk's KV is written
+        with torch.cuda.stream(side):
+            idx = torch.tensor(block_ids, dtype=torch.int64).pin_memory().to(cache.device, non_blocking=True)
+            staged = pack(cache, idx)
+            gathered = torch.cuda.Event()
+            gathered.record(side)
+            host = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
+            host.copy_(staged, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(side)
+        # Later steps may reuse these blocks once the request ends: they run after the gather, on the GPU.
+        compute.wait_event(gathered)
+        staged.record_stream(side)
+        idx.record_stream(side)
+        return PageExport(host, done)
+
+    def import_pages(self, block_ids: list[int], pages: torch.Tensor, codec: str | None = None) -> None:
+        """Write pages (the layout ``export`` produces) into reserved blocks (any thread; see above)."""
+        self._runner.write_pages(block_ids, pages, codec)
+
+
+def pages_of(engine) -> KVPages:
+    """The page API of an LLMEngine (made once per engine)."""
+    pages = getattr(engine, "_kv_pages", None)
+    if pages is None:
+        pages = engine._kv_pages = KVPages(engine.runner)
+    return pages
