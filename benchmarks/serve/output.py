@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.serve.report import client_table, counters_table, host_info, server_table
+from benchmarks.serve.report import client_table, code_info, counters_table, host_info, server_table
 from benchmarks.serve.sweep import SweepResult
 
 
@@ -32,13 +32,15 @@ class Report:
     note: str = ""
     host_before: dict[str, Any] = field(default_factory=host_info)
     host_after: dict[str, Any] = field(default_factory=dict)
+    code: dict[str, Any] = field(default_factory=code_info)
     comparison: dict[str, Any] = field(default_factory=dict)
     """A/B extras (token agreement of an accuracy workload)."""
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%d %H:%M:%S %Z"))
 
     def as_json(self) -> dict[str, Any]:
         return {"title": self.title, "command": self.command, "created": self.created, "note": self.note,
-                "host": {"before": self.host_before, "after": self.host_after}, "workload": self.workload,
+                "host": {"before": self.host_before, "after": self.host_after}, "code": self.code,
+                "workload": self.workload,
                 "servers": [{"label": s.sweep.label, "setup": s.setup, "points": s.sweep.points,
                              "latencies": s.sweep.latencies, "accuracy": s.sweep.accuracy} for s in self.sides],
                 "comparison": self.comparison}
@@ -69,6 +71,9 @@ def markdown(rep: Report, plots: list[Path]) -> str:
     out = [f"# {rep.title}", "", f"Made {rep.created} by:", "", "```", rep.command, "```", ""]
     out += [f"Host: {hb['cpu']}, {hb['cores']} cores; load average (1/5/15 min) {hb['loadavg_1_5_15']} at the start, "
             f"{ha['loadavg_1_5_15']} at the end."]
+    if rep.code.get("commit"):
+        state = "with uncommitted changes to tracked files" if rep.code["dirty"] else "clean checkout"
+        out += ["", f"Code: commit `{rep.code['commit'][:12]}` ({state})."]
     if rep.note:
         out += ["", f"**Note:** {rep.note}"]
     out += ["", "## Servers", ""] + [f"- **{s.sweep.label}**: {s.setup}" for s in rep.sides]
