@@ -1,0 +1,46 @@
+"""Each CPU KV transport in a real 1P1D cluster (separate processes, the real model): the router's tokens
+equal the in-process engine's; the pages went the chosen way (bytes metric by transport, no fallback);
+decode is idle with every block free afterwards. mooncake runs over loopback TCP."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.engine.kv_transport import mooncake
+from services.launcher import LocalCluster
+from tests.e2e.cluster_util import CHAT_PROMPTS, metric_sum, wait_idle
+from tests.e2e.test_pd_cluster import LONG, _chat_ids, _reference, _router_generate
+
+pytestmark = pytest.mark.e2e
+NO_MOONCAKE = mooncake.available()
+
+FLAGS = {
+    "grpc": ({}, "grpc"),
+    "shm": ({}, "shm"),
+    "mooncake": ({"prefill": ["--kv-transport", "mooncake"], "decode": ["--kv-mooncake-host", "127.0.0.1"]}, "grpc"),
+}
+
+
+@pytest.mark.parametrize("transport", ["grpc", "shm", pytest.param("mooncake", marks=pytest.mark.skipif(
+    NO_MOONCAKE is not None, reason=f"the Mooncake wheel cannot load here: {NO_MOONCAKE}"))])
+def test_transport_gives_engine_tokens(reference_engine, transport: str) -> None:
+    extra, launcher_transport = FLAGS[transport]
+    sizes = {"prefill": ["--max-prefill-chunk", "29", "--kv-cache-bytes", str(96 << 20)],
+             "decode": ["--kv-cache-bytes", str(96 << 20)]}
+    merged = {k: [*sizes.get(k, []), *extra.get(k, [])] for k in ("prefill", "decode")}
+    with LocalCluster(prefill=1, decode=1, kvstore=None, dtype="float32", extra=merged, quiet=True,
+                      kv_transport=launcher_transport) as c:
+        for text in [*CHAT_PROMPTS, LONG]:
+            ids = _chat_ids(reference_engine, text)
+            got = asyncio.run(_router_generate(c.router["grpc"], ids))
+            assert list(got.token_ids) == _reference(reference_engine, ids), text
+        pm, dm = c.get("prefill-0").ready["metrics"], c.get("decode-0").ready["metrics"]
+        sent = metric_sum(pm, "pdserve_prefill_kv_sent_bytes_total", transport=transport)
+        assert sent > 0
+        assert metric_sum(pm, "pdserve_prefill_kv_sent_bytes_total") == sent  # nothing went another way
+        assert metric_sum(pm, "pdserve_prefill_kv_transport_fallbacks_total") == 0
+        assert metric_sum(dm, "pdserve_decode_kv_received_bytes_total", transport=transport) == sent
+        rep = wait_idle(c.get("decode-0").ready["grpc"])
+        assert rep.free_blocks == rep.total_blocks
