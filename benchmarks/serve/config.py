@@ -26,7 +26,8 @@ class TargetConfig:
                    choices=("chat", "completions"), env=_env("api"))
     api_key: str = opt("", "Bearer token for the server's API.", env=_env("api_key"))
     metrics_urls: tuple[str, ...] = opt((), "pdserve services' metrics host:port (comma-separated) to scrape "
-                                            "over the same window; with --recipe: every service.",
+                                            "over the same window, or a .json target file as `pdserve up "
+                                            "--prometheus-sd FILE` writes; with --recipe: every service.",
                                         env=_env("metrics_urls"))
     reference_url: str = opt("", "accuracy: a second server (e.g. a colocated pdserve) asked the same questions; "
                                  "the report says how often its tokens equal the first's.", env=_env("reference_url"))

@@ -9,6 +9,7 @@ buckets the way Prometheus' ``histogram_quantile`` does, so they are only as fin
 
 from __future__ import annotations
 
+import json
 import math
 import urllib.request
 from collections import defaultdict
@@ -56,6 +57,22 @@ def parse(text: str) -> dict[Sample, float]:
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             out[(s.name, tuple(sorted(s.labels.items())))] = float(s.value)
+    return out
+
+
+def expand_targets(entries: list[str]) -> list[str]:
+    """host:port entries as given; an entry naming a .json file is a Prometheus file_sd target list
+    (``[{"targets": ["host:port", ...], ...}]``, what ``pdserve up --prometheus-sd`` writes)."""
+    out: list[str] = []
+    for e in entries:
+        if e.endswith(".json"):
+            with open(e, encoding="utf-8") as f:
+                groups = json.load(f)
+            if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+                raise ValueError(f"{e}: expected a list of {{'targets': [...]}} objects")
+            out += [str(t) for g in groups for t in g.get("targets", [])]
+        else:
+            out.append(e)
     return out
 
 

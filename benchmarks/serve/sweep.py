@@ -13,7 +13,7 @@ from benchmarks.serve.client import RequestResult, Target
 from benchmarks.serve.config import LoadConfig, ReportConfig, TargetConfig, WorkloadConfig
 from benchmarks.serve.load import TRACE_RATE, LoadPoint, Runner, wait_ready
 from benchmarks.serve.report import latencies, summarize_run
-from benchmarks.serve.server_metrics import Window
+from benchmarks.serve.server_metrics import Window, expand_targets
 from benchmarks.serve.stats import SLO
 from benchmarks.serve.tokens import TokenCounter, WordText, load_tokenizer
 from benchmarks.serve.workload import (
@@ -26,6 +26,7 @@ from benchmarks.serve.workload import (
     trace_workload,
     write_trace,
 )
+from services.common.config import ConfigError
 
 
 @dataclass
@@ -91,17 +92,21 @@ def run_sweep(label: str, t: TargetConfig, w: WorkloadConfig, load: LoadConfig, 
     asyncio.run(wait_ready(target))
     slo = SLO(rep.slo_ttft_ms / 1000, rep.slo_tpot_ms / 1000, rep.slo_e2e_ms / 1000)
     out = SweepResult(label)
+    try:
+        targets = expand_targets(list(t.metrics_urls))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--metrics-urls: {e}") from None
     warm_spec = RandomSpec(min(w.input_tokens, 64), min(w.output_tokens, 4))
     for i, point in enumerate(sweep_points(load, w.seed, w.turn_gap_s, whole_set=w.workload == "accuracy")):
         workload = build_workload(w, texts, i)
         warm = random_workload(warm_spec, texts, requests=None, seed=w.seed, tag=f"Warmup {label} {point.label()}")
-        window = Window(list(t.metrics_urls))
+        window = Window(targets)
         runner = Runner(target, counter, progress=rep.progress)
         say(f"[{label}] {point.label()}: {workload.name} workload, "
             f"{'every' if point.requests is None else f'up to {point.requests}'} request(s)"
             + (f" or {point.duration_s:g} s" if point.duration_s else "") + f", warmup {point.warmup}")
-        run = asyncio.run(runner.run(workload, point, warm, window if t.metrics_urls else None))
-        if t.metrics_urls:
+        run = asyncio.run(runner.run(workload, point, warm, window if targets else None))
+        if targets:
             run.server = window.result()
         summary = summarize_run(run, slo, rep.num_gpus)
         summary["label"] = label

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from benchmarks.serve.server_metrics import HistogramDelta, delta, histogram, parse, summarize
+from benchmarks.serve.server_metrics import HistogramDelta, delta, expand_targets, histogram, parse, summarize
 from services.common import metrics as m
 
 
@@ -55,3 +55,12 @@ def test_sums_over_endpoints_and_labels():
     s = summarize(delta({}, {"p:1": a, "p:2": b}))
     assert s["histograms"]["router_ttft"]["count"] == 3
     assert s["counters"]["router_prompt_tokens"] == 30
+
+
+def test_targets_from_a_prometheus_file_sd_list(tmp_path):
+    f = tmp_path / "targets.json"
+    f.write_text('[{"targets": ["127.0.0.1:9100", "127.0.0.1:9101"], "labels": {"namespace": "local"}}]')
+    assert expand_targets(["10.0.0.1:9000", str(f)]) == ["10.0.0.1:9000", "127.0.0.1:9100", "127.0.0.1:9101"]
+    f.write_text('{"targets": []}')
+    with pytest.raises(ValueError, match="list"):
+        expand_targets([str(f)])
