@@ -56,6 +56,7 @@ class Results:
     dtype: str
     bytes: int
     chunk_pages: int
+    streams: int
     gbps: dict[str, float] = field(default_factory=dict)
     """Median GB/s (10^9 bytes/s) of each path over the repeats."""
     best_gbps: dict[str, float] = field(default_factory=dict)
@@ -172,21 +173,27 @@ def _socket_copy(port: int, data: memoryview) -> None:
         s.recv(1)
 
 
-async def _grpc_send(address: str, src: torch.Tensor, chunks: list[list[int]], page_bytes: int) -> None:
+async def _grpc_send(address: str, src: torch.Tensor, chunks: list[list[int]], page_bytes: int, streams: int
+                     ) -> None:
+    """The chunks as ``streams`` concurrent requests (each its own PushKV stream) over the transport."""
     from kernels import pack_pages
     from services.prefill.kv_stream import _bytes_view, _crc
 
-    transport = GrpcStreamTransport(max_message_bytes=64 << 20)
-    sender = transport.open(address, "bench")
-    await sender.bootstrap()
-    for i, blocks in enumerate(chunks):
-        pages = pack_pages(src, torch.tensor(blocks, dtype=torch.int64))
-        payload = _bytes_view(pages)
-        hdr = common_pb2.KVChunk(chunk_index=i, num_pages=len(blocks), checksum=await _crc(payload))
-        await sender.send(hdr, payload)
-    resp = await sender.finish()
+    transport = GrpcStreamTransport(max_message_bytes=64 << 20, channels_per_peer=streams)
+
+    async def one(mine: list[list[int]]) -> int:
+        sender = transport.open(address, "bench")
+        await sender.bootstrap()
+        for i, blocks in enumerate(mine):
+            pages = pack_pages(src, torch.tensor(blocks, dtype=torch.int64))
+            payload = _bytes_view(pages)
+            hdr = common_pb2.KVChunk(chunk_index=i, num_pages=len(blocks), checksum=await _crc(payload))
+            await sender.send(hdr, payload)
+        return (await sender.finish()).bytes_received
+
+    got = await asyncio.gather(*[one(chunks[k::streams]) for k in range(streams)])
     await transport.close()
-    assert resp.bytes_received == sum(len(c) for c in chunks) * page_bytes
+    assert sum(got) == sum(len(c) for c in chunks) * page_bytes
 
 
 class _Ready:
@@ -205,11 +212,11 @@ def run(args: argparse.Namespace) -> Results:
     cpu = host_cpu()
     torch.set_num_threads(args.threads)
     r = Results(cpu.model, cpu.reported_flags(), os.getloadavg()[0], args.threads, pool_shape, args.dtype, nbytes,
-                args.chunk_pages)
+                args.chunk_pages, args.streams)
     print(f"cpu: {r.cpu_model}; flags: {' '.join(r.cpu_flags) or '-'}; {os.cpu_count()} CPUs, load avg "
           f"{r.load_avg:.1f}; torch threads {args.threads}", flush=True)
     print(f"pool {pool_shape} {args.dtype}: {nbytes / 2**20:.0f} MiB, {page_bytes} B/page, {args.chunk_pages} "
-          f"pages/chunk, median of {args.repeat}", flush=True)
+          f"pages/chunk, grpc streams {args.streams}, median of {args.repeat}", flush=True)
     chunks = _runs_of(nblocks, args.chunk_pages)
     want_mc = not args.no_mooncake
     if want_mc:
@@ -237,7 +244,8 @@ def run(args: argparse.Namespace) -> Results:
         opened = open_shm_pool(dest.shm)
         order = list(range(nblocks))
         paths["shm"] = lambda: [copy_pages(src, c, opened, c) for c in chunks]
-        paths["grpc"] = lambda: asyncio.run(_grpc_send(f"127.0.0.1:{info['grpc']}", src, chunks, page_bytes))
+        paths["grpc"] = lambda: asyncio.run(_grpc_send(f"127.0.0.1:{info['grpc']}", src, chunks, page_bytes,
+                                                       args.streams))
         if want_mc:
             from services.engine.kv_transport.mooncake import MooncakeEngine, MooncakeWriter
 
@@ -281,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--repeat", type=int, default=5, help="Timed runs per path (median reported).")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads of both processes (copies).")
+    p.add_argument("--streams", type=int, default=1,
+                   help="grpc: concurrent requests (PushKV streams, one channel each) sharing the bytes.")
     p.add_argument("--no-mooncake", action="store_true", help="Skip the Mooncake path.")
     p.add_argument("--json", default="", help="Also write the results to this file.")
     args = p.parse_args(argv)

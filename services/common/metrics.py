@@ -24,7 +24,7 @@ Label values (small, closed sets; never request ids or prompts):
     endpoint       host:port of a backend as the router sees it (not `instance`: Prometheus owns that)
     reason         short snake_case cause, e.g. fingerprint, checksum, order, size, unavailable
     source         local | kvstore | decode   (where a cached prefix came from)
-    transport      grpc | cuda-ipc | mooncake
+    transport      grpc | shm | cuda-ipc | mooncake
     tier           memory | disk | mooncake
     outcome        ok | failed   (router migrations)
     dtype, dtype_reason, device, cpu_model, cpu_threads   (engine info gauges only: one series per process)
@@ -184,7 +184,8 @@ SPECS: tuple[MetricSpec, ...] = (
        "kvstore calls that failed or were skipped (the request went on without reuse), by reason "
        "(lookup, get, put, bad_page, down, write_back_dropped)."),
     _s(PREFILL_KV_TRANSPORT_FALLBACKS_TOTAL, "counter", ["transport", "reason"], "prefill",
-       "Requests whose side transport (shm, cuda-ipc) was refused, so pages went as bytes in the stream."),
+       "Requests whose side transport (shm, cuda-ipc, mooncake) was refused or not offered, so pages went "
+       "as bytes in the stream."),
     # decode
     _s(DECODE_KV_WAIT_SECONDS, "histogram", ["model"], "decode",
        "Decode KV-wait: reservation -> last KV chunk landed (seconds). Includes prefill queue and "

@@ -25,6 +25,8 @@ from services.engine.kv_transport.base import CLAIM_ACK, KVPoll, KVSender, KVTra
 PUSH_KV = "/pdserve.v1.Decode/PushKV"
 _PAYLOAD_TAG = bytes([(10 << 3) | 2])
 """KVChunk.payload: field 10, wire type 2 (length-delimited)."""
+CHANNELS_PER_PEER = 2
+"""Default TCP connections kept to each decode (concurrent requests' streams take turns on them)."""
 IN_FLIGHT = 4
 """Messages queued for the writer task at once (bounds host memory held by unsent chunks)."""
 _END = object()
@@ -142,28 +144,38 @@ class _GrpcSender(KVSender):
 
 
 class GrpcStreamTransport(KVTransport):
-    """``tls``: the service's TLSConfig when mTLS is on (channels present its certificate), else None."""
+    """``tls``: the service's TLSConfig when mTLS is on (channels present its certificate), else None.
+    ``channels_per_peer``: TCP connections kept to each decode; requests' streams take turns on them, so
+    concurrent transfers are not serialized on one connection."""
 
     name = "grpc"
 
     def __init__(self, metadata: tuple[tuple[str, str], ...] = (), tls: TLSConfig | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
-        self._channels: dict[str, grpc.aio.Channel] = {}
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, channels_per_peer: int = CHANNELS_PER_PEER
+                 ) -> None:
+        self._channels: dict[str, list[grpc.aio.Channel]] = {}
+        self._turn: dict[str, int] = {}
         self._metadata = metadata
         self._tls = tls
         self._max_message_bytes = max_message_bytes
+        self._per_peer = max(1, channels_per_peer)
 
     def channel(self, address: str) -> grpc.aio.Channel:
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = self._channels[address] = create_channel(address, tls=self._tls,
-                                                          max_message_bytes=self._max_message_bytes)
-        return ch
+        chans = self._channels.setdefault(address, [])
+        turn = self._turn.get(address, 0)
+        self._turn[address] = turn + 1
+        if len(chans) < self._per_peer:
+            # A distinct channel argument keeps gRPC from sharing one subchannel (connection) among them.
+            chans.append(create_channel(address, tls=self._tls, max_message_bytes=self._max_message_bytes,
+                                        options=(("grpc.channel_id", len(chans)),)))
+            return chans[-1]
+        return chans[turn % len(chans)]
 
     def open(self, decode_address: str, request_id: str, metadata: tuple[tuple[str, str], ...] = ()) -> KVSender:
         return _GrpcSender(self.channel(decode_address), (*self._metadata, *metadata))
 
     async def close(self) -> None:
-        for ch in self._channels.values():
-            await ch.close()
+        for chans in self._channels.values():
+            for ch in chans:
+                await ch.close()
         self._channels.clear()
