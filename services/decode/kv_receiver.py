@@ -42,9 +42,9 @@ from services.common.pb import common_pb2, decode_pb2
 from services.decode.reservations import EndCause, Reservation, ReservationTable
 from services.engine.async_engine import AsyncEngine, EngineDeadError
 from services.engine.kv_layout import FP8_CODEC, PageLayout, checksum
-from services.engine.kv_pages import KVPages
+from services.engine.kv_pages import KVPages, pages_of
 from services.engine.kv_transport import mooncake
-from services.engine.kv_transport.base import OnClaimed
+from services.engine.kv_transport.base import KVPoll, OnClaimed
 from services.engine.shared_kv import SharedKVAttachError, pool_id
 
 IN_PLACE_TRANSPORTS = frozenset({"shm", "cuda-ipc", "mooncake"})
@@ -121,10 +121,9 @@ class DecodeKVReceiver:
         self.on_rejected = on_rejected
         self.on_broken = on_broken
         self.vocab_size = engine.engine.vocab_size
-        runner = engine.engine.runner
-        self._page_shape = (runner.num_layers, 2, runner.block_size, runner.num_kv_heads, runner.head_dim)
-        self._dtype = runner.dtype
-        self._runner = runner
+        self.pages = pages_of(engine.engine)
+        self._page_shape = self.pages.page_shape
+        self._dtype = self.pages.dtype
 
     def _reject(self, code: grpc.StatusCode, message: str, reason: str,
                 detail_reason: int = Reason.ERROR_REASON_INVALID_INPUT, **kw: object) -> KVRejected:
@@ -248,9 +247,9 @@ class DecodeKVReceiver:
             warnings.simplefilter("ignore", UserWarning)
             flat = torch.frombuffer(payload, dtype=torch.uint8 if fp8 else self._dtype)
         if fp8:
-            self._runner.write_pages(block_ids, flat.view(len(block_ids), layout.page_bytes), FP8_CODEC)
+            self.pages.import_pages(block_ids, flat.view(len(block_ids), layout.page_bytes), FP8_CODEC)
         else:
-            self._runner.write_pages(block_ids, flat.view(len(block_ids), *self._page_shape))
+            self.pages.import_pages(block_ids, flat.view(len(block_ids), *self._page_shape))
 
     async def _next(self, it: AsyncIterator[common_pb2.KVChunk], r: Reservation | None,
                     gone: asyncio.Future | None) -> common_pb2.KVChunk | object:
@@ -375,6 +374,19 @@ class DecodeKVReceiver:
         r.kv_done_at = time.monotonic()
         if self.on_landed is not None:
             self.on_landed(r, c)
+
+    @staticmethod
+    def poll(r: Reservation) -> KVPoll:
+        """Where a reservation's KV stands: BOOTSTRAPPING (reserved, no stream), WAITING_FOR_INPUT (a stream
+        is open, a writer's claim accepted, no chunk yet), TRANSFERRING, SUCCESS (every page landed) or
+        FAILED (ended early: expired, deadline, rejected, aborted)."""
+        if r.end_cause is not None:
+            return KVPoll.FAILED
+        if r.complete:
+            return KVPoll.SUCCESS
+        if r.receiving:
+            return KVPoll.TRANSFERRING if r.next_chunk else KVPoll.WAITING_FOR_INPUT
+        return KVPoll.BOOTSTRAPPING
 
     async def release(self, r: Reservation, cause: EndCause) -> None:
         """End a reservation that will not run to completion (rejected, expired, deadline, aborted): it

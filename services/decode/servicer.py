@@ -35,7 +35,7 @@ from services.engine.block_manager import NoFreeBlocksError
 from services.engine.convert import finish_to_pb, layout_to_pb, params_from_pb
 from services.engine.engine import RequestOutput
 from services.engine.kv_pages import pages_of
-from services.engine.kv_transport.base import CLAIM_ACK
+from services.engine.kv_transport.base import CLAIM_ACK, KVPoll
 from services.engine.sampling_params import InvalidRequestError, SamplingParams
 from services.engine.sequence import FinishReason
 
@@ -390,7 +390,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def drain(self) -> None:
         """Wait for open Generate streams and KV transfers in flight (the server bounds the wait)."""
         while (self.engine is not None and self.engine.dead is None  # noqa: ASYNC110 (bounded by the server)
-               and (self._generating or any(r.receiving for r in self.table.values()))):
+               and (self._generating or any(self.receiver.poll(r) in (KVPoll.WAITING_FOR_INPUT, KVPoll.TRANSFERRING)
+                                            for r in self.table.values()))):
             await asyncio.sleep(0.05)
 
     async def close(self) -> None:

@@ -13,7 +13,7 @@ import grpc
 
 from services.common.grpc_util import Reason, detail_of
 from services.common.pb import common_pb2, decode_pb2_grpc
-from services.engine.kv_transport import CLAIM_ACK
+from services.engine.kv_transport import CLAIM_ACK, KVPoll
 from services.engine.shared_kv import pool_id
 from tests.decode.kv_util import PROMPT, Outcome, idle, prompt, reserve
 
@@ -49,10 +49,13 @@ async def test_a_claimed_reservation_keeps_its_blocks_past_its_lease_until_the_w
     base = await idle(rig.engine)
     resv = await reserve(rig.stub, lease_ms=300)
     assert resv.destination.WhichOneof("pool") == "shm"
+    r = rig.servicer.table.get(resv.reservation_id)
+    assert rig.servicer.receiver.poll(r) is KVPoll.BOOTSTRAPPING
     call, acked = await _claimed_call(rig.stub, _claim(resv))
-    assert acked
+    assert acked and rig.servicer.receiver.poll(r) is KVPoll.WAITING_FOR_INPUT
     await asyncio.sleep(0.8)  # the lease ran out while the (slow) writer holds the stream
     assert rig.servicer.table.get(resv.reservation_id) is None  # the reservation ended...
+    assert rig.servicer.receiver.poll(r) is KVPoll.FAILED
     held = (await rig.engine.stats())["free_blocks"]
     assert held == base["free_blocks"] - len(resv.block_ids)  # ...but its blocks are not free for reuse
     other = await reserve(rig.stub, prompt(3))  # a new request gets other blocks

@@ -115,7 +115,7 @@ async def _generate(p: Pair, resv: decode_pb2.ReserveResponse) -> list[int]:
 
 async def _idle(engine: AsyncEngine) -> dict[str, float]:
     s: dict[str, float] = {}
-    for _ in range(100):
+    for _ in range(400):  # up to 20 s: a busy box may take seconds to run the aborts
         s = await engine.stats()
         if s["free_blocks"] == s["total_blocks"] and not (s["running"] + s["waiting"] + s["waiting_for_kv"]):
             return s
