@@ -29,11 +29,11 @@ command -v debootstrap >/dev/null || { echo "debootstrap is not installed (apt-g
 [ "$(id -u)" -eq 0 ] || { echo "debootstrap needs root" >&2; exit 1; }
 
 ROOTFS="$(mktemp -d /tmp/pdserve-rootfs.XXXXXX)"
-trap 'rm -rf "$ROOTFS"' EXIT
+LOG="$ROOTFS.log"
+trap 'rm -rf "$ROOTFS" "$LOG"' EXIT
 start=$(date +%s)
-debootstrap --variant=minbase --include="$PACKAGES" "$SUITE" "$ROOTFS" "$MIRROR" >"$ROOTFS.log" 2>&1 \
-  || { tail -30 "$ROOTFS.log" >&2; rm -f "$ROOTFS.log"; exit 1; }
-rm -f "$ROOTFS.log"
+debootstrap --variant=minbase --include="$PACKAGES" "$SUITE" "$ROOTFS" "$MIRROR" >"$LOG" 2>&1 \
+  || { tail -30 "$LOG" >&2; exit 1; }
 # The python:3.11-slim contract deploy/Dockerfile relies on: `python` on PATH, `python -m venv` works.
 ln -sf /usr/bin/python3 "$ROOTFS/usr/local/bin/python"
 rm -rf "$ROOTFS"/var/lib/apt/lists/* "$ROOTFS"/var/cache/apt/archives/*.deb "$ROOTFS"/var/log/*.log
@@ -41,5 +41,5 @@ tar --numeric-owner -C "$ROOTFS" -c . | $CLI import \
   --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
   --change 'ENV LANG=C.UTF-8' \
   --change 'CMD ["python3"]' \
-  - "$IMAGE" >/dev/null
+  - "$IMAGE" >"$LOG" 2>&1 || { cat "$LOG" >&2; exit 1; }
 echo "base image $IMAGE made in $(( $(date +%s) - start )) s ($($CLI image inspect --format '{{.Size}}' "$IMAGE") bytes)"

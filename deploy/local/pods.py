@@ -39,6 +39,14 @@ def render(kustomization: str) -> list[dict]:
     return [d for d in yaml.safe_load_all(proc.stdout) if d]
 
 
+def set_images(objs: list[dict], images: dict[str, str]) -> list[dict]:
+    for o in objs:
+        if o["kind"] in ("Deployment", "StatefulSet"):
+            for c in o["spec"]["template"]["spec"]["containers"]:
+                c["image"] = images.get(c["image"].split(":", 1)[0], c["image"])
+    return objs
+
+
 def run(cli: str, *args: str, check: bool = True, timeout: float | None = 120) -> subprocess.CompletedProcess:
     proc = subprocess.run([cli, *args], capture_output=True, text=True, timeout=timeout, check=False)
     if check and proc.returncode != 0:
@@ -63,6 +71,13 @@ def running(cli: str, name: str) -> bool:
 def logs_tail(cli: str, name: str, lines: int = 40) -> str:
     proc = run(cli, "logs", "--tail", str(lines), name, check=False)
     return proc.stdout + proc.stderr
+
+
+def remove_all(cli: str, pods: list[Pod]) -> None:
+    """Remove this plan's containers and any other container an earlier run labelled as ours."""
+    listed = run(cli, "ps", "--all", f"--filter=label={LABEL}", "--format={{.Names}}", check=False).stdout.split()
+    for name in sorted({*listed, *(c.name for p in pods for c in p.containers)}):
+        run(cli, "rm", "--force", name, check=False)
 
 
 def ensure_network(cli: str, network: str, subnet: str) -> None:
@@ -121,9 +136,7 @@ def cmd_up(a: argparse.Namespace, pods: list[Pod]) -> int:
     for image in sorted({c.image for p in pods for c in p.containers}):
         if run(a.cli, "image", "inspect", image, check=False).returncode != 0:
             sys.exit(f"image {image} not found: build it first (deploy/local/run-pods.sh build)")
-    for p in pods:
-        for c in p.containers:
-            run(a.cli, "rm", "--force", c.name, check=False)
+    remove_all(a.cli, pods)   # an earlier run (maybe of another overlay) would hold names and IPs
     ensure_network(a.cli, a.network, a.subnet)
     for p in pods:
         for v in p.volumes:
@@ -135,7 +148,8 @@ def cmd_up(a: argparse.Namespace, pods: list[Pod]) -> int:
             print(f"started {c.name} ({p.workload}) at {p.ip}", flush=True)
     state = {"cli": a.cli, "network": a.network, "pods": [
         {"name": p.name, "ip": p.ip, "workload": p.workload, "grace_s": p.grace_s, "labels": dict(p.labels),
-         "containers": [{"name": c.name, "ports": dict(c.ports)} for c in p.containers]} for p in pods]}
+         "containers": [{"name": c.name, "ports": dict(c.ports), "env": dict(c.env)} for c in p.containers]}
+        for p in pods]}
     Path(a.state).write_text(json.dumps(state, indent=2))
     with concurrent.futures.ThreadPoolExecutor(max_workers=8) as ex:
         results = list(ex.map(lambda pc: wait_ready(a.cli, *pc), [(p, c) for p in pods for c in p.containers]))
@@ -170,9 +184,8 @@ def cmd_stop(a: argparse.Namespace, pods: list[Pod]) -> int:
     for r in results:
         print(f"{r['pod']:28s} exit {r['exit_codes']} after {r['seconds']} s (grace {r['grace_s']} s)", flush=True)
     if a.command == "down":
+        remove_all(a.cli, pods)
         for p in pods:
-            for c in p.containers:
-                run(a.cli, "rm", "--force", c.name, check=False)
             for v in p.volumes if a.volumes else ():
                 run(a.cli, "volume", "rm", "--force", v.name, check=False)
         run(a.cli, "network", "rm", a.network, check=False)
@@ -206,8 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--publish", action="append", default=[], metavar="POD:HOSTIP:HOSTPORT:PORT",
                     help="like kubectl port-forward: publish a pod's port on the host (repeatable)")
     ap.add_argument("--volumes", action="store_true", help="down: also remove the PVC volumes")
+    ap.add_argument("--set-image", action="append", default=[], metavar="NAME=IMAGE",
+                    help="like `kustomize edit set image`: containers whose image is NAME (any tag) run IMAGE")
     a = ap.parse_args(argv)
-    objs = render(a.kustomization)
+    objs = set_images(render(a.kustomization), dict(x.split("=", 1) for x in a.set_image))
     namespaces = {o["metadata"]["namespace"] for o in objs if "namespace" in o["metadata"]}
     pods = plan(objs, network=a.network, subnet=a.subnet, cli=os.path.basename(a.cli),
                 namespace=next(iter(namespaces)) if len(namespaces) == 1 else "default")

@@ -169,16 +169,25 @@ def _env(c: Obj, pod: str, ns: str, ip: str, cms: dict[str, dict[str, str]]) -> 
     return env
 
 
-def _probe(p: Obj) -> Probe:
+def _probe(p: Obj, ports: dict[str, int]) -> Probe:
+    """A probe with its port resolved: a named port (`port: metrics`) is the container's port of that name."""
+    def port(v: int | str) -> int:
+        if isinstance(v, str) and not v.isdigit():
+            if v not in ports:
+                raise UnsupportedField(f"probe port {v!r} names no containerPort")
+            return ports[v]
+        return int(v)
     common = dict(initial_delay_s=float(p.get("initialDelaySeconds", 0)),
                   period_s=float(p.get("periodSeconds", 10)), timeout_s=float(p.get("timeoutSeconds", 1)),
                   failure_threshold=int(p.get("failureThreshold", 3)))
     if "grpc" in p:
-        return Probe("grpc", int(p["grpc"]["port"]), "", p["grpc"].get("service", ""), (), **common)
+        return Probe("grpc", port(p["grpc"]["port"]), "", p["grpc"].get("service", ""), (), **common)
     if "httpGet" in p:
-        return Probe("http", int(p["httpGet"]["port"]), p["httpGet"].get("path", "/"), "", (), **common)
+        if p["httpGet"].get("scheme", "HTTP") != "HTTP" or p["httpGet"].get("host"):
+            raise UnsupportedField(f"httpGet {p['httpGet']}")
+        return Probe("http", port(p["httpGet"]["port"]), p["httpGet"].get("path", "/"), "", (), **common)
     if "tcpSocket" in p:
-        return Probe("tcp", int(p["tcpSocket"]["port"]), "", "", (), **common)
+        return Probe("tcp", port(p["tcpSocket"]["port"]), "", "", (), **common)
     if "exec" in p:
         return Probe("exec", None, "", "", tuple(p["exec"]["command"]), **common)
     raise UnsupportedField(f"probe {sorted(p)}")
@@ -322,6 +331,7 @@ def plan(objs: list[Obj], *, network: str, subnet: str, cli: str = "podman",
                          f"--stop-timeout={int(spec.get('terminationGracePeriodSeconds', 30))}"]
                 if c.get("workingDir"):
                     flags.append(f"--workdir={c['workingDir']}")
+                ports = {q["name"]: int(q["containerPort"]) for q in c.get("ports") or [] if "name" in q}
                 containers.append(Container(
                     name=cname, image=c["image"],
                     entrypoint=tuple(expand(a, env) for a in c.get("command") or []),
@@ -329,7 +339,7 @@ def plan(objs: list[Obj], *, network: str, subnet: str, cli: str = "podman",
                     env=tuple(env.items()),
                     ports=tuple((p.get("name", ""), int(p["containerPort"])) for p in c.get("ports") or []),
                     run_flags=tuple(flags),
-                    probes=tuple((k.removesuffix("Probe"), _probe(c[k]))
+                    probes=tuple((k.removesuffix("Probe"), _probe(c[k], ports))
                                  for k in ("startupProbe", "readinessProbe", "livenessProbe") if k in c),
                     pre_stop=_pre_stop(c)))
             pods.append(Pod(

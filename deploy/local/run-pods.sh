@@ -12,7 +12,8 @@
 #
 # Then: curl http://10.213.64.12:8000/v1/models (the router pod's IP; `up` prints every pod's IP), or
 # `up --publish pdserve-router-0:127.0.0.1:8000:8000` for a kubectl-port-forward-like host port.
-# Env: PDSERVE_OVERLAY (deploy/k8s/overlays/cpu-local), PDSERVE_IMAGE (pdserve:dev, the overlay's image),
+# Env: PDSERVE_OVERLAY (deploy/k8s/overlays/cpu-local), PDSERVE_IMAGE (pdserve:dev: what `build` tags and
+# every pod runs in place of the overlay's pdserve image),
 # PDSERVE_BASE_IMAGE (pdserve-base:bookworm), PDSERVE_CONTAINER_CLI (podman|docker), and for the build
 # TORCH_VERSION / TORCH_INDEX_URL (see make-wheelhouse.sh). The mapping from Kubernetes objects to
 # containers is in podspec.py and docs/DEPLOY.md.
@@ -42,7 +43,8 @@ build() {
   echo "image $IMAGE built in $(( $(date +%s) - t1 )) s (with base image and wheelhouse: $(( $(date +%s) - t0 )) s)"
 }
 
-pods() { python3 "$HERE/pods.py" --cli "$CLI" -k "$OVERLAY" "$@"; }
+# The overlay's `pdserve` image (any tag) is replaced by the one `build` makes, like `kustomize edit set image`.
+pods() { python3 "$HERE/pods.py" --cli "$CLI" -k "$OVERLAY" --set-image "pdserve=$IMAGE" "$@"; }
 
 cmd="${1:-all}"
 [ $# -gt 0 ] && shift

@@ -1,15 +1,16 @@
-"""The image built for real and the cpu-local overlay's pods run for real, with podman (or docker):
-deploy/local/run-pods.sh builds the image offline and starts router, prefill, decode and kvstore with the
-manifests' images, args, env, ports and probes on a pod network (names resolved like the cluster's DNS).
-Then: every declared probe passes against the running containers; a chat completion through the router
-container is the engine's greedy answer (the same image running `pdserve generate`); SIGTERM to the
-decode pod mid-request (the kubelet's pod deletion) turns it NOT_SERVING, the request still finishes
-with the uninterrupted answer, and the container exits 0 within its terminationGracePeriodSeconds.
+"""The image built for real and the overlays' pods run for real, with podman (or docker):
+deploy/local/run-pods.sh builds the image offline and starts the pods of an overlay with the manifests'
+images, args, env, ports and probes on a pod network (names resolved like the cluster's DNS).
+cpu-local: every declared probe (gRPC health) passes against the running containers; a chat completion
+through the router container is the engine's greedy answer (the same image running `pdserve generate`);
+SIGTERM to the decode pod mid-request (the kubelet's pod deletion) turns it NOT_SERVING, the request
+still finishes with the uninterrupted answer, and the container exits 0 within its grace period.
+mooncake: the master's tcpSocket and httpGet probes and every gRPC probe pass, and the answer is the same.
 
 Skips, with the reason, when no container runtime can run containers here (`PDSERVE_CONTAINERS=1
 scripts/install.sh` installs podman, runc and debootstrap and makes the base image) or when
-PDSERVE_CONTAINERS=0. Timing on the 2-core dev box: base image ~35 s, wheelhouse ~30 s, image build
-~4 min, pods ready ~40 s, tests ~1 min."""
+PDSERVE_CONTAINERS=0. Timing on the 2-core dev box (busy): base image 35-110 s, wheelhouse 30-45 s,
+image build 3.5-6 min cold, each overlay ready in ~35 s, the tests ~2 min."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import subprocess
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,8 @@ REPO = Path(__file__).resolve().parents[2]
 RUN_PODS = REPO / "deploy" / "local" / "run-pods.sh"
 IMAGE = "pdserve:dev"            # the cpu-local overlay's image
 BASE_IMAGE = "pdserve-base:bookworm"
-BUILD_TIMEOUT_S = 1500           # base image + wheelhouse + image build on 2 busy cores (measured ~5 min)
+BUILD_TIMEOUT_S = 1500           # base image + wheelhouse + image build on 2 busy cores (measured 4-9 min)
+PROMPT, MAX_TOKENS = "What is the capital of France?", 24
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.containers, pytest.mark.timeout(2400)]
 
@@ -79,7 +81,8 @@ def can_run_containers() -> str:
 
 
 @pytest.fixture(scope="module")
-def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def image() -> str:
+    """The image, built offline by run-pods.sh (base image if missing, wheelhouse, `<cli> build`)."""
     if CLI is None:
         pytest.skip(WHY_NOT)
     why = can_run_containers()
@@ -88,16 +91,60 @@ def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     t0 = time.monotonic()
     build = sh("bash", str(RUN_PODS), "build", timeout=BUILD_TIMEOUT_S)
     print(build.stdout.strip().splitlines()[-1], f"(fixture: {time.monotonic() - t0:.0f} s)")
-    state_file = tmp_path_factory.mktemp("pods") / "state.json"
+    return IMAGE
+
+
+def run_overlay(overlay: str, state_file: Path) -> Iterator[dict[str, Any]]:
+    """`run-pods.sh up` for an overlay (its pdserve image replaced by IMAGE); `down --volumes` after."""
+    env = {"PDSERVE_OVERLAY": f"deploy/k8s/overlays/{overlay}", "PDSERVE_IMAGE": IMAGE}
     try:
         t1 = time.monotonic()
-        up = sh("bash", str(RUN_PODS), "up", "--state", str(state_file), timeout=900, check=False)
-        print(up.stdout, f"(up: {time.monotonic() - t1:.0f} s)")
+        up = sh("env", *(f"{k}={v}" for k, v in env.items()), "bash", str(RUN_PODS), "up",
+                "--state", str(state_file), timeout=900, check=False)
+        print(up.stdout, f"({overlay} up: {time.monotonic() - t1:.0f} s)")
         if up.returncode != 0:
-            pytest.fail(f"pods did not become ready:\n{up.stdout[-4000:]}\n{up.stderr[-6000:]}")
-        yield json.loads(state_file.read_text())
+            pytest.fail(f"{overlay} pods did not become ready:\n{up.stdout[-4000:]}\n{up.stderr[-6000:]}")
+        state = json.loads(state_file.read_text())
+        state["env"] = env
+        yield state
     finally:
-        sh("bash", str(RUN_PODS), "down", "--volumes", timeout=300, check=False)
+        t2 = time.monotonic()
+        down = sh("env", *(f"{k}={v}" for k, v in env.items()), "bash", str(RUN_PODS), "down", "--volumes",
+                  timeout=300, check=False)
+        print(down.stdout, down.stderr[-2000:], f"({overlay} down: {time.monotonic() - t2:.0f} s)")
+    # Every pod, deleted the kubelet's way, drained and exited 0 within its grace period.
+    assert down.returncode == 0, down.stdout
+
+
+@pytest.fixture(scope="class")
+def pods(image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    yield from run_overlay("cpu-local", tmp_path_factory.mktemp("cpu-local") / "state.json")
+
+
+@pytest.fixture(scope="class")
+def mooncake_pods(image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    yield from run_overlay("mooncake", tmp_path_factory.mktemp("mooncake") / "state.json")
+
+
+@pytest.fixture(scope="module")
+def greedy_answer(image: str) -> Callable[[dict[str, Any]], str]:
+    """The engine's greedy answer to PROMPT for an overlay's decode pod: the same image's engine in one
+    process (`pdserve generate`, bfloat16 like the pods) with as many torch threads as the pod's
+    PDSERVE_CPU_THREADS (`pdserve generate` takes one per CPU of its affinity: --cpuset-cpus)."""
+    answers: dict[int, str] = {}
+
+    def answer(state: dict[str, Any]) -> str:
+        (decode,) = [p for p in state["pods"] if p["labels"]["app.kubernetes.io/component"] == "decode"]
+        threads = min(int(decode["containers"][0]["env"]["PDSERVE_CPU_THREADS"]), os.cpu_count() or 1)
+        if threads not in answers:
+            ref = sh(CLI or "podman", "run", "--rm", "--pull=never", "--network=none", "--read-only",
+                     "--tmpfs=/tmp", f"--cpuset-cpus=0-{threads - 1}", image, "services.cli", "generate",
+                     "--chat", "--dtype=bfloat16", f"--max-tokens={MAX_TOKENS}", f"--prompt={PROMPT}",
+                     timeout=600)
+            assert "Paris" in ref.stdout, ref.stderr[-2000:]
+            answers[threads] = ref.stdout.strip()
+        return answers[threads]
+    return answer
 
 
 def pod_ip(state: dict[str, Any], component: str) -> str:
@@ -129,75 +176,94 @@ def health(ip: str, port: int) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
 
-def test_every_declared_probe_passes_against_the_running_pods(pods: dict[str, Any]) -> None:
-    proc = sh("bash", str(RUN_PODS), "probe", timeout=120, check=False)
+def run_pods(state: dict[str, Any], *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """run-pods.sh for the overlay `state` came from; never fails by itself (the caller asserts)."""
+    return sh("env", *(f"{k}={v}" for k, v in state["env"].items()), "bash", str(RUN_PODS), *args,
+              timeout=timeout, check=False)
+
+
+def probe_all(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every probe the manifests declare, once, against the running containers; all must pass."""
+    proc = run_pods(state, "probe", timeout=120)
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert proc.returncode == 0, proc.stdout
+    assert proc.returncode == 0 and all(r["ok"] for r in results), proc.stdout
     by_container: dict[str, set[str]] = {}
     for r in results:
-        assert r["ok"] and r["seen"] == "SERVING", r
-        assert r["target"].startswith("grpc:")
         by_container.setdefault(r["container"], set()).add(r["probe"])
-    assert by_container == {p["name"]: {"startup", "readiness", "liveness"} for p in pods["pods"]}
-    # The metrics port the Prometheus annotations name answers on every pod IP.
-    for p in pods["pods"]:
-        port = p["containers"][0]["ports"]["metrics"]
-        with urllib.request.urlopen(f"http://{p['ip']}:{port}/metrics", timeout=10) as r:
-            assert r.status == 200 and b"# TYPE" in r.read()
+    assert by_container == {p["name"]: {"startup", "readiness", "liveness"} for p in state["pods"]}
+    return results
 
 
-def test_chat_completion_through_the_router_pod_is_the_engines_greedy_answer(pods: dict[str, Any]) -> None:
-    prompt = "What is the capital of France?"
-    got = complete(pod_ip(pods, "router"), prompt, 24)
-    # The reference: the same image's engine in one process (`pdserve generate`), same dtype and threads
-    # as the decode pod (cpu-local: bfloat16, OMP_NUM_THREADS = its 2-CPU limit).
-    ref = sh(CLI or "podman", "run", "--rm", "--pull=never", "--network=none", "--read-only", "--tmpfs=/tmp",
-             "--env=OMP_NUM_THREADS=2", IMAGE, "services.cli", "generate", "--chat", "--dtype=bfloat16",
-             "--max-tokens=24", f"--prompt={prompt}", timeout=600)
-    assert got["message"]["content"] == ref.stdout.strip(), ref.stderr[-2000:]
-    assert "Paris" in got["message"]["content"]
-    assert got["finish_reason"] == "stop"
+class TestCpuLocal:
+    def test_every_declared_probe_passes_against_the_running_pods(self, pods: dict[str, Any]) -> None:
+        for r in probe_all(pods):
+            assert r["target"].startswith("grpc:") and r["seen"] == "SERVING", r
+        # The metrics port the Prometheus annotations name answers on every pod IP.
+        for p in pods["pods"]:
+            port = p["containers"][0]["ports"]["metrics"]
+            with urllib.request.urlopen(f"http://{p['ip']}:{port}/metrics", timeout=10) as r:
+                assert r.status == 200 and b"# TYPE" in r.read()
+
+    def test_chat_completion_through_the_router_pod_is_the_engines_greedy_answer(
+            self, pods: dict[str, Any], greedy_answer: Callable[[dict[str, Any]], str]) -> None:
+        got = complete(pod_ip(pods, "router"), PROMPT, MAX_TOKENS)
+        assert got["message"]["content"] == greedy_answer(pods)
+        assert got["finish_reason"] == "stop"
+
+    def test_sigterm_to_decode_mid_request_finishes_it_and_exits_zero_within_grace(
+            self, pods: dict[str, Any]) -> None:
+        router, decode = pod_ip(pods, "router"), pod_ip(pods, "decode")
+        (decode_pod,) = [p for p in pods["pods"] if p["labels"]["app.kubernetes.io/component"] == "decode"]
+        prompt, max_tokens = "Write a long story about a dragon who learns to read.", 96
+        reference = complete(router, prompt, max_tokens)
+        assert reference["finish_reason"] == "length"
+
+        stopped: dict[str, Any] = {}
+        statuses: list[str] = []
+
+        def delete_pod() -> None:   # the kubelet's pod deletion: SIGTERM, SIGKILL after the grace period
+            proc = run_pods(pods, "stop", decode_pod["name"], timeout=decode_pod["grace_s"] + 60)
+            stopped.update(json.loads(proc.stdout.strip().splitlines()[-1])[0])
+
+        stopper = threading.Thread(target=delete_pod)
+        text, finish, done, n = [], None, False, 0
+        with urllib.request.urlopen(chat(router, prompt, max_tokens, stream=True), timeout=300) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    continue
+                choice = json.loads(line[6:])["choices"][0]
+                text.append(choice["delta"].get("content") or "")
+                finish = choice["finish_reason"] or finish
+                n += 1
+                if n == 8:
+                    stopper.start()         # SIGTERM now; the stream is ~90 tokens from its end
+                elif n > 8 and "NOT_SERVING" not in statuses:   # what the readiness probe sees meanwhile
+                    try:
+                        statuses.append(health(decode, decode_pod["containers"][0]["ports"]["grpc"]))
+                    except grpc.RpcError as e:
+                        statuses.append(e.code().name)
+        stopper.join()
+        assert done and finish == "length"
+        assert "".join(text) == reference["message"]["content"]   # nothing lost or repeated by the drain
+        assert "NOT_SERVING" in statuses, statuses                   # readiness fails: out of the endpoints
+        assert stopped["exit_codes"] == {decode_pod["name"]: 0}, stopped
+        assert stopped["seconds"] < decode_pod["grace_s"], stopped
 
 
-def test_sigterm_to_decode_mid_request_finishes_it_and_exits_zero_within_grace(pods: dict[str, Any]) -> None:
-    router, decode = pod_ip(pods, "router"), pod_ip(pods, "decode")
-    (decode_pod,) = [p for p in pods["pods"] if p["labels"]["app.kubernetes.io/component"] == "decode"]
-    prompt, max_tokens = "Write a long story about a dragon who learns to read.", 96
-    reference = complete(router, prompt, max_tokens)
-    assert reference["finish_reason"] == "length"
+class TestMooncake:
+    """The mooncake overlay: a mooncake_master pod (tcpSocket startup, httpGet /health readiness and
+    liveness on its named ports) and two kvstore replicas on Mooncake Store, from the same image."""
 
-    stopped: dict[str, Any] = {}
-    statuses: list[str] = []
-
-    def delete_pod() -> None:
-        proc = sh("bash", str(RUN_PODS), "stop", decode_pod["name"], timeout=decode_pod["grace_s"] + 60,
-                  check=False)
-        stopped.update(json.loads(proc.stdout.strip().splitlines()[-1])[0])
-
-    stopper = threading.Thread(target=delete_pod)
-    text, finish, done, n = [], None, False, 0
-    with urllib.request.urlopen(chat(router, prompt, max_tokens, stream=True), timeout=300) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                done = True
-                continue
-            choice = json.loads(line[6:])["choices"][0]
-            text.append(choice["delta"].get("content") or "")
-            finish = choice["finish_reason"] or finish
-            n += 1
-            if n == 8:
-                stopper.start()         # SIGTERM now; the stream is ~90 tokens from its end
-            elif n > 8 and "NOT_SERVING" not in statuses:   # what the readiness probe sees meanwhile
-                try:
-                    statuses.append(health(decode, decode_pod["containers"][0]["ports"]["grpc"]))
-                except grpc.RpcError as e:
-                    statuses.append(e.code().name)
-    stopper.join()
-    assert done and finish == "length"
-    assert "".join(text) == reference["message"]["content"]   # nothing lost or repeated by the drain
-    assert "NOT_SERVING" in statuses, statuses                   # readiness fails: out of the endpoints
-    assert stopped["exit_codes"] == {decode_pod["name"]: 0}, stopped
-    assert stopped["seconds"] < decode_pod["grace_s"], stopped
+    def test_http_tcp_and_grpc_probes_pass_and_the_answer_is_the_same(
+            self, mooncake_pods: dict[str, Any], greedy_answer: Callable[[dict[str, Any]], str]) -> None:
+        results = probe_all(mooncake_pods)
+        master = {r["probe"]: r for r in results if "mooncake-master" in r["container"]}
+        assert master["readiness"]["target"] == master["liveness"]["target"] == "http:9090/health"
+        assert master["readiness"]["seen"] == "HTTP 200" and master["startup"]["target"] == "tcp:50051"
+        assert sum(1 for p in mooncake_pods["pods"] if "kvstore" in p["name"]) == 2
+        got = complete(pod_ip(mooncake_pods, "router"), PROMPT, MAX_TOKENS)
+        assert got["message"]["content"] == greedy_answer(mooncake_pods)

@@ -35,8 +35,8 @@ def _load_podspec() -> Any:
 podspec = _load_podspec()
 
 
-def render() -> list[dict[str, Any]]:
-    out = subprocess.run(["kubectl", "kustomize", str(OVERLAY)], capture_output=True, text=True, check=True)
+def render(overlay: Path = OVERLAY) -> list[dict[str, Any]]:
+    out = subprocess.run(["kubectl", "kustomize", str(overlay)], capture_output=True, text=True, check=True)
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
@@ -154,3 +154,14 @@ def test_what_the_mapping_cannot_reproduce_fails_loudly() -> None:
     w["containers"][0]["volumeMounts"].append({"name": "tls", "mountPath": "/etc/tls"})
     with pytest.raises(podspec.UnsupportedField, match="tls"):
         make_plan(secret)
+
+
+@pytest.mark.parametrize("overlay", ["cpu-local", "gpu", "mooncake", "mtls"])
+def test_every_pod_of_an_overlay_runs_one_tagged_image(overlay: str) -> None:
+    """Found running the mooncake overlay here: the base's `images:` did not reach the component's
+    mooncake-master, which asked for `pdserve` (:latest) next to pdserve:0.1.0 everywhere else."""
+    objs = render(OVERLAY.parent / overlay)
+    images = {c["image"] for o in objs if o["kind"] in ("Deployment", "StatefulSet")
+              for c in o["spec"]["template"]["spec"]["containers"]}
+    assert len(images) == 1, images
+    assert ":" in next(iter(images)), images
