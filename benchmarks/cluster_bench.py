@@ -25,7 +25,8 @@ import torch
 
 from services.common.grpc_util import create_channel, payload_budget
 from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc
-from services.engine.shared_kv import SharedKVPools, copy_pages
+from services.engine.kv_transport import CLAIM_ACK
+from services.engine.shared_kv import SharedKVPools, copy_pages, pool_id
 from services.launcher import LocalCluster, served_model
 
 TOPIC = ("the history of bridges, from fallen logs across streams to stone arches, iron trusses and long "
@@ -112,14 +113,24 @@ async def kv_stream_bytes_per_s(decode: str, prompt_len: int, repeats: int, shm:
                     first_token=1, reservation_token=resv.reservation_token))
                 first += n
 
-            async def gen(msgs=msgs, pool=pool, src=src, resv=resv):
+            calls: list = []
+
+            async def gen(msgs=msgs, pool=pool, src=src, resv=resv, calls=calls):
+                if pool is not None:  # a side-transport writer claims the reservation before any write
+                    yield common_pb2.KVChunk(
+                        reservation_id=resv.reservation_id, reservation_token=resv.reservation_token,
+                        transport="shm", claim=common_pb2.KVClaim(transport="shm", dest_block_ids=resv.block_ids,
+                                                                  pool_id=pool_id(resv.destination)))
+                    md = await calls[0].initial_metadata()
+                    assert all(kv in list(md or ()) for kv in CLAIM_ACK), "decode did not accept the claim"
                 for m in msgs:
                     if pool is not None:  # what the prefill's engine thread does per chunk
                         blocks = list(range(m.first_block, m.first_block + m.num_pages))
                         copy_pages(src, blocks, pool, [resv.block_ids[b] for b in blocks])
                     yield m
             t0 = time.perf_counter()
-            await stub.PushKV(gen())
+            calls.append(stub.PushKV(gen()))
+            await calls[0]
             rates.append(n_pages * page_bytes / (time.perf_counter() - t0))
             await stub.Abort(common_pb2.AbortRequest(request_id=resv.reservation_id))
         return {"MBps": statistics.median(rates) / 1e6, "bytes": n_pages * page_bytes}
