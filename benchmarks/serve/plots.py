@@ -28,6 +28,11 @@ def _xlabel(sweeps: list[SweepResult]) -> str:
     return "arrival rate (conversations/s)" if rate else "concurrency"
 
 
+def _label(v: float) -> str:
+    """A bar's value: whole numbers from 100 up, three significant digits below."""
+    return "-" if v != v else f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
 def _ms(v: float | None) -> float:
     return float("nan") if v is None else v * 1000
 
@@ -100,7 +105,7 @@ def ab_bars(a: SweepResult, b: SweepResult, path: Path) -> Path:
         for off, sw in ((-width / 2, a), (width / 2, b)):
             vals = [get(s) for s in sw.points]
             bars = ax.bar([x + off for x in xs], vals, width, label=sw.label)
-            ax.bar_label(bars, fmt="%.3g", fontsize=7)
+            ax.bar_label(bars, labels=[_label(v) for v in vals], fontsize=7)
         ax.set_xticks(list(xs), labels, fontsize=7)
         ax.set_title(title)
         ax.grid(True, axis="y", alpha=0.3)

@@ -38,10 +38,13 @@ def test_counts_and_ttft_agree_with_the_servers(cluster):
     s = sweep.points[0]
     assert s["requests"] == {**s["requests"], "sent": 8, "completed": 8, "failed": 0, "not_sent": 0}
     c = s["server"]["counters"]
-    # Token counts: the client's (from usage, and from its own tokenizer) equal the router's counters.
+    # Token counts: the reported ones (usage) equal the router's counters; the client's own tokenizer
+    # gives the same prompt counts (chat template and all). Re-tokenizing the output text may merge
+    # tokens the model emitted split, so that count may only fall a little short.
     assert s["tokens"]["source"] == "usage"
     assert s["tokens"]["input"] == c["router_prompt_tokens"] == s["tokens"]["client_tokenizer_input"]
-    assert s["tokens"]["output"] == c["router_generation_tokens"] == s["tokens"]["client_tokenizer_output"] == 8 * 6
+    assert s["tokens"]["output"] == c["router_generation_tokens"] == 8 * 6
+    assert 0.85 * 8 * 6 <= s["tokens"]["client_tokenizer_output"] <= 8 * 6
     # Prefill samples each request's first token; decode the rest (docs/METRICS.md, token accounting).
     assert c["decode_generation_tokens"] + 8 == c["router_generation_tokens"]
     assert c["router_requests_ok"] == 8
