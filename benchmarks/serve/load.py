@@ -109,21 +109,33 @@ class Runner:
             if k and gap_s > 0:
                 await asyncio.sleep(gap_s)
             res = RequestResult(conv.id, k, 0.0)
-            if self.target.api == "chat":
-                msgs = conv.messages(k, replies)
-                res.client_prompt_tokens = self.counter.chat(msgs)
-                await send(session, self.target, msgs, turn.max_tokens, res, clock0)
-            else:
-                prompt = conv.prompt(k, replies)
-                res.client_prompt_tokens = self.counter.prompt(prompt)
-                await send(session, self.target, prompt, turn.max_tokens, res, clock0)
-            res.client_completion_tokens = self.counter.output(res.text) if res.ok else None
+            payload = conv.messages(k, replies) if self.target.api == "chat" else conv.prompt(k, replies)
+            await send(session, self.target, payload, turn.max_tokens, res, clock0)
             out.append(res)
             on_done(res)
             if not res.ok:
                 return len(conv.turns) - k - 1
             replies.append(res.text)
         return 0
+
+    def count_tokens(self, convs: list[Conversation], results: list[RequestResult]) -> None:
+        """The client tokenizer's counts of each request, after the run (tokenizing while requests
+        stream would delay other streams' timestamps): the prompt as sent, and a completed reply."""
+        by_id = {c.id: c for c in convs}
+        replies: dict[str, dict[int, str]] = {}
+        for r in results:
+            if r.ok:
+                replies.setdefault(r.conversation, {})[r.turn] = r.text
+        for r in results:
+            conv = by_id.get(r.conversation)
+            if conv is None:
+                continue
+            history = [replies[conv.id][k] for k in range(r.turn)]  # every earlier turn completed
+            if self.target.api == "chat":
+                r.client_prompt_tokens = self.counter.chat(conv.messages(r.turn, history))
+            else:
+                r.client_prompt_tokens = self.counter.prompt(conv.prompt(r.turn, history))
+            r.client_completion_tokens = self.counter.output(r.text) if r.ok else None
 
     async def run(self, workload: Workload, point: LoadPoint, warmup: Workload | None = None,
                   on_window: Callable[[str], None] | None = None) -> RunResult:
@@ -147,6 +159,7 @@ class Runner:
             results, not_sent, dur = await self._run(session, convs, point, total, point.label(), started)
             if on_window is not None:
                 await asyncio.to_thread(on_window, "end")
+        self.count_tokens(started, results)
         return RunResult(point, results, not_sent, (t_wall, time.time()), dur, conversations=started)
 
     async def _run(self, session: aiohttp.ClientSession, convs: Iterable[Conversation], point: LoadPoint,

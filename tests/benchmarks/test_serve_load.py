@@ -105,3 +105,16 @@ async def test_warmup_is_not_reported_and_window_edges_are_called(server):
         trace_workload([_one("m", "measured")]), LoadPoint(concurrency=1, warmup=3), warm, edges.append)
     assert [r.conversation for r in run.results] == ["m"]
     assert edges == ["start", "end"]
+
+
+async def test_client_token_counts_follow_the_history(server):
+    from benchmarks.serve.tokens import load_tokenizer
+
+    counter = TokenCounter(load_tokenizer("embedded"))
+    conv = Conversation("c", (Turn("one two three", 3), Turn("four five", 3), Turn("FAIL503", 3)), system="sys")
+    run = await Runner(_target(server), counter, progress=False).run(trace_workload([conv]), LoadPoint(1))
+    r0, r1, r2 = sorted(run.results, key=lambda r: r.turn)
+    assert r0.client_prompt_tokens == counter.chat(conv.messages(0, []))
+    assert r1.client_prompt_tokens == counter.chat(conv.messages(1, [r0.text]))
+    assert r2.client_prompt_tokens == counter.chat(conv.messages(2, [r0.text, r1.text])) > r1.client_prompt_tokens
+    assert r1.client_completion_tokens == counter.output(r1.text) and r2.client_completion_tokens is None
