@@ -231,14 +231,15 @@ class Runner:
 
 
 async def wait_ready(target: Target, timeout_s: float = 60.0) -> None:
-    """Until ``GET {base}/models`` answers 200 (a server that is still starting)."""
+    """Until ``GET {base}/models`` answers 200, or 404/405 (a server without that route), so a
+    server that is still starting is waited for."""
     url = target.base + "/models"
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession() as s:
         while True:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                 async with s.get(url, headers=target.headers(), timeout=aiohttp.ClientTimeout(total=5)) as r:
-                    if r.status == 200:
+                    if r.status in (200, 404, 405):
                         return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{url} did not answer 200 within {timeout_s:g} s")
