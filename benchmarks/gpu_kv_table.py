@@ -1,0 +1,171 @@
+"""The P/D TTFT table of issue 10: client TTFT with prefill and decode as separate processes on one device,
+per KV transport and with chunked transfer on and off, against a colocated worker and against the
+in-process prefill compute of the same prompt, split into prefill compute (prefill's own histogram),
+exposed transfer (decode's histogram: last chunk computed -> last chunk landed) and plumbing (the rest).
+
+    python benchmarks/gpu_kv_table.py --model random:llama-3-8b --prompts 2000,8000 --transports grpc,cuda-ipc
+
+Every request has a prompt no earlier request shares (no prefix-cache reuse); each figure is the median
+over ``--repeats`` requests after one warm-up request per set-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from benchmarks.gpu_cluster_check import _generate
+from services.engine.config import EngineConfig
+from services.engine.engine import LLMEngine
+from services.engine.sampling_params import SamplingParams
+from services.launcher import LocalCluster
+
+COMPUTE = "pdserve_prefill_compute_seconds"
+EXPOSED = "pdserve_decode_kv_transfer_exposed_seconds"
+
+
+def _hist(address: str, name: str) -> tuple[float, float]:
+    """(sum, count) of a histogram over every label set, scraped from ``address``/metrics."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    total = count = 0.0
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == f"{name}_sum":
+                total += s.value
+            elif s.name == f"{name}_count":
+                count += s.value
+    return total, count
+
+
+class Prompts:
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+        self.n = 0
+
+    def next(self, tokens: int) -> list[int]:
+        """A prompt whose first token differs from every earlier one's: no shared prefix block."""
+        self.n += 1
+        k = self.n
+        return [(k * 7919 + i * 131 + (i * i) % 97) % (self.vocab - 5) + 1 for i in range(tokens)]
+
+
+def in_process(args: argparse.Namespace, prompts: Prompts) -> dict[int, float]:
+    eng = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                                 kv_cache_bytes=args.kv_cache_bytes, max_prefill_chunk=args.chunk))
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    out: dict[int, float] = {}
+    for n in args.prompt_lens:
+        eng.generate([prompts.next(n)], one)  # warm-up
+        times = []
+        for _ in range(args.repeats):
+            ids = prompts.next(n)
+            if args.device.startswith("cuda"):
+                import torch
+
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            eng.generate([ids], one)
+            times.append(time.perf_counter() - t0)
+        out[n] = statistics.median(times)
+        print(f"in-process prefill, {n} tokens: {out[n] * 1000:.1f} ms", flush=True)
+    del eng
+    if args.device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()  # the clusters' processes need the memory
+    return out
+
+
+def _ttft(addr: str, ids: list[int]) -> float:
+    return asyncio.run(_generate(addr, ids, 2))[1]
+
+
+def colocated(args: argparse.Namespace, prompts: Prompts, dev: list[str]) -> dict[int, float]:
+    out: dict[int, float] = {}
+    with LocalCluster(prefill=0, decode=1, kvstore=None, model=args.model, dtype=args.dtype, quiet=True,
+                      colocated=True, extra={"decode": dev}) as c:
+        addr = c.router["grpc"]
+        for n in args.prompt_lens:
+            _ttft(addr, prompts.next(n))
+            out[n] = statistics.median(_ttft(addr, prompts.next(n)) for _ in range(args.repeats))
+            print(f"colocated TTFT, {n} tokens: {out[n] * 1000:.1f} ms", flush=True)
+    return out
+
+
+def disaggregated(args: argparse.Namespace, prompts: Prompts, dev: list[str], transport: str
+                  ) -> dict[tuple[str, int], dict[str, float]]:
+    rows: dict[tuple[str, int], dict[str, float]] = {}
+    with LocalCluster(prefill=1, decode=1, kvstore=None, model=args.model, dtype=args.dtype, quiet=True,
+                      extra={"prefill": dev, "decode": dev}, kv_transport=transport) as c:
+        pm, dm = c.get("prefill-0").ready["metrics"], c.get("decode-0").ready["metrics"]
+        off = c._spawn("router-off", "router", [
+            "--http-port", "0", "--port", "0", "--metrics-port", "0", "--no-chunked-transfer",
+            "--prefill", c.get("prefill-0").ready["grpc"], "--decode", c.get("decode-0").ready["grpc"],
+            "--model", args.model])
+        c._wait([off], 120)
+        for chunked, addr in (("on", c.router["grpc"]), ("off", off.ready["grpc"])):
+            for n in args.prompt_lens:
+                _ttft(addr, prompts.next(n))
+                ttft, compute, exposed = [], [], []
+                for _ in range(args.repeats):
+                    c0, e0 = _hist(pm, COMPUTE), _hist(dm, EXPOSED)
+                    ttft.append(_ttft(addr, prompts.next(n)))
+                    c1, e1 = _hist(pm, COMPUTE), _hist(dm, EXPOSED)
+                    compute.append((c1[0] - c0[0]) / max(1.0, c1[1] - c0[1]))
+                    exposed.append((e1[0] - e0[0]) / max(1.0, e1[1] - e0[1]))
+                r = {"ttft": statistics.median(ttft), "compute": statistics.median(compute),
+                     "exposed": statistics.median(exposed)}
+                r["plumbing"] = r["ttft"] - r["compute"] - r["exposed"]
+                rows[(chunked, n)] = r
+                print(f"{transport}, chunked transfer {chunked}, {n} tokens: TTFT {r['ttft'] * 1000:.1f} ms, compute "
+                      f"{r['compute'] * 1000:.1f}, exposed {r['exposed'] * 1000:.1f}", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="random:llama-3-8b")
+    p.add_argument("--prompts", default="2000,8000", help="prompt lengths (tokens), comma-separated")
+    p.add_argument("--transports", default="grpc,cuda-ipc")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens)")
+    p.add_argument("--kv-cache-bytes", type=int, default=8 << 30)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", default="")
+    args = p.parse_args(argv)
+    args.prompt_lens = [int(x) for x in args.prompts.split(",")]
+    dev = ["--device", args.device, "--kv-cache-bytes", str(args.kv_cache_bytes), "--max-prefill-chunk",
+           str(args.chunk)]
+    prompts = Prompts(250)  # ids the router's tokenizer accepts for every model (random models: bytes)
+    base = in_process(args, prompts)
+    col = colocated(args, prompts, dev)
+    pd = {t: disaggregated(args, prompts, dev, t) for t in args.transports.split(",")}
+    print(f"\n{args.model} {args.dtype} on {args.device}, prefill chunk {args.chunk}, median of {args.repeats}\n")
+    print("| transport | chunked | prompt | TTFT ms | x colocated | prefill compute ms | x in-process | exposed ms "
+          "| exposed / compute | plumbing ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for n in args.prompt_lens:
+        print(f"| colocated | - | {n} | {col[n] * 1000:.1f} | 1.00 | {base[n] * 1000:.1f} (in-process) | 1.00 | - | - | - |")
+    for t, rows in pd.items():
+        for (chunked, n), r in rows.items():
+            print(f"| {t} | {chunked} | {n} | {r['ttft'] * 1000:.1f} | {r['ttft'] / col[n]:.2f} | "
+                  f"{r['compute'] * 1000:.1f} | {r['compute'] / base[n]:.2f} | {r['exposed'] * 1000:.1f} | "
+                  f"{r['exposed'] / max(r['compute'], 1e-9):.3f} | {r['plumbing'] * 1000:.1f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"in_process": base, "colocated": col,
+                       "pd": {t: {f"{k[0]}-{k[1]}": v for k, v in rows.items()} for t, rows in pd.items()}}, f,
+                      indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
