@@ -52,6 +52,12 @@ def sum_rate(name: str, by: str = "", extra: str = "") -> str:
     return f"sum{f' by ({by})' if by else ''} ({rate(name, extra)})"
 
 
+def or_zero(expr: str) -> str:
+    """``expr``, or a single 0 when it has no series (a counter that has not fired yet): the panel shows
+    0, not "no data". ``or on()`` adds the 0 only when ``expr`` is empty."""
+    return f"({expr}) or on() vector(0)"
+
+
 def quantile(q: float, hist: str, by: str = "") -> str:
     assert m.SPECS_BY_NAME[hist].kind == "histogram", hist
     group = "le" + (f", {by}" if by else "")
@@ -93,9 +99,11 @@ def overview_rows() -> list[Row]:
             Panel("Request rate by status", [Target(sum_rate(m.ROUTER_REQUESTS_TOTAL, "status"), "{{status}}")],
                   unit="reqps", description="Finished client requests per second at the router."),
             Panel("Error rate", [Target(
-                f"sum ({rate(m.ROUTER_ERRORS_TOTAL)}) / sum ({rate(m.ROUTER_REQUESTS_TOTAL)})", "errors / requests")],
+                f"{or_zero(f'sum ({rate(m.ROUTER_ERRORS_TOTAL)})')} / sum ({rate(m.ROUTER_REQUESTS_TOTAL)})",
+                "errors / requests")],
                   unit="percentunit", description="Share of client requests that failed."),
-            Panel("Errors by code", [Target(sum_rate(m.ROUTER_ERRORS_TOTAL, "code"), "{{code}}")], unit="reqps"),
+            Panel("Errors by code", [Target(or_zero(sum_rate(m.ROUTER_ERRORS_TOTAL, "code")), "{{code}}")],
+                  unit="reqps"),
             Panel("Tokens/s in and out", [
                 Target(sum_rate(m.ROUTER_PROMPT_TOKENS_TOTAL), "in (prompt)"),
                 Target(sum_rate(m.ROUTER_GENERATION_TOKENS_TOTAL), "out (generated)"),
@@ -117,7 +125,7 @@ def overview_rows() -> list[Row]:
             Panel("Healthy backends by role", [Target(f"sum by (role) ({sel(m.ROUTER_INSTANCE_HEALTHY)})",
                                                       "{{role}}")], width=12,
                   description="Prefill/decode/kvstore instances the router sees as SERVING."),
-            Panel("Dispatch retries", [Target(sum_rate(m.ROUTER_DISPATCH_RETRIES_TOTAL, "role, reason"),
+            Panel("Dispatch retries", [Target(or_zero(sum_rate(m.ROUTER_DISPATCH_RETRIES_TOTAL, "role, reason")),
                                               "{{role}} {{reason}}")], unit="ops", width=12),
         ]),
     ]
@@ -163,10 +171,10 @@ def pd_rows() -> list[Row]:
                 Target(sum_rate(m.DECODE_KV_CHUNKS_RECEIVED_TOTAL, "transport"), "received {{transport}}"),
             ], unit="ops"),
             Panel("Transfer failures", [
-                Target(sum_rate(m.PREFILL_KV_TRANSFER_FAILURES_TOTAL, "transport, reason"),
+                Target(or_zero(sum_rate(m.PREFILL_KV_TRANSFER_FAILURES_TOTAL, "transport, reason")),
                        "prefill {{transport}} {{reason}}"),
-                Target(sum_rate(m.DECODE_KV_CHUNKS_REJECTED_TOTAL, "reason"), "decode rejected {{reason}}"),
-                Target(sum_rate(m.DECODE_RESERVATIONS_EXPIRED_TOTAL), "reservations expired"),
+                Target(or_zero(sum_rate(m.DECODE_KV_CHUNKS_REJECTED_TOTAL, "reason")), "decode rejected {{reason}}"),
+                Target(or_zero(sum_rate(m.DECODE_RESERVATIONS_EXPIRED_TOTAL)), "reservations expired"),
             ], unit="ops"),
         ]),
         Row("Capacity", [
@@ -190,7 +198,10 @@ def pd_rows() -> list[Row]:
         ]),
         Row("Prefix cache and kvstore", [
             Panel("Cached-prefix tokens skipped/s by source", [
-                Target(sum_rate(m.PREFILL_CACHED_PREFIX_TOKENS_TOTAL, "source"), "{{source}}")], unit="tok/s"),
+                Target(sum_rate(m.PREFILL_CACHED_PREFIX_TOKENS_TOTAL, "source"), "{{source}}"),
+                Target(sum_rate(m.PREFILL_KV_SKIPPED_TOKENS_TOTAL), "not sent (decode held them)")], unit="tok/s",
+                  description="Computed + cached (local, kvstore) = prompt tokens. Tokens decode already held "
+                              "are computed by prefill all the same; only their transfer is skipped."),
             Panel("Prefix hit ratio", [Target(
                 f"sum ({rate(m.PREFILL_CACHED_PREFIX_TOKENS_TOTAL)}) / (sum ({rate(m.PREFILL_CACHED_PREFIX_TOKENS_TOTAL)})"
                 f" + sum ({rate(m.PREFILL_COMPUTED_TOKENS_TOTAL)}))", "skipped / prompt tokens")],
@@ -199,8 +210,8 @@ def pd_rows() -> list[Row]:
                 f"{sum_rate(m.KVSTORE_HITS_TOTAL, 'tier')} / ({sum_rate(m.KVSTORE_HITS_TOTAL, 'tier')}"
                 f" + {sum_rate(m.KVSTORE_MISSES_TOTAL, 'tier')})", "{{tier}}")], unit="percentunit"),
             Panel("kvstore evictions and corrupt pages", [
-                Target(sum_rate(m.KVSTORE_EVICTIONS_TOTAL, "tier"), "evicted {{tier}}"),
-                Target(sum_rate(m.KVSTORE_CORRUPT_TOTAL, "tier"), "corrupt {{tier}}"),
+                Target(or_zero(sum_rate(m.KVSTORE_EVICTIONS_TOTAL, "tier")), "evicted {{tier}}"),
+                Target(or_zero(sum_rate(m.KVSTORE_CORRUPT_TOTAL, "tier")), "corrupt {{tier}}"),
             ], unit="ops"),
             Panel("kvstore stored bytes per tier", [
                 Target(f"sum by (tier) ({sel(m.KVSTORE_STORED_BYTES)})", "{{tier}}")], unit="bytes"),

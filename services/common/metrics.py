@@ -23,7 +23,7 @@ Label values (small, closed sets; never request ids or prompts):
     role           prefill | decode | kvstore
     endpoint       host:port of a backend as the router sees it (not `instance`: Prometheus owns that)
     reason         short snake_case cause, e.g. fingerprint, checksum, order, size, unavailable
-    source         local | kvstore | decode   (where a cached prefix came from)
+    source         local | kvstore   (where a cached prefix came from)
     transport      grpc | shm | cuda-ipc | mooncake
     tier           memory | disk | mooncake
     outcome        ok | failed   (router migrations)
@@ -32,8 +32,9 @@ Label values (small, closed sets; never request ids or prompts):
 
 from __future__ import annotations
 
+import itertools
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -43,15 +44,17 @@ from prometheus_client.metrics import MetricWrapperBase
 
 MetricKind = Literal["counter", "gauge", "histogram"]
 
-# Request-level latencies: 1 ms .. 60 s.
+# Request-level latencies: 1 ms .. 600 s; 13 buckets below 1 s, and past 60 s for CPU and overloaded
+# deployments (a p90 above the top finite bucket reads as that bucket).
 LATENCY_BUCKETS: tuple[float, ...] = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
     1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0,
+    90.0, 120.0, 180.0, 240.0, 300.0, 450.0, 600.0,
 )
-# Per-token gaps (ITL, TPOT): denser below 200 ms, still reaching 60 s for stalls.
+# Per-token gaps (ITL, TPOT): denser below 200 ms, still reaching 300 s for stalls.
 TOKEN_BUCKETS: tuple[float, ...] = (
     0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
-    0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 )
 
 # --- router -------------------------------------------------------------------------------------
@@ -73,6 +76,7 @@ PREFILL_COMPUTE_SECONDS = "pdserve_prefill_compute_seconds"
 PREFILL_CHUNKS_TOTAL = "pdserve_prefill_chunks_total"
 PREFILL_COMPUTED_TOKENS_TOTAL = "pdserve_prefill_computed_tokens_total"
 PREFILL_CACHED_PREFIX_TOKENS_TOTAL = "pdserve_prefill_cached_prefix_tokens_total"
+PREFILL_KV_SKIPPED_TOKENS_TOTAL = "pdserve_prefill_kv_skipped_tokens_total"
 PREFILL_KV_SENT_BYTES_TOTAL = "pdserve_prefill_kv_sent_bytes_total"
 PREFILL_KV_CHUNKS_SENT_TOTAL = "pdserve_prefill_kv_chunks_sent_total"
 PREFILL_KV_TRANSFER_FAILURES_TOTAL = "pdserve_prefill_kv_transfer_failures_total"
@@ -166,7 +170,11 @@ SPECS: tuple[MetricSpec, ...] = (
     _s(PREFILL_COMPUTED_TOKENS_TOTAL, "counter", ["model"], "prefill",
        "Prompt tokens run through the model by prefill (cached prefix excluded)."),
     _s(PREFILL_CACHED_PREFIX_TOKENS_TOTAL, "counter", ["model", "source"], "prefill",
-       "Prompt tokens not computed because a cached prefix held them, by source (local|kvstore|decode)."),
+       "Prompt tokens not computed because a cached prefix held them, by source (local|kvstore); "
+       "computed + cached = prompt tokens."),
+    _s(PREFILL_KV_SKIPPED_TOKENS_TOTAL, "counter", ["model"], "prefill",
+       "Prompt tokens whose KV was not sent because decode already held those blocks (computed or "
+       "loaded here all the same)."),
     _s(PREFILL_KV_SENT_BYTES_TOTAL, "counter", ["transport"], "prefill",
        "KV page bytes sent to decode, by transport."),
     _s(PREFILL_KV_CHUNKS_SENT_TOTAL, "counter", ["transport"], "prefill",
@@ -327,6 +335,7 @@ class PrefillMetrics(MetricGroup):
         self.chunks_total = self._counter(PREFILL_CHUNKS_TOTAL)
         self.computed_tokens_total = self._counter(PREFILL_COMPUTED_TOKENS_TOTAL)
         self.cached_prefix_tokens_total = self._counter(PREFILL_CACHED_PREFIX_TOKENS_TOTAL)
+        self.kv_skipped_tokens_total = self._counter(PREFILL_KV_SKIPPED_TOKENS_TOTAL)
         self.kv_sent_bytes_total = self._counter(PREFILL_KV_SENT_BYTES_TOTAL)
         self.kv_chunks_sent_total = self._counter(PREFILL_KV_CHUNKS_SENT_TOTAL)
         self.kv_transfer_failures_total = self._counter(PREFILL_KV_TRANSFER_FAILURES_TOTAL)
@@ -384,6 +393,64 @@ METRICS_CLASSES: dict[str, type[MetricGroup]] = {
     "decode": DecodeMetrics,
     "kvstore": KVStoreMetrics,
 }
+
+
+ROUTER_ERROR_CODES: tuple[str, ...] = (
+    "invalid_argument", "not_found", "unauthenticated", "permission_denied", "already_exists",
+    "resource_exhausted", "unavailable", "internal", "deadline_exceeded")
+"""Values of the router's ``code`` label: lower-case gRPC status names, whichever API failed."""
+
+KNOWN_VALUES: dict[str, tuple[str, ...]] = {
+    "code": ROUTER_ERROR_CODES,
+    "source": ("local", "kvstore"),
+    "outcome": ("ok", "failed"),
+    "transport": ("grpc", "shm", "cuda-ipc", "mooncake"),
+}
+"""Closed label sets that are the same in every process; :func:`initialise` uses them."""
+
+KNOWN_SERIES: dict[str, tuple[Mapping[str, tuple[str, ...]], ...]] = {
+    ROUTER_REQUESTS_TOTAL: ({"status": ("ok",), "finish_reason": ("stop", "length")},
+                            {"status": ("error",), "finish_reason": ("error",)},
+                            {"status": ("cancelled",), "finish_reason": ("cancelled",)}),
+    ROUTER_DISPATCH_RETRIES_TOTAL: ({"reason": ("unavailable", "overloaded", "draining", "loading",
+                                                "engine_dead", "lost")},),
+    PREFILL_KV_TRANSFER_FAILURES_TOTAL: ({"reason": ("unavailable", "not_found", "failed_precondition",
+                                                     "data_loss", "permission_denied", "deadline_exceeded")},),
+    PREFILL_REQUESTS_ABORTED_TOTAL: ({"reason": ("overloaded", "invalid", "deadline", "cancelled", "kv_handoff",
+                                                 "permission", "internal")},),
+    PREFILL_KVSTORE_ERRORS_TOTAL: ({"reason": ("lookup", "get", "put", "bad_page", "down",
+                                               "write_back_dropped")},),
+    DECODE_KV_CHUNKS_REJECTED_TOTAL: ({"reason": ("fingerprint", "checksum", "unknown_reservation", "order",
+                                                  "range", "size", "incomplete", "permission", "state")},),
+    DECODE_REQUESTS_REFUSED_TOTAL: ({"reason": ("overloaded", "draining", "deadline", "permission")},),
+    KVSTORE_PUT_REFUSED_TOTAL: ({"reason": ("too_large", "quota", "permission", "invalid", "checksum", "idle")},),
+}
+"""Per metric, groups of label values whose every combination :func:`initialise` creates (labels a
+group does not name come from the context or :data:`KNOWN_VALUES`)."""
+
+
+def initialise(group: MetricGroup, **context: Sequence[str]) -> int:
+    """Create every series of ``group`` whose label values are known, at 0, so the first event after
+    start is an increase Prometheus sees (rate()/increase() need a sample before it) and dashboards show
+    0 instead of nothing. Label values come from :data:`KNOWN_SERIES`, then ``context`` (this process's
+    own: ``model=("smol",)``, ``transport=("grpc", "shm")``, ``tier=("memory", "disk")``,
+    ``role=("prefill", "decode")``), then :data:`KNOWN_VALUES`; a metric with a label known none of
+    these ways (``endpoint``, the engine info labels) is left to appear when first set. Returns the
+    number of series that exist afterwards through this call."""
+    created = 0
+    for name, metric in group.by_name().items():
+        labels = SPECS_BY_NAME[name].labels
+        if not labels:
+            continue  # an unlabelled metric exists from its creation
+        for known in KNOWN_SERIES.get(name, ({},)):
+            values = [known.get(label) or tuple(context.get(label, ())) or KNOWN_VALUES.get(label, ())
+                      for label in labels]
+            if not all(values):
+                continue
+            for combo in itertools.product(*values):
+                metric.labels(*combo)
+                created += 1
+    return created
 
 
 class MetricsServer:

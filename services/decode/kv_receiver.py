@@ -41,6 +41,7 @@ from services.common.grpc_util import Reason
 from services.common.pb import common_pb2, decode_pb2
 from services.decode.reservations import EndCause, Reservation, ReservationTable
 from services.engine.async_engine import AsyncEngine, EngineDeadError
+from services.engine.convert import top_from_pb
 from services.engine.kv_layout import FP8_CODEC, PageLayout, checksum
 from services.engine.kv_pages import KVPages, pages_of
 from services.engine.kv_transport import mooncake
@@ -213,6 +214,12 @@ class DecodeKVReceiver:
             raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
                                f"first_token: {c.first_token} is outside the vocabulary [0, {self.vocab_size})",
                                "range", field="first_token")
+        top = c.first_top_logprobs
+        if c.is_last and (len(top.token_ids) != len(top.logprobs)
+                          or not all(0 <= t < self.vocab_size for t in top.token_ids)):
+            raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"first_top_logprobs: {len(top.token_ids)} token ids (each in [0, {self.vocab_size})) "
+                               f"and {len(top.logprobs)} logprobs", "range", field="first_top_logprobs")
         if c.transport not in IN_PLACE_TRANSPORTS:
             want = n * layout.page_bytes
             if len(payload) != want:
@@ -368,7 +375,8 @@ class DecodeKVReceiver:
             r.lease.cancel()
             r.lease = None
         if not await self.engine.kv_import_done(r.reservation_id, c.first_token,
-                                                c.first_logprob if r.params.logprobs else None):
+                                                c.first_logprob if r.params.logprobs else None,
+                                                top_from_pb(c.first_top_logprobs) if r.params.top_logprobs else None):
             await self.release(r, EndCause.ABORTED)  # the engine no longer waits for it
             raise _gone(r)
         r.kv_done_at = time.monotonic()

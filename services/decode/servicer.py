@@ -32,7 +32,7 @@ from services.decode.leases import LeaseKeeper
 from services.decode.reservations import EndCause, Reservation, ReservationTable
 from services.engine.async_engine import AsyncEngine, EngineDeadError
 from services.engine.block_manager import NoFreeBlocksError
-from services.engine.convert import finish_to_pb, layout_to_pb, params_from_pb
+from services.engine.convert import finish_to_pb, layout_to_pb, params_from_pb, top_to_pb
 from services.engine.engine import RequestOutput
 from services.engine.kv_pages import pages_of
 from services.engine.kv_transport.base import CLAIM_ACK, KVPoll
@@ -48,6 +48,8 @@ def _response(rid: str, o: RequestOutput) -> common_pb2.GenerateResponse:
                                       finish_reason=finish_to_pb(o.finish_reason))
     if any(lp is not None for lp in o.new_logprobs):
         msg.logprobs.extend(lp or 0.0 for lp in o.new_logprobs)
+    if any(t is not None for t in o.new_top_logprobs):
+        msg.top_logprobs.extend(top_to_pb(t) for t in o.new_top_logprobs)
     if o.finished:
         msg.usage.CopyFrom(common_pb2.Usage(prompt_tokens=o.num_prompt_tokens, completion_tokens=o.num_output_tokens,
                                             cached_tokens=o.num_cached_tokens))

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine, RequestOutput
 from services.engine.model_loader import LoadedModel
-from services.engine.sampling_params import SamplingParams
+from services.engine.sampling_params import SamplingParams, TopLogprobs
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -245,12 +245,13 @@ class AsyncEngine:
             raise
         return q, num_cached, table
 
-    async def kv_import_done(self, request_id: str, first_token: int, logprob: float | None) -> bool:
+    async def kv_import_done(self, request_id: str, first_token: int, logprob: float | None,
+                             top: TopLogprobs | None = None) -> bool:
         """Decode side: every page landed; the request joins the running batch. False (nothing done)
         when the request is no longer waiting for its KV (expired or aborted meanwhile)."""
 
         def done() -> bool:
-            outputs = self.engine.kv_import_done(request_id, first_token, logprob)
+            outputs = self.engine.kv_import_done(request_id, first_token, logprob, top)
             if outputs is None:
                 return False
             self._deliver(outputs)

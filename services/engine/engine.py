@@ -18,15 +18,15 @@ from services.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from services.engine.kv_layout import FP8_CODEC, PageLayout
 from services.engine.model_loader import LoadedModel, load_model
 from services.engine.model_runner import ModelRunner
-from services.engine.sampling_params import InvalidRequestError, SamplingParams
+from services.engine.sampling_params import InvalidRequestError, Sampled, SamplingParams, TopLogprobs
 from services.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from services.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
 
-ChunkListener = Callable[[ScheduledChunk, "tuple[int, float | None] | None"], None]
+ChunkListener = Callable[[ScheduledChunk, "Sampled | None"], None]
 """Called after the model computed a chunk, before the scheduler updates (blocks still held):
-(chunk, sampled (token, logprob) or None). seq.num_computed_tokens is still the chunk's start."""
+(chunk, Sampled(token, logprob, top) or None). seq.num_computed_tokens is still the chunk's start."""
 
 
 @dataclass
@@ -35,6 +35,8 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
     new_logprobs: list[float | None] = field(default_factory=list)
+    new_top_logprobs: list[TopLogprobs | None] = field(default_factory=list)
+    """Alternatives at each of new_token_ids (entries None unless params.top_logprobs > 0)."""
     finished: bool = False
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
@@ -56,7 +58,17 @@ class LLMEngine:
         self.config = config
         torch.set_grad_enabled(False)
         config.apply_host()  # pin, torch threads, log the dtype choice: before the first op
+        t0 = time.monotonic()
+        if loaded is None:
+            log.info("engine: loading weights (%s) as %s on %s", config.model or "embedded default",
+                     config.resolved_dtype, config.device)
         self.loaded = loaded or load_model(config.model, config.torch_dtype, config.device)
+        if loaded is None:
+            params = list(self.loaded.model.parameters())
+            log.info("engine: weights of %s loaded in %.1f s: %.1fM parameters, %.0f MiB", self.loaded.model_id,
+                     time.monotonic() - t0, sum(p.numel() for p in params) / 1e6,
+                     sum(p.numel() * p.element_size() for p in params) / 2**20)
+        t1 = time.monotonic()
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(config.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len)
         self.runner = ModelRunner(self.loaded, config)
@@ -80,6 +92,10 @@ class LLMEngine:
         self.fp8_layout = PageLayout.for_model(self.loaded.model_id, arch.num_layers, arch.num_kv_heads,
                                                arch.head_dim, config.block_size, FP8_CODEC)
         """The same pages on the wire as fp8-e4m3 with per-token-per-head scales (half the bytes of bf16)."""
+        log.info("engine: KV cache of %d pages x %d tokens (%.0f MiB), context %d tokens, ready in %.1f s "
+                 "(%.1f s since loading began)", self.runner.num_blocks, config.block_size,
+                 self.runner.num_blocks * self.layout.page_bytes / 2**20, self.max_model_len,
+                 time.monotonic() - t1, time.monotonic() - t0)
 
     # --- admission ---
 
@@ -123,8 +139,8 @@ class LLMEngine:
         self._track(seq, detokenize)
         return seq, num_cached
 
-    def kv_import_done(self, request_id: str, first_token: int, logprob: float | None
-                       ) -> list[RequestOutput] | None:
+    def kv_import_done(self, request_id: str, first_token: int, logprob: float | None,
+                       top: TopLogprobs | None = None) -> list[RequestOutput] | None:
         """Every page of a reserved prompt landed: the request joins the batch with ``first_token``.
 
         Returns None (and changes nothing) when the request is no longer waiting for its KV (it expired
@@ -137,7 +153,7 @@ class LLMEngine:
             return None
         self.scheduler.kv_import_done(req.seq.seq_id, first_token, logprob)
         req.first_token_time = time.monotonic()
-        return [self._emit(req, [first_token], [logprob])]
+        return [self._emit(req, [first_token], [logprob], [top])]
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request in any state and free its blocks; returns its final (ABORT) output."""
@@ -207,11 +223,12 @@ class LLMEngine:
                 continue
             if req.first_token_time is None:
                 req.first_token_time = now
-            token, lp = sampled[ch.seq.seq_id]
-            outputs.append(self._emit(req, [token], [lp]))
+            token, lp, top = sampled[ch.seq.seq_id]
+            outputs.append(self._emit(req, [token], [lp], [top]))
         return outputs
 
-    def _emit(self, req: _Request, tokens: list[int], logprobs: list[float | None]) -> RequestOutput:
+    def _emit(self, req: _Request, tokens: list[int], logprobs: list[float | None],
+              tops: list[TopLogprobs | None]) -> RequestOutput:
         seq = req.seq
         text = ""
         if req.detok is not None:
@@ -232,6 +249,7 @@ class LLMEngine:
                     text += req.stop.flush()
         ro = RequestOutput(
             request_id=seq.request_id, new_token_ids=tokens, new_text=text, new_logprobs=logprobs,
+            new_top_logprobs=tops,
             finished=seq.is_finished, finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
             num_output_tokens=seq.num_output_tokens, first_token_time=req.first_token_time,

@@ -1,7 +1,7 @@
 """The model runner: owns the KV tensors and device memory, prepares inputs, runs the model, samples.
 
 It is the only engine part that touches tensors (STYLE rule 3). The scheduler hands it a
-:class:`SchedulerOutput`; it returns ``{seq_id: (token, logprob)}`` for the chunks that sample.
+:class:`SchedulerOutput`; it returns ``{seq_id: Sampled(token, logprob, top)}`` for the chunks that sample.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from services.engine.attention import AttentionMetadata, ForwardContext, TorchPa
 from services.engine.config import EngineConfig
 from services.engine.kv_layout import FP8_CODEC
 from services.engine.model_loader import LoadedModel
-from services.engine.sampler import Sampler, SamplingRow
+from services.engine.sampler import Sampled, Sampler, SamplingRow
 from services.engine.scheduler import ScheduledChunk, SchedulerOutput
 from services.engine.shared_kv import SharedKVAttachError, create_shared_kv, export_cuda_kv
 
@@ -131,7 +131,7 @@ class ModelRunner:
         return ids, pos, meta
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[int, tuple[int, float | None]]:
+    def execute(self, out: SchedulerOutput) -> dict[int, Sampled]:
         if not out.chunks:
             return {}
         if self.device.type == "cuda":
@@ -144,8 +144,7 @@ class ModelRunner:
         if not ends:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(ends, device=hidden.device)])
-        tokens, logprobs = self.sampler(logits, rows)
-        return {sid: (t, lp) for sid, t, lp in zip(seq_ids, tokens, logprobs, strict=True)}
+        return dict(zip(seq_ids, self.sampler.sample(logits, rows), strict=True))
 
     # --- GPU path (CUDA only; the CPU path above never reaches it) ---
 
@@ -214,7 +213,7 @@ class ModelRunner:
         )
         return d64[:n_tok], d64[n_tok:2 * n_tok], meta
 
-    def _execute_gpu(self, out: SchedulerOutput) -> dict[int, tuple[int, float | None]]:
+    def _execute_gpu(self, out: SchedulerOutput) -> dict[int, Sampled]:
         chunks = sorted(out.chunks, key=lambda c: c.num_new_tokens != 1)
         if self.graphs is not None and all(c.num_new_tokens == 1 for c in chunks):
             bucket = self.graphs.bucket_for(len(chunks), max(c.seq.num_computed_tokens + 1 for c in chunks))
@@ -231,7 +230,7 @@ class ModelRunner:
             hidden = hidden[torch.tensor(ends).to(self.device, non_blocking=True)]
         return self._sample_gpu(self.model.compute_logits(hidden), None, rows, seq_ids)
 
-    def _execute_graph(self, chunks: list[ScheduledChunk], bucket: int) -> dict[int, tuple[int, float | None]]:
+    def _execute_graph(self, chunks: list[ScheduledChunk], bucket: int) -> dict[int, Sampled]:
         """A pure-decode step replayed in a CUDA graph that also holds the LM head and greedy argmax.
 
         The host builds the sampling rows while the GPU runs; a per-instance `compute_logits` (a test
@@ -255,14 +254,12 @@ class ModelRunner:
         return self._sample_gpu(logits, tokens, rows, seq_ids)
 
     def _sample_gpu(self, logits: torch.Tensor, greedy_tokens: torch.Tensor | None, rows: list[SamplingRow],
-                    seq_ids: list[int]) -> dict[int, tuple[int, float | None]]:
+                    seq_ids: list[int]) -> dict[int, Sampled]:
         if all(r.params.greedy and not r.params.logprobs for r in rows):
             # Greedy without logprobs: argmax on the device, copy back B ints instead of B x vocab floats.
             tokens = (logits.argmax(dim=-1) if greedy_tokens is None else greedy_tokens).tolist()
-            logprobs: list[float | None] = [None] * len(tokens)
-        else:
-            tokens, logprobs = self.sampler(logits, rows)
-        return {sid: (t, lp) for sid, t, lp in zip(seq_ids, tokens, logprobs, strict=True)}
+            return {sid: Sampled(t) for sid, t in zip(seq_ids, tokens, strict=True)}
+        return dict(zip(seq_ids, self.sampler.sample(logits, rows), strict=True))
 
     # --- page access for KV handoff (prefill packs, decode unpacks) ---
 

@@ -4,6 +4,10 @@ Greedy rows take the argmax. Other rows apply temperature, then top-k, then top-
 distribution and draw with the exponential-race trick (argmax of p / E, E ~ Exp(1)), which needs
 no cumulative sum and lets a seeded row draw its noise from its own generator: a request with a
 seed gets the same tokens whatever batch it lands in.
+
+Logprobs (the chosen token's, and a row's ``top_logprobs`` most likely alternatives) come from the
+model's raw distribution, log_softmax of the logits before temperature, top-k and top-p, as vLLM and
+OpenAI report them.
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.sampling_params import SamplingParams
+from services.engine.sampling_params import Sampled, SamplingParams, TopLogprobs
+
+__all__ = ["Sampled", "Sampler", "SamplingRow"]
 
 
 @dataclass
@@ -36,11 +42,16 @@ class Sampler:
                 out[i].exponential_(generator=self._generator)
         return out
 
-    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[float | None]]:
-        """logits float32 [N, V] -> (token per row, logprob of the chosen token per row or None)."""
+        """logits [N, V] -> (token per row, logprob of the chosen token per row or None); see :meth:`sample`."""
+        out = self.sample(logits, rows)
+        return [s.token for s in out], [s.logprob for s in out]
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[Sampled]:
+        """logits [N, V] -> one Sampled per row (token; logprob if asked; top alternatives if asked)."""
         logits = logits.float().cpu()
-        n, vocab = logits.shape
+        vocab = logits.shape[1]
         tokens = logits.argmax(dim=-1)
         sample_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
         if sample_idx:
@@ -55,14 +66,22 @@ class Sampler:
             probs = torch.softmax(sub, dim=-1)
             noise = self._noise([rows[i] for i in sample_idx], vocab)
             tokens[idx] = (probs / noise).argmax(dim=-1)
-        logprobs: list[float | None] = [None] * n
+        token_list: list[int] = tokens.tolist()
+        out = [Sampled(t) for t in token_list]
         want = [i for i, r in enumerate(rows) if r.params.logprobs]
-        if want:
-            w = torch.tensor(want)
-            lp = torch.log_softmax(logits[w], dim=-1).gather(1, tokens[w].unsqueeze(1)).squeeze(1)
-            for j, i in enumerate(want):
-                logprobs[i] = float(lp[j])
-        return tokens.tolist(), logprobs
+        if not want:
+            return out
+        w = torch.tensor(want)
+        lps = torch.log_softmax(logits[w], dim=-1)
+        chosen = lps.gather(1, tokens[w].unsqueeze(1)).squeeze(1).tolist()
+        k_max = min(vocab, max(rows[i].params.top_logprobs for i in want))
+        top_v, top_i = lps.topk(k_max, dim=-1) if k_max else (lps[:, :0], lps[:, :0].long())
+        top_v_l, top_i_l = top_v.tolist(), top_i.tolist()
+        for j, i in enumerate(want):
+            k = min(rows[i].params.top_logprobs, vocab)
+            top = TopLogprobs(tuple(top_i_l[j][:k]), tuple(top_v_l[j][:k])) if k else None
+            out[i] = Sampled(token_list[i], chosen[j], top)
+        return out
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:

@@ -3,6 +3,29 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives a request may ask for per output position (OpenAI's limit for chat)."""
+
+
+@dataclass(frozen=True)
+class TopLogprobs:
+    """The most likely tokens at one output position under the model's raw distribution (before
+    temperature, top-k and top-p), most likely first."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    """Natural-log probabilities, same order as token_ids (non-increasing)."""
+
+
+class Sampled(NamedTuple):
+    """One sampled position: the token, its logprob (None unless params.logprobs) and its alternatives
+    (None unless params.top_logprobs > 0)."""
+
+    token: int
+    logprob: float | None = None
+    top: TopLogprobs | None = None
 
 
 class InvalidRequestError(ValueError):
@@ -32,6 +55,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     """Return the log-probability of each chosen token."""
+    top_logprobs: int = 0
+    """Also return this many most likely tokens per position, in [0, MAX_TOP_LOGPROBS]; needs logprobs."""
 
     @property
     def greedy(self) -> bool:
@@ -56,6 +81,12 @@ class SamplingParams:
             raise InvalidRequestError("stop", "must be a list of non-empty strings")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids", "must be a list of non-negative integers")
+        if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int) or not (
+                0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
+            raise InvalidRequestError("top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}], "
+                                                      f"got {self.top_logprobs!r}")
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError("top_logprobs", "requires logprobs")
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
         return self

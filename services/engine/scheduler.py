@@ -22,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from services.engine.block_manager import BlockManager
+from services.engine.sampling_params import Sampled
 from services.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -228,9 +229,9 @@ class Scheduler:
         return ScheduledChunk(seq, n, sample=seq.num_computed_tokens + n == len(seq.token_ids))
 
     def update_from_output(
-        self, out: SchedulerOutput, sampled: dict[int, tuple[int, float | None]]
+        self, out: SchedulerOutput, sampled: dict[int, Sampled]
     ) -> list[Sequence]:
-        """Apply a step's results: ``sampled`` maps seq_id -> (token, logprob) for ``sample`` chunks.
+        """Apply a step's results: ``sampled`` maps seq_id -> Sampled for ``sample`` chunks.
 
         Returns the sequences that finished this step (blocks already freed). Chunks of sequences
         aborted or finished since ``schedule()`` are ignored.
@@ -244,7 +245,7 @@ class Scheduler:
             self.block_manager.mark_computed(seq, seq.num_computed_tokens)
             if not chunk.sample:
                 continue
-            token, logprob = sampled[seq.seq_id]
+            token, logprob = sampled[seq.seq_id][:2]
             reason = self._append_token(seq, token, logprob)
             if reason is not None:
                 self._finish(seq, reason)

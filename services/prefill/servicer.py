@@ -24,7 +24,7 @@ from services.common.metrics import PrefillMetrics
 from services.common.pb import prefill_pb2, prefill_pb2_grpc
 from services.common.tls import peer_role
 from services.engine.async_engine import AsyncEngine, EngineDeadError
-from services.engine.convert import params_from_pb
+from services.engine.convert import params_from_pb, top_to_pb
 from services.engine.kv_layout import FP8_CODEC
 from services.engine.kv_pages import pages_of
 from services.engine.kv_transport import KVSender, KVTransport, TransferError
@@ -229,10 +229,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             sp.set_attribute("chunks", stream.num_chunks_computed)
         self._observe(request, stream, loaded, transport, page_bytes, sender.chunks_sent)
         queue_s, compute_s = stream_times(stream)
-        return prefill_pb2.PrefillResponse(
+        resp = prefill_pb2.PrefillResponse(
             first_token=last.first_token, first_logprob=last.first_logprob,
             num_prompt_tokens=len(ids), num_cached_tokens=stream.num_cached_tokens,
             num_chunks=sender.chunks_sent, kv_bytes_sent=page_bytes, queue_s=queue_s, compute_s=compute_s)
+        if last.first_top is not None:
+            resp.first_top_logprobs.CopyFrom(top_to_pb(last.first_top))
+        return resp
 
     def _wire_codec(self, request: prefill_pb2.PrefillRequest, direct: bool):
         """(layout of the pages on the wire, page exporter). The codec is chosen on its own: fp8-e4m3 when

@@ -28,7 +28,7 @@ from services.common.metrics import RouterMetrics
 from services.common.pb import decode_pb2
 from services.engine.convert import params_to_pb
 from services.engine.sampling_params import SamplingParams
-from services.router.handoff import Handoff, abort_quietly, exhausted, finish_of, pick
+from services.router.handoff import Handoff, abort_quietly, exhausted, finish_of, pick, top_of
 from services.router.instances import InstancePool, inflight
 from services.router.pipeline import BackendError, TokenEvent
 from services.router.request_state import DecodeLostError, DispatchSettings, RequestState
@@ -162,7 +162,8 @@ class DisaggregatedBackend:
                         finished = reason is not None  # before the yield: the consumer may close us there
                         yield TokenEvent(list(msg.token_ids), list(msg.logprobs) or [None] * len(msg.token_ids),
                                          finish_reason=reason, prompt_tokens=len(prompt),
-                                         cached_tokens=msg.usage.cached_tokens)
+                                         cached_tokens=msg.usage.cached_tokens,
+                                         top_logprobs=[top_of(t) for t in msg.top_logprobs])
                         if finished:
                             return
                 raise BackendError("internal", f"worker {worker.address} ended the stream without a finish reason")

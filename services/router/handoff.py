@@ -29,7 +29,7 @@ from services.common.block_hash import block_hashes
 from services.common.metrics import RouterMetrics
 from services.common.pb import common_pb2, decode_pb2, prefill_pb2
 from services.engine.convert import params_to_pb
-from services.engine.sampling_params import SamplingParams
+from services.engine.sampling_params import SamplingParams, TopLogprobs
 from services.router.instances import Instance, InstancePool, inflight
 from services.router.pipeline import BackendError, TokenEvent
 from services.router.policy import NoInstanceError, choose
@@ -49,6 +49,8 @@ from services.router.rpc_failure import RpcFailure
 
 log = logging.getLogger(__name__)
 
+LATE_PREFILL_WAIT_S = 1.0
+"""Longest wait for PrefillResponse after decode's last message, for usage.cached_tokens (seconds)."""
 _FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
 _FINISH_NAMES = {v.number: v.name for v in common_pb2.FinishReason.DESCRIPTOR.values}
 
@@ -112,7 +114,7 @@ class Handoff:
             with inflight(decode):
                 emitted = 0
                 from_decode = False  # decode's stream has delivered: the KV landed, prefill's fate no longer matters
-                cached = 0
+                cached: int | None = None  # prompt tokens prefill did not compute; None until it answers
                 while True:
                     ev = await events.get()
                     if isinstance(ev, Failed):
@@ -128,12 +130,15 @@ class Handoff:
                             raise DecodeLostError(decode.address, f"{ev.failure.where}: {ev.failure.message}")
                         raise ev.failure.error()
                     if isinstance(ev, PrefillDone):
-                        cached = ev.resp.num_cached_tokens + resv.num_cached_blocks * resv.block_size
+                        # Prompt tokens prefill did not compute (its cache + kvstore). Blocks decode
+                        # already held were computed or loaded by prefill all the same: not counted.
+                        cached = ev.resp.num_cached_tokens
                         if emitted == 0:
                             emitted = 1
                             yield TokenEvent([ev.resp.first_token],
                                              [ev.resp.first_logprob if params.logprobs else None],
-                                             prompt_tokens=len(prompt), cached_tokens=cached)
+                                             prompt_tokens=len(prompt), cached_tokens=cached,
+                                             top_logprobs=[top_of(ev.resp.first_top_logprobs)])
                         continue
                     from_decode = True
                     msg = ev.msg
@@ -143,9 +148,12 @@ class Handoff:
                     lps: list[float | None] = list(msg.logprobs)[skip:] if msg.logprobs else [None] * len(new)
                     emitted = max(emitted, ev.start + len(msg.token_ids))
                     finished = reason is not None  # set before the yield: the consumer may close us there
+                    if finished and cached is None:
+                        cached = await _late_prefill_report(events, prefill_over)
                     if new or reason:
                         yield TokenEvent(new, lps, finish_reason=reason, prompt_tokens=len(prompt),
-                                         cached_tokens=max(cached, msg.usage.cached_tokens))
+                                         cached_tokens=cached or 0,
+                                         top_logprobs=[top_of(t) for t in msg.top_logprobs][skip:])
                     if finished:
                         return
         finally:
@@ -266,6 +274,26 @@ class Handoff:
                             e.code().name, e.details())
             except BackendError:  # deadline passed: decode drops the reservation itself
                 return
+
+
+def top_of(p: common_pb2.TopLogprobs) -> TopLogprobs | None:
+    """Alternatives at one position (None for an empty message; a malformed one is cut to its
+    shorter list)."""
+    n = min(len(p.token_ids), len(p.logprobs))
+    return TopLogprobs(tuple(p.token_ids[:n]), tuple(p.logprobs[:n])) if n else None
+
+
+async def _late_prefill_report(events: asyncio.Queue[DispatchEvent], prefill_over: asyncio.Event) -> int | None:
+    """Prefill's cached-token count when decode's last message beat PrefillResponse (decode acks the last
+    KV chunk, then prefill answers: milliseconds apart). Waits at most LATE_PREFILL_WAIT_S; None if
+    prefill never answered."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(prefill_over.wait(), LATE_PREFILL_WAIT_S)
+    while not events.empty():
+        ev = events.get_nowait()
+        if isinstance(ev, PrefillDone):
+            return ev.resp.num_cached_tokens
+    return None
 
 
 async def abort_quietly(inst: Instance, key: str, why: str) -> None:

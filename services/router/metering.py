@@ -11,6 +11,13 @@ outcome, counted once in ``requests_total{status, finish_reason}``:
   ``cancelled``.
 
 The first outcome set wins; a record closed without one takes it from the exception that closed it.
+
+With ``access_log`` on, each closed record writes one INFO line to the ``pdserve.access`` logger:
+
+    request id=chatcmpl-1f.. api=http wire=200 status=ok code=- finish_reason=stop prompt_tokens=42
+        cached_tokens=32 completion_tokens=16 ttft_s=0.213 e2e_s=0.871
+
+``wire`` is what the client got (HTTP status; for gRPC the status name), ``code`` the error code.
 """
 
 from __future__ import annotations
@@ -22,13 +29,14 @@ import time
 from collections.abc import AsyncIterator
 from types import TracebackType
 
-from services.common.metrics import RouterMetrics
+from services.common.logging import kv
+from services.common.metrics import ROUTER_ERROR_CODES, RouterMetrics
 from services.router.pipeline import DEFAULT_RETRY_AFTER_S, BackendError, TextDelta
 
 log = logging.getLogger(__name__)
+access_log = logging.getLogger("pdserve.access")
 
-ERROR_CODES = ("invalid_argument", "not_found", "unauthenticated", "permission_denied", "already_exists",
-               "resource_exhausted", "unavailable", "internal", "deadline_exceeded")
+ERROR_CODES = ROUTER_ERROR_CODES
 """Values of errors_total's ``code`` label: lower-case gRPC status names, whichever API failed."""
 
 _HTTP_CODES = {400: "invalid_argument", 401: "unauthenticated", 403: "permission_denied", 404: "not_found",
@@ -47,7 +55,7 @@ class RequestMeter:
     ``metrics`` None: admission only (tests of the HTTP layer alone)."""
 
     def __init__(self, metrics: RouterMetrics | None, model: str, max_inflight: int = 256,
-                 retry_after_s: float = DEFAULT_RETRY_AFTER_S) -> None:
+                 retry_after_s: float = DEFAULT_RETRY_AFTER_S, access_log: bool = False) -> None:
         if max_inflight <= 0:
             raise ValueError(f"max_inflight must be > 0, got {max_inflight}")
         self.metrics = metrics
@@ -56,10 +64,11 @@ class RequestMeter:
         self.retry_after_s = retry_after_s
         self.inflight = 0
         """Admitted requests not yet closed."""
+        self.access_log = access_log
 
-    def request(self, arrival: float | None = None) -> RequestRecord:
+    def request(self, arrival: float | None = None, api: str = "http") -> RequestRecord:
         """A record for one request; ``arrival`` is time.monotonic() when it reached the router."""
-        return RequestRecord(self, time.monotonic() if arrival is None else arrival)
+        return RequestRecord(self, time.monotonic() if arrival is None else arrival, api)
 
     def _admit(self) -> None:
         if self.inflight >= self.max_inflight:
@@ -71,6 +80,8 @@ class RequestMeter:
             self.metrics.inflight_requests.labels(self.model).inc()
 
     def _close(self, rec: RequestRecord) -> None:
+        if self.access_log:
+            rec.log_line()
         if rec.admitted:
             self.inflight -= 1
             if self.metrics is not None:
@@ -88,9 +99,18 @@ class RequestMeter:
 class RequestRecord:
     """One request's admission ticket and outcome; use as ``with meter.request(t0) as rec:``."""
 
-    def __init__(self, meter: RequestMeter, arrival: float) -> None:
+    def __init__(self, meter: RequestMeter, arrival: float, api: str = "http") -> None:
         self.meter = meter
         self.arrival = arrival
+        self.api = api
+        """http | grpc."""
+        self.request_id = ""
+        self.wire_status = ""
+        """What the client got: the HTTP status, or the gRPC status name (set by the API layer)."""
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.completion_tokens = 0
+        self.ttft_s: float | None = None
         self.admitted = False
         self.status: str | None = None
         """ok | error | cancelled, once known."""
@@ -127,6 +147,10 @@ class RequestRecord:
         async with contextlib.aclosing(deltas):  # type: ignore[type-var]
             async for d in deltas:
                 now = time.monotonic()
+                if d.token_ids:
+                    self.completion_tokens += len(d.token_ids)
+                    if self.ttft_s is None:
+                        self.ttft_s = now - self.arrival
                 if m is not None and d.token_ids:
                     if last is None:
                         m.ttft_seconds.labels(model).observe(now - self.arrival)
@@ -134,11 +158,22 @@ class RequestRecord:
                         m.itl_seconds.labels(model).observe(now - last)
                     last = now
                     m.generation_tokens_total.labels(model).inc(len(d.token_ids))
+                if d.usage is not None:
+                    self.prompt_tokens, self.cached_tokens = d.usage.prompt_tokens, d.usage.cached_tokens
                 if d.finish_reason is not None:
                     self.ok(d.finish_reason)
                     if m is not None and d.usage is not None:
                         m.prompt_tokens_total.labels(model).inc(d.usage.prompt_tokens)
                 yield d
+
+    def log_line(self) -> None:
+        """The access-log line of this request (one INFO record on ``pdserve.access``)."""
+        ttft = "-" if self.ttft_s is None else f"{self.ttft_s:.3f}"
+        access_log.info("request", extra=kv(
+            id=self.request_id or "-", api=self.api, wire=self.wire_status or "-", status=self.status or "error",
+            code=self.code or "-", finish_reason=self.finish_reason or "-",
+            prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
+            completion_tokens=self.completion_tokens, ttft_s=ttft, e2e_s=f"{time.monotonic() - self.arrival:.3f}"))
 
     def __enter__(self) -> RequestRecord:
         return self

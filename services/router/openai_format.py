@@ -30,26 +30,38 @@ class Formatter:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
+    def _alternatives(self, d: TextDelta) -> list[list[tuple[str, float]]]:
+        """Per position, the engine's top-k (text, logprob), most likely first, cut to what was asked."""
+        k = self.req.top_logprobs
+        tops = list(d.top_logprobs) + [None] * (len(d.token_ids) - len(d.top_logprobs))
+        return [[] if t is None else [(self.pipeline.token_text(i), lp) for i, lp in
+                                      zip(t.token_ids[:k], t.logprobs[:k], strict=True)] for t in tops]
+
     def _logprobs(self, d: TextDelta) -> dict[str, Any] | None:
         if not self.req.logprobs:
             return None
         tokens = [self.pipeline.token_text(t) for t in d.token_ids]
         lps = list(d.logprobs) + [None] * (len(tokens) - len(d.logprobs))
-        # Only the chosen token's logprob is known: top_logprobs lists hold just that token.
-        if self.req.chat:
+        alts = self._alternatives(d) if self.req.top_logprobs else [[] for _ in tokens]
+        if self.req.chat:  # exactly top_logprobs alternatives per position
             return {"content": [
                 {"token": s, "logprob": lp, "bytes": list(s.encode()),
-                 "top_logprobs": [{"token": s, "logprob": lp, "bytes": list(s.encode())}]
-                 if self.req.top_logprobs else []}
-                for s, lp in zip(tokens, lps, strict=True)]}
+                 "top_logprobs": [{"token": a, "logprob": alp, "bytes": list(a.encode())} for a, alp in alt]}
+                for s, lp, alt in zip(tokens, lps, alts, strict=True)]}
         offsets = []
         for s in tokens:
             offsets.append(self._text_offset)
             self._text_offset += len(s)
-        return {"tokens": tokens, "token_logprobs": lps,
-                "top_logprobs": [{s: lp} for s, lp in zip(tokens, lps, strict=True)] if self.req.top_logprobs
-                else None,
-                "text_offset": offsets}
+        top: list[dict[str, float | None]] | None = None
+        if self.req.top_logprobs:
+            # Legacy completions: the sampled token is always listed, so up to logprobs + 1 entries.
+            top = []
+            for s, lp, alt in zip(tokens, lps, alts, strict=True):
+                entry: dict[str, float | None] = {}
+                for a, alp in (*alt, (s, lp)):  # two ids with the same text: the likelier one stays
+                    entry.setdefault(a, alp)
+                top.append(entry)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
 
     @staticmethod
     def _usage(u: Usage | None) -> dict[str, Any] | None:

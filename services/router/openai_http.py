@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP API over a :class:`TextPipeline` (aiohttp).
 
-Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE), GET /v1/models, GET /health,
-GET /ready. Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}``.
+Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE), GET /v1/models,
+GET /v1/models/{model}, GET /health, GET /ready, and GET /metrics when given a registry. Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}``.
 
 Every generation request ends in one of three ways a client can tell apart (DESIGN section 7):
 
@@ -26,12 +26,14 @@ import math
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 
-from services.common.metrics import RouterMetrics
-from services.engine.sampling_params import InvalidRequestError
+from services.common.metrics import RouterMetrics, render_metrics
+from services.engine.sampling_params import InvalidRequestError, TopLogprobs
 from services.router.auth import APIKeys
 from services.router.metering import RequestMeter, RequestRecord, code_for_http_status
 from services.router.openai_format import Formatter
@@ -134,18 +136,27 @@ async def _account(request: web.Request, handler: Callable[[web.Request], Awaita
     with request.app[METER_KEY].request() as rec:
         request[RECORD_KEY] = rec
         try:
-            return await handler(request)
+            resp = await handler(request)
+            rec.wire_status = str(resp.status)
+            return resp
         except APIError as e:
+            rec.wire_status = str(e.status)
             rec.fail(code_for_http_status(e.status))
             raise
         except InvalidRequestError:
+            rec.wire_status = "400"
             rec.fail("invalid_argument")
             raise
+        except BackendError as e:
+            rec.wire_status = str(backend_api_error(e).status)
+            raise
         except web.HTTPException as e:
+            rec.wire_status = str(e.status)
             if e.status >= 400:
                 rec.fail(code_for_http_status(e.status))
             raise
         except (ClientGone, ConnectionResetError):
+            rec.wire_status = "499"
             rec.cancel()
             raise
 
@@ -163,12 +174,14 @@ async def _auth(request: web.Request, handler: Callable[[web.Request], Awaitable
 def make_app(pipeline: TextPipeline, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
              ready: Callable[[], bool] | None = None, metrics: RouterMetrics | None = None,
              meter: RequestMeter | None = None, api_keys: APIKeys | None = None,
-             read_timeout_s: float = 30.0, request_timeout_s: float = 600.0) -> web.Application:
+             read_timeout_s: float = 30.0, request_timeout_s: float = 600.0,
+             registry: CollectorRegistry | None = None) -> web.Application:
     """The OpenAI HTTP application.
 
     ``ready`` answers GET /ready (default: always ready). ``meter`` admits and accounts every
     generation request (share one with the gRPC API); without it one is made over ``metrics`` (None:
-    no metrics) with the default in-flight bound. ``api_keys``: None or empty leaves /v1/* open."""
+    no metrics) with the default in-flight bound. ``api_keys``: None or empty leaves /v1/* open.
+    ``registry``: also serve it at GET /metrics (no API key, like /health)."""
     app = web.Application(client_max_size=max_body_bytes, middlewares=[_errors, _account, _auth])
     app[PIPELINE_KEY] = pipeline
     app[READY_KEY] = ready or (lambda: True)
@@ -178,8 +191,11 @@ def make_app(pipeline: TextPipeline, *, max_body_bytes: int = DEFAULT_MAX_BODY_B
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/models/{model:.+}", _model)
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
+    if registry is not None:
+        app.router.add_get("/metrics", partial(_metrics, registry))
     return app
 
 
@@ -195,11 +211,27 @@ def make_runner(app: web.Application) -> web.AppRunner:
 # --- simple routes ---
 
 
-async def _models(request: web.Request) -> web.Response:
-    p = request.app[PIPELINE_KEY]
-    card = {"id": p.model_name(), "object": "model", "created": 0, "owned_by": "pdserve",
+def _card(p: TextPipeline) -> dict[str, Any]:
+    return {"id": p.model_name(), "object": "model", "created": 0, "owned_by": "pdserve",
             "max_model_len": p.max_model_len}
-    return web.json_response({"object": "list", "data": [card]})
+
+
+async def _models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_card(request.app[PIPELINE_KEY])]})
+
+
+async def _model(request: web.Request) -> web.Response:
+    p = request.app[PIPELINE_KEY]
+    name = request.match_info["model"]
+    if name != p.model_name():
+        raise APIError(404, f"model {name!r} does not exist; this server serves {p.model_name()!r}",
+                       param="model", code="model_not_found")
+    return web.json_response(_card(p))
+
+
+async def _metrics(registry: CollectorRegistry, request: web.Request) -> web.Response:
+    body, content_type = render_metrics(registry)
+    return web.Response(body=body, headers={"Content-Type": content_type})
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -270,6 +302,7 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
     prompt_ids = await asyncio.to_thread(_prompt_ids, pipeline, req)
     pipeline.check(prompt_ids, req.params, max_tokens=req.max_tokens, prompt_field=req.prompt_field)
     fmt = Formatter(pipeline, req, served)
+    rec.request_id, rec.prompt_tokens = fmt.id, len(prompt_ids)
     inner = pipeline.generate(fmt.id, prompt_ids, req.params, deadline=deadline)
     deltas = rec.observe(inner)
     try:
@@ -303,15 +336,18 @@ async def _collect(fmt: Formatter, deltas: Deltas) -> web.Response:
     text: list[str] = []
     token_ids: list[int] = []
     logprobs: list[float | None] = []
+    tops: list[TopLogprobs | None] = []
     last = TextDelta("")
     async for d in deltas:
+        n = len(d.token_ids)  # per-position lists padded to the delta's tokens, so positions stay aligned
         text.append(d.text)
         token_ids.extend(d.token_ids)
-        logprobs.extend(d.logprobs)
+        logprobs.extend((list(d.logprobs) + [None] * n)[:n])
+        tops.extend((list(d.top_logprobs) + [None] * n)[:n])
         last = d
     if last.finish_reason is None:  # the pipeline raises instead; never answer an unfinished 200
         raise BackendError("internal", f"{fmt.id}: the generation ended without a finish reason")
-    full = TextDelta("".join(text), token_ids, logprobs, last.finish_reason, last.usage)
+    full = TextDelta("".join(text), token_ids, logprobs, tops, last.finish_reason, last.usage)
     return web.json_response(fmt.full(full))
 
 

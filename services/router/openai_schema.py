@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.engine.sampling_params import SamplingParams
+from services.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 16
@@ -188,32 +188,63 @@ def _stop_token_ids(body: dict[str, Any]) -> list[int]:
     return v
 
 
+UNSUPPORTED_PARAMS: dict[str, tuple[str, str]] = {
+    "n": ("n=1", "one choice per request: send n requests (a shared prompt is prefix-cached)"),
+    "best_of": ("best_of=1", "needs several candidates per request, as n does"),
+    "presence_penalty": ("0", "the sampler applies no penalties"),
+    "frequency_penalty": ("0", "the sampler applies no penalties"),
+    "logit_bias": ("an empty map", "the sampler does not bias logits"),
+    "echo": ("false", "the prompt is not returned in the output"),
+    "suffix": ("an empty string", "no fill-in-the-middle"),
+    "tools": ("an empty list", "no tool calling"),
+    "tool_choice": ("'none'", "no tool calling"),
+    "functions": ("an empty list", "no function calling"),
+    "function_call": ("'none'", "no function calling"),
+    "response_format": ("{'type': 'text'}", "no constrained (JSON / schema) decoding"),
+    "modalities": ("['text']", "text output only"),
+    "audio": ("null", "text output only"),
+    "prediction": ("null", "no predicted outputs"),
+}
+"""Request fields answered with HTTP 400 (``param``: the field, ``code``: unsupported_parameter) unless
+they hold the one accepted value: (accepted value, why). A client that asks for a feature wants it, so
+none is silently ignored. docs/API.md lists the same table."""
+
+
+def _unsupported(name: str) -> APIError:
+    accepted, why = UNSUPPORTED_PARAMS[name]
+    return invalid(name, f"is not supported other than {accepted} ({why})", code="unsupported_parameter")
+
+
 def _reject_unsupported(body: dict[str, Any]) -> None:
     """Refuse features we would otherwise silently ignore (a client asking for them wants them)."""
     for name in ("presence_penalty", "frequency_penalty"):
         v = body.get(name)
         if v is not None and v != 0:
-            raise invalid(name, "is not supported (only 0)")
-    if body.get("logit_bias"):
-        raise invalid("logit_bias", "is not supported")
+            raise _unsupported(name)
     best_of = body.get("best_of")
     if best_of is not None and best_of != 1:
-        raise invalid("best_of", "only 1 is supported")
-    if body.get("echo"):
-        raise invalid("echo", "is not supported")
-    if body.get("suffix"):
-        raise invalid("suffix", "is not supported")
-    if body.get("tools"):
-        raise invalid("tools", "tool calling is not supported")
+        raise _unsupported("best_of")
+    for name in ("logit_bias", "echo", "suffix", "tools", "functions"):
+        if body.get(name):
+            raise _unsupported(name)
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none"):
+            raise _unsupported(name)
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
-        raise invalid("response_format", "only {'type': 'text'} is supported")
+        raise _unsupported("response_format")
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise _unsupported("modalities")
+    for name in ("audio", "prediction"):
+        if body.get(name) is not None:
+            raise _unsupported(name)
 
 
 def _sampling(body: dict[str, Any], req: GenerateRequest) -> None:
     n = _int(body, "n", 1, lo=1, hi=INT32_MAX)
     if n != 1:
-        raise invalid("n", f"only n=1 is supported, got {n}")
+        raise _unsupported("n")
     _reject_unsupported(body)
     max_tokens = _int(body, "max_completion_tokens") if req.chat else None
     if max_tokens is None:
@@ -242,7 +273,7 @@ def _sampling(body: dict[str, Any], req: GenerateRequest) -> None:
     req.params = SamplingParams(
         max_tokens=max_tokens or 1, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
         stop=_stop(body), stop_token_ids=_stop_token_ids(body), ignore_eos=_bool(body, "ignore_eos"),
-        logprobs=req.logprobs,
+        logprobs=req.logprobs, top_logprobs=req.top_logprobs,
     )
 
 
@@ -309,14 +340,14 @@ def parse_request(body: Any, *, chat: bool) -> GenerateRequest:
             raise invalid("messages", "must contain at least one message")
         req.messages = [_message(i, m) for i, m in enumerate(msgs)]
         req.logprobs = _bool(body, "logprobs")
-        top = _int(body, "top_logprobs", 0, lo=0, hi=20)
+        top = _int(body, "top_logprobs", 0, lo=0, hi=MAX_TOP_LOGPROBS)
         assert top is not None
         if top and not req.logprobs:
             raise invalid("top_logprobs", "requires logprobs to be true")
         req.top_logprobs = top
     else:
         _prompt(body, req)
-        lp = _int(body, "logprobs", lo=0, hi=5)
+        lp = _int(body, "logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
         req.logprobs = lp is not None
         req.top_logprobs = lp or 0
     user = body.get("user")

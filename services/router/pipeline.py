@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.engine.detokenizer import IncrementalDetokenizer, StopChecker
-from services.engine.sampling_params import InvalidRequestError, SamplingParams
+from services.engine.sampling_params import InvalidRequestError, SamplingParams, TopLogprobs
 from services.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,8 @@ class TokenEvent:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     """Prompt tokens whose KV was reused rather than computed."""
+    top_logprobs: list[TopLogprobs | None] = field(default_factory=list)
+    """Alternatives at each of token_ids when params.top_logprobs > 0 (may be shorter: None)."""
 
 
 class GenerationBackend(Protocol):
@@ -107,6 +109,7 @@ class TextDelta:
     text: str
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs | None] = field(default_factory=list)
     finish_reason: str | None = None
     """One of :data:`FINISH_REASONS`, on the last delta only."""
     usage: Usage | None = None
@@ -235,10 +238,11 @@ class TextPipeline:
                             text += stop.flush()
                     if reason is not None:
                         finished = True
-                        yield TextDelta(text, list(ev.token_ids), list(ev.logprobs), reason, usage)
+                        yield TextDelta(text, list(ev.token_ids), list(ev.logprobs), list(ev.top_logprobs),
+                                        reason, usage)
                         return
                     if text or ev.token_ids:
-                        yield TextDelta(text, list(ev.token_ids), list(ev.logprobs))
+                        yield TextDelta(text, list(ev.token_ids), list(ev.logprobs), list(ev.top_logprobs))
             raise BackendError("internal", f"request {request_id}: the backend ended the stream without a "
                                            "finish reason")
         finally:

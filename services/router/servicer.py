@@ -59,6 +59,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         """Record the outcome, then end the RPC with status ``code`` (lower-case gRPC name)."""
         if rec is not None:
             rec.fail(code)
+            rec.wire_status = code.upper()
         reason, retryable = _REASON.get(code, (Reason.ERROR_REASON_UNSPECIFIED, False))
         retry_ms = 0
         if retryable:
@@ -110,7 +111,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[common_pb2.GenerateResponse]:
-        with self.meter.request() as rec:
+        with self.meter.request(api="grpc") as rec:
             await self._authorize(context, rec)
             if self.draining.is_set():
                 rec.fail("unavailable")
@@ -133,6 +134,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             except InvalidRequestError as e:
                 await self._fail(context, rec, "invalid_argument", str(e), field=e.field)
             self.inflight.add(rid)
+            rec.request_id, rec.prompt_tokens = rid, len(ids)
             try:
                 # aclosing: a client that cancels closes this generator at its yield; closing the chain
                 # below is what aborts the backend request at once.
@@ -160,6 +162,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         msg.finish_reason = _FINISH[d.finish_reason]
                     if params.logprobs:
                         msg.logprobs.extend(lp or 0.0 for lp in d.logprobs)
+                    if params.top_logprobs:
+                        tops = list(d.top_logprobs) + [None] * (len(d.token_ids) - len(d.top_logprobs))
+                        msg.top_logprobs.extend(common_pb2.TopLogprobs(token_ids=t.token_ids, logprobs=t.logprobs)
+                                                if t is not None else common_pb2.TopLogprobs() for t in tops)
                     if d.usage is not None:
                         msg.usage.CopyFrom(common_pb2.Usage(prompt_tokens=d.usage.prompt_tokens,
                                                             completion_tokens=d.usage.completion_tokens,
@@ -170,6 +176,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         acc.token_ids.extend(msg.token_ids)
                         acc.text += msg.text
                         acc.logprobs.extend(msg.logprobs)
+                        acc.top_logprobs.extend(msg.top_logprobs)
                         acc.finish_reason = msg.finish_reason
                         if msg.HasField("usage"):
                             acc.usage.CopyFrom(msg.usage)

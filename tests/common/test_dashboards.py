@@ -152,7 +152,7 @@ _LABEL_VALUES: dict[str, list[str]] = {
     "role": ["prefill", "decode"],
     "endpoint": ["10.0.0.7:50051"],
     "reason": ["timeout"],
-    "source": ["local", "kvstore", "decode"],
+    "source": ["local", "kvstore"],
     "transport": ["grpc", "mooncake"],
     "tier": ["memory", "disk"],
     "outcome": ["ok", "failed"],

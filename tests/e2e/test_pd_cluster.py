@@ -83,7 +83,7 @@ def test_http_chat_text_equals_engine_text(pd_cluster, reference_engine):
 def test_prefix_sharing_skips_blocks_decode_holds(pd_cluster, reference_engine):
     router = pd_cluster.router["grpc"]
     before = sum(metric_sum(pd_cluster.get(f"prefill-{i}").ready["metrics"],
-                            "pdserve_prefill_cached_prefix_tokens_total", source="decode") for i in range(2))
+                            "pdserve_prefill_kv_skipped_tokens_total") for i in range(2))
     base = _chat_ids(reference_engine, LONG + " Now answer briefly.")
     # Four sends of prompts sharing a long prefix: round-robin puts at least two on the same decode,
     # whose prefix cache then holds the shared blocks.
@@ -92,7 +92,7 @@ def test_prefix_sharing_skips_blocks_decode_holds(pd_cluster, reference_engine):
         got = asyncio.run(_router_generate(router, ids))
         assert list(got.token_ids) == _reference(reference_engine, ids)
     after = sum(metric_sum(pd_cluster.get(f"prefill-{i}").ready["metrics"],
-                           "pdserve_prefill_cached_prefix_tokens_total", source="decode") for i in range(2))
+                           "pdserve_prefill_kv_skipped_tokens_total") for i in range(2))
     assert after - before >= 16 * 4  # at least a few shared blocks were not sent
 
 

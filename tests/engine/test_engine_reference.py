@@ -24,7 +24,7 @@ import torch
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.model_loader import load_model
-from services.engine.sampler import SamplingRow
+from services.engine.sampler import Sampled, SamplingRow
 from services.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -62,12 +62,12 @@ class LogitRecorder:
         self._alive: list[SamplingParams] = []  # ids stay unique while the recorder lives
         engine.runner.sampler = self  # type: ignore[assignment]
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[float | None]]:
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[Sampled]:
         for i, row in enumerate(rows):
             if id(row.params) not in self.rows:
                 self._alive.append(row.params)
             self.rows[id(row.params)].append(logits[i].detach().float().clone())
-        return self.inner(logits, rows)
+        return self.inner.sample(logits, rows)
 
     def of(self, params: SamplingParams) -> torch.Tensor:
         return torch.stack(self.rows[id(params)])

@@ -156,3 +156,41 @@ def test_mixed_params_in_one_batch() -> None:
         assert t[3] in top3
         assert t[4] in nucleus
         assert t[5] == seeded_alone
+
+
+def test_top_logprobs_are_the_k_most_likely_of_the_raw_distribution() -> None:
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(5, 300, generator=g) * 2
+    params = [SamplingParams(temperature=0.0, logprobs=True, top_logprobs=5),
+              SamplingParams(temperature=1.5, top_k=7, logprobs=True, top_logprobs=20),  # not bent by top-k/T
+              SamplingParams(temperature=0.7, logprobs=True),                              # no alternatives
+              SamplingParams(temperature=0.0),                                             # nothing asked
+              SamplingParams(temperature=1.0, top_p=0.2, seed=1, logprobs=True, top_logprobs=1)]
+    rows = [SamplingRow(p.validate(), 0) for p in params]
+    out = Sampler(seed=9).sample(logits, rows)
+    ref = torch.log_softmax(logits.double(), -1)
+    for i, p in enumerate(params):
+        s = out[i]
+        if not p.top_logprobs:
+            assert s.top is None
+            assert (s.logprob is None) == (not p.logprobs)
+            continue
+        assert s.top is not None and len(s.top.token_ids) == len(s.top.logprobs) == p.top_logprobs
+        want = ref[i].topk(p.top_logprobs)
+        assert list(s.top.token_ids) == want.indices.tolist(), f"row {i}"
+        assert all(abs(a - b) < 1e-5 for a, b in zip(s.top.logprobs, want.values.tolist(), strict=True))
+        assert list(s.top.logprobs) == sorted(s.top.logprobs, reverse=True)
+        assert s.logprob is not None and abs(s.logprob - ref[i, s.token].item()) < 1e-5
+    assert out[0].top is not None and out[0].top.token_ids[0] == out[0].token  # greedy: the argmax is first
+
+
+def test_top_logprobs_validation() -> None:
+    import pytest
+
+    from services.engine.sampling_params import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="top_logprobs"):
+        SamplingParams(top_logprobs=3).validate()  # needs logprobs
+    with pytest.raises(InvalidRequestError, match="20"):
+        SamplingParams(logprobs=True, top_logprobs=21).validate()
+    assert SamplingParams(logprobs=True, top_logprobs=20).validate().top_logprobs == 20

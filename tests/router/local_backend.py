@@ -37,6 +37,7 @@ class LocalEngineBackend:
                             raise BackendError("unavailable", f"request {request_id}: the engine aborted it")
                     yield TokenEvent(
                         token_ids=list(out.new_token_ids), logprobs=list(out.new_logprobs),
+                        top_logprobs=list(out.new_top_logprobs),
                         finish_reason=reason, prompt_tokens=out.num_prompt_tokens,
                         cached_tokens=out.num_cached_tokens)
         except InvalidRequestError as e:

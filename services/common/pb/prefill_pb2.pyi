@@ -39,7 +39,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., reservation_id: _Optional[str] = ..., num_skip_blocks: _Optional[int] = ..., expected_layout_fingerprint: _Optional[str] = ..., chunked_transfer: _Optional[bool] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., reservation_token: _Optional[bytes] = ..., destination: _Optional[_Union[_decode_pb2.KVDestination, _Mapping]] = ..., accepted_wire_fingerprints: _Optional[_Iterable[str]] = ..., deadline_unix: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "first_logprob", "num_prompt_tokens", "num_cached_tokens", "num_chunks", "kv_bytes_sent", "queue_s", "compute_s")
+    __slots__ = ("first_token", "first_logprob", "num_prompt_tokens", "num_cached_tokens", "num_chunks", "kv_bytes_sent", "queue_s", "compute_s", "first_top_logprobs")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class PrefillResponse(_message.Message):
     KV_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     first_logprob: float
     num_prompt_tokens: int
@@ -56,4 +57,5 @@ class PrefillResponse(_message.Message):
     kv_bytes_sent: int
     queue_s: float
     compute_s: float
-    def __init__(self, first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_chunks: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., queue_s: _Optional[float] = ..., compute_s: _Optional[float] = ...) -> None: ...
+    first_top_logprobs: _common_pb2.TopLogprobs
+    def __init__(self, first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_chunks: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., queue_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., first_top_logprobs: _Optional[_Union[_common_pb2.TopLogprobs, _Mapping]] = ...) -> None: ...
