@@ -1,6 +1,6 @@
 """Kernel benchmark at Llama-3-8B shapes: Triton kernels vs their torch references, with ceilings.
 
-    python benchmarks/kernels_bench.py --out results/kernels.json [--quick]
+    pdserve bench kernels --out results/kernels.json [--quick]       (needs a CUDA device)
 
 Per kernel: Triton time, torch reference time, achieved GB/s (memory-bound kernels) or TFLOP/s
 (prefill attention), and torch SDPA on contiguous K/V for the attention kernels. Ceilings measured in
@@ -233,7 +233,7 @@ def print_table(rows: list[Row], ceil: dict[str, float]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="pdserve bench kernels", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", type=Path, default=Path("kernels_bench.json"), help="JSON results path")
     parser.add_argument("--quick", action="store_true", help="fewer shapes (smoke run)")

@@ -1,8 +1,8 @@
 """kvstore throughput: Put and Get MiB/s through the gRPC service on loopback, per backend and page size,
 beside a raw loopback TCP copy of the same bytes measured in the same run.
 
-    python -m benchmarks.kvstore_bench                       # embedded + mooncake, 1 MiB and 64 MiB pages
-    python -m benchmarks.kvstore_bench --backends embedded --sizes-mib 1 --total-mib 64 --json out.json
+    pdserve bench kvstore                       # embedded + mooncake, 1 MiB and 64 MiB pages
+    pdserve bench kvstore --backends embedded --sizes-mib 1 --total-mib 64 --json out.json
 
 Each backend runs as a real ``python -m services.kvstore`` process (Mooncake: plus a loopback
 mooncake_master); the client streams pages with KVStoreClient (4 MiB pieces). Runtime is bounded by
@@ -170,7 +170,8 @@ async def run_backend(backend: str, sizes: list[int], total: int, workdir: Path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvstore_bench", description=__doc__.splitlines()[0] if __doc__ else None)
+    p = argparse.ArgumentParser(prog="pdserve bench kvstore", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", default="embedded,mooncake", help="Comma-separated: embedded, mooncake.")
     p.add_argument("--sizes-mib", default="1,64", help="Page sizes (MiB), comma-separated.")
     p.add_argument("--total-mib", type=int, default=256, help="Bytes moved per (backend, size, direction) (MiB).")

@@ -83,7 +83,8 @@ class LocalCluster:
                  colocated: bool = False, env: dict[str, str] | None = None, quiet: bool = False,
                  kv_transport: str = "grpc", tls_dir: str | os.PathLike[str] | None = None,
                  api_key: str | None = None, api_key_file: str | None = None, supervise: bool = False,
-                 restart_policy: RestartPolicy | None = None, pin_cores: bool = False) -> None:
+                 restart_policy: RestartPolicy | None = None, pin_cores: bool = False,
+                 metrics_port_base: int = 0) -> None:
         self.n_prefill, self.n_decode, self.kvstore = prefill, decode, kvstore
         self.model, self.dtype, self.host = model, dtype, host
         self.http_port, self.grpc_port = http_port, grpc_port
@@ -94,6 +95,9 @@ class LocalCluster:
         # OpenMP workers sleep when idle (engines share the host's cores); set before torch loads.
         self.env = {**quiet_openmp_env(os.environ), "PYTHONUNBUFFERED": "1", **(env or {})}
         self.pin_cores = pin_cores
+        # 0: metrics ports picked free at start; N: fixed, router N, kvstore N+1, mooncake master N+2,
+        # prefill-i N+3+i, decode-j / worker-j after the prefills (metrics_port()).
+        self.metrics_port_base = metrics_port_base
         self.quiet = quiet
         self.tls_dir = Path(tls_dir) if tls_dir is not None else None
         # The router's API key(s): given to the router alone, in its environment (not its argv, which
@@ -170,11 +174,30 @@ class LocalCluster:
         safe from a signal handler."""
         self._stopping.set()
 
+    def metrics_port(self, name: str) -> int:
+        """The fixed metrics port of service ``name`` under ``metrics_port_base`` (0 when none is set)."""
+        if not self.metrics_port_base:
+            return 0
+        fixed = {"router": 0, "kvstore": 1, "mooncake-master": 2}
+        kind, _, index = name.rpartition("-")
+        if name in fixed:
+            offset = fixed[name]
+        elif kind == "prefill":
+            offset = 3 + int(index)
+        else:  # decode-j, worker-j
+            offset = 3 + (0 if self.colocated else self.n_prefill) + int(index)
+        return self.metrics_port_base + offset
+
     def _port(self, name: str, kind: str, given: int = 0) -> int:
         ports = self.ports.setdefault(name, {})
         if kind not in ports:
-            ports[kind] = given or pick_port(self.host, self._taken)
+            fixed = self.metrics_port(name) if kind == "metrics" else 0
+            ports[kind] = given or fixed or pick_port(self.host, self._taken)
         return ports[kind]
+
+    def _picked(self, *kinds: str) -> tuple[str, ...]:
+        """Of ``kinds``, the ports this cluster picks itself (a fixed metrics port is not re-picked)."""
+        return tuple(k for k in kinds if not (k == "metrics" and self.metrics_port_base))
 
     def _launch_all(self, specs: list[_Spec], timeout: float) -> list[Proc]:
         """Start services in parallel and wait for each; one whose picked port someone took meanwhile
@@ -205,7 +228,7 @@ class LocalCluster:
             if metrics:
                 out += ["--metrics-port", str(self._port(name, "metrics"))]
             return out + extra_args
-        return _Spec(name, module, args, ("grpc", "metrics") if metrics else ("grpc",))
+        return _Spec(name, module, args, self._picked("grpc", "metrics") if metrics else ("grpc",))
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self, timeout: float = 180.0) -> LocalCluster:
@@ -228,7 +251,7 @@ class LocalCluster:
                     return ["--rpc-port", str(self._port("mooncake-master", "grpc")),
                             "--metrics-port", str(self._port("mooncake-master", "metrics"))]
                 master, = self._launch_all([_Spec("mooncake-master", "kvstore.mooncake_master", master_args,
-                                                  ("grpc", "metrics"))], timeout)
+                                                  self._picked("grpc", "metrics"))], timeout)
                 kv_flags += ["--mooncake-master", master.ready["rpc"]]
             kv, = self._launch_all([self._service("kvstore", "kvstore", kv_flags)], timeout)
             kv_args = ["--kvstore-address", kv.ready["grpc"]]
@@ -257,7 +280,7 @@ class LocalCluster:
                    "--metrics-port", str(self._port("router", "metrics")), "--decode", ",".join(decodes)]
             out += ["--prefill", ",".join(prefills)] if prefills else []
             return out + (["--model", self.model] if self.model else [])
-        self._launch_all([_Spec("router", "router", router_args, (*picked, "metrics"))], timeout)
+        self._launch_all([_Spec("router", "router", router_args, (*picked, *self._picked("metrics")))], timeout)
 
     def get(self, name: str) -> Proc:
         with self._lock:

@@ -27,56 +27,100 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.config import ConfigError, add_dataclass_args, from_args, opt, require
+from services.common.config import (
+    ConfigError,
+    ConfigFile,
+    ContextConfig,
+    add_config_arg,
+    add_dataclass_args,
+    config_file,
+    flag_name,
+    from_args,
+    opt,
+    require,
+    reuse,
+)
+from services.common.logging import LoggingConfig
 from services.launcher import LocalCluster, RestartPolicy, StartCancelled, dial_host, served_model
+from services.router.config import RouterConfig
+
+# Serving settings pdserve up passes on to services, when given as its own flags (env vars and the
+# config file reach the services directly).
+_FORWARD: dict[str, tuple[str, ...]] = {
+    "served_model_name": ("router",), "policy": ("router",), "lease_ms": ("router",), "access_log": ("router",),
+    "max_model_len": ("router", "prefill", "decode"), "log_level": ("router", "prefill", "decode", "kvstore"),
+}
 
 
 def _env(name: str) -> str:
     return "PDSERVE_UP_" + name.upper()
 
 
+_CLUSTER, _SERVING, _NET, _SECURITY, _SUPERVISION = (
+    "cluster", "serving (passed on to the services; PDSERVE_* env vars and --config reach them too)",
+    "network and ports", "security", "supervision")
+
+
 @dataclass
 class UpConfig:
     """pdserve up: one local cluster."""
 
-    prefill: int = opt(1, "Prefill instances.", env=_env("prefill"))
-    decode: int = opt(1, "Decode instances (colocated workers with --colocated).", env=_env("decode"))
+    prefill: int = opt(1, "Prefill instances.", env=_env("prefill"), group=_CLUSTER)
+    decode: int = opt(1, "Decode instances (colocated workers with --colocated).", env=_env("decode"),
+                      group=_CLUSTER)
+    colocated: bool = opt(False, "One service does prefill and decode (A/B).", env=_env("colocated"), group=_CLUSTER)
     kvstore: str = opt("embedded", "kvstore backend; none: no kvstore.", choices=("embedded", "mooncake", "none"),
-                       env=_env("kvstore"))
-    model: str | None = opt(None, "Model spec (default: the embedded SmolLM2-135M-Instruct).", env=_env("model"))
-    dtype: str = opt("bfloat16", "Model dtype.", choices=("float32", "bfloat16"), env=_env("dtype"))
-    host: str = opt("127.0.0.1", "Address every service binds (gRPC, metrics, the router's HTTP); 0.0.0.0 "
-                                 "exposes internal RPCs to the network: use --tls then.", env=_env("host"))
-    http_port: int = opt(8000, "Router HTTP (OpenAI API) port; 0 picks a free one.", env=_env("http_port"))
-    grpc_port: int = opt(50051, "Router gRPC port; 0 picks a free one.", env=_env("grpc_port"))
-    colocated: bool = opt(False, "One service does prefill and decode (A/B).", env=_env("colocated"))
+                       env=_env("kvstore"), group=_CLUSTER)
+    model: str | None = opt(None, "Model spec (default: the embedded SmolLM2-135M-Instruct).", env=_env("model"),
+                            group=_CLUSTER)
+    dtype: str = opt("auto", "Model dtype; auto: bf16 on GPU and on CPUs with native bf16, else fp32.",
+                     choices=("auto", "float32", "bfloat16"), env=_env("dtype"), group=_CLUSTER)
+    pin_cores: bool = opt(False, "Pin each engine process to its own share of this host's CPUs (--cpu-affinity).",
+                          env=_env("pin_cores"), group=_CLUSTER)
     kv_transport: str = opt("shm", "shm (CPU) / cuda-ipc (GPU): prefill writes pages straight into decode's "
                                    "pool (one host); grpc: page bytes inside the PushKV stream.",
-                            choices=("shm", "cuda-ipc", "grpc"), env=_env("kv_transport"))
-    demo: bool = opt(False, "Send one chat request once the cluster is up.", env=_env("demo"))
-    tls: bool = opt(False, "mTLS between all services, with a fresh CA and per-role certificates in a "
-                           "private temporary directory (removed at exit).", env=_env("tls"))
-    tls_dir: str = opt("", "mTLS with existing certificates: DIR holds ca.pem and <role>.pem/<role>-key.pem "
-                           "for router, prefill, decode, kvstore (pdserve certs --out DIR).", env=_env("tls_dir"))
-    api_key: str = opt("", "API key the router's public API requires (Authorization: Bearer KEY); empty: none.",
-                       env="PDSERVE_API_KEY")
-    api_key_file: str = opt("", "File holding the router's API key (instead of --api-key).",
-                            env="PDSERVE_API_KEY_FILE")
-    restart: bool = opt(True, "Restart a service that exits; --no-restart stops the cluster instead.",
-                        env=_env("restart"))
-    max_restarts: int = opt(5, "Restarts of one service within --restart-window-s before giving up.",
-                            env=_env("max_restarts"))
-    restart_window_s: float = opt(60.0, "Window over which restarts are counted (seconds).",
-                                  env=_env("restart_window_s"))
-    max_restart_backoff_s: float = opt(30.0, "Longest wait before a restart (seconds; doubles from 1 s).",
-                                       env=_env("max_restart_backoff_s"))
-    stop_grace_s: float = opt(45.0, "On stop, how long each tier (routers, workers, stores) may drain after "
-                                    "SIGTERM before it is killed (seconds).", env=_env("stop_grace_s"))
-    start_timeout_s: float = opt(300.0, "Longest wait for the cluster to become ready (seconds).",
-                                 env=_env("start_timeout_s"))
+                            choices=("shm", "cuda-ipc", "grpc"), env=_env("kv_transport"), group=_CLUSTER)
+    demo: bool = opt(False, "Send one chat request once the cluster is up.", env=_env("demo"), group=_CLUSTER)
+    served_model_name: str = reuse(RouterConfig, "served_model_name", group=_SERVING)
+    max_model_len: int = reuse(ContextConfig, "max_model_len", group=_SERVING)
+    policy: str = reuse(RouterConfig, "policy", group=_SERVING)
+    lease_ms: int = reuse(RouterConfig, "lease_ms", group=_SERVING)
+    access_log: bool = reuse(RouterConfig, "access_log", group=_SERVING)
+    log_level: str = reuse(LoggingConfig, "log_level", group=_SERVING)
+    host: str = opt("127.0.0.1", "Address every service binds (gRPC, metrics, the router's HTTP); 0.0.0.0 "
+                                 "exposes internal RPCs to the network: use --tls then.", env=_env("host"), group=_NET)
+    http_port: int = opt(8000, "Router HTTP (OpenAI API) port, also serving the router's /metrics; 0 picks a "
+                               "free one.", env=_env("http_port"), group=_NET)
+    grpc_port: int = opt(50051, "Router gRPC port; 0 picks a free one.", env=_env("grpc_port"), group=_NET)
+    metrics_port_base: int = opt(0, "Fixed metrics ports: router BASE, kvstore BASE+1, mooncake master BASE+2, "
+                                    "prefill-i BASE+3+i, then decode-j (or worker-j) after the prefills; 0: free "
+                                    "ports picked at start (see --prometheus-sd).", env=_env("metrics_port_base"),
+                                 group=_NET)
     prometheus_sd: str = opt("", "Write the services' metrics addresses here as a Prometheus file_sd target "
                                  "list (deploy/prometheus/prometheus-local.yml reads targets/*.json).",
-                             env=_env("prometheus_sd"))
+                             env=_env("prometheus_sd"), group=_NET)
+    tls: bool = opt(False, "mTLS between all services, with a fresh CA and per-role certificates in a "
+                           "private temporary directory (removed at exit).", env=_env("tls"), group=_SECURITY)
+    tls_dir: str = opt("", "mTLS with existing certificates: DIR holds ca.pem and <role>.pem/<role>-key.pem "
+                           "for router, prefill, decode, kvstore (pdserve certs --out DIR).", env=_env("tls_dir"),
+                       group=_SECURITY)
+    api_key: str = opt("", "API key the router's public API requires (Authorization: Bearer KEY); empty: none.",
+                       env="PDSERVE_API_KEY", group=_SECURITY)
+    api_key_file: str = opt("", "File holding the router's API key (instead of --api-key).",
+                            env="PDSERVE_API_KEY_FILE", group=_SECURITY)
+    restart: bool = opt(True, "Restart a service that exits; --no-restart stops the cluster instead.",
+                        env=_env("restart"), group=_SUPERVISION)
+    max_restarts: int = opt(5, "Restarts of one service within --restart-window-s before giving up.",
+                            env=_env("max_restarts"), group=_SUPERVISION)
+    restart_window_s: float = opt(60.0, "Window over which restarts are counted (seconds).",
+                                  env=_env("restart_window_s"), group=_SUPERVISION)
+    max_restart_backoff_s: float = opt(30.0, "Longest wait before a restart (seconds; doubles from 1 s).",
+                                       env=_env("max_restart_backoff_s"), group=_SUPERVISION)
+    stop_grace_s: float = opt(45.0, "On stop, how long each tier (routers, workers, stores) may drain after "
+                                    "SIGTERM before it is killed (seconds).", env=_env("stop_grace_s"),
+                              group=_SUPERVISION)
+    start_timeout_s: float = opt(300.0, "Longest wait for the cluster to become ready (seconds).",
+                                 env=_env("start_timeout_s"), group=_SUPERVISION)
 
     def __post_init__(self) -> None:
         require(self.prefill >= (0 if self.colocated else 1), self, "prefill", f"must be >= 1, got {self.prefill}")
@@ -90,6 +134,12 @@ class UpConfig:
         require(self.restart_window_s > 0, self, "restart_window_s", f"must be > 0, got {self.restart_window_s}")
         require(self.max_restart_backoff_s >= 1, self, "max_restart_backoff_s",
                 f"must be >= 1, got {self.max_restart_backoff_s}")
+        require(self.max_model_len >= 0, self, "max_model_len", f"must be >= 0, got {self.max_model_len}")
+        require(self.lease_ms > 0, self, "lease_ms", f"must be > 0, got {self.lease_ms}")
+        last = self.metrics_port_base + 3 + self.prefill + self.decode
+        require(self.metrics_port_base == 0 or (1 <= self.metrics_port_base and last <= 65535), self,
+                "metrics_port_base", f"must be 0 or leave room for every service below 65536, got "
+                                     f"{self.metrics_port_base}")
 
     def key(self) -> str | None:
         """The key the router is given (and the demo sends): --api-key, or the first key in the file
@@ -146,7 +196,42 @@ def _print_endpoints(cfg: UpConfig, cluster: LocalCluster, tls_dir: Path | None,
          f"-d '{{\"model\":\"{served_model(http, key)}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hi\"}}]}}'")
 
 
-def _run(cfg: UpConfig, tls_dir: Path | None, key: str | None) -> int:
+def _forwarded(ns: argparse.Namespace, cfg: UpConfig, config_path: str | None) -> dict[str, list[str]]:
+    """Per service module, the flags pdserve up hands on: the serving settings given on its command line,
+    and --config FILE (absolute) when given as a flag."""
+    out: dict[str, list[str]] = {}
+    for name, modules in _FORWARD.items():
+        if getattr(ns, name, None) is None:
+            continue
+        value = getattr(cfg, name)
+        flag = (flag_name(name) if value else flag_name("no_" + name)) if isinstance(value, bool) else None
+        for module in modules:
+            out.setdefault(module, []).extend([flag] if flag else [flag_name(name), str(value)])
+    if config_path:
+        for module in ("router", "prefill", "decode", "kvstore"):
+            out.setdefault(module, []).extend(["--config", str(Path(config_path).resolve())])
+    return out
+
+
+def check_file(file: ConfigFile) -> None:
+    """Every key of a config file names a setting of some service (top level) or of its section's service;
+    ConfigError naming the first that does not. Imports the engine's settings (and torch) to know them."""
+    from services.decode.config import DecodeConfig
+    from services.engine.config import EngineConfig
+    from services.kvstore.config import KVStoreConfig
+    from services.prefill.config import PrefillConfig
+
+    classes: dict[str, list[type]] = {
+        "up": [UpConfig], "router": [RouterConfig, LoggingConfig],
+        "prefill": [PrefillConfig, EngineConfig, LoggingConfig], "decode": [DecodeConfig, EngineConfig, LoggingConfig],
+        "kvstore": [KVStoreConfig, LoggingConfig]}
+    for section, cls in classes.items():
+        file.check(section, cls)
+    file.check("", [c for cls in classes.values() for c in cls], shared=True)
+
+
+def _run(cfg: UpConfig, tls_dir: Path | None, key: str | None,
+         extra: dict[str, list[str]] | None = None) -> int:
     policy = RestartPolicy(max_restarts=cfg.max_restarts, window_s=cfg.restart_window_s,
                            max_backoff_s=cfg.max_restart_backoff_s)
     cluster = LocalCluster(prefill=cfg.prefill, decode=cfg.decode,
@@ -155,7 +240,8 @@ def _run(cfg: UpConfig, tls_dir: Path | None, key: str | None) -> int:
                            colocated=cfg.colocated, kv_transport=cfg.kv_transport, tls_dir=tls_dir,
                            api_key=None if cfg.api_key_file else key,
                            api_key_file=str(Path(cfg.api_key_file).resolve()) if cfg.api_key_file else None,
-                           supervise=cfg.restart, restart_policy=policy)
+                           supervise=cfg.restart, restart_policy=policy, pin_cores=cfg.pin_cores,
+                           metrics_port_base=cfg.metrics_port_base, extra=extra)
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -203,13 +289,19 @@ def _run(cfg: UpConfig, tls_dir: Path | None, key: str | None) -> int:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="pdserve up", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_arg(p)
     add_dataclass_args(p, UpConfig)
+    ns = p.parse_args(argv)
     try:
-        cfg = from_args(UpConfig, p.parse_args(argv))
+        file = config_file(ns)
+        if file is not None:
+            check_file(file)
+        cfg = from_args(UpConfig, ns, file=file, section="up")
         key = cfg.key()
     except (ConfigError, OSError) as e:
         print(f"pdserve up: {e}", file=sys.stderr)
         return 2
+    extra = _forwarded(ns, cfg, ns.config)
     tls_dir: Path | None = Path(cfg.tls_dir) if cfg.tls_dir else None
     tmp: str | None = None
     if cfg.tls:
@@ -218,7 +310,7 @@ def main(argv: list[str]) -> int:
         tmp = tempfile.mkdtemp(prefix="pdserve-tls-")  # mode 0700: only this user reads the keys
         tls_dir = make_certs(tmp, hosts=tuple(dict.fromkeys(("localhost", "127.0.0.1", dial_host(cfg.host)))))
     try:
-        return _run(cfg, tls_dir, key)
+        return _run(cfg, tls_dir, key, extra)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -11,9 +11,11 @@ Each subsystem declares one dataclass whose fields carry their help text:
             require(self.max_num_seqs > 0, self, "max_num_seqs", f"must be > 0, got {self.max_num_seqs}")
 
 A field becomes the flag ``--max-num-seqs`` and the env var ``PDSERVE_MAX_NUM_SEQS`` (a ``prefix``
-adds to both: prefix "decode-" gives ``--decode-max-num-seqs`` / ``PDSERVE_DECODE_MAX_NUM_SEQS``).
-Precedence: flag, then env var, then the field default. Every bad value raises ``ConfigError`` whose
-message names the flag and the env var. This module is the only reader of ``os.environ``.
+adds to both: prefix "decode-" gives ``--decode-max-num-seqs`` / ``PDSERVE_DECODE_MAX_NUM_SEQS``), and
+the key ``max_num_seqs`` of a YAML config file (``--config FILE`` / ``PDSERVE_CONFIG``, see
+:class:`ConfigFile`). Precedence: flag, then env var, then config file, then the field default. Every
+bad value raises ``ConfigError`` whose message names the flag and the env var (and the file's key).
+This module is the only reader of ``os.environ``.
 
 Value syntax (flags and env vars alike): bool ``1/true/yes/on`` or ``0/false/no/off`` (flags also take
 ``--x`` / ``--no-x``); list fields are comma-separated; ``X | None`` fields take ``none`` or an empty
@@ -29,16 +31,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import enum
 import os
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 ENV_PREFIX = "PDSERVE_"
+CONFIG_ENV = "PDSERVE_CONFIG"
+SECTIONS = ("up", "router", "prefill", "decode", "kvstore")
+"""Sections of a config file: the settings of one service (``up``: ``pdserve up`` itself)."""
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 _NONE = frozenset({"", "none", "null"})
@@ -60,16 +67,28 @@ def opt(
     *,
     choices: Sequence[Any] | None = None,
     env: str | None = None,
+    group: str | None = None,
 ) -> Any:
     """Declare a config field: default, help text, optional allowed values and env var override.
 
-    ``env`` replaces the derived env var name (it is used as given, prefix included). Mutable defaults
-    (list, dict, set) are copied per instance.
+    ``env`` replaces the derived env var name (it is used as given, prefix included). ``group`` puts the
+    flag under its own heading in ``--help`` (default: the class's). Mutable defaults (list, dict, set)
+    are copied per instance.
     """
-    metadata = {"help": help, "choices": tuple(choices) if choices is not None else None, "env": env}
+    metadata = {"help": help, "choices": tuple(choices) if choices is not None else None, "env": env,
+                "group": group}
     if isinstance(default, (list, dict, set)):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def reuse(cls: type, name: str, *, group: str | None = None) -> Any:
+    """Field ``name`` of config class ``cls`` declared again for another command with the same default,
+    help, choices and env var, so a setting several commands take has one declaration (``pdserve up
+    --policy`` is the router's ``--policy``, read from ``PDSERVE_POLICY`` by both)."""
+    f = _field(cls, name)
+    return opt(_default_of(f), f.metadata.get("help", ""), choices=f.metadata.get("choices"), env=env_name(f),
+               group=group)
 
 
 def flag_name(name: str, prefix: str = "") -> str:
@@ -221,8 +240,16 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, prefix: str =
     """
     hints = _hints(cls)
     doc = (cls.__doc__ or "").strip().splitlines()
-    group = parser.add_argument_group(cls.__name__, doc[0] if doc and not doc[0].startswith(cls.__name__ + "(") else None)
-    for f in _config_fields(cls):
+    fields = _config_fields(cls)
+    main = parser.add_argument_group(cls.__name__, doc[0] if doc and not doc[0].startswith(cls.__name__ + "(") else None) \
+        if any(not f.metadata.get("group") for f in fields) or not fields else None
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in fields:
+        heading = f.metadata.get("group")
+        if heading and heading not in groups:
+            groups[heading] = parser.add_argument_group(heading)
+        group = groups[heading] if heading else main
+        assert group is not None
         tp = hints[f.name]
         inner, _ = _unwrap_optional(tp)
         choices = f.metadata.get("choices")
@@ -242,7 +269,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, prefix: str =
         else:
             kwargs["metavar"] = f.name.upper()
             group.add_argument(flag_name(f.name, prefix), **kwargs)
-    return group
+    return main or next(iter(groups.values()))
 
 
 class _BoolAction(argparse.Action):
@@ -255,28 +282,155 @@ class _BoolAction(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+def _coerce(tp: Any, value: Any) -> Any:
+    """A YAML value (bool, int, float, str, list, None) as field type ``tp``; strings go through the
+    flag parser. Raises ValueError with a readable message."""
+    inner, optional = _unwrap_optional(tp)
+    if value is None:
+        if optional:
+            return None
+        raise ValueError("must not be null")
+    if isinstance(value, str):
+        return _value_parser(tp)(value)
+    origin = typing.get_origin(inner)
+    if origin in (list, tuple):
+        items = value if isinstance(value, list) else [value]
+        item_tp = (typing.get_args(inner) or (str,))[0]
+        return origin(_coerce(item_tp, v) for v in items)
+    if inner is bool and isinstance(value, bool):
+        return value
+    if inner is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if inner is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(inner, type) and issubclass(inner, enum.Enum):
+        return _scalar_parser(inner)(str(value))
+    want = getattr(inner, "__name__", str(inner))
+    raise ValueError(f"expected {want}, got {value!r} ({type(value).__name__}){'; quote it' if want == 'str' else ''}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigFile:
+    """Settings from a YAML file (``--config FILE`` / ``PDSERVE_CONFIG``), read with ``yaml.safe_load``
+    (no tags, no code). Top-level keys apply to every service that has a setting of that name (the
+    others ignore them); a section holds one service's settings and wins over the top level there:
+
+        model: /models/SmolLM2-135M-Instruct.Q4_1.gguf   # every service with --model
+        max_model_len: 4096
+        log_level: INFO
+        router:
+          served_model_name: smol
+          policy: least_loaded
+        decode:
+          max_pending: 128
+
+    Keys are setting names as in the flags (``max_model_len`` or ``max-model-len``); values are YAML
+    scalars or lists, or strings in the flag syntax. A flag or a ``PDSERVE_*`` env var wins over the file.
+    """
+
+    path: str
+    shared: Mapping[str, Any]
+    sections: Mapping[str, Mapping[str, Any]]
+
+    @staticmethod
+    def _keys(where: str, mapping: Mapping[Any, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in mapping.items():
+            if not isinstance(k, str) or not k.strip():
+                raise ConfigError(f"{where}: keys must be setting names, got {k!r}")
+            out[k.strip().replace("-", "_")] = v
+        return out
+
+    @classmethod
+    def load(cls, path: str) -> ConfigFile:
+        """Read and shape-check the file; ConfigError naming the file for anything wrong."""
+        import yaml
+
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"--config / {CONFIG_ENV}: cannot read {path}: {e.strerror or e}") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+            raise ConfigError(f"config file {path}: not valid YAML{at}: {getattr(e, 'problem', None) or e}") from None
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path}: the top level must be a mapping of settings, "
+                              f"got {type(data).__name__}")
+        shared, sections = {}, {}
+        for key, value in cls._keys(f"config file {path}", data).items():
+            if key in SECTIONS:
+                if not isinstance(value, dict):
+                    raise ConfigError(f"config file {path}: section {key} must be a mapping of settings")
+                sections[key] = cls._keys(f"config file {path}: {key}", value)
+            elif isinstance(value, dict):
+                raise ConfigError(f"config file {path}: {key} is a mapping but not a section "
+                                  f"({', '.join(SECTIONS)})")
+            else:
+                shared[key] = value
+        return cls(path, shared, sections)
+
+    def values(self, section: str) -> dict[str, Any]:
+        """The settings one service sees: the top level, overlaid by its section."""
+        return {**self.shared, **self.sections.get(section, {})}
+
+    def where(self, key: str, section: str) -> str:
+        """Where a key of ``values(section)`` was written, for error messages."""
+        return f"{self.path}: {section}.{key}" if key in self.sections.get(section, {}) else f"{self.path}: {key}"
+
+    def check(self, section: str, classes: Sequence[type], *, shared: bool = False) -> None:
+        """ConfigError for a key of ``section`` (and with ``shared``, of the top level too) that names
+        no setting of ``classes``, with the closest name as a suggestion."""
+        known = {f.name for cls in classes for f in _config_fields(cls)}
+        keys = [(k, f"{section}.{k}") for k in self.sections.get(section, {})]
+        keys += [(k, k) for k in self.shared] if shared else []
+        for key, shown in keys:
+            if key not in known:
+                close = difflib.get_close_matches(key, known, n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                raise ConfigError(f"config file {self.path}: {shown}: no such setting{hint}")
+
+
 def from_args(cls: type[T], ns: argparse.Namespace | Mapping[str, Any] | None = None, prefix: str = "",
-              *, environ: Mapping[str, str] | None = None) -> T:
-    """Build ``cls`` from parsed flags (``ns``), env vars, then field defaults; then validate.
+              *, environ: Mapping[str, str] | None = None, file: ConfigFile | None = None,
+              section: str = "") -> T:
+    """Build ``cls`` from parsed flags (``ns``), env vars, the config ``file`` (its top level and
+    ``section``), then field defaults; then validate.
 
     ``environ`` replaces ``os.environ`` (tests). Raises ConfigError naming the flag and env var.
     """
     env = os.environ if environ is None else environ
     given = vars(ns) if isinstance(ns, argparse.Namespace) else dict(ns or {})
+    from_file = file.values(section) if file is not None else {}
     hints = _hints(cls)
     kwargs: dict[str, Any] = {}
     for f in _config_fields(cls):
-        raw = given.get(_dest(f.name, prefix))
+        key = _dest(f.name, prefix)
+        raw = given.get(key)
         source = "flag"
         if raw is None:
             ev = env_name(f, prefix)
             if ev in env:
                 raw, source = env[ev], "env"
+        if raw is None and key in from_file:
+            assert file is not None
+            try:
+                raw, source = _coerce(hints[f.name], from_file[key]), "file"
+            except ValueError as e:
+                raise field_error(cls, f.name, f"{e} (from config file {file.where(key, section)})",
+                                  prefix=prefix) from None
+            if raw is None:  # null for an X | None setting
+                kwargs[f.name] = None
+                continue
         if raw is None:
             if _default_of(f) is _UNSET:
                 raise field_error(cls, f.name, "is required (no default)", prefix=prefix)
             continue
-        if isinstance(raw, str):
+        if isinstance(raw, str) and source != "file":
             try:
                 value = _value_parser(hints[f.name])(raw)
             except ValueError as e:
@@ -285,6 +439,9 @@ def from_args(cls: type[T], ns: argparse.Namespace | Mapping[str, Any] | None = 
         else:
             value = raw
         choices = f.metadata.get("choices")
+        if choices is not None and isinstance(value, str) and value not in choices:
+            # Choices match case-insensitively (--log-level debug) and take the declared spelling.
+            value = next((c for c in choices if isinstance(c, str) and c.lower() == value.lower()), value)
         if choices is not None:
             bad = [v for v in (value if isinstance(value, (list, tuple)) else [value]) if v is not None and v not in choices]
             if bad:
@@ -301,6 +458,48 @@ def from_args(cls: type[T], ns: argparse.Namespace | Mapping[str, Any] | None = 
             raise field_error(cls, e.field_name, e.detail, prefix=prefix) from None
         raise
     return cfg
+
+
+@dataclasses.dataclass
+class ContextConfig:
+    """The context length a deployment serves, declared once for the router and the engines."""
+
+    max_model_len: int = opt(0, "Longest sequence (prompt + output, tokens); 0: the model's own context. The "
+                                "router refuses longer requests (HTTP 400), the engines size their schedules "
+                                "to it: give every service the same value (pdserve up does).")
+
+
+def add_config_arg(parser: argparse.ArgumentParser) -> None:
+    """``--config FILE`` (or ``PDSERVE_CONFIG``): a YAML file of settings (:class:`ConfigFile`)."""
+    parser.add_argument("--config", metavar="FILE", default=None,
+                        help=f"YAML file of settings: keys are the settings' names (max_model_len), sections "
+                             f"{', '.join(SECTIONS)} hold one service's own; a flag or PDSERVE_* env var wins "
+                             f"over it. [env: {CONFIG_ENV}]")
+
+
+def config_file(ns: argparse.Namespace | None, environ: Mapping[str, str] | None = None) -> ConfigFile | None:
+    """The file ``--config`` names, else ``PDSERVE_CONFIG``'s, loaded; None when neither is set."""
+    env = os.environ if environ is None else environ
+    path = getattr(ns, "config", None) or env.get(CONFIG_ENV)
+    return ConfigFile.load(path) if path else None
+
+
+def parse_settings(classes: Sequence[type], argv: Sequence[str] | None, *, prog: str, section: str,
+                   description: str | None = None,
+                   parser: argparse.ArgumentParser | None = None) -> list[Any]:
+    """A service's settings: one flag group per class plus ``--config``; each class built from flags,
+    env, the config file's top level and ``section``, defaults. A key in the file's own section that
+    names no setting here is an error. Raises ConfigError (argparse exits on malformed flags)."""
+    p = parser or argparse.ArgumentParser(prog=prog, description=description)
+    add_config_arg(p)
+    for cls in classes:
+        add_dataclass_args(p, cls)
+    ns = p.parse_args(argv)
+    file = config_file(ns)
+    out = [from_args(cls, ns, file=file, section=section) for cls in classes]
+    if file is not None:
+        file.check(section, classes)
+    return out
 
 
 def parse_config(cls: type[T], argv: Sequence[str] | None = None, *, prog: str | None = None,

@@ -9,18 +9,25 @@
 The ready line (stdout, flushed, one line) is what launchers and e2e tests parse:
 
     PDSERVE_READY service=decode grpc=127.0.0.1:40123 metrics=127.0.0.1:40124 pid=4242
+
+Start-up failures are one actionable line on stderr (:func:`run_main`): a busy port names the flag
+that chose it (checked before anything slow, :func:`check_ports`), a missing package names the package;
+the traceback follows only at ``--log-level DEBUG``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import inspect
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +62,8 @@ class ServerConfig(TLSConfig):
     drain_timeout_s: float = opt(30.0, "On shutdown, longest wait for in-flight work to drain (seconds).")
     grace_s: float = opt(5.0, "On shutdown, grace given to open RPCs by server.stop() after draining (seconds).")
     instance: str = opt("", "Instance name in logs and traces (e.g. the pod name); empty: host:port.")
+    trace_dir: str = opt("", "Directory Admin.CaptureTrace writes under (one sub-directory per capture "
+                             "session); empty: <system temp>/pdserve-traces.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -65,6 +74,82 @@ class ServerConfig(TLSConfig):
                 f"must be >= 1 MiB, got {self.max_message_bytes}")
         require(self.drain_timeout_s >= 0, self, "drain_timeout_s", f"must be >= 0, got {self.drain_timeout_s}")
         require(self.grace_s >= 0, self, "grace_s", f"must be >= 0, got {self.grace_s}")
+
+
+class StartupError(RuntimeError):
+    """Start-up cannot go on; the message is one actionable line: what, which setting, what to do."""
+
+
+class BindError(StartupError, OSError):
+    """A port cannot be bound (in use, or not allowed)."""
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why ``port`` cannot be bound on ``host`` right now (None: it can; port 0 always can). Binds with
+    SO_REUSEADDR, as the servers do, so a socket in TIME_WAIT is not reported as busy."""
+    if port <= 0:
+        return None
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host.strip("[]") or ("::" if family == socket.AF_INET6 else "0.0.0.0"), port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return "in use by another process"
+            return e.strerror or str(e)
+    return None
+
+
+def check_ports(checks: Sequence[tuple[str, int, str]]) -> None:
+    """Before anything slow: StartupError for the first (host, port, setting) that cannot be bound, e.g.
+    ``("127.0.0.1", 8000, "--http-port / PDSERVE_HTTP_PORT")``."""
+    for host, port, setting in checks:
+        problem = port_problem(host, port)
+        if problem is not None:
+            raise BindError(f"cannot bind {_join(host, port)} ({setting}): {problem}; stop whatever holds "
+                               f"it (ss -ltnp 'sport = :{port}') or choose another port (0 picks a free one)")
+
+
+def server_ports(cfg: ServerConfig) -> list[tuple[str, int, str]]:
+    """The gRPC and metrics ports a ServerConfig binds, for :func:`check_ports`."""
+    out = [(cfg.host, cfg.port, "--port / PDSERVE_PORT")]
+    if cfg.metrics_port > 0:
+        out.append((cfg.metrics_host, cfg.metrics_port, "--metrics-port / PDSERVE_METRICS_PORT"))
+    return out
+
+
+def one_line(e: BaseException) -> str:
+    """A start-up failure as one line: the first line of its message, with what to do for the usual
+    suspects (a missing package, a busy port)."""
+    if isinstance(e, ModuleNotFoundError) and e.name:
+        top = e.name.split(".")[0]
+        return (f"the Python package {top!r} is not installed (needed by {e.name}); install it "
+                f"(pip install {top.replace('_', '-')}) or the pdserve extra that brings it")
+    if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:
+        return f"{e.strerror or e}: another process holds the port; choose another (0 picks a free one)"
+    text = (str(e).strip().splitlines() or [""])[0]
+    if isinstance(e, (StartupError, ValueError, OSError)) and text:
+        return text
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def run_main(name: str, main: Coroutine[object, object, None], *,
+             exit_codes: Mapping[type[BaseException], int] | None = None) -> int:
+    """``asyncio.run(main)``; a failure is one line on stderr (``pdserve NAME: error: ...``) and exit 1 (or
+    ``exit_codes[type]``), its traceback only when the root logger is at DEBUG."""
+    try:
+        asyncio.run(main)
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        debug = logging.getLogger().isEnabledFor(logging.DEBUG)
+        if debug:
+            log.exception("%s failed", name)
+        hint = "" if debug else " (--log-level DEBUG shows the traceback)"
+        print(f"pdserve {name}: error: {one_line(e)}{hint}", file=sys.stderr, flush=True)
+        return next((code for cls, code in (exit_codes or {}).items() if isinstance(e, cls)), 1)
 
 
 def connectable_host(host: str) -> str:
@@ -173,9 +258,12 @@ class ServiceServer:
             else:  # loopback by default; docs/SECURITY.md says what an insecure port trusts
                 port = self.server.add_insecure_port(bind)
         except RuntimeError as e:
-            raise OSError(f"{self.service}: cannot bind gRPC on {bind}: {e}") from e
+            raise BindError(f"{self.service}: cannot bind gRPC on {bind} (--port / PDSERVE_PORT): {e}; "
+                               "choose another port (0 picks a free one)") from e
         if port == 0:
-            raise OSError(f"{self.service}: cannot bind gRPC on {bind} (port in use?)")
+            why = port_problem(self.config.host, self.config.port) or "in use by another process?"
+            raise BindError(f"{self.service}: cannot bind gRPC on {bind} (--port / PDSERVE_PORT): {why}; "
+                               "choose another port (0 picks a free one)")
         self.grpc_port = port
         if self.config.metrics_port >= 0:
             self._start_metrics()
@@ -189,8 +277,10 @@ class ServiceServer:
         try:
             httpd, thread = prometheus_client.start_http_server(self.config.metrics_port, addr=self.config.metrics_host)
         except OSError as e:
-            raise OSError(f"{self.service}: cannot bind metrics on "
-                          f"{_join(self.config.metrics_host, self.config.metrics_port)}: {e}") from e
+            raise BindError(f"{self.service}: cannot bind metrics on "
+                               f"{_join(self.config.metrics_host, self.config.metrics_port)} "
+                               f"(--metrics-port / PDSERVE_METRICS_PORT): {e.strerror or e}; choose another "
+                               "port (0 picks a free one, -1 turns metrics off)") from e
         self._metrics_server, self._metrics_thread = httpd, thread
         self.metrics_port = int(httpd.server_port)
 
@@ -293,13 +383,16 @@ async def serve(srv: ServiceServer, *, warmup: Hook | None = None) -> None:
 
     If warmup raises, the server is shut down and the error propagates.
     """
+    t0 = time.monotonic()
     await srv.start()
     srv.install_signal_handlers()
     if warmup is not None:
+        log.info("%s: warming up (health NOT_SERVING until done)", srv.service)
         try:
             await _call(warmup)
         except BaseException:
             await srv.shutdown("warmup failed", force=True)
             raise
     await srv.set_serving()
+    log.info("%s: ready in %.1f s", srv.service, time.monotonic() - t0)
     await srv.wait_for_termination()

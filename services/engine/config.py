@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common.config import opt
+from services.common.config import ContextConfig, opt
 from services.engine.cpu_features import (
     DTYPE_REASONS,
     apply_cpu_threads,
@@ -30,7 +30,7 @@ class EngineConfigError(ValueError):
 
 
 @dataclass
-class EngineConfig:
+class EngineConfig(ContextConfig):
     model: str | None = opt(None, "Model: a .gguf file, a Hugging Face directory, or random:NAME. "
                                    "Default: the embedded SmolLM2-135M-Instruct GGUF.")
     dtype: str = opt("auto", "Weights and KV dtype. auto: bfloat16 on GPU and on CPUs with native bf16 "
@@ -48,7 +48,6 @@ class EngineConfig:
     max_num_seqs: int = opt(64, "Most sequences in one batch.")
     max_num_batched_tokens: int = opt(2048, "Token budget of one step (decode tokens + prefill chunks).")
     max_prefill_chunk: int = opt(512, "Most prompt tokens of one sequence computed in one step.")
-    max_model_len: int = opt(0, "Longest sequence (prompt + output); 0 takes the model's own limit.")
     enable_prefix_caching: bool = opt(True, "Reuse KV pages of identical prompt prefixes.")
     attention_backend: str = opt("auto", "auto (Triton on CUDA, torch on CPU) or torch.", choices=("auto", "torch"))
     kv_cache_shared: bool = opt(False, "Share the KV pool with prefills on this host so they write pages straight "

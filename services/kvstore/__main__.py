@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
 import sys
+import time
 from collections.abc import Sequence
 
 import prometheus_client
 
-from services.common.config import ConfigError, add_dataclass_args, config_dict, from_args
+from services.common.admin import AdminServicer, PythonTraceCapture
+from services.common.config import ConfigError, config_dict, parse_settings
 from services.common.logging import LoggingConfig, setup_logging
-from services.common.metrics import KVStoreMetrics
+from services.common.metrics import KVStoreMetrics, initialise
+from services.common.pb import common_pb2_grpc
 from services.common.pb import kvstore_pb2_grpc as pb_grpc
-from services.common.server import ServiceServer, serve
+from services.common.server import ServiceServer, check_ports, run_main, serve, server_ports
 from services.kvstore.backend import KVStoreBackend
 from services.kvstore.config import KVStoreConfig
 from services.kvstore.servicer import KVStoreServicer
@@ -50,14 +52,35 @@ class KVStoreService:
                                         max_inflight_put_bytes=cfg.max_inflight_put_bytes,
                                         put_idle_timeout_s=cfg.put_idle_timeout_s, tls_on=cfg.tls_enabled)
         self.server.add_service(pb_grpc.add_KVStoreServicer_to_server, self.servicer)
+        self.trace = PythonTraceCapture("kvstore", cfg.instance or f"{cfg.host}:{cfg.port}", cfg.trace_dir)
+        self.server.add_service(common_pb2_grpc.add_AdminServicer_to_server, AdminServicer(self.load, self.trace))
         self.metrics = KVStoreMetrics(prometheus_client.REGISTRY)
         self._last: dict[str, dict[str, int]] = {}
         self._last_io: dict[str, int] = {}
         self._last_refused: dict[str, int] = {}
         self._metrics_task: asyncio.Task | None = None
 
+    async def load(self) -> dict[str, float]:
+        """Admin.GetLoad: open Put streams' bytes against the quota (saturated when it is used up) and the
+        first tier's fill. RuntimeError (UNAVAILABLE/LOADING) until the backend is open."""
+        backend = self.servicer.backend
+        if backend is None:
+            raise RuntimeError("kvstore backend opening")
+        tiers = backend.stats().tiers
+        capacity = tiers[0].capacity_bytes if tiers else 0
+        quota = self.servicer.quota
+        return {"published_unix": time.time(), "saturated": float(quota.used >= quota.limit > 0),
+                "kv_usage": (tiers[0].bytes / capacity) if capacity else 0.0}
+
     async def warmup(self) -> None:
+        self.trace.instance = self.server.instance
+        t0 = time.monotonic()
+        log.info("kvstore: opening the %s backend", self.cfg.backend)
         self.servicer.backend = await build_backend(self.cfg)
+        tiers = self.servicer.backend.stats().tiers
+        initialise(self.metrics, tier=tuple(t.name for t in tiers))
+        log.info("kvstore: %s backend open in %.1f s, tiers %s", self.cfg.backend, time.monotonic() - t0,
+                 ", ".join(f"{t.name} ({t.entries} pages, {t.bytes / 2**20:.0f} MiB)" for t in tiers))
         await self.export_metrics()
         self._metrics_task = asyncio.get_running_loop().create_task(self._metrics_loop())
 
@@ -98,27 +121,21 @@ class KVStoreService:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pdserve kvstore", description=(KVStoreConfig.__doc__ or "").strip())
-    add_dataclass_args(parser, KVStoreConfig)
-    add_dataclass_args(parser, LoggingConfig)
-    ns = parser.parse_args(argv)
     try:
-        cfg = from_args(KVStoreConfig, ns)
-        log_cfg = from_args(LoggingConfig, ns)
-    except ConfigError as e:
-        parser.error(str(e))
+        cfg, log_cfg = parse_settings([KVStoreConfig, LoggingConfig], argv, prog="pdserve kvstore", section="kvstore",
+                                      description=(KVStoreConfig.__doc__ or "").strip())
+    except (ConfigError, ValueError) as e:
+        print(f"pdserve kvstore: {e}", file=sys.stderr)
+        return 2
     setup_logging("kvstore", log_cfg)
     log.info("kvstore config: %s", config_dict(cfg))
 
     async def run() -> None:
+        check_ports(server_ports(cfg))
         service = KVStoreService(cfg)
         await serve(service.server, warmup=service.warmup)
 
-    try:
-        asyncio.run(run())
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    return run_main("kvstore", run())
 
 
 if __name__ == "__main__":

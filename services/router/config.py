@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.config import opt, require
+from services.common.config import ContextConfig, opt, require
 from services.common.server import ServerConfig
 from services.common.tracing import TracingConfig
 from services.router.policy import DEFAULT_PREFIX_CREDIT, POLICIES
 
 
 @dataclass
-class RouterConfig(ServerConfig, TracingConfig):
+class RouterConfig(ServerConfig, TracingConfig, ContextConfig):
     port: int = opt(50051, "gRPC port of the Router API; 0 picks a free one.")
     http_host: str = opt("127.0.0.1", "Address the OpenAI-compatible HTTP API binds (0.0.0.0: every interface).")
     http_port: int = opt(8000, "HTTP port of the OpenAI-compatible API; 0 picks a free one.")
@@ -49,11 +49,14 @@ class RouterConfig(ServerConfig, TracingConfig):
                            "'authorization'); empty: no key. Prefer PDSERVE_API_KEY or --api-key-file over "
                            "the flag, which other users can read in the process list.")
     api_key_file: str = opt("", "File of accepted API keys, one per line ('#' comments); adds to --api-key.")
+    access_log: bool = opt(True, "One INFO line per client request on the pdserve.access logger: id, status, "
+                                 "tokens in/out, TTFT, e2e, finish reason.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require(bool(self.decode), self, "decode", "at least one decode instance is required")
         require(self.max_retries >= 0, self, "max_retries", f"must be >= 0, got {self.max_retries}")
+        require(self.max_model_len >= 0, self, "max_model_len", f"must be >= 0, got {self.max_model_len}")
         require(self.lease_ms > 0, self, "lease_ms", f"must be > 0, got {self.lease_ms}")
         require(self.max_inflight_requests > 0, self, "max_inflight_requests",
                 f"must be > 0, got {self.max_inflight_requests}")

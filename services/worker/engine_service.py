@@ -4,24 +4,38 @@ loads on a worker thread, Admin (load reports, trace capture), load gauges, engi
 Load reports and gauges read the engine's published stats (never wait on a step). If the engine
 loop dies, health goes NOT_SERVING at once, open streams end with UNAVAILABLE/ENGINE_DEAD (the
 servicers map the engine's error), the server shuts down and :func:`service_main` returns
-:data:`EXIT_ENGINE_DEAD` so a supervisor restarts the process."""
+:data:`EXIT_ENGINE_DEAD` so a supervisor restarts the process.
+
+Before the model loads (the slow part), :func:`preflight` checks what one line can explain: the ports
+are free, the model spec names something loadable, the device exists."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
-from services.common.config import ConfigError, add_dataclass_args, from_args
+from services.common.config import ConfigError, parse_settings
 from services.common.logging import LoggingConfig, setup_logging
+from services.common.metrics import initialise
 from services.common.pb import common_pb2_grpc
-from services.common.server import ServerConfig, ServiceServer, serve
+from services.common.server import (
+    ServerConfig,
+    ServiceServer,
+    StartupError,
+    check_ports,
+    run_main,
+    serve,
+    server_ports,
+)
 from services.engine.async_engine import AsyncEngine
 from services.engine.config import EngineConfig
+from services.engine.model_source import resolve
+from services.engine.weights.errors import ModelLoadError
 from services.worker.admin import AdminServicer, TraceCapture
 
 log = logging.getLogger(__name__)
@@ -117,13 +131,18 @@ class EngineService:
         servicer.draining = srv.draining
         servicer.metrics.engine_info.labels(**self.ecfg.info_labels()).set(1)  # pdserve_<name>_engine_info
         srv.add_service(add_to_server, servicer)
-        trace = TraceCapture(self.name, self.cfg.instance or f"{self.cfg.host}:{self.cfg.port}")
+        trace = TraceCapture(self.name, self.cfg.instance or f"{self.cfg.host}:{self.cfg.port}", self.cfg.trace_dir)
         srv.add_service(common_pb2_grpc.add_AdminServicer_to_server, AdminServicer(self.stats, trace))
 
         async def warmup() -> None:
             trace.instance = srv.instance  # the bound address (port 0 picks one at start)
+            t0 = time.monotonic()
+            log.info("%s: loading %s on %s (stages follow)", self.name, self.ecfg.model or "the embedded default "
+                     "model", self.ecfg.device)
             self.engine = await asyncio.to_thread(AsyncEngine, self.ecfg)
+            log.info("%s: engine up in %.1f s", self.name, time.monotonic() - t0)
             servicer.bind(self.engine)
+            initialise(servicer.metrics, model=(servicer.model,))  # every known series at 0 before SERVING
             self.engine.add_death_callback(partial(self._on_engine_death, asyncio.get_running_loop()))
             await self.stats()
             self._gauge_task = self._spawn(self._gauges())
@@ -140,13 +159,11 @@ class EngineService:
 
 def parse_service_args(name: str, config_cls: type, argv: list[str] | None, description: str
                        ) -> tuple[Any, EngineConfig] | None:
-    """Flags of the service's config + EngineConfig + logging; sets up logging and tracing."""
-    p = argparse.ArgumentParser(prog=f"pdserve {name}", description=description)
-    for cls in (config_cls, EngineConfig, LoggingConfig):
-        add_dataclass_args(p, cls)
-    ns = p.parse_args(argv)
+    """Flags of the service's config + EngineConfig + logging (and ``--config FILE``, section ``name``);
+    sets up logging and tracing."""
     try:
-        cfg, ecfg, lcfg = from_args(config_cls, ns), from_args(EngineConfig, ns), from_args(LoggingConfig, ns)
+        cfg, ecfg, lcfg = parse_settings([config_cls, EngineConfig, LoggingConfig], argv, prog=f"pdserve {name}",
+                                         section=name, description=description)
     except (ConfigError, ValueError) as e:
         print(f"pdserve {name}: {e}", file=sys.stderr)
         return None
@@ -155,15 +172,51 @@ def parse_service_args(name: str, config_cls: type, argv: list[str] | None, desc
     return cfg, ecfg
 
 
+def check_device(device: str) -> None:
+    """StartupError unless ``device`` is cpu or a CUDA device torch can see."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise StartupError(f"--device / PDSERVE_DEVICE: {device!r} is not a device ({e}); use cpu, cuda "
+                           "or cuda:N") from None
+    if dev.type == "cpu":
+        return
+    if dev.type != "cuda":
+        raise StartupError(f"--device / PDSERVE_DEVICE: {device!r}: only cpu and cuda devices are supported")
+    if not torch.cuda.is_available():
+        why = ("this torch is built without CUDA" if torch.version.cuda is None
+               else "no GPU is visible (driver, CUDA_VISIBLE_DEVICES)")
+        raise StartupError(f"--device / PDSERVE_DEVICE: {device} asked for, but {why}; use --device cpu")
+    n = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= n:
+        raise StartupError(f"--device / PDSERVE_DEVICE: {device}: {n} CUDA device(s) visible, "
+                           f"cuda:0..cuda:{n - 1}")
+
+
+def preflight(cfg: ServerConfig, ecfg: EngineConfig) -> None:
+    """What can fail before the model loads, checked before it does: ports, model spec, device."""
+    check_ports(server_ports(cfg))
+    try:
+        src = resolve(ecfg.model)
+    except ModelLoadError as e:
+        raise StartupError(f"--model / PDSERVE_MODEL: {e}") from e
+    check_device(ecfg.device)
+    log.info("model %s (%s%s), device %s, dtype %s", src.model_id, src.kind,
+             f", {src.path}" if src.path is not None else "", ecfg.device, ecfg.resolved_dtype)
+
+
+async def _checked(amain: Callable[[Any, EngineConfig], Awaitable[None]], cfg: Any, ecfg: EngineConfig) -> None:
+    preflight(cfg, ecfg)
+    await amain(cfg, ecfg)
+
+
 def service_main(name: str, config_cls: type, amain: Callable[[Any, EngineConfig], Awaitable[None]],
                  argv: list[str] | None, description: str) -> int:
-    """The ``main`` of an engine-backed service: parse flags, then run ``amain(cfg, engine_cfg)``."""
+    """The ``main`` of an engine-backed service: parse flags, preflight, then run ``amain(cfg,
+    engine_cfg)``; a failure is one line (:func:`run_main`), a dead engine exits EXIT_ENGINE_DEAD."""
     parsed = parse_service_args(name, config_cls, argv, description)
     if parsed is None:
         return 2
-    try:
-        asyncio.run(amain(*parsed))
-    except EngineDiedError as e:
-        log.error("%s", e)
-        return EXIT_ENGINE_DEAD
-    return 0
+    return run_main(name, _checked(amain, *parsed), exit_codes={EngineDiedError: EXIT_ENGINE_DEAD})
