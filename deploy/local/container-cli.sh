@@ -11,6 +11,7 @@
 pdserve_pick_cli() {
   local want="${PDSERVE_CONTAINER_CLI:-}"
   if [ -n "$want" ]; then
+    command -v "$want" >/dev/null 2>&1 || { echo "PDSERVE_CONTAINER_CLI=$want: not installed" >&2; return 1; }
     CLI="$want"
   elif command -v podman >/dev/null 2>&1; then
     CLI=podman

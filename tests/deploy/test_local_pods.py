@@ -67,8 +67,9 @@ def sh(*args: str, timeout: float, check: bool = True) -> subprocess.CompletedPr
 def can_run_containers() -> str:
     """'' when a container starts here, else why not (the reason the tests skip with)."""
     assert CLI is not None
-    if sh(CLI, "info", timeout=60, check=False).returncode != 0:
-        return f"`{CLI} info` fails: the runtime cannot run containers here"
+    info = sh(CLI, "info", timeout=60, check=False)
+    if info.returncode != 0:
+        return f"`{CLI} info` fails, the runtime cannot run containers here: {info.stderr.strip()[-300:]}"
     if sh(CLI, "image", "inspect", BASE_IMAGE, timeout=60, check=False).returncode != 0:
         if shutil.which("debootstrap") is None or os.geteuid() != 0:
             return (f"no base image {BASE_IMAGE} and no way to make one (scripts/make-base-image.sh needs "
