@@ -4,8 +4,9 @@
 #   <cli> build -f deploy/Dockerfile --build-arg OFFLINE_WHEELS=1 ...
 # installs with no network inside the build. Wheels only (--only-binary): nothing is compiled in the
 # image. Env: PDSERVE_PYTHON (python3; must be CPython 3.11 on x86-64 Linux like the image: the wheels
-# are picked for it), TORCH_VERSION (2.13.0), TORCH_INDEX_URL (none: the host's configured indexes;
-# e.g. https://download.pytorch.org/whl/cu128 for a CUDA build).
+# are picked for it), TORCH_VERSION (2.13.0), TORCH_INDEX_URL (none: the host's configured indexes,
+# which must then hold the CPU wheel, as this box's /opt/wheels does: plain PyPI's torch pulls the CUDA
+# libraries; elsewhere https://download.pytorch.org/whl/cpu, or .../whl/cu128 for a CUDA build).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
