@@ -81,7 +81,7 @@ class DisaggregatedBackend:
                           tuple(tracing.inject_metadata()))
         self.active[request_id] = st
         emitted: list[int] = []
-        cached: int | None = None
+        cached = 0  # the first attempt's count (a migration re-prefills prompt + tokens: not the request's)
         migrating = False  # a migration is under way: its outcome is counted at the next event or failure
         try:
             while True:
@@ -91,13 +91,15 @@ class DisaggregatedBackend:
                     return
                 attempt_params = dataclasses.replace(params, max_tokens=left) if emitted else params
                 attempt = self._attempt(st, prompt_ids + emitted, attempt_params)
+                fresh = not emitted
                 try:
                     async with contextlib.aclosing(attempt):
                         async for ev in attempt:
                             if migrating:
                                 self.metrics.migrations_total.labels("ok").inc()
                                 migrating = False
-                            cached = ev.cached_tokens if cached is None else cached
+                            if fresh and ev.cached_tokens:  # prefill's count may come after decode's first tokens
+                                cached = ev.cached_tokens
                             emitted += ev.token_ids
                             yield dataclasses.replace(ev, prompt_tokens=len(prompt_ids), cached_tokens=cached)
                             if ev.finish_reason is not None:
