@@ -205,3 +205,15 @@ def test_models_retrieve_sync_and_async(served: Served) -> None:
 
     ids, acard = asyncio.run(run())
     assert ids == [served.model] and acard.id == served.model
+
+
+def test_api_doc_lists_exactly_the_refused_parameters() -> None:
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "API.md").read_text()
+    rows = {}
+    for line in doc.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`") and cells[0].strip("`") in UNSUPPORTED_PARAMS:
+            rows[cells[0].strip("`")] = (cells[1], cells[2])
+    assert rows == UNSUPPORTED_PARAMS
