@@ -20,10 +20,12 @@ from dataclasses import dataclass
 import torch
 
 from services.common.pb import common_pb2
+from services.engine.convert import top_to_pb
 from services.engine.kv_layout import FP8_CODEC, PageLayout, checksum
 from services.engine.kv_pages import PageExport
 from services.engine.kv_transport import KVSender
 from services.engine.kv_transport.base import PageWriter
+from services.engine.sampling_params import Sampled, TopLogprobs
 from services.engine.scheduler import ScheduledChunk
 
 CRC_IN_THREAD_BYTES = 1 << 18
@@ -45,8 +47,8 @@ class PagesReady:
     """(first block, pages) of full blocks the kvstore lacks, on the last item only."""
     first_token: int = 0
     first_logprob: float = 0.0
-    first_top: object = None
-    """Alternatives to first_token (a TopLogprobs, when the request asked for top_logprobs)."""
+    first_top: TopLogprobs | None = None
+    """Alternatives to first_token (when the request asked for top_logprobs)."""
     prefill_done_unix: float = 0.0
 
 
@@ -79,8 +81,8 @@ class RequestKVStream:
 
     # --- engine thread ---
 
-    def on_chunk(self, ch: ScheduledChunk, sampled: tuple | None, step_start: float) -> None:
-        """``sampled``: (token, logprob[, top alternatives]) of the last chunk, None on the others."""
+    def on_chunk(self, ch: ScheduledChunk, sampled: Sampled | None, step_start: float) -> None:
+        """``sampled``: what the last chunk sampled; None on the others."""
         done_mono, done_unix = time.monotonic(), time.time()  # the chunk is computed; reading its pages is transfer
         seq = ch.seq
         start = seq.num_computed_tokens
@@ -108,9 +110,8 @@ class RequestKVStream:
             self.next_block = max(self.next_block, limit)
             if last:
                 self.last_computed = done_mono
-                s = tuple(sampled) if sampled is not None else (0, None)
-                item.last, item.first_token, item.first_logprob = True, s[0], s[1] or 0.0
-                item.first_top = s[2] if len(s) > 2 else None
+                s = sampled if sampled is not None else Sampled(0)
+                item.last, item.first_token, item.first_logprob, item.first_top = True, s.token, s.logprob or 0.0, s.top
                 item.prefill_done_unix = done_unix
                 full = end // bs
                 if self.writeback_from is not None and full > self.writeback_from:
@@ -176,8 +177,6 @@ async def pump(stream: RequestKVStream, sender: KVSender, request_id: str, reser
                 msg.first_token = item.first_token
                 msg.first_logprob = item.first_logprob
                 if item.first_top is not None:
-                    from services.engine.convert import top_to_pb
-
                     msg.first_top_logprobs.CopyFrom(top_to_pb(item.first_top))
                 msg.prefill_done_unix = item.prefill_done_unix
                 msg.total_chunks = index + 1
