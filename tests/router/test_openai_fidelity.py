@@ -217,3 +217,22 @@ def test_api_doc_lists_exactly_the_refused_parameters() -> None:
         if len(cells) == 3 and cells[0].startswith("`") and cells[0].strip("`") in UNSUPPORTED_PARAMS:
             rows[cells[0].strip("`")] = (cells[1], cells[2])
     assert rows == UNSUPPORTED_PARAMS
+
+
+def test_refusals_reach_the_async_client_too(served: Served) -> None:
+    async def run() -> list[tuple[int, str | None, str | None]]:
+        client = served.aio()
+        out = []
+        try:
+            for body in ({"n": 3}, {"logit_bias": {"5": 1.0}}, {"logprobs": True, "top_logprobs": 21}):
+                try:
+                    await client.chat.completions.create(model=served.model, messages=MSGS, max_tokens=2,
+                                                         extra_body=body)
+                except openai.BadRequestError as e:
+                    out.append((e.status_code, e.param, e.code))
+        finally:
+            await client.close()
+        return out
+
+    assert asyncio.run(run()) == [(400, "n", "unsupported_parameter"), (400, "logit_bias", "unsupported_parameter"),
+                                  (400, "top_logprobs", None)]
