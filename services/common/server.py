@@ -41,6 +41,8 @@ from services.common.grpc_util import DEFAULT_MAX_MESSAGE_BYTES, server_options
 from services.common.tls import TLSConfig
 
 log = logging.getLogger(__name__)
+_STARTED = time.monotonic()
+"""When this module was imported: early in every service's start, so "ready after" includes loading."""
 
 Hook = Callable[[], Awaitable[None] | None]
 READY_PREFIX = "PDSERVE_READY"
@@ -394,5 +396,7 @@ async def serve(srv: ServiceServer, *, warmup: Hook | None = None) -> None:
             await srv.shutdown("warmup failed", force=True)
             raise
     await srv.set_serving()
-    log.info("%s: ready in %.1f s", srv.service, time.monotonic() - t0)
+    now = time.monotonic()
+    log.info("%s: ready %.1f s after start (%.1f s of it binding and warming up)", srv.service, now - _STARTED,
+             now - t0)
     await srv.wait_for_termination()
