@@ -124,12 +124,15 @@ async def test_deadline_drops_a_queued_request_and_frees_its_blocks(make_prefill
 
 async def test_grpc_deadline_drops_the_request_mid_compute(make_prefill) -> None:
     rig = await make_prefill(config=PrefillConfig(slowdown_ms_per_chunk=40))
-    err = await _fails(rig.stub.Prefill(prefill_request(LONG), timeout=0.5))  # ~43 chunks x 40 ms
+    computed: list[int] = []  # chunks the engine computed for any request (43 for LONG if never dropped)
+    rig.servicer.engine.engine.chunk_listeners.append(lambda ch, sampled: computed.append(ch.num_new_tokens))
+    err = await _fails(rig.stub.Prefill(prefill_request(LONG), timeout=0.5))  # ~43 chunks x >= 40 ms
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    t0 = time.monotonic()
-    s = await rig.idle(timeout_s=2.0)
+    s = await rig.idle(timeout_s=30.0)
     assert s["free_blocks"] == s["total_blocks"] and s["running"] == 0, s
-    assert time.monotonic() - t0 < 1.5  # freed at once, not after computing the remaining chunks
+    # Dropped at the deadline, not computed to the end: fewer chunks than the prompt has. (Each chunk
+    # sleeps 40 ms after it is computed, so 0.5 s allows at most ~12 of the 43, however fast the CPU.)
+    assert 0 < len(computed) < 43, computed
     assert rig.servicer.inflight == 0
 
 
@@ -141,13 +144,14 @@ async def test_a_deadline_already_past_is_refused_before_any_work(make_prefill) 
 
 async def test_a_cancelled_prefill_frees_everything(make_prefill) -> None:
     rig = await make_prefill(config=PrefillConfig(slowdown_ms_per_chunk=40))
+    computed: list[int] = []
+    rig.servicer.engine.engine.chunk_listeners.append(lambda ch, sampled: computed.append(ch.num_new_tokens))
     call = rig.stub.Prefill(prefill_request(LONG))
     await rig.receiver.first_chunk.wait()  # the first chunk's pages went out: mid-compute
     call.cancel()
-    t0 = time.monotonic()
-    s = await rig.idle(timeout_s=2.0)
+    s = await rig.idle(timeout_s=30.0)
     assert s["free_blocks"] == s["total_blocks"] and s["running"] + s["waiting"] == 0, s
-    assert time.monotonic() - t0 < 1.5
+    assert 0 < len(computed) < 43, computed  # dropped when cancelled, not computed to its last chunk
     for _ in range(50):
         if rig.servicer.inflight == 0:
             break
