@@ -131,3 +131,25 @@ def test_metrics_doc_mentions_no_unknown_names() -> None:
     unknown = {n for n in mentioned if m.metric_of_series(n) is None}
     # Short forms in prose (e.g. `router_prompt_tokens_total`) are not matched by the pdserve_ prefix.
     assert not unknown, f"docs/METRICS.md names metrics metrics.py does not define: {sorted(unknown)}"
+
+
+def test_initialise_creates_known_series_at_zero_and_skips_open_labels() -> None:
+    registry = CollectorRegistry()
+    router = m.RouterMetrics(registry)
+    created = m.initialise(router, model=("smol",), role=("prefill", "decode"))
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for fam in registry.collect() for s in fam.samples}
+    assert samples[(m.ROUTER_REQUESTS_TOTAL, (("finish_reason", "stop"), ("model", "smol"), ("status", "ok")))] == 0
+    assert samples[(m.ROUTER_REQUESTS_TOTAL,
+                    (("finish_reason", "cancelled"), ("model", "smol"), ("status", "cancelled")))] == 0
+    assert not any(n == m.ROUTER_REQUESTS_TOTAL and dict(lbl).get("status") == "ok"
+                   and dict(lbl).get("finish_reason") == "error" for n, lbl in samples)  # only real combinations
+    for code in m.ROUTER_ERROR_CODES:
+        assert samples[(m.ROUTER_ERRORS_TOTAL, (("code", code), ("model", "smol")))] == 0
+    assert samples[(m.ROUTER_TTFT_SECONDS + "_count", (("model", "smol"),))] == 0
+    assert samples[(m.ROUTER_DISPATCH_RETRIES_TOTAL, (("reason", "overloaded"), ("role", "decode")))] == 0
+    assert not any(n == m.ROUTER_INSTANCE_HEALTHY for n, _ in samples)  # endpoint: known only at run time
+    # 4 outcomes + 9 codes + 6 reasons x 2 roles + 2 migration outcomes + the model's 3 timers, 2 token
+    # counters and in-flight gauge.
+    assert created == 4 + len(m.ROUTER_ERROR_CODES) + 12 + 2 + 6
+    kv = m.KVStoreMetrics(CollectorRegistry())
+    assert m.initialise(kv) == len(m.KNOWN_SERIES[m.KVSTORE_PUT_REFUSED_TOTAL][0]["reason"])  # no tier given
