@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import assert_close, requires_cuda
+
+from tests.kernels.kernel_cases import assert_close, requires_cuda
 
 pytest.importorskip("triton")
 

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import requires_cuda
+
+from tests.kernels.kernel_cases import requires_cuda
 
 pytest.importorskip("triton")
 

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import assert_close, make_paged_kv, plain_attention, requires_cuda
+
+from tests.kernels.kernel_cases import assert_close, make_paged_kv, plain_attention, requires_cuda
 
 pytest.importorskip("triton")
 
