@@ -29,17 +29,15 @@ from pathlib import Path
 
 from services.common.config import (
     ConfigError,
-    ConfigFile,
     ContextConfig,
-    add_config_arg,
     add_dataclass_args,
-    config_file,
     flag_name,
     from_args,
     opt,
     require,
     reuse,
 )
+from services.common.config_file import ConfigFile, add_config_arg, config_file
 from services.common.logging import LoggingConfig
 from services.launcher import LocalCluster, RestartPolicy, StartCancelled, dial_host, served_model
 from services.router.config import RouterConfig

@@ -12,9 +12,11 @@ from collections.abc import Sequence
 import prometheus_client
 
 from services.common.admin import AdminServicer, PythonTraceCapture
-from services.common.config import ConfigError, config_dict, parse_settings
+from services.common.config import ConfigError, config_dict
+from services.common.config_file import parse_settings
 from services.common.logging import LoggingConfig, setup_logging
-from services.common.metrics import KVStoreMetrics, initialise
+from services.common.metric_series import initialise
+from services.common.metrics import KVStoreMetrics
 from services.common.pb import common_pb2_grpc
 from services.common.pb import kvstore_pb2_grpc as pb_grpc
 from services.common.server import ServiceServer, check_ports, run_main, serve, server_ports

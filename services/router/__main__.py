@@ -11,9 +11,11 @@ import prometheus_client
 from aiohttp import web
 
 from services.common.admin import AdminServicer, PythonTraceCapture
-from services.common.config import ConfigError, parse_settings
+from services.common.config import ConfigError
+from services.common.config_file import parse_settings
 from services.common.logging import LoggingConfig, setup_logging
-from services.common.metrics import RouterMetrics, initialise
+from services.common.metric_series import initialise
+from services.common.metrics import RouterMetrics
 from services.common.pb import common_pb2_grpc, router_pb2_grpc
 from services.common.server import (
     ServiceServer,

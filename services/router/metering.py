@@ -30,7 +30,8 @@ from collections.abc import AsyncIterator
 from types import TracebackType
 
 from services.common.logging import kv
-from services.common.metrics import ROUTER_ERROR_CODES, RouterMetrics
+from services.common.metric_series import ROUTER_ERROR_CODES
+from services.common.metrics import RouterMetrics
 from services.router.pipeline import DEFAULT_RETRY_AFTER_S, BackendError, TextDelta
 
 log = logging.getLogger(__name__)

@@ -19,9 +19,10 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
-from services.common.config import ConfigError, parse_settings
+from services.common.config import ConfigError
+from services.common.config_file import parse_settings
 from services.common.logging import LoggingConfig, setup_logging
-from services.common.metrics import initialise
+from services.common.metric_series import initialise
 from services.common.pb import common_pb2_grpc
 from services.common.server import (
     ServerConfig,

@@ -9,16 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from services.common.config import (
-    ConfigError,
-    ConfigFile,
-    add_config_arg,
-    add_dataclass_args,
-    config_file,
-    from_args,
-    opt,
-    parse_settings,
-)
+from services.common.config import ConfigError, add_dataclass_args, from_args, opt
+from services.common.config_file import ConfigFile, add_config_arg, config_file, parse_settings
 
 
 @dataclass

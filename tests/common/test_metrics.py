@@ -10,6 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.common import metric_series as ms
 from services.common import metrics as m
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -136,20 +137,20 @@ def test_metrics_doc_mentions_no_unknown_names() -> None:
 def test_initialise_creates_known_series_at_zero_and_skips_open_labels() -> None:
     registry = CollectorRegistry()
     router = m.RouterMetrics(registry)
-    created = m.initialise(router, model=("smol",), role=("prefill", "decode"))
+    created = ms.initialise(router, model=("smol",), role=("prefill", "decode"))
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for fam in registry.collect() for s in fam.samples}
     assert samples[(m.ROUTER_REQUESTS_TOTAL, (("finish_reason", "stop"), ("model", "smol"), ("status", "ok")))] == 0
     assert samples[(m.ROUTER_REQUESTS_TOTAL,
                     (("finish_reason", "cancelled"), ("model", "smol"), ("status", "cancelled")))] == 0
     assert not any(n == m.ROUTER_REQUESTS_TOTAL and dict(lbl).get("status") == "ok"
                    and dict(lbl).get("finish_reason") == "error" for n, lbl in samples)  # only real combinations
-    for code in m.ROUTER_ERROR_CODES:
+    for code in ms.ROUTER_ERROR_CODES:
         assert samples[(m.ROUTER_ERRORS_TOTAL, (("code", code), ("model", "smol")))] == 0
     assert samples[(m.ROUTER_TTFT_SECONDS + "_count", (("model", "smol"),))] == 0
     assert samples[(m.ROUTER_DISPATCH_RETRIES_TOTAL, (("reason", "overloaded"), ("role", "decode")))] == 0
     assert not any(n == m.ROUTER_INSTANCE_HEALTHY for n, _ in samples)  # endpoint: known only at run time
     # 4 outcomes + 9 codes + 6 reasons x 2 roles + 2 migration outcomes + the model's 3 timers, 2 token
     # counters and in-flight gauge.
-    assert created == 4 + len(m.ROUTER_ERROR_CODES) + 12 + 2 + 6
+    assert created == 4 + len(ms.ROUTER_ERROR_CODES) + 12 + 2 + 6
     kv = m.KVStoreMetrics(CollectorRegistry())
-    assert m.initialise(kv) == len(m.KNOWN_SERIES[m.KVSTORE_PUT_REFUSED_TOTAL][0]["reason"])  # no tier given
+    assert ms.initialise(kv) == len(ms.KNOWN_SERIES[m.KVSTORE_PUT_REFUSED_TOTAL][0]["reason"])  # no tier given

@@ -12,14 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from services.common.config import (
-    ConfigError,
-    ConfigFile,
-    ContextConfig,
-    add_config_arg,
-    add_dataclass_args,
-    from_args,
-)
+from services.common.config import ConfigError, ContextConfig, add_dataclass_args, from_args
+from services.common.config_file import ConfigFile, add_config_arg
 from services.common.logging import LoggingConfig
 from services.launcher import LocalCluster
 from services.router.config import RouterConfig
