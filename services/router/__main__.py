@@ -26,6 +26,7 @@ from services.common.server import (
     serve,
     server_ports,
 )
+from services.common.tracing import TracingUnavailableError
 from services.engine.model_source import load_tokenizer
 from services.engine.weights.errors import ModelLoadError
 from services.router.auth import APIKeys
@@ -136,7 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pdserve router: {e}", file=sys.stderr)
         return 2
     setup_logging("router", lcfg)
-    cfg.setup_tracing("pdserve-router")
+    try:
+        cfg.setup_tracing("pdserve-router")
+    except TracingUnavailableError as e:
+        print(f"pdserve router: error: {e}", file=sys.stderr)
+        return 2
     return run_main("router", amain(cfg, api_keys))
 
 

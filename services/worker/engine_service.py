@@ -33,6 +33,7 @@ from services.common.server import (
     serve,
     server_ports,
 )
+from services.common.tracing import TracingUnavailableError
 from services.engine.async_engine import AsyncEngine
 from services.engine.config import EngineConfig
 from services.engine.model_source import resolve
@@ -169,7 +170,11 @@ def parse_service_args(name: str, config_cls: type, argv: list[str] | None, desc
         print(f"pdserve {name}: {e}", file=sys.stderr)
         return None
     setup_logging(name, lcfg)
-    cfg.setup_tracing(f"pdserve-{name}")
+    try:
+        cfg.setup_tracing(f"pdserve-{name}")
+    except TracingUnavailableError as e:
+        print(f"pdserve {name}: error: {e}", file=sys.stderr)
+        return None
     return cfg, ecfg
 
 

@@ -106,3 +106,15 @@ def test_a_missing_package_is_named(tmp_path: Path) -> None:
     except ModuleNotFoundError as e:
         line = one_line(e)
     assert "pdserve_no_such_package" in line and "pip install pdserve-no-such-package" in line
+
+
+def test_a_missing_tracing_exporter_is_one_line() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("opentelemetry.exporter.otlp") is not None:
+        pytest.skip("the OTLP exporter is installed here")
+    rc, err, _ = _run("router", "--port", "0", "--tracing", "otlp")
+    assert rc == 2 and "Traceback" not in err
+    assert [ln for ln in err.splitlines() if ln.startswith("pdserve router: error:")] == [
+        "pdserve router: error: tracing exporter 'otlp' needs opentelemetry-exporter-otlp-proto-grpc: "
+        "pip install 'pdserve[otlp]'"]
