@@ -10,7 +10,7 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.grpc_util import create_channel
-from services.common.pb import common_pb2, common_pb2_grpc
+from services.common.pb import common_pb2, common_pb2_grpc, router_pb2, router_pb2_grpc
 
 CHAT_PROMPTS = [
     "What is the capital of France?",
@@ -76,3 +76,23 @@ def rpc_code(coro) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.OK, ""
 
     return asyncio.run(run())
+
+
+async def stream_tokens(router: str, text: str, max_tokens: int, after: int | None = None, action=None
+                        ) -> list[int]:
+    """Token ids of a greedy, ignore-EOS router gRPC stream (it must end with finish LENGTH); after
+    ``after`` tokens, ``await action()`` once (a fault injected mid-stream)."""
+    got: list[int] = []
+    async with create_channel(router) as ch:
+        call = router_pb2_grpc.RouterStub(ch).Generate(router_pb2.GenerateRequest(
+            text=text, stream=True, params=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                     ignore_eos=True)), timeout=120)
+        done = False
+        async for msg in call:
+            got += list(msg.token_ids)
+            if after is not None and not done and len(got) >= after:
+                done = True
+                await action()
+            if msg.finish_reason:
+                assert msg.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    return got

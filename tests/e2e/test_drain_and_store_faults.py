@@ -16,10 +16,8 @@ import time
 
 import pytest
 
-from services.common.grpc_util import create_channel
-from services.common.pb import common_pb2, router_pb2, router_pb2_grpc
 from services.launcher import LocalCluster, served_model
-from tests.e2e.cluster_util import load, metric_sum, post_json, wait_idle
+from tests.e2e.cluster_util import load, metric_sum, post_json, stream_tokens, wait_idle
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -48,28 +46,11 @@ def _healthy(c: LocalCluster, n: int, timeout: float = 30.0) -> None:
         time.sleep(0.2)
 
 
-async def _stream(router: str, text: str, max_tokens: int, after: int | None = None, action=None) -> list[int]:
-    got: list[int] = []
-    async with create_channel(router) as ch:
-        call = router_pb2_grpc.RouterStub(ch).Generate(router_pb2.GenerateRequest(
-            text=text, stream=True, params=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                                     ignore_eos=True)), timeout=120)
-        done = False
-        async for msg in call:
-            got += list(msg.token_ids)
-            if after is not None and not done and len(got) >= after:
-                done = True
-                await action()
-            if msg.finish_reason:
-                assert msg.finish_reason == common_pb2.FINISH_REASON_LENGTH
-    return got
-
-
 def test_sigterm_to_a_busy_decode_lets_its_stream_finish_and_exits_0(cluster: LocalCluster):
     c = cluster
     _healthy(c, 4)
     router = c.router["grpc"]
-    reference = asyncio.run(_stream(router, SHORT, 40))
+    reference = asyncio.run(stream_tokens(router, SHORT, 40))
     victim: list[str] = []
 
     async def terminate_busy_decode() -> None:
@@ -81,7 +62,7 @@ def test_sigterm_to_a_busy_decode_lets_its_stream_finish_and_exits_0(cluster: Lo
                 return
         raise AssertionError("no decode reported the running request")
 
-    got = asyncio.run(_stream(router, SHORT, 40, after=4, action=terminate_busy_decode))
+    got = asyncio.run(stream_tokens(router, SHORT, 40, after=4, action=terminate_busy_decode))
     assert victim, "the stream ended before a decode could be told to stop"
     assert got == reference  # finished where it ran: no migration needed, no gap, no duplicate
     proc = c.get(victim[0]).popen

@@ -18,10 +18,8 @@ import time
 
 import pytest
 
-from services.common.grpc_util import create_channel
-from services.common.pb import common_pb2, router_pb2, router_pb2_grpc
 from services.launcher import LocalCluster, served_model
-from tests.e2e.cluster_util import load, metric_sum, post_json, wait_idle
+from tests.e2e.cluster_util import load, metric_sum, post_json, stream_tokens, wait_idle
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -84,29 +82,10 @@ def _survivors_idle(c: LocalCluster) -> None:
             _blocks_back(c, name)
 
 
-async def _stream(router: str, text: str, max_tokens: int, kill_after: int | None = None, on_kill=None
-                  ) -> list[int]:
-    """Token ids of a greedy router stream; after ``kill_after`` tokens, ``await on_kill()`` once."""
-    got: list[int] = []
-    async with create_channel(router) as ch:
-        call = router_pb2_grpc.RouterStub(ch).Generate(router_pb2.GenerateRequest(
-            text=text, stream=True, params=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                                     ignore_eos=True)), timeout=120)
-        killed = False
-        async for msg in call:
-            got += list(msg.token_ids)
-            if kill_after is not None and not killed and len(got) >= kill_after:
-                killed = True
-                await on_kill()
-            if msg.finish_reason:
-                assert msg.finish_reason == common_pb2.FINISH_REASON_LENGTH
-    return got
-
-
 def test_decode_killed_mid_generation_migrates_with_equal_tokens(whole: LocalCluster):
     c = whole
     router = c.router["grpc"]
-    reference = asyncio.run(_stream(router, SHORT, 48))
+    reference = asyncio.run(stream_tokens(router, SHORT, 48))
     assert len(reference) == 48
     victim: list[str] = []
 
@@ -120,7 +99,7 @@ def test_decode_killed_mid_generation_migrates_with_equal_tokens(whole: LocalClu
         raise AssertionError("no decode reported the running request")
 
     t0 = time.monotonic()
-    migrated = asyncio.run(_stream(router, SHORT, 48, kill_after=6, on_kill=kill_busy_decode))
+    migrated = asyncio.run(stream_tokens(router, SHORT, 48, after=6, action=kill_busy_decode))
     assert victim, "the stream ended before a decode could be killed"
     assert migrated == reference  # no duplicate, no gap, same greedy tokens
     assert time.monotonic() - t0 < 60

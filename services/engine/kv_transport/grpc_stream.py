@@ -59,6 +59,10 @@ def _refused(e: grpc.aio.AioRpcError) -> TransferError:
     return TransferError(f"decode refused KV: {rpc_error_summary(e)}", e.code(), detail_of(e))
 
 
+CALL_END_TIMEOUT_S = 30.0
+"""Longest wait for a failing PushKV call's final status before it is cancelled (seconds)."""
+
+
 class _GrpcSender(KVSender):
     def __init__(self, channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...]) -> None:
         super().__init__()
@@ -97,9 +101,13 @@ class _GrpcSender(KVSender):
 
     async def _raise_from_call(self) -> None:
         self.state = KVPoll.FAILED
-        if self._watcher.done() and not self._watcher.cancelled():
-            self._watcher.exception()  # retrieved: the call's status says what happened
-        self._watcher.cancel()
+        if not self._watcher.done():
+            # The call is ending (decode refused, or the connection broke): wait for its status. Never
+            # cancel the watcher while it awaits the call: cancelling a task that awaits a grpc.aio call
+            # cancels the call itself, and decode's refusal would read as CANCELLED.
+            await asyncio.wait({self._watcher}, timeout=CALL_END_TIMEOUT_S)
+        if not self._call.done():
+            self._call.cancel()
         try:
             await self._call
         except grpc.aio.AioRpcError as e:
