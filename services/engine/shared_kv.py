@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import math
 import mmap
 import os
@@ -34,6 +35,8 @@ from collections import OrderedDict
 import torch
 
 from services.common.pb import decode_pb2
+
+log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 SHM_NAME_RE = re.compile(r"^pdserve-kv-[0-9]+-[0-9a-f]{12}$")
@@ -91,6 +94,34 @@ def _map(fd: int, nbytes: int, shape: tuple[int, ...], dtype: torch.dtype) -> to
 # --- decode side: make and export the pool ------------------------------------------------------
 
 
+def remove_orphaned_pools(shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink pool files left by decodes that died without cleaning up (kill -9): our uid's regular files
+    named ``pdserve-kv-<pid>-<hex>`` whose pid no longer exists. Returns the names removed. A pid reused by
+    another process keeps its file (conservative); a file of another user is never touched."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return removed
+    for n in names:
+        if not SHM_NAME_RE.fullmatch(n):
+            continue
+        pid = int(n.split("-")[2])
+        if pid == os.getpid() or os.path.exists(f"/proc/{pid}"):
+            continue
+        path = os.path.join(shm_dir, n)
+        try:
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
+                os.unlink(path)
+                removed.append(n)
+        except OSError:
+            continue
+    if removed:
+        log.info("removed %d KV pool file(s) of decodes that are gone: %s", len(removed), ", ".join(removed))
+    return removed
+
+
 def create_shared_kv(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, str, decode_pb2.KVDestination]:
     """A zeroed tensor backed by a new /dev/shm file: (tensor, its path, the destination to offer).
 
@@ -98,6 +129,7 @@ def create_shared_kv(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.
     front, so a full tmpfs fails here with an error instead of a SIGBUS on first touch."""
     name = _dtype_name(dtype)
     nbytes = math.prod(shape) * _itemsize(dtype)
+    remove_orphaned_pools()
     st = os.statvfs(SHM_DIR)
     if st.f_bavail * st.f_frsize < nbytes:
         raise SharedKVAttachError("space", f"{SHM_DIR} has {st.f_bavail * st.f_frsize} bytes free; the KV pool "

@@ -276,3 +276,27 @@ def test_cuda_ipc_pool_opened_from_typed_fields_in_another_process() -> None:
     finally:
         if child.poll() is None:
             child.kill()
+
+
+def test_pool_files_of_dead_decodes_are_removed_and_nothing_else(tmp_path) -> None:
+    """A decode killed with SIGKILL leaves its /dev/shm pool behind; the next pool creation sweeps such
+    files: our uid's, named like a pool, whose pid is gone. Live pids, other names and links stay."""
+    import subprocess
+
+    from services.engine.shared_kv import remove_orphaned_pools
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that existed and is gone now
+    orphan = tmp_path / f"pdserve-kv-{dead.pid}-0123456789ab"
+    orphan.write_bytes(b"x" * 64)
+    alive = tmp_path / f"pdserve-kv-{os.getpid()}-0123456789ab"
+    alive.write_bytes(b"y")
+    other = tmp_path / f"not-a-pool-{dead.pid}"
+    other.write_bytes(b"z")
+    target = tmp_path / "target"
+    target.write_bytes(b"keep")
+    link = tmp_path / f"pdserve-kv-{dead.pid}-ba9876543210"
+    link.symlink_to(target)
+    assert remove_orphaned_pools(str(tmp_path)) == [orphan.name]
+    assert not orphan.exists() and alive.exists() and other.exists() and link.is_symlink()
+    assert target.read_bytes() == b"keep"
