@@ -364,6 +364,9 @@ class ServiceServer:
                 log.error("%s: %s failed: %r", self.service, what, task.exception())
         finally:
             force_wait.cancel()
+            pending = {t for t in (task, force_wait) if not t.done()}
+            if pending:  # both tasks are owned to the end: cancelled above, given a moment to unwind
+                await asyncio.wait(pending, timeout=1.0)
 
     def _stop_metrics(self) -> None:
         if self._metrics_server is not None:
