@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.engine.cpu_features import engine_cpu_args, quiet_openmp_env
-from services.process import RestartPolicy, ServiceProc, exit_text, parse_ready
+from services.process import RestartPolicy, ServiceProc, emit, exit_text, parse_ready
 
 __all__ = ["LocalCluster", "Proc", "RestartPolicy", "StartCancelled", "parse_ready", "served_model"]
 
@@ -390,7 +390,7 @@ class LocalCluster:
             p.announce = True
 
     def _say(self, msg: str) -> None:
-        print(f"pdserve up: {msg}", file=sys.stderr, flush=True)
+        emit(f"pdserve up: {msg}", err=True)
 
 
 def served_model(http: str, api_key: str | None = None) -> str:

@@ -12,8 +12,20 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import threading
 from dataclasses import dataclass
+
+_OUTPUT_LOCK = threading.Lock()
+
+
+def emit(line: str, *, err: bool = False) -> None:
+    """Print one whole line of the launcher's output. Service-output threads and the launcher share the
+    terminal: one write per line under one lock, so lines never interleave mid-line."""
+    stream = sys.stderr if err else sys.stdout
+    with _OUTPUT_LOCK:
+        stream.write(line + "\n")
+        stream.flush()
 
 READY_PREFIX = "PDSERVE_READY "
 _BIND_ERRORS = ("cannot bind", "address already in use")
@@ -103,7 +115,7 @@ class ServiceProc:
                 self.ready = info
                 event.set()
             elif self.echo:
-                print(f"[{self.name}] {line}", flush=True)
+                emit(f"[{self.name}] {line}")
         event.set()
 
     def wait_ready(self, timeout: float) -> bool:

@@ -40,6 +40,7 @@ from services.common.config import (
 from services.common.config_file import ConfigFile, add_config_arg, config_file
 from services.common.logging import LoggingConfig
 from services.launcher import LocalCluster, RestartPolicy, StartCancelled, dial_host, served_model
+from services.process import emit
 from services.router.config import RouterConfig
 
 # Serving settings pdserve up passes on to services, when given as its own flags (env vars and the
@@ -149,7 +150,7 @@ class UpConfig:
 
 
 def _say(msg: str, *, err: bool = False) -> None:
-    print(f"pdserve up: {msg}", file=sys.stderr if err else sys.stdout, flush=True)
+    emit(f"pdserve up: {msg}", err=err)
 
 
 def _demo(http: str, api_key: str | None) -> None:
@@ -161,8 +162,8 @@ def _demo(http: str, api_key: str | None) -> None:
     with urllib.request.urlopen(req, timeout=120) as r:
         out = json.load(r)
     dt = time.perf_counter() - t0
-    print(f"demo: Q: What is the capital of France?\ndemo: A: {out['choices'][0]['message']['content']!r}"
-          f"  ({out['usage']['completion_tokens']} tokens in {dt:.2f}s)", flush=True)
+    emit(f"demo: Q: What is the capital of France?\ndemo: A: {out['choices'][0]['message']['content']!r}"
+         f"  ({out['usage']['completion_tokens']} tokens in {dt:.2f}s)")
 
 
 def _write_targets(path: str, cluster: LocalCluster) -> None:
@@ -176,7 +177,7 @@ def _write_targets(path: str, cluster: LocalCluster) -> None:
 
 def _print_endpoints(cfg: UpConfig, cluster: LocalCluster, tls_dir: Path | None, key: str | None) -> None:
     for name, info in cluster.endpoints().items():
-        print(f"  {name:16s} " + "  ".join(f"{k}={v}" for k, v in sorted(info.items()) if k != "service"), flush=True)
+        emit(f"  {name:16s} " + "  ".join(f"{k}={v}" for k, v in sorted(info.items()) if k != "service"))
     if dial_host(cfg.host) != cfg.host:
         _say(f"every port above is bound on {cfg.host or 'every interface'}: other hosts reach them at this "
              "host's addresses")
