@@ -16,7 +16,8 @@ import sys
 import threading
 from dataclasses import dataclass
 
-_OUTPUT_LOCK = threading.Lock()
+_OUTPUT_LOCK = threading.RLock()
+"""Re-entrant: ``pdserve up``'s signal handler prints too, and may run inside an emit() of the main thread."""
 
 
 def emit(line: str, *, err: bool = False) -> None:

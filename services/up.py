@@ -243,12 +243,20 @@ def _run(cfg: UpConfig, tls_dir: Path | None, key: str | None,
                            metrics_port_base=cfg.metrics_port_base, extra=extra)
     stop = threading.Event()
 
-    def on_signal(signum: int, _frame: object) -> None:
-        if stop.is_set():  # a second signal: do not wait for draining
+    signals: list[int] = []
+
+    def handle(signum: int, nth: int) -> None:
+        if nth > 1:  # a second signal: do not wait for draining
             _say(f"{signal.Signals(signum).name} again: killing every service", err=True)
             cluster.kill_all()
         stop.set()
         cluster.request_stop()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        # The handler runs in the main thread between bytecodes, possibly while that thread holds the
+        # lock of stop.wait()'s condition or of the output: it takes no lock itself, a thread does the work.
+        signals.append(signum)
+        threading.Thread(target=handle, args=(signum, len(signals)), name="pdserve-up-signal", daemon=True).start()
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, on_signal)
