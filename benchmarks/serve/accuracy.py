@@ -17,14 +17,13 @@ difference (over the longer output).
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from pathlib import Path
 from typing import Any
 
 from benchmarks.serve.client import RequestResult
-from benchmarks.serve.workload import Conversation, TraceError, Turn, conversation_from_json
+from benchmarks.serve.workload import Conversation, TraceError, Turn, conversation_from_json, jsonl_objects
 
 CAPITALS = (("France", "Paris"), ("Japan", "Tokyo"), ("Italy", "Rome"), ("Spain", "Madrid"),
             ("Germany", "Berlin"), ("Egypt", "Cairo"), ("Canada", "Ottawa"), ("Russia", "Moscow"),
@@ -60,26 +59,19 @@ def builtin_set(n: int, seed: int) -> list[Conversation]:
 def read_questions(path: str | Path) -> list[Conversation]:
     """Questions from JSONL (short form or the trace format); TraceError names a bad line."""
     out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TraceError(f"{where}: not JSON ({e.msg})") from None
-            if isinstance(obj, dict) and "question" in obj:
-                extra = set(obj) - {"question", "answer", "grade", "max_tokens", "id"}
-                if extra:
-                    raise TraceError(f"{where}: unknown key(s) {sorted(extra)}")
-                obj = {"id": str(obj.get("id", f"q-{n}")), "turns": [{
-                    "user": obj["question"], "answer": obj.get("answer"), "grade": obj.get("grade", "text"),
-                    "max_tokens": obj.get("max_tokens", MAX_TOKENS)}]}
-            conv = conversation_from_json(obj, where)
-            if any(t.answer is None for t in conv.turns):
-                raise TraceError(f"{where}: every question needs an 'answer'")
-            out.append(conv)
+    for where, obj in jsonl_objects(path):
+        if isinstance(obj, dict) and "question" in obj:
+            extra = set(obj) - {"question", "answer", "grade", "max_tokens", "id"}
+            if extra:
+                raise TraceError(f"{where}: unknown key(s) {sorted(extra)}")
+            line = where.rsplit(":", 1)[1]
+            obj = {"id": str(obj.get("id", f"q-{line}")), "turns": [{
+                "user": obj["question"], "answer": obj.get("answer"), "grade": obj.get("grade", "text"),
+                "max_tokens": obj.get("max_tokens", MAX_TOKENS)}]}
+        conv = conversation_from_json(obj, where)
+        if any(t.answer is None for t in conv.turns):
+            raise TraceError(f"{where}: every question needs an 'answer'")
+        out.append(conv)
     if not out:
         raise TraceError(f"{path}: no questions")
     return out

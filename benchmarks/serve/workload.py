@@ -208,24 +208,30 @@ def write_trace(path: str | Path, convs: list[Conversation]) -> None:
             f.write(json.dumps(conversation_to_json(c), ensure_ascii=False) + "\n")
 
 
-def read_trace(path: str | Path) -> list[Conversation]:
-    """Every conversation of a JSONL trace (blank lines skipped); TraceError names a bad line."""
-    out: list[Conversation] = []
-    seen: set[str] = set()
+def jsonl_objects(path: str | Path) -> Iterator[tuple[str, Any]]:
+    """(``path:line``, parsed object) for every non-blank line of a JSONL file; TraceError names a line
+    that is not JSON."""
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             where = f"{path}:{n}"
             try:
-                obj = json.loads(line)
+                yield where, json.loads(line)
             except json.JSONDecodeError as e:
                 raise TraceError(f"{where}: not JSON ({e.msg})") from None
-            c = conversation_from_json(obj, where)
-            if c.id in seen:
-                raise TraceError(f"{where}: duplicate id {c.id!r}")
-            seen.add(c.id)
-            out.append(c)
+
+
+def read_trace(path: str | Path) -> list[Conversation]:
+    """Every conversation of a JSONL trace (blank lines skipped); TraceError names a bad line."""
+    out: list[Conversation] = []
+    seen: set[str] = set()
+    for where, obj in jsonl_objects(path):
+        c = conversation_from_json(obj, where)
+        if c.id in seen:
+            raise TraceError(f"{where}: duplicate id {c.id!r}")
+        seen.add(c.id)
+        out.append(c)
     if not out:
         raise TraceError(f"{path}: no conversations")
     return out
