@@ -147,8 +147,10 @@ class LocalCluster:
         return {k: v for k, v in self.env.items() if k not in _ROUTER_ONLY_ENV}
 
     def _command(self, name: str, module: str, args: list[str]) -> list[str]:
+        # Services stop (draining) when this launcher dies, even by SIGKILL: they run in their own
+        # sessions, so nothing else would stop them.
         return [sys.executable, "-m", f"services.{module}", *self._host_args(module), *self.tls_args(module),
-                *args, *self.extra.get(module, []), *self.extra.get(name, [])]
+                "--parent-pid", str(os.getpid()), *args, *self.extra.get(module, []), *self.extra.get(name, [])]
 
     def _spawn(self, name: str, module: str, args: list[str]) -> Proc:
         """Start one service process now (no ports picked: ``args`` say them)."""

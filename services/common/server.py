@@ -66,6 +66,9 @@ class ServerConfig(TLSConfig):
     instance: str = opt("", "Instance name in logs and traces (e.g. the pod name); empty: host:port.")
     trace_dir: str = opt("", "Directory Admin.CaptureTrace writes under (one sub-directory per capture "
                              "session); empty: <system temp>/pdserve-traces.")
+    parent_pid: int = opt(0, "Shut down (draining as on SIGTERM) once the process with this pid is no longer "
+                             "this service's parent, i.e. the launcher that started it died, even by SIGKILL; "
+                             "`pdserve up` passes its own pid. 0: off.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -76,6 +79,7 @@ class ServerConfig(TLSConfig):
                 f"must be >= 1 MiB, got {self.max_message_bytes}")
         require(self.drain_timeout_s >= 0, self, "drain_timeout_s", f"must be >= 0, got {self.drain_timeout_s}")
         require(self.grace_s >= 0, self, "grace_s", f"must be >= 0, got {self.grace_s}")
+        require(self.parent_pid >= 0, self, "parent_pid", f"must be >= 0, got {self.parent_pid}")
 
 
 class StartupError(RuntimeError):
@@ -391,6 +395,40 @@ async def serve(srv: ServiceServer, *, warmup: Hook | None = None) -> None:
     t0 = time.monotonic()
     await srv.start()
     srv.install_signal_handlers()
+    orphan_watch = (asyncio.ensure_future(_watch_parent(srv, srv.config.parent_pid))
+                    if srv.config.parent_pid else None)
+    try:
+        await _serve_started(srv, t0, warmup)
+    finally:
+        if orphan_watch is not None:
+            orphan_watch.cancel()
+            await asyncio.gather(orphan_watch, return_exceptions=True)
+
+
+async def _watch_parent(srv: ServiceServer, parent_pid: int) -> None:
+    """Shut ``srv`` down once ``parent_pid`` (its launcher) exits. A pidfd becomes readable when the
+    process exits; it is opened only while getppid() still names the parent, so a reused pid cannot fool it."""
+    loop = asyncio.get_running_loop()
+    gone = asyncio.Event()
+    try:
+        fd = os.pidfd_open(parent_pid)
+    except OSError:  # already gone (or no such pid at all)
+        fd = -1
+    try:
+        if fd >= 0 and os.getppid() == parent_pid:
+            loop.add_reader(fd, gone.set)
+            try:
+                await gone.wait()
+            finally:
+                loop.remove_reader(fd)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    log.warning("%s: its launcher (pid %d) exited: shutting down", srv.service, parent_pid)
+    await srv.shutdown("launcher exited")
+
+
+async def _serve_started(srv: ServiceServer, t0: float, warmup: Hook | None) -> None:
     if warmup is not None:
         log.info("%s: warming up (health NOT_SERVING until done)", srv.service)
         try:

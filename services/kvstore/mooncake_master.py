@@ -151,6 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--host", default=LOOPBACK, help="Address every master socket binds.")
     p.add_argument("--rpc-port", type=int, default=50051, help="Master RPC port (0: a free one).")
     p.add_argument("--metrics-port", type=int, default=0, help="Master metrics HTTP port (0: a free one).")
+    p.add_argument("--parent-pid", type=int, default=0,
+                   help="Stop once the process with this pid is no longer our parent (the launcher died); 0: off.")
     args, extra = p.parse_known_args(argv)
     master = MooncakeMaster(host=args.host, rpc_port=args.rpc_port, metrics_port=args.metrics_port,
                             extra_args=extra)
@@ -160,7 +162,13 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"metrics={args.host}:{master.metrics_port} pid={master.proc.pid if master.proc else 0}", flush=True)
     try:
         assert master.proc is not None
-        return master.proc.wait()
+        while True:
+            try:
+                return master.proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                if args.parent_pid and os.getppid() != args.parent_pid:
+                    print("mooncake-master: the launcher exited; stopping", file=sys.stderr, flush=True)
+                    return 0
     except KeyboardInterrupt:
         return 0
     finally:
