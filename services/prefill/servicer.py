@@ -161,7 +161,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self._request_s += _EWMA * (time.monotonic() - start - self._request_s)
             return resp
         except asyncio.CancelledError:
-            self.metrics.requests_aborted_total.labels("cancelled").inc()
+            # grpc.aio cancels the handler when the call's own deadline fires (time_remaining() is then 0):
+            # that is a deadline, not the client leaving
+            remaining = context.time_remaining()
+            expired = remaining is not None and remaining <= 0
+            self.metrics.requests_aborted_total.labels("deadline" if expired else "cancelled").inc()
             raise
         finally:
             self.inflight -= 1

@@ -134,6 +134,8 @@ async def test_grpc_deadline_drops_the_request_mid_compute(make_prefill) -> None
     # sleeps 40 ms after it is computed, so 0.5 s allows at most ~12 of the 43, however fast the CPU.)
     assert 0 < len(computed) < 43, computed
     assert rig.servicer.inflight == 0
+    # grpc.aio cancels the handler when the call's own deadline fires: counted as a deadline, not a cancel
+    assert _aborted(rig, "deadline") == 1 and _aborted(rig, "cancelled") == 0
 
 
 async def test_a_deadline_already_past_is_refused_before_any_work(make_prefill) -> None:
