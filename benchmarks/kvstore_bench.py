@@ -3,6 +3,7 @@ beside a raw loopback TCP copy of the same bytes measured in the same run.
 
     pdserve bench kvstore                       # embedded + mooncake, 1 MiB and 64 MiB pages
     pdserve bench kvstore --backends embedded --sizes-mib 1 --total-mib 64 --json out.json
+    pdserve bench kvstore --memory-check        # RSS under Put/Get churn vs tier + Put quota
 
 Each backend runs as a real ``python -m services.kvstore`` process (Mooncake: plus a loopback
 mooncake_master); the client streams pages with KVStoreClient (4 MiB pieces). Runtime is bounded by
@@ -169,6 +170,46 @@ async def run_backend(backend: str, sizes: list[int], total: int, workdir: Path)
             master.stop()
 
 
+async def memory_check(tier_mib: int, quota_mib: int, total_mib: int, streams: int, workdir: Path) -> dict[str, float]:
+    """RSS of an embedded kvstore while ``streams`` concurrent Put streams push ``total_mib`` of distinct
+    368 KiB pages (a SmolLM2 page) through a ``tier_mib`` memory tier, reading half of each batch back.
+    The process may hold its start RSS + tier + Put quota (pages being assembled are not in the tier)."""
+    import psutil
+
+    from services.common.checksum import checksum
+    from services.common.grpc_util import create_channel
+    from services.common.kvstore_client import KVStoreClient
+
+    page = 368640
+    svc = ServiceProcess(["--memory-bytes", str(tier_mib * MiB), "--max-page-bytes", str(4 * MiB),
+                          "--max-inflight-put-bytes", str(quota_mib * MiB)], workdir / "kvstore-memory.log")
+    try:
+        address = await asyncio.to_thread(svc.wait_ready)
+        proc = psutil.Process(svc.proc.pid)
+        first = peak = proc.memory_info().rss / MiB
+        fp, base = os.urandom(8).hex(), os.urandom(page)
+        batches = max(1, total_mib * MiB // (page * 64 * streams))
+        async with create_channel(address) as channel:
+            client = KVStoreClient(channel)
+
+            async def stream() -> None:
+                nonlocal peak
+                for _ in range(batches):
+                    datas = [os.urandom(16) + base[16:] for _ in range(64)]
+                    pages = [(os.urandom(16), d, checksum(d)) for d in datas]
+                    await client.put(fp, pages)
+                    await client.get(fp, [h for h, _, _ in pages[:32]])
+                    peak = max(peak, proc.memory_info().rss / MiB)
+
+            await asyncio.gather(*(stream() for _ in range(streams)))
+        end = proc.memory_info().rss / MiB
+    finally:
+        svc.stop()
+    moved = batches * streams * 64 * page / MiB
+    return {"first_mib": first, "peak_mib": peak, "end_mib": end, "bound_mib": first + tier_mib + quota_mib,
+            "moved_mib": moved}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pdserve bench kvstore", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -176,7 +217,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--sizes-mib", default="1,64", help="Page sizes (MiB), comma-separated.")
     p.add_argument("--total-mib", type=int, default=256, help="Bytes moved per (backend, size, direction) (MiB).")
     p.add_argument("--json", default=None, help="Also write the results here.")
+    p.add_argument("--memory-check", action="store_true",
+                   help="Instead: RSS of an embedded kvstore under Put/Get churn against tier + Put quota.")
     args = p.parse_args(argv)
+    if args.memory_check:
+        with tempfile.TemporaryDirectory(prefix="kvstore_mem_") as tmp:
+            r = asyncio.run(memory_check(128, 32, 1024, 4, Path(tmp)))
+        print("kvstore RSS, 128 MiB tier + 32 MiB Put quota: " + ", ".join(f"{k} {v:.0f}" for k, v in r.items()))
+        return 0 if r["peak_mib"] <= r["bound_mib"] + 64 else 1
     sizes = [int(float(s) * MiB) for s in args.sizes_mib.split(",") if s]
     t_start = time.monotonic()
     results: list[Result] = []
