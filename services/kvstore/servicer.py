@@ -18,7 +18,7 @@ from services.common.grpc_util import Reason, abort, abort_if_draining, abort_in
 from services.common.kvstore_pages import DEFAULT_PIECE_BYTES, PageAssembler, PageStreamError, split_page
 from services.common.pb import kvstore_pb2 as pb
 from services.common.pb import kvstore_pb2_grpc as pb_grpc
-from services.common.tls import peer_may_write_kv
+from services.common.tls import peer_may_write_kv, peer_role
 from services.kvstore.backend import (
     ChecksumMismatchError,
     InvalidKeyError,
@@ -31,6 +31,10 @@ from services.kvstore.backend import (
 
 SERVICE = "kvstore"
 QUOTA_RETRY_AFTER_MS = 1000
+# With mTLS on: who may read pages (Get) and which pages exist (Lookup). Prefills read prefixes; the
+# router may ask what is cached for prefix-aware routing.
+_GET_ROLES = frozenset({"prefill"})
+_LOOKUP_ROLES = frozenset({"prefill", "router"})
 """Suggested wait before retrying a Put refused for the in-flight quota (milliseconds)."""
 
 
@@ -87,7 +91,17 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                         f"{rpc}: only a prefill (client certificate role 'prefill') may write KV pages",
                         error_detail(Reason.ERROR_REASON_PERMISSION, side=SERVICE))
 
+    async def _require_reader(self, context: grpc.aio.ServicerContext, rpc: str, roles: frozenset[str]) -> None:
+        """With mTLS on, reading pages (or which pages exist) takes a service role: a certificate without
+        one (e.g. the `client` certificate for router callers) learns nothing of other users' prompts."""
+        if self.tls_on and peer_role(context) not in roles:
+            await abort(context, grpc.StatusCode.PERMISSION_DENIED,
+                        f"{rpc}: only a {' or '.join(sorted(roles))} (client certificate role) may read the "
+                        f"kvstore; this certificate's role is {peer_role(context) or 'none'}",
+                        error_detail(Reason.ERROR_REASON_PERMISSION, side=SERVICE))
+
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+        await self._require_reader(context, "Lookup", _LOOKUP_ROLES)
         backend = await self._backend(context)
         await _check_keys(context, request.layout_fingerprint, request.block_hashes)
         tiers = await backend.locate(request.layout_fingerprint, list(request.block_hashes))
@@ -97,6 +111,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         """Streams the leading present pages. The first page missing: NOT_FOUND; a later one: the stream
         ends early (pages can be evicted between Lookup and Get; the caller sees a shorter prefix)."""
         await abort_if_draining(context, self.draining, SERVICE)
+        await self._require_reader(context, "Get", _GET_ROLES)
         backend = await self._backend(context)
         fp = request.layout_fingerprint
         await _check_keys(context, fp, request.block_hashes)

@@ -185,7 +185,7 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_certs(tmp_path_factory.mktemp("certs"))
 
 
-async def test_with_mtls_only_a_prefill_may_put_or_delete(certs: Path, tmp_path: Path) -> None:
+async def test_with_mtls_only_a_prefill_may_put_delete_or_get(certs: Path, tmp_path: Path) -> None:
     server, s = await _serve(_tls(certs, "kvstore"))
     fp = new_fp()
     data = os.urandom(8 * KiB)
@@ -202,9 +202,19 @@ async def test_with_mtls_only_a_prefill_may_put_or_delete(certs: Path, tmp_path:
         async with create_channel(s.address, tls=_tls(certs, "prefill")) as ch:
             prefill = KVStoreClient(ch)
             assert (await prefill.put(fp, [page])).stored == 1
-        async with create_channel(s.address, tls=_tls(certs, "decode")) as ch:
-            got = await KVStoreClient(ch).get(fp, [page[0]])  # any authenticated peer reads
+            got = await prefill.get(fp, [page[0]])  # a prefill reads prefixes
             assert got[0].data == data
+        # Pages (other users' prompts) are read only by a prefill; the `client` certificate (no role)
+        # may not even ask which pages exist.
+        for role, calls in (("decode", ("get",)), ("router", ("get",)), ("client", ("get", "lookup"))):
+            async with create_channel(s.address, tls=_tls(certs, role)) as ch:
+                peer = KVStoreClient(ch)
+                for name in calls:
+                    with pytest.raises(grpc.aio.AioRpcError) as e:
+                        await getattr(peer, name)(fp, [page[0]])
+                    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, (role, name)
+                    assert detail_of(e.value).reason == Reason.ERROR_REASON_PERMISSION
+                    assert "may read the kvstore" in e.value.details()
         # No client certificate: the handshake fails, nothing is answered.
         creds = grpc.ssl_channel_credentials(root_certificates=(certs / "ca.pem").read_bytes())
         async with grpc.aio.secure_channel(s.address, creds, options=[
