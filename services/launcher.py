@@ -55,6 +55,21 @@ def dial_host(host: str) -> str:
     return "127.0.0.1" if host in _WILDCARD else host
 
 
+def kv_transport_args(transport: str, host: str) -> tuple[list[str], list[str]]:
+    """(prefill flags, decode flags) for one ``--kv-transport`` (PrefillConfig's choices): grpc sends page
+    bytes in the stream; shm / cuda-ipc / auto share decode's pool on this host (auto: shm on CPU, cuda-ipc
+    on GPU); mooncake registers decode's pool with the Mooncake Transfer Engine at ``host`` (loopback TCP
+    here), and each prefill's engine binds ``host`` too."""
+    prefill = ["--kv-transport", transport]
+    if transport == "mooncake":
+        return [*prefill, "--kv-mooncake-host", host], ["--kv-mooncake-host", host]
+    if transport in ("shm", "cuda-ipc", "auto"):
+        return prefill, ["--kv-cache-shared"]
+    if transport == "grpc":
+        return prefill, []
+    raise ValueError(f"unknown KV transport {transport!r} (grpc, shm, cuda-ipc, mooncake, auto)")
+
+
 class StartCancelled(RuntimeError):
     """start() gave up because request_stop() was called."""
 
@@ -91,6 +106,7 @@ class LocalCluster:
         # Extra flags per module ("prefill") or per instance ("prefill-1"); the instance's come last.
         self.extra = extra or {}
         self.colocated = colocated
+        kv_transport_args(kv_transport, host)  # an unknown transport is refused before anything starts
         self.kv_transport = kv_transport
         # OpenMP workers sleep when idle (engines share the host's cores); set before torch loads.
         self.env = {**quiet_openmp_env(os.environ), "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -257,8 +273,8 @@ class LocalCluster:
                 kv_flags += ["--mooncake-master", master.ready["rpc"]]
             kv, = self._launch_all([self._service("kvstore", "kvstore", kv_flags)], timeout)
             kv_args = ["--kvstore-address", kv.ready["grpc"]]
-        shm = self.kv_transport in ("shm", "cuda-ipc")  # decode shares its pool; prefill writes into it
-        kv_args += ["--kv-transport", self.kv_transport] if shm else []
+        prefill_kv, decode_kv = kv_transport_args(self.kv_transport, dial_host(self.host))
+        kv_args += prefill_kv
         specs: list[_Spec] = []
         # Each engine process gets its share of this host's cores (--cpu-threads, --cpu-affinity if pinned).
         cpu = engine_cpu_args(0 if self.colocated else self.n_prefill, self.n_decode, pin=self.pin_cores)
@@ -268,8 +284,8 @@ class LocalCluster:
         else:
             specs += [self._service(f"prefill-{i}", "prefill", [*kv_args, *self.model_args(), *cpu[i]])
                       for i in range(self.n_prefill)]
-            specs += [self._service(f"decode-{j}", "decode", [*(["--kv-cache-shared"] if shm else []),
-                                                             *self.model_args(), *cpu[self.n_prefill + j]])
+            specs += [self._service(f"decode-{j}", "decode", [*decode_kv, *self.model_args(),
+                                                             *cpu[self.n_prefill + j]])
                       for j in range(self.n_decode)]
         workers = self._launch_all(specs, timeout)  # they load their models in parallel
         prefills = [p.ready["grpc"] for p in workers if p.module == "prefill"]

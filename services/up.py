@@ -38,15 +38,20 @@ from services.common.config import (
     reuse,
 )
 from services.common.config_file import ConfigFile, add_config_arg, config_file
+from services.common.lease import LeaseConfig
 from services.common.logging import LoggingConfig
+from services.engine.model_settings import DtypeConfig, ModelConfig
+from services.kvstore.config import BACKENDS
 from services.launcher import LocalCluster, RestartPolicy, StartCancelled, dial_host, served_model
+from services.prefill.config import PrefillConfig
 from services.process import emit
 from services.router.config import RouterConfig
 
 # Serving settings pdserve up passes on to services, when given as its own flags (env vars and the
 # config file reach the services directly).
 _FORWARD: dict[str, tuple[str, ...]] = {
-    "served_model_name": ("router",), "policy": ("router",), "lease_ms": ("router",), "access_log": ("router",),
+    "served_model_name": ("router",), "policy": ("router",), "lease_ms": ("router", "decode"),
+    "access_log": ("router",),
     "max_model_len": ("router", "prefill", "decode"), "log_level": ("router", "prefill", "decode", "kvstore"),
 }
 
@@ -68,28 +73,25 @@ class UpConfig:
     decode: int = opt(1, "Decode instances (colocated workers with --colocated).", env=_env("decode"),
                       group=_CLUSTER)
     colocated: bool = opt(False, "One service does prefill and decode (A/B).", env=_env("colocated"), group=_CLUSTER)
-    kvstore: str = opt("embedded", "kvstore backend; none: no kvstore.", choices=("embedded", "mooncake", "none"),
+    kvstore: str = opt("embedded", "kvstore backend; none: no kvstore.", choices=(*BACKENDS, "none"),
                        env=_env("kvstore"), group=_CLUSTER)
-    model: str | None = opt(None, "Model spec (default: the embedded SmolLM2-135M-Instruct).", env=_env("model"),
-                            group=_CLUSTER)
-    dtype: str = opt("auto", "Model dtype; auto: bf16 on GPU and on CPUs with native bf16, else fp32.",
-                     choices=("auto", "float32", "bfloat16"), env=_env("dtype"), group=_CLUSTER)
+    model: str | None = reuse(ModelConfig, "model", group=_CLUSTER)
+    dtype: str = reuse(DtypeConfig, "dtype", group=_CLUSTER)
     pin_cores: bool = opt(False, "Pin each engine process to its own share of this host's CPUs (--cpu-affinity).",
                           env=_env("pin_cores"), group=_CLUSTER)
-    kv_transport: str = opt("shm", "shm (CPU) / cuda-ipc (GPU): prefill writes pages straight into decode's "
-                                   "pool (one host); grpc: page bytes inside the PushKV stream.",
-                            choices=("shm", "cuda-ipc", "grpc"), env=_env("kv_transport"), group=_CLUSTER)
+    kv_transport: str = reuse(PrefillConfig, "kv_transport", default="auto", group=_CLUSTER)
+    """Every prefill's --kv-transport; decodes offer what it needs (services.launcher.kv_transport_args). auto:
+    decode shares its pool, prefill writes into it (shm on CPU, cuda-ipc on GPU)."""
     demo: bool = opt(False, "Send one chat request once the cluster is up.", env=_env("demo"), group=_CLUSTER)
     served_model_name: str = reuse(RouterConfig, "served_model_name", group=_SERVING)
     max_model_len: int = reuse(ContextConfig, "max_model_len", group=_SERVING)
     policy: str = reuse(RouterConfig, "policy", group=_SERVING)
-    lease_ms: int = reuse(RouterConfig, "lease_ms", group=_SERVING)
+    lease_ms: int = reuse(LeaseConfig, "lease_ms", group=_SERVING)
     access_log: bool = reuse(RouterConfig, "access_log", group=_SERVING)
     log_level: str = reuse(LoggingConfig, "log_level", group=_SERVING)
     host: str = opt("127.0.0.1", "Address every service binds (gRPC, metrics, the router's HTTP); 0.0.0.0 "
                                  "exposes internal RPCs to the network: use --tls then.", env=_env("host"), group=_NET)
-    http_port: int = opt(8000, "Router HTTP (OpenAI API) port, also serving the router's /metrics; 0 picks a "
-                               "free one.", env=_env("http_port"), group=_NET)
+    http_port: int = reuse(RouterConfig, "http_port", group=_NET)
     grpc_port: int = opt(50051, "Router gRPC port; 0 picks a free one.", env=_env("grpc_port"), group=_NET)
     metrics_port_base: int = opt(0, "Fixed metrics ports: router BASE, kvstore BASE+1, mooncake master BASE+2, "
                                     "prefill-i BASE+3+i, then decode-j (or worker-j) after the prefills; 0: free "
@@ -103,10 +105,8 @@ class UpConfig:
     tls_dir: str = opt("", "mTLS with existing certificates: DIR holds ca.pem and <role>.pem/<role>-key.pem "
                            "for router, prefill, decode, kvstore (pdserve certs --out DIR).", env=_env("tls_dir"),
                        group=_SECURITY)
-    api_key: str = opt("", "API key the router's public API requires (Authorization: Bearer KEY); empty: none.",
-                       env="PDSERVE_API_KEY", group=_SECURITY)
-    api_key_file: str = opt("", "File holding the router's API key (instead of --api-key).",
-                            env="PDSERVE_API_KEY_FILE", group=_SECURITY)
+    api_key: str = reuse(RouterConfig, "api_key", group=_SECURITY)
+    api_key_file: str = reuse(RouterConfig, "api_key_file", group=_SECURITY)
     restart: bool = opt(True, "Restart a service that exits; --no-restart stops the cluster instead.",
                         env=_env("restart"), group=_SUPERVISION)
     max_restarts: int = opt(5, "Restarts of one service within --restart-window-s before giving up.",
@@ -218,7 +218,6 @@ def check_file(file: ConfigFile) -> None:
     from services.decode.config import DecodeConfig
     from services.engine.config import EngineConfig
     from services.kvstore.config import KVStoreConfig
-    from services.prefill.config import PrefillConfig
 
     classes: dict[str, list[type]] = {
         "up": [UpConfig], "router": [RouterConfig, LoggingConfig],

@@ -80,13 +80,18 @@ def opt(
     return dataclasses.field(default=default, metadata=metadata)
 
 
-def reuse(cls: type, name: str, *, group: str | None = None) -> Any:
+def reuse(cls: type, name: str, *, group: str | None = None, default: Any = dataclasses.MISSING) -> Any:
     """Field ``name`` of config class ``cls`` declared again for another command with the same default,
     help, choices and env var, so a setting several commands take has one declaration (``pdserve up
-    --policy`` is the router's ``--policy``, read from ``PDSERVE_POLICY`` by both)."""
+    --policy`` is the router's ``--policy``, read from ``PDSERVE_POLICY`` by both). ``default`` replaces
+    the default where the other command has a better one (it must be one of the choices)."""
     f = _field(cls, name)
-    return opt(_default_of(f), f.metadata.get("help", ""), choices=f.metadata.get("choices"), env=env_name(f),
-               group=group)
+    choices = f.metadata.get("choices")
+    if default is dataclasses.MISSING:
+        default = _default_of(f)
+    elif choices is not None and default not in choices:
+        raise ValueError(f"default {default!r} of reused {cls.__name__}.{name} is not one of {choices}")
+    return opt(default, f.metadata.get("help", ""), choices=choices, env=env_name(f), group=group)
 
 
 def flag_name(name: str, prefix: str = "") -> str:

@@ -18,22 +18,15 @@ from tests.e2e.test_pd_cluster import LONG, _chat_ids, _reference, _router_gener
 pytestmark = pytest.mark.e2e
 NO_MOONCAKE = mooncake.available()
 
-FLAGS = {
-    "grpc": ({}, "grpc"),
-    "shm": ({}, "shm"),
-    "mooncake": ({"prefill": ["--kv-transport", "mooncake"], "decode": ["--kv-mooncake-host", "127.0.0.1"]}, "grpc"),
-}
 
 
 @pytest.mark.parametrize("transport", ["grpc", "shm", pytest.param("mooncake", marks=pytest.mark.skipif(
     NO_MOONCAKE is not None, reason=f"the Mooncake wheel cannot load here: {NO_MOONCAKE}"))])
 def test_transport_gives_engine_tokens(reference_engine, transport: str) -> None:
-    extra, launcher_transport = FLAGS[transport]
     sizes = {"prefill": ["--max-prefill-chunk", "29", "--kv-cache-bytes", str(96 << 20)],
              "decode": ["--kv-cache-bytes", str(96 << 20)]}
-    merged = {k: [*sizes.get(k, []), *extra.get(k, [])] for k in ("prefill", "decode")}
-    with LocalCluster(prefill=1, decode=1, kvstore=None, dtype="float32", extra=merged, quiet=True,
-                      kv_transport=launcher_transport) as c:
+    with LocalCluster(prefill=1, decode=1, kvstore=None, dtype="float32", extra=sizes, quiet=True,
+                      kv_transport=transport) as c:
         for text in [*CHAT_PROMPTS, LONG]:
             ids = _chat_ids(reference_engine, text)
             got = asyncio.run(_router_generate(c.router["grpc"], ids))
@@ -55,13 +48,11 @@ def test_prefill_killed_mid_side_transfer_fails_cleanly_and_frees_decode_blocks(
     """kill -9 of the only prefill while it writes pages into decode's pool: the client gets a 503 with a
     JSON error, and decode's blocks (held while the writer's claimed stream was open) are all free again
     within 10 s, sooner than any lease would free them."""
-    extra, launcher_transport = FLAGS[transport]
     slow = ["--max-prefill-chunk", str(CHUNK), "--slowdown-ms-per-chunk", str(SLOWDOWN_MS),
             "--kv-cache-bytes", str(96 << 20)]
-    merged = {"prefill": [*slow, *extra.get("prefill", [])],
-              "decode": ["--kv-cache-bytes", str(96 << 20), *extra.get("decode", [])]}
-    with LocalCluster(prefill=1, decode=1, kvstore=None, dtype="float32", extra=merged, quiet=True,
-                      kv_transport=launcher_transport) as c:
+    sizes = {"prefill": slow, "decode": ["--kv-cache-bytes", str(96 << 20)]}
+    with LocalCluster(prefill=1, decode=1, kvstore=None, dtype="float32", extra=sizes, quiet=True,
+                      kv_transport=transport) as c:
         t0 = time.monotonic()
         thread, out = _post_async(c.router["http"], _completion(c, 8, "Rivers"))
         _kill_prefill_mid_transfer(c, ["prefill-0"])
