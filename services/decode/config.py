@@ -5,17 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.config import opt, require
+from services.common.lease import LeaseConfig
 from services.common.server import ServerConfig
 from services.common.tracing import TracingConfig
 
 
 @dataclass
-class DecodeConfig(ServerConfig, TracingConfig):
+class DecodeConfig(ServerConfig, TracingConfig, LeaseConfig):
     port: int = opt(50062, "gRPC port; 0 picks a free one (reported in the ready line).")
     mode: str = opt("disaggregated", "disaggregated: KV comes from prefill; colocated: this service also "
                                      "prefills (the A/B baseline).", choices=("disaggregated", "colocated"))
-    lease_ms: int = opt(30_000, "How long a reservation waits for its KV before its blocks are freed (ms), "
-                                "unless the Reserve call asks for another lease.")
     max_lease_ms: int = opt(300_000, "Longest lease a Reserve or RenewLease may ask for (ms); longer asks are "
                                      "capped to it. A lease never outlives the request's deadline either.")
     max_pending: int = opt(256, "Most requests admitted but not yet running (reservations whose KV has not "

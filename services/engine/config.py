@@ -18,11 +18,12 @@ from services.engine.cpu_features import (
     resolve_dtype,
     torch_cpu_capability,
 )
+from services.engine.model_settings import DTYPE_CHOICES, DtypeConfig, ModelConfig
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_CHOICES = ("auto", *_DTYPES)
+assert DTYPE_CHOICES == ("auto", *_DTYPES), "model_settings.DTYPE_CHOICES must name the torch dtypes above"
 
 
 class EngineConfigError(ValueError):
@@ -30,13 +31,7 @@ class EngineConfigError(ValueError):
 
 
 @dataclass
-class EngineConfig(ContextConfig):
-    model: str | None = opt(None, "Model: a .gguf file, a Hugging Face directory, or random:NAME. "
-                                   "Default: the embedded SmolLM2-135M-Instruct GGUF.")
-    dtype: str = opt("auto", "Weights and KV dtype. auto: bfloat16 on GPU and on CPUs with native bf16 "
-                             "(AMX-BF16 or AVX512-BF16), float32 on other CPUs (torch's bf16 matmuls there "
-                             "run several times slower than fp32). Prefill and decode must agree: pin it on "
-                             "mixed hosts.", choices=DTYPE_CHOICES)
+class EngineConfig(ContextConfig, ModelConfig, DtypeConfig):
     device: str = opt("cpu", "Torch device (cpu, cuda, cuda:N).")
     cpu_threads: int = opt(0, "Torch intra-op threads of this engine process; 0: one per CPU the process may "
                               "run on (its affinity mask). pdserve up gives each engine its share of the host.")

@@ -5,30 +5,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.config import ContextConfig, opt, require
+from services.common.lease import LeaseConfig
 from services.common.server import ServerConfig
 from services.common.tracing import TracingConfig
+from services.engine.model_settings import ModelConfig
 from services.router.policy import DEFAULT_PREFIX_CREDIT, POLICIES
 
 
 @dataclass
-class RouterConfig(ServerConfig, TracingConfig, ContextConfig):
+class RouterConfig(ServerConfig, TracingConfig, ContextConfig, ModelConfig, LeaseConfig):
     port: int = opt(50051, "gRPC port of the Router API; 0 picks a free one.")
     http_host: str = opt("127.0.0.1", "Address the OpenAI-compatible HTTP API binds (0.0.0.0: every interface).")
     http_port: int = opt(8000, "HTTP port of the OpenAI-compatible API; 0 picks a free one.")
     prefill: str = opt("", "Prefill instances: comma-separated host:port, or dns:NAME:PORT for a headless "
                            "Service (all A records, refreshed). Empty: colocated mode (decode does both).")
     decode: str = opt("", "Decode (or colocated worker) instances, same syntax as --prefill.")
-    model: str | None = opt(None, "Model whose tokenizer and chat template the router uses (same spec as "
-                                  "the workers; default: the embedded SmolLM2-135M-Instruct).")
     served_model_name: str = opt("", "Model name clients send and /v1/models lists; empty: the model's id.")
     policy: str = opt("prefix_aware", "Instance selection policy.", choices=POLICIES)
     prefix_credit: float = opt(DEFAULT_PREFIX_CREDIT, "prefix_aware: load units (queued requests) a cached copy "
                                                       "of the whole prompt is worth; a shared system prompt wins "
                                                       "only until that instance has this many more requests than "
                                                       "another.")
-    lease_ms: int = opt(30_000, "Longest decode reservation lease the router asks for (ms), never past the "
-                                "request's deadline; renewed every lease/3 while its prefill runs, so it "
-                                "lapses this long after a router disappears.")
     max_retries: int = opt(2, "Other instances tried per dispatch step when one is full or unreachable "
                               "(Reserve, Prefill); also the most migrations of one stream to another decode.")
     chunked_transfer: bool | None = opt(None, "Force chunked KV transfer on/off for every request; "

@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from services.common.config import ConfigError, ContextConfig, add_dataclass_args, from_args
+from services.common.config import ConfigError, ContextConfig, add_dataclass_args, env_name, from_args
 from services.common.config_file import ConfigFile, add_config_arg
+from services.common.lease import LeaseConfig
 from services.common.logging import LoggingConfig
+from services.engine.model_settings import DtypeConfig, ModelConfig
 from services.launcher import LocalCluster
 from services.router.config import RouterConfig
 from services.up import UpConfig, _forwarded, check_file
@@ -30,23 +32,27 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, UpConfig]:
 
 def test_serving_settings_are_the_services_declarations() -> None:
     up = {f.name: f for f in dataclasses.fields(UpConfig)}
-    for cls, name in ((RouterConfig, "policy"), (RouterConfig, "served_model_name"), (RouterConfig, "lease_ms"),
-                      (RouterConfig, "access_log"), (ContextConfig, "max_model_len"), (LoggingConfig, "log_level")):
+    for cls, name in ((RouterConfig, "policy"), (RouterConfig, "served_model_name"), (LeaseConfig, "lease_ms"),
+                      (RouterConfig, "access_log"), (ContextConfig, "max_model_len"), (LoggingConfig, "log_level"),
+                      (ModelConfig, "model"), (DtypeConfig, "dtype"), (RouterConfig, "http_port"),
+                      (RouterConfig, "api_key"), (RouterConfig, "api_key_file")):
         theirs = next(f for f in dataclasses.fields(cls) if f.name == name)
         assert up[name].default == theirs.default and up[name].metadata["help"] == theirs.metadata["help"]
         assert up[name].metadata["choices"] == theirs.metadata["choices"]
+        assert env_name(up[name]) == env_name(theirs)
 
 
 def test_flags_given_to_up_are_handed_on(tmp_path: Path) -> None:
     cfg_file = tmp_path / "c.yaml"
     cfg_file.write_text("log_level: INFO\n")
     ns, cfg = _parse(["--policy", "round_robin", "--max-model-len", "2048", "--no-access-log", "--log-level",
-                      "debug", "--served-model-name", "smol", "--config", str(cfg_file)])
+                      "debug", "--served-model-name", "smol", "--lease-ms", "20000", "--config", str(cfg_file)])
     out = _forwarded(ns, cfg, ns.config)
     conf = ["--config", str(cfg_file.resolve())]
-    assert out["router"] == ["--served-model-name", "smol", "--policy", "round_robin", "--no-access-log",
-                             "--max-model-len", "2048", "--log-level", "DEBUG", *conf]
-    assert out["prefill"] == out["decode"] == ["--max-model-len", "2048", "--log-level", "DEBUG", *conf]
+    assert out["router"] == ["--served-model-name", "smol", "--policy", "round_robin", "--lease-ms", "20000",
+                             "--no-access-log", "--max-model-len", "2048", "--log-level", "DEBUG", *conf]
+    assert out["prefill"] == ["--max-model-len", "2048", "--log-level", "DEBUG", *conf]
+    assert out["decode"] == ["--lease-ms", "20000", "--max-model-len", "2048", "--log-level", "DEBUG", *conf]
     assert out["kvstore"] == ["--log-level", "DEBUG", *conf]
     ns, cfg = _parse([])
     assert _forwarded(ns, cfg, None) == {}  # defaults stay with the services (their env, their file)
