@@ -46,6 +46,7 @@ from services.engine.kv_layout import FP8_CODEC, PageLayout, checksum
 from services.engine.kv_pages import KVPages, pages_of
 from services.engine.kv_transport import mooncake
 from services.engine.kv_transport.base import KVPoll, OnClaimed
+from services.engine.kv_transport.mooncake_staged import HostLanding
 from services.engine.shared_kv import SharedKVAttachError, pool_id
 
 IN_PLACE_TRANSPORTS = frozenset({"shm", "cuda-ipc", "mooncake"})
@@ -59,7 +60,8 @@ log = logging.getLogger(__name__)
 
 def offered_pool(pages: KVPages, mooncake_host: str) -> decode_pb2.KVDestination | None:
     """The pool this decode offers side transports: registered with Mooncake when ``mooncake_host`` is
-    set (any host may write), else the engine's same-host shm / CUDA IPC pool, else None."""
+    set (any host may write; a device pool through a pinned host landing area, kv_transport/mooncake_staged),
+    else the engine's same-host shm / CUDA IPC pool, else None."""
     if mooncake_host:
         why = mooncake.available()
         try:
@@ -67,6 +69,10 @@ def offered_pool(pages: KVPages, mooncake_host: str) -> decode_pb2.KVDestination
                 raise SharedKVAttachError("unavailable", why)
             engine = mooncake.MooncakeEngine(mooncake_host)
             pages.exporters.append(engine)  # the engine serves the registered pool as long as it lives
+            if pages.pool.is_cuda:  # this Mooncake build moves host memory only
+                landing = HostLanding(engine, pages.pool, pages.import_pages)
+                pages.exporters.append(landing)
+                return landing.destination
             return mooncake.export_pool(engine, pages.pool)
         except SharedKVAttachError as e:
             log.warning("KV pool not offered over Mooncake (prefills send page bytes instead): %s", e)
@@ -124,6 +130,9 @@ class DecodeKVReceiver:
         self.vocab_size = engine.engine.vocab_size
         self.pages = pages_of(engine.engine)
         self._page_shape = self.pages.page_shape
+        self.landing = next((e for e in self.pages.exporters if isinstance(e, HostLanding)
+                             and destination is not None and pool_id(e.destination) == self.pool_id), None)
+        """Where a Mooncake writer puts pages for a device pool; imported as each chunk's descriptor lands."""
         self._dtype = self.pages.dtype
 
     def _reject(self, code: grpc.StatusCode, message: str, reason: str,
@@ -314,6 +323,8 @@ class DecodeKVReceiver:
                 if payload:
                     pending = asyncio.ensure_future(asyncio.to_thread(self._verify_and_write, c, payload, block_ids,
                                                                          layout))
+                elif claimed and self.landing is not None and block_ids:  # engine thread: landing -> pool
+                    pending = asyncio.ensure_future(self.engine.call(self.landing.land, block_ids))
                 r.pages_written.update(range(c.first_block, c.first_block + c.num_pages))
                 r.next_chunk += 1
                 # Page bytes landed, whichever way they came (in the message, or written by a side transport).

@@ -66,14 +66,17 @@ class KVPages:
     def dtype(self) -> torch.dtype:
         return self._runner.dtype
 
-    def export(self, block_ids: list[int], codec: str | None = None) -> PageExport:
-        """Engine thread: start copying the pages of ``block_ids`` to the host (see the module docstring)."""
+    def export(self, block_ids: list[int], codec: str | None = None, out: torch.Tensor | None = None) -> PageExport:
+        """Engine thread: start copying the pages of ``block_ids`` to the host (see the module docstring);
+        into ``out`` when given (host memory of the pages' shape, pinned on GPU: a transport's registered
+        staging buffer)."""
         from kernels import pack_pages, pack_pages_fp8
 
         pack = pack_pages_fp8 if codec == FP8_CODEC else pack_pages
         cache = self._runner.kv_cache
         if not cache.is_cuda:
-            return PageExport(pack(cache, torch.tensor(block_ids, dtype=torch.int64)))
+            pages = pack(cache, torch.tensor(block_ids, dtype=torch.int64))
+            return PageExport(pages if out is None else out.copy_(pages))
         if self._side is None:
             self._side = torch.cuda.Stream(device=cache.device)
         compute = torch.cuda.current_stream(cache.device)
@@ -84,7 +87,7 @@ class KVPages:
             staged = pack(cache, idx)
             gathered = torch.cuda.Event()
             gathered.record(side)
-            host = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
+            host = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True) if out is None else out
             host.copy_(staged, non_blocking=True)
             done = torch.cuda.Event()
             done.record(side)

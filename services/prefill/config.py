@@ -24,6 +24,10 @@ class PrefillConfig(ServerConfig, TracingConfig):
                             choices=("grpc", "shm", "cuda-ipc", "mooncake", "auto"))
     kv_mooncake_host: str = opt("127.0.0.1", "Address this prefill's Mooncake Transfer Engine binds and is "
                                              "reached at (--kv-transport mooncake/auto).")
+    kv_mooncake_staging_bytes: int = opt(2 << 30, "Pinned host staging a GPU prefill registers with Mooncake "
+                                                   "(bytes; made on first use): chunk pages are copied there, then "
+                                                   "written into a GPU decode's host landing area. A prompt whose KV "
+                                                   "is larger goes by grpc (counted, logged once).")
     kv_wire_codec: str = opt("native", "Codec of page bytes sent in the stream: native (the cache's dtype) or "
                                        "fp8-e4m3 (per-token-per-head scales; about half of bf16's bytes, decoded "
                                        "on arrival; used only when the decode accepts it).",
@@ -44,6 +48,8 @@ class PrefillConfig(ServerConfig, TracingConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         require(self.max_queued > 0, self, "max_queued", f"must be > 0, got {self.max_queued}")
+        require(self.kv_mooncake_staging_bytes > 0, self, "kv_mooncake_staging_bytes",
+                f"must be > 0, got {self.kv_mooncake_staging_bytes}")
         require(self.kvstore_timeout_s > 0, self, "kvstore_timeout_s", f"must be > 0, got {self.kvstore_timeout_s}")
         require(self.kvstore_retry_s >= 0, self, "kvstore_retry_s", f"must be >= 0, got {self.kvstore_retry_s}")
         require(self.kvstore_max_pending_writes > 0, self, "kvstore_max_pending_writes",

@@ -12,13 +12,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import Callable
 
 import torch
 
 from services.common.metrics import PrefillMetrics
 from services.common.pb import prefill_pb2
+from services.engine.kv_pages import PageExport
 from services.engine.kv_transport import mooncake
 from services.engine.kv_transport.base import PageWriter
+from services.engine.kv_transport.mooncake_staged import StagedWriter, StagingRing
 from services.engine.kv_transport.shared_pool import ONEOF_OF, SharedPoolWriter
 from services.engine.shared_kv import SharedKVAttachError, SharedKVPools, pool_id
 
@@ -33,7 +36,8 @@ class InvalidDestinationError(ValueError):
 
 
 class DirectWrites:
-    def __init__(self, mode: str, metrics: PrefillMetrics, mooncake_host: str = "127.0.0.1") -> None:
+    def __init__(self, mode: str, metrics: PrefillMetrics, mooncake_host: str = "127.0.0.1",
+                 staging_bytes: int = 2 << 30) -> None:
         self.mode = mode
         """The configured transport: grpc (never writes directly), shm, cuda-ipc, mooncake or auto (whichever
         side transport decode offers)."""
@@ -41,6 +45,9 @@ class DirectWrites:
         self.pools = SharedKVPools()
         self.mooncake_host = mooncake_host
         self._mooncake: mooncake.MooncakeEngine | None = None
+        self.staging_bytes = staging_bytes
+        self._ring: StagingRing | None = None
+        """Pinned host staging registered with Mooncake (made on the first write into a host landing area)."""
         self._lock = threading.Lock()  # attach() and the Mooncake start run in worker threads
         self._logged: set[tuple[str, str]] = set()
 
@@ -64,12 +71,21 @@ class DirectWrites:
                 self._mooncake = mooncake.MooncakeEngine(self.mooncake_host)
             return self._mooncake
 
-    async def writer(self, request: prefill_pb2.PrefillRequest, src: torch.Tensor, num_blocks: int
+    def _staging(self, engine: mooncake.MooncakeEngine) -> StagingRing:
+        with self._lock:
+            if self._ring is None:
+                self._ring = StagingRing(engine, self.staging_bytes)
+            return self._ring
+
+    async def writer(self, request: prefill_pb2.PrefillRequest, src: torch.Tensor, num_blocks: int,
+                     export: Callable[[list[int], None, torch.Tensor], PageExport] | None = None
                      ) -> PageWriter | None:
         """A writer into the request's reserved blocks, or None (page bytes go in the stream).
 
         ``src`` is this prefill's KV cache; ``num_blocks`` the prompt's block count, which the request's
-        dest_block_ids must match. Raises InvalidDestinationError for block ids outside decode's pool."""
+        dest_block_ids must match; ``export`` the engine's page export (codec, out), which stages pages for
+        a decode that offers a host landing area (Mooncake with a device pool). Raises
+        InvalidDestinationError for block ids outside decode's pool."""
         if self.mode == "grpc":
             return None
         offered = request.destination.WhichOneof("pool")
@@ -83,9 +99,15 @@ class DirectWrites:
             return None
         try:
             if transport == "mooncake":
-                if src.is_cuda:
-                    raise SharedKVAttachError("device", "this Mooncake build writes from host memory only")
                 shape, dtype = mooncake.check_pool(request.destination.mooncake, request.decode_address)
+                staged = request.destination.mooncake.page_major
+                if src.is_cuda and not staged:
+                    raise SharedKVAttachError("device", "this Mooncake build writes from host memory only and the "
+                                                        "decode offers its pool, not a host landing area")
+                page_bytes = src[:, :, 0].numel() * src.element_size()
+                if staged and (export is None or num_blocks * page_bytes > self.staging_bytes):
+                    raise SharedKVAttachError("staging", f"{num_blocks} pages of {page_bytes} bytes do not fit the "
+                                                         f"Mooncake staging ring ({self.staging_bytes} bytes)")
                 engine = await asyncio.to_thread(self._engine)
                 pool_shape, pool_dtype = shape, dtype
             else:
@@ -103,6 +125,10 @@ class DirectWrites:
             raise InvalidDestinationError(f"block {bad} is outside the decode pool's {pool_shape[2]} blocks")
         if transport == "mooncake":
             try:
+                if staged and export is not None:
+                    ring = await asyncio.to_thread(self._staging, engine)
+                    return StagedWriter(engine, ring, (src.shape[0], 2, *src.shape[3:]), src.dtype,
+                                        lambda ids, out: export(ids, None, out), request.destination, dest)
                 return await asyncio.to_thread(mooncake.MooncakeWriter, engine, src, request.destination, dest)
             except SharedKVAttachError as e:
                 self._fallback(transport, e.reason, str(e))

@@ -106,7 +106,7 @@ class RequestKVStream:
             elif n:
                 item.pages = self.export(seq.block_table[first:limit])
             if last and self.writer is not None:
-                self.writer.quiesce()  # the request's blocks are freed after this step: every write has landed
+                self.writer.release_source()  # the request's blocks are freed after this step
             self.next_block = max(self.next_block, limit)
             if last:
                 self.last_computed = done_mono

@@ -58,7 +58,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.inflight = 0
         """Requests admitted and not finished (bounded by config.max_queued)."""
         self.kvstore: KVStorePrefix | None = None
-        self.direct = DirectWrites(config.kv_transport, metrics, config.kv_mooncake_host)
+        self.direct = DirectWrites(config.kv_transport, metrics, config.kv_mooncake_host,
+                                   config.kv_mooncake_staging_bytes)
         self._request_s = 1.0  # moving average of admitted requests' durations (seconds)
 
     @property
@@ -174,7 +175,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                      first_params) -> prefill_pb2.PrefillResponse:
         ids = list(request.token_ids)
         try:
-            writer = await self.direct.writer(request, self.pages.pool, -(-len(ids) // self.layout.block_size))
+            writer = await self.direct.writer(request, self.pages.pool, -(-len(ids) // self.layout.block_size),
+                                              self.pages.export)
         except InvalidDestinationError as e:
             await self._refuse(context, "invalid", grpc.StatusCode.INVALID_ARGUMENT, f"dest_block_ids: {e}",
                                Reason.ERROR_REASON_INVALID_INPUT, field="dest_block_ids")

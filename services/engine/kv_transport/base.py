@@ -120,6 +120,11 @@ class PageWriter(abc.ABC):
         """Worker thread: block until no write of this request is in flight (before its stream ends)."""
         return None
 
+    def release_source(self) -> None:
+        """Engine thread, after the last chunk's write: block until no write still reads the request's source
+        blocks (they are freed after this step). Default: until every write has landed."""
+        self.quiesce()
+
 
 class KVTransport(abc.ABC):
     name: str = ""

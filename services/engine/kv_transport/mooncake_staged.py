@@ -1,0 +1,242 @@
+"""``mooncake`` with a device pool: pinned host staging on both sides (the non-CUDA Transfer Engine moves
+host memory only).
+
+Prefill: the engine's page-export API gathers a chunk's pages on a side stream straight into a span of
+a pinned host **staging ring** registered with the transfer engine once per process (page-major: one
+page after another, so a run of consecutive destination blocks is one contiguous range on both sides
+and one transfer-engine entry). ``write`` (engine thread) only enqueues that GPU work and returns;
+``wait`` (a worker thread) waits for the copy's CUDA event, has the transfer engine write the span into
+decode's landing area, then frees the span. The compute stream waits for the gather only, never for
+the host copy or the network.
+
+Decode: a pinned host **landing area** mirrors the device pool page by page ([blocks, layers, 2,
+block_size, kv_heads, head_dim]; landing block b belongs to pool block b, so the reservation and claim
+checks that guard the pool guard it unchanged) and is what decode registers and offers
+(``MooncakePool.page_major``). When a chunk's descriptor arrives the pages are in the landing area; the
+engine thread imports them into the device pool (one host-to-device copy per run plus the page
+scatter, queued on the compute stream ahead of any step that reads them).
+
+Both sides work with host tensors standing in for the device (CPU tests exercise the whole path).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from services.common.pb import decode_pb2
+from services.engine.kv_pages import PageExport
+from services.engine.kv_transport.base import KVPoll, KVSender, PageWriter, TransferError
+from services.engine.kv_transport.mooncake import MooncakeEngine
+from services.engine.shared_kv import _dtype_name, _runs, pool_id
+
+ALIGN = 4096
+"""Staging spans start on page boundaries (bytes)."""
+RING_WAIT_S = 60.0
+"""Longest the engine thread waits for staging space before the chunk's request fails (seconds)."""
+
+
+def _pinned(nbytes: int) -> torch.Tensor:
+    """Host bytes, page-locked when a GPU is there to copy from/to them asynchronously."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+
+
+class StagingRing:
+    """Pinned host bytes registered once; first-fit spans handed to writes and given back after transfer.
+
+    Invariant: a span is owned by exactly one in-flight write from ``take`` until ``give``; the free list
+    is sorted by offset and holds no two adjacent spans."""
+
+    def __init__(self, engine: MooncakeEngine, nbytes: int) -> None:
+        self.buf = _pinned(nbytes)
+        self.base = engine.register(self.buf)
+        self.capacity = nbytes
+        self._free: list[tuple[int, int]] = [(0, nbytes)]
+        self._cv = threading.Condition()
+        self.waits = 0
+        """Times a write found the ring full and waited (backpressure on the engine thread)."""
+
+    def take(self, nbytes: int, give_up: Callable[[], bool] = lambda: False) -> int:
+        """Offset of a free span of ``nbytes`` (blocks while the ring is full; ``give_up`` ends the wait)."""
+        size = -(-nbytes // ALIGN) * ALIGN
+        if size > self.capacity:
+            raise TransferError(f"a write of {nbytes} bytes exceeds the Mooncake staging ring ({self.capacity} "
+                                "bytes; raise --kv-mooncake-staging-bytes)", grpc.StatusCode.RESOURCE_EXHAUSTED)
+        deadline = time.monotonic() + RING_WAIT_S
+        with self._cv:
+            waited = False
+            while True:
+                for i, (off, n) in enumerate(self._free):
+                    if n >= size:
+                        self._free[i:i + 1] = [(off + size, n - size)] if n > size else []
+                        return off
+                if not waited:
+                    waited = True
+                    self.waits += 1
+                if give_up() or time.monotonic() > deadline:
+                    raise TransferError("no Mooncake staging space freed in time (transfers stalled)",
+                                        grpc.StatusCode.UNAVAILABLE)
+                self._cv.wait(0.05)
+
+    def give(self, off: int, nbytes: int) -> None:
+        size = -(-nbytes // ALIGN) * ALIGN
+        with self._cv:
+            spans = sorted([*self._free, (off, size)])
+            merged: list[tuple[int, int]] = []
+            for o, n in spans:
+                if merged and merged[-1][0] + merged[-1][1] == o:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + n)
+                else:
+                    merged.append((o, n))
+            self._free = merged
+            self._cv.notify_all()
+
+    def view(self, off: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        return self.buf[off:off + nbytes].view(dtype).view(shape)
+
+
+@dataclass
+class _Staged:
+    """One write: its span, the export filling it, and the transfer-engine entries that send it."""
+
+    off: int
+    nbytes: int
+    export: PageExport
+    srcs: list[int]
+    dsts: list[int]
+    lens: list[int]
+    state: str = "staged"
+    """staged -> sending -> done (span given back), or dropped (the stream failed before it was sent)."""
+
+
+class StagedWriter(PageWriter):
+    """Prefill side, one request: pages -> staging span (export API) -> decode's landing area (TE write).
+
+    ``export(block_ids, out)`` is the engine's page export into ``out`` (a staging view)."""
+
+    transport = "mooncake"
+
+    def __init__(self, engine: MooncakeEngine, ring: StagingRing, page_shape: tuple[int, ...], dtype: torch.dtype,
+                 export: Callable[[list[int], torch.Tensor], PageExport], dest: decode_pb2.KVDestination,
+                 dest_blocks: list[int]) -> None:
+        pool = dest.mooncake
+        self.engine, self.ring, self.export = engine, ring, export
+        self.page_shape, self.dtype = page_shape, dtype
+        self.page_bytes = torch.Size(page_shape).numel() * torch.empty((), dtype=dtype).element_size()
+        self.segment, self.dst_base = pool.segment, pool.base_address
+        self.dest = dest_blocks
+        self.pool_id = pool_id(dest)
+        self.sender: KVSender | None = None
+        self._lock = threading.Lock()
+        self._writes: list[_Staged] = []
+        self._sending = 0
+        self._closed = False
+
+    def _failed(self) -> bool:
+        return self._closed or self.sender is None or self.sender.poll() is KVPoll.FAILED
+
+    def write(self, first_block: int, src_blocks: list[int]) -> object:
+        if self._failed():
+            raise TransferError("KV stream to decode is broken: no page written", grpc.StatusCode.CANCELLED)
+        n = len(src_blocks)
+        if first_block + n > len(self.dest):
+            raise ValueError(f"pages [{first_block}, {first_block + n}) outside the {len(self.dest)} reserved blocks")
+        if not n:
+            return None
+        nbytes = n * self.page_bytes
+        off = self.ring.take(nbytes, self._failed)
+        try:
+            export = self.export(src_blocks, self.ring.view(off, (n, *self.page_shape), self.dtype))
+        except BaseException:
+            self.ring.give(off, nbytes)
+            raise
+        srcs, dsts, lens = [], [], []
+        # Page-major on both sides: a run of consecutive destination blocks is one contiguous range.
+        for a, b, m in _runs(list(range(n)), self.dest[first_block:first_block + n]):
+            srcs.append(self.ring.base + off + a * self.page_bytes)
+            dsts.append(self.dst_base + b * self.page_bytes)
+            lens.append(m * self.page_bytes)
+        w = _Staged(off, nbytes, export, srcs, dsts, lens)
+        with self._lock:
+            self._writes.append(w)
+        return w
+
+    def wait(self, handle: object) -> None:
+        if handle is None:
+            return
+        assert isinstance(handle, _Staged)
+        handle.export.wait()  # the pages are in the span
+        with self._lock:
+            if handle.state != "staged" or self._failed():
+                self._drop(handle)
+                raise TransferError("KV stream to decode is broken: chunk not sent", grpc.StatusCode.CANCELLED)
+            handle.state = "sending"
+            self._sending += 1
+        try:
+            rc = self.engine.te.batch_transfer_sync_write(self.segment, handle.srcs, handle.dsts, handle.lens)
+        finally:
+            with self._lock:
+                self._sending -= 1
+                handle.state = "done"
+                self._writes.remove(handle)
+            self.ring.give(handle.off, handle.nbytes)
+        if rc != 0:
+            raise TransferError(f"Mooncake write to {self.segment} failed (rc={rc})", grpc.StatusCode.UNAVAILABLE)
+
+    def _drop(self, w: _Staged) -> None:
+        """(lock held) Give back the span of a write that will never be sent (its export has finished)."""
+        if w.state == "staged":
+            w.state = "dropped"
+            self._writes.remove(w)
+            self.ring.give(w.off, w.nbytes)
+
+    def release_source(self) -> None:
+        """Engine thread, last chunk: the compute stream already waits for every gather (export API), so the
+        source blocks may be reused at once; the host copies and transfers go on in worker threads."""
+        return None
+
+    def quiesce(self) -> None:
+        """Worker thread, when the stream ends early: nothing more is sent, and every transfer under way has
+        ended (decode may then free the blocks it targets); unsent spans go back to the ring."""
+        with self._lock:
+            self._closed = True
+            pending = [w for w in self._writes if w.state == "staged"]
+        for w in pending:
+            w.export.wait()
+            with self._lock:
+                self._drop(w)
+        while True:
+            with self._lock:
+                if not self._sending:
+                    return
+            time.sleep(0.005)
+
+
+class HostLanding:
+    """Decode side: a registered pinned host mirror of a device pool, page by page (module docstring)."""
+
+    def __init__(self, engine: MooncakeEngine, pool: torch.Tensor,
+                 import_pages: Callable[[list[int], torch.Tensor], None]) -> None:
+        layers, two, blocks, *rest = pool.shape
+        self.page_shape = (layers, two, *rest)
+        self.host = _pinned(pool.numel() * pool.element_size()).view(pool.dtype).view(blocks, *self.page_shape)
+        self.engine = engine
+        self.import_pages = import_pages
+        """The engine's page import (engine thread): pages [P, layers, 2, bs, kvh, hd] -> pool blocks."""
+        self.destination = decode_pb2.KVDestination(mooncake=decode_pb2.MooncakePool(
+            segment=engine.segment, base_address=engine.register(self.host), pool_bytes=pool.numel() *
+            pool.element_size(), shape=list(pool.shape), dtype=_dtype_name(pool.dtype), protocol=engine.protocol,
+            page_major=True))
+
+    def land(self, block_ids: list[int]) -> None:
+        """Engine thread: copy the pages the writer put into ``block_ids``' landing slots into the pool.
+        Queued on the compute stream before any step that reads them; the slots are not written again until
+        the blocks are freed and reserved anew (after those steps ran)."""
+        for a, _, m in _runs(block_ids, block_ids):
+            self.import_pages(list(range(a, a + m)), self.host[a:a + m])

@@ -1,0 +1,116 @@
+"""Mooncake through pinned host staging (the path a GPU prefill and a GPU decode take), on CPU: host tensors
+stand in for the device pools. Prefill exports each chunk's pages into its registered staging ring, the
+Transfer Engine writes them over loopback TCP into decode's registered landing area, and decode's engine
+thread imports them into its pool when the chunk's descriptor lands. Real servicers, real gRPC, real TE."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+
+from services.common.pb import common_pb2
+from services.engine.engine import LLMEngine
+from services.engine.kv_pages import pages_of
+from services.engine.kv_transport import mooncake
+from services.engine.kv_transport.base import TransferError
+from services.engine.kv_transport.mooncake_staged import ALIGN, HostLanding, StagingRing
+from services.engine.sampling_params import SamplingParams
+from services.engine.shared_kv import pool_id
+from tests.prefill.test_transports import ENGINE, PROMPTS, Pair, _generate, _idle, _request, _reserve, pair
+
+NO_MOONCAKE = mooncake.available()
+pytestmark = pytest.mark.skipif(NO_MOONCAKE is not None, reason=f"the Mooncake wheel cannot load here: {NO_MOONCAKE}")
+__all__ = ["pair"]  # the fixture, shared with tests/prefill/test_transports.py
+
+
+def _offer_landing(p: Pair) -> HostLanding:
+    """Have the decode offer a host landing area in front of its pool, as a GPU decode does."""
+    engine = next(e for e in pages_of(p.decode.engine.engine).exporters if isinstance(e, mooncake.MooncakeEngine))
+    pages = pages_of(p.decode.engine.engine)
+    landing = HostLanding(engine, pages.pool, pages.import_pages)
+    pages.exporters.append(landing)
+    p.decode.destination = landing.destination
+    p.decode.receiver.pool_id = pool_id(landing.destination)
+    p.decode.receiver.landing = landing
+    return landing
+
+
+async def test_staged_pages_land_and_give_the_in_process_engines_tokens(pair) -> None:
+    p = await pair("mooncake")
+    landing = _offer_landing(p)
+    sent = 0
+    pool = pages_of(p.decode.engine.engine).pool
+    for ids in PROMPTS:
+        resv = await _reserve(p, ids)
+        assert resv.destination.mooncake.page_major
+        consume = asyncio.create_task(_generate(p, resv))
+        resp = await p.pstub.Prefill(_request(p, resv, ids))
+        tokens = await consume
+        assert tokens == LLMEngine(ENGINE).generate([ids], SamplingParams(max_tokens=6, temperature=0))[0]
+        assert resp.kv_bytes_sent == len(resv.block_ids) * p.prefill.layout.page_bytes
+        assert resp.num_chunks > 1  # chunked: several staged writes, imported in order
+        full = resv.block_ids[:len(ids) // p.prefill.layout.block_size]  # decode appends to the last one
+        assert torch.equal(landing.host[full], pool[:, :, full].permute(2, 0, 1, 3, 4, 5))  # landed, imported
+        sent += resp.kv_bytes_sent
+    assert p.metric("pdserve_prefill_kv_sent_bytes_total", transport="mooncake") == sent
+    assert p.metric("pdserve_prefill_kv_sent_bytes_total", transport="grpc") == 0
+    ring = p.prefill.direct._ring
+    assert ring is not None and ring._free == [(0, ring.capacity)]  # every span given back
+    for eng in (p.decode.engine, p.prefill.engine):
+        s = await _idle(eng)
+        assert s["free_blocks"] == s["total_blocks"]
+
+
+async def test_a_staged_prompt_larger_than_the_ring_goes_by_grpc_counted(pair) -> None:
+    p = await pair("mooncake")
+    _offer_landing(p)
+    p.prefill.direct.staging_bytes = p.prefill.layout.page_bytes  # one page: no prompt fits
+    ids = PROMPTS[0]
+    resv = await _reserve(p, ids)
+    consume = asyncio.create_task(_generate(p, resv))
+    await p.pstub.Prefill(_request(p, resv, ids))
+    assert await consume == LLMEngine(ENGINE).generate([ids], SamplingParams(max_tokens=6, temperature=0))[0]
+    assert p.metric("pdserve_prefill_kv_transport_fallbacks_total", transport="mooncake", reason="staging") == 1
+    assert p.metric("pdserve_prefill_kv_sent_bytes_total", transport="mooncake") == 0
+
+
+async def test_a_staged_descriptor_for_another_reservation_is_refused(pair) -> None:
+    p = await pair("mooncake")
+    _offer_landing(p)
+    ids, other_ids = PROMPTS
+    resv = await _reserve(p, ids)
+    other = await _reserve(p, other_ids[:len(ids)])
+    req = _request(p, resv, ids)
+    del req.dest_block_ids[:]
+    req.dest_block_ids.extend(other.block_ids)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await p.pstub.Prefill(req)
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "claim.dest_block_ids" in e.value.details()
+    for x in (resv, other):
+        await p.dstub.Abort(common_pb2.AbortRequest(request_id=x.reservation_id))
+    for eng in (p.decode.engine, p.prefill.engine):
+        s = await _idle(eng)
+        assert s["free_blocks"] == s["total_blocks"]
+
+
+def test_staging_ring_first_fit_merges_and_refuses_what_cannot_fit() -> None:
+    engine = mooncake.MooncakeEngine("127.0.0.1")
+    ring = StagingRing(engine, 4 * ALIGN)
+    a = ring.take(ALIGN)
+    b = ring.take(ALIGN + 1)  # rounded up to two aligned pages
+    c = ring.take(ALIGN)
+    assert (a, b, c) == (0, ALIGN, 3 * ALIGN) and ring._free == []
+    with pytest.raises(TransferError):  # full, and the writer's stream failed: no wait
+        ring.take(ALIGN, give_up=lambda: True)
+    assert ring.waits == 1
+    ring.give(b, ALIGN + 1)
+    ring.give(a, ALIGN)
+    assert ring._free == [(0, 3 * ALIGN)]  # adjacent spans merged
+    ring.give(c, ALIGN)
+    assert ring._free == [(0, 4 * ALIGN)]
+    with pytest.raises(TransferError) as e:
+        ring.take(4 * ALIGN + 1)
+    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
