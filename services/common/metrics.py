@@ -130,10 +130,13 @@ class MetricSpec:
     labels: tuple[str, ...]
     service: str
     help: str
+    buckets: tuple[float, ...] = LATENCY_BUCKETS
+    """Histograms only: bucket bounds (seconds)."""
 
 
-def _s(name: str, kind: MetricKind, labels: Sequence[str], service: str, help: str) -> MetricSpec:
-    return MetricSpec(name, kind, tuple(labels), service, help)
+def _s(name: str, kind: MetricKind, labels: Sequence[str], service: str, help: str,
+       buckets: tuple[float, ...] = LATENCY_BUCKETS) -> MetricSpec:
+    return MetricSpec(name, kind, tuple(labels), service, help, buckets)
 
 
 SPECS: tuple[MetricSpec, ...] = (
@@ -141,7 +144,7 @@ SPECS: tuple[MetricSpec, ...] = (
     _s(ROUTER_TTFT_SECONDS, "histogram", ["model"], "router",
        "Client TTFT: request arrives at the router -> first token sent to the client (seconds)."),
     _s(ROUTER_ITL_SECONDS, "histogram", ["model"], "router",
-       "Client inter-token latency: gap between consecutive streamed tokens (seconds)."),
+       "Client inter-token latency: gap between consecutive streamed tokens (seconds).", TOKEN_BUCKETS),
     _s(ROUTER_E2E_SECONDS, "histogram", ["model"], "router",
        "End-to-end latency of completed requests: arrival at the router -> last token sent (seconds)."),
     _s(ROUTER_REQUESTS_TOTAL, "counter", ["model", "status", "finish_reason"], "router",
@@ -203,7 +206,7 @@ SPECS: tuple[MetricSpec, ...] = (
     _s(DECODE_QUEUE_SECONDS, "histogram", ["model"], "decode",
        "Decode queue: KV complete -> first decode step of the request (seconds)."),
     _s(DECODE_TPOT_SECONDS, "histogram", ["model"], "decode",
-       "Time per output token after the first, measured at decode (seconds)."),
+       "Time per output token after the first, measured at decode (seconds).", TOKEN_BUCKETS),
     _s(DECODE_KV_RECEIVED_BYTES_TOTAL, "counter", ["transport"], "decode",
        "KV page bytes received from prefill, by transport."),
     _s(DECODE_KV_CHUNKS_RECEIVED_TOTAL, "counter", ["transport"], "decode",
@@ -270,120 +273,59 @@ def metric_of_series(series: str) -> str | None:
     return None
 
 
+ATTRIBUTES: dict[str, str] = {
+    value: const.split("_", 1)[1].lower() for const, value in dict(globals()).items()
+    if const.isupper() and isinstance(value, str) and value in SPECS_BY_NAME
+}
+"""Exposed name -> attribute of its service's group: the NAME constant without its service prefix, lower
+case (ROUTER_TTFT_SECONDS -> RouterMetrics.ttft_seconds)."""
+
+_KINDS: dict[MetricKind, type[MetricWrapperBase]] = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
+
+
 class MetricGroup:
-    """Builds one service's metrics into a registry and remembers them by exposed name."""
+    """Builds one service's metrics (every `SPECS` entry of ``SERVICE``) into a registry, each as the
+    attribute ``ATTRIBUTES`` names, and remembers them by exposed name."""
+
+    SERVICE = ""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self._registry = registry
         self._by_name: dict[str, MetricWrapperBase] = {}
+        for spec in SPECS:
+            if spec.service == self.SERVICE:
+                extra = {"buckets": spec.buckets} if spec.kind == "histogram" else {}
+                metric = _KINDS[spec.kind](spec.name, spec.help, spec.labels, registry=registry, **extra)
+                self._by_name[spec.name] = metric
+                setattr(self, ATTRIBUTES[spec.name], metric)
 
     def by_name(self) -> dict[str, MetricWrapperBase]:
         """Exposed metric name (a `SPECS` name) -> prometheus_client object."""
         return dict(self._by_name)
 
-    def _spec(self, name: str, kind: MetricKind) -> MetricSpec:
-        spec = SPECS_BY_NAME[name]
-        if spec.kind != kind:
-            raise TypeError(f"{name} is a {spec.kind}, not a {kind}")
-        return spec
-
-    def _histogram(self, name: str, buckets: Sequence[float]) -> Histogram:
-        spec = self._spec(name, "histogram")
-        metric = Histogram(name, spec.help, spec.labels, registry=self._registry, buckets=buckets)
-        self._by_name[name] = metric
-        return metric
-
-    def _counter(self, name: str) -> Counter:
-        spec = self._spec(name, "counter")
-        metric = Counter(name, spec.help, spec.labels, registry=self._registry)
-        self._by_name[name] = metric
-        return metric
-
-    def _gauge(self, name: str) -> Gauge:
-        spec = self._spec(name, "gauge")
-        metric = Gauge(name, spec.help, spec.labels, registry=self._registry)
-        self._by_name[name] = metric
-        return metric
-
 
 class RouterMetrics(MetricGroup):
     """Client-facing timers and counters of the router."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
-        super().__init__(registry)
-        self.ttft_seconds = self._histogram(ROUTER_TTFT_SECONDS, LATENCY_BUCKETS)
-        self.itl_seconds = self._histogram(ROUTER_ITL_SECONDS, TOKEN_BUCKETS)
-        self.e2e_seconds = self._histogram(ROUTER_E2E_SECONDS, LATENCY_BUCKETS)
-        self.requests_total = self._counter(ROUTER_REQUESTS_TOTAL)
-        self.prompt_tokens_total = self._counter(ROUTER_PROMPT_TOKENS_TOTAL)
-        self.generation_tokens_total = self._counter(ROUTER_GENERATION_TOKENS_TOTAL)
-        self.errors_total = self._counter(ROUTER_ERRORS_TOTAL)
-        self.dispatch_retries_total = self._counter(ROUTER_DISPATCH_RETRIES_TOTAL)
-        self.inflight_requests = self._gauge(ROUTER_INFLIGHT_REQUESTS)
-        self.instance_healthy = self._gauge(ROUTER_INSTANCE_HEALTHY)
-        self.migrations_total = self._counter(ROUTER_MIGRATIONS_TOTAL)
+    SERVICE = "router"
 
 
 class PrefillMetrics(MetricGroup):
     """Prefill scheduling, compute, prefix reuse and outgoing KV."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
-        super().__init__(registry)
-        self.queue_seconds = self._histogram(PREFILL_QUEUE_SECONDS, LATENCY_BUCKETS)
-        self.compute_seconds = self._histogram(PREFILL_COMPUTE_SECONDS, LATENCY_BUCKETS)
-        self.chunks_total = self._counter(PREFILL_CHUNKS_TOTAL)
-        self.computed_tokens_total = self._counter(PREFILL_COMPUTED_TOKENS_TOTAL)
-        self.cached_prefix_tokens_total = self._counter(PREFILL_CACHED_PREFIX_TOKENS_TOTAL)
-        self.kv_skipped_tokens_total = self._counter(PREFILL_KV_SKIPPED_TOKENS_TOTAL)
-        self.kv_sent_bytes_total = self._counter(PREFILL_KV_SENT_BYTES_TOTAL)
-        self.kv_chunks_sent_total = self._counter(PREFILL_KV_CHUNKS_SENT_TOTAL)
-        self.kv_transfer_failures_total = self._counter(PREFILL_KV_TRANSFER_FAILURES_TOTAL)
-        self.running_requests = self._gauge(PREFILL_RUNNING_REQUESTS)
-        self.waiting_requests = self._gauge(PREFILL_WAITING_REQUESTS)
-        self.engine_info = self._gauge(PREFILL_ENGINE_INFO)
-        self.requests_aborted_total = self._counter(PREFILL_REQUESTS_ABORTED_TOTAL)
-        self.kvstore_errors_total = self._counter(PREFILL_KVSTORE_ERRORS_TOTAL)
-        self.kv_transport_fallbacks_total = self._counter(PREFILL_KV_TRANSPORT_FALLBACKS_TOTAL)
+    SERVICE = "prefill"
 
 
 class DecodeMetrics(MetricGroup):
     """Decode KV arrival, queueing, token pace and cache pressure."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
-        super().__init__(registry)
-        self.kv_wait_seconds = self._histogram(DECODE_KV_WAIT_SECONDS, LATENCY_BUCKETS)
-        self.kv_transfer_exposed_seconds = self._histogram(DECODE_KV_TRANSFER_EXPOSED_SECONDS, LATENCY_BUCKETS)
-        self.queue_seconds = self._histogram(DECODE_QUEUE_SECONDS, LATENCY_BUCKETS)
-        self.tpot_seconds = self._histogram(DECODE_TPOT_SECONDS, TOKEN_BUCKETS)
-        self.kv_received_bytes_total = self._counter(DECODE_KV_RECEIVED_BYTES_TOTAL)
-        self.kv_chunks_received_total = self._counter(DECODE_KV_CHUNKS_RECEIVED_TOTAL)
-        self.kv_chunks_rejected_total = self._counter(DECODE_KV_CHUNKS_REJECTED_TOTAL)
-        self.reservations_expired_total = self._counter(DECODE_RESERVATIONS_EXPIRED_TOTAL)
-        self.kv_cache_usage_ratio = self._gauge(DECODE_KV_CACHE_USAGE_RATIO)
-        self.running_requests = self._gauge(DECODE_RUNNING_REQUESTS)
-        self.waiting_requests = self._gauge(DECODE_WAITING_REQUESTS)
-        self.waiting_for_kv_requests = self._gauge(DECODE_WAITING_FOR_KV_REQUESTS)
-        self.generation_tokens_total = self._counter(DECODE_GENERATION_TOKENS_TOTAL)
-        self.kv_streams_broken_total = self._counter(DECODE_KV_STREAMS_BROKEN_TOTAL)
-        self.requests_refused_total = self._counter(DECODE_REQUESTS_REFUSED_TOTAL)
-        self.engine_info = self._gauge(DECODE_ENGINE_INFO)
+    SERVICE = "decode"
 
 
 class KVStoreMetrics(MetricGroup):
     """Per-tier hit/miss/eviction accounting and occupancy of the kvstore."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
-        super().__init__(registry)
-        self.hits_total = self._counter(KVSTORE_HITS_TOTAL)
-        self.misses_total = self._counter(KVSTORE_MISSES_TOTAL)
-        self.evictions_total = self._counter(KVSTORE_EVICTIONS_TOTAL)
-        self.corrupt_total = self._counter(KVSTORE_CORRUPT_TOTAL)
-        self.stored_bytes = self._gauge(KVSTORE_STORED_BYTES)
-        self.entries = self._gauge(KVSTORE_ENTRIES)
-        self.get_bytes_total = self._counter(KVSTORE_GET_BYTES_TOTAL)
-        self.put_bytes_total = self._counter(KVSTORE_PUT_BYTES_TOTAL)
-        self.put_refused_total = self._counter(KVSTORE_PUT_REFUSED_TOTAL)
-        self.put_inflight_bytes = self._gauge(KVSTORE_PUT_INFLIGHT_BYTES)
+    SERVICE = "kvstore"
 
 
 METRICS_CLASSES: dict[str, type[MetricGroup]] = {

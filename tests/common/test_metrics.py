@@ -64,6 +64,17 @@ def test_classes_register_exactly_their_service() -> None:
         assert got == want, service
 
 
+def test_each_metric_is_an_attribute_of_its_group() -> None:
+    for service, cls in m.METRICS_CLASSES.items():
+        group = cls(CollectorRegistry())
+        names = [s.name for s in m.SPECS if s.service == service]
+        assert len({m.ATTRIBUTES[n] for n in names}) == len(names), service  # no two share an attribute
+        for name in names:
+            assert getattr(group, m.ATTRIBUTES[name]) is group.by_name()[name]
+    assert m.ATTRIBUTES[m.DECODE_TPOT_SECONDS] == "tpot_seconds"
+    assert m.DecodeMetrics(CollectorRegistry()).tpot_seconds._upper_bounds[:-1] == list(m.TOKEN_BUCKETS)
+
+
 def test_two_registries_do_not_collide() -> None:
     a, b = CollectorRegistry(), CollectorRegistry()
     ra, rb = m.RouterMetrics(a), m.RouterMetrics(b)
