@@ -87,6 +87,13 @@ def service_container(w: dict[str, Any]) -> dict[str, Any]:
     return found[0]
 
 
+def pod(kustomization: str, component: str) -> tuple[tuple[dict[str, Any], ...], dict[str, Any], dict[str, Any]]:
+    """(every rendered object, the component's workload, its service container)."""
+    objs = render(kustomization)
+    w = workload_of(objs, component)
+    return objs, w, service_container(w)
+
+
 def port_named(c: dict[str, Any], name: str) -> int | None:
     return next((p["containerPort"] for p in c.get("ports", []) if p.get("name") == name), None)
 
@@ -292,9 +299,7 @@ def test_every_container_is_probed_scraped_and_bounded(kustomization: str) -> No
 @pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
 @pytest.mark.parametrize("component", COMPONENTS)
 def test_service_probes_ports_and_drain_match_its_config(kustomization: str, component: str) -> None:
-    objs = render(kustomization)
-    w = workload_of(objs, component)
-    c = service_container(w)
+    objs, w, c = pod(kustomization, component)
     assert c["args"][0] == f"services.{component}", f"{component} pod runs {c['args'][0]}"
     require_parser(component)
     server = server_config(effective_config(objs, component))
@@ -320,9 +325,7 @@ def test_service_probes_ports_and_drain_match_its_config(kustomization: str, com
 @pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
 @pytest.mark.parametrize("component", COMPONENTS)
 def test_flags_and_env_vars_are_declared_by_the_service(kustomization: str, component: str) -> None:
-    objs = render(kustomization)
-    w = workload_of(objs, component)
-    c = service_container(w)
+    objs, w, c = pod(kustomization, component)
     require_parser(component)
     parsed = service_parser(component)
     assert parsed is not None
@@ -401,9 +404,7 @@ def assert_serves(objs: tuple[dict[str, Any], ...], svc: dict[str, Any], port: i
 
 @pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
 def test_router_targets_are_the_headless_services(kustomization: str) -> None:
-    objs = render(kustomization)
-    w = workload_of(objs, "router")
-    c = service_container(w)
+    objs, w, c = pod(kustomization, "router")
     env, _ = container_env(objs, w, c)
     ns_env = next(e for e in c["env"] if e["name"] == "POD_NAMESPACE")
     assert ns_env["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
@@ -546,9 +547,7 @@ MTLS = ("overlays/mtls", "overlays/gpu+mtls+mooncake")
 @pytest.mark.parametrize("kustomization", MTLS)
 @pytest.mark.parametrize("component", COMPONENTS)
 def test_mtls_runs_every_service_with_its_roles_certificate(kustomization: str, component: str) -> None:
-    objs = render(kustomization)
-    w = workload_of(objs, component)
-    c = service_container(w)
+    objs, w, c = pod(kustomization, component)
     env, _ = container_env(objs, w, c)
     require_parser(component)
     server = server_config(effective_config(objs, component))
@@ -562,9 +561,7 @@ def test_mtls_runs_every_service_with_its_roles_certificate(kustomization: str, 
 
 @pytest.mark.parametrize("kustomization", MTLS)
 def test_mtls_router_key_and_service_protocols(kustomization: str) -> None:
-    objs = render(kustomization)
-    w = workload_of(objs, "router")
-    c = service_container(w)
+    objs, w, c = pod(kustomization, "router")
     env, _ = container_env(objs, w, c)
     if kustomization == "overlays/mtls":
         assert mounted_secret(w, c, env["PDSERVE_API_KEY_FILE"]) == ("pdserve-api-key", "api-key")

@@ -84,6 +84,17 @@ async def collect(r: Router, n: int, prompt: list[int] = PROMPT, rid: str = "req
     return out
 
 
+async def failure(r: Router, n: int, got: list[int] | None = None) -> BackendError:
+    """The BackendError generating ``n`` tokens ends in (never a finish other than stop/length before it);
+    the tokens streamed before it are appended to ``got``."""
+    got = [] if got is None else got
+    with pytest.raises(BackendError) as e:
+        async for ev in r.backend.generate("req-1", PROMPT, greedy(n)):
+            assert ev.finish_reason in (None, "stop", "length")
+            got += ev.token_ids
+    return e.value
+
+
 def tokens(events: list[TokenEvent]) -> list[int]:
     return [t for ev in events for t in ev.token_ids]
 
@@ -131,13 +142,9 @@ async def test_settings_are_frozen():
 async def test_decode_abort_finish_is_an_error_not_a_short_success(cluster_factory):
     c = await cluster_factory(1, 1)
     c.decode(0).finish_abort_after = 2
+    got: list[int] = []
     async with router(c) as r:
-        got: list[int] = []
-        with pytest.raises(BackendError) as e:
-            async for ev in r.backend.generate("req-1", PROMPT, greedy(8)):
-                assert ev.finish_reason in (None, "stop", "length")
-                got += ev.token_ids
-    assert e.value.code == "unavailable"
+        assert (await failure(r, 8, got)).code == "unavailable"
     assert got == reference(PROMPT, 2)
 
 
@@ -165,9 +172,7 @@ async def test_no_prefill_left_fails_unavailable_and_aborts_the_reservation(clus
     c = await cluster_factory(1, 1)
     c.prefill(0).die_after_s = 0.2
     async with router(c, lease_ms=300) as r:
-        with pytest.raises(BackendError) as e:
-            await collect(r, 6)
-        assert e.value.code == "unavailable"
+        assert (await failure(r, 6)).code == "unavailable"
         rid = c.decode(0).reserves and next(iter(c.prefill(0).requests)).reservation_id
         await eventually(lambda: rid in c.decode(0).aborts)
         assert rid not in c.decode(0).reservations  # freed
@@ -178,9 +183,8 @@ async def test_prefill_overloaded_everywhere_is_resource_exhausted_with_retry_af
     for i in range(2):
         c.prefill(i).full_retry_after_ms = 1500
     async with router(c) as r:
-        with pytest.raises(BackendError) as e:
-            await collect(r, 4)
-        assert e.value.code == "resource_exhausted" and e.value.retry_after_s == pytest.approx(1.5)
+        err = await failure(r, 4)
+        assert err.code == "resource_exhausted" and err.retry_after_s == pytest.approx(1.5)
         await eventually(lambda: len(c.decode(0).aborts) == 1)
 
 
@@ -188,9 +192,7 @@ async def test_handoff_failure_with_a_live_decode_fails_without_retrying_prefill
     c = await cluster_factory(1, 2)
     c.prefill(0).handoff_fails = c.prefill(1).handoff_fails = True
     async with router(c) as r:
-        with pytest.raises(BackendError) as e:
-            await collect(r, 4)
-    assert e.value.code == "unavailable"
+        assert (await failure(r, 4)).code == "unavailable"
     assert len(c.prefill(0).requests) + len(c.prefill(1).requests) == 1
 
 
@@ -215,9 +217,8 @@ async def test_all_decodes_overloaded_is_resource_exhausted_with_retry_after(clu
     c = await cluster_factory(2, 1)
     c.decode(0).full_retry_after_ms = c.decode(1).full_retry_after_ms = 700
     async with router(c) as r:
-        with pytest.raises(BackendError) as e:
-            await collect(r, 4)
-    assert e.value.code == "resource_exhausted" and e.value.retry_after_s == pytest.approx(0.7)
+        err = await failure(r, 4)
+    assert err.code == "resource_exhausted" and err.retry_after_s == pytest.approx(0.7)
     assert len(c.decode(0).reserves) == 1 and len(c.decode(1).reserves) == 1
     assert not c.prefill(0).requests
 
@@ -253,12 +254,9 @@ async def test_decode_death_mid_stream_migrates_with_the_exact_tokens(cluster_fa
 async def test_decode_death_with_no_decode_left_fails_mid_stream(cluster_factory):
     c = await cluster_factory(1, 1)
     c.decode(0).die_after_tokens = 3
+    got: list[int] = []
     async with router(c) as r:
-        got: list[int] = []
-        with pytest.raises(BackendError) as e:
-            async for ev in r.backend.generate("req-1", PROMPT, greedy(10)):
-                got += ev.token_ids
-        assert e.value.code == "unavailable"
+        assert (await failure(r, 10, got)).code == "unavailable"
         assert got == reference(PROMPT, 3)
         assert r.metric(ROUTER_MIGRATIONS_TOTAL, outcome="failed") == 1
 
