@@ -3,10 +3,13 @@ per KV transport and with chunked transfer on and off, against a colocated worke
 in-process prefill compute of the same prompt, split into prefill compute (prefill's own histogram),
 exposed transfer (decode's histogram: last chunk computed -> last chunk landed) and plumbing (the rest).
 
-    python benchmarks/gpu_kv_table.py --model random:llama-3-8b --prompts 2000,8000 --transports grpc,cuda-ipc
+    python benchmarks/gpu_kv_table.py --model random:llama-3-8b --prompts 2000,8000 --transports grpc,cuda-ipc,mooncake
 
 Every request has a prompt no earlier request shares (no prefix-cache reuse); each figure is the median
-over ``--repeats`` requests after one warm-up request per set-up.
+over ``--repeats`` requests after one warm-up request per set-up. The "KV via" column is the transport
+prefill's bytes-sent counter grew under (a side transport that fell back to grpc shows as grpc, with
+the fallback count). ``mooncake`` runs the Transfer Engine over loopback TCP (MC_TCP_BIND_ADDRESS
+127.0.0.1); with the pools on a GPU it goes through pinned host staging on both sides.
 """
 
 from __future__ import annotations
@@ -28,20 +31,37 @@ from services.launcher import LocalCluster
 
 COMPUTE = "pdserve_prefill_compute_seconds"
 EXPOSED = "pdserve_decode_kv_transfer_exposed_seconds"
+SENT = "pdserve_prefill_kv_sent_bytes_total"
+FALLBACKS = "pdserve_prefill_kv_transport_fallbacks_total"
+
+
+def _samples(address: str) -> list:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return [s for fam in text_string_to_metric_families(text) for s in fam.samples]
 
 
 def _hist(address: str, name: str) -> tuple[float, float]:
     """(sum, count) of a histogram over every label set, scraped from ``address``/metrics."""
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
-        text = r.read().decode()
     total = count = 0.0
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == f"{name}_sum":
-                total += s.value
-            elif s.name == f"{name}_count":
-                count += s.value
+    for s in _samples(address):
+        if s.name == f"{name}_sum":
+            total += s.value
+        elif s.name == f"{name}_count":
+            count += s.value
     return total, count
+
+
+def _kv_route(address: str) -> tuple[dict[str, float], float]:
+    """(KV bytes prefill sent, by transport label; side-transport fallbacks) so far."""
+    sent: dict[str, float] = {}
+    fallbacks = 0.0
+    for s in _samples(address):
+        if s.name == SENT and s.value:
+            sent[s.labels["transport"]] = sent.get(s.labels["transport"], 0.0) + s.value
+        elif s.name == FALLBACKS:
+            fallbacks += s.value
+    return sent, fallbacks
 
 
 class Prompts:
@@ -56,10 +76,20 @@ class Prompts:
         return [(k * 7919 + i * 131 + (i * i) % 97) % (self.vocab - 5) + 1 for i in range(tokens)]
 
 
-def in_process(args: argparse.Namespace, prompts: Prompts) -> dict[int, float]:
+CHECK_TOKENS = 16
+"""Greedy tokens of one check prompt per length that every set-up must reproduce (the KV arrived intact)."""
+
+
+def check_prompt(n: int) -> list[int]:
+    return [(97 * n + 13 * i + (i * i) % 89) % 249 + 1 for i in range(n)]
+
+
+def in_process(args: argparse.Namespace, prompts: Prompts) -> tuple[dict[int, float], dict[int, list[int]]]:
     eng = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                                  kv_cache_bytes=args.kv_cache_bytes, max_prefill_chunk=args.chunk))
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    want = {n: eng.generate([check_prompt(n)], SamplingParams(max_tokens=CHECK_TOKENS, temperature=0.0,
+                                                               ignore_eos=True))[0] for n in args.prompt_lens}
     out: dict[int, float] = {}
     for n in args.prompt_lens:
         eng.generate([prompts.next(n)], one)  # warm-up
@@ -80,7 +110,7 @@ def in_process(args: argparse.Namespace, prompts: Prompts) -> dict[int, float]:
         import torch
 
         torch.cuda.empty_cache()  # the clusters' processes need the memory
-    return out
+    return out, want
 
 
 def _ttft(addr: str, ids: list[int]) -> float:
@@ -99,8 +129,8 @@ def colocated(args: argparse.Namespace, prompts: Prompts, dev: list[str]) -> dic
     return out
 
 
-def disaggregated(args: argparse.Namespace, prompts: Prompts, dev: list[str], transport: str
-                  ) -> dict[tuple[str, int], dict[str, float]]:
+def disaggregated(args: argparse.Namespace, prompts: Prompts, dev: list[str], transport: str,
+                  want: dict[int, list[int]]) -> dict[tuple[str, int], dict[str, float]]:
     rows: dict[tuple[str, int], dict[str, float]] = {}
     with LocalCluster(prefill=1, decode=1, kvstore=None, model=args.model, dtype=args.dtype, quiet=True,
                       extra={"prefill": dev, "decode": dev}, kv_transport=transport) as c:
@@ -113,6 +143,7 @@ def disaggregated(args: argparse.Namespace, prompts: Prompts, dev: list[str], tr
         for chunked, addr in (("on", c.router["grpc"]), ("off", off.ready["grpc"])):
             for n in args.prompt_lens:
                 _ttft(addr, prompts.next(n))
+                sent0, fb0 = _kv_route(pm)
                 ttft, compute, exposed = [], [], []
                 for _ in range(args.repeats):
                     c0, e0 = _hist(pm, COMPUTE), _hist(dm, EXPOSED)
@@ -123,9 +154,16 @@ def disaggregated(args: argparse.Namespace, prompts: Prompts, dev: list[str], tr
                 r = {"ttft": statistics.median(ttft), "compute": statistics.median(compute),
                      "exposed": statistics.median(exposed)}
                 r["plumbing"] = r["ttft"] - r["compute"] - r["exposed"]
+                sent1, fb1 = _kv_route(pm)
+                via = sorted(k for k, v in sent1.items() if v > sent0.get(k, 0.0))
+                r["via"], r["fallbacks"] = "+".join(via) or "-", fb1 - fb0  # type: ignore[assignment]
+                got = asyncio.run(_generate(addr, check_prompt(n), CHECK_TOKENS))[0]
+                r["tokens_equal"] = sum(a == b for a, b in zip(got, want[n], strict=False))
                 rows[(chunked, n)] = r
                 print(f"{transport}, chunked transfer {chunked}, {n} tokens: TTFT {r['ttft'] * 1000:.1f} ms, compute "
-                      f"{r['compute'] * 1000:.1f}, exposed {r['exposed'] * 1000:.1f}", flush=True)
+                      f"{r['compute'] * 1000:.1f}, exposed {r['exposed'] * 1000:.1f}, KV via {r['via']} "
+                      f"({r['fallbacks']:.0f} fallbacks), tokens equal to in-process {r['tokens_equal']}/"
+                      f"{CHECK_TOKENS}", flush=True)
     return rows
 
 
@@ -133,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="random:llama-3-8b")
     p.add_argument("--prompts", default="2000,8000", help="prompt lengths (tokens), comma-separated")
-    p.add_argument("--transports", default="grpc,cuda-ipc")
+    p.add_argument("--transports", default="grpc,cuda-ipc,mooncake")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens)")
@@ -145,23 +183,26 @@ def main(argv: list[str] | None = None) -> int:
     dev = ["--device", args.device, "--kv-cache-bytes", str(args.kv_cache_bytes), "--max-prefill-chunk",
            str(args.chunk)]
     prompts = Prompts(250)  # ids the router's tokenizer accepts for every model (random models: bytes)
-    base = in_process(args, prompts)
+    base, want = in_process(args, prompts)
     col = colocated(args, prompts, dev)
-    pd = {t: disaggregated(args, prompts, dev, t) for t in args.transports.split(",")}
+    pd = {t: disaggregated(args, prompts, dev, t, want) for t in args.transports.split(",")}
     print(f"\n{args.model} {args.dtype} on {args.device}, prefill chunk {args.chunk}, median of {args.repeats}\n")
-    print("| transport | chunked | prompt | TTFT ms | x colocated | prefill compute ms | x in-process | exposed ms "
-          "| exposed / compute | plumbing ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| transport | KV via | chunked | prompt | TTFT ms | x colocated | prefill compute ms | x in-process | "
+          f"exposed ms | exposed / compute | plumbing ms | tokens = in-process (of {CHECK_TOKENS}) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for n in args.prompt_lens:
-        print(f"| colocated | - | {n} | {col[n] * 1000:.1f} | 1.00 | {base[n] * 1000:.1f} (in-process) | 1.00 | - | - | - |")
+        print(f"| colocated | - | - | {n} | {col[n] * 1000:.1f} | 1.00 | {base[n] * 1000:.1f} (in-process) | 1.00 | - "
+              "| - | - | - |")
     for t, rows in pd.items():
         for (chunked, n), r in rows.items():
-            print(f"| {t} | {chunked} | {n} | {r['ttft'] * 1000:.1f} | {r['ttft'] / col[n]:.2f} | "
+            via = r["via"] if not r["fallbacks"] else f"{r['via']} ({r['fallbacks']:.0f} fallbacks)"
+            print(f"| {t} | {via} | {chunked} | {n} | {r['ttft'] * 1000:.1f} | {r['ttft'] / col[n]:.2f} | "
                   f"{r['compute'] * 1000:.1f} | {r['compute'] / base[n]:.2f} | {r['exposed'] * 1000:.1f} | "
-                  f"{r['exposed'] / max(r['compute'], 1e-9):.3f} | {r['plumbing'] * 1000:.1f} |")
+                  f"{r['exposed'] / max(r['compute'], 1e-9):.3f} | {r['plumbing'] * 1000:.1f} | "
+                  f"{r['tokens_equal']:.0f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"in_process": base, "colocated": col,
+            json.dump({"in_process": base, "colocated": col, "args": vars(args),
                        "pd": {t: {f"{k[0]}-{k[1]}": v for k, v in rows.items()} for t, rows in pd.items()}}, f,
                       indent=1)
     return 0
