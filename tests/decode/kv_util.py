@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -94,11 +94,7 @@ async def push(stub: decode_pb2_grpc.DecodeStub, msgs: list[common_pb2.KVChunk])
     async def gen() -> AsyncIterator[common_pb2.KVChunk]:
         for c in msgs:
             yield c
-    try:
-        await stub.PushKV(gen(), timeout=30)
-    except grpc.aio.AioRpcError as e:
-        return outcome_of(e)
-    return OK
+    return await refused(stub.PushKV(gen(), timeout=30))
 
 
 async def reserve(stub: decode_pb2_grpc.DecodeStub, ids: list[int] = PROMPT, max_tokens: int = 6, *,
@@ -109,8 +105,16 @@ async def reserve(stub: decode_pb2_grpc.DecodeStub, ids: list[int] = PROMPT, max
         timeout=30)
 
 
+async def reserved(rig, ids: list[int] = PROMPT, max_tokens: int = 6, **kw: object
+                   ) -> tuple[dict[str, float], Reference, decode_pb2.ReserveResponse]:
+    """(stats of the idle engine before, the reference run of ``ids`` for ``max_tokens``, a reservation for
+    them on ``rig``'s decode; ``kw`` go to :func:`reserve`)."""
+    base = await idle(rig.engine)
+    return base, reference(ids, max_tokens), await reserve(rig.stub, ids, max_tokens, **kw)
+
+
 async def refused(call: object) -> Outcome:
-    """The outcome of an awaitable RPC expected to fail."""
+    """The outcome of an awaitable RPC (expected to fail; OK if it did not)."""
     try:
         await call  # type: ignore[misc]
     except grpc.aio.AioRpcError as e:
@@ -130,6 +134,32 @@ async def generate(stub: decode_pb2_grpc.DecodeStub, req: decode_pb2.DecodeGener
     except grpc.aio.AioRpcError as e:
         return tokens, reason, outcome_of(e)
     return tokens, reason, OK
+
+
+async def run_to_end(stub: decode_pb2_grpc.DecodeStub, resv: decode_pb2.ReserveResponse) -> list[int]:
+    """The tokens of ``resv``'s Generate stream, which must finish (length or stop) with status OK."""
+    tokens, reason, out = await generate(stub, decode_pb2.DecodeGenerateRequest(reservation_id=resv.reservation_id))
+    assert out.code == grpc.StatusCode.OK, out
+    assert reason in (common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_STOP)
+    return tokens
+
+
+async def delivered(stub: decode_pb2_grpc.DecodeStub, resv: decode_pb2.ReserveResponse, ids: list[int],
+                    ref: Reference) -> list[int]:
+    """Push ``ref``'s pages into ``resv`` (accepted), then :func:`run_to_end`."""
+    assert (await push(stub, chunks(resv, ids, ref))).code == grpc.StatusCode.OK
+    return await run_to_end(stub, resv)
+
+
+def slow_steps(monkeypatch, llm, before_step: Callable[[], object]) -> None:
+    """Every step of engine ``llm`` (an LLMEngine) first calls ``before_step`` (a sleep, a gate's wait)."""
+    step = llm.step
+
+    def slow_step():
+        before_step()
+        return step()
+
+    monkeypatch.setattr(llm, "step", slow_step)
 
 
 async def idle(engine, timeout_s: float = 10.0) -> dict[str, float]:

@@ -7,7 +7,17 @@ import grpc
 
 from services.common.grpc_util import Reason
 from services.common.pb import common_pb2, decode_pb2
-from tests.decode.kv_util import PROMPT, chunks, generate, idle, prompt, push, reference, refused, reserve
+from tests.decode.kv_util import (
+    PROMPT,
+    delivered,
+    generate,
+    idle,
+    prompt,
+    reference,
+    refused,
+    reserve,
+    reserved,
+)
 
 P = common_pb2.SamplingParams
 
@@ -35,9 +45,7 @@ async def test_reserve_range_checks_name_the_field_and_the_service_keeps_serving
     assert (await idle(rig.engine))["free_blocks"] == base["free_blocks"] and len(rig.servicer.table) == 0
     ref = reference(PROMPT, 6)
     resv = await reserve(rig.stub)
-    assert (await push(rig.stub, chunks(resv, PROMPT, ref))).code == grpc.StatusCode.OK
-    tokens, _, out = await generate(rig.stub, decode_pb2.DecodeGenerateRequest(reservation_id=resv.reservation_id))
-    assert out.code == grpc.StatusCode.OK and tokens == ref.tokens
+    assert await delivered(rig.stub, resv, PROMPT, ref) == ref.tokens
 
 
 async def test_bounded_queue_answers_overloaded_with_retry_after(decode_rig):
@@ -60,32 +68,24 @@ async def test_bounded_queue_answers_overloaded_with_retry_after(decode_rig):
 
 async def test_draining_refuses_new_work_and_serves_existing_reservations(decode_rig):
     rig = await decode_rig(mode="colocated")
-    base = await idle(rig.engine)
-    ref = reference(PROMPT, 6)
-    resv = await reserve(rig.stub)
+    base, ref, resv = await reserved(rig)
     rig.servicer.draining.set()
     out = await refused(reserve(rig.stub, prompt(2)))
     assert out.code == grpc.StatusCode.UNAVAILABLE and out.detail.reason == Reason.ERROR_REASON_DRAINING
     _, _, out = await generate(rig.stub, decode_pb2.DecodeGenerateRequest(request_id="c", token_ids=PROMPT,
                                                                           params=P(max_tokens=2)))
     assert out.code == grpc.StatusCode.UNAVAILABLE and out.detail.reason == Reason.ERROR_REASON_DRAINING
-    assert (await push(rig.stub, chunks(resv, PROMPT, ref))).code == grpc.StatusCode.OK
-    tokens, _, out = await generate(rig.stub, decode_pb2.DecodeGenerateRequest(reservation_id=resv.reservation_id))
-    assert out.code == grpc.StatusCode.OK and tokens == ref.tokens
+    assert await delivered(rig.stub, resv, PROMPT, ref) == ref.tokens
     assert (await idle(rig.engine))["free_blocks"] == base["free_blocks"]
 
 
 async def test_colocated_request_id_cannot_hijack_a_reservations_stream(decode_rig):
     rig = await decode_rig(mode="colocated")
-    base = await idle(rig.engine)
-    ref = reference(PROMPT, 6)
-    resv = await reserve(rig.stub)
+    base, ref, resv = await reserved(rig)
     tokens, _, out = await generate(rig.stub, decode_pb2.DecodeGenerateRequest(
         request_id=resv.reservation_id, token_ids=PROMPT, params=P(max_tokens=2, temperature=0)))
     assert out.code == grpc.StatusCode.OK and tokens == ref.tokens[:2]
-    assert (await push(rig.stub, chunks(resv, PROMPT, ref))).code == grpc.StatusCode.OK
-    tokens, _, out = await generate(rig.stub, decode_pb2.DecodeGenerateRequest(reservation_id=resv.reservation_id))
-    assert out.code == grpc.StatusCode.OK and tokens == ref.tokens
+    assert await delivered(rig.stub, resv, PROMPT, ref) == ref.tokens
     assert (await idle(rig.engine))["free_blocks"] == base["free_blocks"]
 
 

@@ -11,11 +11,11 @@ import asyncio
 
 import grpc
 
-from services.common.grpc_util import Reason, detail_of
+from services.common.grpc_util import Reason
 from services.common.pb import common_pb2, decode_pb2_grpc
 from services.engine.kv_transport import CLAIM_ACK, KVPoll
 from services.engine.shared_kv import pool_id
-from tests.decode.kv_util import PROMPT, Outcome, idle, prompt, reserve
+from tests.decode.kv_util import PROMPT, idle, prompt, refused, reserve
 
 SHARED = dict(kv_cache_shared=True)
 
@@ -36,12 +36,12 @@ async def _claimed_call(stub: decode_pb2_grpc.DecodeStub, claim: common_pb2.KVCh
     return call, all(kv in list(md or ()) for kv in CLAIM_ACK)
 
 
-async def _outcome(call) -> Outcome:
-    try:
-        await call
-    except grpc.aio.AioRpcError as e:
-        return Outcome(e.code(), e.details() or "", detail_of(e))
-    return Outcome(grpc.StatusCode.OK, "", common_pb2.ErrorDetail())
+def _descriptor(resv) -> common_pb2.KVChunk:
+    """An in-place (shm) last-chunk descriptor covering all of ``resv``'s blocks."""
+    return common_pb2.KVChunk(
+        request_id="r", reservation_id=resv.reservation_id, chunk_index=0, first_block=0,
+        num_pages=len(resv.block_ids), token_end=len(PROMPT), transport="shm", is_last=True,
+        layout_fingerprint=resv.layout.fingerprint, reservation_token=resv.reservation_token)
 
 
 async def test_a_claimed_reservation_keeps_its_blocks_past_its_lease_until_the_writer_leaves(decode_rig):
@@ -60,12 +60,9 @@ async def test_a_claimed_reservation_keeps_its_blocks_past_its_lease_until_the_w
     assert held == base["free_blocks"] - len(resv.block_ids)  # ...but its blocks are not free for reuse
     other = await reserve(rig.stub, prompt(3))  # a new request gets other blocks
     assert not set(other.block_ids) & set(resv.block_ids)
-    await call.write(common_pb2.KVChunk(  # a late descriptor is dropped, not applied
-        request_id="r", reservation_id=resv.reservation_id, chunk_index=0, first_block=0,
-        num_pages=len(resv.block_ids), token_end=len(PROMPT), transport="shm", is_last=True,
-        layout_fingerprint=resv.layout.fingerprint, reservation_token=resv.reservation_token))
+    await call.write(_descriptor(resv))  # a late descriptor is dropped, not applied
     await call.done_writing()  # the writer's stream ends: now, and only now, the blocks are freed
-    out = await _outcome(call)
+    out = await refused(call)
     assert out.code == grpc.StatusCode.NOT_FOUND and out.detail.reason == Reason.ERROR_REASON_RESERVATION_GONE
     await rig.stub.Abort(common_pb2.AbortRequest(request_id=other.reservation_id))
     assert (await idle(rig.engine))["free_blocks"] == base["free_blocks"]
@@ -91,7 +88,7 @@ async def test_a_claim_after_the_reservation_ended_is_refused_before_any_write(d
     await rig.stub.Abort(common_pb2.AbortRequest(request_id=resv.reservation_id))
     call, acked = await _claimed_call(rig.stub, _claim(resv))
     assert not acked
-    out = await _outcome(call)
+    out = await refused(call)
     assert out.code == grpc.StatusCode.NOT_FOUND and out.detail.reason == Reason.ERROR_REASON_RESERVATION_GONE
     assert (await idle(rig.engine))["free_blocks"] == base["free_blocks"]
 
@@ -108,7 +105,7 @@ async def test_a_claim_for_another_reservations_blocks_or_pool_is_refused(decode
     ]
     for claim, code, field in cases:
         call, acked = await _claimed_call(rig.stub, claim)
-        out = await _outcome(call)
+        out = await refused(call)
         assert not acked and out.code == code and out.detail.field == field, (field, out)
     # Nothing was freed or changed: the rightful claim still works.
     call, acked = await _claimed_call(rig.stub, _claim(mine))
@@ -124,11 +121,8 @@ async def test_an_in_place_descriptor_without_a_claim_is_refused(decode_rig):
     base = await idle(rig.engine)
     resv = await reserve(rig.stub)
     call = rig.stub.PushKV()
-    await call.write(common_pb2.KVChunk(
-        request_id="r", reservation_id=resv.reservation_id, chunk_index=0, first_block=0,
-        num_pages=len(resv.block_ids), token_end=len(PROMPT), transport="shm", is_last=True,
-        layout_fingerprint=resv.layout.fingerprint, reservation_token=resv.reservation_token))
+    await call.write(_descriptor(resv))
     await call.done_writing()
-    out = await _outcome(call)
+    out = await refused(call)
     assert out.code == grpc.StatusCode.FAILED_PRECONDITION and out.detail.field == "claim"
     assert (await idle(rig.engine))["free_blocks"] == base["free_blocks"]

@@ -10,28 +10,29 @@ import grpc
 import pytest
 
 from services.common.grpc_util import Reason
-from services.common.pb import common_pb2, decode_pb2
 from services.engine.engine import LLMEngine
 from services.engine.sampling_params import InvalidRequestError, SamplingParams
-from tests.decode.kv_util import PROMPT, chunks, ecfg, generate, idle, prompt, push, reference, reserve
+from tests.decode.kv_util import (
+    PROMPT,
+    chunks,
+    delivered,
+    ecfg,
+    idle,
+    prompt,
+    push,
+    reference,
+    reserve,
+    reserved,
+    run_to_end,
+)
 
 BROKEN = "pdserve_decode_kv_streams_broken_total"
 REJECTED = "pdserve_decode_kv_chunks_rejected_total"
 
 
-async def _run(rig, resv: decode_pb2.ReserveResponse) -> list[int]:
-    tokens, reason, out = await generate(rig.stub, decode_pb2.DecodeGenerateRequest(
-        reservation_id=resv.reservation_id))
-    assert out.code == grpc.StatusCode.OK, out
-    assert reason in (common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_STOP)
-    return tokens
-
-
 async def test_push_needs_the_reservation_token_and_a_wrong_one_changes_nothing(decode_rig):
     rig = await decode_rig()
-    base = await idle(rig.engine)
-    ref = reference(PROMPT, 6)
-    resv = await reserve(rig.stub)
+    base, ref, resv = await reserved(rig)
     assert len(resv.reservation_token) == 16
     for token in (b"", bytes(16), resv.reservation_token[:-1] + bytes([resv.reservation_token[-1] ^ 1])):
         out = await push(rig.stub, chunks(resv, PROMPT, ref, token=token))
@@ -48,15 +49,13 @@ async def test_push_needs_the_reservation_token_and_a_wrong_one_changes_nothing(
     assert r is not None and r.next_chunk == 0 and not r.pages_written and not r.receiving
     # The rightful sender still completes it, and the tokens are an uninterrupted run's.
     assert (await push(rig.stub, good)).code == grpc.StatusCode.OK
-    assert await _run(rig, resv) == ref.tokens
+    assert await run_to_end(rig.stub, resv) == ref.tokens
     assert (await idle(rig.engine))["free_blocks"] == base["free_blocks"]
 
 
 async def test_huge_first_token_is_refused_and_the_engine_keeps_serving(decode_rig):
     rig = await decode_rig()
-    base = await idle(rig.engine)
-    ref = reference(PROMPT, 6)
-    resv = await reserve(rig.stub)
+    base, ref, resv = await reserved(rig)
     out = await push(rig.stub, chunks(resv, PROMPT, ref, first_token=2_000_000_000))
     assert out.code == grpc.StatusCode.INVALID_ARGUMENT and "first_token" in out.details
     assert out.detail.reason == Reason.ERROR_REASON_INVALID_INPUT and out.detail.field == "first_token"
@@ -66,17 +65,14 @@ async def test_huge_first_token_is_refused_and_the_engine_keeps_serving(decode_r
     # Nothing died: a normal request afterwards decodes the uninterrupted run's tokens.
     assert rig.engine.dead is None
     resv = await reserve(rig.stub)
-    assert (await push(rig.stub, chunks(resv, PROMPT, ref))).code == grpc.StatusCode.OK
-    assert await _run(rig, resv) == ref.tokens
+    assert await delivered(rig.stub, resv, PROMPT, ref) == ref.tokens
     assert (await idle(rig.engine))["free_blocks"] == base["free_blocks"]
 
 
 @pytest.mark.parametrize("how", ["cancelled", "closed_early"])
 async def test_broken_stream_keeps_the_reservation_for_a_fresh_stream(decode_rig, how):
     rig = await decode_rig()
-    base = await idle(rig.engine)
-    ref = reference(PROMPT, 6)
-    resv = await reserve(rig.stub)
+    base, ref, resv = await reserved(rig)
     msgs = chunks(resv, PROMPT, ref)
     r = rig.servicer.table.get(resv.reservation_id)
     assert r is not None
@@ -108,16 +104,14 @@ async def test_broken_stream_keeps_the_reservation_for_a_fresh_stream(decode_rig
     assert (await rig.engine.stats())["waiting_for_kv"] == 1
     # A retried prefill sends a fresh stream from chunk 0: same tokens as an uninterrupted run.
     assert (await push(rig.stub, msgs)).code == grpc.StatusCode.OK
-    assert await _run(rig, resv) == ref.tokens
+    assert await run_to_end(rig.stub, resv) == ref.tokens
     assert (await idle(rig.engine))["free_blocks"] == base["free_blocks"]
 
 
 async def test_lease_running_out_mid_stream_ends_the_stream_and_frees_the_blocks(decode_rig):
     rig = await decode_rig()
-    base = await idle(rig.engine)
     ids = prompt(3)
-    ref = reference(ids, 4)
-    resv = await reserve(rig.stub, ids, lease_ms=400)
+    base, ref, resv = await reserved(rig, ids, 4, lease_ms=400)
     msgs = chunks(resv, ids, ref)
     hold = asyncio.Event()
 

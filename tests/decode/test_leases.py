@@ -10,7 +10,19 @@ import grpc
 
 from services.common.grpc_util import Reason
 from services.common.pb import common_pb2, decode_pb2
-from tests.decode.kv_util import PROMPT, chunks, generate, idle, prompt, push, reference, refused, reserve
+from tests.decode.kv_util import (
+    PROMPT,
+    chunks,
+    generate,
+    idle,
+    prompt,
+    push,
+    reference,
+    refused,
+    reserve,
+    reserved,
+    slow_steps,
+)
 
 HUGE = 4294967295  # the largest uint32 lease_ms: ~50 days
 
@@ -48,9 +60,7 @@ async def test_huge_leases_cannot_starve_others_after_expiry(decode_rig):
 
 async def test_renew_lease_needs_the_token_and_extends_a_live_reservation(decode_rig):
     rig = await decode_rig(lease_ms=1_000, max_lease_ms=5_000)
-    base = await idle(rig.engine)
-    ref = reference(PROMPT, 6)
-    resv = await reserve(rig.stub, lease_ms=500)
+    base, ref, resv = await reserved(rig, lease_ms=500)
     renew = rig.stub.RenewLease
     out = await refused(renew(decode_pb2.RenewLeaseRequest(reservation_id=resv.reservation_id,
                                                            reservation_token=bytes(16), lease_ms=3_000)))
@@ -90,14 +100,7 @@ async def test_a_request_past_its_deadline_is_stopped_and_freed(decode_rig, monk
     assert out.code == grpc.StatusCode.DEADLINE_EXCEEDED and out.detail.reason == Reason.ERROR_REASON_DEADLINE
     ids = prompt(5)
     ref = reference(ids, 4)
-    eng = rig.engine.engine
-    step = eng.step
-
-    def slow_step():
-        time.sleep(0.05)
-        return step()
-
-    monkeypatch.setattr(eng, "step", slow_step)
+    slow_steps(monkeypatch, rig.engine.engine, lambda: time.sleep(0.05))
     resv = await reserve(rig.stub, ids, max_tokens=500, ignore_eos=True, deadline_unix=time.time() + 1.0)
     assert (await push(rig.stub, chunks(resv, ids, ref))).code == grpc.StatusCode.OK
     tokens, _, out = await generate(rig.stub, decode_pb2.DecodeGenerateRequest(reservation_id=resv.reservation_id))
@@ -108,10 +111,8 @@ async def test_a_request_past_its_deadline_is_stopped_and_freed(decode_rig, monk
 
 async def test_landed_kv_that_no_generate_picks_up_is_freed_after_another_lease(decode_rig):
     rig = await decode_rig()
-    base = await idle(rig.engine)
     ids = prompt(6)
-    ref = reference(ids, 4)
-    resv = await reserve(rig.stub, ids, max_tokens=4, lease_ms=500)
+    base, ref, resv = await reserved(rig, ids, 4, lease_ms=500)
     assert (await push(rig.stub, chunks(resv, ids, ref))).code == grpc.StatusCode.OK
     r = rig.servicer.table.get(resv.reservation_id)
     assert r is not None and r.complete and r.lease is not None  # now waiting to be picked up

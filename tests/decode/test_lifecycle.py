@@ -16,7 +16,18 @@ from services.common.grpc_util import Reason
 from services.common.pb import common_pb2, decode_pb2
 from services.decode.config import DecodeConfig
 from services.worker.engine_service import EXIT_ENGINE_DEAD, EngineDiedError, service_main
-from tests.decode.kv_util import PROMPT, chunks, generate, idle, prompt, push, reference, refused, reserve
+from tests.decode.kv_util import (
+    PROMPT,
+    chunks,
+    generate,
+    idle,
+    prompt,
+    push,
+    reference,
+    refused,
+    reserve,
+    slow_steps,
+)
 
 P = common_pb2.SamplingParams
 
@@ -24,13 +35,7 @@ P = common_pb2.SamplingParams
 def _gate_steps(monkeypatch, engine) -> threading.Event:
     """Every engine step waits for the returned event (at most 30 s): a step that takes 'seconds'."""
     gate = threading.Event()
-    step = engine.engine.step
-
-    def slow_step():
-        gate.wait(30)
-        return step()
-
-    monkeypatch.setattr(engine.engine, "step", slow_step)
+    slow_steps(monkeypatch, engine.engine, lambda: gate.wait(30))
     return gate
 
 
@@ -100,14 +105,7 @@ def test_service_main_exits_non_zero_when_the_engine_died():
 async def test_drain_finishes_in_flight_generations_and_refuses_new_work(decode_service, monkeypatch):
     svc = await decode_service(mode="colocated", drain_timeout_s=30.0)
     ref = reference(PROMPT, 6)
-    eng = svc.engine.engine
-    step = eng.step
-
-    def slow_step():
-        time.sleep(0.02)
-        return step()
-
-    monkeypatch.setattr(eng, "step", slow_step)
+    slow_steps(monkeypatch, svc.engine.engine, lambda: time.sleep(0.02))
     # A colocated generation and a reservation (Generate open, KV not yet sent) are in flight.
     colocated = asyncio.create_task(generate(svc.stub, decode_pb2.DecodeGenerateRequest(
         request_id="c", token_ids=prompt(4), params=P(max_tokens=40, temperature=0, ignore_eos=True))))
