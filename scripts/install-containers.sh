@@ -6,14 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-SUDO=""
-[ "$(id -u)" -eq 0 ] || SUDO="sudo"
-pkgs=()
-command -v podman >/dev/null 2>&1 || pkgs+=(podman)
-command -v runc >/dev/null 2>&1 || pkgs+=(runc)
-command -v debootstrap >/dev/null 2>&1 || pkgs+=(debootstrap)
-if [ ${#pkgs[@]} -gt 0 ]; then
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${pkgs[@]}"
-fi
+. scripts/apt-missing.sh
+need podman podman
+need runc runc
+need debootstrap debootstrap
+install_missing
 $SUDO bash scripts/make-base-image.sh

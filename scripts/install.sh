@@ -5,19 +5,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-SUDO=""
-[ "$(id -u)" -eq 0 ] || SUDO="sudo"
-apt_pkgs=()
-command -v prometheus >/dev/null 2>&1 || apt_pkgs+=(prometheus)
-[ -e /usr/lib/x86_64-linux-gnu/libibverbs.so.1 ] || apt_pkgs+=(libibverbs1)
-command -v kubectl >/dev/null 2>&1 || apt_pkgs+=(kubectl)
-if [ ${#apt_pkgs[@]} -gt 0 ]; then
-  $SUDO apt-get update -qq
-  # kubectl is not in every Debian release; the rest must install.
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${apt_pkgs[@]}" \
-    || DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
-         "${apt_pkgs[@]/kubectl}"
-fi
+. scripts/apt-missing.sh
+need prometheus prometheus
+need libibverbs1 /usr/lib/x86_64-linux-gnu/libibverbs.so.1
+need kubectl kubectl
+install_missing kubectl  # kubectl is not in every Debian release; the rest must install
 
 PIP="python3 -m pip install -q --disable-pip-version-check"
 # The CPU build of torch: an unpinned torch would pull a multi-GB CUDA build.
