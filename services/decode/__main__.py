@@ -8,8 +8,8 @@ import sys
 import prometheus_client
 
 from services.common.metrics import DecodeMetrics
-from services.common.pb import decode_pb2_grpc
 from services.decode.config import DecodeConfig
+from services.decode.pushkv_wire import add_decode_servicer
 from services.decode.servicer import DecodeServicer
 from services.worker.engine_service import EngineService, service_main
 
@@ -28,7 +28,7 @@ async def amain(cfg: DecodeConfig, ecfg) -> None:
 
     service.on_stats.append(gauges)
     service.on_close.append(servicer.close)
-    await service.run(servicer, decode_pb2_grpc.add_DecodeServicer_to_server)
+    await service.run(servicer, add_decode_servicer)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,6 +46,7 @@ from services.engine.kv_layout import FP8_CODEC, PageLayout, checksum
 from services.engine.kv_pages import KVPages, pages_of
 from services.engine.kv_transport import mooncake
 from services.engine.kv_transport.base import KVPoll, OnClaimed
+from services.engine.kv_transport.grpc_wire import WireChunk
 from services.engine.kv_transport.mooncake_staged import HostLanding
 from services.engine.shared_kv import SharedKVAttachError, pool_id
 
@@ -56,8 +57,6 @@ _CODEC = {common_pb2.KV_CODEC_FP8_E4M3: FP8_CODEC}
 
 _END = object()
 log = logging.getLogger(__name__)
-
-
 def offered_pool(pages: KVPages, mooncake_host: str) -> decode_pb2.KVDestination | None:
     """The pool this decode offers side transports: registered with Mooncake when ``mooncake_host`` is
     set (any host may write; a device pool through a pinned host landing area, kv_transport/mooncake_staged),
@@ -181,7 +180,7 @@ class DecodeKVReceiver:
                                f"not reservation {r.reservation_id}'s", "claim", Reason.ERROR_REASON_PERMISSION,
                                frees=False, field="claim.dest_block_ids")
 
-    def _check(self, r: Reservation, c: common_pb2.KVChunk, claimed: bool, payload: bytes
+    def _check(self, r: Reservation, c: common_pb2.KVChunk, claimed: bool, payload: bytes | memoryview
                ) -> tuple[list[int], PageLayout]:
         """Validate one chunk (``payload``: its payload, read once) against its reservation (``claimed``: the
         stream began with an accepted claim); returns the destination block ids and the layout the chunk's
@@ -247,8 +246,8 @@ class DecodeKVReceiver:
                                Reason.ERROR_REASON_LAYOUT_MISMATCH, field="layout_fingerprint")
         return r.block_ids[first:first + n], layout
 
-    def _verify_and_write(self, c: common_pb2.KVChunk, payload: bytes, block_ids: list[int], layout: PageLayout
-                          ) -> None:
+    def _verify_and_write(self, c: common_pb2.KVChunk, payload: bytes | memoryview, block_ids: list[int],
+                          layout: PageLayout) -> None:
         """Worker thread: checksum, then copy the pages into the cache (both release the GIL)."""
         got = checksum(payload)
         if got != c.checksum:
@@ -267,7 +266,15 @@ class DecodeKVReceiver:
         else:
             self.pages.import_pages(block_ids, flat.view(len(block_ids), *self._page_shape))
 
-    async def _next(self, it: AsyncIterator[common_pb2.KVChunk], r: Reservation | None,
+    def _unwrap(self, m: common_pb2.KVChunk | WireChunk) -> tuple[common_pb2.KVChunk, bytes | memoryview]:
+        """A message's header and payload (a view for a header-only parsed one; malformed: refused)."""
+        if isinstance(m, WireChunk):
+            if m.error:
+                raise self._reject(grpc.StatusCode.INVALID_ARGUMENT, f"PushKV message: {m.error}", "malformed")
+            return m.header, m.payload
+        return m, m.payload  # read once: every read of a bytes field copies it (upb)
+
+    async def _next(self, it: AsyncIterator[common_pb2.KVChunk | WireChunk], r: Reservation | None,
                     gone: asyncio.Future | None) -> common_pb2.KVChunk | object:
         """The next chunk, or _END; raises the gone rejection if the reservation ends while we wait."""
         if r is None or gone is None:
@@ -280,7 +287,7 @@ class DecodeKVReceiver:
             raise _gone(r)
         return nxt.result()
 
-    async def receive(self, chunks: AsyncIterator[common_pb2.KVChunk],
+    async def receive(self, chunks: AsyncIterator[common_pb2.KVChunk | WireChunk],
                       on_claimed: OnClaimed | None = None) -> decode_pb2.PushKVResponse:
         r: Reservation | None = None
         received = 0
@@ -295,7 +302,8 @@ class DecodeKVReceiver:
                 c = await self._next(it, r, None if claimed else gone)
                 if c is _END:
                     break
-                assert isinstance(c, common_pb2.KVChunk)
+                assert isinstance(c, common_pb2.KVChunk | WireChunk)
+                c, payload = self._unwrap(c)
                 if r is None:
                     r = self._open(c)
                     if c.HasField("claim"):
@@ -315,7 +323,6 @@ class DecodeKVReceiver:
                 if c.HasField("claim"):
                     raise self._reject(grpc.StatusCode.INVALID_ARGUMENT, "claim: only a stream's first message "
                                        "may claim the reservation", "order", field="claim")
-                payload = c.payload  # read once: every read of a bytes field copies it (upb)
                 block_ids, layout = self._check(r, c, claimed, payload)
                 if pending is not None:
                     await pending

@@ -17,6 +17,7 @@ from services.common.grpc_util import wait_for_serving
 from services.common.metrics import DecodeMetrics
 from services.common.pb import common_pb2_grpc, decode_pb2_grpc
 from services.decode.config import DecodeConfig
+from services.decode.pushkv_wire import add_decode_servicer
 from services.decode.servicer import DecodeServicer
 from services.engine.async_engine import AsyncEngine
 from services.worker.engine_service import EngineDiedError, EngineService
@@ -51,7 +52,7 @@ async def decode_rig() -> AsyncIterator[Callable[..., Awaitable[Rig]]]:
         servicer = DecodeServicer(DecodeConfig(**{**SERVER, **cfg}), DecodeMetrics(registry), asyncio.Event())
         servicer.bind(await asyncio.to_thread(AsyncEngine, ecfg(**(engine or {}))))
         server = grpc.aio.server()
-        decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
+        add_decode_servicer(servicer, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
@@ -99,7 +100,7 @@ async def decode_service() -> AsyncIterator[Callable[..., Awaitable[Service]]]:
         registry = CollectorRegistry()
         svc = EngineService("decode", config, ecfg())
         servicer = DecodeServicer(config, DecodeMetrics(registry), asyncio.Event())
-        task = asyncio.create_task(svc.run(servicer, decode_pb2_grpc.add_DecodeServicer_to_server))
+        task = asyncio.create_task(svc.run(servicer, add_decode_servicer))
         for _ in range(200):
             if svc.server is not None and svc.server.grpc_port:
                 break

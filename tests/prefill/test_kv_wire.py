@@ -7,7 +7,8 @@ import os
 import pytest
 
 from services.common.pb import common_pb2, decode_pb2
-from services.engine.kv_transport.grpc_stream import _varint, serialize
+from services.engine.kv_transport.grpc_wire import serialize
+from services.engine.kv_transport.grpc_wire import varint as _varint
 from services.engine.kv_transport.mooncake import check_pool
 from services.engine.shared_kv import SharedKVAttachError, pool_id
 

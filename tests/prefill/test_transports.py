@@ -18,6 +18,7 @@ from services.common.grpc_util import Reason, detail_of
 from services.common.metrics import DecodeMetrics, PrefillMetrics
 from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from services.decode.config import DecodeConfig
+from services.decode.pushkv_wire import add_decode_servicer
 from services.decode.servicer import DecodeServicer
 from services.engine.async_engine import AsyncEngine
 from services.engine.config import EngineConfig
@@ -66,7 +67,7 @@ async def pair() -> AsyncIterator:
         decode = DecodeServicer(DecodeConfig(kv_mooncake_host="127.0.0.1" if transport == "mooncake" else ""),
                                 DecodeMetrics(CollectorRegistry()), asyncio.Event())
         decode.bind(await asyncio.to_thread(AsyncEngine, dataclasses.replace(ENGINE, kv_cache_shared=transport == "shm")))
-        dserver, daddr = await _serve(decode, decode_pb2_grpc.add_DecodeServicer_to_server)
+        dserver, daddr = await _serve(decode, add_decode_servicer)
         registry = CollectorRegistry()
         prefill = PrefillServicer(PrefillConfig(kv_transport=transport, slowdown_ms_per_chunk=slowdown_ms),
                                   PrefillMetrics(registry), GrpcStreamTransport(), asyncio.Event())

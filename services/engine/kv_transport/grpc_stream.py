@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -21,37 +24,17 @@ from services.common.grpc_util import DEFAULT_MAX_MESSAGE_BYTES, create_channel,
 from services.common.pb import common_pb2, decode_pb2
 from services.common.tls import TLSConfig
 from services.engine.kv_transport.base import CLAIM_ACK, KVPoll, KVSender, KVTransport, TransferError
+from services.engine.kv_transport.grpc_wire import serialize
 
 PUSH_KV = "/pdserve.v1.Decode/PushKV"
-_PAYLOAD_TAG = bytes([(10 << 3) | 2])
-"""KVChunk.payload: field 10, wire type 2 (length-delimited)."""
 CHANNELS_PER_PEER = 2
 """Default TCP connections kept to each decode (concurrent requests' streams take turns on them)."""
+MAX_PEERS = 64
+"""Default decodes whose channels are kept open at once; the least recently used one beyond it is
+closed (once the streams on it have ended)."""
 IN_FLIGHT = 4
 """Messages queued for the writer task at once (bounds host memory held by unsent chunks)."""
 _END = object()
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-
-def serialize(msg: common_pb2.KVChunk | tuple[common_pb2.KVChunk, memoryview | bytes]) -> bytes:
-    """A KVChunk, or (header, payload): the header's bytes then the payload field, in one copy."""
-    if isinstance(msg, common_pb2.KVChunk):
-        return msg.SerializeToString()
-    header, payload = msg
-    if not len(payload):
-        return header.SerializeToString()
-    return b"".join((header.SerializeToString(), _PAYLOAD_TAG, _varint(len(payload)), payload))
 
 
 def _refused(e: grpc.aio.AioRpcError) -> TransferError:
@@ -85,6 +68,10 @@ class _GrpcSender(KVSender):
             if msg is _END:
                 return
             yield msg
+
+    def on_call_done(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` once when the PushKV call ends, however it ends."""
+        self._call.add_done_callback(lambda _call: fn())
 
     async def _watch(self) -> None:
         """Ends when the call does (decode answered, refused, or the connection broke)."""
@@ -151,27 +138,68 @@ class _GrpcSender(KVSender):
             await self._watcher
 
 
+@dataclass(eq=False)
+class _Peer:
+    """The channels kept to one decode."""
+
+    channels: list[grpc.aio.Channel] = field(default_factory=list)
+    turn: int = 0
+    streams: int = 0
+    """PushKV calls open on these channels (count)."""
+    evicted: bool = False
+
+
 class GrpcStreamTransport(KVTransport):
     """``tls``: the service's TLSConfig when mTLS is on (channels present its certificate), else None.
     ``channels_per_peer``: TCP connections kept to each decode; requests' streams take turns on them, so
-    concurrent transfers are not serialized on one connection."""
+    concurrent transfers are not serialized on one connection. ``max_peers``: decodes whose channels are
+    kept (least recently used first out); an evicted decode's channels close once their last stream
+    ends, and close() closes every channel this transport opened."""
 
     name = "grpc"
 
     def __init__(self, metadata: tuple[tuple[str, str], ...] = (), tls: TLSConfig | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, channels_per_peer: int = CHANNELS_PER_PEER
-                 ) -> None:
-        self._channels: dict[str, list[grpc.aio.Channel]] = {}
-        self._turn: dict[str, int] = {}
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, channels_per_peer: int = CHANNELS_PER_PEER,
+                 max_peers: int = MAX_PEERS) -> None:
+        self._peers: OrderedDict[str, _Peer] = OrderedDict()
+        self._evicted: set[_Peer] = set()
+        """Evicted peers whose streams have not all ended yet."""
+        self._closing: set[asyncio.Task] = set()
         self._metadata = metadata
         self._tls = tls
         self._max_message_bytes = max_message_bytes
         self._per_peer = max(1, channels_per_peer)
+        self._max_peers = max(1, max_peers)
 
-    def channel(self, address: str) -> grpc.aio.Channel:
-        chans = self._channels.setdefault(address, [])
-        turn = self._turn.get(address, 0)
-        self._turn[address] = turn + 1
+    def _peer(self, address: str) -> _Peer:
+        peer = self._peers.get(address)
+        if peer is not None:
+            self._peers.move_to_end(address)
+            return peer
+        peer = self._peers[address] = _Peer()
+        while len(self._peers) > self._max_peers:
+            _, old = self._peers.popitem(last=False)
+            old.evicted = True
+            if old.streams:
+                self._evicted.add(old)
+            else:
+                self._close_later(old)
+        return peer
+
+    def _close_later(self, peer: _Peer) -> None:
+        task = asyncio.ensure_future(asyncio.gather(*(ch.close() for ch in peer.channels)))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    def _stream_ended(self, peer: _Peer) -> None:
+        peer.streams -= 1
+        if peer.evicted and not peer.streams and peer in self._evicted:
+            self._evicted.discard(peer)
+            self._close_later(peer)
+
+    def _channel(self, peer: _Peer, address: str) -> grpc.aio.Channel:
+        turn, chans = peer.turn, peer.channels
+        peer.turn += 1
         if len(chans) < self._per_peer:
             # A distinct channel argument keeps gRPC from sharing one subchannel (connection) among them.
             chans.append(create_channel(address, tls=self._tls, max_message_bytes=self._max_message_bytes,
@@ -179,11 +207,29 @@ class GrpcStreamTransport(KVTransport):
             return chans[-1]
         return chans[turn % len(chans)]
 
+    def channel(self, address: str) -> grpc.aio.Channel:
+        """A channel to ``address`` (the decode moves to the most recently used end of the cache)."""
+        return self._channel(self._peer(address), address)
+
+    @property
+    def open_peers(self) -> list[str]:
+        """Addresses whose channels are kept, least recently used first."""
+        return list(self._peers)
+
     def open(self, decode_address: str, request_id: str, metadata: tuple[tuple[str, str], ...] = ()) -> KVSender:
-        return _GrpcSender(self.channel(decode_address), (*self._metadata, *metadata))
+        peer = self._peer(decode_address)
+        sender = _GrpcSender(self._channel(peer, decode_address), (*self._metadata, *metadata))
+        peer.streams += 1
+        sender.on_call_done(lambda: self._stream_ended(peer))
+        return sender
 
     async def close(self) -> None:
-        for chans in self._channels.values():
-            for ch in chans:
-                await ch.close()
-        self._channels.clear()
+        peers = [*self._peers.values(), *self._evicted]
+        self._peers.clear()
+        self._evicted.clear()
+        for peer in peers:
+            peer.evicted = True
+            self._close_later(peer)
+        tasks = list(self._closing)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._closing.difference_update(tasks)

@@ -1,0 +1,136 @@
+"""KVChunk on the wire with its page bytes left where they lie: written from a memoryview by prefill
+(``serialize``), read as a memoryview by decode (``parse_chunk``).
+
+Protobuf allows fields in any order and, for a repeated scalar field such as ``payload``, the last
+occurrence wins. So a KVChunk is its header (every field but ``payload``, parsed by protobuf) plus the
+payload field, written or found by hand:
+
+  * prefill: header bytes, then tag 10 / length / payload copied once from the page tensor's memoryview;
+  * decode: the top-level fields are walked (tags and lengths only, no copy of the payload); every
+    payload field is cut out, the rest (a few hundred bytes) is parsed by protobuf, and the payload is a
+    memoryview into the received message bytes (the last occurrence, as protobuf would keep). The pages
+    are then copied once from that view into the KV pool.
+
+A message that is not valid protobuf wire format (a truncated varint or length, a field running past
+the end, a group or reserved wire type, field number 0) parses to a WireChunk whose ``error`` says why,
+never an exception: the receiver answers it with INVALID_ARGUMENT like any other bad chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from google.protobuf.message import DecodeError
+
+from services.common.pb import common_pb2
+
+PAYLOAD_FIELD = 10
+PAYLOAD_TAG = bytes([(PAYLOAD_FIELD << 3) | 2])
+"""KVChunk.payload: field 10, wire type 2 (length-delimited)."""
+_MAX_VARINT_BYTES = 10
+
+
+def varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def serialize(msg: common_pb2.KVChunk | tuple[common_pb2.KVChunk, memoryview | bytes]) -> bytes:
+    """A KVChunk, or (header, payload): the header's bytes then the payload field, in one copy."""
+    if isinstance(msg, common_pb2.KVChunk):
+        return msg.SerializeToString()
+    header, payload = msg
+    if not len(payload):
+        return header.SerializeToString()
+    return b"".join((header.SerializeToString(), PAYLOAD_TAG, varint(len(payload)), payload))
+
+
+@dataclass(frozen=True)
+class WireChunk:
+    """A PushKV message as decode's request deserializer leaves it."""
+
+    header: common_pb2.KVChunk
+    """Every field but payload (empty when ``error`` is set)."""
+    payload: memoryview
+    """The payload bytes: a read-only view into the received message (no copy)."""
+    error: str = ""
+    """Why the message is not a valid KVChunk; empty when it is."""
+
+    @property
+    def transport(self) -> str:
+        return self.header.transport
+
+
+def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
+    """(value, position after it); ValueError when the varint is truncated or longer than 10 bytes."""
+    value = shift = 0
+    end = min(len(data), pos + _MAX_VARINT_BYTES)
+    while pos < end:
+        b = data[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return value, pos
+        shift += 7
+    raise ValueError(f"truncated or overlong varint at byte {pos}")
+
+
+def _payload_spans(data: bytes) -> list[tuple[int, int, int]]:
+    """(field start, value start, value end) of every top-level payload field; ValueError when ``data``
+    is not protobuf wire format (fields are walked by tag and length only)."""
+    spans: list[tuple[int, int, int]] = []
+    pos, n = 0, len(data)
+    while pos < n:
+        start = pos
+        tag, pos = _read_varint(data, pos)
+        field, wire_type = tag >> 3, tag & 7
+        if field == 0:
+            raise ValueError(f"field number 0 at byte {start}")
+        if wire_type == 0:
+            _, pos = _read_varint(data, pos)
+        elif wire_type == 1:
+            pos += 8
+        elif wire_type == 5:
+            pos += 4
+        elif wire_type == 2:
+            length, pos = _read_varint(data, pos)
+            if field == PAYLOAD_FIELD:
+                spans.append((start, pos, pos + length))
+            pos += length
+        else:
+            raise ValueError(f"field {field}: wire type {wire_type} (groups/reserved) at byte {start}")
+        if pos > n:
+            raise ValueError(f"field {field} at byte {start} runs past the end of the {n}-byte message")
+    return spans
+
+
+def parse_chunk(data: bytes) -> WireChunk:
+    """PushKV's request deserializer on decode: the header parsed, the payload a view (see module doc)."""
+    view = memoryview(data)
+    try:
+        spans = _payload_spans(data)
+    except ValueError as e:
+        return WireChunk(common_pb2.KVChunk(), view[:0], f"not a KVChunk message ({len(data)} bytes): {e}")
+    if not spans:
+        header_bytes = data
+        payload = view[:0]
+    else:
+        kept, prev = [], 0
+        for start, _, end in spans:
+            kept.append(view[prev:start])
+            prev = end
+        kept.append(view[prev:])
+        header_bytes = b"".join(kept)
+        payload = view[spans[-1][1]:spans[-1][2]]
+    try:
+        header = common_pb2.KVChunk.FromString(header_bytes)
+    except DecodeError as e:
+        return WireChunk(common_pb2.KVChunk(), view[:0], f"not a KVChunk message ({len(data)} bytes): {e}")
+    return WireChunk(header, payload)
