@@ -35,7 +35,7 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         arch = loaded.arch
         self.num_layers = arch.num_layers
-        self.num_kv_heads = arch.num_kv_heads
+        self.num_kv_heads = loaded.model.tp_split.local_kv_heads  # this rank's KV shard (all heads at TP=1)
         self.head_dim = arch.head_dim
         self.block_size = config.block_size
         self.num_blocks = config.resolve_num_blocks(self.bytes_per_block)

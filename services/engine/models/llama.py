@@ -22,6 +22,16 @@ from torch import nn
 from services.engine.attention import ForwardContext
 from services.engine.models.config import ModelArchConfig
 from services.engine.models.rope import RotaryEmbedding
+from services.engine.parallel.layers import (
+    LogitsGather,
+    column_linear,
+    head_split,
+    lm_head,
+    local_intermediate,
+    row_linear,
+    vocab_embedding,
+)
+from services.engine.parallel.weights import shard_weights
 
 
 class RMSNorm(nn.Module):
@@ -43,11 +53,12 @@ class Attention(nn.Module):
     def __init__(self, arch: ModelArchConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        split = head_split(arch)  # this rank's heads under tensor parallelism; all of them at TP=1
+        self.num_heads, self.num_kv_heads, self.head_dim = split.local_heads, split.local_kv_heads, arch.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        self.qkv_proj = column_linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
+        self.o_proj = row_linear(self.q_size, arch.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
 
@@ -86,9 +97,9 @@ class MLP(nn.Module):
 
     def __init__(self, hidden: int, inter: int) -> None:
         super().__init__()
-        self.inter = inter
-        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.inter = local_intermediate(inter)
+        self.gate_up_proj = column_linear(hidden, 2 * self.inter, bias=False)
+        self.down_proj = row_linear(self.inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
@@ -135,7 +146,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, arch: ModelArchConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens = vocab_embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -157,8 +168,9 @@ class LlamaForCausalLM(nn.Module):
         self.model = DecoderModel(arch)
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling,
                                       arch.max_position_embeddings)
-        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(
-            arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head = None if arch.tie_word_embeddings else lm_head(arch.hidden_size, arch.vocab_size)
+        self.tp_split = head_split(arch)
+        self.gather_logits = LogitsGather(arch.vocab_size)  # identity at TP=1
         #: Fused Triton path: None = automatic (CUDA tensors and triton installed); True/False forces it
         #: (True on CPU needs TRITON_INTERPRET=1; tests use it to run the GPU path at tiny shapes).
         self.fused_kernels: bool | None = None
@@ -198,15 +210,15 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.gather_logits(F.linear(hidden, weight).float())
 
     def _shard_rows(self, fused: str, shard: int) -> tuple[int, int]:
         """Row range [start, end) of shard `shard` inside fused parameter kind `fused`."""
-        a = self.arch
+        a, split = self.arch, self.tp_split
         if fused == ".qkv_proj.":
-            q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+            q, kv = split.local_heads * a.head_dim, split.local_kv_heads * a.head_dim
             return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][shard]
-        inter = a.intermediate_size
+        inter = a.intermediate_size // split.tp_size
         return (shard * inter, (shard + 1) * inter)
 
     @torch.no_grad()
@@ -216,6 +228,7 @@ class LlamaForCausalLM(nn.Module):
         Raises ValueError for an unknown name, a shape mismatch, or parameters left unset.
         Returns the set of HF names loaded.
         """
+        weights = shard_weights(weights, self.arch, self.tp_split)  # this rank's slices (all at TP=1)
         params = dict(self.named_parameters())
         expected: set[tuple[str, int]] = set()
         for name in params:
