@@ -19,6 +19,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -496,23 +497,24 @@ def main() -> int:
     for k in res.get("fused_kernels") or []:
         print(f"{k['kernel']:<20} T={k['tokens']:<6} triton {k['triton_us']:8.1f} us  torch {k['torch_ref_us']:8.1f} us"
               f"  {k['GBps']:6.0f} GB/s ({k['fraction_of_copy']:.2f} of copy)")
-    p = res.get("prefill")
-    if p:
-        print(f"prefill {p['tokens']} tok: {p['step_ms']:.1f} ms, {p['TFLOPs']:.0f} TFLOP/s, "
-              f"{p['fraction_of_matmul']:.2f} of matmul")
-    o, h = res.get("throughput_ours"), res.get("throughput_hf")
-    if o:
-        print(f"throughput ours: {o['tokens_per_s']:.0f} tok/s ({o['output_tokens']} tokens, {o['seconds']:.2f}s)")
-    if h:
-        print(f"throughput transformers: {fmt(h.get('tokens_per_s'), 0)} tok/s ({h.get('config')}) "
-              f"errors={h.get('errors')}")
-    if "throughput_speedup" in res:
-        print(f"speedup {res['throughput_speedup']:.2f}x  token agreement {fmt(res['throughput_token_agreement_mean'])}"
-              f"  first-token agreement {fmt(res['throughput_first_token_agreement'])}")
-    g = res.get("gpu_vs_cpu")
-    if g:
-        print(f"gpu(bf16) vs cpu(fp32) {g['model']}: max|dlogit| {g['max_abs_diff']:.4f}, rel_l2 {g['rel_l2']:.4f}, "
-              f"rows {[(r['prompt_len'], r['teacher_forced_argmax_match'], r['free_running_identical_prefix']) for r in g['rows']]}")
+    # One line per section present in the results: key -> its line.
+    lines: dict[str, Callable[[Any], str]] = {
+        "prefill": lambda p: f"prefill {p['tokens']} tok: {p['step_ms']:.1f} ms, {p['TFLOPs']:.0f} TFLOP/s, "
+                             f"{p['fraction_of_matmul']:.2f} of matmul",
+        "throughput_ours": lambda o: f"throughput ours: {o['tokens_per_s']:.0f} tok/s ({o['output_tokens']} tokens, "
+                                     f"{o['seconds']:.2f}s)",
+        "throughput_hf": lambda h: f"throughput transformers: {fmt(h.get('tokens_per_s'), 0)} tok/s "
+                                   f"({h.get('config')}) errors={h.get('errors')}",
+        "throughput_speedup": lambda x: f"speedup {x:.2f}x  token agreement "
+                                        f"{fmt(res['throughput_token_agreement_mean'])}  first-token agreement "
+                                        f"{fmt(res['throughput_first_token_agreement'])}",
+        "gpu_vs_cpu": lambda g: f"gpu(bf16) vs cpu(fp32) {g['model']}: max|dlogit| {g['max_abs_diff']:.4f}, "
+                                f"rel_l2 {g['rel_l2']:.4f}, rows "
+                                f"{[(r['prompt_len'], r['teacher_forced_argmax_match'], r['free_running_identical_prefix']) for r in g['rows']]}",
+    }
+    for key, line in lines.items():
+        if res.get(key):
+            print(line(res[key]))
     if res["errors"]:
         print(f"ERRORS: {res['errors']}")
     return 1 if res["errors"] else 0

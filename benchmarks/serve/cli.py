@@ -38,6 +38,12 @@ def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _failed(prog: str, e: Exception) -> int:
+    """Say why on stderr; exit 1 when a deployment failed, 2 for a bad flag, recipe or trace."""
+    print(f"{prog}: {e}", file=sys.stderr)
+    return 1 if isinstance(e, DeployError) else 2
+
+
 def _parser(prog: str, ab: bool) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     if ab:
@@ -139,12 +145,8 @@ def serve_main(argv: list[str]) -> int:
             sides.append(Side(ref, f"reference `{t.reference_url}`"))
             comparison["token_agreement"] = {f"{label} vs reference": accuracy.token_agreement(
                 sides[0].sweep.results[0], ref.results[0])}
-    except (ConfigError, RecipeError, TraceError, FileNotFoundError) as e:
-        print(f"pdserve bench serve: {e}", file=sys.stderr)
-        return 2
-    except DeployError as e:
-        print(f"pdserve bench serve: {e}", file=sys.stderr)
-        return 1
+    except (ConfigError, RecipeError, TraceError, FileNotFoundError, DeployError) as e:
+        return _failed("pdserve bench serve", e)
     report = Report(f"pdserve bench serve: {label}", command, _workload_info(w, load, rep), sides,
                     note=rep.note, host_before=host, comparison=comparison)
     return _finish(rep, report)
@@ -165,12 +167,8 @@ def ab_main(argv: list[str]) -> int:
         for r in (a, b):
             sweep = _sweep_recipe(r, t, w, load, rep, r.name)
             sides.append(Side(sweep, f"recipe `{r.path}` ({r.description or r.name}): {r.deployment.describe()}"))
-    except (ConfigError, RecipeError, TraceError, FileNotFoundError) as e:
-        print(f"pdserve bench ab: {e}", file=sys.stderr)
-        return 2
-    except DeployError as e:
-        print(f"pdserve bench ab: {e}", file=sys.stderr)
-        return 1
+    except (ConfigError, RecipeError, TraceError, FileNotFoundError, DeployError) as e:
+        return _failed("pdserve bench ab", e)
     comparison: dict[str, Any] = {}
     if w.workload == "accuracy":
         comparison["token_agreement"] = {

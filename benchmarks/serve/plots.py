@@ -18,6 +18,14 @@ def _plt() -> Any:
     return plt
 
 
+def _save(fig: Any, path: Path) -> Path:
+    """Lay ``fig`` out, write it to ``path`` (110 dpi) and free it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _plt().close(fig)
+    return path
+
+
 def _x(s: dict[str, Any]) -> float:
     p = s["point"]
     return p["rate"] if p["rate"] > 0 else p["concurrency"]
@@ -60,10 +68,7 @@ def vs_load(sweeps: list[SweepResult], path: Path) -> Path:
         ax.minorticks_off()
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def cdfs(sweeps: list[SweepResult], path: Path) -> Path:
@@ -84,10 +89,7 @@ def cdfs(sweeps: list[SweepResult], path: Path) -> Path:
         ax.set_ylabel("fraction of requests")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def ab_bars(a: SweepResult, b: SweepResult, path: Path) -> Path:
@@ -110,10 +112,7 @@ def ab_bars(a: SweepResult, b: SweepResult, path: Path) -> Path:
         ax.set_title(title)
         ax.grid(True, axis="y", alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def write_all(sweeps: list[SweepResult], out: Path) -> list[Path]:

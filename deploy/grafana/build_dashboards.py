@@ -91,6 +91,11 @@ def p50_p99(hist: str, label: str = "") -> list[Target]:
     return [Target(quantile(0.5, hist), f"{prefix}p50"), Target(quantile(0.99, hist), f"{prefix}p99")]
 
 
+def latency(title: str, hist: str) -> Panel:
+    """p50 and p99 of histogram ``hist`` (seconds), described by its metric's help text."""
+    return Panel(title, p50_p99(hist), unit="s", description=m.SPECS_BY_NAME[hist].help)
+
+
 # --- dashboards ----------------------------------------------------------------------------------
 
 def overview_rows() -> list[Row]:
@@ -114,12 +119,9 @@ def overview_rows() -> list[Row]:
                                                 "{{instance}}")]),
         ]),
         Row("Client latency", [
-            Panel("Client TTFT", p50_p99(m.ROUTER_TTFT_SECONDS), unit="s",
-                  description="Request arrives at the router -> first token sent to the client."),
-            Panel("Inter-token latency (ITL)", p50_p99(m.ROUTER_ITL_SECONDS), unit="s",
-                  description="Gap between consecutive streamed tokens, as the client sees it."),
-            Panel("End-to-end latency", p50_p99(m.ROUTER_E2E_SECONDS), unit="s",
-                  description="Request arrives at the router -> last token sent."),
+            latency("Client TTFT", m.ROUTER_TTFT_SECONDS),
+            latency("Inter-token latency (ITL)", m.ROUTER_ITL_SECONDS),
+            latency("End-to-end latency", m.ROUTER_E2E_SECONDS),
         ]),
         Row("Backends", [
             Panel("Healthy backends by role", [Target(f"sum by (role) ({sel(m.ROUTER_INSTANCE_HEALTHY)})",
@@ -147,12 +149,9 @@ def pd_rows() -> list[Row]:
             Panel("KV-wait vs exposed transfer vs prefill compute (p99)",
                   [Target(quantile(0.99, h), label) for h, label in triple], unit="s", width=12,
                   description=kv_wait_doc),
-            Panel("Prefill queue", p50_p99(m.PREFILL_QUEUE_SECONDS), unit="s",
-                  description="Prefill request arrives -> its first chunk is scheduled."),
-            Panel("Decode queue", p50_p99(m.DECODE_QUEUE_SECONDS), unit="s",
-                  description="KV complete on decode -> first decode step."),
-            Panel("TPOT", p50_p99(m.DECODE_TPOT_SECONDS), unit="s",
-                  description="Time per output token after the first, at decode."),
+            latency("Prefill queue", m.PREFILL_QUEUE_SECONDS),
+            latency("Decode queue", m.DECODE_QUEUE_SECONDS),
+            latency("TPOT", m.DECODE_TPOT_SECONDS),
             Panel("Exposed transfer share of KV-wait (mean)", [Target(
                 f"sum ({rate(m.DECODE_KV_TRANSFER_EXPOSED_SECONDS + '_sum')}) / "
                 f"sum ({rate(m.DECODE_KV_WAIT_SECONDS + '_sum')})", "exposed / KV-wait")],
