@@ -14,7 +14,7 @@ import torch
 from services.common.pb import common_pb2
 from services.engine.engine import LLMEngine
 from services.engine.kv_pages import pages_of
-from services.engine.kv_transport import mooncake
+from services.engine.kv_transport import mooncake, mooncake_staged
 from services.engine.kv_transport.base import TransferError
 from services.engine.kv_transport.mooncake_staged import ALIGN, HostLanding, StagingRing
 from services.engine.sampling_params import SamplingParams
@@ -38,7 +38,9 @@ def _offer_landing(p: Pair) -> HostLanding:
     return landing
 
 
-async def test_staged_pages_land_and_give_the_in_process_engines_tokens(pair) -> None:
+@pytest.mark.parametrize("entry_bytes", [mooncake_staged.ENTRY_BYTES, 1000])
+async def test_staged_pages_land_and_give_the_in_process_engines_tokens(pair, monkeypatch, entry_bytes: int) -> None:
+    monkeypatch.setattr(mooncake_staged, "ENTRY_BYTES", entry_bytes)  # 1000: runs split into odd-sized entries
     p = await pair("mooncake")
     landing = _offer_landing(p)
     sent = 0

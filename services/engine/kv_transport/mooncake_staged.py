@@ -39,6 +39,11 @@ ALIGN = 4096
 """Staging spans start on page boundaries (bytes)."""
 RING_WAIT_S = 60.0
 """Longest the engine thread waits for staging space before the chunk's request fails (seconds)."""
+ENTRY_BYTES = 4 << 20
+"""Largest transfer-engine entry (bytes). Over TCP each entry is one connection's session, moved 64 KiB
+at a time through the engine's single I/O thread; many entries in flight let each wake-up of that
+thread serve many connections, which keeps a chunk's transfer fast on a loaded host
+(benchmarks/mooncake_tcp_probe.py)."""
 
 
 def _pinned(nbytes: int) -> torch.Tensor:
@@ -159,9 +164,14 @@ class StagedWriter(PageWriter):
         srcs, dsts, lens = [], [], []
         # Page-major on both sides: a run of consecutive destination blocks is one contiguous range.
         for a, b, m in _runs(list(range(n)), self.dest[first_block:first_block + n]):
-            srcs.append(self.ring.base + off + a * self.page_bytes)
-            dsts.append(self.dst_base + b * self.page_bytes)
-            lens.append(m * self.page_bytes)
+            src, dst, left = self.ring.base + off + a * self.page_bytes, self.dst_base + b * self.page_bytes, \
+                m * self.page_bytes
+            while left:  # entries of at most ENTRY_BYTES
+                k = min(left, ENTRY_BYTES)
+                srcs.append(src)
+                dsts.append(dst)
+                lens.append(k)
+                src, dst, left = src + k, dst + k, left - k
         w = _Staged(off, nbytes, export, srcs, dsts, lens)
         with self._lock:
             self._writes.append(w)
