@@ -6,6 +6,7 @@ travel through FakeTransport instead of the PushKV stream."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 
@@ -35,25 +36,35 @@ def _ecfg() -> EngineConfig:
     return EngineConfig(model="random:tiny-llama", dtype="float32", num_kv_blocks=64, max_prefill_chunk=7)
 
 
-@pytest.fixture
-async def rig():
+@contextlib.asynccontextmanager
+async def _servers(decode_engine: EngineConfig, prefill_config: PrefillConfig, registry: CollectorRegistry):
+    """(decode, prefill, faults, decode stub, prefill stub): both servicers on one grpc.aio server, the KV
+    through FakeTransport; engines shut down on exit."""
     faults = Faults()
     decode = DecodeServicer(DecodeConfig(), DecodeMetrics(CollectorRegistry()), asyncio.Event())
-    decode.bind(AsyncEngine(_ecfg()))
+    decode.bind(AsyncEngine(decode_engine))
     transport = FakeTransport({"decode-x": decode.receiver}, faults)
-    prefill = PrefillServicer(PrefillConfig(), PrefillMetrics(CollectorRegistry()), transport, asyncio.Event())
+    prefill = PrefillServicer(prefill_config, PrefillMetrics(registry), transport, asyncio.Event())
     prefill.bind(AsyncEngine(_ecfg()))
     server = grpc.aio.server()
     decode_pb2_grpc.add_DecodeServicer_to_server(decode, server)
     prefill_pb2_grpc.add_PrefillServicer_to_server(prefill, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    yield decode, prefill, faults, decode_pb2_grpc.DecodeStub(channel), prefill_pb2_grpc.PrefillStub(channel)
-    await channel.close()
-    await server.stop(None)
-    decode.engine.shutdown()
-    prefill.engine.shutdown()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield (decode, prefill, faults, decode_pb2_grpc.DecodeStub(channel),
+                   prefill_pb2_grpc.PrefillStub(channel))
+    finally:
+        await server.stop(None)
+        decode.engine.shutdown()
+        prefill.engine.shutdown()
+
+
+@pytest.fixture
+async def rig():
+    async with _servers(_ecfg(), PrefillConfig(), CollectorRegistry()) as servers:
+        yield servers
 
 
 async def _reserve(stub, n: int = 6) -> decode_pb2.ReserveResponse:
@@ -71,6 +82,28 @@ def _prefill_req(resv: decode_pb2.ReserveResponse) -> prefill_pb2.PrefillRequest
                                       params=common_pb2.SamplingParams(max_tokens=6, temperature=0))
 
 
+async def _generate(dstub, pstub, resv: decode_pb2.ReserveResponse
+                    ) -> tuple[list[int], prefill_pb2.PrefillResponse]:
+    """Decode's token stream for ``resv`` and the Prefill answer, the stream opened first."""
+    tokens: list[int] = []
+
+    async def consume():
+        async for msg in dstub.Generate(decode_pb2.DecodeGenerateRequest(reservation_id=resv.reservation_id)):
+            tokens.extend(msg.token_ids)
+
+    task = asyncio.create_task(consume())
+    resp = await pstub.Prefill(_prefill_req(resv))
+    await task
+    return tokens, resp
+
+
+async def _refused_prefill(dstub, pstub) -> tuple[decode_pb2.ReserveResponse, grpc.aio.AioRpcError]:
+    resv = await _reserve(dstub)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await pstub.Prefill(_prefill_req(resv))
+    return resv, err.value
+
+
 async def _idle(servicer) -> dict[str, float]:
     for _ in range(50):
         s = await servicer.engine.stats()
@@ -82,16 +115,7 @@ async def _idle(servicer) -> dict[str, float]:
 
 async def test_fake_handoff_gives_the_colocated_tokens(rig):
     _, prefill, _, dstub, pstub = rig
-    resv = await _reserve(dstub)
-    tokens: list[int] = []
-
-    async def consume():
-        async for msg in dstub.Generate(decode_pb2.DecodeGenerateRequest(reservation_id=resv.reservation_id)):
-            tokens.extend(msg.token_ids)
-
-    task = asyncio.create_task(consume())
-    resp = await pstub.Prefill(_prefill_req(resv))
-    await task
+    tokens, resp = await _generate(dstub, pstub, await _reserve(dstub))
     want = LLMEngine(_ecfg()).generate([PROMPT], SamplingParams(max_tokens=6, temperature=0))[0]
     assert tokens == want and resp.first_token == want[0]
     # Chunked transfer, 7-token chunks: page 0 goes after chunk 3 (21 tokens), page 1 after chunk 5 (35),
@@ -104,11 +128,9 @@ async def test_fake_handoff_gives_the_colocated_tokens(rig):
 async def test_injected_transport_failure_fails_prefill_and_frees_its_blocks(rig):
     decode, prefill, faults, dstub, pstub = rig
     faults.fail_after_chunks = 1
-    resv = await _reserve(dstub)
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await pstub.Prefill(_prefill_req(resv))
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "KV handoff" in err.value.details()
-    detail = detail_of(err.value)
+    resv, err = await _refused_prefill(dstub, pstub)
+    assert err.code() == grpc.StatusCode.UNAVAILABLE and "KV handoff" in err.details()
+    detail = detail_of(err)
     assert (detail.reason, detail.retryable, detail.side) == (Reason.ERROR_REASON_KV_HANDOFF_FAILED, False, "decode")
     s = await _idle(prefill)
     assert s["free_blocks"] == s["total_blocks"] and s["running"] == 0
@@ -122,10 +144,8 @@ async def test_injected_transport_failure_fails_prefill_and_frees_its_blocks(rig
 async def test_corrupted_chunk_is_refused_by_decode(rig):
     decode, prefill, faults, dstub, pstub = rig
     faults.corrupt_chunk = 0
-    resv = await _reserve(dstub)
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await pstub.Prefill(_prefill_req(resv))
-    assert err.value.code() == grpc.StatusCode.DATA_LOSS and "checksum" in err.value.details()
+    _, err = await _refused_prefill(dstub, pstub)
+    assert err.code() == grpc.StatusCode.DATA_LOSS and "checksum" in err.details()
     for side in (prefill, decode):
         s = await _idle(side)
         assert s["free_blocks"] == s["total_blocks"] and s["waiting_for_kv"] == 0
@@ -157,38 +177,15 @@ async def test_fp8_wire_codec_halves_bytes_and_decodes_within_fp8_precision(rig)
 async def test_shm_transport_writes_into_a_shared_decode_pool_and_gives_the_colocated_tokens() -> None:
     """Decode's pool in /dev/shm (offered as a typed ShmPool in Reserve); prefill writes pages into it and
     sends descriptors only."""
-    decode = DecodeServicer(DecodeConfig(), DecodeMetrics(CollectorRegistry()), asyncio.Event())
-    decode.bind(AsyncEngine(dataclasses.replace(_ecfg(), kv_cache_shared=True)))
     registry = CollectorRegistry()
-    prefill = PrefillServicer(PrefillConfig(kv_transport="shm"), PrefillMetrics(registry),
-                              FakeTransport({"decode-x": decode.receiver}), asyncio.Event())
-    prefill.bind(AsyncEngine(_ecfg()))
-    server = grpc.aio.server()
-    decode_pb2_grpc.add_DecodeServicer_to_server(decode, server)
-    prefill_pb2_grpc.add_PrefillServicer_to_server(prefill, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    path = decode.engine.engine.runner.kv_shm_path
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            dstub, pstub = decode_pb2_grpc.DecodeStub(channel), prefill_pb2_grpc.PrefillStub(channel)
-            resv = await _reserve(dstub)
-            assert resv.destination.WhichOneof("pool") == "shm" and resv.destination.shm.name in path
-            tokens: list[int] = []
-
-            async def consume():
-                async for msg in dstub.Generate(decode_pb2.DecodeGenerateRequest(reservation_id=resv.reservation_id)):
-                    tokens.extend(msg.token_ids)
-
-            task = asyncio.create_task(consume())
-            resp = await pstub.Prefill(_prefill_req(resv))
-            await task
+    async with _servers(dataclasses.replace(_ecfg(), kv_cache_shared=True), PrefillConfig(kv_transport="shm"),
+                        registry) as (decode, prefill, _, dstub, pstub):
+        path = decode.engine.engine.runner.kv_shm_path
+        resv = await _reserve(dstub)
+        assert resv.destination.WhichOneof("pool") == "shm" and resv.destination.shm.name in path
+        tokens, resp = await _generate(dstub, pstub, resv)
         want = LLMEngine(_ecfg()).generate([PROMPT], SamplingParams(max_tokens=6, temperature=0))[0]
         assert tokens == want and resp.kv_bytes_sent == 3 * prefill.layout.page_bytes
         assert registry.get_sample_value("pdserve_prefill_kv_sent_bytes_total", {"transport": "shm"}) == \
             resp.kv_bytes_sent
-    finally:
-        await server.stop(None)
-        decode.engine.shutdown()
-        prefill.engine.shutdown()
     assert not await asyncio.to_thread(os.path.exists, path)  # the pool's file goes with decode

@@ -18,6 +18,7 @@ WAITING_FOR_INPUT (ready, nothing sent) -> TRANSFERRING -> SUCCESS | FAILED.
 from __future__ import annotations
 
 import abc
+import asyncio
 import enum
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
@@ -60,6 +61,10 @@ class KVReceiver(Protocol):
                       on_claimed: OnClaimed | None = None) -> decode_pb2.PushKVResponse: ...
 
 
+END_OF_STREAM = object()
+"""Put on a sender's message queue after its last message: ``KVSender._messages_from`` ends there."""
+
+
 class KVSender(abc.ABC):
     """Prefill's side for one request: ``bootstrap`` once, ``send`` each message, then ``finish``.
 
@@ -89,6 +94,18 @@ class KVSender(abc.ABC):
 
     @abc.abstractmethod
     async def abort(self, reason: str) -> None: ...
+
+    def _stream_ended(self, _stream: object) -> None:
+        """Done-callback of the stream (a task or a call): ended before SUCCESS means FAILED, seen at once by a
+        thread polling."""
+        if self.state is not KVPoll.SUCCESS:
+            self.state = KVPoll.FAILED
+
+    @staticmethod
+    async def _messages_from(queue: asyncio.Queue, end: object = END_OF_STREAM) -> AsyncIterator[object]:
+        """The messages put on ``queue`` up to ``end``: the stream's request iterator, fed by ``send``."""
+        while (item := await queue.get()) is not end:
+            yield item
 
     def _count(self, nbytes: int) -> None:
         self.state = KVPoll.TRANSFERRING

@@ -8,9 +8,14 @@ from dataclasses import dataclass
 import grpc
 
 from services.common.pb import common_pb2, decode_pb2
-from services.engine.kv_transport.base import KVPoll, KVReceiver, KVSender, KVTransport, TransferError
-
-_END = object()
+from services.engine.kv_transport.base import (
+    END_OF_STREAM,
+    KVPoll,
+    KVReceiver,
+    KVSender,
+    KVTransport,
+    TransferError,
+)
 
 
 @dataclass
@@ -39,22 +44,11 @@ class _FakeSender(KVSender):
         self._faults = faults
         self._queue: asyncio.Queue = asyncio.Queue()
         self._claimed = asyncio.Event()
-        self._task = asyncio.ensure_future(receiver.receive(self._drain(), on_claimed=self._ack))
-        self._task.add_done_callback(self._ended)
-
-    def _ended(self, _task: object) -> None:
-        if self.state is not KVPoll.SUCCESS:
-            self.state = KVPoll.FAILED
+        self._task = asyncio.ensure_future(receiver.receive(self._messages_from(self._queue), on_claimed=self._ack))
+        self._task.add_done_callback(self._stream_ended)
 
     async def _ack(self) -> None:
         self._claimed.set()
-
-    async def _drain(self):
-        while True:
-            item = await self._queue.get()
-            if item is _END:
-                return
-            yield item
 
     async def _raise(self) -> None:
         self.state = KVPoll.FAILED
@@ -95,7 +89,7 @@ class _FakeSender(KVSender):
         self._count(len(payload))
 
     async def finish(self) -> decode_pb2.PushKVResponse:
-        await self._queue.put(_END)
+        await self._queue.put(END_OF_STREAM)
         try:
             resp = await self._task
         except Exception as e:
