@@ -49,6 +49,10 @@ class EngineConfig(ContextConfig, ModelConfig, DtypeConfig):
                                        "into it: a /dev/shm file on CPU (prefill --kv-transport shm), a CUDA IPC "
                                        "handle on GPU (prefill --kv-transport cuda-ipc).")
     cuda_graphs: bool = opt(True, "Capture CUDA graphs for decode batch sizes (GPU only).")
+    tensor_parallel_size: int = opt(1, "Ranks (processes; GPUs on CUDA: cuda:0..N-1 of this host) one instance "
+                                       "runs the model on: heads, MLP and vocab split N ways, gloo on CPU, NCCL "
+                                       "on GPU. The service starts ranks 1..N-1 itself; any prefill and decode "
+                                       "TP degrees hand KV to each other.")
     seed: int = opt(0, "Seed of the sampler's generator for requests without their own seed.")
 
     def __post_init__(self) -> None:
@@ -66,6 +70,9 @@ class EngineConfig(ContextConfig, ModelConfig, DtypeConfig):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
             if getattr(self, name) <= 0:
                 raise EngineConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.tensor_parallel_size not in (1, 2, 4, 8):
+            raise EngineConfigError("--tensor-parallel-size / PDSERVE_TENSOR_PARALLEL_SIZE: must be 1, 2, 4 or 8, "
+                                    f"got {self.tensor_parallel_size}")
         if self.num_kv_blocks < 0 or self.kv_cache_bytes <= 0:
             raise EngineConfigError("num_kv_blocks must be >= 0 and kv_cache_bytes > 0")
         if self.max_model_len < 0:

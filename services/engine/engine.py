@@ -18,6 +18,7 @@ from services.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from services.engine.kv_layout import FP8_CODEC, PageLayout
 from services.engine.model_loader import LoadedModel, load_model
 from services.engine.model_runner import ModelRunner
+from services.engine.parallel.launch import RankSet
 from services.engine.sampling_params import InvalidRequestError, Sampled, SamplingParams, TopLogprobs
 from services.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from services.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -62,7 +63,10 @@ class LLMEngine:
         if loaded is None:
             log.info("engine: loading weights (%s) as %s on %s", config.model or "embedded default",
                      config.resolved_dtype, config.device)
-        self.loaded = loaded or load_model(config.model, config.torch_dtype, config.device)
+        self.ranks = RankSet(config) if config.tensor_parallel_size > 1 and loaded is None else None
+        """Ranks 1..N-1 of this instance, started and watched by this (rank 0) process; None at TP=1."""
+        self.loaded = loaded or (load_model(config.model, config.torch_dtype, config.device) if self.ranks is None
+                                 else self.ranks.load_model())
         if loaded is None:
             params = list(self.loaded.model.parameters())
             log.info("engine: weights of %s loaded in %.1f s: %.1fM parameters, %.0f MiB", self.loaded.model_id,
@@ -71,7 +75,7 @@ class LLMEngine:
         t1 = time.monotonic()
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(config.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len)
-        self.runner = ModelRunner(self.loaded, config)
+        self.runner = ModelRunner(self.loaded, config) if self.ranks is None else self.ranks.make_runner(self.loaded)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         sched_cfg = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
@@ -201,6 +205,8 @@ class LLMEngine:
     # --- stepping ---
 
     def has_work(self) -> bool:
+        if self.ranks is not None:
+            self.ranks.check()  # a dead rank kills the engine loop (the service goes NOT_SERVING)
         return self.scheduler.has_work
 
     def step(self) -> list[RequestOutput]:

@@ -21,8 +21,10 @@ class TPGroup:
     """rank/size plus the collectives the model and the step loop use. size 1: every op is the identity."""
 
     def __init__(self, rank: int, size: int, pg: dist.ProcessGroup | None = None,
-                 store: dist.Store | None = None) -> None:
+                 store: dist.Store | None = None, device: torch.device | None = None) -> None:
         self.rank, self.size, self.pg = rank, size, pg
+        self.device = device or torch.device("cpu")
+        """Where this rank's collectives run (NCCL needs CUDA tensors)."""
         self.store = store
         """Kept alive as long as the group (rank 0's TCPStore serves the others)."""
 
@@ -47,7 +49,7 @@ class TPGroup:
         """x from root into every rank's x (same shape and dtype everywhere), in place."""
         if self.size > 1:
             assert self.pg is not None
-            self.pg.broadcast([x], root).wait()
+            self.pg.broadcast(x, root).wait()
         return x
 
     def gather_to_root(self, x: torch.Tensor) -> list[torch.Tensor]:
@@ -56,9 +58,9 @@ class TPGroup:
             return [x]
         assert self.pg is not None
         x = x.contiguous()
-        outs = [[torch.empty_like(x) for _ in range(self.size)]] if self.rank == 0 else []
-        self.pg.gather(outs, [x], 0).wait()
-        return outs[0] if self.rank == 0 else []
+        outs = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else []
+        self.pg.gather(outs, x, 0).wait()
+        return outs
 
 
 def open_store(size: int, port: int = 0, *, timeout_s: float = 120.0) -> dist.TCPStore:
@@ -79,7 +81,7 @@ def connect(store: dist.Store, rank: int, size: int, device: torch.device, *, ti
         gopts._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
         gopts._timeout = timeout
         pg = dist.ProcessGroupGloo(store, rank, size, gopts)
-    group = TPGroup(rank, size, pg, store)
+    group = TPGroup(rank, size, pg, store, device)
     group.all_reduce(torch.zeros(1, device=device))  # every rank connected
     return group
 

@@ -1,0 +1,78 @@
+"""What rank 0 sends the other ranks before each collective sequence, as int64 tensors (never pickle).
+
+A message is a fixed header ``int64[HEADER]`` = [op, a, b, c, d, e, 0, 0], broadcast first, then one
+int64 payload whose length the header fixes:
+- STEP: a=tokens T, b=sequences B, c=max blocks M, d=decode rows, e=sampled rows S; payload =
+  ids[T] | positions[T] | slots[T] | block_tables[B*M] | context_lens[B] | query_lens[B] | sampled rows[S]
+  (S flat indices of the tokens whose logits are computed; only rank 0 samples, from the gathered logits).
+- EXPORT: a=pages P; payload = block ids[P]. Every rank then gathers its heads of those pages to rank 0.
+- IMPORT: a=pages P; payload = block ids[P]; then rank 0 broadcasts the full-head pages (cache dtype).
+- STOP: no payload; the ranks leave their loop.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from services.engine.attention import AttentionMetadata
+
+HEADER = 8
+
+
+class Op(enum.IntEnum):
+    STEP = 1
+    EXPORT = 2
+    IMPORT = 3
+    STOP = 4
+
+
+@dataclass
+class StepPlan:
+    ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sampled_rows: list[int]
+
+
+def encode_step(ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata, sampled_rows: list[int]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(header, payload) of one forward, on the CPU."""
+    t, (b, m) = ids.shape[0], meta.block_tables.shape
+    header = torch.tensor([Op.STEP, t, b, m, meta.num_decode, len(sampled_rows), 0, 0], dtype=torch.int64)
+    payload = torch.cat([ids.cpu(), pos.cpu(), meta.slot_mapping.cpu(), meta.block_tables.cpu().reshape(-1).long(),
+                         torch.tensor(meta.context_lens_host, dtype=torch.int64),
+                         torch.tensor(meta.query_lens, dtype=torch.int64),
+                         torch.tensor(sampled_rows, dtype=torch.int64)])
+    return header, payload
+
+
+def step_payload_len(header: torch.Tensor) -> int:
+    _, t, b, m, _, s = header[:6].tolist()
+    return 3 * t + b * m + 2 * b + s
+
+
+def decode_step(header: torch.Tensor, payload: torch.Tensor, device: torch.device) -> StepPlan:
+    _, t, b, m, nd, s = header[:6].tolist()
+    parts = payload.split([t, t, t, b * m, b, b, s])
+    ids, pos, slots, bt, ctx, ql, rows = parts
+    query_lens = ql.tolist()
+    cu = torch.zeros(b + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(ql, 0)
+    meta = AttentionMetadata(
+        slot_mapping=slots.to(device),
+        block_tables=bt.to(torch.int32).reshape(b, m).to(device),
+        context_lens=ctx.to(torch.int32).to(device),
+        query_lens=query_lens,
+        context_lens_host=ctx.tolist(),
+        num_decode=nd,
+        cu_seqlens_q=cu.to(device),
+    )
+    return StepPlan(ids.to(device), pos.to(device), meta, rows.tolist())
+
+
+def simple(op: Op, n: int = 0) -> torch.Tensor:
+    """Header of an EXPORT / IMPORT (n pages) or STOP message."""
+    return torch.tensor([op, n, 0, 0, 0, 0, 0, 0], dtype=torch.int64)

@@ -1,0 +1,104 @@
+"""Rank 0's model runner at TP>1: every forward and page move is one collective sequence that rank 0
+announces with a plan (plan.py) and every rank runs in the same order.
+
+A lock makes each sequence atomic: the engine thread's steps and a worker thread's page import (KVPages)
+never interleave their collectives. Pages cross the instance boundary with all heads (pages.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+
+from services.engine.attention import ForwardContext
+from services.engine.config import EngineConfig
+from services.engine.kv_layout import FP8_CODEC
+from services.engine.model_loader import LoadedModel
+from services.engine.model_runner import ModelRunner, _sampled_rows
+from services.engine.parallel.group import TPGroup
+from services.engine.parallel.pages import as_cache, assemble, from_cache, my_heads
+from services.engine.parallel.plan import HEADER, Op, encode_step, simple
+from services.engine.sampler import Sampled
+from services.engine.scheduler import SchedulerOutput
+
+
+def send(group: TPGroup, header: torch.Tensor, payload: torch.Tensor | None = None) -> None:
+    """Rank 0: broadcast one plan (header, then its int64 payload)."""
+    assert header.shape == (HEADER,)
+    group.broadcast(header.to(group.device))
+    if payload is not None:
+        group.broadcast(payload.to(group.device))
+
+
+class TPModelRunner(ModelRunner):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, group: TPGroup, check: Callable[[], None],
+                 stop: Callable[[], None]) -> None:
+        super().__init__(loaded, config)
+        self.group = group
+        self.split = loaded.model.tp_split
+        self._check = check
+        """Raises when a rank has died (launch.RankSet.check); called before every collective sequence."""
+        self._stop = stop
+        self.lock = threading.Lock()
+
+    def release(self) -> None:
+        super().release()
+        self._stop()
+
+    def _begin(self, header: torch.Tensor, payload: torch.Tensor | None = None) -> None:
+        self._check()
+        send(self.group, header, payload)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[int, Sampled]:
+        if not out.chunks:
+            return {}
+        chunks = sorted(out.chunks, key=lambda c: c.num_new_tokens != 1)  # decode rows first
+        ids, pos, meta = self._prepare(chunks)
+        ends, rows, seq_ids = _sampled_rows(chunks)
+        with self.lock:
+            self._begin(*encode_step(ids, pos, meta, ends))
+            hidden = self.model(ids, pos, ForwardContext(self.attn_backend, meta))
+            if not ends:
+                return {}
+            logits = self.model.compute_logits(hidden[torch.tensor(ends, device=hidden.device)])
+        return dict(zip(seq_ids, self.sampler.sample(logits, rows), strict=True))
+
+    @torch.inference_mode()
+    def read_pages(self, block_ids: list[int], codec: str | None = None) -> torch.Tensor:
+        """Full-head pages of ``block_ids`` on the host (as ModelRunner.read_pages at TP=1)."""
+        from kernels import pack_pages, pack_pages_fp8
+
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        with self.lock:
+            self._begin(simple(Op.EXPORT, len(block_ids)), idx.cpu())
+            full = assemble(self.group.gather_to_root(pack_pages(self.kv_cache, idx)), self.split)
+        if codec == FP8_CODEC:
+            full = pack_pages_fp8(as_cache(full), torch.arange(len(block_ids), device=full.device))
+        return full.cpu()
+
+    @torch.inference_mode()
+    def write_pages(self, block_ids: list[int], pages: torch.Tensor, codec: str | None = None) -> None:
+        """Full-head pages (the layout read_pages returns) into every rank's shard of ``block_ids``."""
+        from kernels import unpack_pages, unpack_pages_fp8
+
+        pages = pages.to(self.device)
+        if codec == FP8_CODEC:
+            L, _, _, bs, _, d = self.kv_cache.shape
+            cache = torch.empty((L, 2, len(block_ids), bs, self.split.num_kv_heads, d), dtype=self.dtype,
+                                device=self.device)
+            unpack_pages_fp8(pages, cache, torch.arange(len(block_ids), device=self.device))
+            pages = from_cache(cache)
+        pages = pages.to(self.dtype).contiguous()
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        with self.lock:
+            self._begin(simple(Op.IMPORT, len(block_ids)), idx.cpu())
+            self.group.broadcast(pages)
+            unpack_pages(my_heads(pages, self.split), self.kv_cache, idx)
+
+    def stop_ranks(self) -> None:
+        """Tell ranks 1..N-1 to leave their loop (waits for a running step)."""
+        with self.lock:
+            send(self.group, simple(Op.STOP))

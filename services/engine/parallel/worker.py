@@ -1,0 +1,84 @@
+"""Ranks 1..N-1 of a tensor-parallel instance: a process that loads its shard, owns its KV shard, and
+runs whatever rank 0 announces (plan.py) until STOP or until rank 0 goes away.
+
+It serves nothing itself: no port, no RPC. Its exit (any cause) is seen by rank 0's watcher
+(launch.py), which takes the instance down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from services.engine.attention import ForwardContext
+from services.engine.config import EngineConfig
+from services.engine.model_runner import ModelRunner
+from services.engine.parallel.group import TPGroup, connect, open_store
+from services.engine.parallel.loader import load_shard
+from services.engine.parallel.pages import my_heads
+from services.engine.parallel.plan import HEADER, Op, decode_step, step_payload_len
+
+log = logging.getLogger(__name__)
+
+
+def rank_device(device: str, rank: int) -> torch.device:
+    """cpu for every rank on CPU; cuda:(base + rank) on CUDA."""
+    dev = torch.device(device)
+    return dev if dev.type != "cuda" else torch.device("cuda", (dev.index or 0) + rank)
+
+
+def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
+    """The engine settings of one rank: its device, a private KV pool, no CUDA graphs (every rank would
+    have to replay the same graph in lockstep)."""
+    return dataclasses.replace(config, device=str(rank_device(config.device, rank)), kv_cache_shared=False,
+                               cuda_graphs=False)
+
+
+def _recv(group: TPGroup, n: int, dtype: torch.dtype = torch.int64, shape: tuple[int, ...] | None = None
+          ) -> torch.Tensor:
+    return group.broadcast(torch.empty(shape or (n,), dtype=dtype, device=group.device))
+
+
+@torch.inference_mode()
+def serve(runner: ModelRunner, group: TPGroup) -> None:
+    """Follow rank 0's plans until STOP (a collective error, e.g. rank 0 gone, propagates)."""
+    from kernels import pack_pages, unpack_pages
+
+    model, split, dev = runner.model, runner.model.tp_split, runner.device
+    L, _, _, bs, _, d = runner.kv_cache.shape
+    while True:
+        header = _recv(group, HEADER).cpu()
+        op = Op(int(header[0]))
+        if op == Op.STOP:
+            return
+        if op == Op.STEP:
+            plan = decode_step(header, _recv(group, step_payload_len(header)).cpu(), dev)
+            hidden = model(plan.ids, plan.positions, ForwardContext(runner.attn_backend, plan.meta))
+            if plan.sampled_rows:  # the vocab all-gather: every rank takes part, rank 0 samples
+                model.compute_logits(hidden[torch.tensor(plan.sampled_rows, device=dev)])
+            continue
+        n = int(header[1])
+        idx = _recv(group, n).to(dev)
+        if op == Op.EXPORT:
+            group.gather_to_root(pack_pages(runner.kv_cache, idx))
+        else:
+            full = _recv(group, 0, runner.dtype, (n, L, 2, bs, split.num_kv_heads, d))
+            unpack_pages(my_heads(full, split), runner.kv_cache, idx)
+
+
+def worker_main(rank: int, size: int, port: int, config: EngineConfig) -> None:
+    """Process entry of rank ``rank`` (spawned by launch.RankSet with rank 0's store port)."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{rank} %(levelname)s %(message)s")
+    cfg = rank_config(config, rank)
+    cfg.apply_host()
+    torch.set_grad_enabled(False)
+    device = rank_device(config.device, rank)
+    group = connect(open_store(size, port), rank, size, device)
+    loaded = load_shard(cfg.model, cfg.torch_dtype, device, group)
+    runner = ModelRunner(loaded, cfg)
+    group.all_reduce(torch.zeros(1, device=device))  # loaded: rank 0 may send plans
+    log.info("tensor-parallel rank %d/%d ready: heads %s, KV heads %s", rank, size, loaded.model.tp_split.q_range,
+             loaded.model.tp_split.kv_range)
+    serve(runner, group)
