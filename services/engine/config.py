@@ -54,6 +54,18 @@ class EngineConfig(ContextConfig, ModelConfig, DtypeConfig):
                                        "on GPU. The service starts ranks 1..N-1 itself; any prefill and decode "
                                        "TP degrees hand KV to each other.")
     seed: int = opt(0, "Seed of the sampler's generator for requests without their own seed.")
+    draft_model: str = opt("", "Draft model of speculative decoding: layers:N (the target's first N layers, "
+                               "sharing its embeddings, final norm and LM head), a .gguf file, an HF directory, or "
+                               "random:NAME. Set it on prefill AND decode: pages then carry a draft KV region. "
+                               "Empty: no draft.")
+    spec_tokens: int = opt(0, "Draft tokens proposed per decode step (K) and verified in one target forward; "
+                              "0: no speculative decoding. Needs --draft-model.")
+    draft_kv_codec: str = opt("fp8-e4m3", "Codec of the draft KV region on the wire and in the kvstore: fp8-e4m3 "
+                                          "(per-token-per-head scales) or native (the cache's dtype).",
+                              choices=("fp8-e4m3", "native"))
+    spec_synthetic_acceptance: float = opt(0.0, "Benchmarks only: accept this mean number of draft tokens per "
+                                                "step without checking them (output is NOT the model's; metrics "
+                                                "carry acceptance=\"synthetic\"). 0: real verification.")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -75,6 +87,12 @@ class EngineConfig(ContextConfig, ModelConfig, DtypeConfig):
                                     f"got {self.tensor_parallel_size}")
         if self.num_kv_blocks < 0 or self.kv_cache_bytes <= 0:
             raise EngineConfigError("num_kv_blocks must be >= 0 and kv_cache_bytes > 0")
+        if self.spec_tokens < 0 or (self.spec_tokens and not self.draft_model):
+            raise EngineConfigError(f"--spec-tokens / PDSERVE_SPEC_TOKENS: must be >= 0 and needs --draft-model / "
+                                    f"PDSERVE_DRAFT_MODEL, got {self.spec_tokens} with draft {self.draft_model!r}")
+        if not 0 <= self.spec_synthetic_acceptance <= max(self.spec_tokens, 0):
+            raise EngineConfigError("--spec-synthetic-acceptance / PDSERVE_SPEC_SYNTHETIC_ACCEPTANCE: must be in "
+                                    f"[0, --spec-tokens={self.spec_tokens}], got {self.spec_synthetic_acceptance}")
         if self.max_model_len < 0:
             raise EngineConfigError(f"max_model_len: must be >= 0, got {self.max_model_len}")
 

@@ -82,6 +82,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_prefill_chunk=config.max_prefill_chunk,
             max_model_len=self.max_model_len,
+            spec_tokens=config.spec_tokens if self.runner.spec is not None else 0,
         )
         self.scheduler = Scheduler(sched_cfg, self.block_manager, set(self.tokenizer.eos_token_ids))
         self.requests: dict[str, _Request] = {}
@@ -96,6 +97,9 @@ class LLMEngine:
         self.fp8_layout = PageLayout.for_model(self.loaded.model_id, arch.num_layers, arch.num_kv_heads,
                                                arch.head_dim, config.block_size, FP8_CODEC)
         """The same pages on the wire as fp8-e4m3 with per-token-per-head scales (half the bytes of bf16)."""
+        if self.runner.spec is not None:  # every page also carries the draft's KV, in its own codec
+            self.layout = self.layout.with_region(self.runner.spec.region())
+            self.fp8_layout = self.fp8_layout.with_region(self.runner.spec.region())
         log.info("engine: KV cache of %d pages x %d tokens (%.0f MiB), context %d tokens, ready in %.1f s "
                  "(%.1f s since loading began)", self.runner.num_blocks, config.block_size,
                  self.runner.num_blocks * self.layout.page_bytes / 2**20, self.max_model_len,
@@ -229,8 +233,9 @@ class LLMEngine:
                 continue
             if req.first_token_time is None:
                 req.first_token_time = now
-            token, lp, top = sampled[ch.seq.seq_id]
-            outputs.append(self._emit(req, [token], [lp], [top]))
+            result = sampled[ch.seq.seq_id]
+            run = result if isinstance(result, list) else [result]  # a list: speculation's accepted run
+            outputs.append(self._emit(req, [s.token for s in run], [s.logprob for s in run], [s.top for s in run]))
         return outputs
 
     def _emit(self, req: _Request, tokens: list[int], logprobs: list[float | None],

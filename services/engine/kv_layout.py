@@ -13,12 +13,22 @@ from dataclasses import asdict, dataclass, field
 
 from services.common.checksum import checksum
 
-__all__ = ["FP8_CODEC", "PageLayout", "Region", "checksum"]
+__all__ = ["FP8_CODEC", "PageLayout", "Region", "checksum", "region_bytes"]
 
 _CODEC_ELEM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 FP8_CODEC = "fp8-e4m3"
 _DTYPE_CODEC = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 """torch dtype name (``str(dtype)`` less ``torch.``) -> codec; names, so this module needs no torch."""
+
+
+def region_bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, codec: str) -> int:
+    """Bytes of one page's region of K and V for ``num_layers`` layers in ``codec``."""
+    elems = num_layers * 2 * block_size * num_kv_heads * head_dim
+    if codec == FP8_CODEC:
+        return elems + num_layers * 2 * block_size * num_kv_heads * 4
+    if codec in _CODEC_ELEM_BYTES:
+        return elems * _CODEC_ELEM_BYTES[codec]
+    raise ValueError(f"unknown KV codec {codec!r}; known: {[*_CODEC_ELEM_BYTES, FP8_CODEC]}")
 
 
 @dataclass(frozen=True)
@@ -42,15 +52,14 @@ class PageLayout:
     @staticmethod
     def for_model(model_id: str, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                   codec: str) -> PageLayout:
-        elems = num_layers * 2 * block_size * num_kv_heads * head_dim
-        if codec == FP8_CODEC:
-            nbytes = elems + num_layers * 2 * block_size * num_kv_heads * 4
-        elif codec in _CODEC_ELEM_BYTES:
-            nbytes = elems * _CODEC_ELEM_BYTES[codec]
-        else:
-            raise ValueError(f"unknown KV codec {codec!r}; known: {[*_CODEC_ELEM_BYTES, FP8_CODEC]}")
+        nbytes = region_bytes(num_layers, num_kv_heads, head_dim, block_size, codec)
         return PageLayout(model_id, num_layers, num_kv_heads, head_dim, block_size,
                           (Region("target", codec, nbytes),))
+
+    def with_region(self, region: Region) -> PageLayout:
+        """This layout with one more region after the others (e.g. speculative decoding's draft KV)."""
+        return PageLayout(self.model_id, self.num_layers, self.num_kv_heads, self.head_dim, self.block_size,
+                          (*self.regions, region))
 
     @staticmethod
     def codec_for_dtype(dtype: object) -> str:

@@ -38,7 +38,14 @@ class ModelRunner:
         self.num_kv_heads = loaded.model.tp_split.local_kv_heads  # this rank's KV shard (all heads at TP=1)
         self.head_dim = arch.head_dim
         self.block_size = config.block_size
-        self.num_blocks = config.resolve_num_blocks(self.bytes_per_block)
+        self.spec = None
+        """Speculative decoding's draft and its KV region (services/engine/spec), when --draft-model is set."""
+        if config.draft_model:
+            from services.engine.spec.decoder import SpecDecoder
+
+            self.spec = SpecDecoder(loaded, config)
+        draft_bytes = self.spec.bytes_per_block() if self.spec is not None else 0
+        self.num_blocks = config.resolve_num_blocks(self.bytes_per_block + draft_bytes)
         shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_shm_path: str | None = None
         """The /dev/shm file backing the pool when it is shared (removed by release())."""
@@ -58,7 +65,9 @@ class ModelRunner:
                     self.kv_destination = export_cuda_kv(self.kv_cache)
                 except (SharedKVAttachError, RuntimeError) as e:
                     log.warning("KV pool stays private (CUDA IPC export failed; prefills will send page bytes): %s", e)
-        self.attn_backend = self._make_backend()
+        self.attn_backend = self._make_backend(self.kv_cache, self.head_dim)
+        if self.spec is not None:
+            self.spec.allocate(self.num_blocks, self._make_backend)
         self.sampler = Sampler(config.seed)
         self.graphs = None
         if self.device.type == "cuda":
@@ -80,60 +89,27 @@ class ModelRunner:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
 
-    def _make_backend(self):
-        scale = self.head_dim ** -0.5
+    def _make_backend(self, kv_cache: torch.Tensor, head_dim: int):
+        scale = head_dim ** -0.5
         if self.device.type == "cuda" and self.config.attention_backend != "torch":
             from services.engine.gpu_attention import TritonPagedAttention
 
-            return TritonPagedAttention(self.kv_cache, scale)
-        return TorchPagedAttention(self.kv_cache, scale)
+            return TritonPagedAttention(kv_cache, scale)
+        return TorchPagedAttention(kv_cache, scale)
 
     def _prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        context_lens: list[int] = []
-        tables: list[list[int]] = []
+        rows = []
         for ch in chunks:
-            seq = ch.seq
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + ch.num_new_tokens
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            query_lens.append(ch.num_new_tokens)
-            context_lens.append(end)
-            tables.append(table[: (end + bs - 1) // bs])
-        max_blocks = max(len(t) for t in tables)
-        bt = torch.zeros(len(tables), max_blocks, dtype=torch.int32)
-        for i, t in enumerate(tables):
-            bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        num_decode = 0
-        while num_decode < len(query_lens) and query_lens[num_decode] == 1:
-            num_decode += 1
-        dev = self.device
-        cu = [0]
-        for q in query_lens:
-            cu.append(cu[-1] + q)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=bt.to(dev),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            query_lens=query_lens,
-            context_lens_host=context_lens,
-            num_decode=num_decode,
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-        )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        return ids, pos, meta
+            start = ch.seq.num_computed_tokens
+            rows.append((ch.seq.token_ids[start:start + ch.num_new_tokens], start, ch.seq.block_table))
+        return prepare_rows(rows, self.block_size, self.device)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[int, Sampled]:
         if not out.chunks:
             return {}
+        if self.spec is not None:  # draft mirror + speculation; no CUDA graphs on this path
+            return self.spec.execute(self, out)  # type: ignore[return-value]
         if self.device.type == "cuda":
             return self._execute_gpu(out)
         # One-token chunks first: the attention backend batches them as decode.
@@ -268,6 +244,8 @@ class ModelRunner:
         dtype, or with ``codec="fp8-e4m3"`` uint8 [P, fp8 page bytes] (values then per-token-per-head scales)."""
         from kernels import pack_pages, pack_pages_fp8
 
+        if self.spec is not None:  # uint8 [P, page bytes]: target region, then draft region
+            return self.spec.pack(self.kv_cache, block_ids, codec).cpu()
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         pack = pack_pages_fp8 if codec == FP8_CODEC else pack_pages
         return pack(self.kv_cache, idx).cpu()
@@ -276,6 +254,9 @@ class ModelRunner:
         """The inverse of read_pages (fp8 pages are dequantized into the cache's dtype)."""
         from kernels import unpack_pages, unpack_pages_fp8
 
+        if self.spec is not None:
+            self.spec.unpack(pages, self.kv_cache, block_ids, codec)
+            return
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         unpack = unpack_pages_fp8 if codec == FP8_CODEC else unpack_pages
         unpack(pages.to(self.device, non_blocking=True), self.kv_cache, idx)
@@ -292,3 +273,46 @@ def _sampled_rows(chunks: list[ScheduledChunk]) -> tuple[list[int], list[Samplin
             rows.append(SamplingRow(ch.seq.params, ch.seq.num_output_tokens))
             seq_ids.append(ch.seq.seq_id)
     return ends, rows, seq_ids
+
+
+def prepare_rows(rows: list[tuple[list[int], int, list[int]]], block_size: int, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """(input ids, positions, metadata) of one forward over rows (new token ids, position of the first,
+    block table covering them); one-token rows must come first (the backends batch them as decode)."""
+    bs = block_size
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_lens: list[int] = []
+    context_lens: list[int] = []
+    tables: list[list[int]] = []
+    for tokens, start, table in rows:
+        end = start + len(tokens)
+        input_ids.extend(tokens)
+        positions.extend(range(start, end))
+        slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+        query_lens.append(len(tokens))
+        context_lens.append(end)
+        tables.append(table[: (end + bs - 1) // bs])
+    max_blocks = max(len(t) for t in tables)
+    bt = torch.zeros(len(tables), max_blocks, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    num_decode = 0
+    while num_decode < len(query_lens) and query_lens[num_decode] == 1:
+        num_decode += 1
+    cu = [0]
+    for q in query_lens:
+        cu.append(cu[-1] + q)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=bt.to(device),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        query_lens=query_lens,
+        context_lens_host=context_lens,
+        num_decode=num_decode,
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+    )
+    ids = torch.tensor(input_ids, dtype=torch.long, device=device)
+    pos = torch.tensor(positions, dtype=torch.long, device=device)
+    return ids, pos, meta

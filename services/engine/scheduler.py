@@ -36,6 +36,8 @@ class SchedulerConfig:
     """Most prompt tokens one sequence computes in one step (chunked prefill)."""
     max_model_len: int = 2048
     """Longest sequence, prompt plus output, in tokens; longer prompts are refused."""
+    spec_tokens: int = 0
+    """Draft tokens a decoding sequence speculates per step (K); 0: no speculative decoding."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "max_model_len"):
@@ -51,6 +53,10 @@ class ScheduledChunk:
     num_new_tokens: int
     sample: bool
     """True when the chunk reaches ``len(seq.token_ids)``: sample the next token from its last logits."""
+    spec_tokens: int = 0
+    """Decode chunk that speculates: the draft proposes this many tokens, the target verifies them with
+    the chunk's token; slots for positions num_computed_tokens .. num_computed_tokens + spec_tokens are
+    reserved. Its result is a list of Sampled (the accepted drafts, then one more token)."""
 
 
 @dataclass
@@ -196,6 +202,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(len(seq.token_ids) - seq.num_computed_tokens, cfg.max_prefill_chunk, budget)
+            k = self._spec_len(seq, budget - n)
+            if k and not bm.allocate(seq, n + k):
+                k = 0  # no room to speculate: decode one token rather than preempt for drafts
             while not bm.allocate(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -204,8 +213,8 @@ class Scheduler:
                     break
             if seq.status != SequenceStatus.RUNNING:
                 continue
-            out.chunks.append(self._chunk(seq, n))
-            budget -= n
+            out.chunks.append(self._chunk(seq, n, k))
+            budget -= n + k
             i += 1
 
         if out.preempted:
@@ -225,13 +234,26 @@ class Scheduler:
         return out
 
     @staticmethod
-    def _chunk(seq: Sequence, n: int) -> ScheduledChunk:
-        return ScheduledChunk(seq, n, sample=seq.num_computed_tokens + n == len(seq.token_ids))
+    def _chunk(seq: Sequence, n: int, spec_tokens: int = 0) -> ScheduledChunk:
+        return ScheduledChunk(seq, n, sample=seq.num_computed_tokens + n == len(seq.token_ids),
+                              spec_tokens=spec_tokens)
+
+    def _spec_len(self, seq: Sequence, budget: int) -> int:
+        """Drafts a running sequence may speculate this step: 0 unless it is decoding (one uncomputed
+        token, at least one output), capped so every token the step may add fits max_tokens and the
+        context, and by the step's remaining token budget."""
+        if not self.config.spec_tokens or seq.num_output_tokens == 0:
+            return 0
+        if len(seq.token_ids) - seq.num_computed_tokens != 1:
+            return 0
+        room = min(seq.params.max_tokens - seq.num_output_tokens, self._max_len - len(seq.token_ids)) - 1
+        return max(0, min(self.config.spec_tokens, room, budget))
 
     def update_from_output(
-        self, out: SchedulerOutput, sampled: dict[int, Sampled]
+        self, out: SchedulerOutput, sampled: dict[int, Sampled | list[Sampled]]
     ) -> list[Sequence]:
-        """Apply a step's results: ``sampled`` maps seq_id -> Sampled for ``sample`` chunks.
+        """Apply a step's results: ``sampled`` maps seq_id -> Sampled for ``sample`` chunks (a list of
+        Sampled for chunks with ``spec_tokens``).
 
         Returns the sequences that finished this step (blocks already freed). Chunks of sequences
         aborted or finished since ``schedule()`` are ignored.
@@ -245,12 +267,29 @@ class Scheduler:
             self.block_manager.mark_computed(seq, seq.num_computed_tokens)
             if not chunk.sample:
                 continue
-            token, logprob = sampled[seq.seq_id][:2]
-            reason = self._append_token(seq, token, logprob)
+            result = sampled[seq.seq_id]
+            if isinstance(result, list):  # speculation: accepted drafts, then one more token
+                reason = self._append_tokens(seq, result)
+            else:
+                token, logprob = result[:2]
+                reason = self._append_token(seq, token, logprob)
             if reason is not None:
                 self._finish(seq, reason)
                 finished.append(seq)
         return finished
+
+    def _append_tokens(self, seq: Sequence, result: list[Sampled]) -> FinishReason | None:
+        """Append a verified run of tokens until one ends the sequence; ``result`` is cut to the tokens
+        appended. The KV of every appended token but the last was written by the verify forward."""
+        reason = None
+        for j, s in enumerate(result):
+            reason = self._append_token(seq, s.token, s.logprob)
+            if reason is not None:
+                del result[j + 1:]
+                break
+        seq.num_computed_tokens = len(seq.token_ids) - 1
+        self.block_manager.mark_computed(seq, seq.num_computed_tokens)
+        return reason
 
     def _append_token(self, seq: Sequence, token: int, logprob: float | None) -> FinishReason | None:
         """Append a sampled token; the reason it ends the sequence, if it does."""

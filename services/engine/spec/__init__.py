@@ -1,0 +1,1 @@
+"""Speculative decoding: draft models, the draft KV region, verification (see decoder.py)."""

@@ -1,0 +1,222 @@
+"""One engine step with a draft model: mirror, propose, verify in one target forward.
+
+Per step, for the scheduler's chunks (``ScheduledChunk.spec_tokens`` = k > 0 marks a decode chunk that
+speculates; the scheduler reserved slots for positions n-1 .. n-1+k of its n tokens):
+
+  1. draft pass 0, one forward: every plain chunk's tokens (the draft KV mirrors every position the
+     target computes, so each block holds both regions), and for each speculating sequence its last two
+     tokens (positions n-2, n-1): recomputing n-2 makes the draft KV valid through n-1 whatever the
+     previous step accepted, with no per-sequence draft state. Its last logits give draft token d1.
+  2. draft passes 1 .. k-1: one token per speculating sequence (d_j at position n-1+j) -> d_{j+1}.
+  3. target, ONE forward: plain chunks as usual, and [t_{n-1}, d1 .. dk] at positions n-1 .. n-1+k
+     for each speculating sequence; logits at all k+1 positions.
+  4. verify (spec.verify): greedy prefix match, rejection sampling, or synthetic acceptance. The
+     sequence gains the accepted drafts and one more token; target KV past the accepted tokens (and
+     draft KV past them) lies beyond num_computed_tokens and is overwritten by later steps, never read.
+
+Results: plain chunks map to one Sampled, speculating ones to a list (accepted drafts + 1 token).
+CUDA graphs are not used on this path (the runner's graph replay covers one-token decode only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from services.engine.attention import ForwardContext
+from services.engine.kv_layout import PageLayout, Region
+from services.engine.sampler import SamplingRow
+from services.engine.sampling_params import Sampled
+from services.engine.scheduler import ScheduledChunk, SchedulerOutput
+from services.engine.spec.draft import Draft, load_draft
+from services.engine.spec.pages import pack_composite, unpack_composite
+from services.engine.spec.verify import (
+    draw,
+    greedy_accept,
+    probs_for,
+    rejection_sample,
+    row_generator,
+    synthetic_count,
+    with_logprobs,
+)
+
+Row = tuple[list[int], int, list[int]]
+"""(new token ids, position of the first, block table): one sequence's part of a forward."""
+
+
+@dataclass
+class SpecStats:
+    """Counters since start (the decode service turns them into metrics)."""
+
+    synthetic: bool
+    proposed: int = 0
+    """Draft tokens proposed."""
+    accepted: int = 0
+    """Draft tokens accepted (in synthetic mode: the synthetic count)."""
+    steps: int = 0
+    """Verify rows (one sequence in one step)."""
+    accept_hist: list[int] = field(default_factory=list)
+    """accept_hist[m]: verify rows that accepted m drafts."""
+
+    def record(self, k: int, m: int) -> None:
+        self.proposed += k
+        self.accepted += m
+        self.steps += 1
+        if len(self.accept_hist) <= m:
+            self.accept_hist.extend([0] * (m + 1 - len(self.accept_hist)))
+        self.accept_hist[m] += 1
+
+    @property
+    def mean_accepted(self) -> float:
+        """Accepted drafts per verify row (the acceptance length less the one token every step makes)."""
+        return self.accepted / self.steps if self.steps else 0.0
+
+
+@dataclass
+class _Spec:
+    chunk: ScheduledChunk
+    row: SamplingRow
+    gen: torch.Generator
+    drafts: list[int] = field(default_factory=list)
+    q: list[torch.Tensor] = field(default_factory=list)
+    """Draft distributions [V] the drafts were drawn from (non-greedy rows only)."""
+
+
+class SpecDecoder:
+    def __init__(self, loaded, config) -> None:
+        self.config = config
+        self.num_spec_tokens = config.spec_tokens
+        self.draft: Draft = load_draft(config.draft_model, loaded, config.torch_dtype, config.device)
+        self.draft_codec = (PageLayout.codec_for_dtype(config.torch_dtype) if config.draft_kv_codec == "native"
+                            else config.draft_kv_codec)
+        self.synthetic = config.spec_synthetic_acceptance
+        self.stats = SpecStats(synthetic=self.synthetic > 0)
+        self._gen = torch.Generator().manual_seed(config.seed + 1)
+        self.kv_cache: torch.Tensor | None = None
+        self.backend = None
+
+    def bytes_per_block(self) -> int:
+        return self.draft.bytes_per_block(self.config.block_size, self.config.torch_dtype)
+
+    def region(self) -> Region:
+        return self.draft.region(self.config.block_size, self.draft_codec)
+
+    def allocate(self, num_blocks: int, make_backend) -> None:
+        """The draft KV region [draft layers, 2, num_blocks, block_size, kv heads, head dim]."""
+        d, cfg = self.draft, self.config
+        self.kv_cache = torch.zeros(d.num_layers, 2, num_blocks, cfg.block_size, d.num_kv_heads, d.head_dim,
+                                    dtype=cfg.torch_dtype, device=cfg.device)
+        self.backend = make_backend(self.kv_cache, d.head_dim)
+
+    # --- pages (both regions) ---
+
+    def pack(self, target_cache: torch.Tensor, block_ids: list[int], codec: str | None) -> torch.Tensor:
+        assert self.kv_cache is not None
+        return pack_composite(target_cache, self.kv_cache, block_ids, codec, self.draft_codec)
+
+    def unpack(self, pages: torch.Tensor, target_cache: torch.Tensor, block_ids: list[int], codec: str | None
+               ) -> None:
+        assert self.kv_cache is not None
+        unpack_composite(pages, target_cache, self.kv_cache, block_ids, codec, self.draft_codec)
+
+    # --- the step ---
+
+    def _forward(self, model, backend, rows: list[Row], device: torch.device) -> tuple[torch.Tensor, list[int]]:
+        """Hidden states of one forward over rows, and each row's first flat index (rows keep their order
+        for the caller; one-token rows go first inside)."""
+        from services.engine.model_runner import prepare_rows
+
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]) != 1)
+        ids, pos, meta = prepare_rows([rows[i] for i in order], self.config.block_size, device)
+        hidden = model(ids, pos, ForwardContext(backend, meta))
+        starts = [0] * len(rows)
+        off = 0
+        for i in order:
+            starts[i] = off
+            off += len(rows[i][0])
+        return hidden, starts
+
+    def _propose(self, specs: list[_Spec], logits: torch.Tensor) -> None:
+        """Append one draft token per spec from its draft logits row."""
+        for s, lg in zip(specs, logits, strict=True):
+            if s.row.params.greedy:
+                s.drafts.append(int(lg.argmax()))
+            else:
+                q = probs_for(lg.unsqueeze(0), s.row.params)[0]
+                s.q.append(q)
+                s.drafts.append(draw(q, s.gen))
+
+    @torch.inference_mode()
+    def execute(self, runner, out: SchedulerOutput) -> dict[int, Sampled | list[Sampled]]:
+        dev = runner.device
+        plain = [c for c in out.chunks if not c.spec_tokens]
+        specs = [_Spec(c, row := SamplingRow(c.seq.params, c.seq.num_output_tokens), row_generator(row, self._gen))
+                 for c in out.chunks if c.spec_tokens]
+        dm = self.draft.model
+        # 1. draft pass 0: mirror plain chunks, and the last two tokens of speculating sequences.
+        rows: list[Row] = [_chunk_row(c) for c in plain]
+        for s in specs:
+            seq = s.chunk.seq
+            n = len(seq.token_ids)
+            rows.append((seq.token_ids[n - 2:n], n - 2, seq.block_table))
+        hidden, starts = self._forward(dm, self.backend, rows, dev)
+        if specs:
+            last = [starts[len(plain) + i] + 1 for i in range(len(specs))]
+            self._propose(specs, dm.compute_logits(hidden[torch.tensor(last, device=hidden.device)]).cpu())
+        # 2. draft passes 1 .. k-1.
+        for j in range(1, max((s.chunk.spec_tokens for s in specs), default=0)):
+            active = [s for s in specs if s.chunk.spec_tokens > j]
+            rows = [([s.drafts[-1]], len(s.chunk.seq.token_ids) - 1 + j, s.chunk.seq.block_table) for s in active]
+            hidden, _ = self._forward(dm, self.backend, rows, dev)
+            self._propose(active, dm.compute_logits(hidden).cpu())
+        # 3. the target verifies every speculating sequence in the same forward as the plain chunks.
+        rows = [_chunk_row(c) for c in plain]
+        for s in specs:
+            seq = s.chunk.seq
+            rows.append(([seq.token_ids[-1], *s.drafts], len(seq.token_ids) - 1, seq.block_table))
+        hidden, starts = self._forward(runner.model, runner.attn_backend, rows, dev)
+        picks: list[int] = []
+        plain_rows: list[SamplingRow] = []
+        plain_ids: list[int] = []
+        for c, st in zip(plain, starts, strict=False):
+            if c.sample:
+                picks.append(st + c.num_new_tokens - 1)
+                plain_rows.append(SamplingRow(c.seq.params, c.seq.num_output_tokens))
+                plain_ids.append(c.seq.seq_id)
+        for i, s in enumerate(specs):
+            st = starts[len(plain) + i]
+            picks.extend(range(st, st + len(s.drafts) + 1))
+        if not picks:
+            return {}
+        logits = runner.model.compute_logits(hidden[torch.tensor(picks, device=hidden.device)]).float().cpu()
+        result: dict[int, Sampled | list[Sampled]] = {}
+        if plain_rows:
+            result.update(zip(plain_ids, runner.sampler.sample(logits[: len(plain_rows)], plain_rows), strict=True))
+        off = len(plain_rows)
+        for s in specs:
+            k = len(s.drafts)
+            result[s.chunk.seq.seq_id] = self._verify(s, logits[off:off + k + 1])
+            off += k + 1
+        return result
+
+    def _verify(self, s: _Spec, logits: torch.Tensor) -> list[Sampled]:
+        """logits [k+1, V]: the target's after t_{n-1}, d1, .., dk."""
+        params, k = s.row.params, len(s.drafts)
+        if self.synthetic > 0:
+            m = synthetic_count(self.synthetic, k, s.gen)
+            last = logits[m]
+            bonus = int(last.argmax()) if params.greedy else draw(probs_for(last.unsqueeze(0), params)[0], s.gen)
+            tokens = [*s.drafts[:m], bonus]
+        elif params.greedy:
+            tokens, m = greedy_accept(logits.argmax(dim=-1).tolist(), s.drafts)
+        else:
+            tokens, m = rejection_sample(probs_for(logits, params), torch.stack(s.q), s.drafts, s.gen)
+        self.stats.record(k, m)
+        return with_logprobs(tokens, logits, params)
+
+
+def _chunk_row(c: ScheduledChunk) -> Row:
+    start = c.seq.num_computed_tokens
+    return c.seq.token_ids[start:start + c.num_new_tokens], start, c.seq.block_table
+
