@@ -28,6 +28,18 @@ def _claim(resv, *, blocks=None, pool=None, token=None) -> common_pb2.KVChunk:
                                  pool_id=pool_id(resv.destination) if pool is None else pool))
 
 
+async def _shared(decode_rig, **reserve_kw: object):
+    """A decode whose KV pool is shared (shm), its idle engine's stats, and one reservation on it."""
+    rig = await decode_rig(engine=SHARED)
+    base = await idle(rig.engine)
+    return rig, base, await reserve(rig.stub, **reserve_kw)
+
+
+async def _abort(rig, *reservations) -> None:
+    for r in reservations:
+        await rig.stub.Abort(common_pb2.AbortRequest(request_id=r.reservation_id))
+
+
 async def _claimed_call(stub: decode_pb2_grpc.DecodeStub, claim: common_pb2.KVChunk):
     """A PushKV call that sent ``claim``; returns (call, acknowledged)."""
     call = stub.PushKV()
@@ -45,9 +57,7 @@ def _descriptor(resv) -> common_pb2.KVChunk:
 
 
 async def test_a_claimed_reservation_keeps_its_blocks_past_its_lease_until_the_writer_leaves(decode_rig):
-    rig = await decode_rig(engine=SHARED)
-    base = await idle(rig.engine)
-    resv = await reserve(rig.stub, lease_ms=300)
+    rig, base, resv = await _shared(decode_rig, lease_ms=300)
     assert resv.destination.WhichOneof("pool") == "shm"
     r = rig.servicer.table.get(resv.reservation_id)
     assert rig.servicer.receiver.poll(r) is KVPoll.BOOTSTRAPPING
@@ -64,14 +74,12 @@ async def test_a_claimed_reservation_keeps_its_blocks_past_its_lease_until_the_w
     await call.done_writing()  # the writer's stream ends: now, and only now, the blocks are freed
     out = await refused(call)
     assert out.code == grpc.StatusCode.NOT_FOUND and out.detail.reason == Reason.ERROR_REASON_RESERVATION_GONE
-    await rig.stub.Abort(common_pb2.AbortRequest(request_id=other.reservation_id))
+    await _abort(rig, other)
     assert (await idle(rig.engine))["free_blocks"] == base["free_blocks"]
 
 
 async def test_an_abort_while_claimed_frees_only_when_the_stream_breaks(decode_rig):
-    rig = await decode_rig(engine=SHARED)
-    base = await idle(rig.engine)
-    resv = await reserve(rig.stub)
+    rig, base, resv = await _shared(decode_rig)
     call, acked = await _claimed_call(rig.stub, _claim(resv))
     assert acked
     assert (await rig.stub.Abort(common_pb2.AbortRequest(request_id=resv.reservation_id))).found
@@ -82,9 +90,7 @@ async def test_an_abort_while_claimed_frees_only_when_the_stream_breaks(decode_r
 
 
 async def test_a_claim_after_the_reservation_ended_is_refused_before_any_write(decode_rig):
-    rig = await decode_rig(engine=SHARED)
-    base = await idle(rig.engine)
-    resv = await reserve(rig.stub)
+    rig, base, resv = await _shared(decode_rig)
     await rig.stub.Abort(common_pb2.AbortRequest(request_id=resv.reservation_id))
     call, acked = await _claimed_call(rig.stub, _claim(resv))
     assert not acked
@@ -94,9 +100,7 @@ async def test_a_claim_after_the_reservation_ended_is_refused_before_any_write(d
 
 
 async def test_a_claim_for_another_reservations_blocks_or_pool_is_refused(decode_rig):
-    rig = await decode_rig(engine=SHARED)
-    base = await idle(rig.engine)
-    mine = await reserve(rig.stub)
+    rig, base, mine = await _shared(decode_rig)
     theirs = await reserve(rig.stub, prompt(5))
     cases = [
         (_claim(mine, blocks=list(theirs.block_ids)), grpc.StatusCode.PERMISSION_DENIED, "claim.dest_block_ids"),
@@ -111,15 +115,12 @@ async def test_a_claim_for_another_reservations_blocks_or_pool_is_refused(decode
     call, acked = await _claimed_call(rig.stub, _claim(mine))
     assert acked
     call.cancel()
-    for r in (mine, theirs):
-        await rig.stub.Abort(common_pb2.AbortRequest(request_id=r.reservation_id))
+    await _abort(rig, mine, theirs)
     assert (await idle(rig.engine))["free_blocks"] == base["free_blocks"]
 
 
 async def test_an_in_place_descriptor_without_a_claim_is_refused(decode_rig):
-    rig = await decode_rig(engine=SHARED)
-    base = await idle(rig.engine)
-    resv = await reserve(rig.stub)
+    rig, base, resv = await _shared(decode_rig)
     call = rig.stub.PushKV()
     await call.write(_descriptor(resv))
     await call.done_writing()

@@ -20,6 +20,7 @@ from services.common.pb import kvstore_pb2_grpc as pb_grpc
 from services.common.tls import DEFAULT_SERVER_NAME, TLSConfig, make_certs
 from services.kvstore.embedded import EmbeddedBackend
 from services.kvstore.servicer import KVStoreServicer
+from tests.grpc_server import loopback_server
 from tests.kvstore.conftest import KiB, MiB, new_fp, new_hash
 
 
@@ -32,14 +33,9 @@ class Store:
 async def _serve(tls: TLSConfig | None = None, **kwargs) -> tuple[grpc.aio.Server, Store]:
     kwargs.setdefault("max_page_bytes", 64 * MiB)
     servicer = KVStoreServicer(EmbeddedBackend(memory_bytes=256 * MiB), tls_on=tls is not None, **kwargs)
-    server = grpc.aio.server(options=server_options())
-    pb_grpc.add_KVStoreServicer_to_server(servicer, server)
-    if tls is None:
-        port = server.add_insecure_port("127.0.0.1:0")
-    else:
-        port = server.add_secure_port("127.0.0.1:0", tls.server_credentials())
-    await server.start()
-    return server, Store(f"127.0.0.1:{port}", servicer)
+    server, address = await loopback_server(lambda s: pb_grpc.add_KVStoreServicer_to_server(servicer, s), tls,
+                                            options=server_options())
+    return server, Store(address, servicer)
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -22,6 +21,7 @@ from services.engine.kv_transport import FakeTransport
 from services.engine.kv_transport.fake import Faults
 from services.prefill.config import PrefillConfig
 from services.prefill.servicer import PrefillServicer
+from tests.grpc_server import loopback_server
 
 TOKEN = bytes(range(16))
 """The reservation token every rig request carries."""
@@ -97,14 +97,8 @@ async def start_prefill(config: PrefillConfig | None = None, engine: EngineConfi
     servicer = PrefillServicer(config or PrefillConfig(), PrefillMetrics(registry),
                                FakeTransport({"decode-x": receiver}, faults), asyncio.Event())
     servicer.bind(await asyncio.to_thread(AsyncEngine, engine or engine_config()))
-    server = grpc.aio.server()
-    prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
-    if server_tls is None:
-        port = server.add_insecure_port("127.0.0.1:0")
-    else:
-        port = server.add_secure_port("127.0.0.1:0", server_tls.server_credentials())
-    await server.start()
-    address = f"127.0.0.1:{port}"
+    server, address = await loopback_server(lambda s: prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, s),
+                                            server_tls)
     channel = create_channel(address, tls=server_tls)
     rig = PrefillRig(servicer, prefill_pb2_grpc.PrefillStub(channel), receiver, faults, registry, address)
 

@@ -28,6 +28,7 @@ from services.engine.kv_transport.fake import Faults
 from services.engine.sampling_params import SamplingParams
 from services.prefill.config import PrefillConfig
 from services.prefill.servicer import PrefillServicer
+from tests.grpc_server import loopback_server
 
 PROMPT = [(i * 37) % 250 + 1 for i in range(45)]  # 45 tokens: 3 pages of 16, the last partial
 
@@ -46,13 +47,13 @@ async def _servers(decode_engine: EngineConfig, prefill_config: PrefillConfig, r
     transport = FakeTransport({"decode-x": decode.receiver}, faults)
     prefill = PrefillServicer(prefill_config, PrefillMetrics(registry), transport, asyncio.Event())
     prefill.bind(AsyncEngine(_ecfg()))
-    server = grpc.aio.server()
-    decode_pb2_grpc.add_DecodeServicer_to_server(decode, server)
-    prefill_pb2_grpc.add_PrefillServicer_to_server(prefill, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    def add(server: grpc.aio.Server) -> None:
+        decode_pb2_grpc.add_DecodeServicer_to_server(decode, server)
+        prefill_pb2_grpc.add_PrefillServicer_to_server(prefill, server)
+
+    server, address = await loopback_server(add)
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        async with grpc.aio.insecure_channel(address) as channel:
             yield (decode, prefill, faults, decode_pb2_grpc.DecodeStub(channel),
                    prefill_pb2_grpc.PrefillStub(channel))
     finally:
@@ -97,7 +98,11 @@ async def _generate(dstub, pstub, resv: decode_pb2.ReserveResponse
     return tokens, resp
 
 
-async def _refused_prefill(dstub, pstub) -> tuple[decode_pb2.ReserveResponse, grpc.aio.AioRpcError]:
+async def _refused_prefill(rig, **fault: int) -> tuple[decode_pb2.ReserveResponse, grpc.aio.AioRpcError]:
+    """With ``fault`` set on the transport (a Faults field), the reservation and the Prefill's error."""
+    _, _, faults, dstub, pstub = rig
+    for name, value in fault.items():
+        setattr(faults, name, value)
     resv = await _reserve(dstub)
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await pstub.Prefill(_prefill_req(resv))
@@ -126,9 +131,8 @@ async def test_fake_handoff_gives_the_colocated_tokens(rig):
 
 
 async def test_injected_transport_failure_fails_prefill_and_frees_its_blocks(rig):
-    decode, prefill, faults, dstub, pstub = rig
-    faults.fail_after_chunks = 1
-    resv, err = await _refused_prefill(dstub, pstub)
+    decode, prefill, _, dstub, _ = rig
+    resv, err = await _refused_prefill(rig, fail_after_chunks=1)
     assert err.code() == grpc.StatusCode.UNAVAILABLE and "KV handoff" in err.details()
     detail = detail_of(err)
     assert (detail.reason, detail.retryable, detail.side) == (Reason.ERROR_REASON_KV_HANDOFF_FAILED, False, "decode")
@@ -142,9 +146,8 @@ async def test_injected_transport_failure_fails_prefill_and_frees_its_blocks(rig
 
 
 async def test_corrupted_chunk_is_refused_by_decode(rig):
-    decode, prefill, faults, dstub, pstub = rig
-    faults.corrupt_chunk = 0
-    _, err = await _refused_prefill(dstub, pstub)
+    decode, prefill, *_ = rig
+    _, err = await _refused_prefill(rig, corrupt_chunk=0)
     assert err.code() == grpc.StatusCode.DATA_LOSS and "checksum" in err.details()
     for side in (prefill, decode):
         s = await _idle(side)

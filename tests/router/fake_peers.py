@@ -94,6 +94,14 @@ async def serve(add: list[tuple[object, object]], port: int = 0) -> Peer:
     return Peer(server, f"127.0.0.1:{port}", health, admin)
 
 
+async def _refuse_if_full(context, side: str, retry_after_ms: int | None) -> None:
+    """Answer RESOURCE_EXHAUSTED (OVERLOADED, retryable, with ``retry_after_ms``) when that is set."""
+    if retry_after_ms is not None:
+        await grpc_util.abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{side} is full",
+                              error_detail(Reason.ERROR_REASON_OVERLOADED, retryable=True, side=side,
+                                           retry_after_ms=retry_after_ms))
+
+
 @dataclass(eq=False)
 class Reservation:
     rid: str
@@ -126,10 +134,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
 
     async def Reserve(self, request, context):
         self.reserves.append(request)
-        if self.full_retry_after_ms is not None:
-            await grpc_util.abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "decode is full",
-                                  error_detail(Reason.ERROR_REASON_OVERLOADED, retryable=True, side="decode",
-                                               retry_after_ms=self.full_retry_after_ms))
+        await _refuse_if_full(context, "decode", self.full_retry_after_ms)
         r = Reservation(f"rsv-{next(self._ids)}", b"token-%d" % len(self.reserves), list(request.token_ids),
                         request.params.max_tokens)
         self.reservations[r.rid] = r
@@ -210,10 +215,7 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
 
     async def Prefill(self, request, context):
         self.requests.append(request)
-        if self.full_retry_after_ms is not None:
-            await grpc_util.abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "prefill queue full",
-                                  error_detail(Reason.ERROR_REASON_OVERLOADED, retryable=True, side="prefill",
-                                               retry_after_ms=self.full_retry_after_ms))
+        await _refuse_if_full(context, "prefill", self.full_retry_after_ms)
         if self.die_after_s is not None:
             await asyncio.sleep(self.die_after_s)
             assert self.peer is not None

@@ -15,9 +15,15 @@ import aiohttp
 import grpc
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from hypothesis import HealthCheck, settings
 from prometheus_client import CollectorRegistry
 
-from services.common.metrics import ROUTER_ERRORS_TOTAL, ROUTER_REQUESTS_TOTAL, RouterMetrics
+from services.common.metrics import (
+    ROUTER_ERRORS_TOTAL,
+    ROUTER_INFLIGHT_REQUESTS,
+    ROUTER_REQUESTS_TOTAL,
+    RouterMetrics,
+)
 from services.common.pb import router_pb2_grpc
 from services.engine.sampling_params import SamplingParams
 from services.engine.tokenizer import Tokenizer
@@ -25,6 +31,34 @@ from services.router.auth import APIKeys
 from services.router.metering import RequestMeter
 from services.router.pipeline import BackendError, TextPipeline, TokenEvent
 from services.router.servicer import RouterServicer
+
+
+def outcome_counts(registry: CollectorRegistry, model: str | None = None, *, nonzero: bool = True
+                   ) -> dict[str, float]:
+    """The router's request outcomes: requests_total as "status/finish_reason", errors_total as "error:code",
+    the in-flight gauge as "inflight"; only ``model``'s series when given, only non-zero values when
+    ``nonzero``."""
+    out: dict[str, float] = {}
+    for fam in registry.collect():
+        for smp in fam.samples:
+            if model is not None and smp.labels.get("model") != model:
+                continue
+            if smp.name == ROUTER_REQUESTS_TOTAL:
+                out[f"{smp.labels['status']}/{smp.labels['finish_reason']}"] = smp.value
+            elif smp.name == ROUTER_ERRORS_TOTAL:
+                out[f"error:{smp.labels['code']}"] = smp.value
+            elif smp.name == ROUTER_INFLIGHT_REQUESTS:
+                out["inflight"] = smp.value
+    return {k: v for k, v in out.items() if v or not nonzero}
+
+
+FUZZ_EXAMPLES = 300
+"""Examples per fuzzed route or RPC."""
+CALL_TIMEOUT_S = 20.0
+"""Longest one fuzzed call may take (a hang fails the test)."""
+FUZZ = settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+"""The fuzz tests' hypothesis settings: reproducible, no per-example deadline (CALL_TIMEOUT_S bounds calls)."""
 
 EOS = 256
 """The byte-level tokenizer: id b < 256 is byte b, 256 is EOS."""
@@ -167,15 +201,7 @@ class RouterRPC:
         await self.server.stop(None)
 
     def counts(self) -> dict[str, float]:
-        """requests_total as "status/finish_reason", errors_total as "error:code" (non-zero only)."""
-        out: dict[str, float] = {}
-        for fam in self.registry.collect():
-            for smp in fam.samples:
-                if smp.name == ROUTER_REQUESTS_TOTAL:
-                    out[f"{smp.labels['status']}/{smp.labels['finish_reason']}"] = smp.value
-                elif smp.name == ROUTER_ERRORS_TOTAL:
-                    out[f"error:{smp.labels['code']}"] = smp.value
-        return {k: v for k, v in out.items() if v}
+        return outcome_counts(self.registry)
 
     async def settled(self, want: dict[str, float], wait_s: float = 5.0) -> dict[str, float]:
         """The counters once they equal ``want`` (the server counts a call just after its status is sent)."""

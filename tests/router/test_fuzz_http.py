@@ -18,21 +18,17 @@ from typing import Any
 
 import aiohttp
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.router.metering import RequestMeter
 from services.router.openai_http import TIMEOUT_HEADER, make_app
-from tests.router.harness import FakeBackend, LoopThread, fake_pipeline, sse_events
+from tests.router.harness import CALL_TIMEOUT_S, FUZZ, FakeBackend, LoopThread, fake_pipeline, sse_events
 
-FUZZ_EXAMPLES = 300
-CALL_TIMEOUT_S = 20.0
 ALLOWED = {200, 400, 404, 413, 422, 429}
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 
-FUZZ = settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
 @dataclass

@@ -18,16 +18,13 @@ from prometheus_client import CollectorRegistry
 
 from services.common.config import ConfigError
 from services.common.metrics import (
-    ROUTER_ERRORS_TOTAL,
-    ROUTER_INFLIGHT_REQUESTS,
-    ROUTER_REQUESTS_TOTAL,
     RouterMetrics,
 )
 from services.router.auth import APIKeys
 from services.router.metering import RequestMeter
 from services.router.openai_http import TIMEOUT_HEADER, make_app, make_runner
 from services.router.pipeline import BackendError
-from tests.router.harness import FakeBackend, fake_pipeline, sse_events
+from tests.router.harness import FakeBackend, fake_pipeline, outcome_counts, sse_events
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -67,16 +64,7 @@ class Served:
         return r.status, json.loads(text), r.headers
 
     def counts(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for fam in self.registry.collect():
-            for s in fam.samples:
-                if s.name == ROUTER_REQUESTS_TOTAL:
-                    out[f"{s.labels['status']}/{s.labels['finish_reason']}"] = s.value
-                elif s.name == ROUTER_ERRORS_TOTAL:
-                    out[f"error:{s.labels['code']}"] = s.value
-                elif s.name == ROUTER_INFLIGHT_REQUESTS:
-                    out["inflight"] = s.value
-        return {k: v for k, v in out.items() if v}
+        return outcome_counts(self.registry)
 
     async def settled(self, want: dict[str, float]) -> dict[str, float]:
         """The counters once they equal ``want`` (a request is counted just after its last byte)."""

@@ -16,9 +16,6 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from services.common.metrics import (
-    ROUTER_ERRORS_TOTAL,
-    ROUTER_INFLIGHT_REQUESTS,
-    ROUTER_REQUESTS_TOTAL,
     ROUTER_TTFT_SECONDS,
     RouterMetrics,
 )
@@ -26,7 +23,7 @@ from services.engine.async_engine import AsyncEngine
 from services.engine.config import EngineConfig
 from services.router.openai_http import make_app
 from services.router.pipeline import TextPipeline
-from tests.router.harness import LoopThread, http
+from tests.router.harness import LoopThread, http, outcome_counts
 from tests.router.local_backend import LocalEngineBackend
 
 QUESTION = "What is the capital of France?"
@@ -86,19 +83,7 @@ def eventually(check: Any, timeout: float = 10.0) -> Any:
 
 
 def counts(served: Served) -> dict[str, float]:
-    """requests_total by "status/finish_reason" and errors_total by "error:code", plus the in-flight gauge."""
-    out: dict[str, float] = {}
-    for fam in served.registry.collect():
-        for smp in fam.samples:
-            if smp.labels.get("model") != served.model:
-                continue
-            if smp.name == ROUTER_REQUESTS_TOTAL:
-                out[f"{smp.labels['status']}/{smp.labels['finish_reason']}"] = smp.value
-            elif smp.name == ROUTER_ERRORS_TOTAL:
-                out[f"error:{smp.labels['code']}"] = smp.value
-            elif smp.name == ROUTER_INFLIGHT_REQUESTS:
-                out["inflight"] = smp.value
-    return out
+    return outcome_counts(served.registry, served.model, nonzero=False)
 
 
 def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

@@ -139,13 +139,19 @@ async def test_settings_are_frozen():
         DispatchSettings().block_size = 32  # type: ignore[misc]
 
 
-async def test_decode_abort_finish_is_an_error_not_a_short_success(cluster_factory):
+@pytest.mark.parametrize(("fault", "sent", "migrated"), [
+    ("finish_abort_after", 2, False),  # decode's stream finishes ABORT: an error, not a short success
+    ("die_after_tokens", 3, True),     # decode dies mid-stream and no other decode is left
+])
+async def test_a_decode_stream_cut_short_is_an_error_after_the_tokens_sent(cluster_factory, fault, sent, migrated):
     c = await cluster_factory(1, 1)
-    c.decode(0).finish_abort_after = 2
+    setattr(c.decode(0), fault, sent)
     got: list[int] = []
     async with router(c) as r:
-        assert (await failure(r, 8, got)).code == "unavailable"
-    assert got == reference(PROMPT, 2)
+        assert (await failure(r, 10, got)).code == "unavailable"
+        assert got == reference(PROMPT, sent)
+        if migrated:
+            assert r.metric(ROUTER_MIGRATIONS_TOTAL, outcome="failed") == 1
 
 
 # --- prefill faults ---
@@ -249,16 +255,6 @@ async def test_decode_death_mid_stream_migrates_with_the_exact_tokens(cluster_fa
     assert list(moved.token_ids) == PROMPT + reference(PROMPT, 3)
     assert moved.params.max_tokens == 7
     assert list(c.prefill(0).requests[-1].token_ids) == PROMPT + reference(PROMPT, 3)
-
-
-async def test_decode_death_with_no_decode_left_fails_mid_stream(cluster_factory):
-    c = await cluster_factory(1, 1)
-    c.decode(0).die_after_tokens = 3
-    got: list[int] = []
-    async with router(c) as r:
-        assert (await failure(r, 10, got)).code == "unavailable"
-        assert got == reference(PROMPT, 3)
-        assert r.metric(ROUTER_MIGRATIONS_TOTAL, outcome="failed") == 1
 
 
 async def test_colocated_worker_death_mid_stream_migrates(cluster_factory):

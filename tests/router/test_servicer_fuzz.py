@@ -18,21 +18,17 @@ from typing import Any
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.common.pb import common_pb2, router_pb2
-from tests.router.harness import FakeBackend, LoopThread, RouterRPC
+from tests.router.harness import CALL_TIMEOUT_S, FUZZ, FakeBackend, LoopThread, RouterRPC
 
-FUZZ_EXAMPLES = 300
 WIRE_EXAMPLES = 200
-CALL_TIMEOUT_S = 20.0
 DESIGNED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
             grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.RESOURCE_EXHAUSTED}
 INT32 = st.integers(-(2**31), 2**31 - 1)
 INT64 = st.integers(-(2**63), 2**63 - 1)
-FUZZ = settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
 @dataclass
