@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -17,6 +18,25 @@ TOL: dict[torch.dtype, tuple[float, float]] = {  # (atol, rtol) vs an fp32 refer
 JUNK = 100.0
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+def llama_kv_cache(num_pages: int = 300) -> torch.Tensor:
+    """A Llama-8B-shaped bf16 paged KV cache on CUDA: [32 layers, K/V, pages, 16 tokens, 8 kv heads, 128]."""
+    return torch.randn((32, 2, num_pages, 16, 8, 128), dtype=torch.bfloat16, device=torch.device("cuda"))
+
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+HEAD_DIMS = (64, 128)
+
+
+def attention_cases(heads: list[tuple[int, int]]) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Parametrize an attention kernel test over dtype x (num_heads, num_kv_heads) in ``heads`` x head_dim."""
+
+    def mark(test: Callable[..., None]) -> Callable[..., None]:
+        test = pytest.mark.parametrize("head_dim", HEAD_DIMS)(test)
+        test = pytest.mark.parametrize(("num_heads", "num_kv_heads"), heads)(test)
+        return pytest.mark.parametrize("dtype", FLOAT_DTYPES)(test)
+
+    return mark
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.kernel_cases import requires_cuda
+from tests.kernels.kernel_cases import llama_kv_cache, requires_cuda
 
 pytest.importorskip("triton")
 
@@ -111,9 +111,8 @@ def test_fp8_page_layout_is_values_then_scales(device: torch.device) -> None:
 @pytest.mark.gpu
 @requires_cuda
 def test_fp8_gpu_llama_shapes() -> None:
-    device = torch.device("cuda")
-    kv_cache = torch.randn((32, 2, 300, 16, 8, 128), dtype=torch.bfloat16, device=device)
-    ids = torch.randperm(300, device=device)[:64]
+    kv_cache = llama_kv_cache()
+    ids = torch.randperm(kv_cache.shape[2], device=kv_cache.device)[:64]
     buf = pack_pages_fp8(kv_cache, ids)
     assert torch.equal(buf, ref_pack_pages_fp8(kv_cache, ids))
     x = kv_cache[0, 0].reshape(-1, 8, 128)[:8192]

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.kernel_cases import requires_cuda
+from tests.kernels.kernel_cases import llama_kv_cache, requires_cuda
 
 pytest.importorskip("triton")
 
@@ -63,9 +63,8 @@ def test_unpack_rejects_wrong_shape(device: torch.device) -> None:
 @pytest.mark.gpu
 @requires_cuda
 def test_pack_gpu_llama_shapes() -> None:
-    device = torch.device("cuda")
-    kv_cache = torch.randn((32, 2, 300, 16, 8, 128), dtype=torch.bfloat16, device=device)
-    ids = torch.randperm(300, device=device)[:128]
+    kv_cache = llama_kv_cache()
+    ids = torch.randperm(kv_cache.shape[2], device=kv_cache.device)[:128]
     buf = pack_pages(kv_cache, ids)
     assert torch.equal(buf, ref_pack_pages(kv_cache, ids))
     dst = torch.zeros_like(kv_cache)

@@ -3,7 +3,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.kernel_cases import assert_close, make_paged_kv, plain_attention, requires_cuda
+from tests.kernels.kernel_cases import (
+    assert_close,
+    attention_cases,
+    make_paged_kv,
+    plain_attention,
+    requires_cuda,
+)
 
 pytest.importorskip("triton")
 
@@ -45,12 +51,8 @@ def _run(
         torch.testing.assert_close(ref[b : b + 1], plain, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (6, 2), (8, 2)])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_decode_matches_reference(
-    device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
-) -> None:
+@attention_cases([(4, 4), (6, 2), (8, 2)])
+def test_decode_matches_reference(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
     _run(device, dtype, num_heads, num_kv_heads, head_dim, 16, CONTEXTS)
 
 
