@@ -58,9 +58,16 @@ class KVPages:
         return self._runner.kv_destination
 
     @property
+    def sharded(self) -> bool:
+        """The pool is split over tensor-parallel ranks: pages leave and enter with all heads through rank 0's
+        runner (services/engine/parallel), and no side transport may read or write the pool itself."""
+        return self._runner.model.tp_split.tp_size > 1
+
+    @property
     def page_shape(self) -> tuple[int, int, int, int, int]:
+        """One page as it crosses the instance boundary: all KV heads, whatever the TP degree."""
         r = self._runner
-        return (r.num_layers, 2, r.block_size, r.num_kv_heads, r.head_dim)
+        return (r.num_layers, 2, r.block_size, r.model.tp_split.num_kv_heads, r.head_dim)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -72,6 +79,8 @@ class KVPages:
         staging buffer)."""
         from kernels import pack_pages, pack_pages_fp8
 
+        if self.sharded:  # every rank's heads, gathered by rank 0 (one collective, synchronous)
+            return PageExport(self._runner.read_pages(block_ids, codec))
         pack = pack_pages_fp8 if codec == FP8_CODEC else pack_pages
         cache = self._runner.kv_cache
         if not cache.is_cuda:

@@ -73,6 +73,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     def bind(self, engine: AsyncEngine) -> None:
         self.engine = engine
+        if pages_of(engine.engine).sharded:  # TP>1: no rank holds whole pages to copy; bytes go in the stream
+            self.direct.mode = "grpc"
         self.model = engine.engine.loaded.model_id
         self.layout = engine.engine.layout
         engine.engine.chunk_listeners.append(self._on_chunk)
