@@ -194,6 +194,14 @@ def pd_rows() -> list[Row]:
             ], width=12),
             Panel("Decode tokens/s", [Target(sum_rate(m.DECODE_GENERATION_TOKENS_TOTAL), "generated")],
                   unit="tok/s", width=12),
+            Panel("Speculative decoding: acceptance", [
+                Target(f"sum by (acceptance) ({rate(m.DECODE_SPEC_ACCEPTED_TOKENS_TOTAL)}) / "
+                       f"sum by (acceptance) ({rate(m.DECODE_SPEC_DRAFT_TOKENS_TOTAL)})", "accepted/proposed {{acceptance}}"),
+                Target(f"sum by (acceptance) ({rate(m.DECODE_SPEC_ACCEPTANCE_LENGTH_TOKENS + '_sum')}) / "
+                       f"sum by (acceptance) ({rate(m.DECODE_SPEC_ACCEPTANCE_LENGTH_TOKENS + '_count')})",
+                       "tokens/step {{acceptance}}"),
+            ], width=12, description="Draft tokens accepted per proposed, and tokens per verify step (accepted + 1). "
+                                     "acceptance=synthetic marks benchmark runs whose acceptance was forced."),
         ]),
         Row("Prefix cache and kvstore", [
             Panel("Cached-prefix tokens skipped/s by source", [

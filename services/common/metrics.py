@@ -50,6 +50,8 @@ LATENCY_BUCKETS: tuple[float, ...] = (
     1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0,
     90.0, 120.0, 180.0, 240.0, 300.0, 450.0, 600.0,
 )
+# Tokens per speculative verify step (accepted drafts + 1): 1 .. 16.
+SPEC_LENGTH_BUCKETS: tuple[float, ...] = tuple(float(n) for n in range(1, 17))
 # Per-token gaps (ITL, TPOT): denser below 200 ms, still reaching 300 s for stalls.
 TOKEN_BUCKETS: tuple[float, ...] = (
     0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
@@ -103,6 +105,9 @@ DECODE_GENERATION_TOKENS_TOTAL = "pdserve_decode_generation_tokens_total"
 DECODE_KV_STREAMS_BROKEN_TOTAL = "pdserve_decode_kv_streams_broken_total"
 DECODE_REQUESTS_REFUSED_TOTAL = "pdserve_decode_requests_refused_total"
 DECODE_ENGINE_INFO = "pdserve_decode_engine_info"
+DECODE_SPEC_DRAFT_TOKENS_TOTAL = "pdserve_decode_spec_draft_tokens_total"
+DECODE_SPEC_ACCEPTED_TOKENS_TOTAL = "pdserve_decode_spec_accepted_tokens_total"
+DECODE_SPEC_ACCEPTANCE_LENGTH_TOKENS = "pdserve_decode_spec_acceptance_length_tokens"
 
 # --- kvstore ------------------------------------------------------------------------------------
 KVSTORE_HITS_TOTAL = "pdserve_kvstore_hits_total"
@@ -230,6 +235,13 @@ SPECS: tuple[MetricSpec, ...] = (
        "(overloaded, draining, deadline, permission)."),
     _s(DECODE_ENGINE_INFO, "gauge", ENGINE_INFO_LABELS, "decode",
        "1, labelled with the engine's resolved dtype and why, device, CPU model and torch threads."),
+    _s(DECODE_SPEC_DRAFT_TOKENS_TOTAL, "counter", ["model", "acceptance"], "decode",
+       "Speculative decoding: draft tokens proposed, by acceptance (real | synthetic: --spec-synthetic-acceptance)."),
+    _s(DECODE_SPEC_ACCEPTED_TOKENS_TOTAL, "counter", ["model", "acceptance"], "decode",
+       "Speculative decoding: draft tokens accepted and emitted, by acceptance (real | synthetic)."),
+    _s(DECODE_SPEC_ACCEPTANCE_LENGTH_TOKENS, "histogram", ["model", "acceptance"], "decode",
+       "Speculative decoding: tokens one verify step emitted for a request (accepted drafts + 1), by acceptance "
+       "(real | synthetic).", SPEC_LENGTH_BUCKETS),
     # kvstore
     _s(KVSTORE_HITS_TOTAL, "counter", ["tier"], "kvstore", "Page lookups answered by this tier."),
     _s(KVSTORE_MISSES_TOTAL, "counter", ["tier"], "kvstore", "Page lookups this tier could not answer."),

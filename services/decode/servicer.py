@@ -328,12 +328,23 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 index += 1
                 if index == 2 and kv_done_at() is not None:
                     self.metrics.queue_seconds.labels(self.model).observe(max(0.0, now - kv_done_at()))
-                elif index > 2 and last is not None:
-                    self.metrics.tpot_seconds.labels(self.model).observe(now - last)
+                elif index > 2 and last is not None:  # a speculative step's tokens share its gap
+                    for _ in o.new_token_ids:
+                        self.metrics.tpot_seconds.labels(self.model).observe((now - last) / len(o.new_token_ids))
                 if index > 1:
                     self.metrics.generation_tokens_total.labels(self.model).inc(len(o.new_token_ids))
+                if o.spec_proposed:
+                    self._observe_spec(o)
                 last = now
             yield o
+
+    def _observe_spec(self, o) -> None:
+        """Speculative decoding counters of one verify step (acceptance label: real | synthetic)."""
+        acceptance = "synthetic" if o.spec_synthetic else "real"
+        m = self.metrics
+        m.spec_draft_tokens_total.labels(self.model, acceptance).inc(o.spec_proposed)
+        m.spec_accepted_tokens_total.labels(self.model, acceptance).inc(o.spec_accepted)
+        m.spec_acceptance_length_tokens.labels(self.model, acceptance).observe(o.spec_accepted + 1)
 
     async def _colocated(self, request: decode_pb2.DecodeGenerateRequest, context: grpc.aio.ServicerContext
                          ) -> AsyncIterator[common_pb2.GenerateResponse]:

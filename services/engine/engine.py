@@ -44,6 +44,12 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     first_token_time: float | None = None
+    spec_proposed: int = 0
+    """Speculative decoding: drafts proposed in the step that made new_token_ids (0: no speculation)."""
+    spec_accepted: int = 0
+    """Drafts of that step accepted and emitted (new_token_ids less the one token every step makes)."""
+    spec_synthetic: bool = False
+    """True when acceptance was synthetic (--spec-synthetic-acceptance): the tokens are NOT the model's."""
 
 
 @dataclass
@@ -235,7 +241,11 @@ class LLMEngine:
                 req.first_token_time = now
             result = sampled[ch.seq.seq_id]
             run = result if isinstance(result, list) else [result]  # a list: speculation's accepted run
-            outputs.append(self._emit(req, [s.token for s in run], [s.logprob for s in run], [s.top for s in run]))
+            o = self._emit(req, [s.token for s in run], [s.logprob for s in run], [s.top for s in run])
+            if ch.spec_tokens:
+                o.spec_proposed, o.spec_accepted = ch.spec_tokens, len(run) - 1
+                o.spec_synthetic = self.config.spec_synthetic_acceptance > 0
+            outputs.append(o)
         return outputs
 
     def _emit(self, req: _Request, tokens: list[int], logprobs: list[float | None],

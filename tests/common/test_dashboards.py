@@ -161,6 +161,7 @@ _LABEL_VALUES: dict[str, list[str]] = {
     "device": ["cpu"],
     "cpu_model": ["Xeon"],
     "cpu_threads": ["2"],
+    "acceptance": ["real", "synthetic"],
 }
 
 
