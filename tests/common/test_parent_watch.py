@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.process_util import alive
+
 # A stand-in launcher: starts a kvstore (torch-free, quick) in its own session, reports the pid once the
 # kvstore is ready, then waits to be killed.
 _LAUNCHER = r"""
@@ -29,14 +31,6 @@ time.sleep(600)
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
-
-
 def _start(mode: str) -> tuple[subprocess.Popen[str], int]:
     root = Path(__file__).resolve().parents[2]
     launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, mode], stdout=subprocess.PIPE, text=True,
@@ -50,7 +44,7 @@ def _start(mode: str) -> tuple[subprocess.Popen[str], int]:
 def _wait_gone(pid: int, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not _alive(pid):
+        if not alive(pid):
             return True
         time.sleep(0.2)
     return False
@@ -60,12 +54,12 @@ def _wait_gone(pid: int, timeout_s: float) -> bool:
 def test_service_stops_when_its_launcher_is_killed() -> None:
     launcher, pid = _start("watch")
     try:
-        assert _alive(pid)
+        assert alive(pid)
         launcher.send_signal(signal.SIGKILL)
         launcher.wait(10)
         assert _wait_gone(pid, 60), "the kvstore outlived its SIGKILLed launcher despite --parent-pid"
     finally:
-        if _alive(pid):
+        if alive(pid):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -77,6 +71,6 @@ def test_without_parent_pid_the_service_keeps_running() -> None:
         launcher.wait(10)
         assert not _wait_gone(pid, 3), "the kvstore stopped although no --parent-pid was given"
     finally:
-        if _alive(pid):
+        if alive(pid):
             os.kill(pid, signal.SIGKILL)
         _wait_gone(pid, 10)

@@ -23,6 +23,7 @@ from services.launcher import LocalCluster, RestartPolicy, pick_port, served_mod
 from services.process import ServiceProc, exit_text, parse_ready
 from services.up import UpConfig
 from tests.e2e.cluster_util import metric_sum, post_json
+from tests.process_util import alive
 
 KV = ["--kv-cache-bytes", str(96 << 20)]
 # 127.0.0.1 in /proc/net/tcp, and as an IPv4-mapped address in /proc/net/tcp6 (gRPC's dual-stack sockets).
@@ -34,15 +35,6 @@ def _wait_for(what: str, cond, timeout: float) -> None:
     while not cond():
         assert time.monotonic() < deadline, f"timed out after {timeout:.0f}s waiting for {what}"
         time.sleep(0.2)
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie counts as gone)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
 
 
 def _sessions_alive(sids: set[int]) -> list[int]:
@@ -162,7 +154,7 @@ def test_supervised_cluster_restarts_a_killed_decode_on_its_ports() -> None:
                   60)
         after = c.get("decode-0").ready
         assert (after["grpc"], after["metrics"]) == (before["grpc"], before["metrics"])
-        assert not _alive(old_pid)
+        assert not alive(old_pid)
         _wait_for("the router to see decode-0 healthy again", lambda: metric_sum(
             rmetrics, "pdserve_router_instance_healthy", role="decode", endpoint=after["grpc"]) == 1, 30)
         status, body = post_json(http, "/v1/completions", {"model": model, "prompt": "One, two, three,",
@@ -223,7 +215,7 @@ def test_pdserve_up_binds_loopback_and_sigterm_stops_everything() -> None:
         endpoints = [ln for ln in seen if re.match(r"  \S+ +grpc=", ln)]
         assert {ln.split()[0] for ln in endpoints} == {"prefill-0", "decode-0", "router"}, seen
         pids = {int(m) for ln in endpoints for m in re.findall(r"pid=(\d+)", ln)}
-        assert len(pids) == 3 and all(_alive(p) for p in pids)
+        assert len(pids) == 3 and all(alive(p) for p in pids)
         addresses = [a for ln in endpoints for a in re.findall(r"(?:grpc|http|metrics)=(\S+)", ln)]
         assert len(addresses) == 7  # router: grpc, http, metrics; workers: grpc, metrics
         for a in addresses:  # printed as loopback, and really bound only there
@@ -233,11 +225,11 @@ def test_pdserve_up_binds_loopback_and_sigterm_stops_everything() -> None:
 
         os.kill(proc.pid, signal.SIGTERM)
         assert proc.wait(90) == 0, "\n".join(seen[-40:])
-        assert [p for p in pids if _alive(p)] == []
+        assert [p for p in pids if alive(p)] == []
         assert _sessions_alive(pids) == []  # nothing the services started either
     finally:
         for pid in [proc.pid, *pids]:  # a failed run leaves nothing behind either
-            if _alive(pid):
+            if alive(pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pid, signal.SIGKILL)
         proc.wait()
