@@ -3,11 +3,12 @@
 It is also the descriptor stream of every side transport (shm, cuda-ipc, mooncake): a claim first,
 then one descriptor per chunk, no payload.
 
-Page bytes are copied once between the page tensor and gRPC: a message is serialized as its header
-(every field but ``payload``) followed by the payload field written by hand from a memoryview of the
-pages (protobuf allows fields in any order). Several messages are in flight: gRPC pulls them from a
-bounded queue (a request iterator: several times faster than call.write) while the next chunk is
-packed and checksummed.
+Page bytes are copied once between the page tensor and gRPC's message bytes, in a worker thread: a
+message is serialized as its header (every field but ``payload``) followed by the payload field written
+by hand from a memoryview of the pages (grpc_wire.serialize). Several messages are in flight: gRPC
+pulls them from a bounded queue (a request iterator: several times faster than call.write) while the
+next chunk is packed, checksummed and serialized. (gRPC Python 1.85 then copies each message once more
+into its own buffer, on the event loop; decode parses the header only, see grpc_wire.parse_chunk.)
 """
 
 from __future__ import annotations
@@ -53,9 +54,21 @@ class _GrpcSender(KVSender):
                                       response_deserializer=decode_pb2.PushKVResponse.FromString)
         self._queue: asyncio.Queue = asyncio.Queue(maxsize=IN_FLIGHT)
         # A request iterator, not call.write(): gRPC's consumer pulls messages at several times the rate.
-        self._call = method(self._messages_from(self._queue, _END), metadata=metadata)
-        self._call.add_done_callback(self._stream_ended)
+        self._call = method(self._messages(), metadata=metadata)
+        self._call.add_done_callback(self._ended)
         self._watcher = asyncio.ensure_future(self._watch())
+
+    def _ended(self, _call: object) -> None:
+        # Runs when the RPC completes, however: a writer thread polling sees the stream gone at once.
+        if self.state is not KVPoll.SUCCESS:
+            self.state = KVPoll.FAILED
+
+    async def _messages(self):
+        while True:
+            msg = await self._queue.get()
+            if msg is _END:
+                return
+            yield msg
 
     def on_call_done(self, fn: Callable[[], None]) -> None:
         """Call ``fn`` once when the PushKV call ends, however it ends."""
@@ -105,7 +118,12 @@ class _GrpcSender(KVSender):
     async def send(self, chunk: common_pb2.KVChunk, payload: memoryview | bytes = b"") -> None:
         if self.state is KVPoll.FAILED or self._watcher.done():
             await self._raise_from_call()
-        await self._wait(asyncio.ensure_future(self._queue.put((chunk, payload) if len(payload) else chunk)))
+        msg: common_pb2.KVChunk | bytes = chunk
+        if len(payload):
+            # The one copy of the pages into the message, in a worker: the event loop (where gRPC copies the
+            # previous message into its own buffer) keeps running meanwhile.
+            msg = await asyncio.to_thread(serialize, (chunk, payload))
+        await self._wait(asyncio.ensure_future(self._queue.put(msg)))
         self._count(len(payload))
 
     async def finish(self) -> decode_pb2.PushKVResponse:

@@ -42,8 +42,12 @@ def varint(n: int) -> bytes:
             return bytes(out)
 
 
-def serialize(msg: common_pb2.KVChunk | tuple[common_pb2.KVChunk, memoryview | bytes]) -> bytes:
-    """A KVChunk, or (header, payload): the header's bytes then the payload field, in one copy."""
+def serialize(msg: common_pb2.KVChunk | tuple[common_pb2.KVChunk, memoryview | bytes] | bytes) -> bytes:
+    """A KVChunk, or (header, payload): the header's bytes then the payload field, in one copy (bytes.join
+    drops the GIL while it copies a large payload, so a worker thread may run it); bytes: already
+    serialized, passed through."""
+    if isinstance(msg, bytes):
+        return msg
     if isinstance(msg, common_pb2.KVChunk):
         return msg.SerializeToString()
     header, payload = msg
