@@ -54,21 +54,9 @@ class _GrpcSender(KVSender):
                                       response_deserializer=decode_pb2.PushKVResponse.FromString)
         self._queue: asyncio.Queue = asyncio.Queue(maxsize=IN_FLIGHT)
         # A request iterator, not call.write(): gRPC's consumer pulls messages at several times the rate.
-        self._call = method(self._messages(), metadata=metadata)
-        self._call.add_done_callback(self._ended)
+        self._call = method(self._messages_from(self._queue, _END), metadata=metadata)
+        self._call.add_done_callback(self._stream_ended)
         self._watcher = asyncio.ensure_future(self._watch())
-
-    def _ended(self, _call: object) -> None:
-        # Runs when the RPC completes, however: a writer thread polling sees the stream gone at once.
-        if self.state is not KVPoll.SUCCESS:
-            self.state = KVPoll.FAILED
-
-    async def _messages(self):
-        while True:
-            msg = await self._queue.get()
-            if msg is _END:
-                return
-            yield msg
 
     def on_call_done(self, fn: Callable[[], None]) -> None:
         """Call ``fn`` once when the PushKV call ends, however it ends."""
