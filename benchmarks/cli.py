@@ -16,6 +16,7 @@ BENCHES = {
     "kvstore": ("benchmarks.kvstore_bench", "kvstore put/get bandwidth and latency"),
     "kernels": ("benchmarks.kernels_bench", "Triton kernels vs their torch references"),
     "kv": ("benchmarks.kv_bench", "KV transports (grpc, shm, mooncake) vs a loopback socket and a memcpy"),
+    "spec": ("benchmarks.spec_bench", "speculative decoding: decode tokens/s plain vs real vs synthetic acceptance"),
     "startup": ("benchmarks.startup_bench", "router start-up: entry-point import and exec -> ready, per checkout"),
     "serve": ("benchmarks.serve.cli:serve_main", "any OpenAI-compatible server (or a recipe's deployment): "
                                                  "concurrency/rate sweeps, SLO goodput, plots, accuracy"),

@@ -61,8 +61,8 @@ def offered_pool(pages: KVPages, mooncake_host: str) -> decode_pb2.KVDestination
     """The pool this decode offers side transports: registered with Mooncake when ``mooncake_host`` is
     set (any host may write; a device pool through a pinned host landing area, kv_transport/mooncake_staged),
     else the engine's same-host shm / CUDA IPC pool, else None."""
-    if pages.sharded:  # TP>1: the pool is split over ranks; prefills send full-head page bytes instead
-        return None
+    if pages.sharded or pages.has_draft:  # TP>1: the pool is split over ranks; a draft region is a second
+        return None                          # pool: prefills send (full-head, both-region) page bytes instead
     if mooncake_host:
         why = mooncake.available()
         try:

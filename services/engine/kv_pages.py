@@ -64,14 +64,22 @@ class KVPages:
         return self._runner.model.tp_split.tp_size > 1
 
     @property
-    def page_shape(self) -> tuple[int, int, int, int, int]:
-        """One page as it crosses the instance boundary: all KV heads, whatever the TP degree."""
+    def has_draft(self) -> bool:
+        """Pages carry a draft KV region (speculative decoding): they cross as uint8 [P, page bytes]."""
+        return self._runner.spec is not None
+
+    @property
+    def page_shape(self) -> tuple[int, ...]:
+        """One page as it crosses the instance boundary: all KV heads, whatever the TP degree; with a draft
+        region, (page bytes,) of both regions (target in the cache's dtype, draft in its codec)."""
         r = self._runner
+        if r.spec is not None:
+            return (r.spec.page_bytes(r.kv_cache, None),)
         return (r.num_layers, 2, r.block_size, r.model.tp_split.num_kv_heads, r.head_dim)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self._runner.dtype
+        return torch.uint8 if self.has_draft else self._runner.dtype
 
     def export(self, block_ids: list[int], codec: str | None = None, out: torch.Tensor | None = None) -> PageExport:
         """Engine thread: start copying the pages of ``block_ids`` to the host (see the module docstring);
@@ -81,6 +89,9 @@ class KVPages:
 
         if self.sharded:  # every rank's heads, gathered by rank 0 (one collective, synchronous)
             return PageExport(self._runner.read_pages(block_ids, codec))
+        if self.has_draft:  # both regions packed synchronously (no side stream on this path)
+            pages = self._runner.read_pages(block_ids, codec)
+            return PageExport(pages if out is None else out.copy_(pages))
         pack = pack_pages_fp8 if codec == FP8_CODEC else pack_pages
         cache = self._runner.kv_cache
         if not cache.is_cuda:

@@ -75,6 +75,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.engine = engine
         if pages_of(engine.engine).sharded:  # TP>1: no rank holds whole pages to copy; bytes go in the stream
             self.direct.mode = "grpc"
+        if pages_of(engine.engine).has_draft:  # side transports write the target pool only: the draft region
+            self.direct.mode = "grpc"          # travels with it as page bytes in the stream
         self.model = engine.engine.loaded.model_id
         self.layout = engine.engine.layout
         engine.engine.chunk_listeners.append(self._on_chunk)

@@ -20,17 +20,18 @@ CUDA graphs are not used on this path (the runner's graph replay covers one-toke
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
 from services.engine.attention import ForwardContext
-from services.engine.kv_layout import PageLayout, Region
+from services.engine.kv_layout import FP8_CODEC, PageLayout, Region
 from services.engine.sampler import SamplingRow
 from services.engine.sampling_params import Sampled
 from services.engine.scheduler import ScheduledChunk, SchedulerOutput
-from services.engine.spec.draft import Draft, load_draft
-from services.engine.spec.pages import pack_composite, unpack_composite
+from services.engine.spec.draft import Draft, DraftConfigError, load_draft
+from services.engine.spec.pages import pack_composite, region_nbytes, unpack_composite
 from services.engine.spec.verify import (
     draw,
     greedy_accept,
@@ -40,6 +41,8 @@ from services.engine.spec.verify import (
     synthetic_count,
     with_logprobs,
 )
+
+log = logging.getLogger(__name__)
 
 Row = tuple[list[int], int, list[int]]
 """(new token ids, position of the first, block table): one sequence's part of a forward."""
@@ -87,10 +90,16 @@ class SpecDecoder:
     def __init__(self, loaded, config) -> None:
         self.config = config
         self.num_spec_tokens = config.spec_tokens
+        self.synthetic = config.spec_synthetic_acceptance
+        if loaded.model.tp_split.tp_size > 1:
+            raise DraftConfigError("--draft-model / PDSERVE_DRAFT_MODEL: speculative decoding does not run with "
+                                   "--tensor-parallel-size > 1 yet (the draft region is not sharded)")
         self.draft: Draft = load_draft(config.draft_model, loaded, config.torch_dtype, config.device)
+        if self.synthetic > 0:
+            log.warning("speculative decoding: SYNTHETIC acceptance (%.2f drafts per step, unchecked): output is "
+                        "not the model's; metrics carry acceptance=\"synthetic\"", config.spec_synthetic_acceptance)
         self.draft_codec = (PageLayout.codec_for_dtype(config.torch_dtype) if config.draft_kv_codec == "native"
                             else config.draft_kv_codec)
-        self.synthetic = config.spec_synthetic_acceptance
         self.stats = SpecStats(synthetic=self.synthetic > 0)
         self._gen = torch.Generator().manual_seed(config.seed + 1)
         self.kv_cache: torch.Tensor | None = None
@@ -110,6 +119,12 @@ class SpecDecoder:
         self.backend = make_backend(self.kv_cache, d.head_dim)
 
     # --- pages (both regions) ---
+
+    def page_bytes(self, target_cache: torch.Tensor, codec: str | None) -> int:
+        """Bytes of one page of both regions, the target's in ``codec`` (None: the cache's dtype)."""
+        assert self.kv_cache is not None
+        return (region_nbytes(target_cache, codec == FP8_CODEC)
+                + region_nbytes(self.kv_cache, self.draft_codec == FP8_CODEC))
 
     def pack(self, target_cache: torch.Tensor, block_ids: list[int], codec: str | None) -> torch.Tensor:
         assert self.kv_cache is not None
