@@ -33,7 +33,7 @@ from services.common.pb import decode_pb2
 from services.engine.kv_pages import PageExport
 from services.engine.kv_transport.base import KVPoll, KVSender, PageWriter, TransferError
 from services.engine.kv_transport.mooncake import MooncakeEngine
-from services.engine.shared_kv import _dtype_name, _runs, pool_id
+from services.engine.shared_kv import SharedKVAttachError, _dtype_name, _runs, pool_id
 
 ALIGN = 4096
 """Staging spans start on page boundaries (bytes)."""
@@ -46,9 +46,14 @@ thread serve many connections, which keeps a chunk's transfer fast on a loaded h
 (benchmarks/mooncake_tcp_probe.py)."""
 
 
-def _pinned(nbytes: int) -> torch.Tensor:
-    """Host bytes, page-locked when a GPU is there to copy from/to them asynchronously."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+def _pinned(nbytes: int, what: str) -> torch.Tensor:
+    """Host bytes, page-locked when a GPU is there to copy from/to them asynchronously; a host that cannot
+    lock that much is a SharedKVAttachError (the caller falls back), not a crash."""
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    except RuntimeError as e:
+        raise SharedKVAttachError(what, f"cannot allocate {nbytes} bytes of pinned host memory for the Mooncake "
+                                        f"{what} area: {e}") from e
 
 
 class StagingRing:
@@ -58,7 +63,7 @@ class StagingRing:
     is sorted by offset and holds no two adjacent spans."""
 
     def __init__(self, engine: MooncakeEngine, nbytes: int) -> None:
-        self.buf = _pinned(nbytes)
+        self.buf = _pinned(nbytes, "staging")
         self.base = engine.register(self.buf)
         self.capacity = nbytes
         self._free: list[tuple[int, int]] = [(0, nbytes)]
@@ -235,7 +240,8 @@ class HostLanding:
                  import_pages: Callable[[list[int], torch.Tensor], None]) -> None:
         layers, two, blocks, *rest = pool.shape
         self.page_shape = (layers, two, *rest)
-        self.host = _pinned(pool.numel() * pool.element_size()).view(pool.dtype).view(blocks, *self.page_shape)
+        self.host = _pinned(pool.numel() * pool.element_size(), "landing").view(pool.dtype).view(blocks,
+                                                                                              *self.page_shape)
         self.engine = engine
         self.import_pages = import_pages
         """The engine's page import (engine thread): pages [P, layers, 2, bs, kvh, hd] -> pool blocks."""
