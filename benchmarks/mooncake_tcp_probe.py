@@ -25,46 +25,27 @@ import threading
 import time
 
 
-def _sink(sock: socket.socket, nbytes: int) -> None:
-    buf = bytearray(1 << 22)
-    view = memoryview(buf)
-    while True:
-        conn, _ = sock.accept()
-        with conn:
-            left = nbytes
-            while left:
-                got = conn.recv_into(view[:min(len(view), left)])
-                if not got:
-                    break
-                left -= got
-            conn.sendall(b"k")
-
-
 def _receiver(conn, nbytes: int) -> None:
     import torch
 
+    from benchmarks.kv_bench import _sink_socket
     from services.engine.kv_transport.mooncake import MooncakeEngine
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(4)
-    threading.Thread(target=_sink, args=(sock, nbytes), daemon=True).start()
+    threading.Thread(target=_sink_socket, args=(sock, nbytes), daemon=True).start()
     eng = MooncakeEngine("127.0.0.1")
     buf = torch.empty(nbytes, dtype=torch.uint8)
     conn.send((sock.getsockname()[1], eng.segment, eng.register(buf)))
     conn.recv()  # until the sender is done
 
 
-def _socket_copy(port: int, data: memoryview) -> None:
-    with socket.create_connection(("127.0.0.1", port)) as s:
-        s.sendall(data)
-        s.recv(1)
-
-
 def sender(mib: int, entries: list[int], repeat: int) -> dict[str, list[float]]:
     """Seconds per run of the socket copy and of each entry split, in this process's environment."""
     import torch
 
+    from benchmarks.kv_bench import _socket_copy
     from services.engine.kv_transport.mooncake import MooncakeEngine
 
     nbytes = mib << 20
