@@ -21,6 +21,7 @@ Both sides work with host tensors standing in for the device (CPU tests exercise
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from collections.abc import Callable
@@ -111,6 +112,13 @@ class StagingRing:
         return self.buf[off:off + nbytes].view(dtype).view(shape)
 
 
+class _State(enum.Enum):
+    STAGED = "staged"      # the export fills the span; not sent yet
+    SENDING = "sending"    # the transfer engine is writing it
+    DONE = "done"          # sent (or failed); the span is back in the ring
+    DROPPED = "dropped"    # the stream failed before it was sent; the span is back in the ring
+
+
 @dataclass
 class _Staged:
     """One write: its span, the export filling it, and the transfer-engine entries that send it."""
@@ -121,8 +129,7 @@ class _Staged:
     srcs: list[int]
     dsts: list[int]
     lens: list[int]
-    state: str = "staged"
-    """staged -> sending -> done (span given back), or dropped (the stream failed before it was sent)."""
+    state: _State = _State.STAGED
 
 
 class StagedWriter(PageWriter):
@@ -188,17 +195,17 @@ class StagedWriter(PageWriter):
         assert isinstance(handle, _Staged)
         handle.export.wait()  # the pages are in the span
         with self._lock:
-            if handle.state != "staged" or self._failed():
+            if handle.state is not _State.STAGED or self._failed():
                 self._drop(handle)
                 raise TransferError("KV stream to decode is broken: chunk not sent", grpc.StatusCode.CANCELLED)
-            handle.state = "sending"
+            handle.state = _State.SENDING
             self._sending += 1
         try:
             rc = self.engine.te.batch_transfer_sync_write(self.segment, handle.srcs, handle.dsts, handle.lens)
         finally:
             with self._lock:
                 self._sending -= 1
-                handle.state = "done"
+                handle.state = _State.DONE
                 self._writes.remove(handle)
             self.ring.give(handle.off, handle.nbytes)
         if rc != 0:
@@ -206,8 +213,8 @@ class StagedWriter(PageWriter):
 
     def _drop(self, w: _Staged) -> None:
         """(lock held) Give back the span of a write that will never be sent (its export has finished)."""
-        if w.state == "staged":
-            w.state = "dropped"
+        if w.state is _State.STAGED:
+            w.state = _State.DROPPED
             self._writes.remove(w)
             self.ring.give(w.off, w.nbytes)
 
@@ -221,7 +228,7 @@ class StagedWriter(PageWriter):
         ended (decode may then free the blocks it targets); unsent spans go back to the ring."""
         with self._lock:
             self._closed = True
-            pending = [w for w in self._writes if w.state == "staged"]
+            pending = [w for w in self._writes if w.state is _State.STAGED]
         for w in pending:
             w.export.wait()
             with self._lock:
