@@ -130,7 +130,8 @@ class ModelRunner:
 
         self.max_model_len = min(self.config.max_model_len or loaded.max_model_len, loaded.max_model_len)
         self.model.rotary.ensure(self.max_model_len)
-        if self.config.cuda_graphs and isinstance(self.attn_backend, TritonPagedAttention):
+        # The speculative path runs eagerly (its steps are not one-token decode): no graphs to capture.
+        if self.config.cuda_graphs and self.spec is None and isinstance(self.attn_backend, TritonPagedAttention):
             from services.engine.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.model, self.attn_backend, self.config.max_num_seqs,
