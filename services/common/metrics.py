@@ -27,7 +27,8 @@ Label values (small, closed sets; never request ids or prompts):
     transport      grpc | shm | cuda-ipc | mooncake
     tier           memory | disk | mooncake
     outcome        ok | failed   (router migrations)
-    dtype, dtype_reason, device, cpu_model, cpu_threads   (engine info gauges only: one series per process)
+    dtype, dtype_reason, device, cpu_model, cpu_threads, weight_format, weight_format_reason
+                                                          (engine info gauges only: one series per process)
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ KVSTORE_PUT_REFUSED_TOTAL = "pdserve_kvstore_put_refused_total"
 KVSTORE_PUT_INFLIGHT_BYTES = "pdserve_kvstore_put_inflight_bytes"
 
 
-ENGINE_INFO_LABELS = ("dtype", "dtype_reason", "device", "cpu_model", "cpu_threads")
+ENGINE_INFO_LABELS = ("dtype", "dtype_reason", "device", "cpu_model", "cpu_threads", "weight_format",
+                      "weight_format_reason")
 """Labels of the engine info gauges: EngineConfig.info_labels() gives their values."""
 
 

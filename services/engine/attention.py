@@ -31,6 +31,21 @@ class AttentionMetadata:
     """The first num_decode sequences have exactly one query token."""
     cu_seqlens_q: torch.Tensor | None = None
     """int32 [B+1] prefix sums of query_lens (GPU kernels)."""
+    decode_plan: DecodePlan | None = None
+    """What every layer's decode attention shares within a step; the CPU backend fills it at layer 0."""
+
+
+@dataclass
+class DecodePlan:
+    """Per-step constants of the decode part (the first num_decode sequences), shared by all layers."""
+
+    gather: torch.Tensor
+    """int64 [nd * blocks]: the block ids to gather (index_select with int64 is the fast CPU path)."""
+    blocks: int
+    """Blocks gathered per sequence (covering the longest context)."""
+    max_len: int
+    mask: torch.Tensor | None
+    """bool [nd, 1, 1, max_len] of valid keys; None when every sequence has max_len keys (no padding)."""
 
 
 class AttentionBackend(Protocol):
@@ -58,12 +73,44 @@ class TorchPagedAttention:
         self.kv_cache = kv_cache
         self.scale = scale
         _, _, _, self.block_size, self.num_kv_heads, self.head_dim = kv_cache.shape
+        # Per layer: K and V as [slots, KVH, D] views (store) and [blocks, block_size * KVH * D] (gather), made
+        # once so a step's ~30 layers slice nothing per call.
+        self._slots = [(kv_cache[i, 0].view(-1, self.num_kv_heads, self.head_dim),
+                        kv_cache[i, 1].view(-1, self.num_kv_heads, self.head_dim)) for i in range(kv_cache.shape[0])]
+        self._pages = [(kv_cache[i, 0].flatten(1), kv_cache[i, 1].flatten(1)) for i in range(kv_cache.shape[0])]
 
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        kc = self.kv_cache[layer, 0].view(-1, self.num_kv_heads, self.head_dim)
-        vc = self.kv_cache[layer, 1].view(-1, self.num_kv_heads, self.head_dim)
-        kc.index_copy_(0, slots, k.to(kc.dtype))
-        vc.index_copy_(0, slots, v.to(vc.dtype))
+        kc, vc = self._slots[layer]
+        kc.index_copy_(0, slots, k if k.dtype == kc.dtype else k.to(kc.dtype))
+        vc.index_copy_(0, slots, v if v.dtype == vc.dtype else v.to(vc.dtype))
+
+    def _decode_plan(self, meta: AttentionMetadata) -> DecodePlan:
+        if meta.decode_plan is None:
+            nd = meta.num_decode
+            ctx = meta.context_lens_host[:nd]
+            max_len = max(ctx)
+            nb = (max_len + self.block_size - 1) // self.block_size
+            gather = meta.block_tables[:nd, :nb].reshape(-1).to(torch.int64)
+            mask = None
+            if min(ctx) != max_len:
+                pos = torch.arange(max_len, device=meta.block_tables.device)
+                lens = torch.tensor(ctx, dtype=torch.int64, device=pos.device)
+                mask = (pos[None, :] < lens[:, None])[:, None, None, :]
+            meta.decode_plan = DecodePlan(gather, nb, max_len, mask)
+        return meta.decode_plan
+
+    def _decode(self, layer: int, q: torch.Tensor, plan: DecodePlan, gqa: bool) -> torch.Tensor:
+        """q [nd, H, D] -> out [nd, H, D] over each sequence's cached keys (its new K/V already stored)."""
+        nd = q.shape[0]
+        kp, vp = self._pages[layer]
+        shape = (nd, plan.blocks * self.block_size, self.num_kv_heads, self.head_dim)
+        k = kp.index_select(0, plan.gather).view(shape)[:, : plan.max_len].transpose(1, 2)
+        v = vp.index_select(0, plan.gather).view(shape)[:, : plan.max_len].transpose(1, 2)
+        if k.dtype != q.dtype:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=plan.mask, scale=self.scale,
+                                           enable_gqa=gqa)
+        return o.squeeze(2)
 
     def _gather(self, layer: int, block_tables: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, max_blocks] -> K, V each [B, KVH, max_len, D]."""
@@ -79,19 +126,13 @@ class TorchPagedAttention:
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         self._store(layer, k, v, meta.slot_mapping)
-        out = torch.empty_like(q)
         nd = meta.num_decode
         gqa = q.shape[1] != self.num_kv_heads
+        if nd == len(meta.query_lens):  # a pure decode step
+            return self._decode(layer, q, self._decode_plan(meta), gqa)
+        out = torch.empty_like(q)
         if nd:
-            ctx = meta.context_lens_host[:nd]
-            max_len = max(ctx)
-            kd, vd = self._gather(layer, meta.block_tables[:nd], max_len)
-            pos = torch.arange(max_len, device=q.device)
-            mask = (pos[None, :] < meta.context_lens[:nd, None].to(pos.dtype))[:, None, None, :]
-            qd = q[:nd].unsqueeze(2)  # [nd, H, 1, D]
-            od = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=mask,
-                                                scale=self.scale, enable_gqa=gqa)
-            out[:nd] = od.squeeze(2)
+            out[:nd] = self._decode(layer, q[:nd], self._decode_plan(meta), gqa)
         start = nd
         for i in range(nd, len(meta.query_lens)):
             qlen, clen = meta.query_lens[i], meta.context_lens_host[i]

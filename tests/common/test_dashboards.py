@@ -161,6 +161,8 @@ _LABEL_VALUES: dict[str, list[str]] = {
     "device": ["cpu"],
     "cpu_model": ["Xeon"],
     "cpu_threads": ["2"],
+    "weight_format": ["int4"],
+    "weight_format_reason": ["measured_faster"],
     "acceptance": ["real", "synthetic"],
 }
 

@@ -114,6 +114,7 @@ def test_engine_info_gauge_carries_the_resolved_dtype(cpu: PoseAs, group: type, 
     cfg = EngineConfig(cpu_threads=2)
     metrics.engine_info.labels(**cfg.info_labels()).set(1)
     labels = {"dtype": "float32", "dtype_reason": "cpu_no_native_bf16", "device": "cpu",
-              "cpu_model": "AMD EPYC 7B13", "cpu_threads": "2"}
+              "cpu_model": "AMD EPYC 7B13", "cpu_threads": "2",
+              "weight_format": "pending", "weight_format_reason": "pending"}
     assert registry.get_sample_value(name, labels) == 1
     assert registry.get_sample_value(name, {**labels, "dtype": "bfloat16"}) is None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +69,24 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+_READERS: dict[tuple[str, int, int], Any] = {}
+"""Parsed readers by (path, size, mtime): the engine opens its GGUF twice (dequantized weights, then the
+Q4_1 blocks for --weight-format), and parsing the metadata (49k tokenizer entries) takes seconds."""
+_MAX_READERS = 2
+
+
+def _reader(path: Path) -> Any:
+    from gguf import GGUFReader
+
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _READERS:
+        while len(_READERS) >= _MAX_READERS:
+            _READERS.pop(next(iter(_READERS)))
+        _READERS[key] = GGUFReader(str(path))
+    return _READERS[key]
+
+
 class GGUFFile:
     """An opened GGUF file: `metadata` (key -> python value), `arch`, and `tensors()`."""
 
@@ -76,9 +95,7 @@ class GGUFFile:
         if not self.path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {self.path}")
         try:
-            from gguf import GGUFReader
-
-            self._reader = GGUFReader(str(self.path))
+            self._reader = _reader(self.path)
             self.metadata: dict[str, Any] = {}
             for key, field in self._reader.fields.items():
                 self.metadata[key] = field.contents()
@@ -164,6 +181,85 @@ class GGUFFile:
             if not data.flags.writeable:  # F32/F16 tensors are read-only views of the memmap
                 data = data.copy()
             yield hf, torch.from_numpy(np.ascontiguousarray(data))
+
+    def tensor_types(self) -> dict[str, str]:
+        """HF name -> GGUF storage type name (Q4_1, Q8_0, F32 ...) of each tensor the model uses."""
+        out = {}
+        for t in self._reader.tensors:
+            hf = gguf_to_hf_name(t.name)
+            if hf is not None:
+                out[hf] = t.tensor_type.name
+        return out
+
+    def q8_0_weight(self, hf_name: str) -> Q8_0Blocks | None:
+        """The raw blocks of one Q8_0 tensor (e.g. a tied embedding / LM head); None if it is stored otherwise.
+        Not for the permuted q/k weights of llama."""
+        from gguf import GGMLQuantizationType
+
+        for t in self._reader.tensors:
+            if gguf_to_hf_name(t.name) == hf_name and t.tensor_type == GGMLQuantizationType.Q8_0:
+                blocks = np.asarray(t.data, dtype=np.uint8).reshape(int(t.shape[1]), -1, _Q8_0_BLOCK_BYTES)
+                d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+                q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(blocks.shape[0], -1)
+                return Q8_0Blocks(q=q, d=d)
+        return None
+
+    def q4_1_weights(self) -> Iterator[tuple[str, Q4_1Blocks]]:
+        """(HF name, raw blocks) of each Q4_1 tensor, rows un-permuted like :meth:`tensors` (q/k of llama)."""
+        from gguf import GGMLQuantizationType
+
+        heads = {"attn_q.weight": self.arch.num_heads, "attn_k.weight": self.arch.num_kv_heads}
+        permute = self.metadata.get("general.architecture") in _PERMUTED_QK_ARCHS
+        for t in self._reader.tensors:
+            hf = gguf_to_hf_name(t.name)
+            if hf is None or t.tensor_type != GGMLQuantizationType.Q4_1:
+                continue
+            rows = int(t.shape[1])
+            b = _q4_1_blocks(t.data, rows)
+            n_head = next((h for suffix, h in heads.items() if t.name.endswith(suffix)), None)
+            if permute and n_head is not None:
+                b = Q4_1Blocks(*(np.ascontiguousarray(unpermute_qk(a, n_head)) for a in (b.q, b.d, b.m)))
+            yield hf, b
+
+
+@dataclass(frozen=True)
+class Q4_1Blocks:
+    """A Q4_1 weight as stored, rows in HF order: w[n, k] = d[n, k // 32] * q[n, k] + m[n, k // 32]."""
+
+    q: np.ndarray
+    """uint8 [out, in], values 0..15."""
+    d: np.ndarray
+    """float32 [out, in // 32]: each group's step (fp16 in the file, exact in fp32)."""
+    m: np.ndarray
+    """float32 [out, in // 32]: each group's minimum."""
+
+
+@dataclass(frozen=True)
+class Q8_0Blocks:
+    """A Q8_0 weight as stored: w[n, k] = d[n, k // 32] * q[n, k]."""
+
+    q: np.ndarray
+    """int8 [out, in]."""
+    d: np.ndarray
+    """float32 [out, in // 32] (fp16 in the file)."""
+
+
+_Q8_0_BLOCK_BYTES = 34
+"""ggml block_q8_0: fp16 d, 32 int8."""
+
+Q4_1_GROUP = 32
+"""Weights per Q4_1 block (ggml QK4_1)."""
+_Q4_1_BLOCK_BYTES = 20
+"""ggml block_q4_1: fp16 d, fp16 m, 16 bytes of nibbles (low nibble = element j, high = element j + 16)."""
+
+
+def _q4_1_blocks(raw: np.ndarray, rows: int) -> Q4_1Blocks:
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, -1, _Q4_1_BLOCK_BYTES)
+    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    m = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
+    nib = blocks[..., 4:]
+    q = np.concatenate([nib & 0xF, nib >> 4], axis=-1).reshape(rows, -1)
+    return Q4_1Blocks(q=q, d=d, m=m)
 
 
 def default_gguf_path() -> Path:
