@@ -19,6 +19,7 @@ from services.engine.cpu_features import (
     torch_cpu_capability,
 )
 from services.engine.model_settings import DTYPE_CHOICES, DtypeConfig, ModelConfig
+from services.engine.models.quant_linear import WEIGHT_FORMATS
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,10 @@ class EngineConfig(ContextConfig, ModelConfig, DtypeConfig):
                                        "on GPU. The service starts ranks 1..N-1 itself; any prefill and decode "
                                        "TP degrees hand KV to each other.")
     seed: int = opt(0, "Seed of the sampler's generator for requests without their own seed.")
+    weight_format: str = opt("auto", "Linear weights of decode-sized steps (CPU, GGUF Q4_1 tensors): int4 reads the "
+                                     "Q4_1 blocks packed for torch's int4 GEMM, dequantized reads the dense weights; "
+                                     "prefill-sized steps always use the dense ones. auto: int4 where it measures "
+                                     "faster at start.", choices=WEIGHT_FORMATS)
     draft_model: str = opt("", "Draft model of speculative decoding: layers:N (the target's first N layers, "
                                "sharing its embeddings, final norm and LM head), a .gguf file, an HF directory, or "
                                "random:NAME. Set it on prefill AND decode: pages then carry a draft KV region. "
@@ -79,6 +84,8 @@ class EngineConfig(ContextConfig, ModelConfig, DtypeConfig):
         # The dtype the engine runs in, and why (a DTYPE_REASONS code); fixed for the config's life.
         flags = host_cpu().flags if self.dtype == "auto" else frozenset()
         self.resolved_dtype, self.dtype_reason = resolve_dtype(self.dtype, self.device, flags)
+        # Set by the engine once its weights are loaded (quant_linear.install); "pending" until then.
+        self.resolved_weight_format, self.weight_format_reason = "pending", "pending"
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
             if getattr(self, name) <= 0:
                 raise EngineConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
@@ -108,7 +115,8 @@ class EngineConfig(ContextConfig, ModelConfig, DtypeConfig):
     def info_labels(self) -> dict[str, str]:
         """Labels of the ``pdserve_<service>_engine_info`` gauge (services/common/metrics.py)."""
         return {"dtype": self.resolved_dtype, "dtype_reason": self.dtype_reason, "device": self.device,
-                "cpu_model": host_cpu().model, "cpu_threads": str(self.resolved_cpu_threads)}
+                "cpu_model": host_cpu().model, "cpu_threads": str(self.resolved_cpu_threads),
+                "weight_format": self.resolved_weight_format, "weight_format_reason": self.weight_format_reason}
 
     def apply_host(self) -> None:
         """At engine start, before the first op: pin (cpu_affinity), set torch's threads, log the choices."""

@@ -18,6 +18,8 @@ from services.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from services.engine.kv_layout import FP8_CODEC, PageLayout
 from services.engine.model_loader import LoadedModel, load_model
 from services.engine.model_runner import ModelRunner
+from services.engine.models.cpu_fast import install as install_cpu_fast_paths
+from services.engine.models.quant_linear import install as install_weight_format
 from services.engine.parallel.launch import RankSet
 from services.engine.sampling_params import InvalidRequestError, Sampled, SamplingParams, TopLogprobs
 from services.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
@@ -78,6 +80,11 @@ class LLMEngine:
             log.info("engine: weights of %s loaded in %.1f s: %.1fM parameters, %.0f MiB", self.loaded.model_id,
                      time.monotonic() - t0, sum(p.numel() for p in params) / 1e6,
                      sum(p.numel() * p.element_size() for p in params) / 2**20)
+        config.resolved_weight_format, config.weight_format_reason = install_weight_format(
+            self.loaded.model, config.model, config.weight_format, config.device, config.torch_dtype,
+            preloaded=loaded is not None)
+        if torch.device(config.device).type == "cpu":
+            install_cpu_fast_paths(self.loaded.model)  # same numbers, fewer ops per decode layer
         t1 = time.monotonic()
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(config.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len)

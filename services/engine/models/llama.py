@@ -174,6 +174,8 @@ class LlamaForCausalLM(nn.Module):
         #: Fused Triton path: None = automatic (CUDA tensors and triton installed); True/False forces it
         #: (True on CPU needs TRITON_INTERPRET=1; tests use it to run the GPU path at tiny shapes).
         self.fused_kernels: bool | None = None
+        #: hidden -> logits in place of F.linear with the head's weight, set after loading (quant_linear.py).
+        self.logits_head: nn.Module | None = None
 
     def _use_fused(self, h: torch.Tensor) -> bool:
         if self.fused_kernels is not None:
@@ -209,6 +211,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""
+        if self.logits_head is not None:  # a post-load replacement (models/quant_linear.py: Q8_0 head)
+            return self.gather_logits(self.logits_head(hidden).float())
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return self.gather_logits(F.linear(hidden, weight).float())
 
