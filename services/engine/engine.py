@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,10 +21,12 @@ from services.engine.model_loader import LoadedModel, load_model
 from services.engine.model_runner import ModelRunner
 from services.engine.models.cpu_fast import install as install_cpu_fast_paths
 from services.engine.models.quant_linear import install as install_weight_format
-from services.engine.parallel.launch import RankSet
 from services.engine.sampling_params import InvalidRequestError, Sampled, SamplingParams, TopLogprobs
 from services.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from services.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from services.engine.parallel.launch import RankSet
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +74,12 @@ class LLMEngine:
         if loaded is None:
             log.info("engine: loading weights (%s) as %s on %s", config.model or "embedded default",
                      config.resolved_dtype, config.device)
-        self.ranks = RankSet(config) if config.tensor_parallel_size > 1 and loaded is None else None
+        self.ranks: RankSet | None = None
         """Ranks 1..N-1 of this instance, started and watched by this (rank 0) process; None at TP=1."""
+        if config.tensor_parallel_size > 1 and loaded is None:
+            from services.engine.parallel.launch import RankSet  # imports async_engine, which imports this
+
+            self.ranks = RankSet(config)
         self.loaded = loaded or (load_model(config.model, config.torch_dtype, config.device) if self.ranks is None
                                  else self.ranks.load_model())
         if loaded is None:

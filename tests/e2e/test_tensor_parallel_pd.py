@@ -4,8 +4,11 @@ greedy tokens equal the colocated TP=1 engine's for (prefill TP, decode TP) in (
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from pathlib import Path
 
+import grpc
 import pytest
 
 from services.common.grpc_util import create_channel
@@ -29,17 +32,28 @@ def reference() -> list[list[int]]:
     return eng.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
 
 
-def _rank_processes(pid: int) -> int:
-    """Processes that ``pid`` spawned as tensor-parallel ranks (multiprocessing spawn children)."""
-    n = 0
+def _children(pid: int) -> list[int]:
+    out = []
     for status in Path("/proc").glob("[0-9]*/status"):
         try:
             ppid = next(int(x.split()[1]) for x in status.read_text().splitlines() if x.startswith("PPid:"))
-            cmd = (status.parent / "cmdline").read_bytes()
         except (OSError, StopIteration):
             continue
-        n += ppid == pid and b"spawn_main" in cmd
-    return n
+        if ppid == pid:
+            out.append(int(status.parent.name))
+    return out
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _rank_processes(pid: int) -> int:
+    """Processes that ``pid`` spawned as tensor-parallel ranks (multiprocessing spawn children)."""
+    return sum(b"spawn_main" in _cmdline(p) for p in _children(pid))
 
 
 async def _generate(addr: str, ids: list[int]) -> list[int]:
@@ -67,3 +81,34 @@ def test_disaggregated_tokens_equal_colocated_tp1(prefill_tp: int, decode_tp: in
         # The pages went through the KV stream (no side transport on a sharded pool).
         decode = c.get("decode-0").ready["metrics"]
         assert metric_sum(decode, DECODE_KV_RECEIVED_BYTES_TOTAL, transport="grpc") > 0
+
+
+def test_a_killed_decode_rank_ends_the_request_and_takes_the_instance_down() -> None:
+    extra = {"prefill": ENGINE, "decode": [*ENGINE, "--tensor-parallel-size", "2"]}
+    with LocalCluster(prefill=1, decode=1, kvstore=None, model=MODEL, dtype="float32", extra=extra,
+                      quiet=True) as c:
+        decode = c.get("decode-0").popen
+        (rank1,) = [p for p in _children(decode.pid) if b"spawn_main" in _cmdline(p)]
+
+        async def run() -> grpc.StatusCode:
+            async with create_channel(c.router["grpc"]) as ch:
+                req = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=PROMPTS[1]),
+                                                 params=common_pb2.SamplingParams(max_tokens=900, temperature=0.0,
+                                                                                  ignore_eos=True))
+                call = router_pb2_grpc.RouterStub(ch).Generate(req, timeout=60)
+                # Rank 1 frozen, then killed while the request is in flight: decode's next collective (its
+                # page import or step) waits on rank 1 until the kill, then fails.
+                os.kill(rank1, signal.SIGSTOP)
+                killer = asyncio.get_running_loop().call_later(3.0, os.kill, rank1, signal.SIGKILL)
+                try:
+                    async for _ in call:
+                        pass
+                except grpc.aio.AioRpcError as e:
+                    return e.code()
+                finally:
+                    killer.cancel()
+                raise AssertionError("the stream completed although a rank died")
+
+        code = asyncio.run(run())
+        assert code == grpc.StatusCode.UNAVAILABLE, code  # not a deadline: the death ended it
+        assert decode.wait(60) == 3  # EXIT_ENGINE_DEAD: a supervisor restarts the instance

@@ -18,6 +18,7 @@ from multiprocessing.connection import wait
 
 import torch
 
+from services.engine.async_engine import EngineDeadError
 from services.engine.config import EngineConfig
 from services.engine.model_loader import LoadedModel
 from services.engine.parallel.group import TPGroup, connect, open_store
@@ -31,8 +32,13 @@ STOP_WAIT_S = 10.0
 """How long a clean stop waits for each rank to exit before terminating it (seconds)."""
 
 
-class RankDiedError(RuntimeError):
-    """A rank of this tensor-parallel instance exited; the instance cannot compute any more."""
+FAILURE_WAIT_S = 2.0
+"""How long a failed collective waits for the watcher to name the rank that died (seconds)."""
+
+
+class RankDiedError(EngineDeadError):
+    """A rank of this tensor-parallel instance exited (or a collective with it failed): the instance cannot
+    compute any more. An EngineDeadError, so the servicers answer UNAVAILABLE / ENGINE_DEAD."""
 
 
 class RankSet:
@@ -41,6 +47,7 @@ class RankSet:
         self.config = rank_config(config, 0)
         self.device = rank_device(config.device, 0)
         self.failed: RankDiedError | None = None
+        self._failed_event = threading.Event()
         self._stopping = False
         self.runner: TPModelRunner | None = None
         ctx = mp.get_context("spawn")
@@ -64,6 +71,7 @@ class RankSet:
         rank = self.procs.index(dead) + 1
         self.failed = RankDiedError(f"tensor-parallel rank {rank} of {self.size} (pid {dead.pid}) exited with "
                                     f"status {dead.exitcode}")
+        self._failed_event.set()
         log.error("%s: the instance stops serving", self.failed)
         if self.group.pg is not None:
             with contextlib.suppress(Exception):
@@ -74,6 +82,13 @@ class RankSet:
         if self.failed is not None:
             raise self.failed
 
+    def failure(self, cause: BaseException) -> RankDiedError:
+        """What a failed collective means: the rank the watcher saw die (waiting briefly for it to notice),
+        else a group failure naming the cause."""
+        if self._failed_event.wait(FAILURE_WAIT_S) and self.failed is not None:
+            return self.failed
+        return RankDiedError(f"a collective of the {self.size}-rank tensor-parallel group failed: {cause}")
+
     def load_model(self) -> LoadedModel:
         """Rank 0's shard; returns once every rank has loaded its own."""
         loaded = load_shard(self.config.model, self.config.torch_dtype, self.device, self.group)
@@ -82,7 +97,7 @@ class RankSet:
         return loaded
 
     def make_runner(self, loaded: LoadedModel) -> TPModelRunner:
-        self.runner = TPModelRunner(loaded, self.config, self.group, self.check, self.stop)
+        self.runner = TPModelRunner(loaded, self.config, self.group, self.check, self.failure, self.stop)
         return self.runner
 
     def stop(self) -> None:

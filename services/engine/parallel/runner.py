@@ -7,11 +7,13 @@ never interleave their collectives. Pages cross the instance boundary with all h
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
+from services.engine.async_engine import EngineDeadError
 from services.engine.attention import ForwardContext
 from services.engine.config import EngineConfig
 from services.engine.kv_layout import FP8_CODEC
@@ -34,12 +36,14 @@ def send(group: TPGroup, header: torch.Tensor, payload: torch.Tensor | None = No
 
 class TPModelRunner(ModelRunner):
     def __init__(self, loaded: LoadedModel, config: EngineConfig, group: TPGroup, check: Callable[[], None],
-                 stop: Callable[[], None]) -> None:
+                 failure: Callable[[BaseException], Exception], stop: Callable[[], None]) -> None:
         super().__init__(loaded, config)
         self.group = group
         self.split = loaded.model.tp_split
         self._check = check
         """Raises when a rank has died (launch.RankSet.check); called before every collective sequence."""
+        self._failure = failure
+        """Maps a failed collective to the RankDiedError the engine dies of (launch.RankSet.failure)."""
         self._stop = stop
         self.lock = threading.Lock()
 
@@ -47,9 +51,18 @@ class TPModelRunner(ModelRunner):
         super().release()
         self._stop()
 
-    def _begin(self, header: torch.Tensor, payload: torch.Tensor | None = None) -> None:
-        self._check()
-        send(self.group, header, payload)
+    @contextlib.contextmanager
+    def _sequence(self, header: torch.Tensor, payload: torch.Tensor | None = None) -> Iterator[None]:
+        """One announced collective sequence, atomic; a collective that fails raises RankDiedError."""
+        with self.lock:
+            self._check()
+            try:
+                send(self.group, header, payload)
+                yield
+            except RuntimeError as e:
+                if isinstance(e, EngineDeadError):
+                    raise
+                raise self._failure(e) from e
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[int, Sampled]:
@@ -58,8 +71,7 @@ class TPModelRunner(ModelRunner):
         chunks = sorted(out.chunks, key=lambda c: c.num_new_tokens != 1)  # decode rows first
         ids, pos, meta = self._prepare(chunks)
         ends, rows, seq_ids = _sampled_rows(chunks)
-        with self.lock:
-            self._begin(*encode_step(ids, pos, meta, ends))
+        with self._sequence(*encode_step(ids, pos, meta, ends)):
             hidden = self.model(ids, pos, ForwardContext(self.attn_backend, meta))
             if not ends:
                 return {}
@@ -72,8 +84,7 @@ class TPModelRunner(ModelRunner):
         from kernels import pack_pages, pack_pages_fp8
 
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        with self.lock:
-            self._begin(simple(Op.EXPORT, len(block_ids)), idx.cpu())
+        with self._sequence(simple(Op.EXPORT, len(block_ids)), idx.cpu()):
             full = assemble(self.group.gather_to_root(pack_pages(self.kv_cache, idx)), self.split)
         if codec == FP8_CODEC:
             full = pack_pages_fp8(as_cache(full), torch.arange(len(block_ids), device=full.device))
@@ -93,8 +104,7 @@ class TPModelRunner(ModelRunner):
             pages = from_cache(cache)
         pages = pages.to(self.dtype).contiguous()
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        with self.lock:
-            self._begin(simple(Op.IMPORT, len(block_ids)), idx.cpu())
+        with self._sequence(simple(Op.IMPORT, len(block_ids)), idx.cpu()):
             self.group.broadcast(pages)
             unpack_pages(my_heads(pages, self.split), self.kv_cache, idx)
 
