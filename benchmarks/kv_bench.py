@@ -8,15 +8,18 @@ Every transport moves the same ``--mib`` of pages, chunk by chunk (``--chunk-pag
   memcpy    one torch copy of the pool's bytes (in-process)                      the shm ceiling
   socket    the bytes over a loopback TCP socket to another process              the network ceiling
   shm       copy_pages into a /dev/shm pool, run by run (what the shm transport does)
-  grpc      the pages packed (gather), checksummed and sent as PushKV messages by the grpc transport's
-            sender (one copy into gRPC) to another process that checks the CRC and copies them into
-            its pool (what decode does)
+  grpc      prefill's real sender into a real decode service: the pages gathered, checksummed, sent as
+            PushKV messages (one copy into gRPC), parsed header-only by decode, checked and copied into
+            its KV pool (see kv_bench_grpc)
+  grpc-bare the same message sizes as bare gRPC bytes to a sink that only counts them: the ceiling of
+            Python gRPC on this box, measured in the same run
   mooncake  the Mooncake Transfer Engine over loopback TCP writing each chunk's (layer, K|V) runs from
             this process's registered pool into another process's registered pool (what the mooncake
             transport does)
 
 Goals (issue 10, on a CPU box): grpc >= 0.5x socket, mooncake >= 0.7x socket, shm >= 0.5x memcpy.
-The receiving side runs in a child process (no shared GIL). Prints the CPU model and flags.
+The receiving side runs in a child process (no shared GIL); the grpc path's decode in a service process
+of its own. Prints the CPU model and flags.
 """
 
 from __future__ import annotations
@@ -37,11 +40,11 @@ from dataclasses import asdict, dataclass, field
 import grpc
 import torch
 
-from services.common.checksum import checksum
-from services.common.pb import common_pb2, decode_pb2
+from benchmarks.kv_bench_grpc import MAX_MESSAGE_BYTES, DecodePeer, GrpcPaths, bare_handler
+from services.common.grpc_util import server_options
+from services.common.pb import decode_pb2
 from services.engine.cpu_features import host_cpu
 from services.engine.kv_transport import KVPoll
-from services.engine.kv_transport.grpc_stream import GrpcStreamTransport
 
 GOALS = {"grpc": ("socket", 0.5), "mooncake": ("socket", 0.7), "shm": ("memcpy", 0.5)}
 
@@ -61,7 +64,10 @@ class Results:
     """Median GB/s (10^9 bytes/s) of each path over the repeats."""
     best_gbps: dict[str, float] = field(default_factory=dict)
     ratios: dict[str, float] = field(default_factory=dict)
-    """Of the medians."""
+    """Of the medians: each goal's path against its baseline, and grpc-bare/socket, grpc/grpc-bare."""
+    cpu_s_per_gb: dict[str, list[float]] = field(default_factory=dict)
+    """[sending process, receiving process] CPU seconds per GB moved (every thread; the load of other
+    processes on the box does not count here, unlike in the wall-clock rates)."""
 
 
 # --- the receiving process ----------------------------------------------------------------------
@@ -80,33 +86,6 @@ def _sink_socket(sock: socket.socket, nbytes: int) -> None:
                     break
                 left -= got
             conn.sendall(b"k")
-
-
-class _PushSink:
-    """PushKV as decode receives it: parse; then, in a worker thread while the next message is read,
-    check the CRC and copy the pages into a pool tensor."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.pool = torch.empty(nbytes, dtype=torch.uint8)
-
-    def _land(self, c: common_pb2.KVChunk, payload: bytes, off: int) -> None:
-        if checksum(payload) != c.checksum:
-            raise ValueError(f"chunk {c.chunk_index}: checksum mismatch")
-        self.pool[off:off + len(payload)].copy_(torch.frombuffer(payload, dtype=torch.uint8))
-
-    async def push(self, it, context) -> decode_pb2.PushKVResponse:
-        off = n = 0
-        pending: asyncio.Future | None = None
-        async for c in it:
-            if pending is not None:
-                await pending
-            payload = c.payload  # read once: every read of a bytes field copies it (upb)
-            pending = asyncio.ensure_future(asyncio.to_thread(self._land, c, payload, off)) if payload else None
-            off += len(payload)
-            n += 1
-        if pending is not None:
-            await pending
-        return decode_pb2.PushKVResponse(chunks_received=n, bytes_received=off)
 
 
 def _receiver(conn, nbytes: int, want_mooncake: bool, threads: int) -> None:
@@ -130,13 +109,8 @@ def _receiver(conn, nbytes: int, want_mooncake: bool, threads: int) -> None:
         info["mooncake"] = (eng.segment, eng.register(pool))
 
     async def serve() -> None:
-        sink = _PushSink(nbytes)
-        handler = grpc.method_handlers_generic_handler("pdserve.v1.Decode", {"PushKV": grpc.stream_unary_rpc_method_handler(
-            sink.push, request_deserializer=common_pb2.KVChunk.FromString,
-            response_serializer=decode_pb2.PushKVResponse.SerializeToString)})
-        opts = [("grpc.max_receive_message_length", 64 << 20)]
-        server = grpc.aio.server(options=opts)
-        server.add_generic_rpc_handlers((handler,))
+        server = grpc.aio.server(options=server_options(MAX_MESSAGE_BYTES))
+        server.add_generic_rpc_handlers((bare_handler(),))
         info["grpc"] = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         conn.send(info)
@@ -149,18 +123,36 @@ def _receiver(conn, nbytes: int, want_mooncake: bool, threads: int) -> None:
 # --- the sending side ---------------------------------------------------------------------------
 
 
-def _time_all(paths: dict[str, Callable[[], None]], repeat: int) -> dict[str, list[float]]:
-    """Seconds of each run of each path; the paths take turns in every round, so a busy box's load
-    swings hit all of them alike."""
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) process ``pid`` has used; NaN where /proc is missing."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return math.nan
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _time_all(paths: dict[str, Callable[[], object]], repeat: int, peers: dict[str, int]
+              ) -> tuple[dict[str, list[float]], dict[str, tuple[float, float]]]:
+    """Seconds of each run of each path (the float it returns, else its wall time), and the CPU seconds
+    each path used over all its runs (this process, its receiving process ``peers[name]``); the paths
+    take turns in every round, so a busy box's load swings hit all of them alike."""
     for fn in paths.values():
         fn()  # warm-up (connections, page faults)
     times: dict[str, list[float]] = {name: [] for name in paths}
+    cpu = dict.fromkeys(paths, (0.0, 0.0))
+    me = os.getpid()
     for _ in range(repeat):
         for name, fn in paths.items():
+            peer = peers.get(name)
+            c0, p0 = _cpu_s(me), _cpu_s(peer) if peer else 0.0
             t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return times
+            secs = fn()
+            times[name].append(secs if isinstance(secs, float) else time.perf_counter() - t0)
+            sent, got = cpu[name]
+            cpu[name] = (sent + _cpu_s(me) - c0, got + (_cpu_s(peer) - p0 if peer else 0.0))
+    return times, cpu
 
 
 def _runs_of(num_blocks: int, chunk: int) -> list[list[int]]:
@@ -171,29 +163,6 @@ def _socket_copy(port: int, data: memoryview) -> None:
     with socket.create_connection(("127.0.0.1", port)) as s:
         s.sendall(data)
         s.recv(1)
-
-
-async def _grpc_send(address: str, src: torch.Tensor, chunks: list[list[int]], page_bytes: int, streams: int
-                     ) -> None:
-    """The chunks as ``streams`` concurrent requests (each its own PushKV stream) over the transport."""
-    from kernels import pack_pages
-    from services.prefill.kv_stream import _bytes_view, _crc
-
-    transport = GrpcStreamTransport(max_message_bytes=64 << 20, channels_per_peer=streams)
-
-    async def one(mine: list[list[int]]) -> int:
-        sender = transport.open(address, "bench")
-        await sender.bootstrap()
-        for i, blocks in enumerate(mine):
-            pages = pack_pages(src, torch.tensor(blocks, dtype=torch.int64))
-            payload = _bytes_view(pages)
-            hdr = common_pb2.KVChunk(chunk_index=i, num_pages=len(blocks), checksum=await _crc(payload))
-            await sender.send(hdr, payload)
-        return (await sender.finish()).bytes_received
-
-    got = await asyncio.gather(*[one(chunks[k::streams]) for k in range(streams)])
-    await transport.close()
-    assert sum(got) == sum(len(c) for c in chunks) * page_bytes
 
 
 class _Ready:
@@ -231,10 +200,14 @@ def run(args: argparse.Namespace) -> Results:
     proc = ctx.Process(target=_receiver, args=(child, nbytes, want_mc, args.threads), daemon=True)
     proc.start()
     info = parent.recv()
+    decode: DecodePeer | None = None
+    grpc_paths: GrpcPaths | None = None
     try:
+        if not args.no_decode:
+            decode = DecodePeer(args.decode_model, args.dtype, nblocks + 8, args.threads)
         flat = src.view(-1).view(torch.uint8)
         dst = torch.empty_like(flat)
-        paths: dict[str, Callable[[], None]] = {
+        paths: dict[str, Callable[[], object]] = {
             "memcpy": lambda: dst.copy_(flat),
             "socket": lambda: _socket_copy(int(info["socket"]), memoryview(flat.numpy())),
         }
@@ -244,8 +217,11 @@ def run(args: argparse.Namespace) -> Results:
         opened = open_shm_pool(dest.shm)
         order = list(range(nblocks))
         paths["shm"] = lambda: [copy_pages(src, c, opened, c) for c in chunks]
-        paths["grpc"] = lambda: asyncio.run(_grpc_send(f"127.0.0.1:{info['grpc']}", src, chunks, page_bytes,
-                                                       args.streams))
+        if decode is not None:
+            grpc_paths = GrpcPaths(decode.address, f"127.0.0.1:{info['grpc']}", args.streams)
+            paths["grpc"] = lambda: grpc_paths.decode(src, chunks)
+            sizes = [len(c) * page_bytes for c in chunks]
+            paths["grpc-bare"] = lambda: grpc_paths.bare_bytes(sizes)
         if want_mc:
             from services.engine.kv_transport.mooncake import MooncakeEngine, MooncakeWriter
 
@@ -262,12 +238,23 @@ def run(args: argparse.Namespace) -> Results:
                     writer.wait(h)
 
             paths["mooncake"] = mooncake_write
-        for name, secs in _time_all(paths, args.repeat).items():
+        peers = {"socket": proc.pid, "grpc-bare": proc.pid, "mooncake": proc.pid}
+        if decode is not None:
+            peers["grpc"] = decode.pid
+        times, cpu = _time_all(paths, args.repeat, peers)
+        for name, secs in times.items():
             r.gbps[name] = nbytes / statistics.median(secs) / 1e9
             r.best_gbps[name] = nbytes / min(secs) / 1e9
-            print(f"{name:>9}: {r.gbps[name]:6.2f} GB/s median, {r.best_gbps[name]:6.2f} best", flush=True)
+            gb = nbytes * args.repeat / 1e9
+            r.cpu_s_per_gb[name] = [cpu[name][0] / gb, cpu[name][1] / gb]
+            print(f"{name:>9}: {r.gbps[name]:6.2f} GB/s median, {r.best_gbps[name]:6.2f} best; CPU s/GB sending "
+                  f"{r.cpu_s_per_gb[name][0]:.2f}, receiving {r.cpu_s_per_gb[name][1]:.2f}", flush=True)
         os.unlink(path)
     finally:
+        if grpc_paths is not None:
+            grpc_paths.close()
+        if decode is not None:
+            decode.close()
         parent.send("stop")
         proc.join(10)
     for name, (base_name, goal) in GOALS.items():
@@ -276,6 +263,10 @@ def run(args: argparse.Namespace) -> Results:
             ok = "meets" if r.ratios[name] >= goal else "MISSES"
             print(f"{name} / {base_name} = {r.ratios[name]:.2f}x median ({ok} the >= {goal}x goal), "
                   f"{r.best_gbps[name] / r.best_gbps[base_name]:.2f}x best")
+    for name, base_name in (("grpc-bare", "socket"), ("grpc", "grpc-bare")):
+        if name in r.gbps and base_name in r.gbps:
+            r.ratios[f"{name}/{base_name}"] = r.gbps[name] / r.gbps[base_name]
+            print(f"{name} / {base_name} = {r.gbps[name] / r.gbps[base_name]:.2f}x median")
     return r
 
 
@@ -290,8 +281,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=5, help="Timed runs per path (median reported).")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads of both processes (copies).")
     p.add_argument("--streams", type=int, default=1,
-                   help="grpc: concurrent requests (PushKV streams, one channel each) sharing the bytes.")
+                   help="grpc: concurrent requests (each its own reservation and PushKV stream, one channel each) "
+                        "sharing the bytes.")
     p.add_argument("--no-mooncake", action="store_true", help="Skip the Mooncake path.")
+    p.add_argument("--no-decode", action="store_true", help="Skip the grpc paths (no decode service).")
+    p.add_argument("--decode-model", default="random:smollm2-135m",
+                   help="grpc: the decode service's model (random weights; its pages must be --page-shape's).")
     p.add_argument("--json", default="", help="Also write the results to this file.")
     args = p.parse_args(argv)
     r = run(args)
