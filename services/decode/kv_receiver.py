@@ -33,6 +33,7 @@ import logging
 import time
 import warnings
 from collections.abc import AsyncIterator, Callable
+from dataclasses import KW_ONLY, dataclass
 
 import grpc
 import torch
@@ -80,20 +81,24 @@ def offered_pool(pages: KVPages, mooncake_host: str) -> decode_pb2.KVDestination
     return pages.destination
 
 
+@dataclass(eq=False, repr=False)  # an exception: hashable, repr as raised
 class KVRejected(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str, reason: str,
-                 detail_reason: int = Reason.ERROR_REASON_INVALID_INPUT, *, retryable: bool = False,
-                 frees: bool = True, field: str = "") -> None:
-        super().__init__(message)
-        self.code = code
-        self.reason = reason
-        """Short label for the rejected-chunks metric."""
-        self.detail_reason = detail_reason
-        """common_pb2.ErrorReason for the ErrorDetail."""
-        self.retryable = retryable
-        self.frees = frees
-        """Whether the reservation is freed (a protocol violation), or left as it was."""
-        self.field = field
+    """A KV message decode refuses, answered with ``code`` and a typed ErrorDetail."""
+
+    code: grpc.StatusCode
+    message: str
+    reason: str
+    """Short label for the rejected-chunks metric."""
+    detail_reason: int = Reason.ERROR_REASON_INVALID_INPUT
+    """common_pb2.ErrorReason for the ErrorDetail."""
+    _: KW_ONLY
+    retryable: bool = False
+    frees: bool = True
+    """Whether the reservation is freed (a protocol violation), or left as it was."""
+    field: str = ""
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
 
 
 def _gone(r: Reservation | str) -> KVRejected:

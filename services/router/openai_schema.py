@@ -25,19 +25,20 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+@dataclass(eq=False, repr=False)  # an exception: hashable, repr as raised
 class APIError(Exception):
     """An error answered as OpenAI does: ``{"error": {"message", "type", "param", "code"}}``."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.type = type
-        self.headers = headers or {}
-        """Extra response headers (Retry-After, WWW-Authenticate)."""
+    status: int
+    message: str
+    param: str | None = None
+    code: str | None = None
+    type: str = "invalid_request_error"
+    headers: dict[str, str] = field(default_factory=dict)
+    """Extra response headers (Retry-After, WWW-Authenticate)."""
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
