@@ -12,6 +12,8 @@ import sys
 
 BENCHES = {
     "engine": ("benchmarks.engine_bench", "CPU/GPU engine: prefill and decode tokens/s vs transformers"),
+    "cpu-serving": ("benchmarks.cpu_serving_bench", "CPU serving: pdserve up (+ --colocated) vs the in-process "
+                                                    "engine and llama.cpp's server, same GGUF and client"),
     "cluster": ("benchmarks.cluster_bench", "local P/D cluster: TTFT, ITL and throughput through the router"),
     "kvstore": ("benchmarks.kvstore_bench", "kvstore put/get bandwidth and latency"),
     "kernels": ("benchmarks.kernels_bench", "Triton kernels vs their torch references"),

@@ -1,6 +1,6 @@
 """Engine benchmark: prefill and decode tokens/s of the pdserve engine beside transformers, same run.
 
-    pdserve bench engine [--dtype auto] [--cpu-threads N] [--model PATH.gguf] [--repeats 3] [--json out.json]
+    pdserve bench engine [--dtype auto] [--weight-format auto] [--cpu-threads N] [--model PATH.gguf] [--repeats 3] [--json out.json]
     python -m benchmarks.engine_bench ...
 
 Workloads (same weights, dtype and machine for both):
@@ -40,6 +40,7 @@ import torch
 from services.engine.config import EngineConfig
 from services.engine.cpu_features import DTYPE_REASONS, host_cpu, torch_cpu_capability
 from services.engine.engine import LLMEngine
+from services.engine.models.quant_linear import WEIGHT_FORMAT_REASONS, WEIGHT_FORMATS
 from services.engine.sampling_params import SamplingParams
 from services.engine.weights.gguf_loader import default_gguf_path
 
@@ -91,12 +92,12 @@ def _machine() -> str:
 
 class EngineBench:
     def __init__(self, model: str | None, dtype: str, prompt_len: int, max_seqs: int, seq_len: int,
-                 cpu_threads: int = 0) -> None:
+                 cpu_threads: int = 0, weight_format: str = "auto") -> None:
         blocks = max(prompt_len + 1, max_seqs * seq_len) // 16 + 2 * max_seqs + 8
         self.config = EngineConfig(
             model=model, dtype=dtype, cpu_threads=cpu_threads, num_kv_blocks=blocks, block_size=16, max_num_seqs=max_seqs,
             max_num_batched_tokens=max(prompt_len, 2048), max_prefill_chunk=prompt_len,
-            enable_prefix_caching=False)
+            enable_prefix_caching=False, weight_format=weight_format)
         self.engine = LLMEngine(self.config)
         self.vocab = self.engine.vocab_size
         self._n = 0
@@ -207,7 +208,7 @@ def run(args: argparse.Namespace) -> Results:
     concurrencies = sorted({int(c) for c in args.concurrency.split(",")})
     load0 = os.getloadavg()[0]
     eng = EngineBench(str(gguf), args.dtype, args.prompt_len, max(concurrencies),
-                      args.decode_prompt_len + args.output_len, args.cpu_threads)
+                      args.decode_prompt_len + args.output_len, args.cpu_threads, args.weight_format)
     cpu, cfg = host_cpu(), eng.config
     r = Results(machine=_machine(), cpu_model=cpu.model, cpu_flags=cpu.reported_flags(),
                 torch_cpu_capability=torch_cpu_capability(), dtype=cfg.resolved_dtype,
@@ -217,7 +218,8 @@ def run(args: argparse.Namespace) -> Results:
     print(f"machine: {r.machine}; torch {torch.__version__} (CPU kernels {r.torch_cpu_capability}), "
           f"{r.torch_threads} threads", flush=True)
     print(f"cpu: {r.cpu_model}; flags: {' '.join(r.cpu_flags) or '-'}", flush=True)
-    print(f"model: {gguf.name}, dtype {r.dtype} ({DTYPE_REASONS[r.dtype_reason]})", flush=True)
+    print(f"model: {gguf.name}, dtype {r.dtype} ({DTYPE_REASONS[r.dtype_reason]}), weight format "
+          f"{cfg.resolved_weight_format} ({WEIGHT_FORMAT_REASONS[cfg.weight_format_reason]})", flush=True)
     hf = None if args.skip_transformers else TransformersBench(gguf, cfg.torch_dtype)
     long_prompt = _prompts(1, args.prompt_len, eng.vocab, seed=1)[0]
     decode_prompts = _prompts(max(concurrencies), args.decode_prompt_len, eng.vocab, seed=2)
@@ -249,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                    help="auto: bfloat16 where the CPU has AMX-BF16/AVX512-BF16, else float32")
     p.add_argument("--cpu-threads", type=int, default=0, help="torch threads (0: every CPU this process may use)")
+    p.add_argument("--weight-format", default="auto", choices=WEIGHT_FORMATS,
+                   help="linear weights of decode-sized steps (EngineConfig.weight_format)")
     p.add_argument("--prompt-len", type=int, default=512, help="prefill prompt tokens")
     p.add_argument("--decode-prompt-len", type=int, default=32, help="prompt tokens of each decode sequence")
     p.add_argument("--output-len", type=int, default=128, help="generated tokens per decode sequence")
