@@ -207,20 +207,23 @@ def apply_swap(model: nn.Module, plan: SwapPlan, max_rows: int) -> int:
     return len(plan.modules)
 
 
-def _time(fn: Callable[[], object], reps: int = 7, inner: int = 3) -> float:
-    """Fastest of ``reps`` timings (seconds per call): the least disturbed by other processes."""
-    fn()
-    best = float("inf")
+def _time_pair(a: Callable[[], object], b: Callable[[], object], reps: int, inner: int = 3) -> tuple[float, float]:
+    """Fastest of ``reps`` timings of each (seconds per call), alternating a and b so that load from other
+    processes hits both alike; the minimum is the least disturbed run."""
+    a(), b()
+    best = [float("inf"), float("inf")]
     for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / inner)
-    return best
+        for k, fn in enumerate((a, b)):
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            best[k] = min(best[k], (time.perf_counter() - t0) / inner)
+    return best[0], best[1]
 
 
 @torch.inference_mode()
-def calibrate(dense_mod: nn.Module, packed_mod: nn.Module, in_features: int, dtype: torch.dtype, reps: int = 7
+def calibrate(dense_mod: Callable[[torch.Tensor], torch.Tensor], packed_mod: Callable[[torch.Tensor], torch.Tensor],
+              in_features: int, dtype: torch.dtype, reps: int = 9
               ) -> tuple[int, dict[int, tuple[float, float]]]:
     """Largest row count r in _CALIBRATION_ROWS such that the packed module beats the dense one at every
     count <= r (0: not even at one row), and the timings {rows: (dense s, int4 s)} it read."""
@@ -228,8 +231,7 @@ def calibrate(dense_mod: nn.Module, packed_mod: nn.Module, in_features: int, dty
     best = 0
     for rows in _CALIBRATION_ROWS:
         x = torch.randn(rows, in_features).to(dtype)
-        dense = _time(lambda x=x: dense_mod(x), reps)
-        int4 = _time(lambda x=x: packed_mod(x), reps)
+        dense, int4 = _time_pair(lambda x=x: dense_mod(x), lambda x=x: packed_mod(x), reps)
         timings[rows] = (dense, int4)
         if int4 >= dense * _MARGIN:
             break
