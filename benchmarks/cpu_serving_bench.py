@@ -76,6 +76,8 @@ class SystemResult:
     load_avg: list[float] = field(default_factory=list)
     skipped: str = ""
     """Why the system did not run (e.g. llama-cpp-python missing); empty when it ran."""
+    stages_c1: dict[str, float] = field(default_factory=dict)
+    """Mean seconds of each STAGE_METRICS histogram over the c=1 requests (pdserve only)."""
 
     def at(self, c: int) -> Point | None:
         return next((p for p in self.points if p.concurrency == c), None)
@@ -177,6 +179,27 @@ _TOPIC = ("the history of bridges, from fallen logs across streams to stone arch
           "suspension spans, and what each new material allowed engineers to build. ")
 
 
+def _free_port_run(n: int) -> int:
+    """A port p with p .. p+n-1 free now (for --metrics-port-base)."""
+    for _ in range(50):
+        base = _free_port()
+        if base + n > 65535:
+            continue
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no run of {n} free ports found")
+
+
 def _prompts(spec: str, n: int, length: int, seed: int) -> list[str]:
     """Texts of about ``length`` tokens (re-encoding may differ by a few): a unique numbered opening, so no
     prompt shares a cached prefix block with another, then plain prose (random token ids make the model
@@ -192,6 +215,53 @@ def _prompts(spec: str, n: int, length: int, seed: int) -> list[str]:
     return out
 
 
+STAGE_METRICS = ("pdserve_router_time_to_first_token_seconds", "pdserve_prefill_queue_seconds",
+                 "pdserve_prefill_compute_seconds", "pdserve_decode_kv_wait_seconds", "pdserve_decode_queue_seconds")
+"""Histograms whose mean over the c=1 requests splits a served TTFT into stages (router view, prefill queue
+and compute, decode's wait for the KV); the rest of the client's TTFT is HTTP, gRPC and detokenization."""
+
+
+def parse_histogram_sums(text: str, names: tuple[str, ...] = STAGE_METRICS) -> dict[str, tuple[float, float]]:
+    """Prometheus text -> {name: (sum, count)} over every label set of each named histogram."""
+    out: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        key, _, value = line.rpartition(" ")
+        metric = key.split("{", 1)[0]
+        for name in names:
+            if metric in (f"{name}_sum", f"{name}_count"):
+                acc = out.setdefault(name, [0.0, 0.0])
+                acc[0 if metric.endswith("_sum") else 1] += float(value)
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def stage_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Mean seconds per observation of each histogram between two scrapes."""
+    means = {}
+    for name, (s1, c1) in after.items():
+        s0, c0 = before.get(name, (0.0, 0.0))
+        if c1 > c0:
+            means[name] = (s1 - s0) / (c1 - c0)
+    return means
+
+
+def _scrape(ports: list[int]) -> dict[str, tuple[float, float]]:
+    import urllib.request
+
+    total: dict[str, tuple[float, float]] = {}
+    for port in ports:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                part = parse_histogram_sums(r.read().decode())
+        except OSError:
+            continue
+        for k, (a, b) in part.items():
+            s0, c0 = total.get(k, (0.0, 0.0))
+            total[k] = (s0 + a, c0 + b)
+    return total
+
+
 async def _round(target: Target, prompts: list[str], max_tokens: int) -> tuple[list[RequestResult], float]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
         t0 = time.perf_counter()
@@ -201,7 +271,8 @@ async def _round(target: Target, prompts: list[str], max_tokens: int) -> tuple[l
 
 
 def measure_server(name: str, command: list[str], target: Target, spec: str, concurrencies: list[int],
-                   repeats: int, prompt_len: int, output_len: int, seed: int, ready_timeout_s: float) -> SystemResult:
+                   repeats: int, prompt_len: int, output_len: int, seed: int, ready_timeout_s: float,
+                   metrics_ports: list[int] | None = None) -> SystemResult:
     res = SystemResult(name, " ".join(command), load_avg=[os.getloadavg()[0]])
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"pdserve-bench-{name}-{os.getpid()}.log"
     with log.open("w") as out:
@@ -215,6 +286,7 @@ def measure_server(name: str, command: list[str], target: Target, spec: str, con
         for c in concurrencies:
             all_results: list[RequestResult] = []
             walls, tokens = [], []
+            before = _scrape(metrics_ports or [])
             for i in range(repeats):
                 prompts = _prompts(spec, c, prompt_len, seed + 1000 * c + i)
                 results, wall = asyncio.run(_round(target, prompts, output_len))
@@ -223,6 +295,8 @@ def measure_server(name: str, command: list[str], target: Target, spec: str, con
                 tokens.append(sum((r.output_tokens if r.output_tokens is not None else len(r.event_times))
                                   for r in results if r.ok))
             p = summarize(all_results, c, walls, tokens)
+            if c == 1 and metrics_ports:
+                res.stages_c1 = stage_means(before, _scrape(metrics_ports))
             res.points.append(p)
             errors = sorted({f"{r.error}: {r.detail[:80]}" for r in all_results if not r.ok})
             print(f"{name} c={c}: TTFT {p.ttft_s:.3f} s, TPOT {(p.tpot_s or 0) * 1e3:.1f} ms, "
@@ -327,12 +401,12 @@ def main(argv: list[str] | None = None) -> int:
     for name, extra in (("up", []), ("colocated", ["--colocated"])):
         if name not in systems:
             continue
-        port = _free_port()
+        port, base = _free_port(), _free_port_run(6)
         cmd = [sys.executable, "-m", "services.cli", "up", *extra, *common, "--http-port", str(port),
-               "--grpc-port", "0"]
+               "--grpc-port", "0", "--metrics-port-base", str(base)]
         target = Target(f"http://127.0.0.1:{port}", "", api="completions")  # model: read from /v1/models
         results.append(measure_server(name, cmd, target, str(gguf), concurrencies, args.repeats, args.prompt_len,
-                                      args.output_len, args.seed, args.ready_timeout_s))
+                                      args.output_len, args.seed, args.ready_timeout_s, list(range(base, base + 6))))
     llama: SystemResult | None = None
     if "llamacpp" in systems:
         exe, info = llama_python(args.llama_python)
@@ -363,6 +437,9 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     for s in results:
         print(f"{s.name}: {s.command or '-'}; 1-min load {', '.join(f'{x:.2f}' for x in s.load_avg)}")
+        if s.stages_c1:
+            shown = ", ".join(f"{k.removeprefix('pdserve_')} {v * 1e3:.0f} ms" for k, v in s.stages_c1.items())
+            print(f"  {s.name} c=1 stage means (server metrics): {shown}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"cpu_model": cpu.model, "cpu_flags": cpu.reported_flags(),

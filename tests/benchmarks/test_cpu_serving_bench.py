@@ -14,7 +14,9 @@ from benchmarks.cpu_serving_bench import (
     SystemResult,
     goal_lines,
     llama_python,
+    parse_histogram_sums,
     ratios,
+    stage_means,
     summarize,
     table,
 )
@@ -80,3 +82,17 @@ def test_llama_python_reports_a_missing_package() -> None:
         pytest.skip("llama-cpp-python is installed in this environment: nothing missing to report")
     exe, why = llama_python(sys.executable)
     assert exe is None and "llama-cpp-python[server] is not installed" in why
+
+
+def test_stage_means_from_two_scrapes() -> None:
+    text0 = ("# HELP pdserve_prefill_compute_seconds x\n"
+             'pdserve_prefill_compute_seconds_bucket{le="0.5"} 1\n'
+             "pdserve_prefill_compute_seconds_sum 0.4\npdserve_prefill_compute_seconds_count 1\n"
+             'pdserve_router_time_to_first_token_seconds_sum{model="m"} 1.0\n'
+             'pdserve_router_time_to_first_token_seconds_count{model="m"} 2\n')
+    text1 = text0.replace("compute_seconds_sum 0.4", "compute_seconds_sum 1.6").replace(
+        "compute_seconds_count 1", "compute_seconds_count 4")
+    before, after = parse_histogram_sums(text0), parse_histogram_sums(text1)
+    assert before["pdserve_prefill_compute_seconds"] == (0.4, 1.0)
+    means = stage_means(before, after)
+    assert means == {"pdserve_prefill_compute_seconds": pytest.approx(0.4)}  # router unchanged: left out
