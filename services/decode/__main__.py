@@ -12,21 +12,14 @@ from services.decode.config import DecodeConfig
 from services.decode.pushkv_wire import add_decode_servicer
 from services.decode.servicer import DecodeServicer
 from services.worker.engine_service import EngineService, service_main
+from services.worker.stat_gauges import stat_gauges
 
 
 async def amain(cfg: DecodeConfig, ecfg) -> None:
     metrics = DecodeMetrics(prometheus_client.REGISTRY)
     service = EngineService("decode", cfg, ecfg)
     servicer = DecodeServicer(cfg, metrics, asyncio.Event())
-
-    def gauges(s: dict[str, float]) -> None:
-        model = servicer.model
-        metrics.kv_cache_usage_ratio.labels(model).set(s["kv_usage"])
-        metrics.running_requests.labels(model).set(s["running"])
-        metrics.waiting_requests.labels(model).set(s["waiting"])
-        metrics.waiting_for_kv_requests.labels(model).set(s["waiting_for_kv"])
-
-    service.on_stats.append(gauges)
+    service.on_stats.append(stat_gauges(metrics, lambda: servicer.model))
     service.on_close.append(servicer.close)
     await service.run(servicer, add_decode_servicer)
 

@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
 from services.engine.config import EngineConfig
@@ -82,14 +82,18 @@ class AsyncEngine:
                 self._die(e)
                 return
 
-    def _run_commands(self) -> None:
+    def _queued_commands(self) -> Iterator[tuple[Callable[[], Any], concurrent.futures.Future]]:
+        """The commands queued now, each once its future is marked running (a cancelled one is dropped)."""
         while True:
             try:
                 fn, fut = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if not fut.set_running_or_notify_cancel():
-                continue
+            if fut.set_running_or_notify_cancel():
+                yield fn, fut
+
+    def _run_commands(self) -> None:
+        for fn, fut in self._queued_commands():
             try:
                 result = fn()
             except BaseException as e:  # delivered to the caller
@@ -121,13 +125,8 @@ class AsyncEngine:
 
     def _fail_pending(self) -> None:
         """Fail every queued command (any thread may call this once the loop is dead)."""
-        while True:
-            try:
-                _, fut = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if fut.set_running_or_notify_cancel():
-                fut.set_exception(EngineDeadError(f"engine loop died: {self._dead!r}"))
+        for _, fut in self._queued_commands():
+            fut.set_exception(EngineDeadError(f"engine loop died: {self._dead!r}"))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for o in outputs:

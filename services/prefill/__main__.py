@@ -13,6 +13,7 @@ from services.engine.kv_transport import make_transport
 from services.prefill.config import PrefillConfig
 from services.prefill.servicer import PrefillServicer
 from services.worker.engine_service import EngineService, service_main
+from services.worker.stat_gauges import stat_gauges
 
 
 async def amain(cfg: PrefillConfig, ecfg) -> None:
@@ -21,12 +22,7 @@ async def amain(cfg: PrefillConfig, ecfg) -> None:
     transport = make_transport("grpc", tls=cfg if cfg.tls_enabled else None, max_message_bytes=cfg.max_message_bytes)
     service = EngineService("prefill", cfg, ecfg)
     servicer = PrefillServicer(cfg, metrics, transport, asyncio.Event())
-
-    def gauges(s: dict[str, float]) -> None:
-        metrics.running_requests.labels(servicer.model).set(s["running"])
-        metrics.waiting_requests.labels(servicer.model).set(s["waiting"])
-
-    service.on_stats.append(gauges)
+    service.on_stats.append(stat_gauges(metrics, lambda: servicer.model))
     service.on_close.append(transport.close)
     service.on_close.append(servicer.close)
     await service.run(servicer, prefill_pb2_grpc.add_PrefillServicer_to_server)

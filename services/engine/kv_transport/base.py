@@ -123,6 +123,23 @@ class PageWriter(abc.ABC):
     transport: str = ""
     pool_id: str = ""
     """The pool written into, as decode names it (what the claim carries)."""
+    sender: KVSender | None = None
+    """The request's KV stream, set before the first write."""
+    dest: list[int]
+    """Decode's reserved block ids, in page order."""
+
+    def _broken(self) -> bool:
+        """The request's KV stream failed (or was never set): no page may be written any more."""
+        return self.sender is None or self.sender.poll() is KVPoll.FAILED
+
+    def _check_write(self, first_block: int, num_pages: int) -> None:
+        """Before a write: TransferError once the stream is broken (nothing may land that decode would not be
+        told of), ValueError for pages outside the reserved blocks."""
+        if self._broken():
+            raise TransferError("KV stream to decode is broken: no page written", grpc.StatusCode.CANCELLED)
+        if first_block + num_pages > len(self.dest):
+            raise ValueError(f"pages [{first_block}, {first_block + num_pages}) outside the {len(self.dest)} "
+                             "reserved blocks")
 
     @abc.abstractmethod
     def write(self, first_block: int, src_blocks: list[int]) -> object:

@@ -22,7 +22,7 @@ import grpc
 import torch
 
 from services.common.pb import decode_pb2
-from services.engine.kv_transport.base import KVPoll, KVSender, PageWriter, TransferError
+from services.engine.kv_transport.base import KVSender, PageWriter, TransferError
 from services.engine.shared_kv import (
     DTYPES,
     SharedKVAttachError,
@@ -136,11 +136,7 @@ class MooncakeWriter(PageWriter):
         self._lock = threading.Lock()
 
     def write(self, first_block: int, src_blocks: list[int]) -> object:
-        if self.sender is None or self.sender.poll() is KVPoll.FAILED:
-            raise TransferError("KV stream to decode is broken: no page written", grpc.StatusCode.CANCELLED)
-        if first_block + len(src_blocks) > len(self.dest):
-            raise ValueError(f"pages [{first_block}, {first_block + len(src_blocks)}) outside the "
-                             f"{len(self.dest)} reserved blocks")
+        self._check_write(first_block, len(src_blocks))
         nb_src, nb_dst, rb = self.src.shape[2], self.dst_blocks_total, self.region_bytes
         srcs: list[int] = []
         dsts: list[int] = []

@@ -4,10 +4,9 @@ stream carries the claim and descriptors only."""
 
 from __future__ import annotations
 
-import grpc
 import torch
 
-from services.engine.kv_transport.base import KVPoll, KVSender, PageWriter, TransferError
+from services.engine.kv_transport.base import KVSender, PageWriter
 from services.engine.shared_kv import copy_pages
 
 ONEOF_OF = {"shm": "shm", "cuda-ipc": "cuda_ipc", "mooncake": "mooncake"}
@@ -28,11 +27,7 @@ class SharedPoolWriter(PageWriter):
         self.sender: KVSender | None = None
 
     def write(self, first_block: int, src_blocks: list[int]) -> object:
-        if self.sender is None or self.sender.poll() is KVPoll.FAILED:
-            raise TransferError("KV stream to decode is broken: no page written", grpc.StatusCode.CANCELLED)
-        if first_block + len(src_blocks) > len(self.dest):
-            raise ValueError(f"pages [{first_block}, {first_block + len(src_blocks)}) outside the "
-                             f"{len(self.dest)} reserved blocks")
+        self._check_write(first_block, len(src_blocks))
         copy_pages(self.src, src_blocks, self.pool, self.dest[first_block:first_block + len(src_blocks)])
         if self.src.is_cuda:  # the pages must have landed before the descriptor tells decode they have
             torch.cuda.current_stream(self.src.device).synchronize()
