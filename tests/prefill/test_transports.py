@@ -25,6 +25,7 @@ from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.kv_transport import GrpcStreamTransport, mooncake
 from services.engine.sampling_params import SamplingParams
+from services.prefill import kv_stream
 from services.prefill.config import PrefillConfig
 from services.prefill.servicer import PrefillServicer
 
@@ -63,7 +64,7 @@ async def pair() -> AsyncIterator:
     made: list[Pair] = []
     channels: list[grpc.aio.Channel] = []
 
-    async def make(transport: str, slowdown_ms: int = 0) -> Pair:
+    async def make(transport: str, slowdown_ms: int = 0, prefill_engine: EngineConfig = ENGINE) -> Pair:
         decode = DecodeServicer(DecodeConfig(kv_mooncake_host="127.0.0.1" if transport == "mooncake" else ""),
                                 DecodeMetrics(CollectorRegistry()), asyncio.Event())
         decode.bind(await asyncio.to_thread(AsyncEngine, dataclasses.replace(ENGINE, kv_cache_shared=transport == "shm")))
@@ -71,7 +72,7 @@ async def pair() -> AsyncIterator:
         registry = CollectorRegistry()
         prefill = PrefillServicer(PrefillConfig(kv_transport=transport, slowdown_ms_per_chunk=slowdown_ms),
                                   PrefillMetrics(registry), GrpcStreamTransport(), asyncio.Event())
-        prefill.bind(await asyncio.to_thread(AsyncEngine, ENGINE))
+        prefill.bind(await asyncio.to_thread(AsyncEngine, prefill_engine))
         pserver, paddr = await _serve(prefill, prefill_pb2_grpc.add_PrefillServicer_to_server)
         dch, pch = grpc.aio.insecure_channel(daddr), grpc.aio.insecure_channel(paddr)
         channels.extend([dch, pch])
@@ -141,6 +142,24 @@ async def test_each_transport_gives_the_in_process_engines_tokens(pair, transpor
         sent += resp.kv_bytes_sent
     assert p.metric("pdserve_prefill_kv_sent_bytes_total", transport=transport) == sent
     assert p.metric("pdserve_prefill_kv_transport_fallbacks_total", transport=transport, reason="none") == 0
+    for eng in (p.decode.engine, p.prefill.engine):
+        s = await _idle(eng)
+        assert s["free_blocks"] == s["total_blocks"]
+
+
+async def test_grpc_chunks_split_into_one_page_messages_land_identically(pair, monkeypatch) -> None:
+    """Messages capped at one page (kv_stream.MESSAGE_PAYLOAD_BYTES): every compute chunk leaves as
+    several messages, each parsed header-only by decode, and the tokens are the in-process engine's."""
+    p = await pair("grpc", prefill_engine=dataclasses.replace(ENGINE, max_prefill_chunk=128))
+    monkeypatch.setattr(kv_stream, "MESSAGE_PAYLOAD_BYTES", p.prefill.layout.page_bytes)
+    ids = PROMPTS[1]
+    resv = await _reserve(p, ids)
+    consume = asyncio.create_task(_generate(p, resv))
+    resp = await p.pstub.Prefill(_request(p, resv, ids))
+    assert await consume == LLMEngine(ENGINE).generate([ids], SamplingParams(max_tokens=6, temperature=0))[0]
+    assert resp.kv_bytes_sent == len(resv.block_ids) * p.prefill.layout.page_bytes
+    received = p.decode.metrics.kv_chunks_received_total.labels("grpc")._value.get()
+    assert received == len(resv.block_ids)  # 2 compute chunks (128 + 2 tokens), 9 pages: a message per page
     for eng in (p.decode.engine, p.prefill.engine):
         s = await _idle(eng)
         assert s["free_blocks"] == s["total_blocks"]
