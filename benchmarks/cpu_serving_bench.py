@@ -17,8 +17,10 @@ The in-process engine (LLMEngine, same dtype and weight format) gives the ceilin
   * pdserve output tok/s at c=16 / llama.cpp's (goal >= 2).
 
 llama.cpp: the ``llama-cpp-python[server]`` package (``python -m llama_cpp.server``), threads = the CPUs this
-process may use, continuous batching is not offered by that server (it serves one request at a time); it
-is skipped, with the reason, when the package is missing from --llama-python's environment.
+process may use, requests queued rather than interrupted (``--interrupt_requests False``); that server runs
+one request at a time (it offers no parallel slots or continuous batching, which only llama.cpp's C++
+``llama-server`` has). It is skipped, with the reason, when the package is missing from --llama-python's
+environment.
 """
 
 from __future__ import annotations
@@ -418,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
             ctx = max(2048, 2 * (args.prompt_len + args.output_len))
             cmd = [exe, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                    "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(ctx),
-                   "--n_batch", str(args.prompt_len), "--model_alias", "smollm2"]
+                   "--n_batch", str(args.prompt_len), "--model_alias", "smollm2",
+                   "--interrupt_requests", "False"]  # queue concurrent requests instead of cutting one off
             eos = sorted(load_tokenizer(str(gguf)).tokenizer.eos_token_ids)
             target = LlamaTarget(f"http://127.0.0.1:{port}", "smollm2", api="completions", banned_token_ids=tuple(eos))
             llama = measure_server("llamacpp", cmd, target, str(gguf), concurrencies, args.repeats, args.prompt_len,
