@@ -131,3 +131,19 @@ def test_embedded_gguf_greedy_equals_plain_decoding() -> None:
     prompts = [plain.tokenizer.encode(t) for t in ("The capital of France is", "def add(a, b):\n   ")]
     want = plain.generate(prompts, params)
     assert _engine(3, "layers:8", model=None, num_kv_blocks=64, block_size=16).generate(prompts, params) == want
+
+
+def test_uniform_query_rows_attend_like_one_row_at_a_time() -> None:
+    from services.engine.attention import TorchPagedAttention
+    from services.engine.model_runner import prepare_rows
+    from services.engine.spec.attention import UniformQueryAttention
+
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(1, 2, 12, 4, 2, 8, generator=g)
+    rows = [([1, 2, 3, 4], 5, [0, 1, 2]), ([5, 6, 7, 8], 1, [3, 4]), ([9, 10, 11, 12], 9, [5, 6, 7, 8])]
+    _, _, meta = prepare_rows(rows, 4, torch.device("cpu"))
+    q = torch.randn(12, 4, 8, generator=g)
+    k, v = torch.randn(12, 2, 8, generator=g), torch.randn(12, 2, 8, generator=g)
+    want = TorchPagedAttention(cache.clone(), 0.35).forward(0, q, k, v, meta)
+    batched = UniformQueryAttention(TorchPagedAttention(cache.clone(), 0.35))
+    torch.testing.assert_close(batched.forward(0, q, k, v, meta), want)

@@ -25,11 +25,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.engine.attention import ForwardContext
+from services.engine.attention import ForwardContext, TorchPagedAttention
 from services.engine.kv_layout import FP8_CODEC, PageLayout, Region
 from services.engine.sampler import SamplingRow
 from services.engine.sampling_params import Sampled
 from services.engine.scheduler import ScheduledChunk, SchedulerOutput
+from services.engine.spec.attention import UniformQueryAttention
 from services.engine.spec.draft import Draft, DraftConfigError, load_draft
 from services.engine.spec.pages import pack_composite, region_nbytes, unpack_composite
 from services.engine.spec.verify import (
@@ -104,6 +105,8 @@ class SpecDecoder:
         self._gen = torch.Generator().manual_seed(config.seed + 1)
         self.kv_cache: torch.Tensor | None = None
         self.backend = None
+        self._target_backend: tuple[object, object] | None = None
+        """(the runner's attention backend, the one verify forwards use over it)."""
 
     def bytes_per_block(self) -> int:
         return self.draft.bytes_per_block(self.config.block_size, self.config.torch_dtype)
@@ -116,7 +119,7 @@ class SpecDecoder:
         d, cfg = self.draft, self.config
         self.kv_cache = torch.zeros(d.num_layers, 2, num_blocks, cfg.block_size, d.num_kv_heads, d.head_dim,
                                     dtype=cfg.torch_dtype, device=cfg.device)
-        self.backend = make_backend(self.kv_cache, d.head_dim)
+        self.backend = _batched(make_backend(self.kv_cache, d.head_dim))
 
     # --- pages (both regions) ---
 
@@ -190,7 +193,9 @@ class SpecDecoder:
         for s in specs:
             seq = s.chunk.seq
             rows.append(([seq.token_ids[-1], *s.drafts], len(seq.token_ids) - 1, seq.block_table))
-        hidden, starts = self._forward(runner.model, runner.attn_backend, rows, dev)
+        if self._target_backend is None or self._target_backend[0] is not runner.attn_backend:
+            self._target_backend = (runner.attn_backend, _batched(runner.attn_backend))
+        hidden, starts = self._forward(runner.model, self._target_backend[1], rows, dev)
         picks: list[int] = []
         plain_rows: list[SamplingRow] = []
         plain_ids: list[int] = []
@@ -229,6 +234,11 @@ class SpecDecoder:
             tokens, m = rejection_sample(probs_for(logits, params), torch.stack(s.q), s.drafts, s.gen)
         self.stats.record(k, m)
         return with_logprobs(tokens, logits, params)
+
+
+def _batched(backend):
+    """On CPU, a backend that runs rows of one common query length together (spec/attention.py)."""
+    return UniformQueryAttention(backend) if isinstance(backend, TorchPagedAttention) else backend
 
 
 def _chunk_row(c: ScheduledChunk) -> Row:
