@@ -3,13 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.kernel_cases import (
-    assert_close,
-    attention_cases,
-    make_paged_kv,
-    plain_attention,
-    requires_cuda,
-)
+from tests.kernels import kernel_cases
+from tests.kernels.kernel_cases import assert_close, make_paged_kv, plain_attention, requires_cuda
 
 pytest.importorskip("triton")
 
@@ -51,7 +46,7 @@ def _run(
         torch.testing.assert_close(ref[b : b + 1], plain, atol=1e-5, rtol=1e-5)
 
 
-@attention_cases([(4, 4), (6, 2), (8, 2)])
+@kernel_cases.attention_cases([(4, 4), (6, 2), (8, 2)])
 def test_decode_matches_reference(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
     _run(device, dtype, num_heads, num_kv_heads, head_dim, 16, CONTEXTS)
 

@@ -95,6 +95,13 @@ async def failure(r: Router, n: int, got: list[int] | None = None) -> BackendErr
     return e.value
 
 
+async def exact(r: Router, n: int, **kw) -> list[TokenEvent]:
+    """The events of generating ``n`` tokens, whose tokens must be the reference run's (no duplicate, no gap)."""
+    events = await collect(r, n, **kw)
+    assert tokens(events) == reference(PROMPT, n)
+    return events
+
+
 def tokens(events: list[TokenEvent]) -> list[int]:
     return [t for ev in events for t in ev.token_ids]
 
@@ -162,8 +169,7 @@ async def test_prefill_death_retries_on_another_with_the_same_reservation_and_re
     c.prefill(1).compute_s = 0.4
     async with router(c, lease_ms=300) as r:  # renewed every 100 ms while Prefill is in flight
         prefer(r.prefill_pool, c.prefill_addr(0))
-        events = await collect(r, 6)
-        assert tokens(events) == reference(PROMPT, 6)
+        await exact(r, 6)
         assert r.metric(ROUTER_DISPATCH_RETRIES_TOTAL, role="prefill", reason="unavailable") == 1
         assert r.prefill_pool.instances[c.prefill_addr(0)].state == Liveness.DEAD  # connectivity probe: refused
     (first,), (second,) = c.prefill(0).requests, c.prefill(1).requests
@@ -209,8 +215,7 @@ async def test_reserve_overloaded_moves_to_the_next_decode(cluster_factory):
     c.decode(0).full_retry_after_ms = 2000
     async with router(c) as r:
         prefer(r.decode_pool, c.decode_addr(0))
-        events = await collect(r, 5)
-        assert tokens(events) == reference(PROMPT, 5)
+        await exact(r, 5)
         assert len(c.decode(0).reserves) == 1 and len(c.decode(1).reserves) == 1
         assert r.metric(ROUTER_DISPATCH_RETRIES_TOTAL, role="decode", reason="overloaded") == 1
         full = r.decode_pool.instances[c.decode_addr(0)]
@@ -234,8 +239,7 @@ async def test_unreachable_decode_is_skipped_at_reserve(cluster_factory):
     async with router(c) as r:
         prefer(r.decode_pool, c.decode_addr(0))
         await c.decodes[0][0].die()
-        events = await collect(r, 4)
-        assert tokens(events) == reference(PROMPT, 4)
+        await exact(r, 4)
         assert r.metric(ROUTER_DISPATCH_RETRIES_TOTAL, role="decode", reason="unavailable") == 1
         await eventually(lambda: r.decode_pool.instances[c.decode_addr(0)].state == Liveness.DEAD)
 
@@ -247,8 +251,7 @@ async def test_decode_death_mid_stream_migrates_with_the_exact_tokens(cluster_fa
     c.decode(0).die_after_tokens = 3
     async with router(c) as r:
         prefer(r.decode_pool, c.decode_addr(0))
-        events = await collect(r, 10)
-        assert tokens(events) == reference(PROMPT, 10)  # no duplicate, no gap
+        events = await exact(r, 10)  # no duplicate, no gap
         assert events[-1].finish_reason == "length"
         assert r.metric(ROUTER_MIGRATIONS_TOTAL, outcome="ok") == 1
     (moved,) = c.decode(1).reserves
@@ -262,8 +265,7 @@ async def test_colocated_worker_death_mid_stream_migrates(cluster_factory):
     c.decode(0).die_after_tokens = 4
     async with router(c, colocated=True) as r:
         prefer(r.decode_pool, c.decode_addr(0))
-        events = await collect(r, 9)
-        assert tokens(events) == reference(PROMPT, 9)
+        await exact(r, 9)
         assert r.metric(ROUTER_MIGRATIONS_TOTAL, outcome="ok") == 1
     (moved,) = c.decode(1).colocated
     assert list(moved.token_ids) == PROMPT + reference(PROMPT, 4) and moved.params.max_tokens == 5
@@ -274,7 +276,7 @@ async def test_colocated_full_worker_is_skipped(cluster_factory):
     c.decode(0).full_retry_after_ms = 500
     async with router(c, colocated=True) as r:
         prefer(r.decode_pool, c.decode_addr(0))
-        assert tokens(await collect(r, 4)) == reference(PROMPT, 4)
+        await exact(r, 4)
         assert r.metric(ROUTER_DISPATCH_RETRIES_TOTAL, role="worker", reason="overloaded") == 1
 
 
