@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 import zlib
+from collections.abc import Awaitable, Callable
 
 import grpc
 import pytest
@@ -26,16 +27,25 @@ async def _reserve(addr: str, ids=PROMPT, lease_ms: int = 60_000, **params) -> d
             params=common_pb2.SamplingParams(max_tokens=4, temperature=0.0, **params)), timeout=30)
 
 
-async def _push(addr: str, chunks: list[common_pb2.KVChunk]) -> tuple[grpc.StatusCode, str]:
+async def _status(addr: str, call: Callable[[grpc.aio.Channel], Awaitable[object]]) -> tuple[grpc.StatusCode, str]:
+    """(code, details) of ``call`` on a fresh channel to ``addr``; (OK, "") when it succeeds."""
     async with create_channel(addr) as ch:
-        async def gen():
-            for c in chunks:
-                yield c
         try:
-            await decode_pb2_grpc.DecodeStub(ch).PushKV(gen(), timeout=30)
+            await call(ch)
         except grpc.aio.AioRpcError as e:
             return e.code(), e.details() or ""
     return grpc.StatusCode.OK, ""
+
+
+async def _push(addr: str, chunks: list[common_pb2.KVChunk]) -> tuple[grpc.StatusCode, str]:
+    async def gen():
+        for c in chunks:
+            yield c
+    return await _status(addr, lambda ch: decode_pb2_grpc.DecodeStub(ch).PushKV(gen(), timeout=30))
+
+
+def _reserve_status(addr: str, req: decode_pb2.ReserveRequest) -> tuple[grpc.StatusCode, str]:
+    return asyncio.run(_status(addr, lambda ch: decode_pb2_grpc.DecodeStub(ch).Reserve(req, timeout=30)))
 
 
 def _chunk(resv: decode_pb2.ReserveResponse, index: int, first: int, n: int, *, fp: str | None = None,
@@ -68,21 +78,12 @@ def test_reserve_rejects_bad_requests(decode_addr):
         (decode_pb2.ReserveRequest(request_id="x", token_ids=[1] * 9000, params=common_pb2.SamplingParams(max_tokens=4)),
          "context"),
     ]
-
-    async def run(req):
-        async with create_channel(decode_addr) as ch:
-            try:
-                await decode_pb2_grpc.DecodeStub(ch).Reserve(req, timeout=30)
-            except grpc.aio.AioRpcError as e:
-                return e.code(), e.details()
-        return grpc.StatusCode.OK, ""
-
     for req, word in cases:
-        code, details = asyncio.run(run(req))
+        code, details = _reserve_status(decode_addr, req)
         assert code == grpc.StatusCode.INVALID_ARGUMENT and word in details, (word, code, details)
     # Longer than the whole KV pool (but inside the context): no room, not a malformed request.
-    code, details = asyncio.run(run(decode_pb2.ReserveRequest(
-        request_id="big", token_ids=[5] * 6000, params=common_pb2.SamplingParams(max_tokens=4))))
+    code, details = _reserve_status(decode_addr, decode_pb2.ReserveRequest(
+        request_id="big", token_ids=[5] * 6000, params=common_pb2.SamplingParams(max_tokens=4)))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "blocks" in details, details
     rep = wait_idle(decode_addr)
     assert rep.free_blocks == rep.total_blocks
@@ -217,14 +218,6 @@ def test_prefill_rejects_bad_requests(pd_cluster):
     prefill = pd_cluster.get("prefill-1").ready["grpc"]
     decode = pd_cluster.get("decode-0").ready["grpc"]
 
-    async def run(req):
-        async with create_channel(prefill) as ch:
-            try:
-                await prefill_pb2_grpc.PrefillStub(ch).Prefill(req, timeout=60)
-            except grpc.aio.AioRpcError as e:
-                return e.code(), e.details()
-        return grpc.StatusCode.OK, ""
-
     base = dict(request_id="p", token_ids=PROMPT, decode_address=decode, reservation_id="rsv-x",
                 reservation_token=bytes(16), params=common_pb2.SamplingParams(max_tokens=4))
     cases = [
@@ -242,7 +235,8 @@ def test_prefill_rejects_bad_requests(pd_cluster):
          "KV handoff"),
     ]
     for req, code, word in cases:
-        got, details = asyncio.run(run(req))
+        got, details = asyncio.run(_status(prefill, lambda ch, r=req: prefill_pb2_grpc.PrefillStub(ch).Prefill(
+            r, timeout=60)))
         assert got == code and word in details, (word, got, details)
     rep = wait_idle(prefill)
     assert rep.running == rep.waiting == 0 and rep.free_blocks == rep.total_blocks
