@@ -19,9 +19,16 @@ JUNK = 100.0
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-def llama_kv_cache(num_pages: int = 300) -> torch.Tensor:
-    """A Llama-8B-shaped bf16 paged KV cache on CUDA: [32 layers, K/V, pages, 16 tokens, 8 kv heads, 128]."""
-    return torch.randn((32, 2, num_pages, 16, 8, 128), dtype=torch.bfloat16, device=torch.device("cuda"))
+def llama_packed(pack: Callable[..., torch.Tensor], reference: Callable[..., torch.Tensor], num_ids: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(cache, page ids, packed buffer): a Llama-8B-shaped bf16 paged KV cache on CUDA ([32 layers, K/V, 300
+    pages, 16 tokens, 8 kv heads, 128]), ``num_ids`` random pages, packed by ``pack`` exactly as by
+    ``reference``."""
+    kv_cache = torch.randn((32, 2, 300, 16, 8, 128), dtype=torch.bfloat16, device=torch.device("cuda"))
+    ids = torch.randperm(kv_cache.shape[2], device=kv_cache.device)[:num_ids]
+    buf = pack(kv_cache, ids)
+    assert torch.equal(buf, reference(kv_cache, ids))
+    return kv_cache, ids, buf
 
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.kernel_cases import llama_kv_cache, requires_cuda
+from tests.kernels.kernel_cases import llama_packed, requires_cuda
 
 pytest.importorskip("triton")
 
@@ -111,10 +111,7 @@ def test_fp8_page_layout_is_values_then_scales(device: torch.device) -> None:
 @pytest.mark.gpu
 @requires_cuda
 def test_fp8_gpu_llama_shapes() -> None:
-    kv_cache = llama_kv_cache()
-    ids = torch.randperm(kv_cache.shape[2], device=kv_cache.device)[:64]
-    buf = pack_pages_fp8(kv_cache, ids)
-    assert torch.equal(buf, ref_pack_pages_fp8(kv_cache, ids))
+    kv_cache, _, _ = llama_packed(pack_pages_fp8, ref_pack_pages_fp8, 64)
     x = kv_cache[0, 0].reshape(-1, 8, 128)[:8192]
     q, s = fp8_quantize(x)
     rq, rs = ref_fp8_quantize(x)

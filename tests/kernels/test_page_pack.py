@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.kernel_cases import llama_kv_cache, requires_cuda
+from tests.kernels.kernel_cases import llama_packed, requires_cuda
 
 pytest.importorskip("triton")
 
@@ -63,10 +63,7 @@ def test_unpack_rejects_wrong_shape(device: torch.device) -> None:
 @pytest.mark.gpu
 @requires_cuda
 def test_pack_gpu_llama_shapes() -> None:
-    kv_cache = llama_kv_cache()
-    ids = torch.randperm(kv_cache.shape[2], device=kv_cache.device)[:128]
-    buf = pack_pages(kv_cache, ids)
-    assert torch.equal(buf, ref_pack_pages(kv_cache, ids))
+    kv_cache, ids, buf = llama_packed(pack_pages, ref_pack_pages, 128)
     dst = torch.zeros_like(kv_cache)
     unpack_pages(buf, dst, ids)
     assert torch.equal(dst[:, :, ids.long()], kv_cache[:, :, ids.long()])
