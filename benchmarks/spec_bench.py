@@ -12,7 +12,7 @@ CPU (tiny shapes, seconds):   pdserve bench spec --model random:tiny-llama --dra
 CPU (embedded SmolLM2):       pdserve bench spec --draft layers:8
 H200 (Llama-3-8B shape, bf16, random weights; draft = its first 2 layers):
     pdserve bench spec --model random:llama-3-8b --draft layers:2 --device cuda --dtype bfloat16 \\
-        --batch 16 --prompt-len 512 --max-tokens 256 --spec-tokens 7 --synthetic-acceptance 3
+        --batch 16 --prompt-len 512 --max-tokens 256 --spec-tokens 7 --synthetic-acceptance 3 --kv-cache-gib 16
 CUDA graphs: the speculative path runs eagerly; the plain baseline is reported with graphs and without.
 """
 
@@ -73,13 +73,13 @@ class Results:
     modes: list[ModeResult] = field(default_factory=list)
 
 
-def _prompts(eng: LLMEngine, n: int, length: int, seed: int) -> list[list[int]]:
-    """Natural text for a real tokenizer (acceptance depends on it), random ids for the byte tokenizer."""
-    ids = eng.tokenizer.encode(TEXT * (1 + length // 30))
-    if eng.vocab_size > 1000 and len(ids) >= length + n:
+def _prompts(loaded, n: int, length: int, seed: int) -> list[list[int]]:
+    """Windows of natural text (acceptance depends on the text), or random byte ids if the text is short."""
+    ids = loaded.tokenizer.encode(TEXT * (1 + length // 30))
+    if len(ids) >= length + n:
         return [ids[i:i + length] for i in range(n)]
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(1, min(eng.vocab_size, 256), (n, length), generator=g).tolist()
+    return torch.randint(1, min(loaded.arch.vocab_size, 256), (n, length), generator=g).tolist()
 
 
 def _sync(device: str) -> None:
@@ -140,9 +140,7 @@ def run(args: argparse.Namespace) -> Results:
                 model=loaded.model_id, draft=args.draft, spec_tokens=args.spec_tokens,
                 synthetic_acceptance=args.synthetic_acceptance, batch=args.batch, prompt_len=args.prompt_len,
                 max_tokens=args.max_tokens, load_avg=[os.getloadavg()[0]])
-    probe = LLMEngine(dataclasses.replace(base, num_kv_blocks=4), loaded=loaded)
-    prompts = _prompts(probe, args.batch, args.prompt_len, args.seed)
-    del probe
+    prompts = _prompts(loaded, args.batch, args.prompt_len, args.seed)
     modes = ["plain", *(["plain-eager"] if args.device.startswith("cuda") else []), "real", "synthetic"]
     for mode in modes:
         r.modes.append(_mode(base, loaded, mode, args, prompts))
