@@ -9,6 +9,8 @@ deadline ``after + duration + --margin`` has passed), prints one line per captur
 
     <service> <instance> <path>
 
+(a tensor-parallel instance answers once every rank wrote its trace: one more line per rank,
+``<service> <instance>/rank<r> <path>``; a rank that wrote none fails the target, naming the rank)
 and names every target that failed or did not answer on stderr, exiting 1 then. Each service writes
 its trace under its own ``--trace-dir`` (the request names only a session, never a path); a trace
 readable where the command runs (one host, or a shared volume) is copied into ``--out`` and that
@@ -25,7 +27,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -54,6 +56,8 @@ class Outcome:
     instance: str = ""
     path: str = ""
     error: str = ""
+    rank_paths: list[str] = field(default_factory=list)
+    """Traces of ranks 1..N-1 of a tensor-parallel target (rank 0's is ``path``)."""
 
 
 class UsageError(ValueError):
@@ -133,6 +137,7 @@ async def _capture_one(target: Target, req: common_pb2.CaptureTraceRequest, dead
             out.error = rpc_error_summary(e)
         return out
     out.service, out.instance, out.path = resp.service, resp.instance, resp.path
+    out.rank_paths = list(resp.rank_paths)
     if not resp.path:
         out.error = "answered without a trace path"
     elif target.role is not None and resp.service != target.role:
@@ -156,9 +161,16 @@ async def capture(targets: list[Target], after_s: float, duration_s: float, out_
 def _collect(outcomes: list[Outcome], out_dir: str) -> None:
     """Copy each trace readable on this host into ``out_dir``; the outcome's path becomes the copy."""
     for o in outcomes:
-        if not o.error and os.path.isfile(o.path):
-            os.makedirs(out_dir, exist_ok=True)
-            o.path = shutil.copy2(o.path, os.path.join(out_dir, os.path.basename(o.path)))
+        if not o.error:
+            o.path, *o.rank_paths = [_copy(p, out_dir) for p in (o.path, *o.rank_paths)]
+
+
+def _copy(path: str, out_dir: str) -> str:
+    """The copy of ``path`` in ``out_dir`` when it is readable here, else ``path``."""
+    if not os.path.isfile(path):
+        return path
+    os.makedirs(out_dir, exist_ok=True)
+    return shutil.copy2(path, os.path.join(out_dir, os.path.basename(path)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     for o in outcomes:
         if not o.error:
             print(f"{o.service} {o.instance} {o.path}", flush=True)
+            for rank, path in enumerate(o.rank_paths, start=1):
+                print(f"{o.service} {o.instance}/rank{rank} {path}", flush=True)
     failed = [o for o in outcomes if o.error]
     for o in failed:
         role = f" ({o.target.role})" if o.target.role else ""

@@ -29,6 +29,10 @@ DEFAULT_TRACE_ROOT = os.path.join(tempfile.gettempdir(), "pdserve-traces")
 _SESSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
+class IncompleteTraceError(RuntimeError):
+    """This process wrote its trace but another rank of its instance did not (the message names it)."""
+
+
 class TraceCapture:
     """A profiler run over a wall-clock window, written as a Chrome trace under ``root/<session>/``.
 
@@ -40,6 +44,8 @@ class TraceCapture:
         self.instance = instance
         self.root = os.path.abspath(root or DEFAULT_TRACE_ROOT)
         self._lock = asyncio.Lock()
+        self.rank_paths: dict[str, list[str]] = {}
+        """Rank 0's trace path -> the traces of ranks 1..N-1 captured with it (tensor-parallel instances)."""
 
     @staticmethod
     def session_problem(session: str) -> str | None:
@@ -168,4 +174,7 @@ class AdminServicer(common_pb2_grpc.AdminServicer):
             path = await self._trace.capture(request.start_unix, request.duration_s, request.out_dir)
         except OSError as e:
             await context.abort(grpc.StatusCode.INTERNAL, f"cannot write the trace under {self._trace.root}: {e}")
-        return common_pb2.CaptureTraceResponse(path=path, service=self._trace.service, instance=self._trace.instance)
+        except IncompleteTraceError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        return common_pb2.CaptureTraceResponse(path=path, service=self._trace.service, instance=self._trace.instance,
+                                               rank_paths=self._trace.rank_paths.pop(path, []))

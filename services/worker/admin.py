@@ -3,17 +3,48 @@ with the torch profiler as its trace capture."""
 
 from __future__ import annotations
 
+import os
 import time
 
-from services.common.admin import DEFAULT_TRACE_ROOT, AdminServicer, LoadFn
+from services.common.admin import DEFAULT_TRACE_ROOT, AdminServicer, IncompleteTraceError, LoadFn
 from services.common.admin import TraceCapture as _Capture
+from services.engine.parallel.launch import RankSet
+from services.engine.parallel.trace import missing_traces, rank_trace_path
+
+RANK_TRACE_WAIT_S = 60.0
+"""How long rank 0 waits, after its own trace, for the other ranks' traces (seconds)."""
 
 __all__ = ["DEFAULT_TRACE_ROOT", "AdminServicer", "LoadFn", "TraceCapture"]
 
 
 class TraceCapture(_Capture):
     """torch.profiler over the window (CPU, and CUDA when present). Profiling is process-wide, so the
-    engine thread's work is recorded although the profiler runs on a worker thread."""
+    engine thread's work is recorded although the profiler runs on a worker thread.
+
+    A tensor-parallel instance (``ranks`` set once its engine runs): every rank profiles the same window;
+    the capture returns once all have written their trace, or raises IncompleteTraceError naming those
+    that did not."""
+
+    ranks: RankSet | None = None
+
+    def _capture(self, start_unix: float, duration_s: float, session: str) -> str:
+        ranks = self.ranks
+        if ranks is None or ranks.runner is None:
+            return super()._capture(start_unix, duration_s, session)
+        out_dir = os.path.join(self.root, session)
+        os.makedirs(out_dir, mode=0o700, exist_ok=True)
+        safe = self.instance.replace(":", "_").replace("/", "_")
+        stem = os.path.join(out_dir, f"{self.service}-{safe}-{int(max(start_unix, time.time()) * 1000)}")
+        ranks.runner.announce_trace(start_unix, duration_s, stem)
+        path = super()._capture(start_unix, duration_s, session)
+        paths = [rank_trace_path(stem, r) for r in range(1, ranks.size)]
+        missing = missing_traces(paths, time.time() + RANK_TRACE_WAIT_S)
+        if missing:
+            raise IncompleteTraceError(
+                f"tensor-parallel rank(s) {', '.join(str(i + 1) for i in missing)} of {ranks.size} wrote no trace "
+                f"within {RANK_TRACE_WAIT_S:g} s after the window (expected {paths[missing[0]]}; rank 0's: {path})")
+        self.rank_paths[path] = paths
+        return path
 
     def _record(self, duration_s: float, path: str) -> None:
         import torch

@@ -144,6 +144,7 @@ class EngineService:
             self.engine = await asyncio.to_thread(AsyncEngine, self.ecfg)
             log.info("%s: engine up in %.1f s", self.name, time.monotonic() - t0)
             servicer.bind(self.engine)
+            trace.ranks = self.engine.engine.ranks  # a tensor-parallel instance's trace waits for every rank
             initialise(servicer.metrics, model=(servicer.model,))  # every known series at 0 before SERVING
             self.engine.add_death_callback(partial(self._on_engine_death, asyncio.get_running_loop()))
             await self.stats()

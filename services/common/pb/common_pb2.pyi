@@ -269,11 +269,13 @@ class CaptureTraceRequest(_message.Message):
     def __init__(self, start_unix: _Optional[float] = ..., duration_s: _Optional[float] = ..., out_dir: _Optional[str] = ...) -> None: ...
 
 class CaptureTraceResponse(_message.Message):
-    __slots__ = ("path", "service", "instance")
+    __slots__ = ("path", "service", "instance", "rank_paths")
     PATH_FIELD_NUMBER: _ClassVar[int]
     SERVICE_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    RANK_PATHS_FIELD_NUMBER: _ClassVar[int]
     path: str
     service: str
     instance: str
-    def __init__(self, path: _Optional[str] = ..., service: _Optional[str] = ..., instance: _Optional[str] = ...) -> None: ...
+    rank_paths: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, path: _Optional[str] = ..., service: _Optional[str] = ..., instance: _Optional[str] = ..., rank_paths: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -7,6 +7,9 @@ int64 payload whose length the header fixes:
   (S flat indices of the tokens whose logits are computed; only rank 0 samples, from the gathered logits).
 - EXPORT: a=pages P; payload = block ids[P]. Every rank then gathers its heads of those pages to rank 0.
 - IMPORT: a=pages P; payload = block ids[P]; then rank 0 broadcasts the full-head pages (cache dtype).
+- TRACE: a=window start (Unix ms), b=window length (ms), c=bytes of the file stem; payload = the stem's
+  UTF-8 bytes, one per int64 (rank 0 derives it from its own trace root and a validated session name).
+  Each rank writes ``<stem>-rank<r>.trace.json`` (trace.py).
 - STOP: no payload; the ranks leave their loop.
 """
 
@@ -27,6 +30,7 @@ class Op(enum.IntEnum):
     EXPORT = 2
     IMPORT = 3
     STOP = 4
+    TRACE = 5
 
 
 @dataclass
@@ -76,3 +80,15 @@ def decode_step(header: torch.Tensor, payload: torch.Tensor, device: torch.devic
 def simple(op: Op, n: int = 0) -> torch.Tensor:
     """Header of an EXPORT / IMPORT (n pages) or STOP message."""
     return torch.tensor([op, n, 0, 0, 0, 0, 0, 0], dtype=torch.int64)
+
+
+def encode_trace(start_unix: float, duration_s: float, stem: str) -> tuple[torch.Tensor, torch.Tensor]:
+    raw = stem.encode()
+    header = torch.tensor([Op.TRACE, round(start_unix * 1000), round(duration_s * 1000), len(raw), 0, 0, 0, 0],
+                          dtype=torch.int64)
+    return header, torch.tensor(list(raw), dtype=torch.int64)
+
+
+def decode_trace(header: torch.Tensor, payload: torch.Tensor) -> tuple[float, float, str]:
+    """(start Unix s, duration s, file stem) of a TRACE message."""
+    return int(header[1]) / 1000, int(header[2]) / 1000, bytes(payload.tolist()).decode()

@@ -21,7 +21,7 @@ from services.engine.model_loader import LoadedModel
 from services.engine.model_runner import ModelRunner, _sampled_rows
 from services.engine.parallel.group import TPGroup
 from services.engine.parallel.pages import as_cache, assemble, from_cache, my_heads
-from services.engine.parallel.plan import HEADER, Op, encode_step, simple
+from services.engine.parallel.plan import HEADER, Op, encode_step, encode_trace, simple
 from services.engine.sampler import Sampled
 from services.engine.scheduler import SchedulerOutput
 
@@ -107,6 +107,11 @@ class TPModelRunner(ModelRunner):
         with self._sequence(simple(Op.IMPORT, len(block_ids)), idx.cpu()):
             self.group.broadcast(pages)
             unpack_pages(my_heads(pages, self.split), self.kv_cache, idx)
+
+    def announce_trace(self, start_unix: float, duration_s: float, stem: str) -> None:
+        """Ranks 1..N-1 start profiling the window and write ``<stem>-rank<r>.trace.json`` (parallel/trace.py)."""
+        with self._sequence(*encode_trace(start_unix, duration_s, stem)):
+            pass
 
     def stop_ranks(self) -> None:
         """Tell ranks 1..N-1 to leave their loop (waits for a running step)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 
 import torch
 
@@ -18,7 +19,8 @@ from services.engine.model_runner import ModelRunner
 from services.engine.parallel.group import TPGroup, connect, open_store
 from services.engine.parallel.loader import load_shard
 from services.engine.parallel.pages import my_heads
-from services.engine.parallel.plan import HEADER, Op, decode_step, step_payload_len
+from services.engine.parallel.plan import HEADER, Op, decode_step, decode_trace, step_payload_len
+from services.engine.parallel.trace import rank_trace_path, start_recording
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +50,17 @@ def serve(runner: ModelRunner, group: TPGroup) -> None:
 
     model, split, dev = runner.model, runner.model.tp_split, runner.device
     L, _, _, bs, _, d = runner.kv_cache.shape
+    traces: list[threading.Thread] = []  # captures in progress (daemon threads: a STOP does not wait for them)
     while True:
         header = _recv(group, HEADER).cpu()
         op = Op(int(header[0]))
         if op == Op.STOP:
             return
+        if op == Op.TRACE:
+            start, duration, stem = decode_trace(header, _recv(group, int(header[3])).cpu())
+            traces = [t for t in traces if t.is_alive()]
+            traces.append(start_recording(start, duration, rank_trace_path(stem, group.rank)))
+            continue
         if op == Op.STEP:
             plan = decode_step(header, _recv(group, step_payload_len(header)).cpu(), dev)
             hidden = model(plan.ids, plan.positions, ForwardContext(runner.attn_backend, plan.meta))
