@@ -92,6 +92,9 @@ class EngineConfig(ContextConfig, ModelConfig, DtypeConfig):
         if self.tensor_parallel_size not in (1, 2, 4, 8):
             raise EngineConfigError("--tensor-parallel-size / PDSERVE_TENSOR_PARALLEL_SIZE: must be 1, 2, 4 or 8, "
                                     f"got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.draft_model:
+            raise EngineConfigError("--tensor-parallel-size / PDSERVE_TENSOR_PARALLEL_SIZE > 1 runs no draft model: "
+                                    f"unset --draft-model / PDSERVE_DRAFT_MODEL (got {self.draft_model!r})")
         if self.num_kv_blocks < 0 or self.kv_cache_bytes <= 0:
             raise EngineConfigError("num_kv_blocks must be >= 0 and kv_cache_bytes > 0")
         if self.spec_tokens < 0 or (self.spec_tokens and not self.draft_model):

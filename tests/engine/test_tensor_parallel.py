@@ -71,3 +71,14 @@ def test_tp1_model_is_the_plain_model() -> None:
     attn = m.model.layers[0].self_attn
     assert type(attn.o_proj) is nn.Linear and type(m.model.embed_tokens) is nn.Embedding
     assert m.tp_split.tp_size == 1 and m.gather_logits(torch.ones(2)) is not None
+
+
+def test_config_refuses_unsupported_degrees_and_a_draft() -> None:
+    import pytest
+
+    from services.engine.config import EngineConfig, EngineConfigError
+
+    with pytest.raises(EngineConfigError, match="must be 1, 2, 4 or 8, got 3"):
+        EngineConfig(tensor_parallel_size=3)
+    with pytest.raises(EngineConfigError, match="runs no draft model"):
+        EngineConfig(tensor_parallel_size=2, draft_model="layers:1")

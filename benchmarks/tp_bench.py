@@ -1,0 +1,130 @@
+"""Tensor-parallel step times: a TP=N forward against TP=1 on the same shapes, measured in one run.
+
+    # GPU (N GPUs of one host, NCCL; random Llama-3-8B, bf16):
+    python benchmarks/tp_bench.py --device cuda --tp 2 --model random:llama-3-8b --dtype bfloat16 \
+        --decode-batch 64 --context 2048 --prefill-tokens 8192
+    # CPU (gloo; tiny shapes, runs anywhere):
+    python benchmarks/tp_bench.py --device cpu --tp 2 --model random:tiny-llama --dtype float32 \
+        --decode-batch 4 --context 64 --prefill-tokens 128
+
+Two timings per degree, each the median of ``--iters`` after ``--warmup``: one decode step (batch B, every
+sequence at ``--context`` tokens of paged KV; attention reads the pool's contents, whatever they are) and
+one prefill forward of ``--prefill-tokens`` tokens (one sequence, no cached prefix). Weights are random per
+shard (timings need shapes, not values). Prints one JSON line per degree and the TP=N/TP=1 ratios last
+(the issue's goal: <= 0.6 at TP=2 on GPU). Each rank is its own process on cpu / cuda:<rank>.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.engine.attention import ForwardContext
+from services.engine.config import EngineConfig
+from services.engine.model_loader import LoadedModel, build_empty_model
+from services.engine.model_runner import ModelRunner, prepare_rows
+from services.engine.model_source import resolve
+from services.engine.parallel.group import building, connect, open_store
+from services.engine.parallel.worker import rank_device
+from services.engine.tokenizer import Tokenizer
+from services.engine.weights.random_weights import BYTE_EOS_ID, init_random_, random_arch
+
+
+def _runner(args: argparse.Namespace, group) -> ModelRunner:
+    arch = random_arch(resolve(args.model).shape)
+    device = rank_device(args.device, group.rank if group else 0)
+    cfg = EngineConfig(model=args.model, dtype=args.dtype, device=str(device), block_size=16,
+                       num_kv_blocks=args.decode_batch * (-(-args.context // 16)) + (-(-args.prefill_tokens // 16)) + 1,
+                       cuda_graphs=False, cpu_threads=args.cpu_threads)
+    with building(group):
+        model = build_empty_model(arch, cfg.torch_dtype, device)
+    init_random_(model, seed=group.rank if group else 0)
+    model.eval().requires_grad_(False)
+    loaded = LoadedModel(model, arch, Tokenizer.byte_level(BYTE_EOS_ID), args.model, arch.max_position_embeddings)
+    return ModelRunner(loaded, cfg)
+
+
+def _time(fn, device: torch.device, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def _measure(args: argparse.Namespace, group) -> dict[str, float]:
+    r = _runner(args, group)
+    bs, ctx, b = 16, args.context, args.decode_batch
+    per_seq = -(-ctx // bs)
+    dec_rows = [([7], ctx - 1, list(range(i * per_seq, (i + 1) * per_seq))) for i in range(b)]
+    first = b * per_seq
+    pre_rows = [([7] * args.prefill_tokens, 0, list(range(first, first + -(-args.prefill_tokens // bs))))]
+    def forward(rows):
+        ids, pos, meta = prepare_rows(rows, bs, r.device)
+        hidden = r.model(ids, pos, ForwardContext(r.attn_backend, meta))
+        return r.model.compute_logits(hidden[-len(rows):])
+
+    return {"decode_step_s": _time(lambda: forward(dec_rows), r.device, args.warmup, args.iters),
+            "prefill_s": _time(lambda: forward(pre_rows), r.device, args.warmup, args.iters)}
+
+
+def _rank(rank: int, size: int, port: int, args: argparse.Namespace, results) -> None:
+    torch.set_grad_enabled(False)
+    group = connect(open_store(size, port), rank, size, rank_device(args.device, rank))
+    out = _measure(args, group)
+    if rank == 0:
+        results.put(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="tp_bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--tp", type=int, default=2, help="the TP degree compared with TP=1")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--model", default="random:tiny-llama", help="a random:NAME shape")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--decode-batch", type=int, default=4)
+    p.add_argument("--context", type=int, default=64, help="tokens of KV per decode sequence")
+    p.add_argument("--prefill-tokens", type=int, default=128)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--cpu-threads", type=int, default=1, help="torch threads per rank (CPU)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.cpu_threads)
+    base = _measure(args, None)
+    print(json.dumps({"tp": 1, **base}), flush=True)
+    ctx = mp.get_context("spawn")
+    store = open_store(args.tp)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, args.tp, store.port, args, results)) for r in range(args.tp)]
+    for proc in procs:
+        proc.start()
+    tp = results.get(timeout=3600)
+    for proc in procs:
+        proc.join()
+    print(json.dumps({"tp": args.tp, **tp}), flush=True)
+    print(json.dumps({"ratio_tp_over_tp1": {k: round(tp[k] / base[k], 3) for k in base},
+                      "model": args.model, "device": args.device, "dtype": args.dtype,
+                      "decode_batch": args.decode_batch, "context": args.context,
+                      "prefill_tokens": args.prefill_tokens}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
