@@ -16,18 +16,8 @@ from services.common.grpc_util import Reason
 from services.common.pb import common_pb2, decode_pb2
 from services.decode.config import DecodeConfig
 from services.worker.engine_service import EXIT_ENGINE_DEAD, EngineDiedError, service_main
-from tests.decode.kv_util import (
-    PROMPT,
-    chunks,
-    generate,
-    idle,
-    prompt,
-    push,
-    reference,
-    refused,
-    reserve,
-    slow_steps,
-)
+from tests.decode import kv_util
+from tests.decode.kv_util import PROMPT, chunks, generate, idle, prompt, push, reference, refused, reserve
 
 P = common_pb2.SamplingParams
 
@@ -35,7 +25,7 @@ P = common_pb2.SamplingParams
 def _gate_steps(monkeypatch, engine) -> threading.Event:
     """Every engine step waits for the returned event (at most 30 s): a step that takes 'seconds'."""
     gate = threading.Event()
-    slow_steps(monkeypatch, engine.engine, lambda: gate.wait(30))
+    kv_util.slow_steps(monkeypatch, engine.engine, lambda: gate.wait(30))
     return gate
 
 
@@ -105,7 +95,7 @@ def test_service_main_exits_non_zero_when_the_engine_died():
 async def test_drain_finishes_in_flight_generations_and_refuses_new_work(decode_service, monkeypatch):
     svc = await decode_service(mode="colocated", drain_timeout_s=30.0)
     ref = reference(PROMPT, 6)
-    slow_steps(monkeypatch, svc.engine.engine, lambda: time.sleep(0.02))
+    kv_util.slow_steps(monkeypatch, svc.engine.engine, lambda: time.sleep(0.02))
     # A colocated generation and a reservation (Generate open, KV not yet sent) are in flight.
     colocated = asyncio.create_task(generate(svc.stub, decode_pb2.DecodeGenerateRequest(
         request_id="c", token_ids=prompt(4), params=P(max_tokens=40, temperature=0, ignore_eos=True))))
