@@ -61,6 +61,7 @@ def test_payload_anywhere_and_repeated_keeps_the_last_like_protobuf() -> None:
     (b"\x00\x01", "field number 0"),
     (bytes([(9 << 3) | 5, 1, 2]), "runs past the end"),  # a fixed32 cut short
     (bytes([(1 << 3) | 2, 2, 0xff, 0xfe]), "not a KVChunk"),  # request_id: not UTF-8 (protobuf refuses)
+    (bytes([(3 << 3), 1]) * 1025, "more than 1024 top-level fields"),  # chunk_index over and over
 ])
 def test_malformed_frames_give_an_error_never_an_exception(wire: bytes, why: str) -> None:
     got = parse_chunk(wire)

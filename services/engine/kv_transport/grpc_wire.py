@@ -28,6 +28,9 @@ PAYLOAD_FIELD = 10
 PAYLOAD_TAG = bytes([(PAYLOAD_FIELD << 3) | 2])
 """KVChunk.payload: field 10, wire type 2 (length-delimited)."""
 _MAX_VARINT_BYTES = 10
+MAX_FIELDS = 1024
+"""Most top-level fields a PushKV message may have (a KVChunk has 21, each written once): the walk runs
+on decode's event loop, so a message of millions of tiny fields is refused instead of walked."""
 
 
 def varint(n: int) -> bytes:
@@ -90,8 +93,11 @@ def _payload_spans(data: bytes) -> list[tuple[int, int, int]]:
     """(field start, value start, value end) of every top-level payload field; ValueError when ``data``
     is not protobuf wire format (fields are walked by tag and length only)."""
     spans: list[tuple[int, int, int]] = []
-    pos, n = 0, len(data)
+    pos, n, fields = 0, len(data), 0
     while pos < n:
+        fields += 1
+        if fields > MAX_FIELDS:
+            raise ValueError(f"more than {MAX_FIELDS} top-level fields")
         start = pos
         tag, pos = _read_varint(data, pos)
         field, wire_type = tag >> 3, tag & 7
