@@ -36,6 +36,7 @@ from services.engine.convert import finish_to_pb, layout_to_pb, params_from_pb, 
 from services.engine.engine import RequestOutput
 from services.engine.kv_pages import pages_of
 from services.engine.kv_transport.base import CLAIM_ACK, KVPoll
+from services.engine.kv_transport.grpc_wire import WireChunk
 from services.engine.sampling_params import InvalidRequestError, SamplingParams
 from services.engine.sequence import FinishReason
 
@@ -247,7 +248,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     # --- PushKV ---
 
-    async def PushKV(self, request_iterator: AsyncIterator[common_pb2.KVChunk],
+    async def PushKV(self, request_iterator: AsyncIterator[common_pb2.KVChunk | WireChunk],
                      context: grpc.aio.ServicerContext) -> decode_pb2.PushKVResponse:
         if self.engine is None:
             await errors.loading(context)
@@ -256,7 +257,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                "may push KV", Reason.ERROR_REASON_PERMISSION, "permission")
         transport = "grpc"
 
-        async def counted() -> AsyncIterator[common_pb2.KVChunk]:
+        async def counted() -> AsyncIterator[common_pb2.KVChunk | WireChunk]:  # WireChunk: add_decode_servicer
             nonlocal transport
             async for c in request_iterator:
                 transport = c.transport or "grpc"
