@@ -82,6 +82,29 @@ def _prompts(loaded, n: int, length: int, seed: int) -> list[list[int]]:
     return torch.randint(1, min(loaded.arch.vocab_size, 256), (n, length), generator=g).tolist()
 
 
+@torch.inference_mode()
+def early_exit_agreement(loaded, ids: list[int], layers: list[int]) -> dict[int, float]:
+    """Per N: the fraction of positions of ``ids`` where the ``layers:N`` draft's greedy token equals the
+    full target's (one teacher-forced forward each; an upper-bound view of greedy acceptance per draft)."""
+    from services.engine.attention import ForwardContext, TorchPagedAttention
+    from services.engine.model_runner import prepare_rows
+    from services.engine.spec.draft import LayerSkipDraft
+
+    a, bs = loaded.arch, 16
+    table = list(range(-(-len(ids) // bs)))
+    device = next(loaded.model.parameters()).device
+
+    def argmax(model, num_layers: int) -> torch.Tensor:
+        cache = torch.zeros(num_layers, 2, len(table), bs, a.num_kv_heads, a.head_dim,
+                            dtype=next(loaded.model.parameters()).dtype, device=device)
+        i, p, meta = prepare_rows([(ids, 0, table)], bs, device)
+        backend = TorchPagedAttention(cache, a.head_dim ** -0.5)
+        return model.compute_logits(model(i, p, ForwardContext(backend, meta))).argmax(-1)
+
+    full = argmax(loaded.model, a.num_layers)
+    return {n: float((argmax(LayerSkipDraft(loaded.model, n), n) == full).float().mean()) for n in layers}
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -173,7 +196,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-gib", type=int, default=1, help="KV pool (target + draft regions), GiB")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
+    p.add_argument("--agreement", default="", help="only print, for these comma-separated N, how often the "
+                                                   "layers:N draft's greedy token equals the target's (128 tokens)")
     args = p.parse_args(argv)
+    if args.agreement:
+        loaded = load_model(args.model, torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype))
+        ids = loaded.tokenizer.encode(TEXT * 8)[:128]
+        for n, frac in early_exit_agreement(loaded, ids, [int(x) for x in args.agreement.split(",")]).items():
+            print(f"layers:{n:<3} greedy agreement with the target {frac:.2f}")
+        return 0
     cpu = host_cpu()
     print(f"CPU: {cpu.model} [{' '.join(cpu.reported_flags()) or '-'}], load {os.getloadavg()[0]:.1f}; "
           f"device {args.device}; target {args.model or 'embedded SmolLM2-135M'}, draft {args.draft}, "
