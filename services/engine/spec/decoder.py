@@ -7,6 +7,8 @@ speculates; the scheduler reserved slots for positions n-1 .. n-1+k of its n tok
      target computes, so each block holds both regions), and for each speculating sequence its last two
      tokens (positions n-2, n-1): recomputing n-2 makes the draft KV valid through n-1 whatever the
      previous step accepted, with no per-sequence draft state. Its last logits give draft token d1.
+     Position n-2 may lie in a prefix-cache block other sequences share: the rewrite puts back what the
+     block holds (same tokens, same prefix) up to float rounding, and draft KV only steers proposals.
   2. draft passes 1 .. k-1: one token per speculating sequence (d_j at position n-1+j) -> d_{j+1}.
   3. target, ONE forward: plain chunks as usual, and [t_{n-1}, d1 .. dk] at positions n-1 .. n-1+k
      for each speculating sequence; logits at all k+1 positions.
