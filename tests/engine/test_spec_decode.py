@@ -156,3 +156,12 @@ def test_a_separate_draft_identical_to_the_target_is_always_accepted(baseline: l
     assert eng.generate(_prompts(), GREEDY) == baseline
     st = eng.runner.spec.stats
     assert st.accepted >= 0.95 * st.proposed and st.mean_accepted > 2.5
+
+
+def test_hf_directory_draft_on_a_qwen3_target(tiny_qwen3_dir) -> None:
+    """A separate draft from a Hugging Face directory (here the target's own, Qwen3 with q/k norm)."""
+    prompts = [[3, 4, 5, 6, 7, 8, 9], [20, 21, 22]]
+    want = _engine(0, model=str(tiny_qwen3_dir)).generate(prompts, GREEDY)
+    eng = _engine(3, str(tiny_qwen3_dir), model=str(tiny_qwen3_dir))
+    assert eng.generate(prompts, GREEDY) == want
+    assert eng.runner.spec.stats.accepted >= 0.95 * eng.runner.spec.stats.proposed
