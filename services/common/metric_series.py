@@ -47,7 +47,7 @@ KNOWN_SERIES: dict[str, tuple[Mapping[str, tuple[str, ...]], ...]] = {
                                                "write_back_dropped")},),
     DECODE_KV_CHUNKS_REJECTED_TOTAL: ({"reason": ("fingerprint", "checksum", "unknown_reservation", "order",
                                                   "range", "size", "incomplete", "permission", "state",
-                                                  "malformed")},),
+                                                  "malformed", "claim")},),
     DECODE_REQUESTS_REFUSED_TOTAL: ({"reason": ("overloaded", "draining", "deadline", "permission")},),
     KVSTORE_PUT_REFUSED_TOTAL: ({"reason": ("too_large", "quota", "permission", "invalid", "checksum", "idle")},),
 }
