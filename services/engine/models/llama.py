@@ -62,24 +62,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                ctx: ForwardContext) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
-        out = ctx.attend(self.layer_idx, q, k, v)  # [T, H, D]
-        return self.o_proj(out.reshape(t, self.q_size))
-
-    def forward_fused(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                      ctx: ForwardContext) -> torch.Tensor:
-        """`forward` with RoPE applied in place by one Triton kernel (q/k stay views of the qkv output)."""
-        from kernels.rotary import apply_rotary_
-
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k and v [T, KVH, D]: views of the qkv projection (q and k normed when the model has it)."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -87,9 +71,24 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                ctx: ForwardContext) -> torch.Tensor:
+        q, k, v = self._qkv(x)
+        q, k = rotary(positions, q, k)
+        out = ctx.attend(self.layer_idx, q, k, v)  # [T, H, D]
+        return self.o_proj(out.reshape(x.shape[0], self.q_size))
+
+    def forward_fused(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                      ctx: ForwardContext) -> torch.Tensor:
+        """`forward` with RoPE applied in place by one Triton kernel (q/k stay views of the qkv output)."""
+        from kernels.rotary import apply_rotary_
+
+        q, k, v = self._qkv(x)
         apply_rotary_(q, k, positions, rotary.cos_cache, rotary.sin_cache)
         out = ctx.attend(self.layer_idx, q, k, v)  # [T, H, D]
-        return self.o_proj(out.reshape(t, self.q_size))
+        return self.o_proj(out.reshape(x.shape[0], self.q_size))
 
 
 class MLP(nn.Module):
