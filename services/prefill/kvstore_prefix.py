@@ -17,6 +17,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 
 import grpc
 import torch
@@ -37,28 +38,31 @@ WRITE_BACK_TIMEOUT_S = 60.0
 _UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
+@dataclass(eq=False)
 class KVStorePrefix:
     """``on_error(reason)`` is told of every failure or skip (the prefill's kvstore-errors metric)."""
 
-    def __init__(self, address: str, layout: PageLayout, page_shape: tuple[int, ...], dtype: torch.dtype, *,
-                 tls: TLSConfig | None = None, timeout_s: float = 2.0, retry_s: float = 1.0,
-                 max_pending_writes: int = 8, on_error: Callable[[str], None] | None = None) -> None:
-        self.address = address
-        self.layout = layout
-        self.page_shape = page_shape
-        self.dtype = dtype
-        self.timeout_s = timeout_s
-        self.retry_s = retry_s
-        self.max_pending_writes = max_pending_writes
-        self._on_error = on_error
+    address: str
+    layout: PageLayout
+    page_shape: tuple[int, ...]
+    dtype: torch.dtype
+    _: KW_ONLY
+    tls: InitVar[TLSConfig | None] = None
+    timeout_s: float = 2.0
+    retry_s: float = 1.0
+    max_pending_writes: int = 8
+    on_error: Callable[[str], None] | None = None
+    failures: int = field(default=0, init=False)
+    _bg: set[asyncio.Task] = field(default_factory=set, init=False, repr=False)
+    _down_until: float = field(default=0.0, init=False, repr=False)
+    """time.monotonic() before which the store is not asked."""
+
+    def __post_init__(self, tls: TLSConfig | None) -> None:
         first, longest = RECONNECT_BACKOFF_MS
-        self._channel = create_channel(address, tls=tls, options=[
+        self._channel = create_channel(self.address, tls=tls, options=[
             ("grpc.initial_reconnect_backoff_ms", first), ("grpc.min_reconnect_backoff_ms", first),
             ("grpc.max_reconnect_backoff_ms", longest)])
-        self.client = KVStoreClient(self._channel, max_page_bytes=layout.page_bytes)
-        self._bg: set[asyncio.Task] = set()
-        self._down_until = 0.0  # monotonic time before which the store is not asked
-        self.failures = 0
+        self.client = KVStoreClient(self._channel, max_page_bytes=self.layout.page_bytes)
 
     def hashes(self, ids: list[int]) -> list[bytes]:
         return block_hashes(ids, self.layout.block_size)
@@ -75,8 +79,8 @@ class KVStorePrefix:
                     f"; going on without it for {self.retry_s:.1f} s" if unreachable else "")
 
     def _count(self, reason: str) -> None:
-        if self._on_error is not None:
-            self._on_error(reason)
+        if self.on_error is not None:
+            self.on_error(reason)
 
     @property
     def available(self) -> bool:

@@ -30,7 +30,7 @@ import socket
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -130,25 +130,29 @@ def _resolve(target: str) -> list[str]:
     return sorted({f"{i[4][0]}:{port}" if ":" not in i[4][0] else f"[{i[4][0]}]:{port}" for i in infos})
 
 
+@dataclass(eq=False)
 class InstancePool:
-    def __init__(self, role: str, targets: list[str], *, health_interval_s: float = 1.0,
-                 dead_after_s: float = 10.0, resolve_interval_s: float = 10.0, tls: TLSConfig | None = None,
-                 on_health: Callable[[Instance], None] | None = None) -> None:
-        if dead_after_s <= 0 or health_interval_s <= 0:
-            raise ValueError(f"health_interval_s ({health_interval_s}) and dead_after_s ({dead_after_s}) "
-                             "must be > 0")
-        self.role = role
-        self.targets = targets
-        self.health_interval_s = health_interval_s
-        self.dead_after_s = dead_after_s
-        self.resolve_interval_s = resolve_interval_s
-        self.tls = tls
-        self.instances: dict[str, Instance] = {}
-        self._on_health = on_health
-        self._polls: dict[str, asyncio.Task] = {}
-        self._tasks: set[asyncio.Task] = set()
-        self._started = False
-        self._rr = 0
+    """The instances of one role behind ``targets`` (host:port, or dns:NAME:PORT re-resolved every
+    ``resolve_interval_s``), polled for health and load; ``on_health`` is told of each state change."""
+
+    role: str
+    targets: list[str]
+    _: KW_ONLY
+    health_interval_s: float = 1.0
+    dead_after_s: float = 10.0
+    resolve_interval_s: float = 10.0
+    tls: TLSConfig | None = None
+    on_health: Callable[[Instance], None] | None = None
+    instances: dict[str, Instance] = field(default_factory=dict, init=False)
+    _polls: dict[str, asyncio.Task] = field(default_factory=dict, init=False, repr=False)
+    _tasks: set[asyncio.Task] = field(default_factory=set, init=False, repr=False)
+    _started: bool = field(default=False, init=False, repr=False)
+    _rr: int = field(default=0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.dead_after_s <= 0 or self.health_interval_s <= 0:
+            raise ValueError(f"health_interval_s ({self.health_interval_s}) and dead_after_s "
+                             f"({self.dead_after_s}) must be > 0")
 
     @property
     def check_timeout_s(self) -> float:
@@ -260,8 +264,8 @@ class InstancePool:
                     "%s %s is healthy%s", self.role, inst.address, "" if was == Liveness.UNKNOWN else " again")
         else:
             log.warning("%s %s is %s: %s", self.role, inst.address, state.value, why)
-        if self._on_health is not None:
-            self._on_health(inst)
+        if self.on_health is not None:
+            self.on_health(inst)
 
     async def check_now(self) -> None:
         await asyncio.gather(*(self._check(i, self.check_timeout_s) for i in list(self.instances.values())))
