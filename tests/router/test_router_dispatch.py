@@ -260,11 +260,19 @@ async def test_decode_death_mid_stream_migrates_with_the_exact_tokens(cluster_fa
     assert list(c.prefill(0).requests[-1].token_ids) == PROMPT + reference(PROMPT, 3)
 
 
-async def test_colocated_worker_death_mid_stream_migrates(cluster_factory):
+@contextlib.asynccontextmanager
+async def colocated_first_faulty(cluster_factory, **fault: int) -> AsyncIterator[tuple[FakeCluster, Router]]:
+    """Two colocated workers, ``fault`` (FakeDecode fields) set on worker 0, which the router prefers."""
     c = await cluster_factory(2, 0)
-    c.decode(0).die_after_tokens = 4
+    for name, value in fault.items():
+        setattr(c.decode(0), name, value)
     async with router(c, colocated=True) as r:
         prefer(r.decode_pool, c.decode_addr(0))
+        yield c, r
+
+
+async def test_colocated_worker_death_mid_stream_migrates(cluster_factory):
+    async with colocated_first_faulty(cluster_factory, die_after_tokens=4) as (c, r):
         await exact(r, 9)
         assert r.metric(ROUTER_MIGRATIONS_TOTAL, outcome="ok") == 1
     (moved,) = c.decode(1).colocated
@@ -272,10 +280,7 @@ async def test_colocated_worker_death_mid_stream_migrates(cluster_factory):
 
 
 async def test_colocated_full_worker_is_skipped(cluster_factory):
-    c = await cluster_factory(2, 0)
-    c.decode(0).full_retry_after_ms = 500
-    async with router(c, colocated=True) as r:
-        prefer(r.decode_pool, c.decode_addr(0))
+    async with colocated_first_faulty(cluster_factory, full_retry_after_ms=500) as (_, r):
         await exact(r, 4)
         assert r.metric(ROUTER_DISPATCH_RETRIES_TOTAL, role="worker", reason="overloaded") == 1
 
