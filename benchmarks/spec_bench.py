@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> Results:
     base = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=16,
                         max_num_seqs=args.batch, max_num_batched_tokens=max(2048, args.prompt_len * 2),
                         max_prefill_chunk=max(512, args.prompt_len), enable_prefix_caching=False,
-                        kv_cache_bytes=args.kv_cache_gib << 30, seed=args.seed)
+                        kv_cache_bytes=args.kv_cache_gib << 30, seed=args.seed, cpu_threads=args.cpu_threads)
     base.apply_host()
     loaded = load_model(args.model, base.torch_dtype, args.device, seed=args.seed)
     gpu = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "no GPU"
@@ -195,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     p.add_argument("--kv-cache-gib", type=int, default=1, help="KV pool (target + draft regions), GiB")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpu-threads", type=int, default=0, help="torch threads (0: every CPU this process may use)")
     p.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
     p.add_argument("--agreement", default="", help="only print, for these comma-separated N, how often the "
                                                    "layers:N draft's greedy token equals the target's (128 tokens)")
