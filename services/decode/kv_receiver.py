@@ -168,9 +168,10 @@ class DecodeKVReceiver:
                             f"reservation_token: wrong or missing for reservation {c.reservation_id!r}",
                             "permission", Reason.ERROR_REASON_PERMISSION, frees=False, field="reservation_token")
 
-    def _check_claim(self, r: Reservation, c: common_pb2.KVChunk) -> None:
-        """A side-transport writer's claim must name this decode's pool and exactly the reservation's
-        blocks (a descriptor for another reservation or another pool is refused; nothing is freed)."""
+    def _check_claim(self, r: Reservation, c: common_pb2.KVChunk) -> PageLayout:
+        """A side-transport writer's claim must name this decode's pool, exactly the reservation's blocks and
+        a codec this pool takes (a descriptor for another reservation or another pool, or a codec not
+        offered, is refused; nothing is freed). Returns the layout the stream's pages must be in."""
         claim = c.claim
         if claim.transport not in IN_PLACE_TRANSPORTS:
             raise self._reject(grpc.StatusCode.INVALID_ARGUMENT, f"claim.transport: {claim.transport!r} does not "
@@ -186,12 +187,22 @@ class DecodeKVReceiver:
                                f"claim.dest_block_ids: the writer names {len(claim.dest_block_ids)} blocks that are "
                                f"not reservation {r.reservation_id}'s", "claim", Reason.ERROR_REASON_PERMISSION,
                                frees=False, field="claim.dest_block_ids")
+        if claim.codec in (common_pb2.KV_CODEC_UNSPECIFIED, common_pb2.KV_CODEC_NATIVE):
+            return self.layout
+        lay = next((lay for lay in self.layouts.values() if lay.target_codec == _CODEC.get(claim.codec)), None)
+        if lay is None or self.landing is None or not self.landing.accepts(lay):
+            raise self._reject(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"claim.codec: {common_pb2.KVCodec.Name(claim.codec)} is not offered for in-place "
+                               f"writes by this decode (only a host landing area takes a wire codec; this pool "
+                               f"takes {self.layout.target_codec})", "claim", Reason.ERROR_REASON_LAYOUT_MISMATCH,
+                               frees=False, field="claim.codec")
+        return lay
 
-    def _check(self, r: Reservation, c: common_pb2.KVChunk, claimed: bool, payload: bytes | memoryview
+    def _check(self, r: Reservation, c: common_pb2.KVChunk, claimed: PageLayout | None, payload: bytes | memoryview
                ) -> tuple[list[int], PageLayout]:
         """Validate one chunk (``payload``: its payload, read once) against its reservation (``claimed``: the
-        stream began with an accepted claim); returns the destination block ids and the layout the chunk's
-        pages are in."""
+        layout of the stream's accepted claim, None without one); returns the destination block ids and the
+        layout the chunk's pages are in."""
         if c.reservation_id != r.reservation_id:
             raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
                                f"reservation_id: one PushKV stream carries one reservation: got "
@@ -242,14 +253,14 @@ class DecodeKVReceiver:
                                    f"payload: KV chunk payload is {len(payload)} bytes; {n} pages of "
                                    f"{layout.page_bytes} bytes ({layout.target_codec}) need {want}", "size",
                                    field="payload")
-        elif not claimed:
+        elif claimed is None:
             raise self._reject(grpc.StatusCode.FAILED_PRECONDITION,
                                f"transport {c.transport!r} writes pages in place: its stream must start with a "
                                "claim", "claim", Reason.ERROR_REASON_KV_HANDOFF_FAILED, field="claim")
-        elif layout is not self.layout:
+        elif layout is not claimed:
             raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"transport {c.transport!r} writes pages in place: they must be in this decode's "
-                               f"own layout {self.layout.fingerprint}", "fingerprint",
+                               f"transport {c.transport!r} writes pages in place: they must be in the layout its "
+                               f"claim named ({claimed.describe()})", "fingerprint",
                                Reason.ERROR_REASON_LAYOUT_MISMATCH, field="layout_fingerprint")
         return r.block_ids[first:first + n], layout
 
@@ -298,7 +309,7 @@ class DecodeKVReceiver:
                       on_claimed: OnClaimed | None = None) -> decode_pb2.PushKVResponse:
         r: Reservation | None = None
         received = 0
-        claimed = False
+        claimed: PageLayout | None = None  # the layout an accepted claim named
         it = aiter(chunks)
         gone: asyncio.Future | None = None
         # One chunk's checksum + page copy runs in a thread while the next chunk is read off the wire.
@@ -306,25 +317,24 @@ class DecodeKVReceiver:
         try:
             while True:
                 # A claimed stream outlives its reservation: a writer may be writing into its blocks.
-                c = await self._next(it, r, None if claimed else gone)
+                c = await self._next(it, r, None if claimed is not None else gone)
                 if c is _END:
                     break
                 assert isinstance(c, common_pb2.KVChunk | WireChunk)
                 c, payload = self._unwrap(c)
                 if r is None:
                     r = self._open(c)
-                    if c.HasField("claim"):
-                        self._check_claim(r, c)
+                    claim = self._check_claim(r, c) if c.HasField("claim") else None
                     r.receiving = True
                     r.reset_transfer()  # a new stream (a retried prefill) starts over
                     gone = asyncio.ensure_future(r.gone.wait())
-                    if c.HasField("claim"):
-                        claimed = True
+                    if claim is not None:
+                        claimed = claim
                         if on_claimed is not None:
                             await on_claimed()
                         continue
                 if r.end_cause is not None:
-                    if claimed:
+                    if claimed is not None:
                         continue  # dropped: the blocks stay held until the writer's stream ends
                     raise _gone(r)
                 if c.HasField("claim"):
@@ -337,12 +347,12 @@ class DecodeKVReceiver:
                 if payload:
                     pending = asyncio.ensure_future(asyncio.to_thread(self._verify_and_write, c, payload, block_ids,
                                                                          layout))
-                elif claimed and self.landing is not None and block_ids:  # engine thread: landing -> pool
-                    pending = asyncio.ensure_future(self.engine.call(self.landing.land, block_ids))
+                elif claimed is not None and self.landing is not None and block_ids:  # engine thread: landing -> pool
+                    pending = asyncio.ensure_future(self.engine.call(self.landing.land, block_ids, layout))
                 r.pages_written.update(range(c.first_block, c.first_block + c.num_pages))
                 r.next_chunk += 1
                 # Page bytes landed, whichever way they came (in the message, or written by a side transport).
-                r.bytes_received += len(payload) or c.num_pages * self.layout.page_bytes
+                r.bytes_received += len(payload) or c.num_pages * layout.page_bytes
                 received += 1
                 if c.is_last:
                     if pending is not None:

@@ -84,7 +84,8 @@ class DirectWrites:
 
         ``src`` is this prefill's KV cache; ``num_blocks`` the prompt's block count, which the request's
         dest_block_ids must match; ``export`` the engine's page export (codec, out), which stages pages for
-        a decode that offers a host landing area (Mooncake with a device pool). Raises
+        a decode that offers a host landing area (Mooncake with a device pool; it may then carry a negotiated
+        wire codec, see StagedWriter.carry: the fit check below counts native pages, the larger). Raises
         InvalidDestinationError for block ids outside decode's pool."""
         if self.mode == "grpc":
             return None
@@ -127,8 +128,8 @@ class DirectWrites:
             try:
                 if staged and export is not None:
                     ring = await asyncio.to_thread(self._staging, engine)
-                    return StagedWriter(engine, ring, (src.shape[0], 2, *src.shape[3:]), src.dtype,
-                                        lambda ids, out: export(ids, None, out), request.destination, dest)
+                    return StagedWriter(engine, ring, (src.shape[0], 2, *src.shape[3:]), src.dtype, export,
+                                        request.destination, dest)
                 return await asyncio.to_thread(mooncake.MooncakeWriter, engine, src, request.destination, dest)
             except SharedKVAttachError as e:
                 self._fallback(transport, e.reason, str(e))

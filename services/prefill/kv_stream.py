@@ -149,7 +149,7 @@ async def pump(stream: RequestKVStream, sender: KVSender, request_id: str, reser
     page bytes handed over (in messages or written directly). Every message carries the reservation's
     decode-issued token and the codec of its pages."""
     pages_per_msg = max(1, min(max_payload_bytes, MESSAGE_PAYLOAD_BYTES) // layout.page_bytes)
-    codec = common_pb2.KV_CODEC_FP8_E4M3 if layout.target_codec == FP8_CODEC else common_pb2.KV_CODEC_NATIVE
+    codec = codec_pb(layout.target_codec)
     page_bytes = 0
     index = 0
     while True:
@@ -191,10 +191,16 @@ async def pump(stream: RequestKVStream, sender: KVSender, request_id: str, reser
             return item, page_bytes
 
 
+def codec_pb(codec: str) -> int:
+    """common_pb2.KVCodec of a layout codec name (the cache's own dtype: KV_CODEC_NATIVE)."""
+    return common_pb2.KV_CODEC_FP8_E4M3 if codec == FP8_CODEC else common_pb2.KV_CODEC_NATIVE
+
+
 def claim_message(request_id: str, reservation_id: str, reservation_token: bytes, writer: PageWriter,
                   dest_block_ids: list[int]) -> common_pb2.KVChunk:
     """The first message of a side transport's stream: it claims the reservation before any write."""
     return common_pb2.KVChunk(
         request_id=request_id, reservation_id=reservation_id, reservation_token=reservation_token,
         transport=writer.transport,
-        claim=common_pb2.KVClaim(transport=writer.transport, dest_block_ids=dest_block_ids, pool_id=writer.pool_id))
+        claim=common_pb2.KVClaim(transport=writer.transport, dest_block_ids=dest_block_ids, pool_id=writer.pool_id,
+                                 codec=codec_pb(writer.wire_codec)))

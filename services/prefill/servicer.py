@@ -184,7 +184,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         except InvalidDestinationError as e:
             await self._refuse(context, "invalid", grpc.StatusCode.INVALID_ARGUMENT, f"dest_block_ids: {e}",
                                Reason.ERROR_REASON_INVALID_INPUT, field="dest_block_ids")
-        wire, export = self._wire_codec(request, writer is not None)
+        wire, export = self._wire_codec(request, writer)
         chunked = request.chunked_transfer if request.HasField("chunked_transfer") else self.config.chunked_transfer
         rid = f"{request.request_id}/{uuid.uuid4().hex[:8]}"
         stream = RequestKVStream(asyncio.get_running_loop(), export, self.layout.block_size, request.num_skip_blocks,
@@ -247,13 +247,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             resp.first_top_logprobs.CopyFrom(top_to_pb(last.first_top))
         return resp
 
-    def _wire_codec(self, request: prefill_pb2.PrefillRequest, direct: bool):
+    def _wire_codec(self, request: prefill_pb2.PrefillRequest, writer: PageWriter | None):
         """(layout of the pages on the wire, page exporter). The codec is chosen on its own: fp8-e4m3 when
-        configured and decode accepted that layout's fingerprint at Reserve; the cache's own layout
-        otherwise, and always for a side transport (it writes into decode's pool, which holds that)."""
+        configured and decode accepted that layout's fingerprint at Reserve, and the side transport (if any)
+        carries it (``writer.carry``: mooncake into a host landing area); the cache's own layout otherwise."""
         fp8 = self.engine.engine.fp8_layout
-        if (not direct and self.config.kv_wire_codec == FP8_CODEC
-                and fp8.fingerprint in request.accepted_wire_fingerprints):
+        if (self.config.kv_wire_codec == FP8_CODEC and fp8.fingerprint in request.accepted_wire_fingerprints
+                and (writer is None or writer.carry(fp8))):
             return fp8, lambda block_ids: self.pages.export(block_ids, FP8_CODEC)
         return self.layout, self.pages.export
 

@@ -165,14 +165,16 @@ class KVChunk(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., reservation_id: _Optional[str] = ..., chunk_index: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., first_block: _Optional[int] = ..., num_pages: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., checksum: _Optional[int] = ..., payload: _Optional[bytes] = ..., transport: _Optional[str] = ..., is_last: _Optional[bool] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., prefill_done_unix: _Optional[float] = ..., total_chunks: _Optional[int] = ..., transport_meta: _Optional[bytes] = ..., reservation_token: _Optional[bytes] = ..., claim: _Optional[_Union[KVClaim, _Mapping]] = ..., codec: _Optional[_Union[KVCodec, str]] = ..., first_top_logprobs: _Optional[_Union[TopLogprobs, _Mapping]] = ...) -> None: ...
 
 class KVClaim(_message.Message):
-    __slots__ = ("transport", "dest_block_ids", "pool_id")
+    __slots__ = ("transport", "dest_block_ids", "pool_id", "codec")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     DEST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
     transport: str
     dest_block_ids: _containers.RepeatedScalarFieldContainer[int]
     pool_id: str
-    def __init__(self, transport: _Optional[str] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., pool_id: _Optional[str] = ...) -> None: ...
+    codec: KVCodec
+    def __init__(self, transport: _Optional[str] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., pool_id: _Optional[str] = ..., codec: _Optional[_Union[KVCodec, str]] = ...) -> None: ...
 
 class LoadReport(_message.Message):
     __slots__ = ("running", "waiting", "waiting_for_kv", "free_blocks", "total_blocks", "kv_usage", "published_unix", "step_running_s", "max_waiting", "saturated")

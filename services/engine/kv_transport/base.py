@@ -26,6 +26,7 @@ from typing import Protocol
 import grpc
 
 from services.common.pb import common_pb2, decode_pb2
+from services.engine.kv_layout import PageLayout
 
 CLAIM_ACK = (("pdserve-kv-claim", "ok"),)
 """Initial metadata decode sends once it accepted a stream's claim (the writer may write from then on)."""
@@ -127,6 +128,13 @@ class PageWriter(abc.ABC):
     """The request's KV stream, set before the first write."""
     dest: list[int]
     """Decode's reserved block ids, in page order."""
+    wire_codec: str = ""
+    """Codec of the pages this writer moves ("": the pool's own dtype; FP8_CODEC after ``carry``)."""
+
+    def carry(self, layout: PageLayout) -> bool:
+        """Move pages in ``layout``'s codec (a negotiated wire codec, e.g. fp8-e4m3) for this request; False
+        when this writer writes the pool's own dtype only (shm, cuda-ipc, mooncake into the pool itself)."""
+        return False
 
     def _broken(self) -> bool:
         """The request's KV stream failed (or was never set): no page may be written any more."""

@@ -16,6 +16,16 @@ checks that guard the pool guard it unchanged) and is what decode registers and 
 engine thread imports them into the device pool (one host-to-device copy per run plus the page
 scatter, queued on the compute stream ahead of any step that reads them).
 
+Codec (negotiated at Reserve, independent of the transport): a request whose prefill and decode agreed on
+fp8-e4m3 (decode lists its fingerprint in ``accepted_wire_fingerprints``, the prefill is configured for it,
+the claim names it) stages quantized pages (``export`` with the codec: the Triton pack on the side stream
+on GPU, the torch reference on CPU): uint8 [P, fp8 page bytes], values then per-token-per-head scales.
+The landing keeps its native page-major slots; a run of m consecutive destination blocks starting at b
+lands its m fp8 pages back to back from slot b's first byte. fp8 page bytes <= native page bytes
+(``HostLanding.accepts``), so a run's fp8 bytes stay inside its own blocks' slots: the claim and
+reservation checks guard them unchanged, and one run is still one contiguous range on both sides. Decode
+imports such a run with the codec (dequantized into the pool on the engine thread).
+
 Both sides work with host tensors standing in for the device (CPU tests exercise the whole path).
 """
 
@@ -31,6 +41,7 @@ import grpc
 import torch
 
 from services.common.pb import decode_pb2
+from services.engine.kv_layout import FP8_CODEC, PageLayout
 from services.engine.kv_pages import PageExport
 from services.engine.kv_transport.base import KVPoll, KVSender, PageWriter, TransferError
 from services.engine.kv_transport.mooncake import MooncakeEngine
@@ -135,17 +146,20 @@ class _Staged:
 class StagedWriter(PageWriter):
     """Prefill side, one request: pages -> staging span (export API) -> decode's landing area (TE write).
 
-    ``export(block_ids, out)`` is the engine's page export into ``out`` (a staging view)."""
+    ``export(block_ids, codec, out)`` is the engine's page export into ``out`` (a staging view)."""
 
     transport = "mooncake"
 
     def __init__(self, engine: MooncakeEngine, ring: StagingRing, page_shape: tuple[int, ...], dtype: torch.dtype,
-                 export: Callable[[list[int], torch.Tensor], PageExport], dest: decode_pb2.KVDestination,
+                 export: Callable[[list[int], str | None, torch.Tensor], PageExport], dest: decode_pb2.KVDestination,
                  dest_blocks: list[int]) -> None:
         pool = dest.mooncake
         self.engine, self.ring, self.export = engine, ring, export
         self.page_shape, self.dtype = page_shape, dtype
-        self.page_bytes = torch.Size(page_shape).numel() * torch.empty((), dtype=dtype).element_size()
+        self.slot_bytes = torch.Size(page_shape).numel() * torch.empty((), dtype=dtype).element_size()
+        """Bytes of one landing slot (one native page): destination block b starts at b * slot_bytes."""
+        self.page_bytes = self.slot_bytes
+        """Bytes of one staged page in the codec this request carries (native until ``carry``)."""
         self.segment, self.dst_base = pool.segment, pool.base_address
         self.dest = dest_blocks
         self.pool_id = pool_id(dest)
@@ -154,6 +168,15 @@ class StagedWriter(PageWriter):
         self._writes: list[_Staged] = []
         self._sending = 0
         self._closed = False
+
+    def carry(self, layout: PageLayout) -> bool:
+        """Stage and send pages in ``layout``'s codec (fp8-e4m3, target region only) for this request; called
+        before the claim and the first write. False (nothing changes) for a layout whose pages would not fit
+        the landing slots."""
+        if layout.target_codec != FP8_CODEC or len(layout.regions) != 1 or layout.page_bytes > self.slot_bytes:
+            return False
+        self.wire_codec, self.page_bytes = FP8_CODEC, layout.page_bytes
+        return True
 
     def _failed(self) -> bool:
         return self._closed or self.sender is None or self.sender.poll() is KVPoll.FAILED
@@ -166,18 +189,21 @@ class StagedWriter(PageWriter):
             raise ValueError(f"pages [{first_block}, {first_block + n}) outside the {len(self.dest)} reserved blocks")
         if not n:
             return None
-        nbytes = n * self.page_bytes
+        pb = self.page_bytes
+        nbytes = n * pb
         off = self.ring.take(nbytes, self._failed)
         try:
-            export = self.export(src_blocks, self.ring.view(off, (n, *self.page_shape), self.dtype))
+            out = self.ring.view(off, (n, pb), torch.uint8) if self.wire_codec else \
+                self.ring.view(off, (n, *self.page_shape), self.dtype)
+            export = self.export(src_blocks, self.wire_codec or None, out)
         except BaseException:
             self.ring.give(off, nbytes)
             raise
         srcs, dsts, lens = [], [], []
-        # Page-major on both sides: a run of consecutive destination blocks is one contiguous range.
+        # Page-major on both sides: a run of consecutive destination blocks is one contiguous range (in a
+        # codec, its pages back to back from the run's first slot: inside the run's own slots).
         for a, b, m in _runs(list(range(n)), self.dest[first_block:first_block + n]):
-            src, dst, left = self.ring.base + off + a * self.page_bytes, self.dst_base + b * self.page_bytes, \
-                m * self.page_bytes
+            src, dst, left = self.ring.base + off + a * pb, self.dst_base + b * self.slot_bytes, m * pb
             while left:  # entries of at most ENTRY_BYTES
                 k = min(left, ENTRY_BYTES)
                 srcs.append(src)
@@ -244,22 +270,37 @@ class HostLanding:
     """Decode side: a registered pinned host mirror of a device pool, page by page (module docstring)."""
 
     def __init__(self, engine: MooncakeEngine, pool: torch.Tensor,
-                 import_pages: Callable[[list[int], torch.Tensor], None]) -> None:
+                 import_pages: Callable[..., None]) -> None:
         layers, two, blocks, *rest = pool.shape
         self.page_shape = (layers, two, *rest)
         self.host = _pinned(pool.numel() * pool.element_size(), "landing").view(pool.dtype).view(blocks,
                                                                                               *self.page_shape)
         self.engine = engine
         self.import_pages = import_pages
-        """The engine's page import (engine thread): pages [P, layers, 2, bs, kvh, hd] -> pool blocks."""
+        """The engine's page import (engine thread): pages [P, layers, 2, bs, kvh, hd] (or uint8 [P, codec page
+        bytes] with the codec as third argument) -> pool blocks."""
         self.destination = decode_pb2.KVDestination(mooncake=decode_pb2.MooncakePool(
             segment=engine.segment, base_address=engine.register(self.host), pool_bytes=pool.numel() *
             pool.element_size(), shape=list(pool.shape), dtype=_dtype_name(pool.dtype), protocol=engine.protocol,
             page_major=True))
 
-    def land(self, block_ids: list[int]) -> None:
-        """Engine thread: copy the pages the writer put into ``block_ids``' landing slots into the pool.
-        Queued on the compute stream before any step that reads them; the slots are not written again until
-        the blocks are freed and reserved anew (after those steps ran)."""
+    def accepts(self, layout: PageLayout) -> bool:
+        """Whether a writer may land pages in ``layout`` (a wire codec) here: fp8-e4m3 of the target region
+        only, no larger than a slot (module docstring)."""
+        return (layout.target_codec == FP8_CODEC and len(layout.regions) == 1
+                and layout.page_bytes <= self.host[0].numel() * self.host.element_size())
+
+    def land(self, block_ids: list[int], layout: PageLayout | None = None) -> None:
+        """Engine thread: copy the pages the writer put into ``block_ids``' landing slots into the pool
+        (``layout``: the codec they are in when not the pool's own; dequantized on the way). Queued on the
+        compute stream before any step that reads them; the slots are not written again until the blocks
+        are freed and reserved anew (after those steps ran)."""
+        codec = layout.target_codec if layout is not None and self.accepts(layout) else None
+        flat = self.host.view(-1).view(torch.uint8)
+        slot = self.host[0].numel() * self.host.element_size()
         for a, _, m in _runs(block_ids, block_ids):
-            self.import_pages(list(range(a, a + m)), self.host[a:a + m])
+            if codec is None:
+                self.import_pages(list(range(a, a + m)), self.host[a:a + m])
+            else:  # the run's pages back to back from slot a (contiguous)
+                pb = layout.page_bytes
+                self.import_pages(list(range(a, a + m)), flat[a * slot:a * slot + m * pb].view(m, pb), codec)
