@@ -10,6 +10,11 @@ over ``--repeats`` requests after one warm-up request per set-up. The "KV via" c
 prefill's bytes-sent counter grew under (a side transport that fell back to grpc shows as grpc, with
 the fallback count). ``mooncake`` runs the Transfer Engine over loopback TCP (MC_TCP_BIND_ADDRESS
 127.0.0.1); with the pools on a GPU it goes through pinned host staging on both sides.
+``--kv-wire-codec fp8-e4m3`` has the prefills send fp8 pages where the transport carries a codec (grpc,
+mooncake through host staging; shm / cuda-ipc write the pool's own dtype): "KV MB/req" shows the bytes moved.
+
+    python benchmarks/gpu_kv_table.py --model random:llama-3-8b --prompts 2000,8000 --transports mooncake \
+        --kv-wire-codec fp8-e4m3
 """
 
 from __future__ import annotations
@@ -133,7 +138,8 @@ def disaggregated(args: argparse.Namespace, prompts: Prompts, dev: list[str], tr
                   want: dict[int, list[int]]) -> dict[tuple[str, int], dict[str, float]]:
     rows: dict[tuple[str, int], dict[str, float]] = {}
     with LocalCluster(prefill=1, decode=1, kvstore=None, model=args.model, dtype=args.dtype, quiet=True,
-                      extra={"prefill": dev, "decode": dev}, kv_transport=transport) as c:
+                      extra={"prefill": [*dev, "--kv-wire-codec", args.kv_wire_codec], "decode": dev},
+                      kv_transport=transport) as c:
         pm, dm = c.get("prefill-0").ready["metrics"], c.get("decode-0").ready["metrics"]
         off = c._spawn("router-off", "router", [
             "--http-port", "0", "--port", "0", "--metrics-port", "0", "--no-chunked-transfer",
@@ -157,11 +163,13 @@ def disaggregated(args: argparse.Namespace, prompts: Prompts, dev: list[str], tr
                 sent1, fb1 = _kv_route(pm)
                 via = sorted(k for k, v in sent1.items() if v > sent0.get(k, 0.0))
                 r["via"], r["fallbacks"] = "+".join(via) or "-", fb1 - fb0  # type: ignore[assignment]
+                r["kv_mb"] = sum(v - sent0.get(k, 0.0) for k, v in sent1.items()) / args.repeats / 1e6
                 got = asyncio.run(_generate(addr, check_prompt(n), CHECK_TOKENS))[0]
                 r["tokens_equal"] = sum(a == b for a, b in zip(got, want[n], strict=False))
                 rows[(chunked, n)] = r
                 print(f"{transport}, chunked transfer {chunked}, {n} tokens: TTFT {r['ttft'] * 1000:.1f} ms, compute "
                       f"{r['compute'] * 1000:.1f}, exposed {r['exposed'] * 1000:.1f}, KV via {r['via']} "
+                      f"{r['kv_mb']:.1f} MB/req "
                       f"({r['fallbacks']:.0f} fallbacks), tokens equal to in-process {r['tokens_equal']}/"
                       f"{CHECK_TOKENS}", flush=True)
     return rows
@@ -177,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens)")
     p.add_argument("--kv-cache-bytes", type=int, default=8 << 30)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--kv-wire-codec", default="native", choices=("native", "fp8-e4m3"),
+                   help="the prefills' --kv-wire-codec (decode accepts fp8-e4m3 always)")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     args.prompt_lens = [int(x) for x in args.prompts.split(",")]
@@ -186,17 +196,18 @@ def main(argv: list[str] | None = None) -> int:
     base, want = in_process(args, prompts)
     col = colocated(args, prompts, dev)
     pd = {t: disaggregated(args, prompts, dev, t, want) for t in args.transports.split(",")}
-    print(f"\n{args.model} {args.dtype} on {args.device}, prefill chunk {args.chunk}, median of {args.repeats}\n")
-    print("| transport | KV via | chunked | prompt | TTFT ms | x colocated | prefill compute ms | x in-process | "
-          f"exposed ms | exposed / compute | plumbing ms | tokens = in-process (of {CHECK_TOKENS}) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"\n{args.model} {args.dtype} on {args.device}, prefill chunk {args.chunk}, KV wire codec "
+          f"{args.kv_wire_codec}, median of {args.repeats}\n")
+    print("| transport | KV via | KV MB/req | chunked | prompt | TTFT ms | x colocated | prefill compute ms | "
+          f"x in-process | exposed ms | exposed / compute | plumbing ms | tokens = in-process (of {CHECK_TOKENS}) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for n in args.prompt_lens:
-        print(f"| colocated | - | - | {n} | {col[n] * 1000:.1f} | 1.00 | {base[n] * 1000:.1f} (in-process) | 1.00 | - "
+        print(f"| colocated | - | - | - | {n} | {col[n] * 1000:.1f} | 1.00 | {base[n] * 1000:.1f} (in-process) | 1.00 | - "
               "| - | - | - |")
     for t, rows in pd.items():
         for (chunked, n), r in rows.items():
             via = r["via"] if not r["fallbacks"] else f"{r['via']} ({r['fallbacks']:.0f} fallbacks)"
-            print(f"| {t} | {via} | {chunked} | {n} | {r['ttft'] * 1000:.1f} | {r['ttft'] / col[n]:.2f} | "
+            print(f"| {t} | {via} | {r['kv_mb']:.1f} | {chunked} | {n} | {r['ttft'] * 1000:.1f} | {r['ttft'] / col[n]:.2f} | "
                   f"{r['compute'] * 1000:.1f} | {r['compute'] / base[n]:.2f} | {r['exposed'] * 1000:.1f} | "
                   f"{r['exposed'] / max(r['compute'], 1e-9):.3f} | {r['plumbing'] * 1000:.1f} | "
                   f"{r['tokens_equal']:.0f} |")

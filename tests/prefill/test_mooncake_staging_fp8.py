@@ -21,8 +21,9 @@ from services.engine.kv_pages import pages_of
 from services.engine.kv_transport import CLAIM_ACK
 from services.engine.sampling_params import SamplingParams
 from services.engine.shared_kv import pool_id
+from tests.prefill import test_mooncake_staging as staging
 from tests.prefill import test_transports as transports
-from tests.prefill.test_mooncake_staging import NO_MOONCAKE, _offer_landing, _staged
+from tests.prefill.test_mooncake_staging import NO_MOONCAKE, _offer_landing
 from tests.prefill.test_transports import ENGINE, PROMPTS, Pair, _generate, _idle, _request, _reserve, pair
 
 pytestmark = pytest.mark.skipif(NO_MOONCAKE is not None, reason=f"the Mooncake wheel cannot load here: {NO_MOONCAKE}")
@@ -129,19 +130,10 @@ async def test_a_codec_decode_did_not_offer_is_refused_at_the_claim_and_frees_no
 ], ids=["prefill-gone", "decode-gone", "other-reservation"])
 async def test_staged_fp8_faults_end_as_the_direct_writes_do(pair, case) -> None:
     """The fp8 staged writer under the faults every transport is held to: a clear status, block counts back
-    to baseline (the case checks them), and no staging span left taken."""
-    made: list[Pair] = []
-    staged = _staged(pair, made)
-
-    async def make(transport: str, slowdown_ms: int = 0) -> Pair:
-        p = await staged(transport, slowdown_ms)
+    to baseline (the case checks them), and no staging span left taken (the native staged test's checks)."""
+    async def fp8_pair(transport: str, slowdown_ms: int = 0) -> Pair:
+        p = await pair(transport, slowdown_ms)
         p.prefill.config.kv_wire_codec = FP8_CODEC
         return p
 
-    await case(make, "mooncake")
-    ring = made[0].prefill.direct._ring
-    for _ in range(200):  # the prefill's cleanup (quiesce) may finish after the caller saw the failure
-        if ring is None or ring._free == [(0, ring.capacity)]:
-            break
-        await asyncio.sleep(0.05)
-    assert ring is None or ring._free == [(0, ring.capacity)]
+    await staging.test_staged_faults_end_as_the_direct_writes_do(fp8_pair, case)
