@@ -169,7 +169,7 @@ def disaggregated(args: argparse.Namespace, prompts: Prompts, dev: list[str], tr
                 rows[(chunked, n)] = r
                 print(f"{transport}, chunked transfer {chunked}, {n} tokens: TTFT {r['ttft'] * 1000:.1f} ms, compute "
                       f"{r['compute'] * 1000:.1f}, exposed {r['exposed'] * 1000:.1f}, KV via {r['via']} "
-                      f"{r['kv_mb']:.1f} MB/req "
+                      f"{r['kv_mb']:.3f} MB/req "
                       f"({r['fallbacks']:.0f} fallbacks), tokens equal to in-process {r['tokens_equal']}/"
                       f"{CHECK_TOKENS}", flush=True)
     return rows
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     for t, rows in pd.items():
         for (chunked, n), r in rows.items():
             via = r["via"] if not r["fallbacks"] else f"{r['via']} ({r['fallbacks']:.0f} fallbacks)"
-            print(f"| {t} | {via} | {r['kv_mb']:.1f} | {chunked} | {n} | {r['ttft'] * 1000:.1f} | {r['ttft'] / col[n]:.2f} | "
+            print(f"| {t} | {via} | {r['kv_mb']:.3f} | {chunked} | {n} | {r['ttft'] * 1000:.1f} | {r['ttft'] / col[n]:.2f} | "
                   f"{r['compute'] * 1000:.1f} | {r['compute'] / base[n]:.2f} | {r['exposed'] * 1000:.1f} | "
                   f"{r['exposed'] / max(r['compute'], 1e-9):.3f} | {r['plumbing'] * 1000:.1f} | "
                   f"{r['tokens_equal']:.0f} |")
