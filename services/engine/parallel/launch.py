@@ -45,6 +45,7 @@ class RankSet:
     def __init__(self, config: EngineConfig) -> None:
         self.size = config.tensor_parallel_size
         self.config = rank_config(config, 0)
+        torch.set_num_threads(self.config.cpu_threads)  # rank 0's share (LLMEngine applied the instance's)
         self.device = rank_device(config.device, 0)
         self.failed: RankDiedError | None = None
         self._failed_event = threading.Event()

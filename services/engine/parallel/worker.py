@@ -33,9 +33,11 @@ def rank_device(device: str, rank: int) -> torch.device:
 
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     """The engine settings of one rank: its device, a private KV pool, no CUDA graphs (every rank would
-    have to replay the same graph in lockstep)."""
+    have to replay the same graph in lockstep), and its share of the CPU threads (--cpu-threads 0: the
+    instance's CPUs split over its ranks, not N ranks each using all of them)."""
+    threads = config.cpu_threads or max(1, config.resolved_cpu_threads // config.tensor_parallel_size)
     return dataclasses.replace(config, device=str(rank_device(config.device, rank)), kv_cache_shared=False,
-                               cuda_graphs=False)
+                               cuda_graphs=False, cpu_threads=threads)
 
 
 def _recv(group: TPGroup, n: int, dtype: torch.dtype = torch.int64, shape: tuple[int, ...] | None = None
