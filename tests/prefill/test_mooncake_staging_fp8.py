@@ -52,7 +52,10 @@ def _reference_pages(ids: list[int]) -> torch.Tensor:
     return ref.runner.read_pages(tables[-1][:len(ids) // ENGINE.block_size])
 
 
-async def test_staged_fp8_equals_the_grpc_fp8_path_and_moves_the_fp8_bytes(pair) -> None:
+@pytest.mark.parametrize("entry_bytes", [staging.mooncake_staged.ENTRY_BYTES, 1000])
+async def test_staged_fp8_equals_the_grpc_fp8_path_and_moves_the_fp8_bytes(pair, monkeypatch, entry_bytes: int
+                                                                            ) -> None:
+    monkeypatch.setattr(staging.mooncake_staged, "ENTRY_BYTES", entry_bytes)  # 1000: odd-sized entries
     grpc_pair = await pair("grpc")
     p = await pair("mooncake")
     _offer_landing(p)
@@ -119,6 +122,36 @@ async def test_a_codec_decode_did_not_offer_is_refused_at_the_claim_and_frees_no
     await p.pstub.Prefill(_request(p, resv, ids))
     assert await consume == LLMEngine(ENGINE).generate([ids], SamplingParams(max_tokens=6, temperature=0))[0]
     assert p.metric("pdserve_prefill_kv_sent_bytes_total", transport="mooncake") > 0
+    s = await _idle(p.decode.engine)
+    assert s["free_blocks"] == base["free_blocks"] == s["total_blocks"]
+
+
+async def test_a_descriptor_in_another_codec_than_the_claim_is_refused_and_frees_after_the_stream(pair) -> None:
+    """A writer that claimed native pages cannot describe fp8 ones (nor the reverse): INVALID_ARGUMENT,
+    LAYOUT_MISMATCH; a protocol violation ends the reservation, its blocks freed once the stream ends."""
+    p = await pair("mooncake")
+    _offer_landing(p)
+    base = await _idle(p.decode.engine)
+    ids = PROMPTS[0]
+    resv = await _reserve(p, ids)
+    claim = _fp8_claim(p, resv)
+    claim.claim.codec = common_pb2.KV_CODEC_NATIVE
+    call = p.dstub.PushKV()
+    await call.write(claim)
+    md = list(await call.initial_metadata() or ())
+    assert all(kv in md for kv in CLAIM_ACK)  # a native claim on the landing area is accepted
+    await call.write(common_pb2.KVChunk(
+        request_id="r", reservation_id=resv.reservation_id, chunk_index=0, first_block=0,
+        num_pages=len(resv.block_ids), token_end=len(ids), transport="mooncake", is_last=True,
+        layout_fingerprint=p.decode.engine.engine.fp8_layout.fingerprint, codec=common_pb2.KV_CODEC_FP8_E4M3,
+        reservation_token=resv.reservation_token))
+    await call.done_writing()
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await call
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert detail_of(e.value).reason == Reason.ERROR_REASON_LAYOUT_MISMATCH
+    assert "claim named" in e.value.details()
+    assert p.decode.table.get(resv.reservation_id) is None
     s = await _idle(p.decode.engine)
     assert s["free_blocks"] == base["free_blocks"] == s["total_blocks"]
 
