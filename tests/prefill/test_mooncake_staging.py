@@ -89,11 +89,15 @@ def _staged(pair, made: list[Pair]):
     return make
 
 
-@pytest.mark.parametrize("case", [
+FAULTS = pytest.mark.parametrize("case", [
     transports.test_a_prefill_gone_mid_transfer_keeps_the_reservation_then_abort_frees_it,
     transports.test_a_decode_gone_mid_transfer_fails_prefill_as_a_handoff_failure,
     transports.test_a_descriptor_for_another_reservation_is_refused,
 ], ids=["prefill-gone", "decode-gone", "other-reservation"])
+"""The faults every transport is held to (tests/prefill/test_transports.py), as a parametrization."""
+
+
+@FAULTS
 async def test_staged_faults_end_as_the_direct_writes_do(pair, case) -> None:
     """The staged writer under the faults every transport is held to (tests/prefill/test_transports.py):
     blocks freed, a clear status; and a broken stream leaves no staging span taken."""

@@ -22,7 +22,6 @@ from services.engine.kv_transport import CLAIM_ACK
 from services.engine.sampling_params import SamplingParams
 from services.engine.shared_kv import pool_id
 from tests.prefill import test_mooncake_staging as staging
-from tests.prefill import test_transports as transports
 from tests.prefill.test_mooncake_staging import NO_MOONCAKE, _offer_landing
 from tests.prefill.test_transports import ENGINE, PROMPTS, Pair, _generate, _idle, _request, _reserve, pair
 
@@ -156,11 +155,7 @@ async def test_a_descriptor_in_another_codec_than_the_claim_is_refused_and_frees
     assert s["free_blocks"] == base["free_blocks"] == s["total_blocks"]
 
 
-@pytest.mark.parametrize("case", [
-    transports.test_a_prefill_gone_mid_transfer_keeps_the_reservation_then_abort_frees_it,
-    transports.test_a_decode_gone_mid_transfer_fails_prefill_as_a_handoff_failure,
-    transports.test_a_descriptor_for_another_reservation_is_refused,
-], ids=["prefill-gone", "decode-gone", "other-reservation"])
+@staging.FAULTS
 async def test_staged_fp8_faults_end_as_the_direct_writes_do(pair, case) -> None:
     """The fp8 staged writer under the faults every transport is held to: a clear status, block counts back
     to baseline (the case checks them), and no staging span left taken (the native staged test's checks)."""
