@@ -143,6 +143,9 @@ class EngineService:
                      "model", self.ecfg.device)
             self.engine = await asyncio.to_thread(AsyncEngine, self.ecfg)
             log.info("%s: engine up in %.1f s", self.name, time.monotonic() - t0)
+            # The weight format is resolved while loading: replace the series set before (weight_format="pending").
+            servicer.metrics.engine_info.clear()
+            servicer.metrics.engine_info.labels(**self.ecfg.info_labels()).set(1)
             servicer.bind(self.engine)
             trace.ranks = self.engine.engine.ranks  # a tensor-parallel instance's trace waits for every rank
             initialise(servicer.metrics, model=(servicer.model,))  # every known series at 0 before SERVING
