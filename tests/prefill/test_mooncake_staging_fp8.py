@@ -13,12 +13,14 @@ import grpc
 import pytest
 import torch
 
+from kernels import pack_pages_fp8, unpack_pages_fp8
 from services.common.grpc_util import Reason, detail_of
 from services.common.pb import common_pb2
 from services.engine.engine import LLMEngine
-from services.engine.kv_layout import FP8_CODEC
-from services.engine.kv_pages import pages_of
-from services.engine.kv_transport import CLAIM_ACK
+from services.engine.kv_layout import FP8_CODEC, PageLayout
+from services.engine.kv_pages import PageExport, pages_of
+from services.engine.kv_transport import CLAIM_ACK, KVPoll, mooncake
+from services.engine.kv_transport.mooncake_staged import HostLanding, StagedWriter, StagingRing
 from services.engine.sampling_params import SamplingParams
 from services.engine.shared_kv import pool_id
 from tests.prefill import test_mooncake_staging as staging
@@ -165,3 +167,50 @@ async def test_staged_fp8_faults_end_as_the_direct_writes_do(pair, case) -> None
         return p
 
     await staging.test_staged_faults_end_as_the_direct_writes_do(fp8_pair, case)
+
+
+class _Open:
+    """The state of a request's KV stream that stays open (the writer polls it before every write)."""
+
+    @staticmethod
+    def poll() -> KVPoll:
+        return KVPoll.TRANSFERRING
+
+
+def test_fp8_runs_land_inside_their_own_slots_and_import_as_quantized() -> None:
+    """Scattered destination blocks, two chunks: each run's fp8 pages land back to back from its first slot
+    (the other slots stay untouched) and import dequantized into exactly those pool blocks."""
+    shape = (2, 2, 4, 2, 16)  # layers, K|V, block_size, kv_heads, head_dim
+    src = torch.randn(2, 2, 8, *shape[2:])
+    pool = torch.zeros(2, 2, 12, *shape[2:])
+    dest = [5, 6, 2, 9, 10, 11]
+    layout = PageLayout.for_model("m", 2, 2, 16, 4, FP8_CODEC)
+    prefill, decode = mooncake.MooncakeEngine("127.0.0.1"), mooncake.MooncakeEngine("127.0.0.1")
+
+    def import_pages(ids: list[int], pages: torch.Tensor, codec: str | None = None) -> None:
+        assert codec == FP8_CODEC
+        unpack_pages_fp8(pages, pool, torch.tensor(ids))
+
+    def export(ids: list[int], codec: str | None, out: torch.Tensor) -> PageExport:
+        assert codec == FP8_CODEC
+        return PageExport(out.copy_(pack_pages_fp8(src, torch.tensor(ids))))
+
+    landing = HostLanding(decode, pool, import_pages)
+    landing.host.zero_()  # pinned host memory starts uninitialised; zeros show what was written
+    assert landing.accepts(layout)
+    writer = StagedWriter(prefill, StagingRing(prefill, 1 << 20), shape, src.dtype, export, landing.destination, dest)
+    writer.sender = _Open()  # type: ignore[assignment]
+    assert writer.carry(layout) and writer.page_bytes == layout.page_bytes < writer.slot_bytes
+    for first, ids in ((0, [0, 1, 2]), (3, [3, 4, 5])):
+        writer.wait(writer.write(first, ids))
+        landing.land(dest[first:first + len(ids)], layout)
+    want = torch.zeros_like(pool)
+    unpack_pages_fp8(pack_pages_fp8(src, torch.arange(6)), want, torch.tensor(dest))
+    assert torch.equal(pool, want)
+    # Runs [5, 6], [2], [9, 10, 11]: m fp8 pages from the run's first slot (here within that one slot).
+    slots = landing.host.view(12, -1).view(torch.uint8)
+    runs = {5: 2, 2: 1, 9: 3}
+    assert 3 * layout.page_bytes <= slots.shape[1]
+    for b in range(12):
+        written = runs.get(b, 0) * layout.page_bytes
+        assert slots[b, :written].any() and not slots[b, written:].any() if written else not slots[b].any()
