@@ -28,9 +28,10 @@ class PrefillConfig(ServerConfig, TracingConfig):
                                                    "(bytes; made on first use): chunk pages are copied there, then "
                                                    "written into a GPU decode's host landing area. A prompt whose KV "
                                                    "is larger goes by grpc (counted, logged once).")
-    kv_wire_codec: str = opt("native", "Codec of page bytes sent in the stream: native (the cache's dtype) or "
-                                       "fp8-e4m3 (per-token-per-head scales; about half of bf16's bytes, decoded "
-                                       "on arrival; used only when the decode accepts it).",
+    kv_wire_codec: str = opt("native", "Codec of KV pages sent to decode (bytes in the stream, or mooncake through "
+                                       "host staging; shm / cuda-ipc write the cache's dtype): native (the cache's "
+                                       "dtype) or fp8-e4m3 (per-token-per-head scales; about half of bf16's bytes, "
+                                       "decoded on arrival; used only when the decode accepts it).",
                              choices=("native", "fp8-e4m3"))
     kvstore_address: str = opt("", "kvstore host:port for cross-instance prefix reuse; empty: none.")
     kvstore_write_back: bool = opt(True, "Write newly computed full pages to the kvstore (asynchronously).")
