@@ -21,8 +21,8 @@ fp8-e4m3 (decode lists its fingerprint in ``accepted_wire_fingerprints``, the pr
 the claim names it) stages quantized pages (``export`` with the codec: the Triton pack on the side stream
 on GPU, the torch reference on CPU): uint8 [P, fp8 page bytes], values then per-token-per-head scales.
 The landing keeps its native page-major slots; a run of m consecutive destination blocks starting at b
-lands its m fp8 pages back to back from slot b's first byte. fp8 page bytes <= native page bytes
-(``HostLanding.accepts``), so a run's fp8 bytes stay inside its own blocks' slots: the claim and
+lands its m fp8 pages back to back from slot b's first byte (both sides cut one descriptor's blocks into
+the same maximal runs, shared_kv._runs). fp8 page bytes <= native page bytes (``codec_fits``), so a run's fp8 bytes stay inside its own blocks' slots: the claim and
 reservation checks guard them unchanged, and one run is still one contiguous range on both sides. Decode
 imports such a run with the codec (dequantized into the pool on the engine thread).
 
@@ -123,6 +123,12 @@ class StagingRing:
         return self.buf[off:off + nbytes].view(dtype).view(shape)
 
 
+def codec_fits(layout: PageLayout, slot_bytes: int) -> bool:
+    """Whether pages in ``layout`` may travel through landing slots of ``slot_bytes`` (one native page): fp8-e4m3
+    of the target region only, no larger than a slot (module docstring)."""
+    return layout.target_codec == FP8_CODEC and len(layout.regions) == 1 and layout.page_bytes <= slot_bytes
+
+
 class _State(enum.Enum):
     STAGED = "staged"      # the export fills the span; not sent yet
     SENDING = "sending"    # the transfer engine is writing it
@@ -173,7 +179,7 @@ class StagedWriter(PageWriter):
         """Stage and send pages in ``layout``'s codec (fp8-e4m3, target region only) for this request; called
         before the claim and the first write. False (nothing changes) for a layout whose pages would not fit
         the landing slots."""
-        if layout.target_codec != FP8_CODEC or len(layout.regions) != 1 or layout.page_bytes > self.slot_bytes:
+        if not codec_fits(layout, self.slot_bytes):
             return False
         self.wire_codec, self.page_bytes = FP8_CODEC, layout.page_bytes
         return True
@@ -285,10 +291,8 @@ class HostLanding:
             page_major=True))
 
     def accepts(self, layout: PageLayout) -> bool:
-        """Whether a writer may land pages in ``layout`` (a wire codec) here: fp8-e4m3 of the target region
-        only, no larger than a slot (module docstring)."""
-        return (layout.target_codec == FP8_CODEC and len(layout.regions) == 1
-                and layout.page_bytes <= self.host[0].numel() * self.host.element_size())
+        """Whether a writer may land pages in ``layout`` (a wire codec) here."""
+        return codec_fits(layout, self.host[0].numel() * self.host.element_size())
 
     def land(self, block_ids: list[int], layout: PageLayout | None = None) -> None:
         """Engine thread: copy the pages the writer put into ``block_ids``' landing slots into the pool
