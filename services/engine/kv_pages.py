@@ -61,7 +61,7 @@ class KVPages:
     def sharded(self) -> bool:
         """The pool is split over tensor-parallel ranks: pages leave and enter with all heads through rank 0's
         runner (services/engine/parallel), and no side transport may read or write the pool itself."""
-        return self._runner.model.tp_split.tp_size > 1
+        return getattr(self._runner, "split", None) is not None  # parallel.runner.TPModelRunner
 
     @property
     def has_draft(self) -> bool:
@@ -75,7 +75,7 @@ class KVPages:
         r = self._runner
         if r.spec is not None:
             return (r.spec.page_bytes(r.kv_cache, None),)
-        return (r.num_layers, 2, r.block_size, r.model.tp_split.num_kv_heads, r.head_dim)
+        return (r.num_layers, 2, r.block_size, r.split.num_kv_heads if self.sharded else r.num_kv_heads, r.head_dim)
 
     @property
     def dtype(self) -> torch.dtype:
