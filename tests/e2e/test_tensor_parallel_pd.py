@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from pathlib import Path
 
 import grpc
@@ -26,10 +27,15 @@ MAX_TOKENS = 6
 ENGINE = ["--cpu-threads", "1", "--num-kv-blocks", "64"]
 
 
+def _reference_tokens(prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy tokens of the colocated TP=1 engine in this process."""
+    eng = LLMEngine(EngineConfig(model=MODEL, dtype="float32", num_kv_blocks=64, cpu_threads=1))
+    return eng.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+
+
 @pytest.fixture(scope="module")
 def reference() -> list[list[int]]:
-    eng = LLMEngine(EngineConfig(model=MODEL, dtype="float32", num_kv_blocks=64, cpu_threads=1))
-    return eng.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    return _reference_tokens(PROMPTS)
 
 
 def _children(pid: int) -> list[int]:
@@ -112,3 +118,23 @@ def test_a_killed_decode_rank_ends_the_request_and_takes_the_instance_down() -> 
         code = asyncio.run(run())
         assert code == grpc.StatusCode.UNAVAILABLE, code  # not a deadline: the death ended it
         assert decode.wait(60) == 3  # EXIT_ENGINE_DEAD: a supervisor restarts the instance
+
+
+def test_kvstore_pages_are_reused_across_tp_degrees(reference) -> None:
+    """prefill-0 at TP=2 and prefill-1 at TP=1 share the kvstore: each loads pages the other wrote."""
+    long_a, long_d = PROMPTS[0] + PROMPTS[1] * 3, [(5 * i + 11) % 250 for i in range(60)]
+    want = _reference_tokens([long_a, long_d])
+    extra = {"router": ["--policy", "round_robin"], "prefill": ENGINE, "prefill-0": ["--tensor-parallel-size", "2"],
+             "decode": ENGINE}
+    with LocalCluster(prefill=2, decode=1, kvstore="embedded", model=MODEL, dtype="float32", extra=extra,
+                      quiet=True) as c:
+        router = c.router["grpc"]
+        # Round-robin alternates prefills: A, A, filler, D, D makes each prefill load a prompt the other computed.
+        for ids, expect in ((long_a, want[0]), (long_a, want[0]), (PROMPTS[1], reference[1]),
+                            (long_d, want[1]), (long_d, want[1])):
+            assert asyncio.run(_generate(router, ids)) == expect
+            time.sleep(0.5)  # write-back to the kvstore is asynchronous: let it land before the next request
+        for name in ("prefill-0", "prefill-1"):
+            loaded = metric_sum(c.get(name).ready["metrics"], "pdserve_prefill_cached_prefix_tokens_total",
+                                source="kvstore")
+            assert loaded > 0, f"{name} loaded nothing from the kvstore"
