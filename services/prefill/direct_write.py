@@ -18,10 +18,11 @@ import torch
 
 from services.common.metrics import PrefillMetrics
 from services.common.pb import prefill_pb2
+from services.engine.kv_layout import PageLayout
 from services.engine.kv_pages import PageExport
 from services.engine.kv_transport import mooncake
 from services.engine.kv_transport.base import PageWriter
-from services.engine.kv_transport.mooncake_staged import StagedWriter, StagingRing
+from services.engine.kv_transport.mooncake_staged import StagedWriter, StagingRing, codec_fits
 from services.engine.kv_transport.shared_pool import ONEOF_OF, SharedPoolWriter
 from services.engine.shared_kv import SharedKVAttachError, SharedKVPools, pool_id
 
@@ -78,14 +79,14 @@ class DirectWrites:
             return self._ring
 
     async def writer(self, request: prefill_pb2.PrefillRequest, src: torch.Tensor, num_blocks: int,
-                     export: Callable[[list[int], None, torch.Tensor], PageExport] | None = None
-                     ) -> PageWriter | None:
+                     export: Callable[[list[int], str | None, torch.Tensor], PageExport] | None = None,
+                     wire: PageLayout | None = None) -> PageWriter | None:
         """A writer into the request's reserved blocks, or None (page bytes go in the stream).
 
         ``src`` is this prefill's KV cache; ``num_blocks`` the prompt's block count, which the request's
         dest_block_ids must match; ``export`` the engine's page export (codec, out), which stages pages for
-        a decode that offers a host landing area (Mooncake with a device pool; it may then carry a negotiated
-        wire codec, see StagedWriter.carry: the fit check below counts native pages, the larger). Raises
+        a decode that offers a host landing area (Mooncake with a device pool), which may then carry ``wire``
+        (the negotiated wire codec's layout, if any; StagedWriter.carry): the staging fit counts its pages. Raises
         InvalidDestinationError for block ids outside decode's pool."""
         if self.mode == "grpc":
             return None
@@ -106,6 +107,8 @@ class DirectWrites:
                     raise SharedKVAttachError("device", "this Mooncake build writes from host memory only and the "
                                                         "decode offers its pool, not a host landing area")
                 page_bytes = src[:, :, 0].numel() * src.element_size()
+                if wire is not None and codec_fits(wire, page_bytes):
+                    page_bytes = wire.page_bytes
                 if staged and (export is None or num_blocks * page_bytes > self.staging_bytes):
                     raise SharedKVAttachError("staging", f"{num_blocks} pages of {page_bytes} bytes do not fit the "
                                                          f"Mooncake staging ring ({self.staging_bytes} bytes)")

@@ -25,7 +25,7 @@ from services.common.pb import prefill_pb2, prefill_pb2_grpc
 from services.common.tls import peer_role
 from services.engine.async_engine import AsyncEngine, EngineDeadError
 from services.engine.convert import params_from_pb, top_to_pb
-from services.engine.kv_layout import FP8_CODEC
+from services.engine.kv_layout import FP8_CODEC, PageLayout
 from services.engine.kv_pages import pages_of
 from services.engine.kv_transport import KVSender, KVTransport, TransferError
 from services.engine.kv_transport.base import PageWriter
@@ -180,7 +180,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         ids = list(request.token_ids)
         try:
             writer = await self.direct.writer(request, self.pages.pool, -(-len(ids) // self.layout.block_size),
-                                              self.pages.export)
+                                              self.pages.export, self._fp8_agreed(request))
         except InvalidDestinationError as e:
             await self._refuse(context, "invalid", grpc.StatusCode.INVALID_ARGUMENT, f"dest_block_ids: {e}",
                                Reason.ERROR_REASON_INVALID_INPUT, field="dest_block_ids")
@@ -247,13 +247,18 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             resp.first_top_logprobs.CopyFrom(top_to_pb(last.first_top))
         return resp
 
+    def _fp8_agreed(self, request: prefill_pb2.PrefillRequest) -> PageLayout | None:
+        """The fp8-e4m3 layout when this prefill is configured for it and decode accepted it at Reserve."""
+        fp8 = self.engine.engine.fp8_layout
+        agreed = self.config.kv_wire_codec == FP8_CODEC and fp8.fingerprint in request.accepted_wire_fingerprints
+        return fp8 if agreed else None
+
     def _wire_codec(self, request: prefill_pb2.PrefillRequest, writer: PageWriter | None):
         """(layout of the pages on the wire, page exporter). The codec is chosen on its own: fp8-e4m3 when
         configured and decode accepted that layout's fingerprint at Reserve, and the side transport (if any)
         carries it (``writer.carry``: mooncake into a host landing area); the cache's own layout otherwise."""
-        fp8 = self.engine.engine.fp8_layout
-        if (self.config.kv_wire_codec == FP8_CODEC and fp8.fingerprint in request.accepted_wire_fingerprints
-                and (writer is None or writer.carry(fp8))):
+        fp8 = self._fp8_agreed(request)
+        if fp8 is not None and (writer is None or writer.carry(fp8)):
             return fp8, lambda block_ids: self.pages.export(block_ids, FP8_CODEC)
         return self.layout, self.pages.export
 

@@ -86,6 +86,28 @@ async def test_staged_fp8_equals_the_grpc_fp8_path_and_moves_the_fp8_bytes(pair,
         assert s["free_blocks"] == s["total_blocks"]
 
 
+async def test_the_staging_fit_counts_the_negotiated_codecs_pages(pair) -> None:
+    """A ring that holds a prompt's fp8 pages but not its native ones: fp8 goes by mooncake, native falls
+    back to grpc (counted, reason staging)."""
+    p = await pair("mooncake")
+    _offer_landing(p)
+    ids = PROMPTS[1]
+    blocks = -(-len(ids) // ENGINE.block_size)
+    ring = -(-blocks * p.prefill.engine.engine.fp8_layout.page_bytes // staging.ALIGN) * staging.ALIGN
+    assert ring < blocks * p.prefill.layout.page_bytes
+    p.prefill.direct.staging_bytes = ring
+    tokens, nbytes, _ = await _handoff(p, ids)
+    assert tokens  # (fp8 may sample the end token before max_tokens)
+    assert p.metric("pdserve_prefill_kv_sent_bytes_total", transport="mooncake") == nbytes > 0
+    assert p.metric("pdserve_prefill_kv_transport_fallbacks_total", transport="mooncake", reason="staging") == 0
+    p.prefill.config.kv_wire_codec = "native"
+    resv = await _reserve(p, ids)
+    consume = asyncio.create_task(_generate(p, resv))
+    await p.pstub.Prefill(_request(p, resv, ids))
+    assert await consume == LLMEngine(ENGINE).generate([ids], SamplingParams(max_tokens=6, temperature=0))[0]
+    assert p.metric("pdserve_prefill_kv_transport_fallbacks_total", transport="mooncake", reason="staging") == 1
+
+
 def _fp8_claim(p: Pair, resv) -> common_pb2.KVChunk:
     return common_pb2.KVChunk(
         request_id="r", reservation_id=resv.reservation_id, transport="mooncake",
