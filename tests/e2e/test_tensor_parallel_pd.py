@@ -4,8 +4,11 @@ greedy tokens equal the colocated TP=1 engine's for (prefill TP, decode TP) in (
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -21,6 +24,9 @@ from services.engine.sampling_params import SamplingParams
 from services.launcher import LocalCluster
 from tests.e2e.cluster_util import metric_sum
 
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = "random:tiny-qwen3"
 PROMPTS = [[(7 * i + 3) % 250 for i in range(41)], [65, 66, 67, 10, 200, 201, 13, 40, 41, 42, 43, 44, 90]]
 MAX_TOKENS = 6
@@ -74,7 +80,7 @@ async def _generate(addr: str, ids: list[int]) -> list[int]:
 
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1), (2, 2), (4, 2)])
-def test_disaggregated_tokens_equal_colocated_tp1(prefill_tp: int, decode_tp: int, reference) -> None:
+def test_disaggregated_tokens_equal_colocated_tp1(prefill_tp: int, decode_tp: int, reference, tmp_path: Path) -> None:
     extra = {"prefill": [*ENGINE, "--max-prefill-chunk", "16", "--tensor-parallel-size", str(prefill_tp)],
              "decode": [*ENGINE, "--tensor-parallel-size", str(decode_tp)]}
     with LocalCluster(prefill=1, decode=1, kvstore=None, model=MODEL, dtype="float32", extra=extra,
@@ -87,6 +93,23 @@ def test_disaggregated_tokens_equal_colocated_tp1(prefill_tp: int, decode_tp: in
         # The pages went through the KV stream (no side transport on a sharded pool).
         decode = c.get("decode-0").ready["metrics"]
         assert metric_sum(decode, DECODE_KV_RECEIVED_BYTES_TOTAL, transport="grpc") > 0
+        if (prefill_tp, decode_tp) == (1, 2):
+            _check_trace(c, tmp_path)
+
+
+def _check_trace(c: LocalCluster, out: Path) -> None:
+    """``pdserve trace`` on a TP=1 prefill and a TP=2 decode: one line per rank's trace, each copied."""
+    prefill, decode = c.get("prefill-0").ready["grpc"], c.get("decode-0").ready["grpc"]
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "trace", "--after", "0.5", "--duration", "0.5",
+                           "--out", str(out), "--prefill", prefill, "--decode", decode],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line.split(" ") for line in proc.stdout.splitlines()]
+    assert [(svc, inst.endswith("/rank1")) for svc, inst, _ in lines] == [
+        ("prefill", False), ("decode", False), ("decode", True)], proc.stdout
+    for _, _, path in lines:
+        with open(path) as f:
+            assert "traceEvents" in json.load(f) and Path(path).parent == out
 
 
 def test_a_killed_decode_rank_ends_the_request_and_takes_the_instance_down() -> None:
