@@ -60,6 +60,45 @@ def test_tp2_pages_cross_the_boundary_with_all_heads(tp1: LLMEngine, tp2: LLMEng
     assert torch.equal(tp2.runner.read_pages([50, 51, 52]), tp1.runner.read_pages([50, 51, 52]))
 
 
+def _prefill_pages(eng: LLMEngine) -> tuple[torch.Tensor, int]:
+    """(full-head pages of PROMPTS[0]'s prefill, its first token) computed by ``eng``."""
+    seen: list[tuple[list[int], int]] = []
+    listener = lambda ch, s: seen.append((list(ch.seq.block_table), s.token)) if s is not None else None  # noqa: E731
+    eng.chunk_listeners.append(listener)
+    try:
+        eng.generate([PROMPTS[0]], SamplingParams(max_tokens=1, temperature=0.0))
+    finally:
+        eng.chunk_listeners.remove(listener)
+    table, first = seen[-1]
+    return eng.runner.read_pages(table[: -(-len(PROMPTS[0]) // 4)]), first
+
+
+def _decode_from_pages(eng: LLMEngine, pages_first: tuple[torch.Tensor, int]) -> list[int]:
+    """Decode PROMPTS[0] on ``eng`` from imported pages (the decode side of a handoff)."""
+    pages, first = pages_first
+    seq, _ = eng.add_kv_import("imported", PROMPTS[0], GREEDY, detokenize=False)
+    eng.runner.write_pages(seq.block_table[: pages.shape[0]], pages)
+    out = [t for o in eng.kv_import_done("imported", first, None) or [] for t in o.new_token_ids]
+    while eng.has_work():
+        out += [t for o in eng.step() for t in o.new_token_ids]
+    return out
+
+
+def test_tp4_with_replicated_kv_heads_moves_pages_and_tokens_like_tp1(tp1: LLMEngine) -> None:
+    """2 KV heads over 4 ranks: an import scatters each rank its (replicated) head, an export gathers one
+    copy of each; tokens equal TP=1's."""
+    eng = LLMEngine(_cfg(4))
+    try:
+        assert eng.generate(PROMPTS, GREEDY) == tp1.generate(PROMPTS, GREEDY)
+        fresh = torch.randn_like(tp1.runner.read_pages([0, 1]))
+        eng.runner.write_pages([60, 61], fresh)
+        assert torch.equal(eng.runner.read_pages([60, 61]), fresh)
+        # Decode from imported pages: every rank (replicas too) must hold its head of them.
+        assert _decode_from_pages(eng, _prefill_pages(tp1)) == tp1.generate([PROMPTS[0]], GREEDY)[0]
+    finally:
+        eng.runner.release()
+
+
 def test_a_dead_rank_ends_the_request_and_kills_the_engine_loop() -> None:
     async def run() -> None:
         eng = await asyncio.to_thread(AsyncEngine, _cfg(2, "random:tiny-llama"))

@@ -63,6 +63,16 @@ class TPGroup:
         return outs
 
 
+    def scatter_from_root(self, out: torch.Tensor, parts: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Rank r receives rank 0's parts[r] into out (parts: rank 0 only, one per rank, out's shape)."""
+        if self.size == 1:
+            assert parts is not None
+            return out.copy_(parts[0])
+        assert self.pg is not None
+        self.pg.scatter(out, [p.contiguous() for p in parts] if self.rank == 0 and parts else [], 0).wait()
+        return out
+
+
 def open_store(size: int, port: int = 0, *, timeout_s: float = 120.0) -> dist.TCPStore:
     """Rank 0 (port 0: a free port, read it back from ``.port``) or a peer (rank 0's port)."""
     return dist.TCPStore(LOOPBACK, port, size, is_master=port == 0, wait_for_workers=False,

@@ -23,6 +23,11 @@ def my_heads(full: torch.Tensor, split: HeadSplit) -> torch.Tensor:
     return full[:, :, :, :, a:b].contiguous()
 
 
+def per_rank_heads(full: torch.Tensor, split: HeadSplit) -> list[torch.Tensor]:
+    """Each rank's head slice of full-head pages, in rank order (what an import scatters)."""
+    return [my_heads(full, split.at(r)) for r in range(split.tp_size)]
+
+
 def as_cache(pages: torch.Tensor) -> torch.Tensor:
     """[P, L, 2, bs, H, D] pages viewed as a P-block cache [L, 2, P, bs, H, D] (for the fp8 kernels)."""
     return pages.permute(1, 2, 0, 3, 4, 5).contiguous()

@@ -6,7 +6,8 @@ int64 payload whose length the header fixes:
   ids[T] | positions[T] | slots[T] | block_tables[B*M] | context_lens[B] | query_lens[B] | sampled rows[S]
   (S flat indices of the tokens whose logits are computed; only rank 0 samples, from the gathered logits).
 - EXPORT: a=pages P; payload = block ids[P]. Every rank then gathers its heads of those pages to rank 0.
-- IMPORT: a=pages P; payload = block ids[P]; then rank 0 broadcasts the full-head pages (cache dtype).
+- IMPORT: a=pages P; payload = block ids[P]; then rank 0 scatters each rank its heads of the pages
+  (cache dtype), so a rank receives exactly the heads it holds.
 - TRACE: a=window start (Unix ms), b=window length (ms), c=bytes of the file stem; payload = the stem's
   UTF-8 bytes, one per int64 (rank 0 derives it from its own trace root and a validated session name).
   Each rank writes ``<stem>-rank<r>.trace.json`` (trace.py).

@@ -20,7 +20,7 @@ from services.engine.kv_layout import FP8_CODEC
 from services.engine.model_loader import LoadedModel
 from services.engine.model_runner import ModelRunner, _sampled_rows
 from services.engine.parallel.group import TPGroup
-from services.engine.parallel.pages import as_cache, assemble, from_cache, my_heads
+from services.engine.parallel.pages import as_cache, assemble, from_cache, per_rank_heads
 from services.engine.parallel.plan import HEADER, Op, encode_step, encode_trace, simple
 from services.engine.sampler import Sampled
 from services.engine.scheduler import SchedulerOutput
@@ -105,8 +105,9 @@ class TPModelRunner(ModelRunner):
         pages = pages.to(self.dtype).contiguous()
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         with self._sequence(simple(Op.IMPORT, len(block_ids)), idx.cpu()):
-            self.group.broadcast(pages)
-            unpack_pages(my_heads(pages, self.split), self.kv_cache, idx)
+            mine = pages.new_empty((len(block_ids), *self.kv_cache.shape[:2], *self.kv_cache.shape[3:]))
+            self.group.scatter_from_root(mine, per_rank_heads(pages, self.split))
+            unpack_pages(mine, self.kv_cache, idx)
 
     def announce_trace(self, start_unix: float, duration_s: float, stem: str) -> None:
         """Ranks 1..N-1 start profiling the window and write ``<stem>-rank<r>.trace.json`` (parallel/trace.py)."""

@@ -18,7 +18,6 @@ from services.engine.config import EngineConfig
 from services.engine.model_runner import ModelRunner
 from services.engine.parallel.group import TPGroup, connect, open_store
 from services.engine.parallel.loader import load_shard
-from services.engine.parallel.pages import my_heads
 from services.engine.parallel.plan import HEADER, Op, decode_step, decode_trace, step_payload_len
 from services.engine.parallel.trace import rank_trace_path, start_recording
 
@@ -74,8 +73,8 @@ def serve(runner: ModelRunner, group: TPGroup) -> None:
         if op == Op.EXPORT:
             group.gather_to_root(pack_pages(runner.kv_cache, idx))
         else:
-            full = _recv(group, 0, runner.dtype, (n, L, 2, bs, split.num_kv_heads, d))
-            unpack_pages(my_heads(full, split), runner.kv_cache, idx)
+            mine = torch.empty((n, L, 2, bs, split.local_kv_heads, d), dtype=runner.dtype, device=dev)
+            unpack_pages(group.scatter_from_root(mine), runner.kv_cache, idx)
 
 
 def worker_main(rank: int, size: int, port: int, config: EngineConfig) -> None:
