@@ -82,3 +82,14 @@ def test_config_refuses_unsupported_degrees_and_a_draft() -> None:
         EngineConfig(tensor_parallel_size=3)
     with pytest.raises(EngineConfigError, match="runs no draft model"):
         EngineConfig(tensor_parallel_size=2, draft_model="layers:1")
+
+
+def test_a_model_the_degree_cannot_split_is_refused_before_any_rank_starts() -> None:
+    import pytest
+
+    from services.engine.parallel.loader import check_split
+
+    check_split("random:tiny-qwen3", 4)  # 4 heads, 2 KV heads (replicated), intermediate 128
+    with pytest.raises(TensorParallelError, match=r"--tensor-parallel-size.* 2 cannot run random:smollm2-135m: "
+                                                  r"tensor-parallel size 2 does not divide the 9 attention heads"):
+        check_split("random:smollm2-135m", 2)

@@ -22,7 +22,7 @@ from services.engine.async_engine import EngineDeadError
 from services.engine.config import EngineConfig
 from services.engine.model_loader import LoadedModel
 from services.engine.parallel.group import TPGroup, connect, open_store
-from services.engine.parallel.loader import load_shard
+from services.engine.parallel.loader import check_split, load_shard
 from services.engine.parallel.runner import TPModelRunner
 from services.engine.parallel.worker import rank_config, rank_device, worker_main
 
@@ -44,6 +44,7 @@ class RankDiedError(EngineDeadError):
 class RankSet:
     def __init__(self, config: EngineConfig) -> None:
         self.size = config.tensor_parallel_size
+        check_split(config.model, self.size)  # before any rank starts: one clear error
         self.config = rank_config(config, 0)
         torch.set_num_threads(self.config.cpu_threads)  # rank 0's share (LLMEngine applied the instance's)
         self.device = rank_device(config.device, 0)

@@ -8,8 +8,35 @@ import torch
 
 from services.engine.model_loader import LoadedModel, build_empty_model, load_model
 from services.engine.model_source import resolve
+from services.engine.models.config import ModelArchConfig
 from services.engine.parallel.group import TPGroup, building
+from services.engine.parallel.split import HeadSplit, TensorParallelError
 from services.engine.parallel.weights import hf_named_tensors
+from services.engine.weights.gguf_loader import GGUFFile
+from services.engine.weights.hf_loader import read_hf_config
+from services.engine.weights.random_weights import random_arch
+
+
+def model_arch(spec: str | None) -> ModelArchConfig:
+    """The architecture a model spec names (headers only: no weights are read)."""
+    src = resolve(spec)
+    if src.kind == "random":
+        return random_arch(src.shape)
+    assert src.path is not None
+    return GGUFFile(src.path).arch if src.kind == "gguf" else read_hf_config(src.path)
+
+
+def check_split(spec: str | None, size: int) -> None:
+    """TensorParallelError naming the flag and the model when ``size`` ranks cannot split its heads or MLP."""
+    arch = model_arch(spec)
+    try:
+        HeadSplit(arch.num_heads, arch.num_kv_heads, size)
+        if arch.intermediate_size % size:
+            raise TensorParallelError(f"tensor-parallel size {size} does not divide intermediate_size "
+                                      f"{arch.intermediate_size}")
+    except TensorParallelError as e:
+        raise TensorParallelError(f"--tensor-parallel-size / PDSERVE_TENSOR_PARALLEL_SIZE {size} cannot run "
+                                  f"{resolve(spec).model_id}: {e}") from None
 
 
 def load_shard(spec: str | None, dtype: torch.dtype, device: str | torch.device, group: TPGroup | None,
