@@ -21,7 +21,7 @@ def _runner(cache: torch.Tensor) -> SimpleNamespace:
         unpack_pages(pages.to(cache.device), cache, torch.tensor(block_ids, dtype=torch.int64, device=cache.device))
 
     return SimpleNamespace(kv_cache=cache, device=cache.device, kv_destination=None, num_layers=SHAPE[0],
-                           block_size=SHAPE[3], num_kv_heads=SHAPE[4], head_dim=SHAPE[5], dtype=cache.dtype,
+                           block_size=SHAPE[3], num_kv_heads=SHAPE[4], head_dim=SHAPE[5], dtype=cache.dtype, spec=None,
                            write_pages=write_pages)
 
 
