@@ -23,6 +23,7 @@ BENCHES = {
     "serve": ("benchmarks.serve.cli:serve_main", "any OpenAI-compatible server (or a recipe's deployment): "
                                                  "concurrency/rate sweeps, SLO goodput, plots, accuracy"),
     "ab": ("benchmarks.serve.cli:ab_main", "two recipes' deployments on the same workload, one report"),
+    "pd-vs-dp": ("benchmarks.gpu_pd_vs_dp", "1P1D (cuda-ipc) vs 2 colocated workers on one device, same workload"),
 }
 
 
