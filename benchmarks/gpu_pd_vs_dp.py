@@ -133,10 +133,12 @@ def _measure(setup: str, http: str, args: argparse.Namespace, texts: WordText, c
         warm = random_workload(spec, texts, requests=c, seed=args.seed, tag=f"Warmup c{c}") if k == 0 else None
         point = LoadPoint(concurrency=c, requests=args.rounds * c, warmup=c if warm else 0, seed=args.seed)
         run = asyncio.run(runner.run(work, point, warm))
-        row = Row.of(setup, c, summarize_run(run, SLO()))
+        summary = summarize_run(run, SLO())
+        row = Row.of(setup, c, summary)
         rows.append(row)
         print(f"{setup} c={c}: " + ", ".join(f"{title} {_cell(getattr(row, key), 1)}" for key, title in COLUMNS)
-              + f", {row.completed} ok / {row.failed} failed", flush=True)
+              + f", {row.completed} ok / {row.failed} failed {summary['requests']['error_examples'] or ''}",
+              flush=True)
     return rows
 
 
@@ -155,6 +157,9 @@ def run_setup(setup: str, args: argparse.Namespace, texts: WordText, counter: To
         print(f"{setup}: {len(c.procs) - 1} engine processes ready in {time.perf_counter() - t0:.0f} s",
               flush=True)
         rows = _measure(setup, c.router["http"], args, texts, counter)
+        if any(r.failed for r in rows):  # the services' last words say why
+            for proc in c.procs:
+                print(f"--- {proc.name}\n{proc.tail(10)}", flush=True)
         if setup == PD:
             print(f"{PD} KV via {_kv_via(c.get('prefill-0').ready['metrics'])}", flush=True)
     return rows
