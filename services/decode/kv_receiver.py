@@ -16,20 +16,13 @@ What a failure does to the reservation:
 When the last chunk lands, every prompt page must be present; then the request joins continuous
 batching.
 
-Side transports (shm, cuda-ipc, mooncake) write pages straight into this decode's pool. Their stream
-starts with a claim (KVChunk.claim: the token, the reservation's block ids, the pool): decode checks it
-against what it issued, marks the reservation as being written, and only then acknowledges (the
-writer writes nothing before). While a claimed stream is open the reservation's blocks are never
-freed: if the reservation ends meanwhile (lease, deadline, Abort), decode drops the stream's further
-chunks and frees the blocks only when the writer's stream ends (the writer stops as soon as it sees
-its stream fail, or at its last chunk).
+Side transports (shm, cuda-ipc, mooncake) start their stream with a claim: :mod:`services.decode.side_pool`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 import warnings
 from collections.abc import AsyncIterator, Callable
@@ -41,44 +34,16 @@ import torch
 from services.common.grpc_util import Reason
 from services.common.pb import common_pb2, decode_pb2
 from services.decode.reservations import EndCause, Reservation, ReservationTable
+from services.decode.side_pool import CODEC_OF, IN_PLACE_TRANSPORTS, check_claim, landing_for
 from services.engine.async_engine import AsyncEngine, EngineDeadError
 from services.engine.convert import top_from_pb
 from services.engine.kv_layout import FP8_CODEC, PageLayout, checksum
-from services.engine.kv_pages import KVPages, pages_of
-from services.engine.kv_transport import mooncake
+from services.engine.kv_pages import pages_of
 from services.engine.kv_transport.base import KVPoll, OnClaimed
 from services.engine.kv_transport.grpc_wire import WireChunk
-from services.engine.kv_transport.mooncake_staged import HostLanding
-from services.engine.shared_kv import SharedKVAttachError, pool_id
-
-IN_PLACE_TRANSPORTS = frozenset({"shm", "cuda-ipc", "mooncake"})
-"""Transports that write pages into this decode's pool themselves; their chunks carry descriptors only."""
-_CODEC = {common_pb2.KV_CODEC_FP8_E4M3: FP8_CODEC}
-"""KVCodec -> the layout codec it names (KV_CODEC_NATIVE: the cache's own)."""
+from services.engine.shared_kv import pool_id
 
 _END = object()
-log = logging.getLogger(__name__)
-def offered_pool(pages: KVPages, mooncake_host: str) -> decode_pb2.KVDestination | None:
-    """The pool this decode offers side transports: registered with Mooncake when ``mooncake_host`` is
-    set (any host may write; a device pool through a pinned host landing area, kv_transport/mooncake_staged),
-    else the engine's same-host shm / CUDA IPC pool, else None."""
-    if pages.sharded or pages.has_draft:  # TP>1: the pool is split over ranks; a draft region is a second
-        return None                          # pool: prefills send (full-head, both-region) page bytes instead
-    if mooncake_host:
-        why = mooncake.available()
-        try:
-            if why is not None:
-                raise SharedKVAttachError("unavailable", why)
-            engine = mooncake.MooncakeEngine(mooncake_host)
-            pages.exporters.append(engine)  # the engine serves the registered pool as long as it lives
-            if pages.pool.is_cuda:  # this Mooncake build moves host memory only
-                landing = HostLanding(engine, pages.pool, pages.import_pages)
-                pages.exporters.append(landing)
-                return landing.destination
-            return mooncake.export_pool(engine, pages.pool)
-        except SharedKVAttachError as e:
-            log.warning("KV pool not offered over Mooncake (prefills send page bytes instead): %s", e)
-    return pages.destination
 
 
 @dataclass(eq=False, repr=False)  # an exception: hashable, repr as raised
@@ -136,8 +101,7 @@ class DecodeKVReceiver:
         self.vocab_size = engine.engine.vocab_size
         self.pages = pages_of(engine.engine)
         self._page_shape = self.pages.page_shape
-        self.landing = next((e for e in self.pages.exporters if isinstance(e, HostLanding)
-                             and destination is not None and pool_id(e.destination) == self.pool_id), None)
+        self.landing = landing_for(self.pages, self.pool_id) if self.pool_id else None
         """Where a Mooncake writer puts pages for a device pool; imported as each chunk's descriptor lands."""
         self._dtype = self.pages.dtype
 
@@ -169,34 +133,8 @@ class DecodeKVReceiver:
                             "permission", Reason.ERROR_REASON_PERMISSION, frees=False, field="reservation_token")
 
     def _check_claim(self, r: Reservation, c: common_pb2.KVChunk) -> PageLayout:
-        """A side-transport writer's claim must name this decode's pool, exactly the reservation's blocks and
-        a codec this pool takes (a descriptor for another reservation or another pool, or a codec not
-        offered, is refused; nothing is freed). Returns the layout the stream's pages must be in."""
-        claim = c.claim
-        if claim.transport not in IN_PLACE_TRANSPORTS:
-            raise self._reject(grpc.StatusCode.INVALID_ARGUMENT, f"claim.transport: {claim.transport!r} does not "
-                               f"write pages in place (known: {sorted(IN_PLACE_TRANSPORTS)})", "claim",
-                               frees=False, field="claim.transport")
-        if not self.pool_id or claim.pool_id != self.pool_id:
-            raise self._reject(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"claim.pool_id: {claim.pool_id!r} is not this decode's pool "
-                               f"({self.pool_id or 'none offered'})", "claim", Reason.ERROR_REASON_PERMISSION,
-                               frees=False, field="claim.pool_id")
-        if list(claim.dest_block_ids) != r.block_ids:
-            raise self._reject(grpc.StatusCode.PERMISSION_DENIED,
-                               f"claim.dest_block_ids: the writer names {len(claim.dest_block_ids)} blocks that are "
-                               f"not reservation {r.reservation_id}'s", "claim", Reason.ERROR_REASON_PERMISSION,
-                               frees=False, field="claim.dest_block_ids")
-        if claim.codec in (common_pb2.KV_CODEC_UNSPECIFIED, common_pb2.KV_CODEC_NATIVE):
-            return self.layout
-        lay = next((lay for lay in self.layouts.values() if lay.target_codec == _CODEC.get(claim.codec)), None)
-        if lay is None or self.landing is None or not self.landing.accepts(lay):
-            raise self._reject(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"claim.codec: {common_pb2.KVCodec.Name(claim.codec)} is not offered for in-place "
-                               f"writes by this decode (only a host landing area takes a wire codec; this pool "
-                               f"takes {self.layout.target_codec})", "claim", Reason.ERROR_REASON_LAYOUT_MISMATCH,
-                               frees=False, field="claim.codec")
-        return lay
+        return check_claim(c.claim, r, self._reject, pool=self.pool_id, layout=self.layout,
+                           layouts=self.layouts.values(), landing=self.landing)
 
     def _check(self, r: Reservation, c: common_pb2.KVChunk, claimed: PageLayout | None, payload: bytes | memoryview
                ) -> tuple[list[int], PageLayout]:
@@ -216,7 +154,7 @@ class DecodeKVReceiver:
                                f"KV layout fingerprint mismatch: chunk has {c.layout_fingerprint or '(empty)'}, "
                                f"this decode expects {accepted}", "fingerprint", Reason.ERROR_REASON_LAYOUT_MISMATCH,
                                field="layout_fingerprint")
-        if c.codec and _CODEC.get(c.codec, self.layout.target_codec) != layout.target_codec:
+        if c.codec and CODEC_OF.get(c.codec, self.layout.target_codec) != layout.target_codec:
             raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
                                f"codec: {common_pb2.KVCodec.Name(c.codec)} does not match the layout's codec "
                                f"{layout.target_codec}", "fingerprint", Reason.ERROR_REASON_LAYOUT_MISMATCH,

@@ -27,9 +27,10 @@ from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc
 from services.common.tls import peer_may_write_kv, peer_role
 from services.decode import errors
 from services.decode.config import DecodeConfig
-from services.decode.kv_receiver import DecodeKVReceiver, KVRejected, offered_pool
+from services.decode.kv_receiver import DecodeKVReceiver, KVRejected
 from services.decode.leases import LeaseKeeper
 from services.decode.reservations import EndCause, Reservation, ReservationTable
+from services.decode.side_pool import offered_pool
 from services.engine.async_engine import AsyncEngine, EngineDeadError
 from services.engine.block_manager import NoFreeBlocksError
 from services.engine.convert import finish_to_pb, layout_to_pb, params_from_pb, top_to_pb

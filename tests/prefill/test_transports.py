@@ -125,6 +125,32 @@ async def _idle(engine: AsyncEngine) -> dict[str, float]:
     return s
 
 
+async def _assert_freed(*engines: AsyncEngine) -> None:
+    for eng in engines:
+        s = await _idle(eng)
+        assert s["free_blocks"] == s["total_blocks"]
+
+
+async def _until(cond, tries: int = 200) -> None:
+    """Poll ``cond()`` every 20 ms until true, ``tries`` times at most (the caller asserts the outcome)."""
+    for _ in range(tries):
+        if cond():
+            return
+        await asyncio.sleep(0.02)
+
+
+async def _mid_transfer(pair, transport: str):
+    """A slowed pair, one reservation, its Prefill call under way, and the decode-side reservation once some of
+    its KV landed."""
+    p = await pair(transport, slowdown_ms=150)
+    ids = PROMPTS[1]
+    resv = await _reserve(p, ids)
+    call = p.pstub.Prefill(_request(p, resv, ids))
+    r = p.decode.table.get(resv.reservation_id)
+    await _until(lambda: r.next_chunk > 0)
+    return p, resv, call, r
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_each_transport_gives_the_in_process_engines_tokens(pair, transport: str) -> None:
     p = await pair(transport)
@@ -142,9 +168,7 @@ async def test_each_transport_gives_the_in_process_engines_tokens(pair, transpor
         sent += resp.kv_bytes_sent
     assert p.metric("pdserve_prefill_kv_sent_bytes_total", transport=transport) == sent
     assert p.metric("pdserve_prefill_kv_transport_fallbacks_total", transport=transport, reason="none") == 0
-    for eng in (p.decode.engine, p.prefill.engine):
-        s = await _idle(eng)
-        assert s["free_blocks"] == s["total_blocks"]
+    await _assert_freed(p.decode.engine, p.prefill.engine)
 
 
 async def test_grpc_chunks_split_into_one_page_messages_land_identically(pair, monkeypatch) -> None:
@@ -160,56 +184,32 @@ async def test_grpc_chunks_split_into_one_page_messages_land_identically(pair, m
     assert resp.kv_bytes_sent == len(resv.block_ids) * p.prefill.layout.page_bytes
     received = p.decode.metrics.kv_chunks_received_total.labels("grpc")._value.get()
     assert received == len(resv.block_ids)  # 2 compute chunks (128 + 2 tokens), 9 pages: a message per page
-    for eng in (p.decode.engine, p.prefill.engine):
-        s = await _idle(eng)
-        assert s["free_blocks"] == s["total_blocks"]
+    await _assert_freed(p.decode.engine, p.prefill.engine)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_a_prefill_gone_mid_transfer_keeps_the_reservation_then_abort_frees_it(pair, transport: str) -> None:
-    p = await pair(transport, slowdown_ms=150)
-    ids = PROMPTS[1]
-    resv = await _reserve(p, ids)
-    call = p.pstub.Prefill(_request(p, resv, ids))
-    r = p.decode.table.get(resv.reservation_id)
-    for _ in range(200):  # wait until some of its KV landed
-        if r.next_chunk > 0:
-            break
-        await asyncio.sleep(0.02)
+    p, resv, call, r = await _mid_transfer(pair, transport)
     assert r.next_chunk > 0
     call.cancel()  # the prefill's caller went away: prefill frees its work and breaks the stream
-    for _ in range(200):
-        if not r.receiving:
-            break
-        await asyncio.sleep(0.02)
+    await _until(lambda: not r.receiving)
     # Wave-1 rule: a broken stream keeps the reservation (a retried prefill resends from chunk 0).
     assert not r.receiving and r.end_cause is None and p.decode.table.get(resv.reservation_id) is r
     assert r.next_chunk == 0 and not r.pages_written
     assert p.decode.metrics.kv_streams_broken_total.labels(p.decode.model)._value.get() >= 1
     assert (await p.dstub.Abort(common_pb2.AbortRequest(request_id=resv.reservation_id))).found
-    for eng in (p.decode.engine, p.prefill.engine):
-        s = await _idle(eng)
-        assert s["free_blocks"] == s["total_blocks"]
+    await _assert_freed(p.decode.engine, p.prefill.engine)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_a_decode_gone_mid_transfer_fails_prefill_as_a_handoff_failure(pair, transport: str) -> None:
-    p = await pair(transport, slowdown_ms=150)
-    ids = PROMPTS[1]
-    resv = await _reserve(p, ids)
-    call = p.pstub.Prefill(_request(p, resv, ids))
-    r = p.decode.table.get(resv.reservation_id)
-    for _ in range(200):
-        if r.next_chunk > 0:
-            break
-        await asyncio.sleep(0.02)
+    p, _resv, call, _r = await _mid_transfer(pair, transport)
     await p.servers[0].stop(None)  # decode's server goes away
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await call
     d = detail_of(e.value)
     assert d.reason == Reason.ERROR_REASON_KV_HANDOFF_FAILED and d.side == "decode"
-    s = await _idle(p.prefill.engine)
-    assert s["free_blocks"] == s["total_blocks"]
+    await _assert_freed(p.prefill.engine)
     assert p.metric("pdserve_prefill_kv_transfer_failures_total", transport=transport,
                     reason=e.value.code().name.lower()) == 1
 
@@ -232,9 +232,7 @@ async def test_a_descriptor_for_another_reservation_is_refused(pair, transport: 
     assert all(p.decode.table.get(x.reservation_id).next_chunk == 0 for x in (resv, other))
     for x in (resv, other):
         await p.dstub.Abort(common_pb2.AbortRequest(request_id=x.reservation_id))
-    for eng in (p.decode.engine, p.prefill.engine):
-        s = await _idle(eng)
-        assert s["free_blocks"] == s["total_blocks"]
+    await _assert_freed(p.decode.engine, p.prefill.engine)
 
 
 @pytest.mark.skipif(NO_MOONCAKE is not None, reason=f"the Mooncake wheel cannot load here: {NO_MOONCAKE}")

@@ -21,12 +21,14 @@ import abc
 import asyncio
 import enum
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import grpc
 
 from services.common.pb import common_pb2, decode_pb2
 from services.engine.kv_layout import PageLayout
+
+_E = TypeVar("_E", bound=BaseException)
 
 CLAIM_ACK = (("pdserve-kv-claim", "ok"),)
 """Initial metadata decode sends once it accepted a stream's claim (the writer may write from then on)."""
@@ -107,6 +109,18 @@ class KVSender(abc.ABC):
         """The messages put on ``queue`` up to ``end``: the stream's request iterator, fed by ``send``."""
         while (item := await queue.get()) is not end:
             yield item
+
+    async def _ended(self, response: Awaitable[decode_pb2.PushKVResponse], refused: type[_E],
+                     as_error: Callable[[_E], TransferError]) -> decode_pb2.PushKVResponse:
+        """``finish``'s tail: decode's answer on the closed stream sets SUCCESS; a ``refused`` exception sets
+        FAILED and is raised as ``as_error(exc)`` (a TransferError carrying decode's status and detail)."""
+        try:
+            resp = await response
+        except refused as e:
+            self.state = KVPoll.FAILED
+            raise as_error(e) from e
+        self.state = KVPoll.SUCCESS
+        return resp
 
     def _count(self, nbytes: int) -> None:
         self.state = KVPoll.TRANSFERRING

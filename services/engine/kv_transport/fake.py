@@ -90,13 +90,7 @@ class _FakeSender(KVSender):
 
     async def finish(self) -> decode_pb2.PushKVResponse:
         await self._queue.put(END_OF_STREAM)
-        try:
-            resp = await self._task
-        except Exception as e:
-            self.state = KVPoll.FAILED
-            raise _refused(e) from e
-        self.state = KVPoll.SUCCESS
-        return resp
+        return await self._ended(self._task, Exception, _refused)
 
     async def abort(self, reason: str) -> None:
         self.state = KVPoll.FAILED

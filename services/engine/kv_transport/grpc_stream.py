@@ -116,13 +116,7 @@ class _GrpcSender(KVSender):
 
     async def finish(self) -> decode_pb2.PushKVResponse:
         await self._wait(asyncio.ensure_future(self._queue.put(_END)))
-        try:
-            resp = await self._call
-        except grpc.aio.AioRpcError as e:
-            self.state = KVPoll.FAILED
-            raise _refused(e) from e
-        self.state = KVPoll.SUCCESS
-        return resp
+        return await self._ended(self._call, grpc.aio.AioRpcError, _refused)
 
     async def abort(self, reason: str) -> None:
         self.state = KVPoll.FAILED

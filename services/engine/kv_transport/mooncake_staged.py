@@ -43,7 +43,7 @@ import torch
 from services.common.pb import decode_pb2
 from services.engine.kv_layout import FP8_CODEC, PageLayout
 from services.engine.kv_pages import PageExport
-from services.engine.kv_transport.base import KVPoll, KVSender, PageWriter, TransferError
+from services.engine.kv_transport.base import KVSender, PageWriter, TransferError
 from services.engine.kv_transport.mooncake import MooncakeEngine
 from services.engine.shared_kv import SharedKVAttachError, _dtype_name, _runs, pool_id
 
@@ -184,20 +184,18 @@ class StagedWriter(PageWriter):
         self.wire_codec, self.page_bytes = FP8_CODEC, layout.page_bytes
         return True
 
-    def _failed(self) -> bool:
-        return self._closed or self.sender is None or self.sender.poll() is KVPoll.FAILED
+    def _broken(self) -> bool:
+        """Also broken once quiesced (the writer closed): nothing more may be staged or sent."""
+        return self._closed or super()._broken()
 
     def write(self, first_block: int, src_blocks: list[int]) -> object:
-        if self._failed():
-            raise TransferError("KV stream to decode is broken: no page written", grpc.StatusCode.CANCELLED)
         n = len(src_blocks)
-        if first_block + n > len(self.dest):
-            raise ValueError(f"pages [{first_block}, {first_block + n}) outside the {len(self.dest)} reserved blocks")
+        self._check_write(first_block, n)
         if not n:
             return None
         pb = self.page_bytes
         nbytes = n * pb
-        off = self.ring.take(nbytes, self._failed)
+        off = self.ring.take(nbytes, self._broken)
         try:
             out = self.ring.view(off, (n, pb), torch.uint8) if self.wire_codec else \
                 self.ring.view(off, (n, *self.page_shape), self.dtype)
@@ -227,7 +225,7 @@ class StagedWriter(PageWriter):
         assert isinstance(handle, _Staged)
         handle.export.wait()  # the pages are in the span
         with self._lock:
-            if handle.state is not _State.STAGED or self._failed():
+            if handle.state is not _State.STAGED or self._broken():
                 self._drop(handle)
                 raise TransferError("KV stream to decode is broken: chunk not sent", grpc.StatusCode.CANCELLED)
             handle.state = _State.SENDING
