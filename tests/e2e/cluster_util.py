@@ -96,3 +96,15 @@ async def stream_tokens(router: str, text: str, max_tokens: int, after: int | No
             if msg.finish_reason:
                 assert msg.finish_reason == common_pb2.FINISH_REASON_LENGTH
     return got
+
+
+async def generate_ids(router: str, ids: list[int], max_tokens: int,
+                       deadline_s: float = 180.0) -> list[common_pb2.GenerateResponse]:
+    """Every response of one greedy, ignore-EOS router gRPC Generate over prompt token ids (``deadline_s``: the
+    RPC deadline, seconds)."""
+    async with create_channel(router) as ch:
+        call = router_pb2_grpc.RouterStub(ch).Generate(router_pb2.GenerateRequest(
+            token_ids=router_pb2.TokenIds(ids=ids),
+            params=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)),
+            timeout=deadline_s)
+        return [r async for r in call]

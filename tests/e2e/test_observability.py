@@ -31,18 +31,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.common import metrics as m
 from services.common.grpc_util import create_channel
-from services.common.pb import (
-    common_pb2,
-    decode_pb2,
-    decode_pb2_grpc,
-    prefill_pb2,
-    prefill_pb2_grpc,
-    router_pb2,
-    router_pb2_grpc,
-)
+from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from services.launcher import LocalCluster, served_model
 from tests.common.test_dashboards import _exprs, _substitute
-from tests.e2e.cluster_util import metric_sum, metrics_text, post_json
+from tests.e2e.cluster_util import generate_ids, metric_sum, metrics_text, post_json
 from tests.prom_harness import PrometheusHarness, require_prometheus
 
 pytestmark = pytest.mark.e2e
@@ -155,15 +147,7 @@ def _scrape(address: str) -> dict[str, float]:
 
 
 def _generate(router_grpc: str, ids: list[int], max_tokens: int = 4) -> common_pb2.GenerateResponse:
-    async def run() -> common_pb2.GenerateResponse:
-        async with create_channel(router_grpc) as ch:
-            call = router_pb2_grpc.RouterStub(ch).Generate(router_pb2.GenerateRequest(
-                token_ids=router_pb2.TokenIds(ids=ids),
-                params=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)),
-                timeout=120)
-            return [r async for r in call][-1]
-
-    return asyncio.run(run())
+    return asyncio.run(generate_ids(router_grpc, ids, max_tokens, deadline_s=120))[-1]
 
 
 _rng = random.Random(1234)

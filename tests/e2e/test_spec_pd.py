@@ -16,20 +16,12 @@ import grpc
 import pytest
 
 from services.common.grpc_util import create_channel
-from services.common.pb import (
-    common_pb2,
-    decode_pb2,
-    decode_pb2_grpc,
-    prefill_pb2,
-    prefill_pb2_grpc,
-    router_pb2,
-    router_pb2_grpc,
-)
+from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from services.engine.convert import layout_from_pb
 from services.engine.kv_layout import region_bytes
 from services.engine.sampling_params import SamplingParams
 from services.launcher import LocalCluster
-from tests.e2e.cluster_util import CHAT_PROMPTS, metric_sum
+from tests.e2e.cluster_util import CHAT_PROMPTS, generate_ids, metric_sum
 from tests.e2e.conftest import SMALL_KV
 
 pytestmark = pytest.mark.e2e
@@ -54,13 +46,7 @@ def spec_cluster():
 
 async def _generate(router: str, ids: list[int]) -> list[int]:
     """Greedy, ignore-EOS token ids of one router gRPC Generate over prompt token ids."""
-    got: list[int] = []
-    async with create_channel(router) as ch:
-        req = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=ids), params=common_pb2.SamplingParams(
-            max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
-        async for msg in router_pb2_grpc.RouterStub(ch).Generate(req, timeout=180):
-            got.extend(msg.token_ids)
-    return got
+    return [t for msg in await generate_ids(router, ids, MAX_TOKENS) for t in msg.token_ids]
 
 
 def test_disaggregated_greedy_equals_plain_for_every_k(spec_cluster, reference_engine):
