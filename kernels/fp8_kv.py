@@ -57,6 +57,16 @@ def _quantize_rows(x, FP8_MAX: tl.constexpr, GRID_ROUND: tl.constexpr):
 
 
 @triton.jit
+def _row_tile(num_rows, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's BLOCK rows of a [num_rows, HEAD_DIM] tile: (row ids as int64, column ids [BLOCK_D],
+    row mask [BLOCK], element mask [BLOCK, BLOCK_D])."""
+    offs_r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_r = offs_r < num_rows
+    return offs_r.to(tl.int64), offs_d, mask_r, mask_r[:, None] & (offs_d[None, :] < HEAD_DIM)
+
+
+@triton.jit
 def _fp8_quantize_kernel(
     X_ptr,
     Q_ptr,
@@ -72,11 +82,7 @@ def _fp8_quantize_kernel(
     GRID_ROUND: tl.constexpr,
 ):
     """Row r = t * kvh + h of X [T, kvh, hd]:  S[r] = max_d |X[t, h, d]| / 448,  Q[r, d] = fp8(X[t, h, d] / S[r])."""
-    offs_r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_r = offs_r < num_rows
-    mask = mask_r[:, None] & (offs_d[None, :] < HEAD_DIM)
-    r64 = offs_r.to(tl.int64)
+    r64, offs_d, mask_r, mask = _row_tile(num_rows, HEAD_DIM, BLOCK_D, BLOCK)
     t = r64 // NUM_HEADS
     h = r64 % NUM_HEADS
     x = tl.load(
@@ -98,11 +104,7 @@ def _fp8_dequantize_kernel(
     BLOCK: tl.constexpr,
 ):
     """X[r, d] = float(Q[r, d]) * S[r] for contiguous Q [R, hd], S [R], X [R, hd]."""
-    offs_r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_r = offs_r < num_rows
-    mask = mask_r[:, None] & (offs_d[None, :] < HEAD_DIM)
-    r64 = offs_r.to(tl.int64)
+    r64, offs_d, mask_r, mask = _row_tile(num_rows, HEAD_DIM, BLOCK_D, BLOCK)
     q = tl.load(Q_ptr + r64[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     s = tl.load(S_ptr + r64, mask=mask_r, other=0.0)
     tl.store(

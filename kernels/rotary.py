@@ -8,6 +8,19 @@ import triton.language as tl
 
 
 @triton.jit
+def _rotate_heads(X_ptr, stride_h, NUM_HEADS: tl.constexpr, offs_h, offs_d, dmask, c, s, HALF: tl.constexpr):
+    """In place, for the first NUM_HEADS heads of one token's rows at X_ptr (head stride ``stride_h``):
+    x1' = x1 * c - x2 * s, x2' = x2 * c + x1 * s in fp32, stored back in x's dtype."""
+    mask = (offs_h < NUM_HEADS)[:, None] & dmask[None, :]
+    x1p = X_ptr + offs_h[:, None] * stride_h + offs_d[None, :]
+    x1 = tl.load(x1p, mask=mask, other=0.0)
+    x2 = tl.load(x1p + HALF, mask=mask, other=0.0)
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(x1p, (x1f * c - x2f * s).to(x1.dtype), mask=mask)
+    tl.store(x1p + HALF, (x2f * c + x1f * s).to(x1.dtype), mask=mask)
+
+
+@triton.jit
 def _rotary_kernel(
     Q_ptr,
     K_ptr,
@@ -35,21 +48,8 @@ def _rotary_kernel(
     s = tl.load(SIN_ptr + p * stride_cos + offs_d, mask=dmask, other=0.0)[None, :]
     offs_h = tl.arange(0, BLOCK_H)
 
-    qmask = (offs_h < NUM_Q_HEADS)[:, None] & dmask[None, :]
-    q1p = Q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
-    q1 = tl.load(q1p, mask=qmask, other=0.0)
-    q2 = tl.load(q1p + HALF, mask=qmask, other=0.0)
-    q1f, q2f = q1.to(tl.float32), q2.to(tl.float32)
-    tl.store(q1p, (q1f * c - q2f * s).to(q1.dtype), mask=qmask)
-    tl.store(q1p + HALF, (q2f * c + q1f * s).to(q1.dtype), mask=qmask)
-
-    kmask = (offs_h < NUM_K_HEADS)[:, None] & dmask[None, :]
-    k1p = K_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
-    k1 = tl.load(k1p, mask=kmask, other=0.0)
-    k2 = tl.load(k1p + HALF, mask=kmask, other=0.0)
-    k1f, k2f = k1.to(tl.float32), k2.to(tl.float32)
-    tl.store(k1p, (k1f * c - k2f * s).to(k1.dtype), mask=kmask)
-    tl.store(k1p + HALF, (k2f * c + k1f * s).to(k1.dtype), mask=kmask)
+    _rotate_heads(Q_ptr + t * stride_qt, stride_qh, NUM_Q_HEADS, offs_h, offs_d, dmask, c, s, HALF)
+    _rotate_heads(K_ptr + t * stride_kt, stride_kh, NUM_K_HEADS, offs_h, offs_d, dmask, c, s, HALF)
 
 
 def apply_rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
