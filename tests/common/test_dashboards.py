@@ -70,6 +70,25 @@ def _exprs() -> list[tuple[str, str]]:
     return out
 
 
+SPEC_PANEL = "Speculative decoding: acceptance"
+"""A panel with data only where decodes speculate: tests/e2e/test_spec_pd.py checks it against such a cluster."""
+
+
+def panel_failures(prom: Any, exprs: list[tuple[str, str]]) -> list[str]:
+    """Each (where, expr) evaluated by a live Prometheus (a tests.prom_harness.PrometheusHarness): what gave
+    no data or only NaN/Inf. Grafana sizes $__rate_interval from the time range; 1m spans a test's traffic."""
+    failures = []
+    for where, expr in exprs:
+        q = _substitute(expr.replace("$__rate_interval", "1m"))
+        result = prom.query(q)
+        values = [float(r["value"][1]) for r in result]
+        if not result:
+            failures.append(f"{where}: no data for {q}")
+        elif not any(math.isfinite(v) for v in values):
+            failures.append(f"{where}: only NaN/Inf ({values}) for {q}")
+    return failures
+
+
 def _substitute(expr: str) -> str:
     # Longest names first so `$__rate_interval` is not eaten by a shorter variable.
     for var in sorted(VARIABLES, key=len, reverse=True):

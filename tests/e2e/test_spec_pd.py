@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 import zlib
 
 import grpc
@@ -21,8 +22,10 @@ from services.engine.convert import layout_from_pb
 from services.engine.kv_layout import region_bytes
 from services.engine.sampling_params import SamplingParams
 from services.launcher import LocalCluster
+from tests.common.test_dashboards import SPEC_PANEL, _exprs, panel_failures
 from tests.e2e.cluster_util import CHAT_PROMPTS, generate_ids, metric_sum
 from tests.e2e.conftest import SMALL_KV
+from tests.prom_harness import PrometheusHarness, require_prometheus
 
 pytestmark = pytest.mark.e2e
 
@@ -125,3 +128,20 @@ def test_handoff_with_another_draft_codec_is_refused(spec_cluster):
     code, details = asyncio.run(prefill_call())
     assert code == grpc.StatusCode.FAILED_PRECONDITION, details
     assert theirs.fingerprint in details and ours.fingerprint in details and "draft[layers:6" in details
+
+
+def test_speculation_dashboard_panel_has_data_from_speculating_decodes(spec_cluster, reference_engine):
+    """The dashboards' speculation panel (left out of test_observability's cluster, which does not
+    speculate) gives finite numbers from a real Prometheus scraping these decodes."""
+    require_prometheus()
+    targets = [spec_cluster.get(f"decode-{i}").ready["metrics"] for i in range(len(KS))]
+    with PrometheusHarness(targets) as prom:
+        prom.wait_for_scrapes(1)
+        ids = reference_engine.tokenizer.encode(CHAT_PROMPTS[0])
+        for _ in range(len(KS)):  # round-robin: every decode speculates at least once
+            asyncio.run(_generate(spec_cluster.router["grpc"], ids))
+        time.sleep(4)  # several scrapes after the traffic, so rate() sees the counters grow
+        exprs = [(where, expr) for where, expr in _exprs() if f"/ {SPEC_PANEL} /" in where]
+        assert exprs, f"no dashboard panel titled {SPEC_PANEL!r}"
+        failures = panel_failures(prom, exprs)
+    assert not failures, "\n".join(failures)
