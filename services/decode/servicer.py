@@ -324,17 +324,21 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         complete -> that step's token); later gaps are TPOT."""
         last: float | None = None
         index = 0
+        # Children bound once per stream: no label lookup (lock + dict) per token on the event loop.
+        tpot = self.metrics.tpot_seconds.labels(self.model)
+        generated = self.metrics.generation_tokens_total.labels(self.model)
         async for o in self.engine.stream(engine_rid, q, abort_on_exit):
             now = time.monotonic()
             if o.new_token_ids:
                 index += 1
+                n = len(o.new_token_ids)
                 if index == 2 and kv_done_at() is not None:
                     self.metrics.queue_seconds.labels(self.model).observe(max(0.0, now - kv_done_at()))
                 elif index > 2 and last is not None:  # a speculative step's tokens share its gap
-                    for _ in o.new_token_ids:
-                        self.metrics.tpot_seconds.labels(self.model).observe((now - last) / len(o.new_token_ids))
+                    for _ in range(n):
+                        tpot.observe((now - last) / n)
                 if index > 1:
-                    self.metrics.generation_tokens_total.labels(self.model).inc(len(o.new_token_ids))
+                    generated.inc(n)
                 if o.spec_proposed:
                     self._observe_spec(o)
                 last = now

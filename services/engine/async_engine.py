@@ -2,7 +2,7 @@
 
 Everything that touches the scheduler, block manager or KV tensors runs on the engine thread:
 callers submit closures with :meth:`AsyncEngine.call` and await their result. Outputs travel back
-to per-request asyncio queues through ``loop.call_soon_threadsafe``.
+to per-request asyncio queues through ``loop.call_soon_threadsafe``, one call per step and event loop.
 
 The engine thread publishes a stats snapshot after every command, after every step and while idle
 (every ``IDLE_WAIT_S``); :meth:`AsyncEngine.stats` answers from it at once, however long a step runs,
@@ -39,6 +39,12 @@ DeathCallback = Callable[[BaseException], None]
 
 class EngineDeadError(RuntimeError):
     pass
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    """Event loop side of :meth:`AsyncEngine._deliver`."""
+    for q, o in items:
+        q.put_nowait(o)
 
 
 class AsyncEngine:
@@ -129,11 +135,15 @@ class AsyncEngine:
             fut.set_exception(EngineDeadError(f"engine loop died: {self._dead!r}"))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs over with one ``call_soon_threadsafe`` per event loop (one self-pipe
+        write and one GIL hand-off per step, not per request); each queue still gets its outputs in order."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for o in outputs:
             target = self._streams.get(o.request_id)
             if target is not None:
-                loop, q = target
-                loop.call_soon_threadsafe(q.put_nowait, o)
+                batches.setdefault(target[0], []).append((target[1], o))
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     # --- health ---
 

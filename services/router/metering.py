@@ -144,6 +144,9 @@ class RequestRecord:
         """Pass deltas through, timing each token batch as it is handed to the client writer; the
         final delta (finish_reason set) makes the outcome ok."""
         m, model = self.meter.metrics, self.meter.model
+        # Children bound once per request: no label lookup (lock + dict) per token batch.
+        itl = m.itl_seconds.labels(model) if m is not None else None
+        generated = m.generation_tokens_total.labels(model) if m is not None else None
         last: float | None = None
         async with contextlib.aclosing(deltas):  # type: ignore[type-var]
             async for d in deltas:
@@ -152,13 +155,13 @@ class RequestRecord:
                     self.completion_tokens += len(d.token_ids)
                     if self.ttft_s is None:
                         self.ttft_s = now - self.arrival
-                if m is not None and d.token_ids:
+                if m is not None and itl is not None and generated is not None and d.token_ids:
                     if last is None:
                         m.ttft_seconds.labels(model).observe(now - self.arrival)
                     else:
-                        m.itl_seconds.labels(model).observe(now - last)
+                        itl.observe(now - last)
                     last = now
-                    m.generation_tokens_total.labels(model).inc(len(d.token_ids))
+                    generated.inc(len(d.token_ids))
                 if d.usage is not None:
                     self.prompt_tokens, self.cached_tokens = d.usage.prompt_tokens, d.usage.cached_tokens
                 if d.finish_reason is not None:
