@@ -38,6 +38,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common.config import opt, require
 from services.common.grpc_util import DEFAULT_MAX_MESSAGE_BYTES, server_options
+from services.common.parent_watch import wait_for_parent_exit
 from services.common.tls import TLSConfig
 
 log = logging.getLogger(__name__)
@@ -395,7 +396,7 @@ async def serve(srv: ServiceServer, *, warmup: Hook | None = None) -> None:
     t0 = time.monotonic()
     await srv.start()
     srv.install_signal_handlers()
-    orphan_watch = (asyncio.ensure_future(_watch_parent(srv, srv.config.parent_pid))
+    orphan_watch = (asyncio.ensure_future(_stop_with_parent(srv))
                     if srv.config.parent_pid else None)
     try:
         await _serve_started(srv, t0, warmup)
@@ -405,26 +406,8 @@ async def serve(srv: ServiceServer, *, warmup: Hook | None = None) -> None:
             await asyncio.gather(orphan_watch, return_exceptions=True)
 
 
-async def _watch_parent(srv: ServiceServer, parent_pid: int) -> None:
-    """Shut ``srv`` down once ``parent_pid`` (its launcher) exits. A pidfd becomes readable when the
-    process exits; it is opened only while getppid() still names the parent, so a reused pid cannot fool it."""
-    loop = asyncio.get_running_loop()
-    gone = asyncio.Event()
-    try:
-        fd = os.pidfd_open(parent_pid)
-    except OSError:  # already gone (or no such pid at all)
-        fd = -1
-    try:
-        if fd >= 0 and os.getppid() == parent_pid:
-            loop.add_reader(fd, gone.set)
-            try:
-                await gone.wait()
-            finally:
-                loop.remove_reader(fd)
-    finally:
-        if fd >= 0:
-            os.close(fd)
-    log.warning("%s: its launcher (pid %d) exited: shutting down", srv.service, parent_pid)
+async def _stop_with_parent(srv: ServiceServer) -> None:
+    await wait_for_parent_exit(srv.config.parent_pid, srv.service)
     await srv.shutdown("launcher exited")
 
 
