@@ -2,9 +2,12 @@
 limits the ``mooncake`` KV transport's bytes/s, and how steady it is.
 
 One registered buffer of ``--mib`` is written into another process's registered buffer, split into
-``--entries`` equal transfer-engine entries (one batch), under each set of the engine's own TCP settings
+``--entries`` equal transfer-engine entries, under each set of the engine's own TCP settings
 (``--variants``: the native engine reads them from the environment at start, so each variant runs in a
-fresh pair of processes). Every round times the socket copy and each entry split back to back, so a busy
+fresh pair of processes). ``--engines K`` also spreads the entries round-robin over K transfer engines on
+each side (one batch per engine, all in flight at once): each engine moves its TCP bytes on its own I/O
+thread, so this is what several engines per process buy. Every round times the socket copy and each
+entry split back to back, so a busy
 box's load swings hit them alike; medians and spreads are printed with the CPU model and the load.
 
     python benchmarks/mooncake_tcp_probe.py --mib 256 --entries 1,16,64 --repeat 7 \\
@@ -25,7 +28,7 @@ import threading
 import time
 
 
-def _receiver(conn, nbytes: int) -> None:
+def _receiver(conn, nbytes: int, engines: int) -> None:
     import torch
 
     from benchmarks.kv_bench import _sink_socket
@@ -35,14 +38,15 @@ def _receiver(conn, nbytes: int) -> None:
     sock.bind(("127.0.0.1", 0))
     sock.listen(4)
     threading.Thread(target=_sink_socket, args=(sock, nbytes), daemon=True).start()
-    eng = MooncakeEngine("127.0.0.1")
+    engs = [MooncakeEngine("127.0.0.1") for _ in range(engines)]
     buf = torch.empty(nbytes, dtype=torch.uint8)
-    conn.send((sock.getsockname()[1], eng.segment, eng.register(buf)))
+    addr, = {e.register(buf) for e in engs}  # one address, registered with every engine
+    conn.send((sock.getsockname()[1], [e.segment for e in engs], addr))
     conn.recv()  # until the sender is done
 
 
-def sender(mib: int, entries: list[int], repeat: int) -> dict[str, list[float]]:
-    """Seconds per run of the socket copy and of each entry split, in this process's environment."""
+def sender(mib: int, entries: list[int], repeat: int, engines: list[int]) -> dict[str, list[float]]:
+    """Seconds per run of the socket copy and of each (entry split, engine count), in this process's environment."""
     import torch
 
     from benchmarks.kv_bench import _socket_copy
@@ -50,22 +54,28 @@ def sender(mib: int, entries: list[int], repeat: int) -> dict[str, list[float]]:
 
     nbytes = mib << 20
     parent, child = mp.get_context("spawn").Pipe()
-    proc = mp.get_context("spawn").Process(target=_receiver, args=(child, nbytes), daemon=True)
+    proc = mp.get_context("spawn").Process(target=_receiver, args=(child, nbytes, max(engines)), daemon=True)
     proc.start()
-    port, segment, dst = parent.recv()
+    port, segments, dst = parent.recv()
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
-    eng = MooncakeEngine("127.0.0.1")
-    base = eng.register(src)
+    engs = [MooncakeEngine("127.0.0.1") for _ in range(max(engines))]
+    base, = {e.register(src) for e in engs}
     data = memoryview(src.numpy())
 
-    def te(n: int) -> None:
+    def te(n: int, k: int) -> None:
         step = -(-nbytes // n)
         offs = list(range(0, nbytes, step))
-        rc = eng.te.batch_transfer_sync_write(segment, [base + o for o in offs], [dst + o for o in offs],
-                                              [min(step, nbytes - o) for o in offs])
-        assert rc == 0, rc
+        batches = []
+        for i in range(min(k, len(offs))):  # engine i takes entries i, i+k, ... into its own peer segment
+            mine = offs[i::k]
+            batches.append((engs[i], engs[i].te.batch_transfer_async_write(
+                segments[i], [base + o for o in mine], [dst + o for o in mine], [min(step, nbytes - o) for o in mine])))
+        for e, b in batches:
+            assert b > 0 and e.te.get_batch_transfer_status([b]) == 0, b
 
-    paths = {"socket": lambda: _socket_copy(port, data), **{f"te x{n}": (lambda n=n: te(n)) for n in entries}}
+    paths = {"socket": lambda: _socket_copy(port, data),
+             **{f"te x{n}" + (f" e{k}" if k > 1 else ""): (lambda n=n, k=k: te(n, k))
+                for k in engines for n in entries}}
     times: dict[str, list[float]] = {k: [] for k in paths}
     try:
         for fn in paths.values():
@@ -93,14 +103,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mib", type=int, default=256)
     p.add_argument("--entries", default="1,16,64", help="transfer-engine entries the bytes are split into")
     p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--engines", default="1", help="transfer engines per side the entries are spread over")
     p.add_argument("--variants", default="default;MC_TCP_ENABLE_CONNECTION_POOL=1,MC_TCP_LANES_PER_PEER=8",
                    help="';'-separated sets of the engine's TCP settings (NAME=VALUE,...; 'default': none)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     entries = [int(x) for x in args.entries.split(",")]
+    engines = [int(x) for x in args.engines.split(",")]
     if args.child:
-        print(json.dumps(sender(args.mib, entries, args.repeat)), flush=True)
+        print(json.dumps(sender(args.mib, entries, args.repeat, engines)), flush=True)
         return 0
     print(f"cpu: {_cpu()}; load avg {os.getloadavg()[0]:.1f}; {args.mib} MiB per run, median of {args.repeat}",
           flush=True)
@@ -110,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         if variant != "default":
             env.update(kv.split("=", 1) for kv in variant.split(","))
         out = subprocess.run([sys.executable, __file__, "--child", "--mib", str(args.mib), "--entries", args.entries,
-                              "--repeat", str(args.repeat)], env=env, capture_output=True, text=True, timeout=600)
+                              "--repeat", str(args.repeat), "--engines", args.engines], env=env, capture_output=True, text=True,
+                             timeout=600)
         line = next((ln for ln in reversed(out.stdout.splitlines()) if ln.startswith("{")), None)
         if line is None:
             print(f"{variant}: failed\n{out.stderr[-2000:]}")
