@@ -108,10 +108,11 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> dict[int, Sampled]:
         if not out.chunks:
             return {}
-        if self.spec is not None:  # draft mirror + speculation; no CUDA graphs on this path
+        if self.spec is not None:  # draft mirror + speculation (its own CUDA graphs on GPU)
             return self.spec.execute(self, out)  # type: ignore[return-value]
         if self.device.type == "cuda":
-            return self._execute_gpu(out)
+            with device_scope(self.device):
+                return self._execute_gpu(out)
         # One-token chunks first: the attention backend batches them as decode.
         chunks = sorted(out.chunks, key=lambda c: c.num_new_tokens != 1)
         ids, pos, meta = self._prepare(chunks)
@@ -128,10 +129,13 @@ class ModelRunner:
         """Max model length, and decode CUDA graphs when enabled with the Triton backend."""
         from services.engine.gpu_attention import TritonPagedAttention
 
+        torch.cuda.set_device(self.device)  # the building thread captures below (device_scope says why)
         self.max_model_len = min(self.config.max_model_len or loaded.max_model_len, loaded.max_model_len)
         self.model.rotary.ensure(self.max_model_len)
-        # The speculative path runs eagerly (its steps are not one-token decode): no graphs to capture.
-        if self.config.cuda_graphs and self.spec is None and isinstance(self.attn_backend, TritonPagedAttention):
+        if self.config.cuda_graphs and self.spec is not None and isinstance(self.attn_backend, TritonPagedAttention):
+            if self.config.spec_tokens:  # the whole speculative step, per batch bucket (spec/graphs.py)
+                self.spec.capture_graphs(self)
+        elif self.config.cuda_graphs and isinstance(self.attn_backend, TritonPagedAttention):
             from services.engine.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.model, self.attn_backend, self.config.max_num_seqs,
@@ -249,7 +253,8 @@ class ModelRunner:
             return self.spec.pack(self.kv_cache, block_ids, codec).cpu()
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         pack = pack_pages_fp8 if codec == FP8_CODEC else pack_pages
-        return pack(self.kv_cache, idx).cpu()
+        with device_scope(self.device):
+            return pack(self.kv_cache, idx).cpu()
 
     def write_pages(self, block_ids: list[int], pages: torch.Tensor, codec: str | None = None) -> None:
         """The inverse of read_pages (fp8 pages are dequantized into the cache's dtype)."""
@@ -260,7 +265,15 @@ class ModelRunner:
             return
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         unpack = unpack_pages_fp8 if codec == FP8_CODEC else unpack_pages
-        unpack(pages.to(self.device, non_blocking=True), self.kv_cache, idx)
+        with device_scope(self.device):
+            unpack(pages.to(self.device, non_blocking=True), self.kv_cache, idx)
+
+
+def device_scope(device: torch.device) -> contextlib.AbstractContextManager:
+    """``device`` as the calling thread's current CUDA device while inside; nothing on the CPU. Triton kernels
+    launch on the current device, which is cuda:0 in every new thread: an engine on cuda:N (N > 0) enters
+    this wherever its kernels run (steps, page reads and writes)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _sampled_rows(chunks: list[ScheduledChunk]) -> tuple[list[int], list[SamplingRow], list[int]]:

@@ -17,7 +17,9 @@ speculates; the scheduler reserved slots for positions n-1 .. n-1+k of its n tok
      draft KV past them) lies beyond num_computed_tokens and is overwritten by later steps, never read.
 
 Results: plain chunks map to one Sampled, speculating ones to a list (accepted drafts + 1 token).
-CUDA graphs are not used on this path (the runner's graph replay covers one-token decode only).
+On CUDA with graphs on, a pure-decode step of greedy rows without logprobs replays the whole step in one
+CUDA graph (spec/graphs.py); any other step runs eagerly here. Either way the host reads token ids only
+(one device->host copy per forward) unless a row samples or asks for logprobs.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from services.engine.attention import ForwardContext, TorchPagedAttention
@@ -34,6 +37,7 @@ from services.engine.sampling_params import Sampled
 from services.engine.scheduler import ScheduledChunk, SchedulerOutput
 from services.engine.spec.attention import UniformQueryAttention
 from services.engine.spec.draft import Draft, DraftConfigError, load_draft
+from services.engine.spec.graphs import GraphStep, SpecGraphs
 from services.engine.spec.pages import pack_composite, region_nbytes, unpack_composite
 from services.engine.spec.verify import (
     draw,
@@ -109,6 +113,8 @@ class SpecDecoder:
         self.backend = None
         self._target_backend: tuple[object, object] | None = None
         """(the runner's attention backend, the one verify forwards use over it)."""
+        self.graphs: SpecGraphs | None = None
+        """Captured whole speculative steps (CUDA only; capture_graphs)."""
 
     def bytes_per_block(self) -> int:
         return self.draft.bytes_per_block(self.config.block_size, self.config.torch_dtype)
@@ -122,6 +128,16 @@ class SpecDecoder:
         self.kv_cache = torch.zeros(d.num_layers, 2, num_blocks, cfg.block_size, d.num_kv_heads, d.head_dim,
                                     dtype=cfg.torch_dtype, device=cfg.device)
         self.backend = _batched(make_backend(self.kv_cache, d.head_dim))
+
+    def capture_graphs(self, runner) -> None:
+        """Capture the speculative step per batch bucket (runner: Triton attention on CUDA, max_model_len set)."""
+        assert self.backend is not None
+        spec = SpecGraphs(self.draft.model, self.backend, runner.model, runner.attn_backend, self.num_spec_tokens,
+                          self.config.max_num_seqs, runner.max_model_len, self.config.block_size, runner.device)
+        for rotary in {id(r): r for r in (runner.model.rotary, _rotary_of(self.draft.model))}.values():
+            rotary.ensure(spec.max_positions)  # unused rows run up to K positions past max_model_len
+        spec.capture()
+        self.graphs = spec
 
     # --- pages (both regions) ---
 
@@ -158,17 +174,59 @@ class SpecDecoder:
         return hidden, starts
 
     def _propose(self, specs: list[_Spec], logits: torch.Tensor) -> None:
-        """Append one draft token per spec from its draft logits row."""
-        for s, lg in zip(specs, logits, strict=True):
+        """Append one draft token per spec from its draft logits row (device logits [len(specs), V]):
+        greedy rows from one argmax over the batch, sampling rows from their distribution on the host."""
+        greedy = logits.argmax(dim=-1).tolist()
+        sampling = [i for i, s in enumerate(specs) if not s.row.params.greedy]
+        host = logits[torch.tensor(sampling, device=logits.device)].float().cpu() if sampling else None
+        for i, s in enumerate(specs):
             if s.row.params.greedy:
-                s.drafts.append(int(lg.argmax()))
-            else:
-                q = probs_for(lg.unsqueeze(0), s.row.params)[0]
-                s.q.append(q)
-                s.drafts.append(draw(q, s.gen))
+                s.drafts.append(greedy[i])
+        for j, i in enumerate(sampling):
+            s = specs[i]
+            q = probs_for(host[j:j + 1], s.row.params)[0]
+            s.q.append(q)
+            s.drafts.append(draw(q, s.gen))
 
     @torch.inference_mode()
     def execute(self, runner, out: SchedulerOutput) -> dict[int, Sampled | list[Sampled]]:
+        if self.graphs is not None and "compute_logits" not in vars(runner.model):
+            result = self._execute_graph(out)
+            if result is not None:
+                return result
+        return self._execute_eager(runner, out)
+
+    def _execute_graph(self, out: SchedulerOutput) -> dict[int, Sampled | list[Sampled]] | None:
+        """A pure-decode step of greedy rows without logprobs in one replay; None: not such a step."""
+        assert self.graphs is not None
+        chunks = out.chunks
+        if not all(c.num_new_tokens == 1 and c.sample and len(c.seq.token_ids) >= 2 and c.seq.params.greedy
+                   and not c.seq.params.logprobs for c in chunks):
+            return None
+        bucket = self.graphs.bucket_for(len(chunks))
+        if bucket is None:
+            return None
+        res = self.graphs.run(bucket, [GraphStep(c.seq.token_ids, c.seq.block_table, c.spec_tokens)
+                                       for c in chunks])
+        k_all = self.num_spec_tokens
+        drafts, greedy = res[:, :k_all], res[:, k_all:]
+        agree = np.cumprod(drafts == greedy[:, :k_all], axis=1).sum(axis=1)  # leading drafts the target agrees on
+        result: dict[int, Sampled | list[Sampled]] = {}
+        for i, c in enumerate(chunks):
+            seq, k = c.seq, c.spec_tokens
+            if not k:
+                result[seq.seq_id] = Sampled(int(greedy[i, 0]))
+                continue
+            if self.synthetic > 0:
+                m = synthetic_count(self.synthetic, k, row_generator(SamplingRow(seq.params, seq.num_output_tokens),
+                                                                     self._gen))
+            else:
+                m = min(int(agree[i]), k)
+            self.stats.record(k, m)
+            result[seq.seq_id] = [Sampled(int(t)) for t in (*drafts[i, :m], greedy[i, m])]
+        return result
+
+    def _execute_eager(self, runner, out: SchedulerOutput) -> dict[int, Sampled | list[Sampled]]:
         dev = runner.device
         plain = [c for c in out.chunks if not c.spec_tokens]
         specs = [_Spec(c, row := SamplingRow(c.seq.params, c.seq.num_output_tokens), row_generator(row, self._gen))
@@ -183,13 +241,13 @@ class SpecDecoder:
         hidden, starts = self._forward(dm, self.backend, rows, dev)
         if specs:
             last = [starts[len(plain) + i] + 1 for i in range(len(specs))]
-            self._propose(specs, dm.compute_logits(hidden[torch.tensor(last, device=hidden.device)]).cpu())
+            self._propose(specs, dm.compute_logits(hidden[torch.tensor(last, device=hidden.device)]))
         # 2. draft passes 1 .. k-1.
         for j in range(1, max((s.chunk.spec_tokens for s in specs), default=0)):
             active = [s for s in specs if s.chunk.spec_tokens > j]
             rows = [([s.drafts[-1]], len(s.chunk.seq.token_ids) - 1 + j, s.chunk.seq.block_table) for s in active]
             hidden, _ = self._forward(dm, self.backend, rows, dev)
-            self._propose(active, dm.compute_logits(hidden).cpu())
+            self._propose(active, dm.compute_logits(hidden))
         # 3. the target verifies every speculating sequence in the same forward as the plain chunks.
         rows = [_chunk_row(c) for c in plain]
         for s in specs:
@@ -211,36 +269,48 @@ class SpecDecoder:
             picks.extend(range(st, st + len(s.drafts) + 1))
         if not picks:
             return {}
-        logits = runner.model.compute_logits(hidden[torch.tensor(picks, device=hidden.device)]).float().cpu()
+        logits = runner.model.compute_logits(hidden[torch.tensor(picks, device=hidden.device)])
+        greedy = logits.argmax(dim=-1).tolist()  # the step's one device->host copy unless a row samples
         result: dict[int, Sampled | list[Sampled]] = {}
         if plain_rows:
-            result.update(zip(plain_ids, runner.sampler.sample(logits[: len(plain_rows)], plain_rows), strict=True))
+            np_ = len(plain_rows)
+            if all(r.params.greedy and not r.params.logprobs for r in plain_rows):
+                result.update(zip(plain_ids, (Sampled(t) for t in greedy[:np_]), strict=True))
+            else:
+                result.update(zip(plain_ids, runner.sampler.sample(logits[:np_], plain_rows), strict=True))
         off = len(plain_rows)
         for s in specs:
             k = len(s.drafts)
-            result[s.chunk.seq.seq_id] = self._verify(s, logits[off:off + k + 1])
+            result[s.chunk.seq.seq_id] = self._verify(s, logits[off:off + k + 1], greedy[off:off + k + 1])
             off += k + 1
         return result
 
-    def _verify(self, s: _Spec, logits: torch.Tensor) -> list[Sampled]:
-        """logits [k+1, V]: the target's after t_{n-1}, d1, .., dk."""
+    def _verify(self, s: _Spec, logits: torch.Tensor, greedy: list[int]) -> list[Sampled]:
+        """logits [k+1, V] (device): the target's after t_{n-1}, d1, .., dk; greedy: their argmax. The
+        logits come to the host only for a row that samples or reports logprobs."""
         params, k = s.row.params, len(s.drafts)
+        host = None if params.greedy and not params.logprobs else logits.float().cpu()
         if self.synthetic > 0:
             m = synthetic_count(self.synthetic, k, s.gen)
-            last = logits[m]
-            bonus = int(last.argmax()) if params.greedy else draw(probs_for(last.unsqueeze(0), params)[0], s.gen)
+            bonus = greedy[m] if params.greedy else draw(probs_for(host[m:m + 1], params)[0], s.gen)
             tokens = [*s.drafts[:m], bonus]
         elif params.greedy:
-            tokens, m = greedy_accept(logits.argmax(dim=-1).tolist(), s.drafts)
+            tokens, m = greedy_accept(greedy, s.drafts)
         else:
-            tokens, m = rejection_sample(probs_for(logits, params), torch.stack(s.q), s.drafts, s.gen)
+            tokens, m = rejection_sample(probs_for(host, params), torch.stack(s.q), s.drafts, s.gen)
         self.stats.record(k, m)
-        return with_logprobs(tokens, logits, params)
+        return [Sampled(t) for t in tokens] if host is None else with_logprobs(tokens, host, params)
 
 
 def _batched(backend):
     """On CPU, a backend that runs rows of one common query length together (spec/attention.py)."""
     return UniformQueryAttention(backend) if isinstance(backend, TorchPagedAttention) else backend
+
+
+def _rotary_of(model: torch.nn.Module):
+    """The rotary cache a draft's forward reads (a layers:N draft reads the target's)."""
+    target = getattr(model, "target", None)
+    return target[0].rotary if isinstance(target, list) else model.rotary
 
 
 def _chunk_row(c: ScheduledChunk) -> Row:
