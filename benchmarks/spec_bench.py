@@ -13,7 +13,9 @@ CPU (embedded SmolLM2):       pdserve bench spec --draft layers:8
 H200 (Llama-3-8B shape, bf16, random weights; draft = its first 2 layers):
     pdserve bench spec --model random:llama-3-8b --draft layers:2 --device cuda --dtype bfloat16 \\
         --batch 16 --prompt-len 512 --max-tokens 256 --spec-tokens 7 --synthetic-acceptance 3 --kv-cache-gib 16
-CUDA graphs: the speculative path runs eagerly; the plain baseline is reported with graphs and without.
+CUDA graphs: on CUDA the plain and the speculative modes replay captured steps (the speculative step is one
+graph per batch bucket: services/engine/spec/graphs.py); plain-eager and synthetic-eager run the same
+workloads without graphs.
 """
 
 from __future__ import annotations
@@ -42,13 +44,17 @@ TEXT = ("The history of the lighthouse keepers on the northern coast is a story 
 @dataclass
 class ModeResult:
     mode: str
-    """plain | plain-eager | real | synthetic."""
+    """plain | plain-eager | real | synthetic | synthetic-eager."""
     decode_tokens: int
     decode_s: float
     mean_acceptance_length: float | None = None
     """Tokens per verify step per request (accepted drafts + 1); None without speculation."""
     acceptance_rate: float | None = None
     """Accepted / proposed drafts."""
+    steps: int = 0
+    """Engine steps in the timed part."""
+    graph_steps: int | None = None
+    """Of those, speculative steps replayed as one CUDA graph (None: no speculative graphs)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -110,8 +116,8 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _decode_run(eng: LLMEngine, prompts: list[list[int]], max_tokens: int, tag: str) -> tuple[int, float]:
-    """(decode tokens, seconds) of one batch, timed from the step after every request's first token."""
+def _decode_run(eng: LLMEngine, prompts: list[list[int]], max_tokens: int, tag: str) -> tuple[int, float, int]:
+    """(decode tokens, seconds, steps) of one batch, timed from the step after every request's first token."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
         eng.add_request(f"{tag}-{i}", p, params, detokenize=False)
@@ -119,26 +125,37 @@ def _decode_run(eng: LLMEngine, prompts: list[list[int]], max_tokens: int, tag: 
     while len(started) < len(prompts) and eng.has_work():
         started.update(o.request_id for o in eng.step() if o.new_token_ids)
     _sync(eng.config.device)
-    t0, tokens = time.perf_counter(), 0
+    t0, tokens, steps = time.perf_counter(), 0, 0
     while eng.has_work():
         tokens += sum(len(o.new_token_ids) for o in eng.step())
+        steps += 1
     _sync(eng.config.device)
-    return tokens, time.perf_counter() - t0
+    return tokens, time.perf_counter() - t0, steps
 
 
 def _mode(base: EngineConfig, loaded, mode: str, args: argparse.Namespace, prompts: list[list[int]]) -> ModeResult:
-    spec = mode in ("real", "synthetic")
+    spec = mode in ("real", "synthetic", "synthetic-eager")
     cfg = dataclasses.replace(
         base, draft_model=args.draft if spec else "", spec_tokens=args.spec_tokens if spec else 0,
-        spec_synthetic_acceptance=args.synthetic_acceptance if mode == "synthetic" else 0.0,
-        cuda_graphs=base.cuda_graphs and mode != "plain-eager")
+        spec_synthetic_acceptance=args.synthetic_acceptance if mode.startswith("synthetic") else 0.0,
+        cuda_graphs=base.cuda_graphs and not mode.endswith("-eager"))
     eng = LLMEngine(cfg, loaded=loaded)
     _decode_run(eng, prompts[:2], 8, f"warm-{mode}")  # warm-up: kernels, graphs, allocator
     if spec:
         eng.runner.spec.stats = dataclasses.replace(eng.runner.spec.stats, proposed=0, accepted=0, steps=0,
                                                     accept_hist=[])
-    tokens, secs = _decode_run(eng, prompts, args.max_tokens, mode)
-    r = ModeResult(mode, tokens, secs)
+    graphs = eng.runner.spec.graphs if spec else None
+    replays = [0]
+    if graphs is not None:
+        run_graph = graphs.run
+
+        def counted(bucket, steps):  # type: ignore[no-untyped-def]
+            replays[0] += 1
+            return run_graph(bucket, steps)
+
+        graphs.run = counted  # type: ignore[method-assign]
+    tokens, secs, steps = _decode_run(eng, prompts, args.max_tokens, mode)
+    r = ModeResult(mode, tokens, secs, steps=steps, graph_steps=replays[0] if graphs is not None else None)
     if spec:
         st = eng.runner.spec.stats
         r.mean_acceptance_length = st.mean_accepted + 1
@@ -164,7 +181,8 @@ def run(args: argparse.Namespace) -> Results:
                 synthetic_acceptance=args.synthetic_acceptance, batch=args.batch, prompt_len=args.prompt_len,
                 max_tokens=args.max_tokens, load_avg=[os.getloadavg()[0]])
     prompts = _prompts(loaded, args.batch, args.prompt_len, args.seed)
-    modes = ["plain", *(["plain-eager"] if args.device.startswith("cuda") else []), "real", "synthetic"]
+    cuda = args.device.startswith("cuda")
+    modes = ["plain", *(["plain-eager"] if cuda else []), "real", "synthetic", *(["synthetic-eager"] if cuda else [])]
     for mode in modes:
         r.modes.append(_mode(base, loaded, mode, args, prompts))
         print(_line(r.modes[-1], r.modes[0]), flush=True)
@@ -174,11 +192,13 @@ def run(args: argparse.Namespace) -> Results:
 
 def _line(m: ModeResult, plain: ModeResult) -> str:
     label = {"plain": "no speculation", "plain-eager": "no speculation, no CUDA graphs",
-             "real": "speculation, real acceptance", "synthetic": "speculation, SYNTHETIC acceptance"}[m.mode]
+             "real": "speculation, real acceptance", "synthetic": "speculation, SYNTHETIC acceptance",
+             "synthetic-eager": "speculation, SYNTHETIC acceptance, no CUDA graphs"}[m.mode]
     acc = "" if m.mean_acceptance_length is None else (
         f"  mean acceptance length {m.mean_acceptance_length:.2f} (accept rate {m.acceptance_rate:.2f})")
-    return (f"{m.mode:<12} {m.tokens_per_s:9.1f} decode tok/s  x{m.tokens_per_s / plain.tokens_per_s:5.2f} vs plain"
-            f"  [{label}]{acc}")
+    graphs = "" if m.graph_steps is None else f"  {m.graph_steps}/{m.steps} steps in the speculative graph"
+    return (f"{m.mode:<15} {m.tokens_per_s:9.1f} decode tok/s  x{m.tokens_per_s / plain.tokens_per_s:5.2f} vs plain"
+            f"  [{label}]{acc}{graphs}  ({1000 * m.decode_s / max(m.steps, 1):.2f} ms/step)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,10 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels._triton_utils import interpret_mode
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.sampling_params import SamplingParams
 from services.engine.spec.graphs import SpecGraphs
+
+pytestmark = pytest.mark.skipif(not interpret_mode(), reason="runs the Triton kernels on CPU tensors (interpreter); "
+                                                           "tests/engine/test_spec_gpu.py captures them on a GPU")
 
 TINY = "random:tiny-llama"
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0)
