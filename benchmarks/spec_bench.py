@@ -238,3 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             d["tokens_per_s"] = m.tokens_per_s
         args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -24,11 +24,11 @@ GREEDY = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0)
 
 @pytest.fixture(scope="module")
 def loaded() -> LoadedModel:
-    return load_model(SPEC, torch.float32, "cuda")
+    return load_model(SPEC, torch.float32, "cuda:0")
 
 
 def _engine(loaded: LoadedModel, k: int, synthetic: float = 0.0) -> LLMEngine:
-    cfg = EngineConfig(model=SPEC, dtype="float32", device="cuda", num_kv_blocks=256, max_num_seqs=8,
+    cfg = EngineConfig(model=SPEC, dtype="float32", device="cuda:0", num_kv_blocks=256, max_num_seqs=8,
                        max_model_len=512, max_num_batched_tokens=512, max_prefill_chunk=64,
                        draft_model="layers:6" if k else "", spec_tokens=k, spec_synthetic_acceptance=synthetic)
     return LLMEngine(cfg, loaded=loaded)
