@@ -5,13 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.config import opt, require
+from services.common.kv_mooncake import MooncakeTransportConfig
 from services.common.lease import LeaseConfig
 from services.common.server import ServerConfig
 from services.common.tracing import TracingConfig
 
 
 @dataclass
-class DecodeConfig(ServerConfig, TracingConfig, LeaseConfig):
+class DecodeConfig(ServerConfig, TracingConfig, LeaseConfig, MooncakeTransportConfig):
     port: int = opt(50062, "gRPC port; 0 picks a free one (reported in the ready line).")
     mode: str = opt("disaggregated", "disaggregated: KV comes from prefill; colocated: this service also "
                                      "prefills (the A/B baseline).", choices=("disaggregated", "colocated"))
@@ -28,6 +29,7 @@ class DecodeConfig(ServerConfig, TracingConfig, LeaseConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self.check_mooncake()
         require(self.max_lease_ms > 0, self, "max_lease_ms", f"must be > 0, got {self.max_lease_ms}")
         require(0 < self.lease_ms <= self.max_lease_ms, self, "lease_ms",
                 f"must be in (0, max_lease_ms={self.max_lease_ms}], got {self.lease_ms}")

@@ -81,7 +81,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.layout = engine.engine.layout
         self.vocab_size = engine.engine.vocab_size
         self.max_model_len = engine.engine.max_model_len
-        self.destination = offered_pool(pages_of(engine.engine), self.config.kv_mooncake_host)
+        self.destination = offered_pool(pages_of(engine.engine), self.config.kv_mooncake_host,
+                                        self.config.kv_mooncake_engines)
         """The pool this decode offers side transports (None: page bytes in the stream only)."""
         self.receiver = DecodeKVReceiver(engine, self.layout, self.table, [engine.engine.fp8_layout],
                                          destination=self.destination, on_landed=self._landed,

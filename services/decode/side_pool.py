@@ -36,10 +36,11 @@ Reject = Callable[..., Exception]
 log = logging.getLogger(__name__)
 
 
-def offered_pool(pages: KVPages, mooncake_host: str) -> decode_pb2.KVDestination | None:
+def offered_pool(pages: KVPages, mooncake_host: str, mooncake_engines: int = 1) -> decode_pb2.KVDestination | None:
     """The pool this decode offers side transports: registered with Mooncake when ``mooncake_host`` is
-    set (any host may write; a device pool through a pinned host landing area, kv_transport/mooncake_staged),
-    else the engine's same-host shm / CUDA IPC pool, else None."""
+    set (any host may write; a device pool through a pinned host landing area, kv_transport/mooncake_staged;
+    with ``mooncake_engines`` transfer engines, all offered), else the engine's same-host shm / CUDA IPC pool,
+    else None."""
     if pages.sharded or pages.has_draft:  # TP>1: the pool is split over ranks; a draft region is a second
         return None                          # pool: prefills send (full-head, both-region) page bytes instead
     if mooncake_host:
@@ -47,7 +48,7 @@ def offered_pool(pages: KVPages, mooncake_host: str) -> decode_pb2.KVDestination
         try:
             if why is not None:
                 raise SharedKVAttachError("unavailable", why)
-            engine = mooncake.MooncakeEngine(mooncake_host)
+            engine = mooncake.MooncakeEngine(mooncake_host, count=mooncake_engines)
             pages.exporters.append(engine)  # the engine serves the registered pool as long as it lives
             if pages.pool.is_cuda:  # this Mooncake build moves host memory only
                 landing = HostLanding(engine, pages.pool, pages.import_pages)

@@ -5,12 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.config import opt, require
+from services.common.kv_mooncake import MooncakeTransportConfig
 from services.common.server import ServerConfig
 from services.common.tracing import TracingConfig
 
 
 @dataclass
-class PrefillConfig(ServerConfig, TracingConfig):
+class PrefillConfig(ServerConfig, TracingConfig, MooncakeTransportConfig):
     port: int = opt(50061, "gRPC port; 0 picks a free one (reported in the ready line).")
     chunked_transfer: bool = opt(True, "Send each chunk's KV pages as soon as the chunk is computed (on), or "
                                        "everything after the last chunk (off: the A/B baseline). A request "
@@ -48,6 +49,7 @@ class PrefillConfig(ServerConfig, TracingConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self.check_mooncake()
         require(self.max_queued > 0, self, "max_queued", f"must be > 0, got {self.max_queued}")
         require(self.kv_mooncake_staging_bytes > 0, self, "kv_mooncake_staging_bytes",
                 f"must be > 0, got {self.kv_mooncake_staging_bytes}")

@@ -38,7 +38,7 @@ class InvalidDestinationError(ValueError):
 
 class DirectWrites:
     def __init__(self, mode: str, metrics: PrefillMetrics, mooncake_host: str = "127.0.0.1",
-                 staging_bytes: int = 2 << 30) -> None:
+                 staging_bytes: int = 2 << 30, mooncake_engines: int = 1) -> None:
         self.mode = mode
         """The configured transport: grpc (never writes directly), shm, cuda-ipc, mooncake or auto (whichever
         side transport decode offers)."""
@@ -46,6 +46,8 @@ class DirectWrites:
         self.pools = SharedKVPools()
         self.mooncake_host = mooncake_host
         self._mooncake: mooncake.MooncakeEngine | None = None
+        self.mooncake_engines = mooncake_engines
+        """Transfer engines this prefill spreads each chunk's writes over (with as many of decode's)."""
         self.staging_bytes = staging_bytes
         self._ring: StagingRing | None = None
         """Pinned host staging registered with Mooncake (made on the first write into a host landing area)."""
@@ -69,7 +71,7 @@ class DirectWrites:
                 why = mooncake.available()
                 if why is not None:
                     raise SharedKVAttachError("unavailable", why)
-                self._mooncake = mooncake.MooncakeEngine(self.mooncake_host)
+                self._mooncake = mooncake.MooncakeEngine(self.mooncake_host, count=self.mooncake_engines)
             return self._mooncake
 
     def _staging(self, engine: mooncake.MooncakeEngine) -> StagingRing:
@@ -101,7 +103,8 @@ class DirectWrites:
             return None
         try:
             if transport == "mooncake":
-                shape, dtype = mooncake.check_pool(request.destination.mooncake, request.decode_address)
+                shape, dtype = await asyncio.to_thread(mooncake.check_pool, request.destination.mooncake,
+                                                       request.decode_address)  # may resolve a host name
                 staged = request.destination.mooncake.page_major
                 if src.is_cuda and not staged:
                     raise SharedKVAttachError("device", "this Mooncake build writes from host memory only and the "

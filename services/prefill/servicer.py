@@ -59,7 +59,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         """Requests admitted and not finished (bounded by config.max_queued)."""
         self.kvstore: KVStorePrefix | None = None
         self.direct = DirectWrites(config.kv_transport, metrics, config.kv_mooncake_host,
-                                   config.kv_mooncake_staging_bytes)
+                                   config.kv_mooncake_staging_bytes, config.kv_mooncake_engines)
         self._request_s = 1.0  # moving average of admitted requests' durations (seconds)
 
     @property

@@ -10,12 +10,28 @@ contiguous range per region on both sides. Decode's transfer engine accepts writ
 it registered; which blocks a writer may touch is what decode issued for the reservation (checked in
 the claim). Nothing from the descriptor is code or a path: the segment is a network address whose host
 must be the decode the stream goes to.
+
+Across hosts: a process's engines are reached at the address it declares (``--kv-mooncake-host``: decode's
+pod IP in Kubernetes, never 127.0.0.1 there); the segments it advertises are ``host:rpc_port`` of that
+address, and a prefill writes only to segments whose host is the decode it streams to (the same string,
+or an address that host name resolves to). In P2P-handshake mode this Transfer Engine build listens on
+every interface (RPC port and TCP data port, both from its 15000-17000 range) whatever
+MC_TCP_BIND_ADDRESS says; the engine is still handed that variable from the declared host (other modes
+and builds read it), never from a user's environment.
+
+Several engines per process (``--kv-mooncake-engines``): one TCP engine moves its bytes on a single I/O
+thread (~3 GB/s over loopback on the H200 host); decode registers the same memory with each and advertises
+them all (``MooncakePool.extra_segments``), and a writer spreads a chunk's entries round-robin over as
+many (own engine, decode segment) pairs as both sides have, all batches in flight at once
+(benchmarks/mooncake_tcp_probe.py ``--engines``).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
+import socket
 import threading
 
 import grpc
@@ -45,37 +61,85 @@ def available() -> str | None:
     return None
 
 
-class MooncakeEngine:
-    """One process's transfer engine, bound to ``hostname`` (the address peers reach it at)."""
+_ENV_LOCK = threading.Lock()
+"""Held while an engine reads its environment at initialize (MC_TCP_BIND_ADDRESS is per engine)."""
 
-    def __init__(self, hostname: str, protocol: str = "tcp", device: str = "") -> None:
-        # The native engine takes its TCP bind address only from the environment, at initialize.
-        os.environ.setdefault("MC_TCP_BIND_ADDRESS", hostname)
+
+class MooncakeEngine:
+    """``count`` transfer engines of one process, all reached at ``hostname``; ``te`` / ``segment`` are the first.
+
+    Invariant: every registered tensor is registered with every engine, at the same address."""
+
+    def __init__(self, hostname: str, protocol: str = "tcp", device: str = "", count: int = 1) -> None:
         from mooncake.engine import TransferEngine
 
-        self.te = TransferEngine()
-        rc = self.te.initialize(hostname, METADATA_SERVER, protocol, device)
-        if rc != 0:
-            raise SharedKVAttachError("mooncake", f"Mooncake transfer engine failed to start on {hostname} "
-                                                  f"({protocol}, rc={rc})")
+        self.tes: list[TransferEngine] = []
+        with _ENV_LOCK:
+            # The native engine takes its TCP bind address only from the environment, at initialize: set it
+            # from the declared host each time (a stale value, e.g. another engine's host, never leaks in).
+            os.environ["MC_TCP_BIND_ADDRESS"] = hostname
+            for _ in range(max(1, count)):
+                te = TransferEngine()
+                rc = te.initialize(hostname, METADATA_SERVER, protocol, device)
+                if rc != 0:
+                    raise SharedKVAttachError("mooncake", f"Mooncake transfer engine failed to start on {hostname} "
+                                                          f"({protocol}, rc={rc})")
+                self.tes.append(te)
+        self.te = self.tes[0]
         self.hostname = hostname
         self.protocol = protocol
-        self.segment = f"{hostname}:{self.te.get_rpc_port()}"
+        self.segments = [f"{_wrap(hostname)}:{te.get_rpc_port()}" for te in self.tes]
+        self.segment = self.segments[0]
         self._registered: dict[int, int] = {}
         self._lock = threading.Lock()
 
     def register(self, tensor: torch.Tensor) -> int:
-        """Register a contiguous CPU tensor's memory (once); returns its address."""
+        """Register a contiguous CPU tensor's memory (once) with every engine; returns its address."""
         if tensor.is_cuda or not tensor.is_contiguous():
             raise SharedKVAttachError("mooncake", "only a contiguous CPU tensor can be registered (non-CUDA build)")
         addr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
         with self._lock:
             if self._registered.get(addr) != nbytes:
-                rc = self.te.register_memory(addr, nbytes)
-                if rc != 0:
-                    raise SharedKVAttachError("mooncake", f"Mooncake register_memory failed (rc={rc})")
+                for te in self.tes:
+                    rc = te.register_memory(addr, nbytes)
+                    if rc != 0:
+                        raise SharedKVAttachError("mooncake", f"Mooncake register_memory failed (rc={rc})")
                 self._registered[addr] = nbytes
         return addr
+
+    def submit(self, segments: list[str], srcs: list[int], dsts: list[int],
+               lens: list[int]) -> list[tuple[object, int]]:
+        """Start writing entries (srcs[i] here -> dsts[i] at the peer, lens[i] bytes), spread round-robin over
+        (engine k, segments[k]) for k < min(engines, segments); returns the batches, all in flight."""
+        pairs = list(zip(self.tes, segments, strict=False))
+        batches: list[tuple[object, int]] = []
+        for k, (te, segment) in enumerate(pairs):
+            mine = range(k, len(srcs), len(pairs))
+            if not mine:
+                continue
+            batch = te.batch_transfer_async_write(segment, [srcs[i] for i in mine], [dsts[i] for i in mine],
+                                                  [lens[i] for i in mine])
+            if batch <= 0:
+                settle(batches)
+                raise TransferError(f"Mooncake refused the write to {segment} (batch id {batch})",
+                                    grpc.StatusCode.UNAVAILABLE)
+            batches.append((te, batch))
+        return batches
+
+
+def settle(batches: list[tuple[object, int]]) -> int:
+    """Wait for every batch of :meth:`MooncakeEngine.submit` (each is freed once read); 0 or the first failure."""
+    rcs = [te.get_batch_transfer_status([batch]) for te, batch in batches]  # type: ignore[attr-defined]
+    return next((rc for rc in rcs if rc != 0), 0)
+
+
+def segments_of(pool: decode_pb2.MooncakePool) -> list[str]:
+    """Every transfer-engine session a Mooncake destination offers, the primary first."""
+    return [pool.segment, *pool.extra_segments]
+
+
+def _wrap(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def export_pool(engine: MooncakeEngine, pool: torch.Tensor) -> decode_pb2.KVDestination:
@@ -83,7 +147,8 @@ def export_pool(engine: MooncakeEngine, pool: torch.Tensor) -> decode_pb2.KVDest
     base = engine.register(pool)
     return decode_pb2.KVDestination(mooncake=decode_pb2.MooncakePool(
         segment=engine.segment, base_address=base, pool_bytes=pool.numel() * pool.element_size(),
-        shape=list(pool.shape), dtype=_dtype_name(pool.dtype), protocol=engine.protocol))
+        shape=list(pool.shape), dtype=_dtype_name(pool.dtype), protocol=engine.protocol,
+        extra_segments=engine.segments[1:]))
 
 
 def _host(address: str) -> str:
@@ -91,17 +156,36 @@ def _host(address: str) -> str:
     return host.strip("[]")
 
 
+def _addresses(host: str) -> set[str]:
+    """``host`` itself and, for a name, the addresses it resolves to (blocking: call off the event loop)."""
+    try:
+        ipaddress.ip_address(host)
+        return {host}
+    except ValueError:
+        pass
+    try:
+        return {host} | {str(info[4][0]) for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except OSError:
+        return {host}
+
+
 def check_pool(pool: decode_pb2.MooncakePool, decode_address: str) -> tuple[tuple[int, ...], torch.dtype]:
-    """Every check of a Mooncake destination: its segment is on the decode the stream goes to, its shape
-    and dtype are a pool's and its size matches them. Returns (shape, dtype)."""
+    """Every check of a Mooncake destination: each of its segments is on the decode the stream goes to (its
+    host is ``decode_address``'s host or an address that name resolves to; blocking when it is a name), its
+    shape and dtype are a pool's and its size matches them. Returns (shape, dtype)."""
     shape, dtype = _shape_and_dtype(list(pool.shape), pool.dtype)
-    host = _host(pool.segment)
-    if not host or _host(decode_address) != host:
-        raise SharedKVAttachError("host", f"Mooncake segment {pool.segment!r} is not on the decode at "
-                                          f"{decode_address!r}")
-    port = pool.segment.rsplit(":", 1)[-1]
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise SharedKVAttachError("segment", f"Mooncake segment {pool.segment!r} has no valid port")
+    decode_host = _host(decode_address)
+    resolved: set[str] | None = None
+    for segment in segments_of(pool):
+        host = _host(segment)
+        if host != decode_host:
+            resolved = resolved if resolved is not None else _addresses(decode_host)
+            if not host or host not in resolved:
+                raise SharedKVAttachError("host", f"Mooncake segment {segment!r} is not on the decode at "
+                                                  f"{decode_address!r}")
+        port = segment.rsplit(":", 1)[-1]
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise SharedKVAttachError("segment", f"Mooncake segment {segment!r} has no valid port")
     if pool.pool_bytes != math.prod(shape) * torch.empty((), dtype=dtype).element_size() or not pool.base_address:
         raise SharedKVAttachError("shape", f"Mooncake pool of {pool.pool_bytes} bytes at {pool.base_address:#x} "
                                            f"does not hold shape {list(shape)} {pool.dtype}")
@@ -113,7 +197,7 @@ def check_pool(pool: decode_pb2.MooncakePool, decode_address: str) -> tuple[tupl
 class MooncakeWriter(PageWriter):
     """Prefill side, one request: writes its pages into decode's pool through the transfer engine.
 
-    ``write`` submits one batch (engine thread, returns at once); ``wait`` blocks until it landed."""
+    ``write`` submits the chunk's batches (engine thread, returns at once); ``wait`` blocks until they landed."""
 
     transport = "mooncake"
 
@@ -124,6 +208,7 @@ class MooncakeWriter(PageWriter):
         self.src = src
         self.src_base = engine.register(src)
         self.segment = pool.segment
+        self.segments = segments_of(pool)
         self.dst_base = pool.base_address
         self.dst_blocks_total = int(pool.shape[2])
         self.dest = dest_blocks
@@ -132,7 +217,7 @@ class MooncakeWriter(PageWriter):
         """Bytes of one block of one (layer, K|V) region: equal on both sides (shapes were checked)."""
         self.regions = src.shape[0] * 2
         self.sender: KVSender | None = None
-        self._batches: dict[int, _Batch] = {}
+        self._batches: list[_Batch] = []
         self._lock = threading.Lock()
 
     def write(self, first_block: int, src_blocks: list[int]) -> object:
@@ -148,22 +233,18 @@ class MooncakeWriter(PageWriter):
                 lens.append(n * rb)
         if not srcs:
             return None
-        batch = self.engine.te.batch_transfer_async_write(self.segment, srcs, dsts, lens)
-        if batch <= 0:
-            raise TransferError(f"Mooncake refused the write to {self.segment} (batch id {batch})",
-                                grpc.StatusCode.UNAVAILABLE)
+        batch = _Batch(self.engine.submit(self.segments, srcs, dsts, lens))
         with self._lock:
-            self._batches[batch] = _Batch()
+            self._batches.append(batch)
         return batch
 
-    def _settle(self, batch: int) -> int:
-        """The batch's result; exactly one thread asks the engine for it (a batch is freed once read)."""
+    def _settle(self, b: _Batch) -> int:
+        """The write's result; exactly one thread asks the engines for it (a batch is freed once read)."""
         with self._lock:
-            b = self._batches[batch]
             mine = not b.claimed
             b.claimed = True
         if mine:
-            b.rc = self.engine.te.get_batch_transfer_status([batch])
+            b.rc = settle(b.batches)
             b.done.set()
         b.done.wait()
         return b.rc
@@ -171,7 +252,7 @@ class MooncakeWriter(PageWriter):
     def wait(self, handle: object) -> None:
         if handle is None:
             return
-        assert isinstance(handle, int)
+        assert isinstance(handle, _Batch)
         rc = self._settle(handle)
         if rc != 0:
             raise TransferError(f"Mooncake write to {self.segment} failed (rc={rc})", grpc.StatusCode.UNAVAILABLE)
@@ -185,7 +266,10 @@ class MooncakeWriter(PageWriter):
 
 
 class _Batch:
-    def __init__(self) -> None:
+    """One write's transfer-engine batches (several engines' at once) and its result, read once."""
+
+    def __init__(self, batches: list[tuple[object, int]]) -> None:
+        self.batches = batches
         self.claimed = False
         self.rc = 0
         self.done = threading.Event()

@@ -44,7 +44,7 @@ from services.common.pb import decode_pb2
 from services.engine.kv_layout import FP8_CODEC, PageLayout
 from services.engine.kv_pages import PageExport
 from services.engine.kv_transport.base import KVSender, PageWriter, TransferError
-from services.engine.kv_transport.mooncake import MooncakeEngine
+from services.engine.kv_transport.mooncake import MooncakeEngine, segments_of, settle
 from services.engine.shared_kv import SharedKVAttachError, _dtype_name, _runs, pool_id
 
 ALIGN = 4096
@@ -167,6 +167,7 @@ class StagedWriter(PageWriter):
         self.page_bytes = self.slot_bytes
         """Bytes of one staged page in the codec this request carries (native until ``carry``)."""
         self.segment, self.dst_base = pool.segment, pool.base_address
+        self.segments = segments_of(pool)
         self.dest = dest_blocks
         self.pool_id = pool_id(dest)
         self.sender: KVSender | None = None
@@ -231,7 +232,7 @@ class StagedWriter(PageWriter):
             handle.state = _State.SENDING
             self._sending += 1
         try:
-            rc = self.engine.te.batch_transfer_sync_write(self.segment, handle.srcs, handle.dsts, handle.lens)
+            rc = settle(self.engine.submit(self.segments, handle.srcs, handle.dsts, handle.lens))
         finally:
             with self._lock:
                 self._sending -= 1
@@ -286,7 +287,7 @@ class HostLanding:
         self.destination = decode_pb2.KVDestination(mooncake=decode_pb2.MooncakePool(
             segment=engine.segment, base_address=engine.register(self.host), pool_bytes=pool.numel() *
             pool.element_size(), shape=list(pool.shape), dtype=_dtype_name(pool.dtype), protocol=engine.protocol,
-            page_major=True))
+            page_major=True, extra_segments=engine.segments[1:]))
 
     def accepts(self, layout: PageLayout) -> bool:
         """Whether a writer may land pages in ``layout`` (a wire codec) here."""
