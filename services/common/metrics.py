@@ -88,6 +88,7 @@ PREFILL_ENGINE_INFO = "pdserve_prefill_engine_info"
 PREFILL_REQUESTS_ABORTED_TOTAL = "pdserve_prefill_requests_aborted_total"
 PREFILL_KVSTORE_ERRORS_TOTAL = "pdserve_prefill_kvstore_errors_total"
 PREFILL_KV_TRANSPORT_FALLBACKS_TOTAL = "pdserve_prefill_kv_transport_fallbacks_total"
+PREFILL_KV_RANK_PAGES_TOTAL = "pdserve_prefill_kv_rank_pages_total"
 
 # --- decode -------------------------------------------------------------------------------------
 DECODE_KV_WAIT_SECONDS = "pdserve_decode_kv_wait_seconds"
@@ -203,6 +204,9 @@ SPECS: tuple[MetricSpec, ...] = (
     _s(PREFILL_KV_TRANSPORT_FALLBACKS_TOTAL, "counter", ["transport", "reason"], "prefill",
        "Requests whose side transport (shm, cuda-ipc, mooncake) was refused or not offered, so pages went "
        "as bytes in the stream."),
+    _s(PREFILL_KV_RANK_PAGES_TOTAL, "counter", ["rank"], "prefill",
+       "Page slices a rank of this instance wrote straight into a decode rank's pool over a side transport "
+       "(rank to rank, tensor parallelism; a page split over k decode ranks counts k)."),
     # decode
     _s(DECODE_KV_WAIT_SECONDS, "histogram", ["model"], "decode",
        "Decode KV-wait: reservation -> last KV chunk landed (seconds). Includes prefill queue and "

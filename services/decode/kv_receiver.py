@@ -41,6 +41,7 @@ from services.engine.kv_layout import FP8_CODEC, PageLayout, checksum
 from services.engine.kv_pages import pages_of
 from services.engine.kv_transport.base import KVPoll, OnClaimed
 from services.engine.kv_transport.grpc_wire import WireChunk
+from services.engine.parallel.rank_pages import spec_of
 from services.engine.shared_kv import pool_id
 
 _END = object()
@@ -102,6 +103,8 @@ class DecodeKVReceiver:
         self.pages = pages_of(engine.engine)
         self._page_shape = self.pages.page_shape
         self.landing = landing_for(self.pages, self.pool_id) if self.pool_id else None
+        self.split = spec_of(self.pages.shard_writes().split)
+        """This decode's head split (a tensor-parallel writer's claim must name it)."""
         """Where a Mooncake writer puts pages for a device pool; imported as each chunk's descriptor lands."""
         self._dtype = self.pages.dtype
 
@@ -134,7 +137,7 @@ class DecodeKVReceiver:
 
     def _check_claim(self, r: Reservation, c: common_pb2.KVChunk) -> PageLayout:
         return check_claim(c.claim, r, self._reject, pool=self.pool_id, layout=self.layout,
-                           layouts=self.layouts.values(), landing=self.landing)
+                           layouts=self.layouts.values(), landing=self.landing, split=self.split)
 
     def _check(self, r: Reservation, c: common_pb2.KVChunk, claimed: PageLayout | None, payload: bytes | memoryview
                ) -> tuple[list[int], PageLayout]:
@@ -147,7 +150,8 @@ class DecodeKVReceiver:
                                f"{c.reservation_id!r} after {r.reservation_id!r}", "order", field="reservation_id")
         if not r.token_ok(c.reservation_token):
             raise self._permission(c)
-        layout = self.layouts.get(c.layout_fingerprint)
+        layout = claimed if claimed is not None and claimed.fingerprint == c.layout_fingerprint else \
+            self.layouts.get(c.layout_fingerprint)  # a claim naming head splits has its own layout
         if layout is None:
             accepted = " or ".join(f"{fp} ({lay.describe()})" for fp, lay in self.layouts.items())
             raise self._reject(grpc.StatusCode.FAILED_PRECONDITION,

@@ -19,7 +19,7 @@ import grpc
 from services.common.grpc_util import Reason
 from services.common.pb import common_pb2, decode_pb2
 from services.decode.reservations import Reservation
-from services.engine.kv_layout import FP8_CODEC, PageLayout
+from services.engine.kv_layout import FP8_CODEC, HeadSplitSpec, PageLayout
 from services.engine.kv_pages import KVPages
 from services.engine.kv_transport import mooncake
 from services.engine.kv_transport.mooncake_staged import HostLanding
@@ -41,8 +41,13 @@ def offered_pool(pages: KVPages, mooncake_host: str, mooncake_engines: int = 1) 
     set (any host may write; a device pool through a pinned host landing area, kv_transport/mooncake_staged;
     with ``mooncake_engines`` transfer engines, all offered), else the engine's same-host shm / CUDA IPC pool,
     else None."""
-    if pages.sharded or pages.has_draft:  # TP>1: the pool is split over ranks; a draft region is a second
-        return None                          # pool: prefills send (full-head, both-region) page bytes instead
+    if pages.has_draft:  # a draft region is a second pool: prefills send (both-region) page bytes instead
+        return None
+    if pages.sharded:  # TP>1: every rank's own shm / CUDA IPC pool, written rank to rank (parallel/rank_pages.py)
+        if mooncake_host:
+            log.warning("a tensor-parallel decode offers no pool over Mooncake (prefills send page bytes instead)")
+            return None
+        return pages.destination
     if mooncake_host:
         why = mooncake.available()
         try:
@@ -67,11 +72,13 @@ def landing_for(pages: KVPages, pool: str) -> HostLanding | None:
 
 
 def check_claim(claim: common_pb2.KVClaim, r: Reservation, reject: Reject, *, pool: str, layout: PageLayout,
-                layouts: Iterable[PageLayout], landing: HostLanding | None) -> PageLayout:
+                layouts: Iterable[PageLayout], landing: HostLanding | None, split: HeadSplitSpec | None = None
+                ) -> PageLayout:
     """A side-transport writer's claim must name this decode's pool (``pool``: the id Reserve offers, empty: none),
     exactly the reservation's blocks and a codec this pool takes (a descriptor for another reservation or another
     pool, or a codec not offered, is refused through ``reject``; nothing is freed). Returns the layout the
-    stream's pages must be in: ``layout`` (the cache's own) or one of ``layouts`` a host ``landing`` accepts."""
+    stream's pages must be in: ``layout`` (the cache's own) or one of ``layouts`` a host ``landing`` accepts; for
+    tensor-parallel head shards (``split``: this pool's head split) ``layout`` naming both splits."""
     if claim.transport not in IN_PLACE_TRANSPORTS:
         raise reject(grpc.StatusCode.INVALID_ARGUMENT, f"claim.transport: {claim.transport!r} does not "
                      f"write pages in place (known: {sorted(IN_PLACE_TRANSPORTS)})", "claim",
@@ -87,7 +94,7 @@ def check_claim(claim: common_pb2.KVClaim, r: Reservation, reject: Reject, *, po
                      f"not reservation {r.reservation_id}'s", "claim", Reason.ERROR_REASON_PERMISSION,
                      frees=False, field="claim.dest_block_ids")
     if claim.codec in (common_pb2.KV_CODEC_UNSPECIFIED, common_pb2.KV_CODEC_NATIVE):
-        return layout
+        return _with_splits(claim, reject, layout, split)
     lay = next((lay for lay in layouts if lay.target_codec == CODEC_OF.get(claim.codec)), None)
     if lay is None or landing is None or not landing.accepts(lay):
         raise reject(grpc.StatusCode.FAILED_PRECONDITION,
@@ -96,3 +103,35 @@ def check_claim(claim: common_pb2.KVClaim, r: Reservation, reject: Reject, *, po
                      f"takes {layout.target_codec})", "claim", Reason.ERROR_REASON_LAYOUT_MISMATCH,
                      frees=False, field="claim.codec")
     return lay
+
+
+def _spec(m: common_pb2.KVHeadSplit) -> HeadSplitSpec:
+    return HeadSplitSpec(m.tp_size, m.kv_heads_per_rank, m.replicas)
+
+
+def _with_splits(claim: common_pb2.KVClaim, reject: Reject, layout: PageLayout, split: HeadSplitSpec | None
+                 ) -> PageLayout:
+    """The layout of a native-codec claim: ``layout`` itself (all heads into one pool), or, when either side is
+    tensor-parallel, ``layout`` naming the writer's and this pool's head splits (a pool split that is not this
+    decode's is refused naming both layouts; a writer split that does not cover the KV heads is invalid)."""
+    named = claim.HasField("writer_split") and claim.HasField("pool_split")
+    if not named and (split is None or split.tp_size == 1):
+        return layout
+    own = split or HeadSplitSpec(1, layout.num_kv_heads, 1)
+    if not named:
+        raise reject(grpc.StatusCode.FAILED_PRECONDITION,
+                     f"claim.pool_split: this decode's pool is split over ranks ({layout.describe()} as "
+                     f"{own.describe()}); the writer names no head split", "claim",
+                     Reason.ERROR_REASON_LAYOUT_MISMATCH, frees=False, field="claim.pool_split")
+    writer, pool = _spec(claim.writer_split), _spec(claim.pool_split)
+    if pool != own:
+        raise reject(grpc.StatusCode.FAILED_PRECONDITION,
+                     f"claim.pool_split: the writer writes {layout.with_splits(writer, pool).describe()}; this "
+                     f"decode's pool is {layout.with_splits(writer, own).describe()}", "claim",
+                     Reason.ERROR_REASON_LAYOUT_MISMATCH, frees=False, field="claim.pool_split")
+    if not 1 <= writer.tp_size <= 64 or writer.replicas < 1 or \
+            writer.tp_size * writer.kv_heads_per_rank != layout.num_kv_heads * writer.replicas:
+        raise reject(grpc.StatusCode.INVALID_ARGUMENT,
+                     f"claim.writer_split: {writer.describe()} does not split {layout.num_kv_heads} KV heads",
+                     "claim", frees=False, field="claim.writer_split")
+    return layout.with_splits(writer, pool)

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 
 from services.common.checksum import checksum
 
-__all__ = ["FP8_CODEC", "PageLayout", "Region", "checksum", "region_bytes"]
+__all__ = ["FP8_CODEC", "HeadSplitSpec", "PageLayout", "Region", "checksum", "region_bytes"]
 
 _CODEC_ELEM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 FP8_CODEC = "fp8-e4m3"
@@ -41,6 +41,19 @@ class Region:
 
 
 @dataclass(frozen=True)
+class HeadSplitSpec:
+    """How one side of a tensor-parallel handoff splits the KV heads over its ranks."""
+
+    tp_size: int
+    kv_heads_per_rank: int
+    replicas: int
+    """Ranks that hold the same KV head (1 unless there are fewer KV heads than ranks)."""
+
+    def describe(self) -> str:
+        return f"tp{self.tp_size}x{self.kv_heads_per_rank}kvh" + (f"r{self.replicas}" if self.replicas > 1 else "")
+
+
+@dataclass(frozen=True)
 class PageLayout:
     model_id: str
     num_layers: int
@@ -48,6 +61,10 @@ class PageLayout:
     head_dim: int
     block_size: int
     regions: tuple[Region, ...] = field(default_factory=tuple)
+    splits: tuple[HeadSplitSpec, ...] = ()
+    """(writer, pool) head splits when a side transport writes per-rank head shards straight into a
+    tensor-parallel side's pools (parallel/rank_pages.py); empty for the all-heads form (grpc stream,
+    kvstore), which is TP-independent and whose fingerprint is therefore the same at every degree."""
 
     @staticmethod
     def for_model(model_id: str, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -59,7 +76,12 @@ class PageLayout:
     def with_region(self, region: Region) -> PageLayout:
         """This layout with one more region after the others (e.g. speculative decoding's draft KV)."""
         return PageLayout(self.model_id, self.num_layers, self.num_kv_heads, self.head_dim, self.block_size,
-                          (*self.regions, region))
+                          (*self.regions, region), self.splits)
+
+    def with_splits(self, writer: HeadSplitSpec, pool: HeadSplitSpec) -> PageLayout:
+        """This layout as written shard by shard: ``writer``'s ranks into ``pool``'s ranks."""
+        return PageLayout(self.model_id, self.num_layers, self.num_kv_heads, self.head_dim, self.block_size,
+                          self.regions, (writer, pool))
 
     @staticmethod
     def codec_for_dtype(dtype: object) -> str:
@@ -79,10 +101,14 @@ class PageLayout:
 
     @property
     def fingerprint(self) -> str:
-        canon = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        fields = asdict(self)
+        if not self.splits:  # the all-heads form keeps the fingerprint it had before splits existed
+            del fields["splits"]
+        canon = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
     def describe(self) -> str:
         return (f"{self.model_id} L{self.num_layers} kvh{self.num_kv_heads} d{self.head_dim} "
                 f"bs{self.block_size} {'+'.join(r.name + ':' + r.codec for r in self.regions)} "
+                f"{'heads ' + '->'.join(s.describe() for s in self.splits) + ' ' if self.splits else ''}"
                 f"[{self.fingerprint}]")

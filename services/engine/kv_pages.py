@@ -45,6 +45,7 @@ class KVPages:
         self.device = runner.device
         self._side: torch.cuda.Stream | None = None
         self.exporters: list[object] = []
+        self._shard_writes = None
         """What serves this pool to other processes (a Mooncake engine): kept as long as the engine."""
 
     @property
@@ -54,13 +55,24 @@ class KVPages:
 
     @property
     def destination(self) -> decode_pb2.KVDestination | None:
-        """The pool as a same-host prefill may open it (shm / CUDA IPC); None when private."""
+        """The pool as a same-host prefill may open it (shm / CUDA IPC; at TP>1 every rank's pool, a ShardedPool);
+        None when private."""
+        if self.sharded:
+            return self.shard_writes().offer()
         return self._runner.kv_destination
+
+    def shard_writes(self):
+        """Rank-to-rank page writes of this instance's ranks into a decode's pools (parallel/rank_pages.py)."""
+        from services.engine.parallel.rank_pages import ShardWrites
+
+        if self._shard_writes is None:
+            self._shard_writes = ShardWrites(self._runner)
+        return self._shard_writes
 
     @property
     def sharded(self) -> bool:
-        """The pool is split over tensor-parallel ranks: pages leave and enter with all heads through rank 0's
-        runner (services/engine/parallel), and no side transport may read or write the pool itself."""
+        """The pool is split over tensor-parallel ranks: grpc and kvstore pages leave and enter with all heads
+        through rank 0's runner (services/engine/parallel); side transports write rank to rank (shard_writes)."""
         return getattr(self._runner, "split", None) is not None  # parallel.runner.TPModelRunner
 
     @property

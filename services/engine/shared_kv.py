@@ -266,7 +266,8 @@ def open_cuda_pool(pool: decode_pb2.CudaIpcPool) -> torch.Tensor:
 
 def pool_id(dest: decode_pb2.KVDestination) -> str:
     """A short name for the pool a destination opens (what a writer's claim carries): the shm file
-    name, the CUDA device and a digest of its IPC handle, or the Mooncake segment and base address."""
+    name, the CUDA device and a digest of its IPC handle, the Mooncake segment and base address, or a digest
+    of every rank's pool id (a tensor-parallel decode's ShardedPool)."""
     kind = dest.WhichOneof("pool")
     if kind == "shm":
         return f"shm:{dest.shm.name}"
@@ -274,6 +275,9 @@ def pool_id(dest: decode_pb2.KVDestination) -> str:
         return f"cuda-ipc:{dest.cuda_ipc.device}:{hashlib.sha256(dest.cuda_ipc.handle).hexdigest()[:16]}"
     if kind == "mooncake":
         return f"mooncake:{dest.mooncake.segment}@{dest.mooncake.base_address:x}"
+    if kind == "sharded":  # a tensor-parallel decode's per-rank pools, named together
+        ids = "|".join(pool_id(rp.pool) for rp in dest.sharded.ranks if rp.pool.WhichOneof("pool") != "sharded")
+        return f"tp{dest.sharded.tp_size}:{hashlib.sha256(ids.encode()).hexdigest()[:16]}"
     return ""
 
 

@@ -24,6 +24,7 @@ from services.engine.kv_transport import mooncake
 from services.engine.kv_transport.base import PageWriter
 from services.engine.kv_transport.mooncake_staged import StagedWriter, StagingRing, codec_fits
 from services.engine.kv_transport.shared_pool import ONEOF_OF, SharedPoolWriter
+from services.engine.parallel.rank_pages import ShardWriter, ShardWrites, pool_split, spec_of, transport_of
 from services.engine.shared_kv import SharedKVAttachError, SharedKVPools, pool_id
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,9 @@ class DirectWrites:
         """Pinned host staging registered with Mooncake (made on the first write into a host landing area)."""
         self._lock = threading.Lock()  # attach() and the Mooncake start run in worker threads
         self._logged: set[tuple[str, str]] = set()
+        self.shards: ShardWrites | None = None
+        """This instance's rank-to-rank writes (set by the servicer): used for a tensor-parallel decode's pool,
+        and for every side-transport write of a tensor-parallel prefill."""
 
     def _fallback(self, transport: str, reason: str, message: str) -> None:
         self.metrics.kv_transport_fallbacks_total.labels(transport, reason).inc()
@@ -93,6 +97,8 @@ class DirectWrites:
         if self.mode == "grpc":
             return None
         offered = request.destination.WhichOneof("pool")
+        if self.shards is not None and (offered == "sharded" or self.shards.collective):
+            return await self._shard_writer(request, num_blocks)
         transport = TRANSPORT_OF.get(offered or "", "")
         if not transport or (self.mode != "auto" and transport != self.mode):
             self._fallback(self.mode, "none", f"the decode offers {offered or 'no shared pool'}")
@@ -141,3 +147,30 @@ class DirectWrites:
                 self._fallback(transport, e.reason, str(e))
                 return None
         return SharedPoolWriter(transport, pool_id(request.destination), src, pool, dest)
+
+    async def _shard_writer(self, request: prefill_pb2.PrefillRequest, num_blocks: int) -> PageWriter | None:
+        """Every rank writes its KV heads straight into the decode ranks that hold them (shm / cuda-ipc; a
+        ShardedPool, or one plain pool written by this tensor-parallel prefill's ranks); see rank_pages.py."""
+        assert self.shards is not None
+        dest = request.destination
+        transport = transport_of(dest)
+        if not transport or (self.mode != "auto" and transport != self.mode):
+            offered = dest.WhichOneof("pool")
+            reason = "tensor-parallel" if offered == "mooncake" else "none"
+            self._fallback(self.mode, reason, f"the decode offers {offered or 'no shared pool'}; tensor-parallel "
+                                              "instances write shm / cuda-ipc pools rank to rank")
+            return None
+        blocks = list(request.dest_block_ids)
+        if len(blocks) != num_blocks:
+            self._fallback(transport, "blocks", f"{len(blocks)} destination block ids for a {num_blocks}-block prompt")
+            return None
+        try:
+            pool_blocks = await asyncio.to_thread(self.shards.attach, dest)
+        except SharedKVAttachError as e:
+            self._fallback(transport, e.reason, str(e))
+            return None
+        bad = next((b for b in blocks if b >= pool_blocks), None)
+        if bad is not None:
+            raise InvalidDestinationError(f"block {bad} is outside the decode pool's {pool_blocks} blocks")
+        split = self.shards.split
+        return ShardWriter(self.shards, dest, blocks, spec_of(split), pool_split(dest, split.num_kv_heads))

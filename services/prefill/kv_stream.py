@@ -199,8 +199,13 @@ def codec_pb(codec: str) -> int:
 def claim_message(request_id: str, reservation_id: str, reservation_token: bytes, writer: PageWriter,
                   dest_block_ids: list[int]) -> common_pb2.KVChunk:
     """The first message of a side transport's stream: it claims the reservation before any write."""
-    return common_pb2.KVChunk(
+    msg = common_pb2.KVChunk(
         request_id=request_id, reservation_id=reservation_id, reservation_token=reservation_token,
         transport=writer.transport,
         claim=common_pb2.KVClaim(transport=writer.transport, dest_block_ids=dest_block_ids, pool_id=writer.pool_id,
                                  codec=codec_pb(writer.wire_codec)))
+    if writer.splits is not None:  # tensor-parallel ranks write head shards: both splits are named
+        for field, spec in zip(("writer_split", "pool_split"), writer.splits, strict=True):
+            getattr(msg.claim, field).CopyFrom(common_pb2.KVHeadSplit(
+                tp_size=spec.tp_size, kv_heads_per_rank=spec.kv_heads_per_rank, replicas=spec.replicas))
+    return msg

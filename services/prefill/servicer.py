@@ -73,8 +73,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     def bind(self, engine: AsyncEngine) -> None:
         self.engine = engine
-        if pages_of(engine.engine).sharded:  # TP>1: no rank holds whole pages to copy; bytes go in the stream
-            self.direct.mode = "grpc"
+        shards = self.direct.shards = pages_of(engine.engine).shard_writes()  # rank to rank (parallel/rank_pages)
+        shards.on_pages = lambda rank, n: self.metrics.kv_rank_pages_total.labels(str(rank)).inc(n)
         if pages_of(engine.engine).has_draft:  # side transports write the target pool only: the draft region
             self.direct.mode = "grpc"          # travels with it as page bytes in the stream
         self.model = engine.engine.loaded.model_id
@@ -258,6 +258,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         configured and decode accepted that layout's fingerprint at Reserve, and the side transport (if any)
         carries it (``writer.carry``: mooncake into a host landing area); the cache's own layout otherwise."""
         fp8 = self._fp8_agreed(request)
+        if writer is not None and writer.splits is not None:  # head shards: the layout names both splits
+            return self.layout.with_splits(*writer.splits), self.pages.export
         if fp8 is not None and (writer is None or writer.carry(fp8)):
             return fp8, lambda block_ids: self.pages.export(block_ids, FP8_CODEC)
         return self.layout, self.pages.export

@@ -1,5 +1,8 @@
 """Disaggregated prefill/decode at different tensor-parallel degrees (real processes on loopback, gloo):
-greedy tokens equal the colocated TP=1 engine's for (prefill TP, decode TP) in (1,2), (2,1), (2,2), (4,2)."""
+greedy tokens equal the colocated TP=1 engine's for (prefill TP, decode TP) in (1,2), (2,1), (2,2), (4,2),
+with the pages written rank to rank over shm (every prefill rank into the decode ranks' own pools, nothing
+gathered through rank 0); a claim for another reservation is refused; a prefill killed mid-transfer leaves
+every decode block free."""
 
 from __future__ import annotations
 
@@ -16,7 +19,11 @@ import grpc
 import pytest
 
 from services.common.grpc_util import create_channel
-from services.common.metrics import DECODE_KV_RECEIVED_BYTES_TOTAL
+from services.common.metrics import (
+    DECODE_KV_RECEIVED_BYTES_TOTAL,
+    PREFILL_KV_RANK_PAGES_TOTAL,
+    PREFILL_KV_TRANSPORT_FALLBACKS_TOTAL,
+)
 from services.common.pb import common_pb2, router_pb2, router_pb2_grpc
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
@@ -81,20 +88,34 @@ async def _generate(addr: str, ids: list[int]) -> list[int]:
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1), (2, 2), (4, 2)])
 def test_disaggregated_tokens_equal_colocated_tp1(prefill_tp: int, decode_tp: int, reference, tmp_path: Path) -> None:
-    extra = {"prefill": [*ENGINE, "--max-prefill-chunk", "16", "--tensor-parallel-size", str(prefill_tp)],
+    # 32-token chunks: two pages per chunk, so replicated prefill ranks (TP=4 over 2 KV heads) both write.
+    extra = {"prefill": [*ENGINE, "--max-prefill-chunk", "32", "--tensor-parallel-size", str(prefill_tp)],
              "decode": [*ENGINE, "--tensor-parallel-size", str(decode_tp)]}
     with LocalCluster(prefill=1, decode=1, kvstore=None, model=MODEL, dtype="float32", extra=extra,
-                      quiet=True) as c:
+                      quiet=True, kv_transport="shm") as c:
         router = c.router["grpc"]
         for name, tp in (("prefill-0", prefill_tp), ("decode-0", decode_tp)):
             assert _rank_processes(c.get(name).popen.pid) == tp - 1, name
         for ids, want in zip(PROMPTS, reference, strict=True):
             assert asyncio.run(_generate(router, ids)) == want, (prefill_tp, decode_tp)
-        # The pages went through the KV stream (no side transport on a sharded pool).
-        decode = c.get("decode-0").ready["metrics"]
-        assert metric_sum(decode, DECODE_KV_RECEIVED_BYTES_TOTAL, transport="grpc") > 0
+        _check_rank_to_rank(c, prefill_tp, decode_tp)
         if (prefill_tp, decode_tp) == (1, 2):
             _check_trace(c, tmp_path)
+
+
+def _check_rank_to_rank(c: LocalCluster, prefill_tp: int, decode_tp: int) -> None:
+    """Every page went over shm, written by every prefill rank itself: no page bytes in the stream (so no
+    gather through prefill rank 0 nor a scatter from decode rank 0), no fallback."""
+    prefill, decode = c.get("prefill-0").ready["metrics"], c.get("decode-0").ready["metrics"]
+    pages = sum(-(-len(p) // 16) for p in PROMPTS)  # block size 16
+    assert metric_sum(decode, DECODE_KV_RECEIVED_BYTES_TOTAL, transport="shm") > 0
+    assert metric_sum(decode, DECODE_KV_RECEIVED_BYTES_TOTAL, transport="grpc") == 0
+    assert metric_sum(prefill, PREFILL_KV_TRANSPORT_FALLBACKS_TOTAL) == 0
+    by_rank = [metric_sum(prefill, PREFILL_KV_RANK_PAGES_TOTAL, rank=str(r)) for r in range(prefill_tp)]
+    assert all(by_rank), by_rank
+    # Each page once per (prefill head group, decode rank) sharing a head: 2 such pairs for every pair of degrees
+    # here (2 KV heads, both sides at most 2 head groups; prefill replicas split the pages, not duplicate them).
+    assert sum(by_rank) == 2 * pages, by_rank
 
 
 def _check_trace(c: LocalCluster, out: Path) -> None:

@@ -165,16 +165,30 @@ class KVChunk(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., reservation_id: _Optional[str] = ..., chunk_index: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., first_block: _Optional[int] = ..., num_pages: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., checksum: _Optional[int] = ..., payload: _Optional[bytes] = ..., transport: _Optional[str] = ..., is_last: _Optional[bool] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., prefill_done_unix: _Optional[float] = ..., total_chunks: _Optional[int] = ..., transport_meta: _Optional[bytes] = ..., reservation_token: _Optional[bytes] = ..., claim: _Optional[_Union[KVClaim, _Mapping]] = ..., codec: _Optional[_Union[KVCodec, str]] = ..., first_top_logprobs: _Optional[_Union[TopLogprobs, _Mapping]] = ...) -> None: ...
 
 class KVClaim(_message.Message):
-    __slots__ = ("transport", "dest_block_ids", "pool_id", "codec")
+    __slots__ = ("transport", "dest_block_ids", "pool_id", "codec", "writer_split", "pool_split")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     DEST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
+    WRITER_SPLIT_FIELD_NUMBER: _ClassVar[int]
+    POOL_SPLIT_FIELD_NUMBER: _ClassVar[int]
     transport: str
     dest_block_ids: _containers.RepeatedScalarFieldContainer[int]
     pool_id: str
     codec: KVCodec
-    def __init__(self, transport: _Optional[str] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., pool_id: _Optional[str] = ..., codec: _Optional[_Union[KVCodec, str]] = ...) -> None: ...
+    writer_split: KVHeadSplit
+    pool_split: KVHeadSplit
+    def __init__(self, transport: _Optional[str] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., pool_id: _Optional[str] = ..., codec: _Optional[_Union[KVCodec, str]] = ..., writer_split: _Optional[_Union[KVHeadSplit, _Mapping]] = ..., pool_split: _Optional[_Union[KVHeadSplit, _Mapping]] = ...) -> None: ...
+
+class KVHeadSplit(_message.Message):
+    __slots__ = ("tp_size", "kv_heads_per_rank", "replicas")
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_HEADS_PER_RANK_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    tp_size: int
+    kv_heads_per_rank: int
+    replicas: int
+    def __init__(self, tp_size: _Optional[int] = ..., kv_heads_per_rank: _Optional[int] = ..., replicas: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
     __slots__ = ("running", "waiting", "waiting_for_kv", "free_blocks", "total_blocks", "kv_usage", "published_unix", "step_running_s", "max_waiting", "saturated")

@@ -60,7 +60,7 @@ class CudaIpcPool(_message.Message):
     def __init__(self, host_id: _Optional[str] = ..., device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_bytes: _Optional[int] = ..., storage_offset: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class MooncakePool(_message.Message):
-    __slots__ = ("segment", "base_address", "pool_bytes", "shape", "dtype", "protocol", "page_major", "extra_segments")
+    __slots__ = ("segment", "base_address", "pool_bytes", "shape", "dtype", "protocol", "page_major")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -68,7 +68,6 @@ class MooncakePool(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     PAGE_MAJOR_FIELD_NUMBER: _ClassVar[int]
-    EXTRA_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     segment: str
     base_address: int
     pool_bytes: int
@@ -76,18 +75,43 @@ class MooncakePool(_message.Message):
     dtype: str
     protocol: str
     page_major: bool
-    extra_segments: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, segment: _Optional[str] = ..., base_address: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., protocol: _Optional[str] = ..., page_major: _Optional[bool] = ..., extra_segments: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, segment: _Optional[str] = ..., base_address: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., protocol: _Optional[str] = ..., page_major: _Optional[bool] = ...) -> None: ...
 
 class KVDestination(_message.Message):
-    __slots__ = ("shm", "cuda_ipc", "mooncake")
+    __slots__ = ("shm", "cuda_ipc", "mooncake", "sharded")
     SHM_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     MOONCAKE_FIELD_NUMBER: _ClassVar[int]
+    SHARDED_FIELD_NUMBER: _ClassVar[int]
     shm: ShmPool
     cuda_ipc: CudaIpcPool
     mooncake: MooncakePool
-    def __init__(self, shm: _Optional[_Union[ShmPool, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcPool, _Mapping]] = ..., mooncake: _Optional[_Union[MooncakePool, _Mapping]] = ...) -> None: ...
+    sharded: ShardedPool
+    def __init__(self, shm: _Optional[_Union[ShmPool, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcPool, _Mapping]] = ..., mooncake: _Optional[_Union[MooncakePool, _Mapping]] = ..., sharded: _Optional[_Union[ShardedPool, _Mapping]] = ...) -> None: ...
+
+class ShardedPool(_message.Message):
+    __slots__ = ("tp_size", "num_kv_heads", "kv_replicas", "ranks")
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    KV_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    tp_size: int
+    num_kv_heads: int
+    kv_replicas: int
+    ranks: _containers.RepeatedCompositeFieldContainer[RankPool]
+    def __init__(self, tp_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., kv_replicas: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankPool, _Mapping]]] = ...) -> None: ...
+
+class RankPool(_message.Message):
+    __slots__ = ("rank", "kv_head_start", "kv_head_end", "pool")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    KV_HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    KV_HEAD_END_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    kv_head_start: int
+    kv_head_end: int
+    pool: KVDestination
+    def __init__(self, rank: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_head_end: _Optional[int] = ..., pool: _Optional[_Union[KVDestination, _Mapping]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("reservation_id", "num_cached_blocks", "block_size", "layout", "lease_expires_unix", "block_ids", "reservation_token", "destination", "accepted_wire_fingerprints")

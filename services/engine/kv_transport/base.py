@@ -26,7 +26,7 @@ from typing import Protocol, TypeVar
 import grpc
 
 from services.common.pb import common_pb2, decode_pb2
-from services.engine.kv_layout import PageLayout
+from services.engine.kv_layout import HeadSplitSpec, PageLayout
 
 _E = TypeVar("_E", bound=BaseException)
 
@@ -144,6 +144,9 @@ class PageWriter(abc.ABC):
     """Decode's reserved block ids, in page order."""
     wire_codec: str = ""
     """Codec of the pages this writer moves ("": the pool's own dtype; FP8_CODEC after ``carry``)."""
+    splits: tuple[HeadSplitSpec, HeadSplitSpec] | None = None
+    """(writer, pool) head splits when tensor-parallel ranks write per-rank head shards (parallel/rank_pages.py):
+    named in the claim and in the layout fingerprint of every chunk; None: all heads into one pool."""
 
     def carry(self, layout: PageLayout) -> bool:
         """Move pages in ``layout``'s codec (a negotiated wire codec, e.g. fp8-e4m3) for this request; False

@@ -12,6 +12,7 @@ int64 payload whose length the header fixes:
   UTF-8 bytes, one per int64 (rank 0 derives it from its own trace root and a validated session name).
   Each rank writes ``<stem>-rank<r>.trace.json`` (trace.py).
 - STOP: no payload; the ranks leave their loop.
+- RANK_PAGES: pages rank to rank over a side transport; a=sub-op (pools / attach / write); rank_pages.py.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class Op(enum.IntEnum):
     IMPORT = 3
     STOP = 4
     TRACE = 5
+    RANK_PAGES = 7
 
 
 @dataclass

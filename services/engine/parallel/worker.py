@@ -19,6 +19,7 @@ from services.engine.model_runner import ModelRunner
 from services.engine.parallel.group import TPGroup, connect, open_store
 from services.engine.parallel.loader import load_shard
 from services.engine.parallel.plan import HEADER, Op, decode_step, decode_trace, step_payload_len
+from services.engine.parallel.rank_pages import serve_op
 from services.engine.parallel.trace import rank_trace_path, start_recording
 
 log = logging.getLogger(__name__)
@@ -31,12 +32,13 @@ def rank_device(device: str, rank: int) -> torch.device:
 
 
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
-    """The engine settings of one rank: its device, a private KV pool, no CUDA graphs (every rank would
-    have to replay the same graph in lockstep), and its share of the CPU threads (--cpu-threads 0: the
+    """The engine settings of one rank: its device, its KV pool (shared, as --kv-cache-shared says: a side
+    transport writes into every rank's own pool), no CUDA graphs (every rank would have to replay the same
+    graph in lockstep), and its share of the CPU threads (--cpu-threads 0: the
     instance's CPUs split over its ranks, not N ranks each using all of them)."""
     threads = config.cpu_threads or max(1, config.resolved_cpu_threads // config.tensor_parallel_size)
-    return dataclasses.replace(config, device=str(rank_device(config.device, rank)), kv_cache_shared=False,
-                               cuda_graphs=False, cpu_threads=threads)
+    return dataclasses.replace(config, device=str(rank_device(config.device, rank)), cuda_graphs=False,
+                               cpu_threads=threads)
 
 
 def _recv(group: TPGroup, n: int, dtype: torch.dtype = torch.int64, shape: tuple[int, ...] | None = None
@@ -57,6 +59,9 @@ def serve(runner: ModelRunner, group: TPGroup) -> None:
         op = Op(int(header[0]))
         if op == Op.STOP:
             return
+        if op == Op.RANK_PAGES:  # pages rank to rank (side transports at TP>1)
+            serve_op(runner, group, header)
+            continue
         if op == Op.TRACE:
             start, duration, stem = decode_trace(header, _recv(group, int(header[3])).cpu())
             traces = [t for t in traces if t.is_alive()]

@@ -1,0 +1,129 @@
+"""Rank-to-rank page writes (services/engine/parallel/rank_pages.py) without processes: every prefill rank's
+share, for every (prefill TP, decode TP) over 2 and 4 KV heads, puts exactly each decode rank's heads into its
+pool; the offer's checks; the claim's head-split checks (services/decode/side_pool.py)."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import grpc
+import pytest
+import torch
+
+from services.common.pb import common_pb2, decode_pb2
+from services.decode.side_pool import check_claim
+from services.engine.kv_layout import HeadSplitSpec, PageLayout
+from services.engine.parallel.rank_pages import (
+    Shard,
+    head_ranges,
+    open_shards,
+    pool_split,
+    sharded_destination,
+    spec_of,
+    write_share,
+)
+from services.engine.parallel.split import HeadSplit
+from services.engine.shared_kv import SharedKVAttachError, create_shared_kv, open_shm_pool, pool_id
+
+L, BS, D, BLOCKS = 2, 4, 8, 12
+
+
+def _full(kvh: int) -> torch.Tensor:
+    """A TP=1 cache [L, 2, blocks, bs, kvh, D] with distinct values everywhere."""
+    return torch.arange(L * 2 * BLOCKS * BS * kvh * D, dtype=torch.float32).view(L, 2, BLOCKS, BS, kvh, D)
+
+
+@pytest.mark.parametrize("kvh", [2, 4])
+@pytest.mark.parametrize(("a", "b"), [(1, 1), (1, 2), (2, 1), (2, 2), (4, 2), (2, 4), (4, 4), (1, 4), (4, 1)])
+def test_every_decode_rank_gets_exactly_its_heads(kvh: int, a: int, b: int) -> None:
+    full = _full(kvh)
+    src_blocks, dst_blocks = [1, 2, 3, 7, 8], [9, 10, 0, 4, 5]
+    shards = [Shard((s, e), torch.zeros(L, 2, BLOCKS, BS, e - s, D)) for s, e in head_ranges(b, kvh)]
+    written = []
+    for r in range(a):  # each prefill rank holds only its heads of the same pages
+        split = HeadSplit(4 * a, kvh, a, r)
+        s, e = split.kv_range
+        written.append(write_share(full[:, :, :, :, s:e].contiguous(), split, shards, src_blocks, dst_blocks))
+    for sh in shards:
+        s, e = sh.heads
+        want = full[:, :, src_blocks, :, s:e]
+        assert torch.equal(sh.pool[:, :, dst_blocks], want)
+        others = [x for x in range(BLOCKS) if x not in dst_blocks]
+        assert not sh.pool[:, :, others].any()  # nothing outside the destination blocks
+    # Each page is written once per (prefill head group, decode rank) pair that share a head: prefill-side
+    # replicas split the pages instead of writing them twice, and every prefill rank takes part.
+    pairs = sum(max(p0, q0) < min(p1, q1) for p0, p1 in set(head_ranges(a, kvh)) for q0, q1 in head_ranges(b, kvh))
+    assert sum(written) == len(src_blocks) * pairs
+    assert all(written)
+
+
+def test_open_shards_checks_the_split_and_the_pool_shapes() -> None:
+    cache = torch.zeros(L, 2, BLOCKS, BS, 1, D)
+    split = HeadSplit(4, 2, 2, 0)
+    made = [create_shared_kv((L, 2, BLOCKS, BS, 1, D), torch.float32) for _ in range(2)]
+    try:
+        dest = sharded_destination(split, [m[2] for m in made])
+        shards = open_shards(dest, lambda d: open_shm_pool(d.shm), cache, 2)
+        assert [sh.heads for sh in shards] == [(0, 1), (1, 2)]
+        assert pool_split(dest, 2) == HeadSplitSpec(2, 1, 1) == spec_of(split)
+        assert pool_id(dest).startswith("tp2:") and pool_id(dest) != pool_id(sharded_destination(
+            split, [made[1][2], made[0][2]]))
+        bad = decode_pb2.KVDestination()
+        bad.CopyFrom(dest)
+        bad.sharded.ranks[1].kv_head_start = 0  # rank 1 claims head 0 again: not the split TP=2 makes
+        with pytest.raises(SharedKVAttachError) as e:
+            open_shards(bad, lambda d: open_shm_pool(d.shm), cache, 2)
+        assert e.value.reason == "split"
+        with pytest.raises(SharedKVAttachError) as e:  # a model with other KV heads
+            open_shards(dest, lambda d: open_shm_pool(d.shm), torch.zeros(L, 2, BLOCKS, BS, 2, D), 4)
+        assert e.value.reason == "split"
+        with pytest.raises(SharedKVAttachError) as e:  # another head dim
+            open_shards(dest, lambda d: open_shm_pool(d.shm), torch.zeros(L, 2, BLOCKS, BS, 1, 2 * D), 2)
+        assert e.value.reason == "shape"
+    finally:
+        for _, path, _ in made:
+            os.unlink(path)
+
+
+class _Rejected(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str, *_: object, **kw: object) -> None:
+        super().__init__(message)
+        self.code, self.field = code, kw.get("field")
+
+
+def _claim(pool: str, blocks: list[int], writer: HeadSplitSpec | None, pool_split_: HeadSplitSpec | None
+           ) -> common_pb2.KVClaim:
+    c = common_pb2.KVClaim(transport="shm", dest_block_ids=blocks, pool_id=pool)
+    for field, spec in (("writer_split", writer), ("pool_split", pool_split_)):
+        if spec is not None:
+            getattr(c, field).CopyFrom(common_pb2.KVHeadSplit(tp_size=spec.tp_size,
+                                                              kv_heads_per_rank=spec.kv_heads_per_rank,
+                                                              replicas=spec.replicas))
+    return c
+
+
+def test_claim_names_both_head_splits_and_must_match_this_pool() -> None:
+    layout = PageLayout.for_model("m", L, 2, D, BS, "fp32")
+    r = SimpleNamespace(reservation_id="res-a", block_ids=[3, 4, 5])  # what check_claim reads of a Reservation
+    own = HeadSplitSpec(2, 1, 1)
+    kw = dict(pool="tp2:x", layout=layout, layouts=[layout], landing=None, split=own)
+    got = check_claim(_claim("tp2:x", [3, 4, 5], HeadSplitSpec(4, 1, 2), own), r, _Rejected, **kw)
+    assert got.splits == (HeadSplitSpec(4, 1, 2), own) and got.fingerprint != layout.fingerprint
+    assert "tp4x1kvhr2->tp2x1kvh" in got.describe()
+    with pytest.raises(_Rejected) as e:  # the writer thinks the pool holds all heads
+        check_claim(_claim("tp2:x", [3, 4, 5], HeadSplitSpec(1, 2, 1), HeadSplitSpec(1, 2, 1)), r, _Rejected, **kw)
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "tp1x2kvh" in str(e.value) \
+        and "tp2x1kvh" in str(e.value)
+    with pytest.raises(_Rejected) as e:  # no split named for a sharded pool
+        check_claim(_claim("tp2:x", [3, 4, 5], None, None), r, _Rejected, **kw)
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(_Rejected) as e:  # a writer split that does not cover the heads
+        check_claim(_claim("tp2:x", [3, 4, 5], HeadSplitSpec(2, 2, 1), own), r, _Rejected, **kw)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(_Rejected) as e:  # another reservation's blocks
+        check_claim(_claim("tp2:x", [6, 7, 8], HeadSplitSpec(2, 1, 1), own), r, _Rejected, **kw)
+    assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
+    # A TP=1 pool written by a TP=1 writer: no splits, the all-heads layout.
+    plain = dict(kw, split=HeadSplitSpec(1, 2, 1))
+    assert check_claim(_claim("tp2:x", [3, 4, 5], None, None), r, _Rejected, **plain) is layout
