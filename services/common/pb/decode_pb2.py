@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/decode.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x8c\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\x12\x15\n\rdeadline_unix\x18\x05 \x01(\x01\"F\n\x07ShmPool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0f\n\x07host_id\x18\x04 \x01(\t\"\xf6\x01\n\x0b\x43udaIpcPool\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\x05\x12\x0e\n\x06handle\x18\x03 \x01(\x0c\x12\x15\n\rstorage_bytes\x18\x04 \x01(\x04\x12\x16\n\x0estorage_offset\x18\x05 \x01(\x04\x12\r\n\x05shape\x18\x06 \x03(\x04\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x1a\n\x12ref_counter_handle\x18\x08 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\t \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\n \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x0b \x01(\x08\"\x8d\x01\n\x0cMooncakePool\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x14\n\x0c\x62\x61se_address\x18\x02 \x01(\x04\x12\x12\n\npool_bytes\x18\x03 \x01(\x04\x12\r\n\x05shape\x18\x04 \x03(\x04\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x10\n\x08protocol\x18\x06 \x01(\t\x12\x12\n\npage_major\x18\x07 \x01(\x08\"\xc2\x01\n\rKVDestination\x12\"\n\x03shm\x18\x01 \x01(\x0b\x32\x13.pdserve.v1.ShmPoolH\x00\x12+\n\x08\x63uda_ipc\x18\x02 \x01(\x0b\x32\x17.pdserve.v1.CudaIpcPoolH\x00\x12,\n\x08mooncake\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.MooncakePoolH\x00\x12*\n\x07sharded\x18\x04 \x01(\x0b\x32\x17.pdserve.v1.ShardedPoolH\x00\x42\x06\n\x04pool\"n\n\x0bShardedPool\x12\x0f\n\x07tp_size\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x13\n\x0bkv_replicas\x18\x03 \x01(\r\x12#\n\x05ranks\x18\x04 \x03(\x0b\x32\x14.pdserve.v1.RankPool\"m\n\x08RankPool\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x15\n\rkv_head_start\x18\x02 \x01(\r\x12\x13\n\x0bkv_head_end\x18\x03 \x01(\r\x12\'\n\x04pool\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.KVDestination\"\xb4\x02\n\x0fReserveResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x19\n\x11num_cached_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12&\n\x06layout\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.PageLayout\x12\x1a\n\x12lease_expires_unix\x18\x05 \x01(\x01\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\x19\n\x11reservation_token\x18\x08 \x01(\x0c\x12.\n\x0b\x64\x65stination\x18\t \x01(\x0b\x32\x19.pdserve.v1.KVDestination\x12\"\n\x1a\x61\x63\x63\x65pted_wire_fingerprints\x18\n \x03(\tJ\x04\x08\x07\x10\x08R\x0etransport_info\"X\n\x11RenewLeaseRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x19\n\x11reservation_token\x18\x02 \x01(\x0c\x12\x10\n\x08lease_ms\x18\x03 \x01(\r\"0\n\x12RenewLeaseResponse\x12\x1a\n\x12lease_expires_unix\x18\x01 \x01(\x01\"\x82\x01\n\x15\x44\x65\x63odeGenerateRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12*\n\x06params\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\"A\n\x0ePushKVResponse\x12\x17\n\x0f\x63hunks_received\x18\x01 \x01(\r\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\x32\xe3\x02\n\x06\x44\x65\x63ode\x12\x42\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x1b.pdserve.v1.ReserveResponse\x12M\n\x08Generate\x12!.pdserve.v1.DecodeGenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12;\n\x06PushKV\x12\x13.pdserve.v1.KVChunk\x1a\x1a.pdserve.v1.PushKVResponse(\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12K\n\nRenewLease\x12\x1d.pdserve.v1.RenewLeaseRequest\x1a\x1e.pdserve.v1.RenewLeaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/decode.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x8c\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\x12\x15\n\rdeadline_unix\x18\x05 \x01(\x01\"F\n\x07ShmPool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0f\n\x07host_id\x18\x04 \x01(\t\"\xf6\x01\n\x0b\x43udaIpcPool\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\x05\x12\x0e\n\x06handle\x18\x03 \x01(\x0c\x12\x15\n\rstorage_bytes\x18\x04 \x01(\x04\x12\x16\n\x0estorage_offset\x18\x05 \x01(\x04\x12\r\n\x05shape\x18\x06 \x03(\x04\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x1a\n\x12ref_counter_handle\x18\x08 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\t \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\n \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x0b \x01(\x08\"\xa5\x01\n\x0cMooncakePool\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x14\n\x0c\x62\x61se_address\x18\x02 \x01(\x04\x12\x12\n\npool_bytes\x18\x03 \x01(\x04\x12\r\n\x05shape\x18\x04 \x03(\x04\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x10\n\x08protocol\x18\x06 \x01(\t\x12\x12\n\npage_major\x18\x07 \x01(\x08\x12\x16\n\x0e\x65xtra_segments\x18\x08 \x03(\t\"\xc2\x01\n\rKVDestination\x12\"\n\x03shm\x18\x01 \x01(\x0b\x32\x13.pdserve.v1.ShmPoolH\x00\x12+\n\x08\x63uda_ipc\x18\x02 \x01(\x0b\x32\x17.pdserve.v1.CudaIpcPoolH\x00\x12,\n\x08mooncake\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.MooncakePoolH\x00\x12*\n\x07sharded\x18\x04 \x01(\x0b\x32\x17.pdserve.v1.ShardedPoolH\x00\x42\x06\n\x04pool\"n\n\x0bShardedPool\x12\x0f\n\x07tp_size\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x13\n\x0bkv_replicas\x18\x03 \x01(\r\x12#\n\x05ranks\x18\x04 \x03(\x0b\x32\x14.pdserve.v1.RankPool\"m\n\x08RankPool\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x15\n\rkv_head_start\x18\x02 \x01(\r\x12\x13\n\x0bkv_head_end\x18\x03 \x01(\r\x12\'\n\x04pool\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.KVDestination\"\xb4\x02\n\x0fReserveResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x19\n\x11num_cached_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12&\n\x06layout\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.PageLayout\x12\x1a\n\x12lease_expires_unix\x18\x05 \x01(\x01\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\x19\n\x11reservation_token\x18\x08 \x01(\x0c\x12.\n\x0b\x64\x65stination\x18\t \x01(\x0b\x32\x19.pdserve.v1.KVDestination\x12\"\n\x1a\x61\x63\x63\x65pted_wire_fingerprints\x18\n \x03(\tJ\x04\x08\x07\x10\x08R\x0etransport_info\"X\n\x11RenewLeaseRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x19\n\x11reservation_token\x18\x02 \x01(\x0c\x12\x10\n\x08lease_ms\x18\x03 \x01(\r\"0\n\x12RenewLeaseResponse\x12\x1a\n\x12lease_expires_unix\x18\x01 \x01(\x01\"\x82\x01\n\x15\x44\x65\x63odeGenerateRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12*\n\x06params\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\"A\n\x0ePushKVResponse\x12\x17\n\x0f\x63hunks_received\x18\x01 \x01(\r\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\x32\xe3\x02\n\x06\x44\x65\x63ode\x12\x42\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x1b.pdserve.v1.ReserveResponse\x12M\n\x08Generate\x12!.pdserve.v1.DecodeGenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12;\n\x06PushKV\x12\x13.pdserve.v1.KVChunk\x1a\x1a.pdserve.v1.PushKVResponse(\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12K\n\nRenewLease\x12\x1d.pdserve.v1.RenewLeaseRequest\x1a\x1e.pdserve.v1.RenewLeaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,23 +39,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CUDAIPCPOOL']._serialized_start=280
   _globals['_CUDAIPCPOOL']._serialized_end=526
   _globals['_MOONCAKEPOOL']._serialized_start=529
-  _globals['_MOONCAKEPOOL']._serialized_end=670
-  _globals['_KVDESTINATION']._serialized_start=673
-  _globals['_KVDESTINATION']._serialized_end=867
-  _globals['_SHARDEDPOOL']._serialized_start=869
-  _globals['_SHARDEDPOOL']._serialized_end=979
-  _globals['_RANKPOOL']._serialized_start=981
-  _globals['_RANKPOOL']._serialized_end=1090
-  _globals['_RESERVERESPONSE']._serialized_start=1093
-  _globals['_RESERVERESPONSE']._serialized_end=1401
-  _globals['_RENEWLEASEREQUEST']._serialized_start=1403
-  _globals['_RENEWLEASEREQUEST']._serialized_end=1491
-  _globals['_RENEWLEASERESPONSE']._serialized_start=1493
-  _globals['_RENEWLEASERESPONSE']._serialized_end=1541
-  _globals['_DECODEGENERATEREQUEST']._serialized_start=1544
-  _globals['_DECODEGENERATEREQUEST']._serialized_end=1674
-  _globals['_PUSHKVRESPONSE']._serialized_start=1676
-  _globals['_PUSHKVRESPONSE']._serialized_end=1741
-  _globals['_DECODE']._serialized_start=1744
-  _globals['_DECODE']._serialized_end=2099
+  _globals['_MOONCAKEPOOL']._serialized_end=694
+  _globals['_KVDESTINATION']._serialized_start=697
+  _globals['_KVDESTINATION']._serialized_end=891
+  _globals['_SHARDEDPOOL']._serialized_start=893
+  _globals['_SHARDEDPOOL']._serialized_end=1003
+  _globals['_RANKPOOL']._serialized_start=1005
+  _globals['_RANKPOOL']._serialized_end=1114
+  _globals['_RESERVERESPONSE']._serialized_start=1117
+  _globals['_RESERVERESPONSE']._serialized_end=1425
+  _globals['_RENEWLEASEREQUEST']._serialized_start=1427
+  _globals['_RENEWLEASEREQUEST']._serialized_end=1515
+  _globals['_RENEWLEASERESPONSE']._serialized_start=1517
+  _globals['_RENEWLEASERESPONSE']._serialized_end=1565
+  _globals['_DECODEGENERATEREQUEST']._serialized_start=1568
+  _globals['_DECODEGENERATEREQUEST']._serialized_end=1698
+  _globals['_PUSHKVRESPONSE']._serialized_start=1700
+  _globals['_PUSHKVRESPONSE']._serialized_end=1765
+  _globals['_DECODE']._serialized_start=1768
+  _globals['_DECODE']._serialized_end=2123
 # @@protoc_insertion_point(module_scope)
