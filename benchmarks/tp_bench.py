@@ -9,7 +9,10 @@
 
 Two timings per degree, each the median of ``--iters`` after ``--warmup``: one decode step (batch B, every
 sequence at ``--context`` tokens of paged KV; attention reads the pool's contents, whatever they are) and
-one prefill forward of ``--prefill-tokens`` tokens (one sequence, no cached prefix). Weights are random per
+one prefill forward of ``--prefill-tokens`` tokens (one sequence, no cached prefix). On CUDA the decode step
+replays the engine's decode CUDA graph of batch B (``--graphs on``, the default: forward, LM head and greedy
+argmax; at TP>1 every rank captured its graphs together and they replay in lockstep, NCCL inside) or runs
+eagerly (``--graphs off``); prefill is always eager, as in the engine. Weights are random per
 shard (timings need shapes, not values). Prints one JSON line per degree and the TP=N/TP=1 ratios last
 (the issue's goal: <= 0.6 at TP=2 on GPU). Each rank is its own process on cpu / cuda:<rank>.
 """
@@ -42,13 +45,19 @@ from services.engine.weights.random_weights import BYTE_EOS_ID, init_random_, ra
 def _runner(args: argparse.Namespace, group) -> ModelRunner:
     arch = random_arch(resolve(args.model).shape)
     device = rank_device(args.device, group.rank if group else 0)
+    # Graphs: one bucket per batch size up to decode_batch; the decode kernel is captured for contexts up to
+    # max_model_len, so that is --context (what the eager step reads too); prefill's rotary table is grown apart.
     cfg = EngineConfig(model=args.model, dtype=args.dtype, device=str(device), block_size=16,
                        num_kv_blocks=args.decode_batch * (-(-args.context // 16)) + (-(-args.prefill_tokens // 16)) + 1,
-                       cuda_graphs=False, cpu_threads=args.cpu_threads)
+                       cuda_graphs=args.graphs == "on", max_num_seqs=args.decode_batch, max_model_len=args.context,
+                       cpu_threads=args.cpu_threads)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     with building(group):
         model = build_empty_model(arch, cfg.torch_dtype, device)
     init_random_(model, seed=group.rank if group else 0)
     model.eval().requires_grad_(False)
+    model.rotary.ensure(max(args.context, args.prefill_tokens))
     loaded = LoadedModel(model, arch, Tokenizer.byte_level(BYTE_EOS_ID), args.model, arch.max_position_embeddings)
     return ModelRunner(loaded, cfg)
 
@@ -81,8 +90,20 @@ def _measure(args: argparse.Namespace, group) -> dict[str, float]:
         hidden = r.model(ids, pos, ForwardContext(r.attn_backend, meta))
         return r.model.compute_logits(hidden[-len(rows):])
 
-    return {"decode_step_s": _time(lambda: forward(dec_rows), r.device, args.warmup, args.iters),
-            "prefill_s": _time(lambda: forward(pre_rows), r.device, args.warmup, args.iters)}
+    decode = lambda: forward(dec_rows)  # noqa: E731
+    g = r.graphs
+    bucket = g.bucket_for(b, ctx) if g is not None else None
+    if g is not None and bucket is not None:
+        ids, pos, meta = prepare_rows(dec_rows, bs, torch.device("cpu"))
+        host = [t.numpy() for t in (ids, pos, meta.slot_mapping, meta.context_lens, meta.block_tables)]
+
+        def decode():
+            g.fill_rows(bucket, *host)
+            return g.replay(bucket, b)
+
+    return {"decode_step_s": _time(decode, r.device, args.warmup, args.iters),
+            "prefill_s": _time(lambda: forward(pre_rows), r.device, args.warmup, args.iters),
+            "decode_graph_bucket": bucket or 0}
 
 
 def _rank(rank: int, size: int, port: int, args: argparse.Namespace, results) -> None:
@@ -105,21 +126,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--cpu-threads", type=int, default=1, help="torch threads per rank (CPU)")
+    p.add_argument("--graphs", default="on", choices=("on", "off"), help="decode in CUDA graphs (CUDA only)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.cpu_threads)
     base = _measure(args, None)
     print(json.dumps({"tp": 1, **base}), flush=True)
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()  # TP=1's weights and pool are freed; rank 0 shares cuda:0
     ctx = mp.get_context("spawn")
     store = open_store(args.tp)
     results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, args.tp, store.port, args, results)) for r in range(args.tp)]
+    procs = [ctx.Process(target=_rank, args=(r, args.tp, store.port, args, results), daemon=True)
+             for r in range(args.tp)]
     for proc in procs:
         proc.start()
     tp = results.get(timeout=3600)
     for proc in procs:
         proc.join()
     print(json.dumps({"tp": args.tp, **tp}), flush=True)
-    print(json.dumps({"ratio_tp_over_tp1": {k: round(tp[k] / base[k], 3) for k in base},
+    print(json.dumps({"ratio_tp_over_tp1": {k: round(tp[k] / base[k], 3) for k in ("decode_step_s", "prefill_s")},
+                      "graphs": args.graphs,
                       "model": args.model, "device": args.device, "dtype": args.dtype,
                       "decode_batch": args.decode_batch, "context": args.context,
                       "prefill_tokens": args.prefill_tokens}), flush=True)

@@ -120,8 +120,14 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Warm up (compiles the kernels) and capture every bucket, largest first, into one memory pool."""
+        """Warm up (compiles the kernels) and capture every bucket, largest first, into one memory pool.
+
+        At TP>1 every rank calls this at the same time: the warm-up forwards run the model's collectives
+        (NCCL, already connected), the captures record them, and each rank's graph of a bucket then replays
+        only together with the other ranks' graph of the same bucket (rank 0's plan names it). Capture is
+        thread-local there: NCCL's watchdog thread queries events while a rank captures."""
         pool = torch.cuda.graph_pool_handle()
+        mode = "thread_local" if self.model.tp_split.tp_size > 1 else "global"
         self.backend.decode_max_context_len = self.max_model_len
         try:
             stream = torch.cuda.Stream()
@@ -132,7 +138,7 @@ class DecodeGraphs:
             torch.cuda.current_stream().wait_stream(stream)
             for bs in reversed(self.buckets):
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
                     self.outputs[bs] = self._forward(bs)
                 self.graphs[bs] = graph
             torch.cuda.synchronize()
@@ -157,10 +163,29 @@ class DecodeGraphs:
         Each sequence decodes its token at position ``num_computed_tokens`` (see `fill_decode_rows`).
         Returns (hidden, logits, tokens) views of the first len(seqs) rows.
         """
-        b = len(seqs)
+        self.fill_host(bucket, seqs)
+        return self.replay(bucket, len(seqs))
+
+    def fill_host(self, bucket: int, seqs: list[Sequence]) -> None:
+        """The host inputs of one decode token per sequence (rows [len(seqs), bucket) padding)."""
         self._copied.synchronize()  # the previous step's host->device copies have read the buffers
         fill_decode_rows(seqs, bucket, self.block_size, self._rows, self.h_ids, self.h_pos, self.h_slots,
                          self.h_ctx, self.h_tables)
+
+    def fill_rows(self, bucket: int, ids: np.ndarray, pos: np.ndarray, slots: np.ndarray, ctx: np.ndarray,
+                  tables: np.ndarray) -> None:
+        """The host inputs from arrays (a tensor-parallel rank > 0 replaying rank 0's plan): B rows of
+        ids/positions/slots/context lengths and a [B, M] block table (M <= max_blocks)."""
+        b, m = tables.shape
+        self._copied.synchronize()
+        self.invalidate_rows()
+        self.h_ids[:b], self.h_pos[:b], self.h_slots[:b], self.h_ctx[:b] = ids, pos, slots, ctx
+        self.h_tables[:b, :m] = tables
+        self.h_slots[b:bucket] = -1
+        self.h_ctx[b:bucket] = 0
+
+    def replay(self, bucket: int, b: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Copy the filled host inputs of b rows to the device and replay ``bucket``'s graph."""
         n = len(self.h_ctx)
         self.dev64.copy_(self.host64, non_blocking=True)
         self.dev32[: n + b * self.max_blocks].copy_(self.host32[: n + b * self.max_blocks], non_blocking=True)

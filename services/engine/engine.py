@@ -230,7 +230,7 @@ class LLMEngine:
 
     def has_work(self) -> bool:
         if self.ranks is not None:
-            self.ranks.check()  # a dead rank kills the engine loop (the service goes NOT_SERVING)
+            self.ranks.check_idle()  # a dead rank kills the engine loop (the service goes NOT_SERVING)
         return self.scheduler.has_work
 
     def step(self) -> list[RequestOutput]:

@@ -93,3 +93,44 @@ def test_a_model_the_degree_cannot_split_is_refused_before_any_rank_starts() -> 
     with pytest.raises(TensorParallelError, match=r"--tensor-parallel-size.* 2 cannot run random:smollm2-135m: "
                                                   r"tensor-parallel size 2 does not divide the 9 attention heads"):
         check_split("random:smollm2-135m", 2)
+
+
+def test_graph_plan_round_trips_through_int64() -> None:
+    import numpy as np
+
+    from services.engine.parallel.plan import GraphPlan, Op, decode_graph, encode_graph, graph_payload_len
+
+    tables = np.array([[3, 4, 0], [7, 8, 9]], dtype=np.int32)
+    plan = GraphPlan(4, np.array([11, 12]), np.array([20, 40]), np.array([61, 137]), np.array([21, 41], dtype=np.int32),
+                     tables)
+    header, payload = encode_graph(plan)
+    assert header[0] == Op.GRAPH and payload.dtype == torch.int64 and len(payload) == graph_payload_len(header)
+    back = decode_graph(header, payload)
+    assert back.bucket == 4 and back.block_tables.shape == (2, 3)
+    for a, b in zip((plan.ids, plan.positions, plan.slots, plan.context_lens, plan.block_tables),
+                    (back.ids, back.positions, back.slots, back.context_lens, back.block_tables), strict=True):
+        assert np.array_equal(a, b)
+
+
+def test_an_idle_instance_keeps_its_ranks_listening(monkeypatch) -> None:
+    """Between steps rank 0 sends Op.NOOP once KEEPALIVE_S passed without a plan (a rank's pending receive
+    would otherwise reach the group's collective timeout); the ranks then still compute in step."""
+    import time
+
+    from services.engine.config import EngineConfig
+    from services.engine.engine import LLMEngine
+    from services.engine.parallel import runner as tp_runner
+    from services.engine.sampling_params import SamplingParams
+
+    eng = LLMEngine(EngineConfig(model="random:tiny-llama", dtype="float32", num_kv_blocks=32, cpu_threads=1,
+                                 tensor_parallel_size=2))
+    try:
+        sent = eng.runner._last_plan
+        assert not eng.has_work() and eng.runner._last_plan == sent  # a recent plan: nothing sent
+        monkeypatch.setattr(tp_runner, "KEEPALIVE_S", 0.0)
+        time.sleep(0.01)
+        assert not eng.has_work() and eng.runner._last_plan > sent
+        greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        assert len(eng.generate([[5, 9, 200, 31]], greedy)[0]) == 3
+    finally:
+        eng.runner.release()

@@ -41,6 +41,10 @@ class TPGroup:
             return x
         assert self.pg is not None
         x = x.contiguous()
+        if x.is_cuda:  # NCCL all_gather_into_tensor: one flat output, no list copies (captured in decode graphs)
+            flat = x.new_empty((self.size, *x.shape))
+            self.pg._allgather_base(flat, x).wait()
+            return torch.cat(flat.unbind(0), dim=-1)
         parts = [torch.empty_like(x) for _ in range(self.size)]
         self.pg.allgather([parts], [x]).wait()
         return torch.cat(parts, dim=-1)

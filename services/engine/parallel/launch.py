@@ -84,6 +84,13 @@ class RankSet:
         if self.failed is not None:
             raise self.failed
 
+    def check_idle(self) -> None:
+        """check(), then keep the ranks' plan receive alive (runner.keepalive) when no plan went out lately:
+        the engine loop calls this on every iteration, idle or not."""
+        self.check()
+        if self.runner is not None:
+            self.runner.keepalive()
+
     def failure(self, cause: BaseException) -> RankDiedError:
         """What a failed collective means: the rank the watcher saw die (waiting briefly for it to notice),
         else a group failure naming the cause."""

@@ -11,8 +11,13 @@ int64 payload whose length the header fixes:
 - TRACE: a=window start (Unix ms), b=window length (ms), c=bytes of the file stem; payload = the stem's
   UTF-8 bytes, one per int64 (rank 0 derives it from its own trace root and a validated session name).
   Each rank writes ``<stem>-rank<r>.trace.json`` (trace.py).
+- GRAPH: a=bucket, b=sequences B, c=block-table width M; payload = ids[B] | positions[B] | slots[B] |
+  context_lens[B] | block_tables[B*M]. Every rank fills its decode graph's inputs (cuda_graphs.py) and
+  replays its graph of that bucket; the graphs hold the collectives, so ranks replay them in lockstep.
 - STOP: no payload; the ranks leave their loop.
 - RANK_PAGES: pages rank to rank over a side transport; a=sub-op (pools / attach / write); rank_pages.py.
+- NOOP: no payload; rank 0 sends one when no plan went out for runner.KEEPALIVE_S, so the receive an idle
+  rank waits in never reaches the group's collective timeout (which would end that rank).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from services.engine.attention import AttentionMetadata
@@ -33,7 +39,9 @@ class Op(enum.IntEnum):
     IMPORT = 3
     STOP = 4
     TRACE = 5
+    GRAPH = 6
     RANK_PAGES = 7
+    NOOP = 8
 
 
 @dataclass
@@ -78,6 +86,38 @@ def decode_step(header: torch.Tensor, payload: torch.Tensor, device: torch.devic
         cu_seqlens_q=cu.to(device),
     )
     return StepPlan(ids.to(device), pos.to(device), meta, rows.tolist())
+
+
+@dataclass
+class GraphPlan:
+    """One decode-graph replay: the bucket and the host arrays of its B rows."""
+
+    bucket: int
+    ids: np.ndarray
+    positions: np.ndarray
+    slots: np.ndarray
+    context_lens: np.ndarray
+    block_tables: np.ndarray
+    """[B, M] block ids (each row valid up to its context length)."""
+
+
+def encode_graph(plan: GraphPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    b, m = plan.block_tables.shape
+    header = torch.tensor([Op.GRAPH, plan.bucket, b, m, 0, 0, 0, 0], dtype=torch.int64)
+    payload = np.concatenate([plan.ids, plan.positions, plan.slots, plan.context_lens,
+                              plan.block_tables.reshape(-1)]).astype(np.int64)
+    return header, torch.from_numpy(payload)
+
+
+def graph_payload_len(header: torch.Tensor) -> int:
+    _, _, b, m = header[:4].tolist()
+    return 4 * b + b * m
+
+
+def decode_graph(header: torch.Tensor, payload: torch.Tensor) -> GraphPlan:
+    _, bucket, b, m = header[:4].tolist()
+    ids, pos, slots, ctx, tables = np.split(payload.numpy(), [b, 2 * b, 3 * b, 4 * b])
+    return GraphPlan(bucket, ids, pos, slots, ctx, tables.reshape(b, m))
 
 
 def simple(op: Op, n: int = 0) -> torch.Tensor:

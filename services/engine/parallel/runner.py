@@ -3,12 +3,17 @@ announces with a plan (plan.py) and every rank runs in the same order.
 
 A lock makes each sequence atomic: the engine thread's steps and a worker thread's page import (KVPages)
 never interleave their collectives. Pages cross the instance boundary with all heads (pages.py).
+
+On CUDA with --cuda-graphs every rank captured its decode graphs together (cuda_graphs.py); a pure-decode
+step replays them: rank 0 fills its graph inputs, announces the bucket and the rows (Op.GRAPH), and every
+rank replays its graph of that bucket, whose NCCL collectives meet the other ranks' in the same order.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import torch
@@ -21,9 +26,21 @@ from services.engine.model_loader import LoadedModel
 from services.engine.model_runner import ModelRunner, _sampled_rows
 from services.engine.parallel.group import TPGroup
 from services.engine.parallel.pages import as_cache, assemble, from_cache, per_rank_heads
-from services.engine.parallel.plan import HEADER, Op, encode_step, encode_trace, simple
-from services.engine.sampler import Sampled
-from services.engine.scheduler import SchedulerOutput
+from services.engine.parallel.plan import (
+    HEADER,
+    GraphPlan,
+    Op,
+    encode_graph,
+    encode_step,
+    encode_trace,
+    simple,
+)
+from services.engine.sampler import Sampled, SamplingRow
+from services.engine.scheduler import ScheduledChunk, SchedulerOutput
+
+KEEPALIVE_S = 30.0
+"""Longest rank 0 goes without sending a plan (an idle instance sends Op.NOOP): well under the group's
+collective timeout (group.connect, 120 s), which a rank's pending plan receive would otherwise reach."""
 
 
 def send(group: TPGroup, header: torch.Tensor, payload: torch.Tensor | None = None) -> None:
@@ -46,6 +63,8 @@ class TPModelRunner(ModelRunner):
         """Maps a failed collective to the RankDiedError the engine dies of (launch.RankSet.failure)."""
         self._stop = stop
         self.lock = threading.Lock()
+        self._last_plan = time.monotonic()
+        """When rank 0 last sent a plan (monotonic s)."""
 
     def release(self) -> None:
         super().release()
@@ -58,6 +77,7 @@ class TPModelRunner(ModelRunner):
             self._check()
             try:
                 send(self.group, header, payload)
+                self._last_plan = time.monotonic()
                 yield
             except RuntimeError as e:
                 if isinstance(e, EngineDeadError):
@@ -69,6 +89,11 @@ class TPModelRunner(ModelRunner):
         if not out.chunks:
             return {}
         chunks = sorted(out.chunks, key=lambda c: c.num_new_tokens != 1)  # decode rows first
+        bucket = self._graph_bucket(chunks)
+        if bucket is not None:
+            return self._replay(chunks, bucket)
+        if self.graphs is not None:
+            self.graphs.invalidate_rows()
         ids, pos, meta = self._prepare(chunks)
         ends, rows, seq_ids = _sampled_rows(chunks)
         with self._sequence(*encode_step(ids, pos, meta, ends)):
@@ -76,7 +101,33 @@ class TPModelRunner(ModelRunner):
             if not ends:
                 return {}
             logits = self.model.compute_logits(hidden[torch.tensor(ends, device=hidden.device)])
+        if self.device.type == "cuda":
+            return self._sample_gpu(logits, None, rows, seq_ids)
         return dict(zip(seq_ids, self.sampler.sample(logits, rows), strict=True))
+
+    def _graph_bucket(self, chunks: list[ScheduledChunk]) -> int | None:
+        """The decode-graph bucket of a step, or None (eager): every chunk a sampling one-token decode and
+        no compute_logits hook (a test's), since an LM head outside the graphs would be an unannounced
+        collective."""
+        if self.graphs is None or "compute_logits" in vars(self.model):
+            return None
+        if not all(c.num_new_tokens == 1 and c.sample for c in chunks):
+            return None
+        return self.graphs.bucket_for(len(chunks), max(c.seq.num_computed_tokens + 1 for c in chunks))
+
+    def _replay(self, chunks: list[ScheduledChunk], bucket: int) -> dict[int, Sampled]:
+        """One decode step in every rank's graph of ``bucket`` (LM head and greedy argmax included)."""
+        g = self.graphs
+        assert g is not None
+        b = len(chunks)
+        g.fill_host(bucket, [c.seq for c in chunks])
+        width = -(-int(g.h_ctx[:b].max()) // self.block_size)  # table columns any row reads
+        plan = GraphPlan(bucket, g.h_ids[:b], g.h_pos[:b], g.h_slots[:b], g.h_ctx[:b], g.h_tables[:b, :width])
+        with self._sequence(*encode_graph(plan)):
+            _, logits, tokens = g.replay(bucket, b)
+        assert logits is not None
+        rows = [SamplingRow(c.seq.params, c.seq.num_output_tokens) for c in chunks]
+        return self._sample_gpu(logits, tokens, rows, [c.seq.seq_id for c in chunks])
 
     @torch.inference_mode()
     def read_pages(self, block_ids: list[int], codec: str | None = None) -> torch.Tensor:
@@ -113,6 +164,12 @@ class TPModelRunner(ModelRunner):
         """Ranks 1..N-1 start profiling the window and write ``<stem>-rank<r>.trace.json`` (parallel/trace.py)."""
         with self._sequence(*encode_trace(start_unix, duration_s, stem)):
             pass
+
+    def keepalive(self) -> None:
+        """Op.NOOP when no plan went out for KEEPALIVE_S (engine thread, between steps)."""
+        if time.monotonic() - self._last_plan > KEEPALIVE_S:
+            with self._sequence(simple(Op.NOOP)):
+                pass
 
     def stop_ranks(self) -> None:
         """Tell ranks 1..N-1 to leave their loop (waits for a running step)."""

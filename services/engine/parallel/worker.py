@@ -18,7 +18,15 @@ from services.engine.config import EngineConfig
 from services.engine.model_runner import ModelRunner
 from services.engine.parallel.group import TPGroup, connect, open_store
 from services.engine.parallel.loader import load_shard
-from services.engine.parallel.plan import HEADER, Op, decode_step, decode_trace, step_payload_len
+from services.engine.parallel.plan import (
+    HEADER,
+    Op,
+    decode_graph,
+    decode_step,
+    decode_trace,
+    graph_payload_len,
+    step_payload_len,
+)
 from services.engine.parallel.rank_pages import serve_op
 from services.engine.parallel.trace import rank_trace_path, start_recording
 
@@ -33,12 +41,11 @@ def rank_device(device: str, rank: int) -> torch.device:
 
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     """The engine settings of one rank: its device, its KV pool (shared, as --kv-cache-shared says: a side
-    transport writes into every rank's own pool), no CUDA graphs (every rank would have to replay the same
-    graph in lockstep), and its share of the CPU threads (--cpu-threads 0: the
-    instance's CPUs split over its ranks, not N ranks each using all of them)."""
+    transport writes into every rank's own pool), CUDA graphs as configured (every rank captures its own,
+    together, and replays them in lockstep: runner.py), and its share of the CPU threads (--cpu-threads 0:
+    the instance's CPUs split over its ranks, not N ranks each using all of them)."""
     threads = config.cpu_threads or max(1, config.resolved_cpu_threads // config.tensor_parallel_size)
-    return dataclasses.replace(config, device=str(rank_device(config.device, rank)), cuda_graphs=False,
-                               cpu_threads=threads)
+    return dataclasses.replace(config, device=str(rank_device(config.device, rank)), cpu_threads=threads)
 
 
 def _recv(group: TPGroup, n: int, dtype: torch.dtype = torch.int64, shape: tuple[int, ...] | None = None
@@ -59,6 +66,8 @@ def serve(runner: ModelRunner, group: TPGroup) -> None:
         op = Op(int(header[0]))
         if op == Op.STOP:
             return
+        if op == Op.NOOP:
+            continue
         if op == Op.RANK_PAGES:  # pages rank to rank (side transports at TP>1)
             serve_op(runner, group, header)
             continue
@@ -66,6 +75,12 @@ def serve(runner: ModelRunner, group: TPGroup) -> None:
             start, duration, stem = decode_trace(header, _recv(group, int(header[3])).cpu())
             traces = [t for t in traces if t.is_alive()]
             traces.append(start_recording(start, duration, rank_trace_path(stem, group.rank)))
+            continue
+        if op == Op.GRAPH:
+            gp = decode_graph(header, _recv(group, graph_payload_len(header)).cpu())
+            assert runner.graphs is not None, "rank 0 replays decode graphs, this rank captured none"
+            runner.graphs.fill_rows(gp.bucket, gp.ids, gp.positions, gp.slots, gp.context_lens, gp.block_tables)
+            runner.graphs.replay(gp.bucket, len(gp.ids))
             continue
         if op == Op.STEP:
             plan = decode_step(header, _recv(group, step_payload_len(header)).cpu(), dev)
@@ -89,10 +104,13 @@ def worker_main(rank: int, size: int, port: int, config: EngineConfig) -> None:
     cfg.apply_host()
     torch.set_grad_enabled(False)
     device = rank_device(config.device, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # Triton kernels launch on the current device: this rank's
     group = connect(open_store(size, port), rank, size, device)
     loaded = load_shard(cfg.model, cfg.torch_dtype, device, group)
+    group.all_reduce(torch.zeros(1, device=device))  # loaded (meets rank 0's RankSet.load_model)
+    # Rank 0 builds its runner next as well: both allocate KV and capture decode graphs (collectives) together.
     runner = ModelRunner(loaded, cfg)
-    group.all_reduce(torch.zeros(1, device=device))  # loaded: rank 0 may send plans
     log.info("tensor-parallel rank %d/%d ready: heads %s, KV heads %s", rank, size, loaded.model.tp_split.q_range,
              loaded.model.tp_split.kv_range)
     serve(runner, group)
