@@ -1,15 +1,18 @@
-"""1P1D against 2x data parallel on one device: a prefill and a decode process (KV over cuda-ipc on a GPU,
-shm on CPU) behind one router, then two colocated workers behind one router, each driven through the
+"""1P1D against 2x data parallel: a prefill and a decode process (KV over cuda-ipc on a GPU, shm on CPU)
+behind one router, then two colocated workers behind one router, each driven through the
 router's OpenAI HTTP endpoint by the serving benchmark's streaming client (benchmarks/serve) with the same
 fixed-length workload at each concurrency; one table with TTFT p50/p90, TPOT p50, output tok/s, req/s and
 the 1P1D / 2xDP ratio of each figure.
 
     pdserve bench pd-vs-dp --model random:llama-3-8b --concurrency 8,32
+    pdserve bench pd-vs-dp --model random:llama-3-8b --concurrency 8,32 --placement two-gpus
     pdserve bench pd-vs-dp --device cpu --model random:tiny-llama --input-tokens 128 --output-tokens 8 \\
         --concurrency 2,4 --kv-cache-bytes 67108864
 
-Both set-ups are two engine processes on the one device; each holds its own weights and a KV pool of
-``--kv-cache-bytes`` (on one H200: 2 x (16 GB of 8B bf16 weights + the pool)).
+Both set-ups are two engine processes, each with its own weights and a KV pool of ``--kv-cache-bytes``.
+``--placement one-device`` (default) puts both on ``--device`` (on one H200: 2 x (16 GB of 8B bf16 weights +
+the pool)); ``two-gpus`` puts 1P1D's prefill on cuda:0 and its decode on cuda:1 (cuda-ipc: the prefill
+opens the decode pool's IPC handle on cuda:1 and copies over NVLink/PCIe) and 2xDP's workers one per GPU.
 Requests are completions with ``ignore_eos`` and ``logprobs`` (a random model's tokens past the 256 bytes
 decode to no text; with logprobs every token is a streamed event, so TTFT and TPOT are per token). Each
 concurrency's prompts open with their own tag, so no request reuses another's cached prefix; one warm-up
@@ -36,6 +39,7 @@ from benchmarks.serve.tokens import TokenCounter, WordText
 from benchmarks.serve.workload import RandomSpec, random_workload
 
 PD, DP = "1P1D", "2xDP"
+PLACEMENTS = ("one-device", "two-gpus")
 COLUMNS = (("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p90_ms", "TTFT p90 ms"), ("tpot_p50_ms", "TPOT p50 ms"),
            ("output_tok_s", "out tok/s"), ("requests_per_s", "req/s"))
 
@@ -109,7 +113,10 @@ def _machine(device: str) -> str:
 
     cpu = host_cpu()
     host = f"{len(cpu.cpus)} CPUs {platform.machine()} {cpu.model} ({', '.join(cpu.reported_flags()) or 'no AVX2'})"
-    gpu = torch.cuda.get_device_name(0) if device.startswith("cuda") and torch.cuda.is_available() else "no GPU"
+    gpu = "no GPU"
+    if device.startswith("cuda") and torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        gpu = f"{n} x {torch.cuda.get_device_name(0)}"
     return f"{gpu}; {host}; torch {torch.__version__}"
 
 
@@ -142,6 +149,15 @@ def _measure(setup: str, http: str, args: argparse.Namespace, texts: WordText, c
     return rows
 
 
+def placement_flags(setup: str, placement: str) -> dict[str, list[str]]:
+    """Per-instance flags (LocalCluster extra, by instance name) that place a set-up's two engine processes:
+    none on one device; on two GPUs 1P1D's prefill on cuda:0 and decode on cuda:1, 2xDP's workers one each."""
+    if placement == "one-device":
+        return {}
+    names = ("prefill-0", "decode-0") if setup == PD else ("worker-0", "worker-1")
+    return {name: ["--device", f"cuda:{i}"] for i, name in enumerate(names)}
+
+
 def run_setup(setup: str, args: argparse.Namespace, texts: WordText, counter: TokenCounter) -> list[Row]:
     from services.launcher import LocalCluster
 
@@ -152,6 +168,7 @@ def run_setup(setup: str, args: argparse.Namespace, texts: WordText, counter: To
                                  "extra": {"prefill": dev, "decode": dev}}
     else:
         shape = {"prefill": 0, "decode": 2, "colocated": True, "extra": {"decode": dev}}
+    shape["extra"].update(placement_flags(setup, args.placement))  # after the role's flags: these win
     t0 = time.perf_counter()
     with LocalCluster(kvstore=None, model=args.model, dtype=args.dtype, quiet=True, **shape) as c:
         print(f"{setup}: {len(c.procs) - 1} engine processes ready in {time.perf_counter() - t0:.0f} s",
@@ -175,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=2048, help="--max-prefill-chunk of every engine (tokens)")
     p.add_argument("--kv-transport", default="auto", help="1P1D's prefill -> decode transport (auto: cuda-ipc "
                                                           "on GPU, shm on CPU)")
+    p.add_argument("--placement", default="one-device", choices=PLACEMENTS,
+                   help="one-device: both processes of each set-up on --device; two-gpus: 1P1D prefill on cuda:0 "
+                        "and decode on cuda:1, 2xDP one worker per GPU")
     p.add_argument("--input-tokens", type=int, default=2048)
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--concurrency", default="8,32", help="comma-separated; each runs --rounds x C requests")
@@ -195,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     for setup in args.setups.split(","):
         rows += run_setup(setup, args, texts, counter)
-    print(f"\n{args.model} {args.dtype} on {args.device}: {args.input_tokens} in / {args.output_tokens} out "
+    print(f"\n{args.model} {args.dtype} on {args.device} ({args.placement}): {args.input_tokens} in / {args.output_tokens} out "
           f"(ignore_eos), {args.rounds} x C requests per concurrency, prefill chunk {args.chunk}, "
           f"KV pool {args.kv_cache_bytes / 2**30:g} GiB per process\n{machine}\n{command}\n")
     print(table(rows))

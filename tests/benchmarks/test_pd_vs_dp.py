@@ -62,3 +62,11 @@ def test_row_of_a_run_where_nothing_completed_is_nan() -> None:
     run = RunResult(LoadPoint(concurrency=1), [RequestResult("x", 0, 0.0, error="http_503")], 0, (0.0, 1.0), 1.0)
     row = Row.of(DP, 1, summarize_run(run, SLO()))
     assert math.isnan(row.ttft_p50_ms) and row.output_tok_s == 0.0 and row.failed == 1
+
+
+def test_two_gpu_placement_puts_prefill_and_decode_or_each_worker_on_its_own_gpu() -> None:
+    from benchmarks.gpu_pd_vs_dp import placement_flags
+
+    assert placement_flags(PD, "one-device") == {} == placement_flags(DP, "one-device")
+    assert placement_flags(PD, "two-gpus") == {"prefill-0": ["--device", "cuda:0"], "decode-0": ["--device", "cuda:1"]}
+    assert placement_flags(DP, "two-gpus") == {"worker-0": ["--device", "cuda:0"], "worker-1": ["--device", "cuda:1"]}
