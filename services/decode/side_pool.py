@@ -41,8 +41,11 @@ def offered_pool(pages: KVPages, mooncake_host: str, mooncake_engines: int = 1) 
     set (any host may write; a device pool through a pinned host landing area, kv_transport/mooncake_staged;
     with ``mooncake_engines`` transfer engines, all offered), else the engine's same-host shm / CUDA IPC pool,
     else None."""
-    if pages.has_draft:  # a draft region is a second pool: prefills send (both-region) page bytes instead
-        return None
+    if pages.has_draft:  # a second pool: same-host only, offered with the target pool (KVDestination.draft)
+        dest = pages.destination
+        if mooncake_host:
+            log.warning("a decode with a draft region offers no pool over Mooncake (prefills send page bytes)")
+        return dest if dest is not None and dest.HasField("draft") and not mooncake_host else None
     if pages.sharded:  # TP>1: every rank's own shm / CUDA IPC pool, written rank to rank (parallel/rank_pages.py)
         if mooncake_host:
             log.warning("a tensor-parallel decode offers no pool over Mooncake (prefills send page bytes instead)")

@@ -68,6 +68,7 @@ class ModelRunner:
         self.attn_backend = self._make_backend(self.kv_cache, self.head_dim)
         if self.spec is not None:
             self.spec.allocate(self.num_blocks, self._make_backend)
+            self.kv_destination = self.spec.offer(self.kv_destination)  # + the draft pool when it is shared
         self.sampler = Sampler(config.seed)
         self.graphs = None
         if self.device.type == "cuda":

@@ -26,6 +26,7 @@ from services.engine.kv_transport.mooncake_staged import StagedWriter, StagingRi
 from services.engine.kv_transport.shared_pool import ONEOF_OF, SharedPoolWriter
 from services.engine.parallel.rank_pages import ShardWriter, ShardWrites, pool_split, spec_of, transport_of
 from services.engine.shared_kv import SharedKVAttachError, SharedKVPools, pool_id
+from services.engine.spec.pools import draft_writer
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,9 @@ class DirectWrites:
         """Pinned host staging registered with Mooncake (made on the first write into a host landing area)."""
         self._lock = threading.Lock()  # attach() and the Mooncake start run in worker threads
         self._logged: set[tuple[str, str]] = set()
+        self.draft = None
+        """This prefill's draft (services/engine/spec SpecDecoder) when its pages carry a draft region: a side
+        transport then also writes that region into decode's draft pool (spec/pools.py), or falls back."""
         self.shards: ShardWrites | None = None
         """This instance's rank-to-rank writes (set by the servicer): used for a tensor-parallel decode's pool,
         and for every side-transport write of a tensor-parallel prefill."""
@@ -108,6 +112,8 @@ class DirectWrites:
             self._fallback(transport, "blocks", f"{len(dest)} destination block ids for a {num_blocks}-block prompt")
             return None
         try:
+            if self.draft is not None and transport == "mooncake":
+                raise SharedKVAttachError("draft", "pages with a draft region go in place over shm / cuda-ipc only")
             if transport == "mooncake":
                 shape, dtype = await asyncio.to_thread(mooncake.check_pool, request.destination.mooncake,
                                                        request.decode_address)  # may resolve a host name
@@ -143,6 +149,13 @@ class DirectWrites:
                     return StagedWriter(engine, ring, (src.shape[0], 2, *src.shape[3:]), src.dtype, export,
                                         request.destination, dest)
                 return await asyncio.to_thread(mooncake.MooncakeWriter, engine, src, request.destination, dest)
+            except SharedKVAttachError as e:
+                self._fallback(transport, e.reason, str(e))
+                return None
+        if self.draft is not None:
+            try:
+                return await asyncio.to_thread(draft_writer, self.pools, request.destination, self.draft, transport,
+                                               pool_id(request.destination), src, pool, dest)
             except SharedKVAttachError as e:
                 self._fallback(transport, e.reason, str(e))
                 return None

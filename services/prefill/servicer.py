@@ -75,8 +75,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.engine = engine
         shards = self.direct.shards = pages_of(engine.engine).shard_writes()  # rank to rank (parallel/rank_pages)
         shards.on_pages = lambda rank, n: self.metrics.kv_rank_pages_total.labels(str(rank)).inc(n)
-        if pages_of(engine.engine).has_draft:  # side transports write the target pool only: the draft region
-            self.direct.mode = "grpc"          # travels with it as page bytes in the stream
+        self.direct.draft = engine.engine.runner.spec  # side transports write its draft region too (spec/pools.py)
         self.model = engine.engine.loaded.model_id
         self.layout = engine.engine.layout
         engine.engine.chunk_listeners.append(self._on_chunk)

@@ -80,16 +80,28 @@ class MooncakePool(_message.Message):
     def __init__(self, segment: _Optional[str] = ..., base_address: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., protocol: _Optional[str] = ..., page_major: _Optional[bool] = ..., extra_segments: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KVDestination(_message.Message):
-    __slots__ = ("shm", "cuda_ipc", "mooncake", "sharded")
+    __slots__ = ("shm", "cuda_ipc", "mooncake", "sharded", "draft")
     SHM_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     MOONCAKE_FIELD_NUMBER: _ClassVar[int]
     SHARDED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
     shm: ShmPool
     cuda_ipc: CudaIpcPool
     mooncake: MooncakePool
     sharded: ShardedPool
-    def __init__(self, shm: _Optional[_Union[ShmPool, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcPool, _Mapping]] = ..., mooncake: _Optional[_Union[MooncakePool, _Mapping]] = ..., sharded: _Optional[_Union[ShardedPool, _Mapping]] = ...) -> None: ...
+    draft: DraftPool
+    def __init__(self, shm: _Optional[_Union[ShmPool, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcPool, _Mapping]] = ..., mooncake: _Optional[_Union[MooncakePool, _Mapping]] = ..., sharded: _Optional[_Union[ShardedPool, _Mapping]] = ..., draft: _Optional[_Union[DraftPool, _Mapping]] = ...) -> None: ...
+
+class DraftPool(_message.Message):
+    __slots__ = ("shm", "cuda_ipc", "region")
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    shm: ShmPool
+    cuda_ipc: CudaIpcPool
+    region: str
+    def __init__(self, shm: _Optional[_Union[ShmPool, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcPool, _Mapping]] = ..., region: _Optional[str] = ...) -> None: ...
 
 class ShardedPool(_message.Message):
     __slots__ = ("tp_size", "num_kv_heads", "kv_replicas", "ranks")

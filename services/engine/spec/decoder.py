@@ -24,21 +24,27 @@ CUDA graph (spec/graphs.py); any other step runs eagerly here. Either way the ho
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from services.common.pb import decode_pb2
 from services.engine.attention import ForwardContext, TorchPagedAttention
 from services.engine.kv_layout import FP8_CODEC, PageLayout, Region
 from services.engine.sampler import SamplingRow
 from services.engine.sampling_params import Sampled
 from services.engine.scheduler import ScheduledChunk, SchedulerOutput
+from services.engine.shared_kv import SharedKVAttachError, create_shared_kv, export_cuda_kv
 from services.engine.spec.attention import UniformQueryAttention
 from services.engine.spec.draft import Draft, DraftConfigError, load_draft
 from services.engine.spec.graphs import GraphStep, SpecGraphs
 from services.engine.spec.pages import pack_composite, region_nbytes, unpack_composite
+from services.engine.spec.pools import with_draft_pool
 from services.engine.spec.verify import (
     draw,
     greedy_accept,
@@ -115,6 +121,9 @@ class SpecDecoder:
         """(the runner's attention backend, the one verify forwards use over it)."""
         self.graphs: SpecGraphs | None = None
         """Captured whole speculative steps (CUDA only; capture_graphs)."""
+        self.pool_destination: decode_pb2.KVDestination | None = None
+        """The draft pool as a same-host prefill opens it (shm / CUDA IPC), when shared."""
+        self.shm_path: str | None = None
 
     def bytes_per_block(self) -> int:
         return self.draft.bytes_per_block(self.config.block_size, self.config.torch_dtype)
@@ -123,11 +132,40 @@ class SpecDecoder:
         return self.draft.region(self.config.block_size, self.draft_codec)
 
     def allocate(self, num_blocks: int, make_backend) -> None:
-        """The draft KV region [draft layers, 2, num_blocks, block_size, kv heads, head dim]."""
+        """The draft KV region [draft layers, 2, num_blocks, block_size, kv heads, head dim]; with
+        --kv-cache-shared a /dev/shm file (CPU) or a CUDA IPC export that same-host prefills write into."""
         d, cfg = self.draft, self.config
-        self.kv_cache = torch.zeros(d.num_layers, 2, num_blocks, cfg.block_size, d.num_kv_heads, d.head_dim,
-                                    dtype=cfg.torch_dtype, device=cfg.device)
+        shape = (d.num_layers, 2, num_blocks, cfg.block_size, d.num_kv_heads, d.head_dim)
+        self.kv_cache = None
+        if cfg.kv_cache_shared and torch.device(cfg.device).type == "cpu":
+            try:
+                self.kv_cache, self.shm_path, self.pool_destination = create_shared_kv(shape, cfg.torch_dtype)
+                atexit.register(self.release)
+            except (SharedKVAttachError, OSError) as e:
+                log.warning("draft KV pool stays private (prefills will send page bytes): %s", e)
+        if self.kv_cache is None:
+            self.kv_cache = torch.zeros(shape, dtype=cfg.torch_dtype, device=cfg.device)
+            if cfg.kv_cache_shared and self.kv_cache.is_cuda:
+                try:
+                    self.pool_destination = export_cuda_kv(self.kv_cache)
+                except (SharedKVAttachError, RuntimeError) as e:
+                    log.warning("draft KV pool stays private (CUDA IPC export failed): %s", e)
         self.backend = _batched(make_backend(self.kv_cache, d.head_dim))
+
+    def offer(self, dest: decode_pb2.KVDestination | None) -> decode_pb2.KVDestination | None:
+        """The runner's shared target pool ``dest`` with this draft pool beside it (spec/pools.py); ``dest``
+        unchanged when the draft pool is private (side transports then see no draft pool: page bytes)."""
+        if dest is None or self.pool_destination is None:
+            return dest
+        return with_draft_pool(dest, self.pool_destination, self.region())
+
+    def release(self) -> None:
+        """Remove the shared draft pool's /dev/shm file."""
+        if self.shm_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.shm_path)
+            self.shm_path = None
+            self.pool_destination = None
 
     def capture_graphs(self, runner) -> None:
         """Capture the speculative step per batch bucket (runner: Triton attention on CUDA, max_model_len set)."""
