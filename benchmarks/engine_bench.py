@@ -92,12 +92,12 @@ def _machine() -> str:
 
 class EngineBench:
     def __init__(self, model: str | None, dtype: str, prompt_len: int, max_seqs: int, seq_len: int,
-                 cpu_threads: int = 0, weight_format: str = "auto") -> None:
+                 cpu_threads: int = 0, weight_format: str = "auto", cpu_compile_decode: int = 0) -> None:
         blocks = max(prompt_len + 1, max_seqs * seq_len) // 16 + 2 * max_seqs + 8
         self.config = EngineConfig(
             model=model, dtype=dtype, cpu_threads=cpu_threads, num_kv_blocks=blocks, block_size=16, max_num_seqs=max_seqs,
             max_num_batched_tokens=max(prompt_len, 2048), max_prefill_chunk=prompt_len,
-            enable_prefix_caching=False, weight_format=weight_format)
+            enable_prefix_caching=False, weight_format=weight_format, cpu_compile_decode=cpu_compile_decode)
         self.engine = LLMEngine(self.config)
         self.vocab = self.engine.vocab_size
         self._n = 0

@@ -59,6 +59,10 @@ class EngineConfig(ContextConfig, ModelConfig, DtypeConfig):
                                      "Q4_1 blocks packed for torch's int4 GEMM, dequantized reads the dense weights; "
                                      "prefill-sized steps always use the dense ones. auto: int4 where it measures "
                                      "faster at start.", choices=WEIGHT_FORMATS)
+    cpu_compile_decode: int = opt(0, "CPU: run pure-decode steps of 1..N sequences through one torch.compile'd "
+                                     "forward (inductor; needs a C++ compiler), compiled at engine start (about "
+                                     "a minute on 2 cores the first time, seconds from inductor's disk cache). "
+                                     "0: eager steps.")
     draft_model: str = opt("", "Draft model of speculative decoding: layers:N (the target's first N layers, "
                                "sharing its embeddings, final norm and LM head), a .gguf file, an HF directory, or "
                                "random:NAME. Set it on prefill AND decode: pages then carry a draft KV region. "
@@ -75,6 +79,9 @@ class EngineConfig(ContextConfig, ModelConfig, DtypeConfig):
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
             raise EngineConfigError(f"dtype: must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}")
+        if not 0 <= self.cpu_compile_decode <= 8:
+            raise EngineConfigError("--cpu-compile-decode / PDSERVE_CPU_COMPILE_DECODE: must be 0..8 (compiled batch "
+                                    f"sizes), got {self.cpu_compile_decode}")
         if self.cpu_threads < 0:
             raise EngineConfigError(f"--cpu-threads / PDSERVE_CPU_THREADS: must be >= 0, got {self.cpu_threads}")
         try:

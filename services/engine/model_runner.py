@@ -73,6 +73,14 @@ class ModelRunner:
         self.graphs = None
         if self.device.type == "cuda":
             self._init_gpu(loaded)
+        self.compiled_decode = None
+        """CPU pure-decode steps through one compiled forward (--cpu-compile-decode); None: eager."""
+        if config.cpu_compile_decode and self.device.type == "cpu" and self.spec is None:
+            from services.engine.compiled_decode import CompiledDecode
+
+            if CompiledDecode.supported(self.model):
+                self.compiled_decode = CompiledDecode(self.model, self.kv_cache, config.cpu_compile_decode)
+                self.compiled_decode.warm_up()
         log.info("kv cache: %d blocks x %d tokens (%.1f MiB, %s)", self.num_blocks, self.block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.dtype)
 
@@ -114,6 +122,11 @@ class ModelRunner:
         if self.device.type == "cuda":
             with device_scope(self.device):
                 return self._execute_gpu(out)
+        if self.compiled_decode is not None and self.compiled_decode.accepts(out.chunks):
+            logits = self.compiled_decode.step(out.chunks)
+            ends, rows, seq_ids = _sampled_rows(out.chunks)
+            return dict(zip(seq_ids, self.sampler.sample(logits[ends] if len(ends) < len(out.chunks) else logits,
+                                                         rows), strict=True)) if ends else {}
         # One-token chunks first: the attention backend batches them as decode.
         chunks = sorted(out.chunks, key=lambda c: c.num_new_tokens != 1)
         ids, pos, meta = self._prepare(chunks)
