@@ -8,13 +8,15 @@ exposed transfer (decode's histogram: last chunk computed -> last chunk landed) 
 Every request has a prompt no earlier request shares (no prefix-cache reuse); each figure is the median
 over ``--repeats`` requests after one warm-up request per set-up. The "KV via" column is the transport
 prefill's bytes-sent counter grew under (a side transport that fell back to grpc shows as grpc, with
-the fallback count). ``mooncake`` runs the Transfer Engine over loopback TCP (MC_TCP_BIND_ADDRESS
+the fallback count). ``mooncake`` runs the Transfer Engine over loopback TCP (at --kv-mooncake-host
 127.0.0.1); with the pools on a GPU it goes through pinned host staging on both sides.
 ``--kv-wire-codec fp8-e4m3`` has the prefills send fp8 pages where the transport carries a codec (grpc,
 mooncake through host staging; shm / cuda-ipc write the pool's own dtype): "KV MB/req" shows the bytes moved.
+A comma-separated list runs every transport once per codec against the same in-process and colocated figures.
+``--kv-mooncake-engines`` is the transfer engines each side runs for mooncake (--kv-mooncake-engines).
 
     python benchmarks/gpu_kv_table.py --model random:llama-3-8b --prompts 2000,8000 --transports mooncake \
-        --kv-wire-codec fp8-e4m3
+        --kv-wire-codec native,fp8-e4m3 --kv-mooncake-engines 8
 """
 
 from __future__ import annotations
@@ -134,11 +136,12 @@ def colocated(args: argparse.Namespace, prompts: Prompts, dev: list[str]) -> dic
     return out
 
 
-def disaggregated(args: argparse.Namespace, prompts: Prompts, dev: list[str], transport: str,
+def disaggregated(args: argparse.Namespace, prompts: Prompts, dev: list[str], transport: str, codec: str,
                   want: dict[int, list[int]]) -> dict[tuple[str, int], dict[str, float]]:
     rows: dict[tuple[str, int], dict[str, float]] = {}
+    engines = ["--kv-mooncake-engines", str(args.kv_mooncake_engines)]
     with LocalCluster(prefill=1, decode=1, kvstore=None, model=args.model, dtype=args.dtype, quiet=True,
-                      extra={"prefill": [*dev, "--kv-wire-codec", args.kv_wire_codec], "decode": dev},
+                      extra={"prefill": [*dev, *engines, "--kv-wire-codec", codec], "decode": [*dev, *engines]},
                       kv_transport=transport) as c:
         pm, dm = c.get("prefill-0").ready["metrics"], c.get("decode-0").ready["metrics"]
         off = c._spawn("router-off", "router", [
@@ -167,7 +170,7 @@ def disaggregated(args: argparse.Namespace, prompts: Prompts, dev: list[str], tr
                 got = asyncio.run(_generate(addr, check_prompt(n), CHECK_TOKENS))[0]
                 r["tokens_equal"] = sum(a == b for a, b in zip(got, want[n], strict=False))
                 rows[(chunked, n)] = r
-                print(f"{transport}, chunked transfer {chunked}, {n} tokens: TTFT {r['ttft'] * 1000:.1f} ms, compute "
+                print(f"{transport} {codec}, chunked transfer {chunked}, {n} tokens: TTFT {r['ttft'] * 1000:.1f} ms, compute "
                       f"{r['compute'] * 1000:.1f}, exposed {r['exposed'] * 1000:.1f}, KV via {r['via']} "
                       f"{r['kv_mb']:.3f} MB/req "
                       f"({r['fallbacks']:.0f} fallbacks), tokens equal to in-process {r['tokens_equal']}/"
@@ -185,8 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens)")
     p.add_argument("--kv-cache-bytes", type=int, default=8 << 30)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--kv-wire-codec", default="native", choices=("native", "fp8-e4m3"),
-                   help="the prefills' --kv-wire-codec (decode accepts fp8-e4m3 always)")
+    p.add_argument("--kv-wire-codec", default="native",
+                   help="the prefills' --kv-wire-codec, comma-separated: native, fp8-e4m3 (decode accepts fp8-e4m3 "
+                        "always)")
+    p.add_argument("--kv-mooncake-engines", type=int, default=4, help="transfer engines per side (mooncake)")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     args.prompt_lens = [int(x) for x in args.prompts.split(",")]
@@ -195,10 +200,15 @@ def main(argv: list[str] | None = None) -> int:
     prompts = Prompts(250)  # ids the router's tokenizer accepts for every model (random models: bytes)
     base, want = in_process(args, prompts)
     col = colocated(args, prompts, dev)
-    pd = {t: disaggregated(args, prompts, dev, t, want) for t in args.transports.split(",")}
+    codecs = args.kv_wire_codec.split(",")
+    bad = sorted(set(codecs) - {"native", "fp8-e4m3"})
+    if bad:
+        p.error(f"--kv-wire-codec: unknown {bad} (native, fp8-e4m3)")
+    pd = {f"{t} {codec}": disaggregated(args, prompts, dev, t, codec, want)
+          for codec in codecs for t in args.transports.split(",")}
     print(f"\n{args.model} {args.dtype} on {args.device}, prefill chunk {args.chunk}, KV wire codec "
-          f"{args.kv_wire_codec}, median of {args.repeats}\n")
-    print("| transport | KV via | KV MB/req | chunked | prompt | TTFT ms | x colocated | prefill compute ms | "
+          f"{args.kv_wire_codec}, mooncake engines {args.kv_mooncake_engines}, median of {args.repeats}\n")
+    print("| transport codec | KV via | KV MB/req | chunked | prompt | TTFT ms | x colocated | prefill compute ms | "
           f"x in-process | exposed ms | exposed / compute | plumbing ms | tokens = in-process (of {CHECK_TOKENS}) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for n in args.prompt_lens:

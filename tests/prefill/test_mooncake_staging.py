@@ -38,9 +38,13 @@ def _offer_landing(p: Pair) -> HostLanding:
     return landing
 
 
-@pytest.mark.parametrize("entry_bytes", [mooncake_staged.ENTRY_BYTES, 1000])
-async def test_staged_pages_land_and_give_the_in_process_engines_tokens(pair, monkeypatch, entry_bytes: int) -> None:
+@pytest.mark.parametrize(("entry_bytes", "piece_bytes"), [(mooncake_staged.ENTRY_BYTES, mooncake_staged.PIECE_BYTES),
+                                                         (1000, mooncake_staged.PIECE_BYTES), (1000, 1)])
+async def test_staged_pages_land_and_give_the_in_process_engines_tokens(pair, monkeypatch, entry_bytes: int,
+                                                                        piece_bytes: int) -> None:
     monkeypatch.setattr(mooncake_staged, "ENTRY_BYTES", entry_bytes)  # 1000: runs split into odd-sized entries
+    # 1: every page exported as its own piece, entries sent piece by piece (some straddle two pieces)
+    monkeypatch.setattr(mooncake_staged, "PIECE_BYTES", piece_bytes)
     p = await pair("mooncake")
     landing = _offer_landing(p)
     sent = 0

@@ -57,6 +57,8 @@ def _reference_pages(ids: list[int]) -> torch.Tensor:
 async def test_staged_fp8_equals_the_grpc_fp8_path_and_moves_the_fp8_bytes(pair, monkeypatch, entry_bytes: int
                                                                             ) -> None:
     monkeypatch.setattr(staging.mooncake_staged, "ENTRY_BYTES", entry_bytes)  # 1000: odd-sized entries
+    monkeypatch.setattr(staging.mooncake_staged, "PIECE_BYTES", 1 if entry_bytes == 1000 else
+                        staging.mooncake_staged.PIECE_BYTES)  # odd entries: also one fp8 page per export piece
     grpc_pair = await pair("grpc")
     p = await pair("mooncake")
     _offer_landing(p)

@@ -56,6 +56,10 @@ ENTRY_BYTES = 4 << 20
 at a time through the engine's single I/O thread; many entries in flight let each wake-up of that
 thread serve many connections, which keeps a chunk's transfer fast on a loaded host
 (benchmarks/mooncake_tcp_probe.py)."""
+PIECE_BYTES = 32 << 20
+"""A write's pages are exported in pieces of about this many bytes (each its own gather and device-to-host copy
+on the side stream, with its own event), and the transfer-engine entries whose source bytes a piece completes
+are submitted as soon as it lands: the network starts on the first piece while the rest are still copied."""
 
 
 def _pinned(nbytes: int, what: str) -> torch.Tensor:
@@ -138,15 +142,21 @@ class _State(enum.Enum):
 
 @dataclass
 class _Staged:
-    """One write: its span, the export filling it, and the transfer-engine entries that send it."""
+    """One write: its span, the exports filling it (piece by piece: each with the span byte it completes, in
+    order), and the transfer-engine entries that send it (in ascending source order)."""
 
     off: int
     nbytes: int
-    export: PageExport
+    pieces: list[tuple[PageExport, int]]
     srcs: list[int]
     dsts: list[int]
     lens: list[int]
     state: _State = _State.STAGED
+
+    def exported(self) -> None:
+        """Block until every piece is in the span."""
+        for export, _ in self.pieces:
+            export.wait()
 
 
 class StagedWriter(PageWriter):
@@ -197,11 +207,17 @@ class StagedWriter(PageWriter):
         pb = self.page_bytes
         nbytes = n * pb
         off = self.ring.take(nbytes, self._broken)
+        pieces: list[tuple[PageExport, int]] = []
         try:
             out = self.ring.view(off, (n, pb), torch.uint8) if self.wire_codec else \
                 self.ring.view(off, (n, *self.page_shape), self.dtype)
-            export = self.export(src_blocks, self.wire_codec or None, out)
+            step = max(1, PIECE_BYTES // pb)  # pages per piece
+            for i in range(0, n, step):
+                pieces.append((self.export(src_blocks[i:i + step], self.wire_codec or None, out[i:i + step]),
+                               min(n, i + step) * pb))
         except BaseException:
+            for export, _ in pieces:  # nothing may still copy into the span once it is given back
+                export.wait()
             self.ring.give(off, nbytes)
             raise
         srcs, dsts, lens = [], [], []
@@ -215,7 +231,7 @@ class StagedWriter(PageWriter):
                 dsts.append(dst)
                 lens.append(k)
                 src, dst, left = src + k, dst + k, left - k
-        w = _Staged(off, nbytes, export, srcs, dsts, lens)
+        w = _Staged(off, nbytes, pieces, srcs, dsts, lens)
         with self._lock:
             self._writes.append(w)
         return w
@@ -224,15 +240,20 @@ class StagedWriter(PageWriter):
         if handle is None:
             return
         assert isinstance(handle, _Staged)
-        handle.export.wait()  # the pages are in the span
+        first, _ = handle.pieces[0]
+        first.wait()  # the first piece is in the span
         with self._lock:
-            if handle.state is not _State.STAGED or self._broken():
+            send = handle.state is _State.STAGED and not self._broken()
+            if send:
+                handle.state = _State.SENDING
+                self._sending += 1
+        if not send:
+            handle.exported()
+            with self._lock:
                 self._drop(handle)
-                raise TransferError("KV stream to decode is broken: chunk not sent", grpc.StatusCode.CANCELLED)
-            handle.state = _State.SENDING
-            self._sending += 1
+            raise TransferError("KV stream to decode is broken: chunk not sent", grpc.StatusCode.CANCELLED)
         try:
-            rc = settle(self.engine.submit(self.segments, handle.srcs, handle.dsts, handle.lens))
+            rc = settle(self._send(handle))
         finally:
             with self._lock:
                 self._sending -= 1
@@ -241,6 +262,27 @@ class StagedWriter(PageWriter):
             self.ring.give(handle.off, handle.nbytes)
         if rc != 0:
             raise TransferError(f"Mooncake write to {self.segment} failed (rc={rc})", grpc.StatusCode.UNAVAILABLE)
+
+    def _send(self, w: _Staged) -> list[tuple[object, int]]:
+        """Submit each entry once the piece holding its last source byte has landed; the batches, in flight."""
+        base = self.ring.base + w.off
+        batches: list[tuple[object, int]] = []
+        k = 0
+        try:
+            for export, ready in w.pieces:
+                export.wait()
+                e = k
+                while e < len(w.srcs) and w.srcs[e] - base + w.lens[e] <= ready:
+                    e += 1
+                if e > k:
+                    batches += self.engine.submit(self.segments, w.srcs[k:e], w.dsts[k:e], w.lens[k:e])
+                    k = e
+        except BaseException:
+            settle(batches)  # nothing in flight reads or fills the span once it is given back
+            w.exported()
+            raise
+        assert k == len(w.srcs)
+        return batches
 
     def _drop(self, w: _Staged) -> None:
         """(lock held) Give back the span of a write that will never be sent (its export has finished)."""
@@ -261,7 +303,7 @@ class StagedWriter(PageWriter):
             self._closed = True
             pending = [w for w in self._writes if w.state is _State.STAGED]
         for w in pending:
-            w.export.wait()
+            w.exported()
             with self._lock:
                 self._drop(w)
         while True:
