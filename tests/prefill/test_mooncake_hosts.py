@@ -13,7 +13,6 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
-from services.common.grpc_util import Reason, detail_of
 from services.common.metrics import DecodeMetrics, PrefillMetrics
 from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from services.decode.config import DecodeConfig
@@ -34,6 +33,9 @@ from tests.prefill.test_transports import (
     _generate,
     _request,
     _reserve,
+)
+from tests.prefill.test_transports import (
+    test_a_descriptor_for_another_reservation_is_refused as _other_reservation_refused,
 )
 
 DECODE_HOST, PREFILL_HOST = "127.0.0.3", "127.0.0.2"
@@ -136,22 +138,10 @@ async def test_a_segment_on_another_host_is_never_written_and_counted(hosts: Pai
 
 
 async def test_a_descriptor_for_another_reservation_is_refused_across_hosts(hosts: Pair) -> None:
-    p = hosts
-    ids, other_ids = PROMPTS
-    resv = await _reserve(p, ids)
-    other = await _reserve(p, other_ids[:len(ids)])
-    req = _request(p, resv, ids)
-    del req.dest_block_ids[:]
-    req.dest_block_ids.extend(other.block_ids)  # the other reservation's blocks, with this one's token
-    with pytest.raises(grpc.aio.AioRpcError) as e:
-        await p.pstub.Prefill(req)
-    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert detail_of(e.value).reason == Reason.ERROR_REASON_KV_HANDOFF_FAILED
-    assert "claim.dest_block_ids" in e.value.details()
-    assert all(p.decode.table.get(x.reservation_id).next_chunk == 0 for x in (resv, other))
-    for x in (resv, other):
-        await p.dstub.Abort(common_pb2.AbortRequest(request_id=x.reservation_id))
-    await _assert_freed(p.decode.engine, p.prefill.engine)
+    async def same(_transport: str) -> Pair:
+        return hosts
+
+    await _other_reservation_refused(same, "mooncake")  # the one-host test's body, on the two-host pair
 
 
 async def test_a_descriptor_for_another_pool_is_refused_before_any_write(hosts: Pair) -> None:
