@@ -70,6 +70,24 @@ def fill_decode_rows(seqs: list[Sequence], bucket: int, block_size: int, rows: l
     ctx[b:bucket] = 0
 
 
+def capture_buckets(buckets: list[int], forward, graphs: dict, outputs: dict, mode: str = "global") -> None:
+    """Run ``forward(bs)`` once per bucket on a side stream (compiles the kernels), then capture each, largest
+    first, into one memory pool: ``graphs[bs]`` replays it, ``outputs[bs]`` is what it returns."""
+    pool = torch.cuda.graph_pool_handle()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for bs in reversed(buckets):
+            forward(bs)
+    torch.cuda.current_stream().wait_stream(stream)
+    for bs in reversed(buckets):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
+            outputs[bs] = forward(bs)
+        graphs[bs] = graph
+    torch.cuda.synchronize()
+
+
 class DecodeGraphs:
     """Captured decode steps ``ids, positions, meta -> (hidden, logits, greedy tokens)`` for each bucket."""
 
@@ -126,22 +144,10 @@ class DecodeGraphs:
         (NCCL, already connected), the captures record them, and each rank's graph of a bucket then replays
         only together with the other ranks' graph of the same bucket (rank 0's plan names it). Capture is
         thread-local there: NCCL's watchdog thread queries events while a rank captures."""
-        pool = torch.cuda.graph_pool_handle()
         mode = "thread_local" if self.model.tp_split.tp_size > 1 else "global"
         self.backend.decode_max_context_len = self.max_model_len
         try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for bs in reversed(self.buckets):
-                    self._forward(bs)
-            torch.cuda.current_stream().wait_stream(stream)
-            for bs in reversed(self.buckets):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
-                    self.outputs[bs] = self._forward(bs)
-                self.graphs[bs] = graph
-            torch.cuda.synchronize()
+            capture_buckets(self.buckets, self._forward, self.graphs, self.outputs, mode)
         finally:
             self.backend.decode_max_context_len = None
         log.info("captured decode CUDA graphs for batch sizes %s (LM head in graph: %s)", self.buckets,
@@ -195,4 +201,4 @@ class DecodeGraphs:
         return hidden[:b], None if logits is None else logits[:b], None if tokens is None else tokens[:b]
 
 
-__all__ = ["DecodeGraphs", "decode_buckets"]
+__all__ = ["DecodeGraphs", "capture_buckets", "decode_buckets"]

@@ -22,6 +22,7 @@ from services.engine.shared_kv import pool_id
 from services.launcher import LocalCluster
 from tests.e2e.cluster_util import CHAT_PROMPTS, generate_ids, metric_sum
 from tests.e2e.conftest import SMALL_KV
+from tests.e2e.test_spec_pd import _status
 
 pytestmark = pytest.mark.e2e
 
@@ -53,14 +54,6 @@ def test_shm_greedy_equals_plain_with_both_regions_in_place(shm_cluster, referen
     assert metric_sum(prefill, "pdserve_prefill_kv_chunks_sent_total", transport="shm") >= 2  # in place
     assert metric_sum(prefill, "pdserve_prefill_kv_chunks_sent_total", transport="grpc") == 0
     assert metric_sum(decode, "pdserve_decode_spec_draft_tokens_total", acceptance="real") > 0
-
-
-async def _status(call) -> tuple[grpc.StatusCode, str]:
-    try:
-        await call
-    except grpc.aio.AioRpcError as e:
-        return e.code(), e.details() or ""
-    return grpc.StatusCode.OK, ""
 
 
 def test_side_transport_descriptor_with_another_draft_codec_is_refused(shm_cluster):

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from services.engine.attention import AttentionMetadata, ForwardContext
-from services.engine.cuda_graphs import decode_buckets
+from services.engine.cuda_graphs import capture_buckets, decode_buckets
 
 log = logging.getLogger(__name__)
 
@@ -123,23 +123,11 @@ class SpecGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Warm up (compiles the kernels) and capture every bucket, largest first, into one memory pool."""
-        pool = torch.cuda.graph_pool_handle()
         backends = {id(self.draft_backend): self.draft_backend, id(self.target_backend): self.target_backend}
         for b in backends.values():
             b.decode_max_context_len = self.max_positions
         try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for bs in reversed(self.buckets):
-                    self._forward(bs)
-            torch.cuda.current_stream().wait_stream(stream)
-            for bs in reversed(self.buckets):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[bs] = self._forward(bs)
-                self.graphs[bs] = graph
-            torch.cuda.synchronize()
+            capture_buckets(self.buckets, self._forward, self.graphs, self.outputs)
         finally:
             for b in backends.values():
                 b.decode_max_context_len = None
