@@ -2,17 +2,23 @@
 llama.cpp's server, on the same GGUF, with the same OpenAI-compatible client, in one run.
 
     pdserve bench cpu-serving [--prompt-len 512] [--output-len 64] [--concurrency 1,4,16] [--repeats 3]
-                              [--systems engine,up,colocated,llamacpp] [--llama-python PATH] [--json out.json]
+                              [--systems engine,up,colocated,llamacpp] [--llama-python PATH]
+                              [--cpu-compile-decode N] [--json out.json]
 
-Each system runs alone (the others stopped), so they share the host's cores only with whatever else runs on
-it (the 1-minute load average is printed at every phase). Per system and concurrency c: ``repeats`` rounds
-of c streamed completions (fresh random-token prompts of --prompt-len tokens each, so no prefix cache hits),
-all sent at once; figures are medians over requests (TTFT, TPOT) and over rounds (output tok/s = output
-tokens of a round / its wall time).
+Every system is started once and stays up; the systems then TAKE TURNS round by round (round i of
+concurrency c: each system in turn, the order rotated by one every round), so that load from other
+processes on a shared host hits all of them alike; the idle ones wait (passive OpenMP, no requests). The
+1-minute load average is printed beside every round. A round of concurrency c = c streamed completions
+(fresh prose prompts of --prompt-len tokens with unique openings, so no prefix cache hits), all sent at
+once; figures are medians over the requests of the ``repeats`` rounds (TTFT, TPOT) and over rounds (output
+tok/s = output tokens of a round / its wall time).
 
-The in-process engine (LLMEngine, same dtype and weight format) gives the ceilings: prefill seconds of one
---prompt-len prompt, and decode tok/s at batch 1. Ratios printed (goals of issue 17):
-  * served TTFT at c=1 / in-process prefill (goal <= 1.3);
+The in-process engine (LLMEngine in this process, same dtype, weight format and --cpu-compile-decode) gives
+the ceilings, one measurement per round at the first concurrency: prefill seconds of one --prompt-len
+prompt with all the cores AND with the thread share `pdserve up` gives its prefill engine (1P1D: half the
+cores), and decode tok/s at batch 1. Ratios printed (goals of issue 17):
+  * served TTFT at c=1 / in-process prefill with all cores (goal <= 1.3), and beside it, for `pdserve up`,
+    / in-process prefill at the served prefill's thread share (the serving overhead without the core split);
   * pdserve decode tok/s at batch 1 (1 / TPOT at c=1) / llama.cpp's (goal >= 1);
   * pdserve output tok/s at c=16 / llama.cpp's (goal >= 2).
 
@@ -26,14 +32,8 @@ environment.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
-import dataclasses
-import gc
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,11 +42,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
-from benchmarks.serve.client import RequestResult, Target, send
-from benchmarks.serve.load import wait_ready
-from services.launcher import served_model
+from benchmarks.cpu_serving_systems import (  # noqa: F401  (parse_histogram_sums, stage_means: re-exported)
+    InProcess,
+    Server,
+    free_port,
+    free_port_run,
+    parse_histogram_sums,
+    stage_means,
+    text_prompts,
+)
+from benchmarks.serve.client import RequestResult, Target
 
 TTFT_GOAL = 1.3
 """Served TTFT at concurrency 1 over the in-process prefill time of the same prompt length (at most)."""
@@ -71,6 +76,20 @@ class Point:
 
 
 @dataclass
+class Round:
+    """One round of one system (concurrency 0: the in-process engine's prefill s and decode s/token)."""
+
+    concurrency: int
+    index: int
+    load_1m: float
+    """1-minute load average right after the round."""
+    ttft_s: float
+    tpot_s: float | None
+    output_tok_s: float
+    failed: int
+
+
+@dataclass
 class SystemResult:
     name: str
     command: str
@@ -80,6 +99,9 @@ class SystemResult:
     """Why the system did not run (e.g. llama-cpp-python missing); empty when it ran."""
     stages_c1: dict[str, float] = field(default_factory=dict)
     """Mean seconds of each STAGE_METRICS histogram over the c=1 requests (pdserve only)."""
+    rounds: list[Round] = field(default_factory=list)
+    prefill_by_threads: dict[int, float] = field(default_factory=dict)
+    """In-process engine only: median prefill seconds per torch thread count."""
 
     def at(self, c: int) -> Point | None:
         return next((p for p in self.points if p.concurrency == c), None)
@@ -88,7 +110,10 @@ class SystemResult:
 @dataclass
 class Ratios:
     ttft_over_prefill: dict[str, float] = field(default_factory=dict)
-    """System -> served TTFT at c=1 / in-process prefill seconds."""
+    """System -> served TTFT at c=1 / in-process prefill seconds (all cores)."""
+    ttft_over_share_prefill: dict[str, float] = field(default_factory=dict)
+    """`up` -> served TTFT at c=1 / in-process prefill at the thread share its prefill engine gets."""
+    share_threads: int = 0
     decode_vs_llamacpp: dict[str, float] = field(default_factory=dict)
     """System -> (1 / TPOT at c=1) / llama.cpp's."""
     throughput16_vs_llamacpp: dict[str, float] = field(default_factory=dict)
@@ -114,9 +139,12 @@ def summarize(results: list[RequestResult], concurrency: int, round_walls: list[
 
 
 def ratios(engine: SystemResult | None, served: list[SystemResult], llama: SystemResult | None,
-           top: int) -> Ratios:
-    """The goal ratios from measured points (missing inputs leave a ratio out)."""
-    r = Ratios()
+           top: int, share: int = 0) -> Ratios:
+    """The goal ratios from measured points (missing inputs leave a ratio out); ``share``: the prefill
+    engine's threads in `pdserve up`, whose in-process prefill (``engine.prefill_by_threads``) is the
+    like-for-like reference of `up`'s TTFT."""
+    r = Ratios(share_threads=share)
+    share_prefill = engine.prefill_by_threads.get(share) if engine and share else None
     prefill = engine.at(0) if engine else None  # the engine's prefill is stored as concurrency 0
     base1 = llama.at(1) if llama and not llama.skipped else None
     base_top = llama.at(top) if llama and not llama.skipped else None
@@ -126,6 +154,8 @@ def ratios(engine: SystemResult | None, served: list[SystemResult], llama: Syste
             continue
         if prefill is not None and prefill.ttft_s > 0:
             r.ttft_over_prefill[s.name] = one.ttft_s / prefill.ttft_s
+        if s.name == "up" and share_prefill:
+            r.ttft_over_share_prefill[s.name] = one.ttft_s / share_prefill
         if base1 is not None and base1.tpot_s and one.tpot_s:
             r.decode_vs_llamacpp[s.name] = base1.tpot_s / one.tpot_s
         hi = s.at(top)
@@ -159,6 +189,9 @@ def goal_lines(r: Ratios, top: int) -> list[str]:
     for name, v in r.ttft_over_prefill.items():
         lines.append(f"served TTFT / in-process prefill ({name}, c=1): {v:.2f}x (goal <= {TTFT_GOAL}) "
                      f"{'MET' if v <= TTFT_GOAL else 'MISSED'}")
+    for name, v in r.ttft_over_share_prefill.items():
+        lines.append(f"  served TTFT / in-process prefill at the served prefill's {r.share_threads} thread(s) "
+                     f"({name}, c=1): {v:.2f}x (serving overhead alone; not the issue's goal)")
     for name, v in r.decode_vs_llamacpp.items():
         lines.append(f"batch-1 decode tok/s vs llama.cpp ({name}): {v:.2f}x (goal >= {DECODE_GOAL}) "
                      f"{'MET' if v >= DECODE_GOAL else 'MISSED'}")
@@ -171,176 +204,50 @@ def goal_lines(r: Ratios, top: int) -> list[str]:
 # --- running -----------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def turn_order(names: list[str], round_index: int) -> list[str]:
+    """The systems' order in round ``round_index``: rotated by one each round, so that no system always
+    runs right after the same other one (a server's leftover work, or the load it just caused, would
+    otherwise always land on the same neighbour)."""
+    k = round_index % len(names) if names else 0
+    return names[k:] + names[:k]
 
 
-_TOPIC = ("the history of bridges, from fallen logs across streams to stone arches, iron trusses and long "
-          "suspension spans, and what each new material allowed engineers to build. ")
+@dataclass
+class Collected:
+    """A server's requests, round walls and tokens at one concurrency, gathered over interleaved rounds."""
+
+    results: list[RequestResult] = field(default_factory=list)
+    walls: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
 
 
-def _free_port_run(n: int) -> int:
-    """A port p with p .. p+n-1 free now (for --metrics-port-base)."""
-    for _ in range(50):
-        base = _free_port()
-        if base + n > 65535:
-            continue
-        socks = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no run of {n} free ports found")
+def _served_round(srv: Server, res: SystemResult, got: Collected, spec: str, c: int, i: int, args: argparse.Namespace
+                  ) -> None:
+    prompts = text_prompts(spec, c, args.prompt_len, args.seed + 1000 * c + i)
+    results, wall = srv.round(prompts, args.output_len, stages=c == 1)
+    ok = [r for r in results if r.ok]
+    got.results += results
+    got.walls.append(wall)
+    got.tokens.append(sum((r.output_tokens if r.output_tokens is not None else len(r.event_times)) for r in ok))
+    p = summarize(results, c, [wall], got.tokens[-1:])
+    load = os.getloadavg()[0]
+    res.rounds.append(Round(c, i, load, p.ttft_s, p.tpot_s, p.output_tok_s, p.failed))
+    errors = sorted({f"{r.error}: {r.detail[:80]}" for r in results if not r.ok})
+    print(f"  round {i} c={c} {srv.name:<10} TTFT {p.ttft_s:.3f} s, TPOT {(p.tpot_s or 0) * 1e3:.1f} ms, "
+          f"{p.output_tok_s:.1f} out tok/s, {p.failed} failed {errors[:2]}; 1-min load {load:.2f}", flush=True)
 
 
-def _prompts(spec: str, n: int, length: int, seed: int) -> list[str]:
-    """Texts of about ``length`` tokens (re-encoding may differ by a few): a unique numbered opening, so no
-    prompt shares a cached prefix block with another, then plain prose (random token ids make the model
-    emit special tokens, whose empty text would delay the first streamed event)."""
-    from services.engine.model_source import load_tokenizer
-
-    tok = load_tokenizer(spec).tokenizer
-    body = tok.encode(_TOPIC * (length // 20 + 2), add_special_tokens=False)
-    out = []
-    for i in range(n):
-        head = tok.encode(f"Request {seed}-{i}. Write about ", add_special_tokens=False)
-        out.append(tok.decode((head + body)[:length]))
-    return out
-
-
-STAGE_METRICS = ("pdserve_router_time_to_first_token_seconds", "pdserve_prefill_queue_seconds",
-                 "pdserve_prefill_compute_seconds", "pdserve_decode_kv_wait_seconds", "pdserve_decode_queue_seconds")
-"""Histograms whose mean over the c=1 requests splits a served TTFT into stages (router view, prefill queue
-and compute, decode's wait for the KV); the rest of the client's TTFT is HTTP, gRPC and detokenization."""
-
-
-def parse_histogram_sums(text: str, names: tuple[str, ...] = STAGE_METRICS) -> dict[str, tuple[float, float]]:
-    """Prometheus text -> {name: (sum, count)} over every label set of each named histogram."""
-    out: dict[str, list[float]] = {}
-    for line in text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        key, _, value = line.rpartition(" ")
-        metric = key.split("{", 1)[0]
-        for name in names:
-            if metric in (f"{name}_sum", f"{name}_count"):
-                acc = out.setdefault(name, [0.0, 0.0])
-                acc[0 if metric.endswith("_sum") else 1] += float(value)
-    return {k: (v[0], v[1]) for k, v in out.items()}
-
-
-def stage_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
-    """Mean seconds per observation of each histogram between two scrapes."""
-    means = {}
-    for name, (s1, c1) in after.items():
-        s0, c0 = before.get(name, (0.0, 0.0))
-        if c1 > c0:
-            means[name] = (s1 - s0) / (c1 - c0)
-    return means
-
-
-def _scrape(ports: list[int]) -> dict[str, tuple[float, float]]:
-    import urllib.request
-
-    total: dict[str, tuple[float, float]] = {}
-    for port in ports:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-                part = parse_histogram_sums(r.read().decode())
-        except OSError:
-            continue
-        for k, (a, b) in part.items():
-            s0, c0 = total.get(k, (0.0, 0.0))
-            total[k] = (s0 + a, c0 + b)
-    return total
-
-
-async def _round(target: Target, prompts: list[str], max_tokens: int) -> tuple[list[RequestResult], float]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(send(session, target, p, max_tokens, RequestResult("bench", 0, 0.0), t0)
-                                          for p in prompts))
-        return list(results), time.perf_counter() - t0
-
-
-def measure_server(name: str, command: list[str], target: Target, spec: str, concurrencies: list[int],
-                   repeats: int, prompt_len: int, output_len: int, seed: int, ready_timeout_s: float,
-                   metrics_ports: list[int] | None = None) -> SystemResult:
-    res = SystemResult(name, " ".join(command), load_avg=[os.getloadavg()[0]])
-    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"pdserve-bench-{name}-{os.getpid()}.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        asyncio.run(wait_ready(target, ready_timeout_s))
-        if not target.model:
-            target = dataclasses.replace(target, model=served_model(target.base_url.removeprefix("http://")))
-        print(f"{name}: ready ({' '.join(command[:6])} ...), log {log}", flush=True)
-        asyncio.run(_round(target, _prompts(spec, 1, prompt_len, seed + 999), 4))  # warm-up (first-call costs)
-        for c in concurrencies:
-            all_results: list[RequestResult] = []
-            walls, tokens = [], []
-            before = _scrape(metrics_ports or [])
-            for i in range(repeats):
-                prompts = _prompts(spec, c, prompt_len, seed + 1000 * c + i)
-                results, wall = asyncio.run(_round(target, prompts, output_len))
-                all_results += results
-                walls.append(wall)
-                tokens.append(sum((r.output_tokens if r.output_tokens is not None else len(r.event_times))
-                                  for r in results if r.ok))
-            p = summarize(all_results, c, walls, tokens)
-            if c == 1 and metrics_ports:
-                res.stages_c1 = stage_means(before, _scrape(metrics_ports))
-            res.points.append(p)
-            errors = sorted({f"{r.error}: {r.detail[:80]}" for r in all_results if not r.ok})
-            print(f"{name} c={c}: TTFT {p.ttft_s:.3f} s, TPOT {(p.tpot_s or 0) * 1e3:.1f} ms, "
-                  f"{p.output_tok_s:.1f} out tok/s, {p.failed} failed {errors[:2]}; load {os.getloadavg()[0]:.2f}",
-                  flush=True)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    res.load_avg.append(os.getloadavg()[0])
-    return res
-
-
-def measure_engine(gguf: Path, dtype: str, weight_format: str, prompt_len: int, output_len: int, repeats: int,
-                   threads: int) -> tuple[SystemResult, str, str]:
-    """In-process ceilings: prefill seconds of one prompt, batch-1 decode (stored as concurrency 0)."""
-    import torch
-
-    from benchmarks.engine_bench import EngineBench
-    from benchmarks.engine_bench import _prompts as token_prompts
-
-    res = SystemResult("engine", f"LLMEngine(dtype={dtype}, weight_format={weight_format}, cpu_threads={threads})",
-                       load_avg=[os.getloadavg()[0]])
-    bench = EngineBench(str(gguf), dtype, prompt_len, 1, 64 + output_len, threads, weight_format)
-    cfg = bench.engine.config
-    prompts = token_prompts(repeats + 1, prompt_len, bench.vocab, seed=7)
-    prefill = [bench.prefill(p) for p in prompts][1:]
-    short = token_prompts(repeats + 1, 32, bench.vocab, seed=8)
-    decode = [bench.decode([p], output_len) / (output_len - 1) for p in short][1:]
-    res.points.append(Point(0, statistics.median(prefill), statistics.median(decode), 0.0, 0, 0, prompt_len))
-    res.load_avg.append(os.getloadavg()[0])
-    fmt = f"{cfg.resolved_weight_format} ({cfg.weight_format_reason})"
-    dt = f"{cfg.resolved_dtype} ({cfg.dtype_reason})"
-    del bench
-    gc.collect()
-    torch.set_num_threads(1)
-    return res, dt, fmt
+def _engine_round(eng: InProcess, res: SystemResult, i: int, threads: list[int], acc: dict[int, list[float]],
+                  decode: list[float]) -> None:
+    prefill, per_token = eng.round(threads)
+    for t, s in prefill.items():
+        acc.setdefault(t, []).append(s)
+    decode.append(per_token)
+    load = os.getloadavg()[0]
+    res.rounds.append(Round(0, i, load, prefill[threads[0]], per_token, 0.0, 0))
+    shown = ", ".join(f"{t} thread{'s' if t > 1 else ''} {s:.3f} s" for t, s in prefill.items())
+    print(f"  round {i}     engine     prefill {shown}; batch-1 decode {per_token * 1e3:.1f} ms "
+          f"({1 / per_token:.1f} tok/s); 1-min load {load:.2f}", flush=True)
 
 
 def llama_python(arg: str) -> tuple[str | None, str]:
@@ -355,7 +262,7 @@ def llama_python(arg: str) -> tuple[str | None, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from services.engine.cpu_features import QUIET_OPENMP_ENV, available_cpus, host_cpu
+    from services.engine.cpu_features import QUIET_OPENMP_ENV, available_cpus, host_cpu, split_cores
 
     for k, v in QUIET_OPENMP_ENV.items():  # as pdserve up gives its engines; before torch loads OpenMP
         os.environ.setdefault(k, v)
@@ -367,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="a .gguf file (default: the embedded SmolLM2-135M Q4_1 GGUF)")
     p.add_argument("--dtype", default="auto", help="pdserve --dtype (engine and pdserve up)")
     p.add_argument("--weight-format", default="auto", help="pdserve --weight-format (engine and pdserve up)")
+    p.add_argument("--cpu-compile-decode", type=int, default=0,
+                   help="pdserve --cpu-compile-decode (engine and every engine pdserve up starts); 0: eager")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--concurrency", default="1,4,16")
@@ -384,62 +293,107 @@ def main(argv: list[str] | None = None) -> int:
     concurrencies = sorted({int(c) for c in args.concurrency.split(",")})
     gguf = Path(args.model) if args.model else default_gguf_path()
     threads = len(available_cpus())
+    share = split_cores(threads, 1, 1)[0]  # the prefill's thread share in `pdserve up` (1P1D) on this host
     cpu = host_cpu()
     print(f"machine: {_machine()}", flush=True)
     print(f"cpu: {cpu.model}; flags: {' '.join(cpu.reported_flags()) or '-'}; {threads} CPUs usable; "
           f"load {os.getloadavg()}", flush=True)
-    results: list[SystemResult] = []
+    t_start = time.time()
+    results: dict[str, SystemResult] = {}
+    servers: dict[str, Server] = {}
+    notes: dict[str, str] = {}
+    eng: InProcess | None = None
     dtype_s = fmt_s = "(engine not run)"
-    if "engine" in systems:
-        eng, dtype_s, fmt_s = measure_engine(gguf, args.dtype, args.weight_format, args.prompt_len,
-                                             args.output_len, args.repeats, threads)
-        results.append(eng)
-        pt = eng.points[0]
-        print(f"engine: prefill {args.prompt_len} tokens {pt.ttft_s:.3f} s, batch-1 decode "
-              f"{1 / (pt.tpot_s or 1):.1f} tok/s; dtype {dtype_s}, weight format {fmt_s}", flush=True)
-    common = ["--model", str(gguf), "--dtype", args.dtype]
-    env_fmt = {"PDSERVE_WEIGHT_FORMAT": args.weight_format}
-    os.environ.update(env_fmt)  # reaches every engine pdserve up starts (one declaration, env fallback)
-    for name, extra in (("up", []), ("colocated", ["--colocated"])):
-        if name not in systems:
-            continue
-        port, base = _free_port(), _free_port_run(6)
-        cmd = [sys.executable, "-m", "services.cli", "up", *extra, *common, "--http-port", str(port),
-               "--grpc-port", "0", "--metrics-port-base", str(base)]
-        target = Target(f"http://127.0.0.1:{port}", "", api="completions")  # model: read from /v1/models
-        results.append(measure_server(name, cmd, target, str(gguf), concurrencies, args.repeats, args.prompt_len,
-                                      args.output_len, args.seed, args.ready_timeout_s, list(range(base, base + 6))))
-    llama: SystemResult | None = None
-    if "llamacpp" in systems:
-        exe, info = llama_python(args.llama_python)
-        if exe is None:
-            llama = SystemResult("llamacpp", "", skipped=info)
-            print(f"llamacpp: skipped: {info}", flush=True)
-        else:
-            port = _free_port()
-            ctx = max(2048, 2 * (args.prompt_len + args.output_len))
-            cmd = [exe, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-                   "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(ctx),
-                   "--n_batch", str(args.prompt_len), "--model_alias", "smollm2",
-                   "--interrupt_requests", "False"]  # queue concurrent requests instead of cutting one off
-            eos = sorted(load_tokenizer(str(gguf)).tokenizer.eos_token_ids)
-            target = LlamaTarget(f"http://127.0.0.1:{port}", "smollm2", api="completions", banned_token_ids=tuple(eos))
-            llama = measure_server("llamacpp", cmd, target, str(gguf), concurrencies, args.repeats, args.prompt_len,
-                                   args.output_len, args.seed, args.ready_timeout_s)
-            llama.command += f"  (llama-cpp-python {info})"
-        results.append(llama)
+    os.environ.update({"PDSERVE_WEIGHT_FORMAT": args.weight_format,  # reach every engine pdserve up starts
+                       "PDSERVE_CPU_COMPILE_DECODE": str(args.cpu_compile_decode)})
+    try:
+        if "engine" in systems:
+            eng = InProcess(gguf, args.dtype, args.weight_format, args.prompt_len, args.output_len, threads,
+                            args.cpu_compile_decode)
+            dtype_s, fmt_s = eng.dtype, eng.weight_format
+            results["engine"] = SystemResult("engine", f"LLMEngine(dtype={args.dtype}, weight_format="
+                                             f"{args.weight_format}, cpu_threads={threads}, cpu_compile_decode="
+                                             f"{args.cpu_compile_decode}); prefill also at {share} thread(s)")
+            print(f"engine: ready; dtype {dtype_s}, weight format {fmt_s}", flush=True)
+        common = ["--model", str(gguf), "--dtype", args.dtype]
+        for name, extra in (("up", []), ("colocated", ["--colocated"])):
+            if name not in systems:
+                continue
+            port, base = free_port(), free_port_run(6)
+            cmd = [sys.executable, "-m", "services.cli", "up", *extra, *common, "--http-port", str(port),
+                   "--grpc-port", "0", "--metrics-port-base", str(base)]
+            target = Target(f"http://127.0.0.1:{port}", "", api="completions")  # model: read from /v1/models
+            servers[name] = Server(name, cmd, target, str(gguf), list(range(base, base + 6)))
+        if "llamacpp" in systems:
+            exe, info = llama_python(args.llama_python)
+            if exe is None:
+                results["llamacpp"] = SystemResult("llamacpp", "", skipped=info)
+                print(f"llamacpp: skipped: {info}", flush=True)
+            else:
+                port = free_port()
+                ctx = max(2048, 2 * (args.prompt_len + args.output_len))
+                cmd = [exe, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port",
+                       str(port), "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(ctx),
+                       "--n_batch", str(args.prompt_len), "--model_alias", "smollm2",
+                       "--interrupt_requests", "False"]  # queue concurrent requests instead of cutting one off
+                eos = sorted(load_tokenizer(str(gguf)).tokenizer.eos_token_ids)
+                target = LlamaTarget(f"http://127.0.0.1:{port}", "smollm2", api="completions",
+                                     banned_token_ids=tuple(eos))
+                servers["llamacpp"] = Server("llamacpp", cmd, target, str(gguf))
+                notes["llamacpp"] = f"  (llama-cpp-python {info})"
+        for name, srv in servers.items():
+            srv.start(args.ready_timeout_s, args.prompt_len, args.seed)
+            results[name] = SystemResult(name, " ".join(srv.command) + notes.get(name, ""),
+                                         load_avg=[os.getloadavg()[0]])
+        order = [n for n in SYSTEMS if n in servers or (n == "engine" and eng is not None)]
+        collected = {(n, c): Collected() for n in servers for c in concurrencies}
+        prefills: dict[int, list[float]] = {}
+        decodes: list[float] = []
+        for c in concurrencies:
+            print(f"concurrency {c}: {args.repeats} rounds, systems taking turns", flush=True)
+            for i in range(args.repeats):
+                for name in turn_order(order, i):
+                    if name == "engine":
+                        if eng is not None and c == concurrencies[0]:  # the in-process ceilings: once per round
+                            _engine_round(eng, results["engine"], i, sorted({threads, share}, reverse=True),
+                                          prefills, decodes)
+                        continue
+                    _served_round(servers[name], results[name], collected[(name, c)], str(gguf), c, i, args)
+        for (name, c), got in collected.items():
+            results[name].points.append(summarize(got.results, c, got.walls, got.tokens))
+        for name, srv in servers.items():
+            results[name].stages_c1 = srv.stage_means()
+        if eng is not None and decodes:
+            res = results["engine"]
+            res.points.append(Point(0, statistics.median(prefills[threads]), statistics.median(decodes), 0.0, 0, 0,
+                                    args.prompt_len))
+            res.prefill_by_threads = {t: statistics.median(v) for t, v in prefills.items()}
+    finally:
+        for srv in servers.values():
+            srv.stop()
+        if eng is not None:
+            eng.stop()
+    for res in results.values():
+        res.load_avg.append(os.getloadavg()[0])
+    ordered = [results[n] for n in SYSTEMS if n in results]
     top = max(concurrencies)
-    r = ratios(next((s for s in results if s.name == "engine"), None),
-               [s for s in results if s.name in ("up", "colocated")], llama, top)
+    r = ratios(results.get("engine"), [s for s in ordered if s.name in ("up", "colocated")], results.get("llamacpp"),
+               top, share)
     print()
     print(f"{cpu.model} [{' '.join(cpu.reported_flags()) or '-'}], dtype {dtype_s}, weight format {fmt_s}, "
-          f"prompt {args.prompt_len} tokens, {args.output_len} output tokens, {args.repeats} rounds per point")
-    print(table(results, concurrencies))
+          f"cpu_compile_decode {args.cpu_compile_decode}, prompt {args.prompt_len} tokens, {args.output_len} output "
+          f"tokens, {args.repeats} interleaved rounds per point, {time.time() - t_start:.0f} s")
+    print(table(ordered, concurrencies))
+    eng_res = results.get("engine")
+    if eng_res is not None and eng_res.prefill_by_threads:
+        print("in-process prefill by torch threads: " + ", ".join(
+            f"{t}: {s:.3f} s" for t, s in sorted(eng_res.prefill_by_threads.items(), reverse=True)))
     print()
     for line in goal_lines(r, top):
         print(line)
-    for s in results:
-        print(f"{s.name}: {s.command or '-'}; 1-min load {', '.join(f'{x:.2f}' for x in s.load_avg)}")
+    for s in ordered:
+        loads = [x.load_1m for x in s.rounds] or s.load_avg
+        print(f"{s.name}: {s.command or '-'}; 1-min load over its rounds {min(loads):.2f}-{max(loads):.2f}")
         if s.stages_c1:
             shown = ", ".join(f"{k.removeprefix('pdserve_')} {v * 1e3:.0f} ms" for k, v in s.stages_c1.items())
             print(f"  {s.name} c=1 stage means (server metrics): {shown}")
@@ -447,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"cpu_model": cpu.model, "cpu_flags": cpu.reported_flags(),
                                          "dtype": dtype_s, "weight_format": fmt_s,
-                                         "systems": [asdict(s) for s in results], "ratios": asdict(r)}, indent=2))
+                                         "cpu_compile_decode": args.cpu_compile_decode,
+                                         "systems": [asdict(s) for s in ordered], "ratios": asdict(r)}, indent=2))
     return 0
 
 

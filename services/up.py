@@ -308,6 +308,9 @@ def main(argv: list[str]) -> int:
         print(f"pdserve up: {e}", file=sys.stderr)
         return 2
     extra = _forwarded(ns, cfg, ns.config)
+    # A prefill engine never runs a pure-decode step: no start-up compile there (PDSERVE_CPU_COMPILE_DECODE
+    # set for the decodes reaches every child's environment).
+    extra.setdefault("prefill", []).extend(["--cpu-compile-decode", "0"])
     tls_dir: Path | None = Path(cfg.tls_dir) if cfg.tls_dir else None
     tmp: str | None = None
     if cfg.tls:
