@@ -74,7 +74,9 @@ def capture_buckets(buckets: list[int], forward, graphs: dict, outputs: dict, mo
     """Run ``forward(bs)`` once per bucket on a side stream (compiles the kernels), then capture each, largest
     first, into one memory pool: ``graphs[bs]`` replays it, ``outputs[bs]`` is what it returns."""
     pool = torch.cuda.graph_pool_handle()
-    stream = torch.cuda.Stream()
+    # Both streams on the current device (the runner's): torch.cuda.graph's default capture stream is made
+    # once per process, on whatever device was current then (cuda:0 for a second engine on cuda:1).
+    stream, capture = torch.cuda.Stream(), torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for bs in reversed(buckets):
@@ -82,7 +84,7 @@ def capture_buckets(buckets: list[int], forward, graphs: dict, outputs: dict, mo
     torch.cuda.current_stream().wait_stream(stream)
     for bs in reversed(buckets):
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
+        with torch.cuda.graph(graph, pool=pool, stream=capture, capture_error_mode=mode):
             outputs[bs] = forward(bs)
         graphs[bs] = graph
     torch.cuda.synchronize()

@@ -128,7 +128,7 @@ def _decode_side(dest_q, done_q, result_q) -> None:
     pool = torch.zeros((2, 2, 8, 4, 2, 16), dtype=torch.bfloat16, device="cuda:1")
     dest_q.put(export_cuda_kv(pool).SerializeToString())
     done_q.get(timeout=120)
-    result_q.put(pool[:, :, [5, 6, 2]].float().cpu())
+    result_q.put(pool[:, :, [5, 6, 2]].float().cpu().tolist())  # plain data: this process may exit first
 
 
 class _Open:
@@ -159,7 +159,7 @@ def test_cuda_ipc_writes_from_cuda0_into_a_pool_exported_on_cuda1() -> None:
         writer.write(0, [1, 2])  # a run of two consecutive blocks, then one more
         writer.write(2, [4])
         done_q.put(True)
-        landed = result_q.get(timeout=120)
+        landed = torch.tensor(result_q.get(timeout=120))
         assert torch.equal(landed, src[:, :, [1, 2, 4]].float().cpu())
     finally:
         proc.join(30)
