@@ -183,6 +183,7 @@ _LABEL_VALUES: dict[str, list[str]] = {
     "weight_format": ["int4"],
     "weight_format_reason": ["measured_faster"],
     "acceptance": ["real", "synthetic"],
+    "rank": ["0", "1"],
 }
 
 

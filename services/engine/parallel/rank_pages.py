@@ -21,8 +21,11 @@ a rank opens nothing but what shared_kv's checks allow.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import enum
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -36,7 +39,7 @@ from services.engine.kv_layout import HeadSplitSpec
 from services.engine.kv_transport.base import PageWriter, TransferError
 from services.engine.parallel.plan import Op
 from services.engine.parallel.split import HeadSplit, TensorParallelError
-from services.engine.shared_kv import SharedKVAttachError, SharedKVPools, _runs, pool_id
+from services.engine.shared_kv import SHM_DIR, SHM_NAME_RE, SharedKVAttachError, SharedKVPools, _runs, pool_id
 
 log = logging.getLogger(__name__)
 
@@ -245,6 +248,12 @@ def serve_op(runner, group, header: torch.Tensor) -> None:
     group.all_reduce(counts.to(group.device))
 
 
+def _unlink(paths: list[str]) -> None:
+    for path in paths:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
 class ShardWrites:
     """Rank 0 of an instance (or a TP=1 instance's only rank): its ranks' pools for decode (``pools``), and
     page writes of every rank straight into a decode's pools (``attach``, ``write``)."""
@@ -279,7 +288,11 @@ class ShardWrites:
         if not all(raws):
             log.warning("a tensor-parallel rank's KV pool is not shared: prefills send page bytes instead")
             return None
-        return sharded_destination(self.split, [decode_pb2.KVDestination.FromString(r) for r in raws])
+        pools = [decode_pb2.KVDestination.FromString(r) for r in raws]
+        files = [os.path.join(SHM_DIR, p.shm.name) for p in pools[1:] if p.WhichOneof("pool") == "shm"
+                 and SHM_NAME_RE.fullmatch(p.shm.name)]
+        atexit.register(_unlink, files)  # a rank stopped by a signal (or SIGKILL) cannot remove its own file
+        return sharded_destination(self.split, pools)
 
     def attach(self, dest: decode_pb2.KVDestination) -> int:
         """Worker thread: every rank opens ``dest``'s pools; raises SharedKVAttachError if any rank cannot.

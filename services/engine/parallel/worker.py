@@ -113,4 +113,7 @@ def worker_main(rank: int, size: int, port: int, config: EngineConfig) -> None:
     runner = ModelRunner(loaded, cfg)
     log.info("tensor-parallel rank %d/%d ready: heads %s, KV heads %s", rank, size, loaded.model.tp_split.q_range,
              loaded.model.tp_split.kv_range)
-    serve(runner, group)
+    try:
+        serve(runner, group)
+    finally:  # a spawned process skips atexit: remove this rank's shared pool file here
+        runner.release()
