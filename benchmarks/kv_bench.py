@@ -88,7 +88,7 @@ def _sink_socket(sock: socket.socket, nbytes: int) -> None:
             conn.sendall(b"k")
 
 
-def _receiver(conn, nbytes: int, want_mooncake: bool, threads: int) -> None:
+def _receiver(conn, nbytes: int, want_mooncake: int, threads: int) -> None:
     import warnings
 
     torch.set_num_threads(threads)
@@ -103,10 +103,10 @@ def _receiver(conn, nbytes: int, want_mooncake: bool, threads: int) -> None:
     if want_mooncake:
         from services.engine.kv_transport.mooncake import MooncakeEngine
 
-        eng = MooncakeEngine("127.0.0.1")
+        eng = MooncakeEngine("127.0.0.1", count=want_mooncake)  # want_mooncake: transfer engines (0: none)
         pool = torch.empty(nbytes, dtype=torch.uint8)
         keep += [eng, pool]
-        info["mooncake"] = (eng.segment, eng.register(pool))
+        info["mooncake"] = (eng.segments, eng.register(pool))
 
     async def serve() -> None:
         server = grpc.aio.server(options=server_options(MAX_MESSAGE_BYTES))
@@ -197,7 +197,8 @@ def run(args: argparse.Namespace) -> Results:
             want_mc = False
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_receiver, args=(child, nbytes, want_mc, args.threads), daemon=True)
+    proc = ctx.Process(target=_receiver, args=(child, nbytes, args.mooncake_engines if want_mc else 0, args.threads),
+                       daemon=True)
     proc.start()
     info = parent.recv()
     decode: DecodePeer | None = None
@@ -225,10 +226,11 @@ def run(args: argparse.Namespace) -> Results:
         if want_mc:
             from services.engine.kv_transport.mooncake import MooncakeEngine, MooncakeWriter
 
-            eng = MooncakeEngine("127.0.0.1")
-            segment, base = info["mooncake"]
+            eng = MooncakeEngine("127.0.0.1", count=args.mooncake_engines)
+            segments, base = info["mooncake"]
             mdest = decode_pb2.KVDestination(mooncake=decode_pb2.MooncakePool(
-                segment=segment, base_address=base, pool_bytes=nbytes, shape=pool_shape, dtype=args.dtype))
+                segment=segments[0], extra_segments=segments[1:], base_address=base, pool_bytes=nbytes,
+                shape=pool_shape, dtype=args.dtype))
             writer = MooncakeWriter(eng, src, mdest, order)
             writer.sender = _Ready()  # type: ignore[assignment]
 
@@ -284,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="grpc: concurrent requests (each its own reservation and PushKV stream, one channel each) "
                         "sharing the bytes.")
     p.add_argument("--no-mooncake", action="store_true", help="Skip the Mooncake path.")
+    p.add_argument("--mooncake-engines", type=int, default=4,
+                   help="Transfer engines per side for the Mooncake path (the transport's --kv-mooncake-engines).")
     p.add_argument("--no-decode", action="store_true", help="Skip the grpc paths (no decode service).")
     p.add_argument("--decode-model", default="random:smollm2-135m",
                    help="grpc: the decode service's model (random weights; its pages must be --page-shape's).")
