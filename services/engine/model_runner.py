@@ -118,7 +118,8 @@ class ModelRunner:
         if not out.chunks:
             return {}
         if self.spec is not None:  # draft mirror + speculation (its own CUDA graphs on GPU)
-            return self.spec.execute(self, out)  # type: ignore[return-value]
+            with device_scope(self.device):
+                return self.spec.execute(self, out)  # type: ignore[return-value]
         if self.device.type == "cuda":
             with device_scope(self.device):
                 return self._execute_gpu(out)
