@@ -186,13 +186,19 @@ class SpecDecoder:
                 + region_nbytes(self.kv_cache, self.draft_codec == FP8_CODEC))
 
     def pack(self, target_cache: torch.Tensor, block_ids: list[int], codec: str | None) -> torch.Tensor:
+        from services.engine.model_runner import device_scope
+
         assert self.kv_cache is not None
-        return pack_composite(target_cache, self.kv_cache, block_ids, codec, self.draft_codec)
+        with device_scope(self.kv_cache.device):  # the pack kernels launch on the caches' device
+            return pack_composite(target_cache, self.kv_cache, block_ids, codec, self.draft_codec)
 
     def unpack(self, pages: torch.Tensor, target_cache: torch.Tensor, block_ids: list[int], codec: str | None
                ) -> None:
+        from services.engine.model_runner import device_scope
+
         assert self.kv_cache is not None
-        unpack_composite(pages, target_cache, self.kv_cache, block_ids, codec, self.draft_codec)
+        with device_scope(self.kv_cache.device):
+            unpack_composite(pages, target_cache, self.kv_cache, block_ids, codec, self.draft_codec)
 
     # --- the step ---
 
