@@ -11,7 +11,7 @@ model's): they show what the step costs at that acceptance, and are labelled ``s
 CPU (tiny shapes, seconds):   pdserve bench spec --model random:tiny-llama --draft layers:1
 CPU (embedded SmolLM2):       pdserve bench spec --draft layers:8
 H200 (Llama-3-8B shape, bf16, random weights; draft = its first 2 layers):
-    pdserve bench spec --model random:llama-3-8b --draft layers:2 --device cuda --dtype bfloat16 \\
+    pdserve bench spec --model random:llama-3-8b --draft layers:2 --device cuda:0 --dtype bfloat16 \\
         --batch 16 --prompt-len 512 --max-tokens 256 --spec-tokens 7 --synthetic-acceptance 3 --kv-cache-gib 16
 CUDA graphs: on CUDA the plain and the speculative modes replay captured steps (the speculative step is one
 graph per batch bucket: services/engine/spec/graphs.py); plain-eager and synthetic-eager run the same
