@@ -1,0 +1,4 @@
+source .mc/setup.sh; export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+clean() { for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader); do kill -9 $p; done; sleep 2; }
+timeout -s INT -k 10 90 python3 -m pytest -q -m gpu -p no:cacheprovider -rA tests/engine/test_tensor_parallel_gpu.py > $OUT/gpu_tests2.log 2>&1; echo "tests rc=$?" >> $OUT/gpu_tests2.log; grep -E "PASSED|FAILED|passed|failed|^E " $OUT/gpu_tests2.log | tail -12; clean
+timeout -s INT -k 15 215 python3 -m benchmarks.cli pd-vs-dp --model random:llama-3-8b --device cuda --dtype bfloat16 --placement two-gpus --concurrency 8,32,64 --rounds 3 --input-tokens 2048 --output-tokens 128 --kv-cache-bytes 25769803776 --json $OUT/pd_vs_dp_2gpu.json > $OUT/pd_vs_dp_2gpu.log 2>&1; echo "pd_vs_dp rc=$?" >> $OUT/pd_vs_dp_2gpu.log; grep -E "c=|ready|KV via|^\||rc=" $OUT/pd_vs_dp_2gpu.log
