@@ -75,3 +75,65 @@ def test_spec_graphs_synthetic_acceptance(loaded: LoadedModel) -> None:
     st = eng.runner.spec.stats
     assert calls[0] > 0 and st.synthetic
     assert st.accept_hist[3] >= st.steps - 5 * 3  # 3 per row but rows capped near max_tokens
+
+
+def _ipc_config(k: int, shared: bool) -> EngineConfig:
+    return EngineConfig(model=SPEC, dtype="float32", device="cuda:0", num_kv_blocks=16, max_num_seqs=2,
+                        max_model_len=64, cuda_graphs=False, draft_model="layers:6", spec_tokens=k,
+                        kv_cache_shared=shared)
+
+
+def _decode_side(dest_q, done_q, result_q) -> None:
+    """Another process: a speculating decode whose target and draft pools are exported over CUDA IPC;
+    reports blocks 5, 6, 2 of both pools once the prefill wrote them."""
+    from services.decode.side_pool import offered_pool
+    from services.engine.kv_pages import pages_of
+
+    eng = LLMEngine(_ipc_config(3, True))
+    dest = offered_pool(pages_of(eng), "")
+    dest_q.put(b"" if dest is None else dest.SerializeToString())
+    done_q.get(timeout=120)
+    r = eng.runner
+    result_q.put((r.kv_cache[:, :, [5, 6, 2]].cpu().tolist(), r.spec.kv_cache[:, :, [5, 6, 2]].cpu().tolist()))
+
+
+def test_cuda_ipc_writes_both_regions_into_a_decode_in_another_process() -> None:
+    import torch.multiprocessing as mp
+
+    from services.common.pb import decode_pb2
+    from services.engine.kv_transport.base import KVPoll
+    from services.engine.shared_kv import SharedKVPools, pool_id
+    from services.engine.spec.pools import draft_writer
+
+    class _Open:
+        @staticmethod
+        def poll() -> KVPoll:
+            return KVPoll.TRANSFERRING
+
+    ctx = mp.get_context("spawn")
+    dest_q, done_q, result_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_decode_side, args=(dest_q, done_q, result_q), daemon=True)
+    proc.start()
+    try:
+        raw = dest_q.get(timeout=300)
+        assert raw, "the decode offered no pool"
+        dest = decode_pb2.KVDestination.FromString(raw)
+        assert dest.HasField("cuda_ipc") and dest.draft.HasField("cuda_ipc")
+        prefill = LLMEngine(_ipc_config(0, False))
+        src, draft_src = prefill.runner.kv_cache, prefill.runner.spec.kv_cache
+        src.normal_()
+        draft_src.normal_()
+        pools = SharedKVPools()
+        writer = draft_writer(pools, dest, prefill.runner.spec, "cuda-ipc", pool_id(dest), src, pools.attach(dest),
+                              [5, 6, 2])
+        writer.sender = _Open()  # type: ignore[assignment]
+        writer.write(0, [1, 2])
+        writer.write(2, [4])
+        done_q.put(True)
+        target, draft = result_q.get(timeout=120)
+        assert torch.equal(torch.tensor(target), src[:, :, [1, 2, 4]].cpu())
+        assert torch.equal(torch.tensor(draft), draft_src[:, :, [1, 2, 4]].cpu())
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.terminate()
