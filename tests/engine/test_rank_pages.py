@@ -66,6 +66,8 @@ def test_open_shards_checks_the_split_and_the_pool_shapes() -> None:
         dest = sharded_destination(split, [m[2] for m in made])
         shards = open_shards(dest, lambda d: open_shm_pool(d.shm), cache, 2)
         assert [sh.heads for sh in shards] == [(0, 1), (1, 2)]
+        # A rank holding head 1 only opens the pool that holds it.
+        assert [sh.heads for sh in open_shards(dest, lambda d: open_shm_pool(d.shm), cache, 2, (1, 2))] == [(1, 2)]
         assert pool_split(dest, 2) == HeadSplitSpec(2, 1, 1) == spec_of(split)
         assert pool_id(dest).startswith("tp2:") and pool_id(dest) != pool_id(sharded_destination(
             split, [made[1][2], made[0][2]]))

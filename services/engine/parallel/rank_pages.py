@@ -102,9 +102,10 @@ class Shard:
 
 
 def open_shards(dest: decode_pb2.KVDestination, attach: Callable[[decode_pb2.KVDestination], torch.Tensor],
-                cache: torch.Tensor, num_kv_heads: int) -> list[Shard]:
-    """Check a destination against this model and open its pools (``attach``: shared_kv's checked open).
-    Raises SharedKVAttachError (reason ``split``: a head split this prefill cannot write; ``shape``: a pool
+                cache: torch.Tensor, num_kv_heads: int, heads: tuple[int, int] | None = None) -> list[Shard]:
+    """Check a destination against this model and open its pools (``attach``: shared_kv's checked open), only
+    those holding one of ``heads`` ([start, end), this rank's; None: all; a CUDA IPC open costs a context on
+    the pool's device). Raises SharedKVAttachError (reason ``split``: a head split this prefill cannot write; ``shape``: a pool
     of another shape or dtype) so the pages go as bytes in the stream instead."""
     kind = dest.WhichOneof("pool")
     if kind in PLAIN_POOLS:
@@ -124,7 +125,9 @@ def open_shards(dest: decode_pb2.KVDestination, attach: Callable[[decode_pb2.KVD
             raise SharedKVAttachError("split", f"decode's pool names ranks/heads {[g[:3] for g in got]} with "
                                                f"{sp.kv_replicas} replicas; TP={sp.tp_size} over {num_kv_heads} KV "
                                                f"heads splits them as {want}")
-        shards = [Shard(want[i], attach(rp.pool)) for i, rp in enumerate(sp.ranks)]
+        lo, hi = heads or (0, num_kv_heads)
+        shards = [Shard(want[i], attach(rp.pool)) for i, rp in enumerate(sp.ranks)
+                  if max(lo, want[i][0]) < min(hi, want[i][1])]
     else:
         raise SharedKVAttachError("none", f"the decode offers {kind or 'no shared pool'}")
     for sh in shards:
@@ -176,16 +179,16 @@ def write_share(cache: torch.Tensor, split: HeadSplit, shards: list[Shard], src_
 class RankPools:
     """One rank's opened destinations (each decode pool mapped once, shared_kv.SharedKVPools)."""
 
-    def __init__(self, cache: torch.Tensor, num_kv_heads: int) -> None:
+    def __init__(self, cache: torch.Tensor, split: HeadSplit) -> None:
         self.cache = cache
-        self.num_kv_heads = num_kv_heads
+        self.split = split
         self.pools = SharedKVPools()
         self._lock = threading.Lock()  # ATTACH runs in a worker thread, WRITE on the engine thread
 
     def shards(self, raw: bytes) -> list[Shard]:
         dest = decode_pb2.KVDestination.FromString(raw)
         with self._lock:
-            return open_shards(dest, self.pools.attach, self.cache, self.num_kv_heads)
+            return open_shards(dest, self.pools.attach, self.cache, self.split.num_kv_heads, self.split.kv_range)
 
 
 _RANK_POOLS: weakref.WeakKeyDictionary[object, RankPools] = weakref.WeakKeyDictionary()
@@ -195,7 +198,7 @@ def rank_pools(runner) -> RankPools:
     """The opened destinations of one rank's runner (made on first use)."""
     pools = _RANK_POOLS.get(runner)
     if pools is None:
-        pools = _RANK_POOLS[runner] = RankPools(runner.kv_cache, runner.model.tp_split.num_kv_heads)
+        pools = _RANK_POOLS[runner] = RankPools(runner.kv_cache, runner.model.tp_split)
     return pools
 
 
