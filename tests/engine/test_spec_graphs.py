@@ -82,7 +82,34 @@ def test_graph_step_equals_plain_decoding(k: int, baseline: list[list[int]]) -> 
     assert calls["n"] > 0  # decode steps took the graph path (3 sequences: the 4-row bucket, one padding row)
     st = eng.runner.spec.stats
     assert st.steps > 0 and st.proposed > 0
+    assert eng.generate(_prompts(), GREEDY) == baseline  # again: leading blocks (both regions) from the cache
+    assert eng.block_manager.num_prefix_hit_tokens > 0
     assert eng.block_manager.num_free_blocks == eng.runner.num_blocks
+
+
+def test_a_sampling_row_runs_the_step_eagerly(baseline: list[list[int]]) -> None:
+    """A batch with a non-greedy request is not a graph step (graph steps resume once it finished); the
+    greedy rows still equal plain decoding."""
+    eng = _cpu_engine(3)
+    g = _with_body(eng)
+    run = g.run
+
+    def checked(bucket, steps):  # type: ignore[no-untyped-def]
+        assert all(seq.params.greedy for seq in eng.scheduler.running)  # never with the sampling row
+        return run(bucket, steps)
+
+    g.run = checked  # type: ignore[method-assign]
+    prompts = _prompts()
+    sampled = SamplingParams(max_tokens=GREEDY.max_tokens, ignore_eos=True, temperature=0.8, seed=7)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"g{i}", p, GREEDY, detokenize=False)
+    eng.add_request("s", prompts[0], sampled, detokenize=False)
+    out: dict[str, list[int]] = {}
+    while eng.has_work():
+        for o in eng.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert [out[f"g{i}"] for i in range(len(prompts))] == baseline
+    assert len(out["s"]) == GREEDY.max_tokens
 
 
 def test_graph_step_synthetic_acceptance_counts() -> None:
