@@ -21,7 +21,7 @@ from services.engine.kv_layout import FP8_CODEC
 from services.engine.model_loader import LoadedModel
 from services.engine.sampler import Sampled, Sampler, SamplingRow
 from services.engine.scheduler import ScheduledChunk, SchedulerOutput
-from services.engine.shared_kv import SharedKVAttachError, create_shared_kv, export_cuda_kv
+from services.engine.shared_kv import allocate_kv
 
 log = logging.getLogger(__name__)
 
@@ -51,20 +51,10 @@ class ModelRunner:
         """The /dev/shm file backing the pool when it is shared (removed by release())."""
         self.kv_destination: decode_pb2.KVDestination | None = None
         """The pool as a same-host prefill may write it (shm file or CUDA IPC handle); None when private."""
-        self.kv_cache = None
-        if config.kv_cache_shared and self.device.type == "cpu":
-            try:
-                self.kv_cache, self.kv_shm_path, self.kv_destination = create_shared_kv(shape, self.dtype)
-                atexit.register(self.release)
-            except (SharedKVAttachError, OSError) as e:
-                log.warning("KV pool stays private (prefills will send page bytes): %s", e)
-        if self.kv_cache is None:
-            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            if config.kv_cache_shared and self.device.type == "cuda":
-                try:
-                    self.kv_destination = export_cuda_kv(self.kv_cache)
-                except (SharedKVAttachError, RuntimeError) as e:
-                    log.warning("KV pool stays private (CUDA IPC export failed; prefills will send page bytes): %s", e)
+        self.kv_cache, self.kv_shm_path, self.kv_destination = allocate_kv(shape, self.dtype, self.device,
+                                                                           config.kv_cache_shared, "KV pool")
+        if self.kv_shm_path is not None:
+            atexit.register(self.release)
         self.attn_backend = self._make_backend(self.kv_cache, self.head_dim)
         if self.spec is not None:
             self.spec.allocate(self.num_blocks, self._make_backend)

@@ -166,6 +166,26 @@ def export_cuda_kv(tensor: torch.Tensor) -> decode_pb2.KVDestination:
         event_handle=bytes(event_handle or b""), event_sync_required=bool(event_sync)))
 
 
+def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, shared: bool, what: str
+                ) -> tuple[torch.Tensor, str | None, decode_pb2.KVDestination | None]:
+    """A zeroed pool (``what`` names it in logs): (tensor, its /dev/shm path, the destination to offer). With
+    ``shared``, backed by a /dev/shm file on CPU or exported over CUDA IPC on GPU; a pool that cannot be
+    shared stays private (logged; prefills then send page bytes). The caller unlinks the path at exit."""
+    if shared and device.type == "cpu":
+        try:
+            return create_shared_kv(shape, dtype)
+        except (SharedKVAttachError, OSError) as e:
+            log.warning("%s stays private (prefills will send page bytes): %s", what, e)
+    tensor = torch.zeros(shape, dtype=dtype, device=device)
+    dest = None
+    if shared and device.type == "cuda":
+        try:
+            dest = export_cuda_kv(tensor)
+        except (SharedKVAttachError, RuntimeError) as e:
+            log.warning("%s stays private (CUDA IPC export failed; prefills will send page bytes): %s", what, e)
+    return tensor, None, dest
+
+
 # --- prefill side: check and open a destination -------------------------------------------------
 
 

@@ -39,7 +39,7 @@ from services.engine.kv_layout import FP8_CODEC, PageLayout, Region
 from services.engine.sampler import SamplingRow
 from services.engine.sampling_params import Sampled
 from services.engine.scheduler import ScheduledChunk, SchedulerOutput
-from services.engine.shared_kv import SharedKVAttachError, create_shared_kv, export_cuda_kv
+from services.engine.shared_kv import allocate_kv
 from services.engine.spec.attention import UniformQueryAttention
 from services.engine.spec.draft import Draft, DraftConfigError, load_draft
 from services.engine.spec.graphs import GraphStep, SpecGraphs
@@ -136,20 +136,10 @@ class SpecDecoder:
         --kv-cache-shared a /dev/shm file (CPU) or a CUDA IPC export that same-host prefills write into."""
         d, cfg = self.draft, self.config
         shape = (d.num_layers, 2, num_blocks, cfg.block_size, d.num_kv_heads, d.head_dim)
-        self.kv_cache = None
-        if cfg.kv_cache_shared and torch.device(cfg.device).type == "cpu":
-            try:
-                self.kv_cache, self.shm_path, self.pool_destination = create_shared_kv(shape, cfg.torch_dtype)
-                atexit.register(self.release)
-            except (SharedKVAttachError, OSError) as e:
-                log.warning("draft KV pool stays private (prefills will send page bytes): %s", e)
-        if self.kv_cache is None:
-            self.kv_cache = torch.zeros(shape, dtype=cfg.torch_dtype, device=cfg.device)
-            if cfg.kv_cache_shared and self.kv_cache.is_cuda:
-                try:
-                    self.pool_destination = export_cuda_kv(self.kv_cache)
-                except (SharedKVAttachError, RuntimeError) as e:
-                    log.warning("draft KV pool stays private (CUDA IPC export failed): %s", e)
+        self.kv_cache, self.shm_path, self.pool_destination = allocate_kv(
+            shape, cfg.torch_dtype, torch.device(cfg.device), cfg.kv_cache_shared, "draft KV pool")
+        if self.shm_path is not None:
+            atexit.register(self.release)
         self.backend = _batched(make_backend(self.kv_cache, d.head_dim))
 
     def offer(self, dest: decode_pb2.KVDestination | None) -> decode_pb2.KVDestination | None:
