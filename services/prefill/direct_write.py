@@ -101,16 +101,19 @@ class DirectWrites:
         if self.mode == "grpc":
             return None
         offered = request.destination.WhichOneof("pool")
-        if self.shards is not None and (offered == "sharded" or self.shards.collective):
-            return await self._shard_writer(request, num_blocks)
-        transport = TRANSPORT_OF.get(offered or "", "")
+        # Rank to rank (rank_pages.py): a tensor-parallel decode's pools, or any write of a tensor-parallel prefill.
+        ranks = self.shards is not None and (offered == "sharded" or self.shards.collective)
+        transport = transport_of(request.destination) if ranks else TRANSPORT_OF.get(offered or "", "")
         if not transport or (self.mode != "auto" and transport != self.mode):
-            self._fallback(self.mode, "none", f"the decode offers {offered or 'no shared pool'}")
+            reason = "tensor-parallel" if ranks and offered == "mooncake" else "none"
+            self._fallback(self.mode, reason, f"the decode offers {offered or 'no shared pool'}")
             return None
         dest = list(request.dest_block_ids)
         if len(dest) != num_blocks:
             self._fallback(transport, "blocks", f"{len(dest)} destination block ids for a {num_blocks}-block prompt")
             return None
+        if ranks:
+            return await self._shard_writer(request, dest)
         try:
             if self.draft is not None and transport == "mooncake":
                 raise SharedKVAttachError("draft", "pages with a draft region go in place over shm / cuda-ipc only")
@@ -161,22 +164,12 @@ class DirectWrites:
                 return None
         return SharedPoolWriter(transport, pool_id(request.destination), src, pool, dest)
 
-    async def _shard_writer(self, request: prefill_pb2.PrefillRequest, num_blocks: int) -> PageWriter | None:
+    async def _shard_writer(self, request: prefill_pb2.PrefillRequest, blocks: list[int]) -> PageWriter | None:
         """Every rank writes its KV heads straight into the decode ranks that hold them (shm / cuda-ipc; a
         ShardedPool, or one plain pool written by this tensor-parallel prefill's ranks); see rank_pages.py."""
         assert self.shards is not None
         dest = request.destination
         transport = transport_of(dest)
-        if not transport or (self.mode != "auto" and transport != self.mode):
-            offered = dest.WhichOneof("pool")
-            reason = "tensor-parallel" if offered == "mooncake" else "none"
-            self._fallback(self.mode, reason, f"the decode offers {offered or 'no shared pool'}; tensor-parallel "
-                                              "instances write shm / cuda-ipc pools rank to rank")
-            return None
-        blocks = list(request.dest_block_ids)
-        if len(blocks) != num_blocks:
-            self._fallback(transport, "blocks", f"{len(blocks)} destination block ids for a {num_blocks}-block prompt")
-            return None
         try:
             pool_blocks = await asyncio.to_thread(self.shards.attach, dest)
         except SharedKVAttachError as e:
