@@ -8,4 +8,5 @@ plan.py    a step's plan as int64 tensors (rank 0 -> every rank; no pickle)
 runner.py  rank 0's model runner: broadcasts each plan, assembles full-head pages
 worker.py  ranks 1..N-1: the process main and its loop
 launch.py  rank 0 starts the other ranks and watches them
+rank_pages.py  pages rank to rank over shm / cuda-ipc (each rank writes its heads into the decode ranks holding them)
 """
