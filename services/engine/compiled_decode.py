@@ -22,6 +22,8 @@ import logging
 import time
 
 import torch
+import torch._dynamo.exc
+import torch._inductor.exc
 import torch.nn.functional as F
 
 from services.engine.models.rope import rotate_half
@@ -29,6 +31,9 @@ from services.engine.scheduler import ScheduledChunk
 
 log = logging.getLogger(__name__)
 
+_COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError,
+                   torch._inductor.exc.InvalidCxxCompiler, torch._inductor.exc.CppCompileError)
+"""What a failed torch.compile raises (tracing, lowering, or the C++ toolchain)."""
 MIN_PAGES = 2
 """Pages gathered per sequence at least (padding pages are masked out)."""
 
@@ -124,14 +129,21 @@ class CompiledDecode:
         return self.forward(rows)
 
     @torch.inference_mode()
-    def warm_up(self) -> None:
-        """Compile every batch size now (reads page 0 only, writes nothing), so no request waits for it."""
+    def warm_up(self) -> bool:
+        """Compile every batch size now (reads page 0 only, writes nothing), so no request waits for it.
+        False (logged) when compiling fails, e.g. no working C++ compiler: the engine then stays eager."""
         t0 = time.monotonic()
-        for b in range(1, self.max_batch + 1):
-            ids = torch.zeros(b, dtype=torch.int64)
-            mask = torch.zeros(b, 1, 1, MIN_PAGES * self.block_size + 1, dtype=torch.bool)
-            mask[..., -1] = True
-            self._run(ids, ids.clone(), torch.zeros(b * MIN_PAGES, dtype=torch.int64), mask)
+        try:
+            for b in range(1, self.max_batch + 1):
+                ids = torch.zeros(b, dtype=torch.int64)
+                mask = torch.zeros(b, 1, 1, MIN_PAGES * self.block_size + 1, dtype=torch.bool)
+                mask[..., -1] = True
+                self._run(ids, ids.clone(), torch.zeros(b * MIN_PAGES, dtype=torch.int64), mask)
+        except _COMPILE_ERRORS as e:
+            log.warning("engine: --cpu-compile-decode %d: compiling the decode step failed after %.1f s, decode "
+                        "steps stay eager: %s", self.max_batch, time.monotonic() - t0, str(e).splitlines()[0])
+            return False
         self.compile_seconds = time.monotonic() - t0
         log.info("engine: decode steps of 1..%d sequences compiled (torch.compile, inductor) in %.1f s",
                  self.max_batch, self.compile_seconds)
+        return True

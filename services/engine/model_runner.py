@@ -69,8 +69,8 @@ class ModelRunner:
             from services.engine.compiled_decode import CompiledDecode
 
             if CompiledDecode.supported(self.model):
-                self.compiled_decode = CompiledDecode(self.model, self.kv_cache, config.cpu_compile_decode)
-                self.compiled_decode.warm_up()
+                compiled = CompiledDecode(self.model, self.kv_cache, config.cpu_compile_decode)
+                self.compiled_decode = compiled if compiled.warm_up() else None  # failed: logged, stays eager
         log.info("kv cache: %d blocks x %d tokens (%.1f MiB, %s)", self.num_blocks, self.block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.dtype)
 
