@@ -32,6 +32,8 @@ class ModelRunner:
         self.model = loaded.model
         self.config = config
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda" = the current GPU, named by index
+            self.device = torch.device("cuda", torch.cuda.current_device())  # (set_device needs one)
         self.dtype = config.torch_dtype
         arch = loaded.arch
         self.num_layers = arch.num_layers
