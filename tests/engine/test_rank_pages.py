@@ -16,6 +16,8 @@ from services.decode.side_pool import check_claim
 from services.engine.kv_layout import HeadSplitSpec, PageLayout
 from services.engine.parallel.rank_pages import (
     Shard,
+    copy_heads,
+    gathered_copy,
     head_ranges,
     open_shards,
     pool_split,
@@ -56,6 +58,19 @@ def test_every_decode_rank_gets_exactly_its_heads(kvh: int, a: int, b: int) -> N
     pairs = sum(max(p0, q0) < min(p1, q1) for p0, p1 in set(head_ranges(a, kvh)) for q0, q1 in head_ranges(b, kvh))
     assert sum(written) == len(src_blocks) * pairs
     assert all(written)
+
+
+def test_gathered_copy_equals_the_run_copies() -> None:
+    """The GPU form of copy_heads (gather, one copy, scatter) writes what the CPU's per-run copies write."""
+    full = _full(4)
+    src_blocks, dst_blocks = [1, 2, 3, 7, 8, 0], [9, 10, 0, 4, 5, 11]
+    runs, gathered = torch.zeros(L, 2, BLOCKS, BS, 2, D), torch.zeros(L, 2, BLOCKS, BS, 2, D)
+    copy_heads(full, src_blocks, (1, 3), runs, dst_blocks, (0, 2))
+    gathered_copy(full, src_blocks, (1, 3), gathered, dst_blocks, (0, 2))
+    assert torch.equal(runs, gathered) and torch.equal(runs[:, :, dst_blocks], full[:, :, src_blocks, :, 1:3])
+    half = torch.zeros(L, 2, BLOCKS, BS, 2, D)  # into one head of a two-head pool
+    gathered_copy(full, src_blocks, (3, 4), half, dst_blocks, (1, 2))
+    assert torch.equal(half[:, :, dst_blocks, :, 1:2], full[:, :, src_blocks, :, 3:4]) and not half[..., 0, :].any()
 
 
 def test_open_shards_checks_the_split_and_the_pool_shapes() -> None:
