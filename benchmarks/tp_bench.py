@@ -15,6 +15,14 @@ argmax; at TP>1 every rank captured its graphs together and they replay in locks
 eagerly (``--graphs off``); prefill is always eager, as in the engine. Weights are random per
 shard (timings need shapes, not values). Prints one JSON line per degree and the TP=N/TP=1 ratios last
 (the issue's goal: <= 0.6 at TP=2 on GPU). Each rank is its own process on cpu / cuda:<rank>.
+
+On CUDA, ``--allreduce`` picks TP=N's all-reduce: ``oneshot`` (the default: small tensors one-shot over
+symmetric memory, parallel/fast_allreduce.py), ``nccl`` (NCCL only) or ``both`` (TP=N measured with each,
+one TP=1 baseline). ``--allreduce-sweep`` adds, per size, one all-reduce's device time on each path (50
+all-reduces captured in one CUDA graph, median replay / 50). ``--engine-steps K`` adds the engine's own
+decode step: an LLMEngine per degree (--decode-batch requests of --engine-prompt tokens), the median of K
+pure-decode steps (LLMEngine.step: scheduler, plan broadcast, graph replay, sampling, outputs); what the
+engine adds is that minus decode_step_s (use a tiny model: every rank draws a random model whole on the CPU).
 """
 
 from __future__ import annotations
@@ -33,11 +41,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.engine.attention import ForwardContext
 from services.engine.config import EngineConfig
+from services.engine.engine import LLMEngine
 from services.engine.model_loader import LoadedModel, build_empty_model
 from services.engine.model_runner import ModelRunner, prepare_rows
 from services.engine.model_source import resolve
-from services.engine.parallel.group import building, connect, open_store
+from services.engine.parallel.fast_allreduce import forbid_multicast
+from services.engine.parallel.group import TPGroup, building, connect, open_store
 from services.engine.parallel.worker import rank_device
+from services.engine.sampling_params import SamplingParams
 from services.engine.tokenizer import Tokenizer
 from services.engine.weights.random_weights import BYTE_EOS_ID, init_random_, random_arch
 
@@ -101,17 +112,91 @@ def _measure(args: argparse.Namespace, group) -> dict[str, float]:
             g.fill_rows(bucket, *host)
             return g.replay(bucket, b)
 
-    return {"decode_step_s": _time(decode, r.device, args.warmup, args.iters),
-            "prefill_s": _time(lambda: forward(pre_rows), r.device, args.warmup, args.iters),
-            "decode_graph_bucket": bucket or 0}
+    out = {"decode_step_s": _time(decode, r.device, args.warmup, args.iters),
+           "prefill_s": _time(lambda: forward(pre_rows), r.device, args.warmup, args.iters),
+           "decode_graph_bucket": bucket or 0}
+    if group is not None and args.allreduce_sweep and r.device.type == "cuda":
+        out["allreduce_us"] = _sweep(group, r.dtype)
+    return out
 
 
-def _rank(rank: int, size: int, port: int, args: argparse.Namespace, results) -> None:
+SWEEP_BYTES = (8 << 10, 64 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20)
+SWEEP_REPEAT = 50
+"""All-reduces per captured graph in the sweep (one replay: their summed device time)."""
+
+
+def _sweep(group: TPGroup, dtype: torch.dtype) -> dict[str, dict[str, float]]:
+    """Per size (bytes): one all-reduce's device time in us on NCCL and, where it fits, one-shot."""
+    out: dict[str, dict[str, float]] = {}
+    fast, dev = group.fast, group.device
+    for n in SWEEP_BYTES:
+        x = torch.ones(n // torch.finfo(dtype).bits * 8, dtype=dtype, device=dev)
+        row = {}
+        for path in ("nccl", "oneshot"):
+            if path == "oneshot" and (fast is None or not fast.fits(x)):
+                continue
+            group.fast = fast if path == "oneshot" else None
+            graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+            group.all_reduce(x)  # warm (NCCL's first call of a size sets it up)
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                for _ in range(SWEEP_REPEAT):
+                    group.all_reduce(x)
+            row[path] = round(_time(graph.replay, dev, 3, 11) / SWEEP_REPEAT * 1e6, 2)
+        group.fast = fast
+        out[str(n)] = row
+    return out
+
+
+def _engine_step(args: argparse.Namespace, tp: int, fast: bool) -> float:
+    """Median LLMEngine.step of --decode-batch sequences in pure decode at TP=tp (seconds)."""
+    total = args.warmup + args.engine_steps + 2
+    cfg = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=16,
+                       num_kv_blocks=args.decode_batch * (-(-(args.engine_prompt + total) // 16)) + 8,
+                       max_num_seqs=args.decode_batch, max_model_len=args.engine_prompt + total + 16,
+                       max_num_batched_tokens=max(2048, args.decode_batch * args.engine_prompt),
+                       cuda_graphs=True, tensor_parallel_size=tp, tp_fast_allreduce=fast, cpu_threads=4)
+    eng = LLMEngine(cfg)
+    try:
+        params = SamplingParams(max_tokens=total, temperature=0.0, ignore_eos=True)
+        for i in range(args.decode_batch):
+            eng.add_request(f"r{i}", [(7 * i + j) % 200 + 1 for j in range(args.engine_prompt)], params,
+                            detokenize=False)
+        times: list[float] = []
+        decoding = False
+        while len(times) < args.warmup + args.engine_steps:
+            t0 = time.perf_counter()
+            outs = eng.step()
+            dt = time.perf_counter() - t0
+            if decoding:
+                times.append(dt)  # a pure-decode step of the whole batch (every prompt was prefilled before)
+            decoding = decoding or len(outs) == args.decode_batch
+        return statistics.median(times[args.warmup:])
+    finally:
+        eng.runner.release()
+
+
+def _rank(rank: int, size: int, port: int, args: argparse.Namespace, fast: bool, results) -> None:
     torch.set_grad_enabled(False)
-    group = connect(open_store(size, port), rank, size, rank_device(args.device, rank))
+    group = connect(open_store(size, port), rank, size, rank_device(args.device, rank), fast_allreduce=fast)
     out = _measure(args, group)
+    out["oneshot_allreduce"] = group.fast is not None
     if rank == 0:
         results.put(out)
+
+
+def _tp_run(args: argparse.Namespace, fast: bool) -> dict:
+    ctx = mp.get_context("spawn")
+    store = open_store(args.tp)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, args.tp, store.port, args, fast, results), daemon=True)
+             for r in range(args.tp)]
+    for proc in procs:
+        proc.start()
+    tp = results.get(timeout=3600)
+    for proc in procs:
+        proc.join()
+    return tp
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,28 +212,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--cpu-threads", type=int, default=1, help="torch threads per rank (CPU)")
     p.add_argument("--graphs", default="on", choices=("on", "off"), help="decode in CUDA graphs (CUDA only)")
+    p.add_argument("--allreduce", default="oneshot", choices=("oneshot", "nccl", "both"),
+                   help="TP=N's all-reduce on CUDA: one-shot for small tensors, NCCL only, or each in turn")
+    p.add_argument("--allreduce-sweep", action="store_true", help="per-size all-reduce device times (CUDA)")
+    p.add_argument("--engine-steps", type=int, default=0, help="also time K LLMEngine decode steps per degree")
+    p.add_argument("--engine-prompt", type=int, default=16, help="prompt tokens of the engine-step requests")
     args = p.parse_args(argv)
     torch.set_num_threads(args.cpu_threads)
+    cuda = args.device.startswith("cuda")
+    if cuda:
+        forbid_multicast()
     base = _measure(args, None)
     print(json.dumps({"tp": 1, **base}), flush=True)
-    if args.device.startswith("cuda"):
+    if cuda:
         torch.cuda.empty_cache()  # TP=1's weights and pool are freed; rank 0 shares cuda:0
-    ctx = mp.get_context("spawn")
-    store = open_store(args.tp)
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, args.tp, store.port, args, results), daemon=True)
-             for r in range(args.tp)]
-    for proc in procs:
-        proc.start()
-    tp = results.get(timeout=3600)
-    for proc in procs:
-        proc.join()
-    print(json.dumps({"tp": args.tp, **tp}), flush=True)
-    print(json.dumps({"ratio_tp_over_tp1": {k: round(tp[k] / base[k], 3) for k in ("decode_step_s", "prefill_s")},
-                      "graphs": args.graphs,
-                      "model": args.model, "device": args.device, "dtype": args.dtype,
-                      "decode_batch": args.decode_batch, "context": args.context,
-                      "prefill_tokens": args.prefill_tokens}), flush=True)
+    modes = {"oneshot": [True], "nccl": [False], "both": [True, False]}[args.allreduce] if cuda else [False]
+    for fast in modes:
+        tp = _tp_run(args, fast)
+        print(json.dumps({"tp": args.tp, **tp}), flush=True)
+        print(json.dumps({"ratio_tp_over_tp1": {k: round(tp[k] / base[k], 3) for k in ("decode_step_s", "prefill_s")},
+                          "allreduce": "oneshot" if tp["oneshot_allreduce"] else "nccl", "graphs": args.graphs,
+                          "model": args.model, "device": args.device, "dtype": args.dtype,
+                          "decode_batch": args.decode_batch, "context": args.context,
+                          "prefill_tokens": args.prefill_tokens}), flush=True)
+    if args.engine_steps:
+        steps = {"tp1": _engine_step(args, 1, False)}
+        for fast in modes:
+            steps[f"tp{args.tp}_{'oneshot' if fast else 'nccl'}"] = _engine_step(args, args.tp, fast)
+        print(json.dumps({"engine_decode_step_s": {k: round(v, 6) for k, v in steps.items()},
+                          "decode_batch": args.decode_batch, "engine_prompt": args.engine_prompt,
+                          "model": args.model}), flush=True)
     return 0
 
 

@@ -54,6 +54,9 @@ class EngineConfig(ContextConfig, ModelConfig, DtypeConfig):
                                        "runs the model on: heads, MLP and vocab split N ways, gloo on CPU, NCCL "
                                        "on GPU. The service starts ranks 1..N-1 itself; any prefill and decode "
                                        "TP degrees hand KV to each other.")
+    tp_fast_allreduce: bool = opt(True, "At --tensor-parallel-size > 1 on GPUs that reach each other peer-to-peer "
+                                        "(NVLink): all-reduces up to 4 MiB (decode steps) go one-shot through "
+                                        "symmetric memory, larger ones (prefill) through NCCL. Off: NCCL only.")
     seed: int = opt(0, "Seed of the sampler's generator for requests without their own seed.")
     weight_format: str = opt("auto", "Linear weights of decode-sized steps (CPU, GGUF Q4_1 tensors): int4 reads the "
                                      "Q4_1 blocks packed for torch's int4 GEMM, dequantized reads the dense weights; "

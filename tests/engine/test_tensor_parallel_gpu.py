@@ -1,6 +1,7 @@
 """Tensor parallelism on two GPUs (NCCL, rank r on cuda:r) against TP=1 on the same random weights, bf16,
-with the decode CUDA graphs on and off; an engine on cuda:1; cuda-ipc from a cache on cuda:0 into a pool
-exported on cuda:1 by another process. Skips cleanly without two CUDA GPUs."""
+with the decode CUDA graphs on and off (small all-reduces one-shot over symmetric memory); the one-shot
+all-reduce against NCCL's in and out of graph capture; an engine on cuda:1; cuda-ipc from a cache on cuda:0
+into a pool exported on cuda:1 by another process. Skips cleanly without two CUDA GPUs."""
 
 from __future__ import annotations
 
@@ -92,6 +93,7 @@ def test_tp2_on_two_gpus_matches_tp1(graphs: bool) -> None:
     tp2 = LLMEngine(_cfg(2, graphs))
     try:
         assert (tp2.runner.graphs is not None) == graphs
+        assert tp2.runner.group.fast is not None  # two H200s over NVLink: small all-reduces go one-shot
         assert tp2.runner.kv_cache.device == torch.device("cuda:0") and tp2.runner.kv_cache.shape[-2] == 1
         _, got, buckets2 = _run(tp2, forced=want)  # the same token history as TP=1
         for n in PROMPT_LENS:
@@ -109,6 +111,63 @@ def test_tp2_on_two_gpus_matches_tp1(graphs: bool) -> None:
                 assert float(top2[0] - top2[1]) <= 2 * noise, (n, k, tokens[n], want[n])
     finally:
         tp2.runner.release()
+
+
+ALLREDUCE_SHAPES = ((3, 64), (64, 4096), (256, 4096), (1024, 4096))
+"""Rows x hidden: a 3-row tiny step, a batch-64 and batch-256 Llama-3-8B decode step (512 KiB, 2 MiB), and
+8 MiB (above ONE_SHOT_MAX_BYTES: NCCL even with the fast path on)."""
+
+
+def _allreduce_rank(rank: int, port: int, results) -> None:
+    """One rank: (shape, dtype, took one-shot, max |eager - NCCL|, max |graph replay - NCCL|) per case."""
+    from services.engine.parallel.group import connect, open_store
+
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    group = connect(open_store(2, port), rank, 2, dev)
+    rows = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for shape in ALLREDUCE_SHAPES:
+            g = torch.Generator(device=dev).manual_seed(100 * rank + shape[0])
+            x = torch.randn(shape, generator=g, device=dev).to(dtype)
+            want = x.clone()
+            group.pg.allreduce([want]).wait()
+            fits = group.fast is not None and group.fast.fits(x)
+            eager = group.all_reduce(x.clone())
+            static = torch.zeros_like(x)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=torch.cuda.Stream(), capture_error_mode="thread_local"):
+                out = group.all_reduce(static)
+            static.copy_(x)
+            graph.replay()
+            torch.cuda.synchronize()
+            rows.append((shape, str(dtype), fits, float((eager - want).abs().max()), float((out - want).abs().max()),
+                         float(want.abs().max())))
+    results.put((rank, group.fast is not None, rows))
+
+
+def test_oneshot_allreduce_equals_nccl_in_and_out_of_graphs() -> None:
+    from services.engine.parallel.fast_allreduce import ONE_SHOT_MAX_BYTES
+    from services.engine.parallel.group import open_store
+
+    ctx = mp.get_context("spawn")
+    store = open_store(2)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_allreduce_rank, args=(r, store.port, results), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict((r, (on, rows)) for r, on, rows in (results.get(timeout=300) for _ in procs))
+    finally:
+        for p in procs:
+            p.join(30)
+    for rank, (on, rows) in got.items():
+        assert on, f"rank {rank}: no one-shot all-reduce between two NVLink GPUs"
+        for shape, dtype, fits, eager_err, graph_err, scale in rows:
+            nbytes = shape[0] * shape[1] * (2 if "bfloat16" in dtype else 4)
+            assert fits == (nbytes <= ONE_SHOT_MAX_BYTES), (rank, shape, dtype, fits)
+            tol = 1e-2 * scale if "bfloat16" in dtype else 1e-5 * scale  # a + b, rounded once either way
+            assert eager_err <= tol and graph_err <= tol, (rank, shape, dtype, eager_err, graph_err, scale)
 
 
 def test_an_engine_on_cuda1_decodes_like_cuda0() -> None:

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from services.engine.parallel.fast_allreduce import OneShotAllReduce, forbid_multicast, setup
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -27,10 +29,15 @@ class TPGroup:
         """Where this rank's collectives run (NCCL needs CUDA tensors)."""
         self.store = store
         """Kept alive as long as the group (rank 0's TCPStore serves the others)."""
+        self.fast: OneShotAllReduce | None = None
+        """The one-shot P2P all-reduce for small CUDA tensors (fast_allreduce.py); None: NCCL / gloo only."""
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks, in place; returns x."""
+        """Sum over ranks, in place; returns x. Small CUDA tensors take the one-shot path when the group
+        has one (the same choice on every rank: it depends on x's shape, dtype and alignment)."""
         if self.size > 1:
+            if self.fast is not None and self.fast.fits(x):
+                return self.fast(x)
             assert self.pg is not None
             self.pg.allreduce([x]).wait()
         return x
@@ -83,10 +90,14 @@ def open_store(size: int, port: int = 0, *, timeout_s: float = 120.0) -> dist.TC
                          timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def connect(store: dist.Store, rank: int, size: int, device: torch.device, *, timeout_s: float = 120.0) -> TPGroup:
-    """Join the group (every rank calls this; returns when all have)."""
+def connect(store: dist.Store, rank: int, size: int, device: torch.device, *, timeout_s: float = 120.0,
+            fast_allreduce: bool = True) -> TPGroup:
+    """Join the group (every rank calls this, with the same ``fast_allreduce``; returns when all have).
+    On CUDA with ``fast_allreduce`` small all-reduces go one-shot over P2P (fast_allreduce.py) when every
+    rank can; NVLink multicast is off either way."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if device.type == "cuda":
+        forbid_multicast()
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         pg: dist.ProcessGroup = dist.ProcessGroupNCCL(store, rank, size, opts)
@@ -97,6 +108,8 @@ def connect(store: dist.Store, rank: int, size: int, device: torch.device, *, ti
         pg = dist.ProcessGroupGloo(store, rank, size, gopts)
     group = TPGroup(rank, size, pg, store, device)
     group.all_reduce(torch.zeros(1, device=device))  # every rank connected
+    if device.type == "cuda" and fast_allreduce and size > 1:
+        group.fast = setup(pg, store, rank, size, device)
     return group
 
 

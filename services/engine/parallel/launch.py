@@ -60,7 +60,8 @@ class RankSet:
             p.start()
         log.info("tensor parallel: rank 0 of %d; ranks 1..%d are pids %s (store 127.0.0.1:%d)", self.size,
                  self.size - 1, [p.pid for p in self.procs], store.port)
-        self.group: TPGroup = connect(store, 0, self.size, self.device)
+        self.group: TPGroup = connect(store, 0, self.size, self.device,
+                                      fast_allreduce=config.tp_fast_allreduce)
         self._watcher = threading.Thread(target=self._watch, name="pdserve-tp-watch", daemon=True)
         self._watcher.start()
 

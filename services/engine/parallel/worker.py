@@ -106,7 +106,7 @@ def worker_main(rank: int, size: int, port: int, config: EngineConfig) -> None:
     device = rank_device(config.device, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # Triton kernels launch on the current device: this rank's
-    group = connect(open_store(size, port), rank, size, device)
+    group = connect(open_store(size, port), rank, size, device, fast_allreduce=cfg.tp_fast_allreduce)
     loaded = load_shard(cfg.model, cfg.torch_dtype, device, group)
     group.all_reduce(torch.zeros(1, device=device))  # loaded (meets rank 0's RankSet.load_model)
     # Rank 0 builds its runner next as well: both allocate KV and capture decode graphs (collectives) together.
