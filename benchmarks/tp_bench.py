@@ -149,7 +149,7 @@ def _sweep(group: TPGroup, dtype: torch.dtype) -> dict[str, dict[str, float]]:
 
 
 def _engine_step(args: argparse.Namespace, tp: int, fast: bool) -> float:
-    """Median LLMEngine.step of --decode-batch sequences in pure decode at TP=tp (seconds)."""
+    """Median LLMEngine.step of --decode-batch sequences in pure decode at TP=tp (seconds; printed too)."""
     total = args.warmup + args.engine_steps + 2
     cfg = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=16,
                        num_kv_blocks=args.decode_batch * (-(-(args.engine_prompt + total) // 16)) + 8,
@@ -171,7 +171,11 @@ def _engine_step(args: argparse.Namespace, tp: int, fast: bool) -> float:
             if decoding:
                 times.append(dt)  # a pure-decode step of the whole batch (every prompt was prefilled before)
             decoding = decoding or len(outs) == args.decode_batch
-        return statistics.median(times[args.warmup:])
+        step = statistics.median(times[args.warmup:])
+        print(json.dumps({"engine_decode_step_s": round(step, 6), "tp": tp, "allreduce": "oneshot" if fast else "nccl",
+                          "decode_batch": args.decode_batch, "engine_prompt": args.engine_prompt,
+                          "model": args.model}), flush=True)  # before release: stopping the ranks may take a while
+        return step
     finally:
         eng.runner.release()
 
@@ -235,13 +239,9 @@ def main(argv: list[str] | None = None) -> int:
                           "model": args.model, "device": args.device, "dtype": args.dtype,
                           "decode_batch": args.decode_batch, "context": args.context,
                           "prefill_tokens": args.prefill_tokens}), flush=True)
-    if args.engine_steps:
-        steps = {"tp1": _engine_step(args, 1, False)}
-        for fast in modes:
-            steps[f"tp{args.tp}_{'oneshot' if fast else 'nccl'}"] = _engine_step(args, args.tp, fast)
-        print(json.dumps({"engine_decode_step_s": {k: round(v, 6) for k, v in steps.items()},
-                          "decode_batch": args.decode_batch, "engine_prompt": args.engine_prompt,
-                          "model": args.model}), flush=True)
+    if args.engine_steps:  # one JSON line per engine
+        for tp, fast in [(1, False)] + [(args.tp, fast) for fast in modes]:
+            _engine_step(args, tp, fast)
     return 0
 
 

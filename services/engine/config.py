@@ -44,6 +44,11 @@ class EngineConfig(ContextConfig, ModelConfig, DtypeConfig):
     max_num_seqs: int = opt(64, "Most sequences in one batch.")
     max_num_batched_tokens: int = opt(2048, "Token budget of one step (decode tokens + prefill chunks).")
     max_prefill_chunk: int = opt(512, "Most prompt tokens of one sequence computed in one step.")
+    prefill_tail_tokens: int = opt(256, "Prefill engines whose KV streams out per chunk (prefill service, chunked "
+                                        "transfer on): a prompt's last tokens are computed in pieces that halve "
+                                        "what remains down to this many tokens, so the KV still to send when "
+                                        "compute ends is small (services/engine/prefill_tail.py). Decode and "
+                                        "colocated engines never split. 0: off.")
     enable_prefix_caching: bool = opt(True, "Reuse KV pages of identical prompt prefixes.")
     attention_backend: str = opt("auto", "auto (Triton on CUDA, torch on CPU) or torch.", choices=("auto", "torch"))
     kv_cache_shared: bool = opt(False, "Share the KV pool with prefills on this host so they write pages straight "
@@ -54,9 +59,10 @@ class EngineConfig(ContextConfig, ModelConfig, DtypeConfig):
                                        "runs the model on: heads, MLP and vocab split N ways, gloo on CPU, NCCL "
                                        "on GPU. The service starts ranks 1..N-1 itself; any prefill and decode "
                                        "TP degrees hand KV to each other.")
-    tp_fast_allreduce: bool = opt(True, "At --tensor-parallel-size > 1 on GPUs that reach each other peer-to-peer "
-                                        "(NVLink): all-reduces up to 4 MiB (decode steps) go one-shot through "
-                                        "symmetric memory, larger ones (prefill) through NCCL. Off: NCCL only.")
+    tp_fast_allreduce: bool = opt(False, "At --tensor-parallel-size > 1 on GPUs that reach each other peer-to-peer "
+                                         "(NVLink): all-reduces up to 4 MiB (decode steps) go one-shot through "
+                                         "symmetric memory, larger ones (prefill) through NCCL (off: NCCL only). "
+                                         "Off by default until a two-GPU run has verified it.")
     seed: int = opt(0, "Seed of the sampler's generator for requests without their own seed.")
     weight_format: str = opt("auto", "Linear weights of decode-sized steps (CPU, GGUF Q4_1 tensors): int4 reads the "
                                      "Q4_1 blocks packed for torch's int4 GEMM, dequantized reads the dense weights; "
@@ -113,6 +119,9 @@ class EngineConfig(ContextConfig, ModelConfig, DtypeConfig):
         if not 0 <= self.spec_synthetic_acceptance <= max(self.spec_tokens, 0):
             raise EngineConfigError("--spec-synthetic-acceptance / PDSERVE_SPEC_SYNTHETIC_ACCEPTANCE: must be in "
                                     f"[0, --spec-tokens={self.spec_tokens}], got {self.spec_synthetic_acceptance}")
+        if self.prefill_tail_tokens < 0:
+            raise EngineConfigError("--prefill-tail-tokens / PDSERVE_PREFILL_TAIL_TOKENS: must be >= 0, "
+                                    f"got {self.prefill_tail_tokens}")
         if self.max_model_len < 0:
             raise EngineConfigError(f"max_model_len: must be >= 0, got {self.max_model_len}")
 

@@ -35,7 +35,7 @@ Trace = dict[int, list[torch.Tensor]]
 def _cfg(tp: int, graphs: bool, device: str = "cuda") -> EngineConfig:
     return EngineConfig(model=SPEC, dtype="bfloat16", device=device, block_size=16, num_kv_blocks=64,
                         max_num_seqs=8, max_model_len=256, max_prefill_chunk=16, cuda_graphs=graphs,
-                        tensor_parallel_size=tp)
+                        tensor_parallel_size=tp, tp_fast_allreduce=True)
 
 
 def _tp1(device: str, graphs: bool) -> LLMEngine:
@@ -119,7 +119,18 @@ ALLREDUCE_SHAPES = ((3, 64), (64, 4096), (256, 4096), (1024, 4096))
 
 
 def _allreduce_rank(rank: int, port: int, results) -> None:
-    """One rank: (shape, dtype, took one-shot, max |eager - NCCL|, max |graph replay - NCCL|) per case."""
+    """One rank: (rank, one-shot on, rows, error): per case (shape, dtype, took one-shot, max |eager - NCCL|,
+    max |graph replay - NCCL|, max |NCCL|); error: the traceback of a failure (the test shows it)."""
+    try:
+        _allreduce_cases(rank, port, results)
+    except BaseException:
+        import traceback
+
+        results.put((rank, False, [], traceback.format_exc()))
+        raise
+
+
+def _allreduce_cases(rank: int, port: int, results) -> None:
     from services.engine.parallel.group import connect, open_store
 
     torch.cuda.set_device(rank)
@@ -143,7 +154,7 @@ def _allreduce_rank(rank: int, port: int, results) -> None:
             torch.cuda.synchronize()
             rows.append((shape, str(dtype), fits, float((eager - want).abs().max()), float((out - want).abs().max()),
                          float(want.abs().max())))
-    results.put((rank, group.fast is not None, rows))
+    results.put((rank, group.fast is not None, rows, ""))
 
 
 def test_oneshot_allreduce_equals_nccl_in_and_out_of_graphs() -> None:
@@ -157,11 +168,19 @@ def test_oneshot_allreduce_equals_nccl_in_and_out_of_graphs() -> None:
     for p in procs:
         p.start()
     try:
-        got = dict((r, (on, rows)) for r, on, rows in (results.get(timeout=300) for _ in procs))
+        got: dict[int, tuple] = {}
+        while len(got) < len(procs):  # a failed rank reports at once; its peer may be left waiting on it
+            r, on, rows, err = results.get(timeout=300)
+            got[r] = (on, rows, err)
+            if err:
+                break
     finally:
         for p in procs:
             p.join(30)
-    for rank, (on, rows) in got.items():
+            if p.is_alive():
+                p.terminate()
+    for rank, (on, rows, err) in got.items():
+        assert not err, f"rank {rank} failed:\n{err}"
         assert on, f"rank {rank}: no one-shot all-reduce between two NVLink GPUs"
         for shape, dtype, fits, eager_err, graph_err, scale in rows:
             nbytes = shape[0] * shape[1] * (2 if "bfloat16" in dtype else 4)

@@ -4,8 +4,8 @@ peer-to-peer reachable, e.g. over NVLink), captured inside the decode CUDA graph
 Built on PyTorch symmetric memory (``torch.distributed._symmetric_memory``, CUDA backend): every rank
 allocates one buffer of ``ONE_SHOT_MAX_BYTES`` and the ranks exchange peer mappings of it once
 (rendezvous over the group's TCPStore). An all-reduce of x is ONE kernel
-(``torch.ops.symm_mem.one_shot_all_reduce_copy_out``): each thread copies its slice of x into this
-rank's buffer, all blocks meet the peers' blocks on a signal-pad barrier, each thread sums the same slice
+(``torch.ops.symm_mem.one_shot_all_reduce_copy_out``; a torch without it: a copy of x into the buffer,
+then ``one_shot_all_reduce_out``): each thread copies its slice of x into this rank's buffer, all blocks meet the peers' blocks on a signal-pad barrier, each thread sums the same slice
 from every rank's buffer by peer loads and writes it back into x, and a trailing barrier keeps any rank
 from overwriting its buffer (the next all-reduce) while a peer still reads it. Every thread reads its own
 slice of x before it writes that slice, so x may be both the input and the output.
@@ -16,7 +16,8 @@ Invariants:
   them) before NCCL or symmetric memory starts, and nothing here calls a multimem op.
 - Every rank takes the same path for the same call (it depends on shape, dtype and alignment only, equal
   on every rank), and either every rank has the fast path or none: setup ends with an agreement.
-- Larger tensors (prefill), fp16, odd alignments, CPU/gloo and unreachable peers keep NCCL / gloo.
+- Larger tensors (prefill), fp16, odd alignments, CPU/gloo and unreachable peers keep NCCL / gloo, and
+  so does every rank when any rank's setup fails for any reason (logged as a warning with its cause).
 A rank that dies while its peers spin on the barrier leaves them spinning (NCCL's abort does not reach a
 symmetric-memory kernel); the instance's watcher still reports the dead rank.
 """
@@ -56,12 +57,14 @@ def forbid_multicast() -> None:
 class OneShotAllReduce:
     """Sum of x over the group's ranks, in place, for tensors :meth:`fits`."""
 
-    def __init__(self, name: str, buffer: torch.Tensor, max_bytes: int) -> None:
+    def __init__(self, name: str, buffer: torch.Tensor, max_bytes: int, fused_copy: bool) -> None:
         self.name = name
         """The symmetric-memory group name (unique per TPGroup; set_group_info'd on every rank)."""
         self.buffer = buffer
         """uint8 [max_bytes], symmetric (rendezvoused) on every rank."""
         self.max_bytes = max_bytes
+        self.fused_copy = fused_copy
+        """The kernel copies x into the buffer itself (one_shot_all_reduce_copy_out); else a copy first."""
 
     def fits(self, x: torch.Tensor) -> bool:
         n = x.numel() * x.element_size()
@@ -71,7 +74,11 @@ class OneShotAllReduce:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.view(-1)
         symm = self.buffer.view(x.dtype)[: flat.numel()]
-        torch.ops.symm_mem.one_shot_all_reduce_copy_out(symm, flat, "sum", self.name, flat)
+        if self.fused_copy:
+            torch.ops.symm_mem.one_shot_all_reduce_copy_out(symm, flat, "sum", self.name, flat)
+        else:
+            symm.copy_(flat)
+            torch.ops.symm_mem.one_shot_all_reduce_out(symm, "sum", self.name, flat)
         return x
 
 
@@ -93,37 +100,41 @@ def setup(pg: dist.ProcessGroup, store: dist.Store, rank: int, size: int, device
           max_bytes: int = ONE_SHOT_MAX_BYTES) -> OneShotAllReduce | None:
     """Collective (every rank of a CUDA group calls it after NCCL is up): the fast path, or None on every
     rank when any rank lacks symmetric memory or a peer is not P2P-reachable (the reason is logged)."""
-    why = ""
+    why, fused = "", False
     try:
         from torch._C._distributed_c10d import _SymmetricMemory
         from torch.distributed import _symmetric_memory as symm_mem
 
-        if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out"):
-            why = "this torch has no symm_mem.one_shot_all_reduce_copy_out"
-    except ImportError as e:
-        why = f"no symmetric memory in this torch ({e})"
+        fused = hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
+        if not fused and not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out"):
+            why = "this torch has no symm_mem.one_shot_all_reduce_out"
+    except Exception as e:  # any failure means NCCL only, on every rank
+        why = f"no symmetric memory in this torch ({e!r})"
     with torch.cuda.device(device):
         if not why and not _peers_reachable(pg, device):
             why = "a peer GPU is not P2P-reachable from this one"
         if not _agree(pg, not why, device):
-            log.info("one-shot all-reduce off (NCCL only): %s", why or "another rank cannot use it")
+            log.warning("one-shot all-reduce off (NCCL only): %s", why or "another rank cannot use it")
             return None
         if rank == 0:
             store.set("pdserve/symm_mem_group", f"pdserve-tp-{uuid.uuid4().hex}")
         name = store.get("pdserve/symm_mem_group").decode()
+        buffer: torch.Tensor | None = None
         try:
-            symm_mem.set_backend("CUDA")  # peer mappings over cuMem/IPC; never NVSHMEM
-        except (RuntimeError, AttributeError) as e:  # already chosen in this process (an earlier group)
-            log.debug("symmetric memory backend already set: %s", e)
-        try:
+            try:
+                symm_mem.set_backend("CUDA")  # peer mappings over cuMem/IPC; never NVSHMEM
+            except Exception as e:  # already chosen in this process (an earlier group)
+                log.debug("symmetric memory backend not set: %r", e)
             _SymmetricMemory.set_group_info(name, rank, size, dist.PrefixStore(name, store))
             buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
             symm_mem.rendezvous(buffer, name)
-        except (RuntimeError, AttributeError, TypeError) as e:
-            why, buffer = f"symmetric memory setup failed: {e}", None
+        except Exception as e:  # any failure means NCCL only, on every rank
+            why, buffer = f"symmetric memory setup failed: {e!r}", None
+            log.warning("rank %d: %s", rank, why, exc_info=True)
         if not _agree(pg, buffer is not None, device):
             log.warning("one-shot all-reduce off (NCCL only): %s", why or "another rank failed its setup")
             return None
     assert buffer is not None
-    log.info("one-shot all-reduce on for tensors up to %d bytes (symmetric memory group %s)", max_bytes, name)
-    return OneShotAllReduce(name, buffer, max_bytes)
+    log.info("one-shot all-reduce on for tensors up to %d bytes (symmetric memory group %s, %s)", max_bytes, name,
+             "one_shot_all_reduce_copy_out" if fused else "copy + one_shot_all_reduce_out")
+    return OneShotAllReduce(name, buffer, max_bytes, fused)
