@@ -103,6 +103,7 @@ class LLMEngine:
             max_prefill_chunk=config.max_prefill_chunk,
             max_model_len=self.max_model_len,
             spec_tokens=config.spec_tokens if self.runner.spec is not None else 0,
+            prefill_tail_tokens=config.prefill_tail_tokens,
         )
         self.scheduler = Scheduler(sched_cfg, self.block_manager, set(self.tokenizer.eos_token_ids))
         self.requests: dict[str, _Request] = {}
@@ -149,10 +150,11 @@ class LLMEngine:
         self._by_seq[seq.seq_id] = req
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    detokenize: bool = True) -> Sequence:
+                    detokenize: bool = True, stream_kv: bool = False) -> Sequence:
+        """``stream_kv``: the prompt's KV leaves per chunk (prefill, chunked transfer on): its tail is split."""
         self._validate(prompt_token_ids, params, request_id)
         seq = Sequence(list(prompt_token_ids), params, request_id=request_id, arrival_time=time.monotonic())
-        self.scheduler.add(seq)
+        self.scheduler.add(seq, stream_kv)
         self._track(seq, detokenize)
         return seq
 

@@ -7,7 +7,10 @@ A step is ``schedule()`` -> model runner -> ``update_from_output()``. Each step:
      it fits or has preempted itself;
   2. if nothing was preempted, waiting sequences are admitted in FIFO order while the token budget,
      ``max_num_seqs`` and free blocks allow.
-A prefill chunk is ``min(remaining, max_prefill_chunk, remaining budget)``.
+A prefill chunk is ``min(remaining, max_prefill_chunk, remaining budget)``; for a sequence added with
+``stream_kv=True`` (a prefill whose KV streams out per chunk) also at most ``prefill_tail.tail_piece``:
+its last tokens go in pieces that halve down to ``prefill_tail_tokens``, so little KV is left to send
+after compute ends.
 
 Invariants (``check_invariants``):
   * every live sequence is in exactly one of waiting / running / kv_ready / waiting_for_kv;
@@ -22,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from services.engine.block_manager import BlockManager
+from services.engine.prefill_tail import tail_piece
 from services.engine.sampling_params import Sampled
 from services.engine.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -38,8 +42,14 @@ class SchedulerConfig:
     """Longest sequence, prompt plus output, in tokens; longer prompts are refused."""
     spec_tokens: int = 0
     """Draft tokens a decoding sequence speculates per step (K); 0: no speculative decoding."""
+    prefill_tail_tokens: int = 0
+    """Floor (tokens) of the tail pieces of sequences added with ``stream_kv=True``; 0: no tail split."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.prefill_tail_tokens, bool) or not isinstance(self.prefill_tail_tokens, int) \
+                or self.prefill_tail_tokens < 0:
+            raise ValueError(f"SchedulerConfig.prefill_tail_tokens must be an integer >= 0, "
+                             f"got {self.prefill_tail_tokens!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "max_model_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -84,6 +94,7 @@ class Scheduler:
         self.kv_ready: deque[Sequence] = deque()  # KV landed; joins running when max_num_seqs allows
         self.waiting_for_kv: dict[int, Sequence] = {}
         self._seqs: dict[int, Sequence] = {}
+        self._streamed: set[int] = set()  # seq_ids whose KV streams out per chunk (subset of _seqs)
         self.num_preemptions = 0
         """Preemptions since start (a counter)."""
         # KV for the last token needs a slot, so a sequence may grow to pool_tokens + 1 tokens.
@@ -109,12 +120,17 @@ class Scheduler:
         if seq.seq_id in self._seqs:
             raise ValueError(f"request {seq.request_id}: seq_id {seq.seq_id} is already scheduled")
 
-    def add(self, seq: Sequence) -> None:
-        """Queue a sequence for prefill (FIFO). Raises ValueError if its prompt can never fit."""
+    def add(self, seq: Sequence, stream_kv: bool = False) -> None:
+        """Queue a sequence for prefill (FIFO). Raises ValueError if its prompt can never fit.
+
+        ``stream_kv``: its KV leaves per computed chunk (a prefill with chunked transfer on); its prompt's
+        tail is then cut by the prefill tail rule (``prefill_tail_tokens``)."""
         self._check_fits(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
         self._seqs[seq.seq_id] = seq
+        if stream_kv:
+            self._streamed.add(seq.seq_id)
 
     def add_kv_import(self, seq: Sequence) -> int:
         """Decode side: reserve blocks for the whole prompt, whose KV a prefill will send.
@@ -176,6 +192,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self._seqs[seq.seq_id]
+        self._streamed.discard(seq.seq_id)
 
     # ---- stepping -------------------------------------------------------------------------------
 
@@ -201,7 +218,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(len(seq.token_ids) - seq.num_computed_tokens, cfg.max_prefill_chunk, budget)
+            n = self._chunk_len(seq, len(seq.token_ids) - seq.num_computed_tokens, budget)
             k = self._spec_len(seq, budget - n)
             if k and not bm.allocate(seq, n + k):
                 k = 0  # no room to speculate: decode one token rather than preempt for drafts
@@ -223,7 +240,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
             prefix = bm.get_computed_prefix(seq)
-            n = min(len(seq.token_ids) - prefix[1], cfg.max_prefill_chunk, budget)
+            n = self._chunk_len(seq, len(seq.token_ids) - prefix[1], budget)
             if not bm.allocate(seq, n, prefix=prefix):
                 break
             self.waiting.popleft()
@@ -232,6 +249,13 @@ class Scheduler:
             out.chunks.append(self._chunk(seq, n))
             budget -= n
         return out
+
+    def _chunk_len(self, seq: Sequence, remaining: int, budget: int) -> int:
+        """Tokens this step computes of a sequence with ``remaining`` uncomputed tokens."""
+        n = min(remaining, self.config.max_prefill_chunk, budget)
+        if seq.seq_id in self._streamed:
+            n = min(n, tail_piece(remaining, self.config.prefill_tail_tokens, self.block_manager.block_size))
+        return n
 
     @staticmethod
     def _chunk(seq: Sequence, n: int, spec_tokens: int = 0) -> ScheduledChunk:
@@ -336,6 +360,7 @@ class Scheduler:
         )
         assert len(placed) == len(set(placed)) == len(self._seqs), "a sequence is in two queues or none"
         assert set(placed) == self._seqs.keys(), "queues and the live-sequence index disagree"
+        assert self._streamed <= self._seqs.keys(), "a finished sequence is still marked as streaming KV"
         for s in self.waiting:
             assert s.status == SequenceStatus.WAITING and not s.block_table and s.num_computed_tokens == 0
         for s in self.running:

@@ -279,7 +279,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
         def admit() -> int:
             loaded = eng.import_prefix_pages(ids, first, pages) if pages is not None else 0
-            eng.add_request(rid, ids, params, False)
+            eng.add_request(rid, ids, params, False, stream_kv=stream.chunked)
             return loaded
 
         return await self.engine.call(admit)

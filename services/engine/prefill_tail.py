@@ -1,0 +1,40 @@
+"""The prefill tail rule: how a prompt whose KV streams out is cut near its end.
+
+A prefill that streams KV (chunked transfer on) sends each chunk's pages while the next chunk computes,
+so only the LAST chunk's transfer is exposed after compute ends. The rule shrinks that last chunk: once
+at most ``2 * max_prefill_chunk`` tokens remain, each piece is half of what remains (rounded up to whole
+KV blocks, so every piece but the last ends on a page boundary and its pages leave at once), until at
+most ``floor`` tokens remain; those are the last piece. The exposed transfer is then that of <= ``floor``
+tokens instead of up to ``max_prefill_chunk``.
+
+Why halving: piece i's transfer (t s/token * n_i) must end before piece i+1's compute (c s/token *
+n_{i+1}) does, i.e. n_{i+1} / n_i >= t / c. Halving (ratio 1/2) hides it while t <= c / 2. Figures
+(docs/PERFORMANCE.md, random Llama-3-8B on one H200): c ~ 31 us/token at 8K (248 ms / 8000 tokens);
+fp8-e4m3 KV is 67.6 KB/token, so t <= c / 2 needs >= 4.4 GB/s (bf16, 131 KB/token: >= 8.5 GB/s). Below
+that a backlog builds up, but the same bytes start moving earlier than they would unsplit, so
+splitting exposes no more than not splitting (bar one step's overhead per extra piece). A floor of 256 tokens is 17 MB of fp8 KV (~5 ms at 3.2 GB/s, one
+TCP engine), under the goal of <= 5% of 8K compute (~12.5 ms); smaller pieces stop paying: one step of
+an 8B model reads its 16 GB of weights (~3.5 ms on an H200) whatever the piece size.
+"""
+
+from __future__ import annotations
+
+
+def tail_piece(remaining: int, floor: int, block_size: int) -> int:
+    """Tokens of the next piece when ``remaining`` prompt tokens are left to compute (before the chunk
+    and step-budget caps). ``floor`` <= 0: the rule is off (everything that remains)."""
+    if floor <= 0 or remaining <= floor:
+        return remaining
+    half = -(-remaining // 2)
+    return min(remaining, -(-half // block_size) * block_size)
+
+
+def prefill_pieces(prompt_tokens: int, max_chunk: int, floor: int, block_size: int) -> list[int]:
+    """The piece sizes one prompt alone in the batch is computed in (budget >= max_chunk)."""
+    pieces: list[int] = []
+    left = prompt_tokens
+    while left > 0:
+        n = min(max_chunk, tail_piece(left, floor, block_size))
+        pieces.append(n)
+        left -= n
+    return pieces
