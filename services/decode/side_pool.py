@@ -24,6 +24,7 @@ from services.engine.kv_pages import KVPages
 from services.engine.kv_transport import mooncake
 from services.engine.kv_transport.mooncake_staged import HostLanding
 from services.engine.shared_kv import SharedKVAttachError, pool_id
+from services.engine.spec.pools import offer_mooncake
 
 IN_PLACE_TRANSPORTS = frozenset({"shm", "cuda-ipc", "mooncake"})
 """Transports that write pages into this decode's pool themselves; their chunks carry descriptors only."""
@@ -41,11 +42,9 @@ def offered_pool(pages: KVPages, mooncake_host: str, mooncake_engines: int = 1) 
     set (any host may write; a device pool through a pinned host landing area, kv_transport/mooncake_staged;
     with ``mooncake_engines`` transfer engines, all offered), else the engine's same-host shm / CUDA IPC pool,
     else None."""
-    if pages.has_draft:  # a second pool: same-host only, offered with the target pool (KVDestination.draft)
+    if pages.has_draft and not mooncake_host:  # a second pool, offered with the target pool (KVDestination.draft)
         dest = pages.destination
-        if mooncake_host:
-            log.warning("a decode with a draft region offers no pool over Mooncake (prefills send page bytes)")
-        return dest if dest is not None and dest.HasField("draft") and not mooncake_host else None
+        return dest if dest is not None and dest.HasField("draft") else None
     if pages.sharded:  # TP>1: every rank's own shm / CUDA IPC pool, written rank to rank (parallel/rank_pages.py)
         if mooncake_host:
             log.warning("a tensor-parallel decode offers no pool over Mooncake (prefills send page bytes instead)")
@@ -58,6 +57,9 @@ def offered_pool(pages: KVPages, mooncake_host: str, mooncake_engines: int = 1) 
                 raise SharedKVAttachError("unavailable", why)
             engine = mooncake.MooncakeEngine(mooncake_host, count=mooncake_engines)
             pages.exporters.append(engine)  # the engine serves the registered pool as long as it lives
+            if pages.has_draft:  # both pools on the same engines (spec/pools.py); a device pool: none offered
+                spec = pages._runner.spec  # the SpecDecoder whose draft pool KVPages.has_draft reports
+                return offer_mooncake(engine, mooncake.export_pool(engine, pages.pool), spec.kv_cache, spec.region())
             if pages.pool.is_cuda:  # this Mooncake build moves host memory only
                 landing = HostLanding(engine, pages.pool, pages.import_pages)
                 pages.exporters.append(landing)
@@ -65,6 +67,8 @@ def offered_pool(pages: KVPages, mooncake_host: str, mooncake_engines: int = 1) 
             return mooncake.export_pool(engine, pages.pool)
         except SharedKVAttachError as e:
             log.warning("KV pool not offered over Mooncake (prefills send page bytes instead): %s", e)
+            if pages.has_draft:
+                return None
     return pages.destination
 
 

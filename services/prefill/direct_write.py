@@ -26,7 +26,7 @@ from services.engine.kv_transport.mooncake_staged import StagedWriter, StagingRi
 from services.engine.kv_transport.shared_pool import ONEOF_OF, SharedPoolWriter
 from services.engine.parallel.rank_pages import ShardWriter, ShardWrites, pool_split, spec_of, transport_of
 from services.engine.shared_kv import SharedKVAttachError, SharedKVPools, pool_id
-from services.engine.spec.pools import draft_writer
+from services.engine.spec.pools import draft_writer, mooncake_draft
 
 log = logging.getLogger(__name__)
 
@@ -115,12 +115,15 @@ class DirectWrites:
         if ranks:
             return await self._shard_writer(request, dest)
         try:
-            if self.draft is not None and transport == "mooncake":
-                raise SharedKVAttachError("draft", "pages with a draft region go in place over shm / cuda-ipc only")
             if transport == "mooncake":
                 shape, dtype = await asyncio.to_thread(mooncake.check_pool, request.destination.mooncake,
                                                        request.decode_address)  # may resolve a host name
                 staged = request.destination.mooncake.page_major
+                if self.draft is not None and staged:
+                    raise SharedKVAttachError("draft", "a host landing area carries the target region only")
+                draft_plane = None if self.draft is None else await asyncio.to_thread(
+                    mooncake_draft, request.destination, self.draft.region(), self.draft.kv_cache,
+                    request.decode_address)  # the draft pool beside the target one (spec/pools.py)
                 if src.is_cuda and not staged:
                     raise SharedKVAttachError("device", "this Mooncake build writes from host memory only and the "
                                                         "decode offers its pool, not a host landing area")
@@ -151,7 +154,8 @@ class DirectWrites:
                     ring = await asyncio.to_thread(self._staging, engine)
                     return StagedWriter(engine, ring, (src.shape[0], 2, *src.shape[3:]), src.dtype, export,
                                         request.destination, dest)
-                return await asyncio.to_thread(mooncake.MooncakeWriter, engine, src, request.destination, dest)
+                return await asyncio.to_thread(mooncake.MooncakeWriter, engine, src, request.destination, dest,
+                                               draft_plane)
             except SharedKVAttachError as e:
                 self._fallback(transport, e.reason, str(e))
                 return None

@@ -94,14 +94,16 @@ class KVDestination(_message.Message):
     def __init__(self, shm: _Optional[_Union[ShmPool, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcPool, _Mapping]] = ..., mooncake: _Optional[_Union[MooncakePool, _Mapping]] = ..., sharded: _Optional[_Union[ShardedPool, _Mapping]] = ..., draft: _Optional[_Union[DraftPool, _Mapping]] = ...) -> None: ...
 
 class DraftPool(_message.Message):
-    __slots__ = ("shm", "cuda_ipc", "region")
+    __slots__ = ("shm", "cuda_ipc", "mooncake", "region")
     SHM_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    MOONCAKE_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     shm: ShmPool
     cuda_ipc: CudaIpcPool
+    mooncake: MooncakePool
     region: str
-    def __init__(self, shm: _Optional[_Union[ShmPool, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcPool, _Mapping]] = ..., region: _Optional[str] = ...) -> None: ...
+    def __init__(self, shm: _Optional[_Union[ShmPool, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcPool, _Mapping]] = ..., mooncake: _Optional[_Union[MooncakePool, _Mapping]] = ..., region: _Optional[str] = ...) -> None: ...
 
 class ShardedPool(_message.Message):
     __slots__ = ("tp_size", "num_kv_heads", "kv_replicas", "ranks")

@@ -202,35 +202,35 @@ class MooncakeWriter(PageWriter):
     transport = "mooncake"
 
     def __init__(self, engine: MooncakeEngine, src: torch.Tensor, dest: decode_pb2.KVDestination,
-                 dest_blocks: list[int]) -> None:
+                 dest_blocks: list[int], draft: tuple[torch.Tensor, decode_pb2.MooncakePool] | None = None) -> None:
         pool = dest.mooncake
         self.engine = engine
         self.src = src
-        self.src_base = engine.register(src)
         self.segment = pool.segment
         self.segments = segments_of(pool)
-        self.dst_base = pool.base_address
-        self.dst_blocks_total = int(pool.shape[2])
         self.dest = dest_blocks
         self.pool_id = pool_id(dest)
-        self.region_bytes = src[0, 0, 0].numel() * src.element_size()
-        """Bytes of one block of one (layer, K|V) region: equal on both sides (shapes were checked)."""
-        self.regions = src.shape[0] * 2
+        self.planes = [_Plane(engine, src, pool)]
+        """The pools each page is written into: the target pool, then (speculative decoding, spec/pools.py) the
+        draft pool at the same block ids (registered with the same engines: its checks are the caller's)."""
+        if draft is not None:
+            self.planes.append(_Plane(engine, *draft))
         self.sender: KVSender | None = None
         self._batches: list[_Batch] = []
         self._lock = threading.Lock()
 
     def write(self, first_block: int, src_blocks: list[int]) -> object:
         self._check_write(first_block, len(src_blocks))
-        nb_src, nb_dst, rb = self.src.shape[2], self.dst_blocks_total, self.region_bytes
         srcs: list[int] = []
         dsts: list[int] = []
         lens: list[int] = []
         for a, b, n in _runs(src_blocks, self.dest[first_block:first_block + len(src_blocks)]):
-            for r in range(self.regions):
-                srcs.append(self.src_base + (r * nb_src + a) * rb)
-                dsts.append(self.dst_base + (r * nb_dst + b) * rb)
-                lens.append(n * rb)
+            for p in self.planes:
+                rb = p.region_bytes
+                for r in range(p.regions):
+                    srcs.append(p.src_base + (r * p.src_blocks + a) * rb)
+                    dsts.append(p.dst_base + (r * p.dst_blocks + b) * rb)
+                    lens.append(n * rb)
         if not srcs:
             return None
         batch = _Batch(self.engine.submit(self.segments, srcs, dsts, lens))
@@ -263,6 +263,20 @@ class MooncakeWriter(PageWriter):
             batches = list(self._batches)
         for batch in batches:
             self._settle(batch)
+
+
+class _Plane:
+    """One pool a writer fills: source cache [layers, 2, blocks, ...] here, the same layout at decode (shapes
+    checked by the caller), both registered; a run of n blocks is one range per (layer, K|V) region."""
+
+    def __init__(self, engine: MooncakeEngine, src: torch.Tensor, pool: decode_pb2.MooncakePool) -> None:
+        self.src_base = engine.register(src)
+        self.src_blocks = src.shape[2]
+        self.dst_base = pool.base_address
+        self.dst_blocks = int(pool.shape[2])
+        self.region_bytes = src[0, 0, 0].numel() * src.element_size()
+        """Bytes of one block of one (layer, K|V) region: equal on both sides."""
+        self.regions = src.shape[0] * 2
 
 
 class _Batch:

@@ -1,5 +1,8 @@
 """The draft KV region over side transports (shm, cuda-ipc): decode shares its draft pool beside its target
-pool, and a same-host prefill writes both regions of every page straight into the reserved blocks.
+pool, and a same-host prefill writes both regions of every page straight into the reserved blocks; over ``mooncake`` (any host) decode registers its
+draft pool with the transfer engines that serve its target pool and offers it as ``DraftPool.mooncake``, and
+the prefill's MooncakeWriter writes each page's draft region at the same block id (host pools only: a device
+pool's landing area carries the target region alone, so such a decode offers no pool with a draft region).
 
 Decode: ``KVDestination.draft`` (a DraftPool: the draft pool's shm file or CUDA IPC handle, and the draft
 region as decode's layout names it) rides in the destination Reserve offers. Prefill: a writer for a
@@ -17,6 +20,7 @@ import torch
 
 from services.common.pb import decode_pb2
 from services.engine.kv_layout import Region
+from services.engine.kv_transport.mooncake import MooncakeEngine, check_pool, export_pool, segments_of
 from services.engine.kv_transport.shared_pool import SharedPoolWriter, copy_pages_peer
 from services.engine.shared_kv import SharedKVAttachError, SharedKVPools, copy_pages
 
@@ -43,22 +47,69 @@ def attach_draft_pool(pools: SharedKVPools, dest: decode_pb2.KVDestination, regi
                       draft_cache: torch.Tensor) -> torch.Tensor:
     """Open decode's draft pool from ``dest`` for a writer whose draft region is ``region`` and whose draft
     cache is ``draft_cache``; SharedKVAttachError (reason "draft") when it is missing or differs."""
-    if not dest.HasField("draft") or dest.draft.WhichOneof("pool") is None:
-        raise SharedKVAttachError("draft", "the decode offers no draft pool beside its KV pool (pages with a "
-                                           "draft region go as bytes)")
+    kind = _draft_kind(dest, region, ("shm", "cuda_ipc"))
+    inner = decode_pb2.KVDestination()
+    getattr(inner, kind).CopyFrom(getattr(dest.draft, kind))
+    pool = pools.attach(inner)
+    _check_shape(tuple(pool.shape), pool.dtype, draft_cache)
+    return pool
+
+
+def _draft_kind(dest: decode_pb2.KVDestination, region: Region, kinds: tuple[str, ...]) -> str:
+    """Which pool ``dest.draft`` offers, when it is one of ``kinds`` and names ``region`` (this writer's own draft
+    region); else SharedKVAttachError (reason "draft") naming both regions."""
+    kind = dest.draft.WhichOneof("pool") if dest.HasField("draft") else None
+    if kind not in kinds:
+        raise SharedKVAttachError("draft", f"the decode offers no draft pool beside its KV pool that this transport "
+                                           f"writes ({kind or 'none'}; pages with a draft region go as bytes)")
     ours = region_name(region)
     if dest.draft.region != ours:
         raise SharedKVAttachError("draft", f"the decode's draft region is {dest.draft.region!r}, this prefill's "
                                            f"{ours!r}")
-    kind = dest.draft.WhichOneof("pool")
-    inner = decode_pb2.KVDestination()
-    getattr(inner, kind).CopyFrom(getattr(dest.draft, kind))
-    pool = pools.attach(inner)
-    if tuple(pool.shape[:2]) != tuple(draft_cache.shape[:2]) or tuple(pool.shape[3:]) != tuple(draft_cache.shape[3:]) \
-            or pool.dtype != draft_cache.dtype:
-        raise SharedKVAttachError("draft", f"the decode's draft pool is {tuple(pool.shape)} {pool.dtype}, this "
+    return kind
+
+
+def _check_shape(shape: tuple[int, ...], dtype: torch.dtype, draft_cache: torch.Tensor) -> None:
+    """A draft pool of ``shape`` / ``dtype`` holds ``draft_cache``'s pages (all but the block count equal)."""
+    if shape[:2] != tuple(draft_cache.shape[:2]) or shape[3:] != tuple(draft_cache.shape[3:]) \
+            or dtype != draft_cache.dtype:
+        raise SharedKVAttachError("draft", f"the decode's draft pool is {shape} {dtype}, this "
                                            f"prefill's draft cache {tuple(draft_cache.shape)} {draft_cache.dtype}")
-    return pool
+
+
+def offer_mooncake(engine: MooncakeEngine, dest: decode_pb2.KVDestination, draft_cache: torch.Tensor,
+                   region: Region) -> decode_pb2.KVDestination:
+    """Decode: ``dest`` (its target pool over Mooncake, export_pool) with the draft pool registered with the same
+    engines beside it (``DraftPool.mooncake``; blocking). SharedKVAttachError for a device draft pool."""
+    if draft_cache.is_cuda or dest.mooncake.page_major:
+        raise SharedKVAttachError("draft", "a device KV pool's Mooncake landing area carries the target region only")
+    out = decode_pb2.KVDestination()
+    out.CopyFrom(dest)
+    out.draft.mooncake.CopyFrom(export_pool(engine, draft_cache).mooncake)
+    out.draft.region = region_name(region)
+    return out
+
+
+def mooncake_draft(dest: decode_pb2.KVDestination, region: Region, draft_cache: torch.Tensor,
+                   decode_address: str) -> tuple[torch.Tensor, decode_pb2.MooncakePool]:
+    """Prefill: the (draft cache, decode's draft pool) a MooncakeWriter also fills, once the offered draft pool
+    names this prefill's draft ``region``, sits on the target pool's transfer engines (same sessions, so on the
+    decode the stream goes to: check_pool, blocking when the host is a name), has the target pool's block count
+    and holds ``draft_cache``'s pages; else SharedKVAttachError (reason "draft")."""
+    _draft_kind(dest, region, ("mooncake",))
+    pool = dest.draft.mooncake
+    if segments_of(pool) != segments_of(dest.mooncake) or pool.page_major:
+        raise SharedKVAttachError("draft", "the decode's draft pool is not registered with its KV pool's transfer "
+                                           f"engines ({segments_of(pool)} vs {segments_of(dest.mooncake)})")
+    try:
+        shape, dtype = check_pool(pool, decode_address)
+    except SharedKVAttachError as e:
+        raise SharedKVAttachError("draft", f"the decode's draft pool: {e}") from e
+    if shape[2] != dest.mooncake.shape[2]:
+        raise SharedKVAttachError("draft", f"the decode's draft pool has {shape[2]} blocks, its KV pool "
+                                           f"{dest.mooncake.shape[2]}")
+    _check_shape(shape, dtype, draft_cache)
+    return draft_cache, pool
 
 
 class DraftPoolWriter(SharedPoolWriter):

@@ -1,0 +1,100 @@
+"""Speculative decoding across the P/D hop over the mooncake side transport (loopback TCP), real processes.
+
+Cluster: 1 prefill (chunked transfer on, 37-token chunks) x 1 decode speculating with K = 3, both with the
+draft ``layers:6``, ``--kv-transport mooncake``: decode registers its target AND draft pools with its transfer
+engines and offers both (``DraftPool.mooncake``); the prefill writes both regions of every page straight into
+them (spec/pools.py); the PushKV stream carries the claim and descriptors only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+import torch
+
+from services.common.grpc_util import create_channel
+from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc
+from services.engine.kv_layout import Region
+from services.engine.kv_transport import mooncake
+from services.engine.sampling_params import SamplingParams
+from services.engine.shared_kv import SharedKVAttachError
+from services.engine.spec.pools import mooncake_draft, region_name
+from services.launcher import LocalCluster
+from tests.e2e.cluster_util import CHAT_PROMPTS, generate_ids, metric_sum, wait_idle
+from tests.e2e.conftest import SMALL_KV
+
+NO_MOONCAKE = mooncake.available()
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(NO_MOONCAKE is not None,
+                                                  reason=f"the Mooncake wheel cannot load here: {NO_MOONCAKE}")]
+
+DRAFT = ["--draft-model", "layers:6"]
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def mc_cluster():
+    extra = {
+        "prefill": ["--max-prefill-chunk", "37", *SMALL_KV, *DRAFT],
+        "decode": [*SMALL_KV, *DRAFT, "--spec-tokens", "3"],
+    }
+    with LocalCluster(prefill=1, decode=1, kv_transport="mooncake", dtype="float32", extra=extra, quiet=True) as c:
+        yield c
+
+
+def test_mooncake_greedy_equals_plain_with_both_regions_in_place(mc_cluster, reference_engine):
+    router = mc_cluster.router["grpc"]
+    for text in (CHAT_PROMPTS[0], CHAT_PROMPTS[1] * 3):  # the second spans several 37-token chunks
+        ids = reference_engine.tokenizer.encode(text)
+        want = reference_engine.generate([ids], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                                               ignore_eos=True))[0]
+        got = [t for msg in asyncio.run(generate_ids(router, ids, MAX_TOKENS)) for t in msg.token_ids]
+        assert got == want, text[:30]
+    prefill = mc_cluster.get("prefill-0").ready["metrics"]
+    decode = mc_cluster.get("decode-0").ready["metrics"]
+    assert metric_sum(prefill, "pdserve_prefill_kv_transport_fallbacks_total") == 0
+    assert metric_sum(prefill, "pdserve_prefill_kv_chunks_sent_total", transport="mooncake") >= 2  # in place
+    assert metric_sum(prefill, "pdserve_prefill_kv_chunks_sent_total", transport="grpc") == 0
+    assert metric_sum(decode, "pdserve_decode_spec_draft_tokens_total", acceptance="real") > 0
+    rep = wait_idle(mc_cluster.get("decode-0").ready["grpc"])
+    assert rep.free_blocks == rep.total_blocks
+
+
+def test_offered_draft_pool_is_checked_against_the_writers_draft(mc_cluster):
+    """Decode offers its draft pool on its target pool's engines; a writer whose draft region or cache differs,
+    or a draft pool on other sessions, writes nothing (reason "draft", naming both)."""
+    addr = mc_cluster.get("decode-0").ready["grpc"]
+
+    async def reserve() -> decode_pb2.ReserveResponse:
+        async with create_channel(addr) as ch:
+            stub = decode_pb2_grpc.DecodeStub(ch)
+            resv = await stub.Reserve(decode_pb2.ReserveRequest(
+                request_id="spec-mc-offer", token_ids=list(range(100, 140)), lease_ms=30_000,
+                params=common_pb2.SamplingParams(max_tokens=4, temperature=0.0)), timeout=30)
+            await stub.Abort(common_pb2.AbortRequest(request_id=resv.reservation_id), timeout=30)
+            return resv
+
+    dest = asyncio.run(reserve()).destination
+    assert dest.WhichOneof("pool") == "mooncake" and dest.draft.WhichOneof("pool") == "mooncake"
+    assert mooncake.segments_of(dest.draft.mooncake) == mooncake.segments_of(dest.mooncake)
+    assert dest.draft.mooncake.base_address != dest.mooncake.base_address
+    name, codec = dest.draft.region.rsplit(":", 1)
+    assert codec == "fp8-e4m3"
+    layers, two, _, bs, kvh, hd = dest.draft.mooncake.shape
+    cache = torch.zeros(layers, two, 4, bs, kvh, hd)
+    region = Region(name, codec, 0)
+    host = dest.mooncake.segment.rsplit(":", 1)[0]
+    _, pool = mooncake_draft(dest, region, cache, host)
+    assert pool.base_address == dest.draft.mooncake.base_address
+    fp32 = dataclasses.replace(region, codec="fp32")
+    with pytest.raises(SharedKVAttachError) as e:
+        mooncake_draft(dest, fp32, cache, host)
+    assert e.value.reason == "draft" and dest.draft.region in str(e.value) and region_name(fp32) in str(e.value)
+    with pytest.raises(SharedKVAttachError, match="draft cache"):
+        mooncake_draft(dest, region, torch.zeros(layers + 1, two, 4, bs, kvh, hd), host)
+    moved = decode_pb2.KVDestination()
+    moved.CopyFrom(dest)
+    moved.draft.mooncake.segment = f"{host}:1"
+    with pytest.raises(SharedKVAttachError, match="transfer engines"):
+        mooncake_draft(moved, region, cache, host)
