@@ -127,9 +127,19 @@ def setup(pg: dist.ProcessGroup, store: dist.Store, rank: int, size: int, device
                 log.debug("symmetric memory backend not set: %r", e)
             _SymmetricMemory.set_group_info(name, rank, size, dist.PrefixStore(name, store))
             buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+        except Exception as e:  # any failure means NCCL only, on every rank
+            why, buffer = f"symmetric memory allocation failed: {e!r}", None
+            log.warning("rank %d: %s", rank, why, exc_info=True)
+        # Local steps agreed before the collective one, so a rank that failed above never leaves its peers
+        # waiting in the rendezvous's store exchange.
+        if not _agree(pg, buffer is not None, device):
+            log.warning("one-shot all-reduce off (NCCL only): %s", why or "another rank failed its allocation")
+            return None
+        assert buffer is not None  # every rank allocated, this one included
+        try:
             symm_mem.rendezvous(buffer, name)
         except Exception as e:  # any failure means NCCL only, on every rank
-            why, buffer = f"symmetric memory setup failed: {e!r}", None
+            why, buffer = f"symmetric memory rendezvous failed: {e!r}", None
             log.warning("rank %d: %s", rank, why, exc_info=True)
         if not _agree(pg, buffer is not None, device):
             log.warning("one-shot all-reduce off (NCCL only): %s", why or "another rank failed its setup")
