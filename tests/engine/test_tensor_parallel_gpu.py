@@ -93,7 +93,6 @@ def test_tp2_on_two_gpus_matches_tp1(graphs: bool) -> None:
     tp2 = LLMEngine(_cfg(2, graphs))
     try:
         assert (tp2.runner.graphs is not None) == graphs
-        assert tp2.runner.group.fast is not None  # two H200s over NVLink: small all-reduces go one-shot
         assert tp2.runner.kv_cache.device == torch.device("cuda:0") and tp2.runner.kv_cache.shape[-2] == 1
         _, got, buckets2 = _run(tp2, forced=want)  # the same token history as TP=1
         for n in PROMPT_LENS:
@@ -109,6 +108,9 @@ def test_tp2_on_two_gpus_matches_tp1(graphs: bool) -> None:
                 top2 = ref[n][k].topk(2).values
                 noise = float((got[n][k] - ref[n][k]).abs().max())
                 assert float(top2[0] - top2[1]) <= 2 * noise, (n, k, tokens[n], want[n])
+        # Last, so a setup that fell back to NCCL still shows whether TP=2 matched: two GPUs over NVLink
+        # (P2P-reachable) take the one-shot path for these small all-reduces, in and out of the graphs.
+        assert tp2.runner.group.fast is not None, "the one-shot all-reduce fell back to NCCL (see the log)"
     finally:
         tp2.runner.release()
 
