@@ -45,10 +45,9 @@ def offered_pool(pages: KVPages, mooncake_host: str, mooncake_engines: int = 1) 
     if pages.has_draft and not mooncake_host:  # a second pool, offered with the target pool (KVDestination.draft)
         dest = pages.destination
         return dest if dest is not None and dest.HasField("draft") else None
-    if pages.sharded:  # TP>1: every rank's own shm / CUDA IPC pool, written rank to rank (parallel/rank_pages.py)
-        if mooncake_host:
-            log.warning("a tensor-parallel decode offers no pool over Mooncake (prefills send page bytes instead)")
-            return None
+    if pages.sharded:  # TP>1: every rank's own pool, written rank to rank (parallel/rank_pages.py)
+        if mooncake_host:  # each rank's shard through its own transfer engines (parallel/mooncake_ranks.py)
+            return pages.shard_writes().offer(mooncake_host, mooncake_engines)
         return pages.destination
     if mooncake_host:
         why = mooncake.available()

@@ -169,13 +169,18 @@ class DirectWrites:
         return SharedPoolWriter(transport, pool_id(request.destination), src, pool, dest)
 
     async def _shard_writer(self, request: prefill_pb2.PrefillRequest, blocks: list[int]) -> PageWriter | None:
-        """Every rank writes its KV heads straight into the decode ranks that hold them (shm / cuda-ipc; a
+        """Every rank writes its KV heads straight into the decode ranks that hold them (shm / cuda-ipc / mooncake; a
         ShardedPool, or one plain pool written by this tensor-parallel prefill's ranks); see rank_pages.py."""
         assert self.shards is not None
         dest = request.destination
         transport = transport_of(dest)
         try:
-            pool_blocks = await asyncio.to_thread(self.shards.attach, dest)
+            moon = None
+            if transport == "mooncake":  # every rank pool is on the decode the stream goes to (ranks trust this)
+                for pool in [dest] if dest.HasField("mooncake") else [rp.pool for rp in dest.sharded.ranks]:
+                    await asyncio.to_thread(mooncake.check_pool, pool.mooncake, request.decode_address)
+                moon = (self.mooncake_host, self.mooncake_engines)
+            pool_blocks = await asyncio.to_thread(self.shards.attach, dest, moon)
         except SharedKVAttachError as e:
             self._fallback(transport, e.reason, str(e))
             return None

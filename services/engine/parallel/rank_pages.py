@@ -13,9 +13,13 @@ side: written into every replica). The sequence ends with one all-reduce of the 
 when rank 0 holds it, every rank's writes of the chunk have landed (a CUDA rank synchronizes first), and
 only then does rank 0 send the chunk's descriptor on the PushKV stream. No page passes through rank 0.
 
-Plan message: header [Op.RANK_PAGES, sub, pages n, destination bytes m, 0, 0, 0, 0]; int64 payload
-WRITE: source block ids[n] | destination block ids[n] | destination bytes[m]; ATTACH: destination
-bytes[m]; POOLS: none. The destination is KVDestination protobuf bytes (parsed as that type, never code);
+Over mooncake (mooncake_ranks.py) each rank uses its own transfer engines: rank 0 hands every rank the host
+and engine count (POOLS on decode, ATTACH on prefill) and each rank starts its engines there.
+
+Plan message: header [Op.RANK_PAGES, sub, pages n, destination bytes m, host bytes k, 0, 0, 0]; int64 payload
+WRITE: source block ids[n] | destination block ids[n] | destination bytes[m]; ATTACH: host bytes[k] |
+destination bytes[m] (n: Mooncake engines; k = 0: no Mooncake); POOLS: host bytes[m] (n: Mooncake engines;
+m = 0: each rank's own shm / CUDA IPC pool). The destination is KVDestination protobuf bytes (parsed as that type, never code);
 a rank opens nothing but what shared_kv's checks allow.
 """
 
@@ -37,6 +41,7 @@ import torch
 from services.common.pb import decode_pb2
 from services.engine.kv_layout import HeadSplitSpec
 from services.engine.kv_transport.base import PageWriter, TransferError
+from services.engine.parallel.mooncake_ranks import MAX_HOST_BYTES, RankMooncake, RemotePool, settle_writes
 from services.engine.parallel.plan import Op
 from services.engine.parallel.split import HeadSplit, TensorParallelError
 from services.engine.shared_kv import SHM_DIR, SHM_NAME_RE, SharedKVAttachError, SharedKVPools, _runs, pool_id
@@ -47,7 +52,7 @@ MAX_DEST_BYTES = 4096
 """Longest serialized per-rank KVDestination a rank hands rank 0 (a CUDA IPC pool is ~300 bytes)."""
 MAX_TP = 64
 """Largest tensor-parallel size a ShardedPool may name."""
-PLAIN_POOLS = {"shm": "shm", "cuda_ipc": "cuda-ipc"}
+PLAIN_POOLS = {"shm": "shm", "cuda_ipc": "cuda-ipc", "mooncake": "mooncake"}
 """KVDestination.pool cases a rank's own pool may be -> the transport that writes it."""
 
 
@@ -97,11 +102,12 @@ def pool_split(dest: decode_pb2.KVDestination, num_kv_heads: int) -> HeadSplitSp
 class Shard:
     heads: tuple[int, int]
     """[start, end) of the KV heads this pool holds."""
-    pool: torch.Tensor
-    """[layers, 2, blocks, block_size, end - start, head_dim]."""
+    pool: torch.Tensor | RemotePool
+    """[layers, 2, blocks, block_size, end - start, head_dim] (mapped here, or a decode rank's over Mooncake)."""
 
 
-def open_shards(dest: decode_pb2.KVDestination, attach: Callable[[decode_pb2.KVDestination], torch.Tensor],
+def open_shards(dest: decode_pb2.KVDestination,
+                attach: Callable[[decode_pb2.KVDestination], torch.Tensor | RemotePool],
                 cache: torch.Tensor, num_kv_heads: int, heads: tuple[int, int] | None = None) -> list[Shard]:
     """Check a destination against this model and open its pools (``attach``: shared_kv's checked open), only
     those holding one of ``heads`` ([start, end), this rank's; None: all; a CUDA IPC open costs a context on
@@ -178,12 +184,19 @@ def write_share(cache: torch.Tensor, split: HeadSplit, shards: list[Shard], src_
     k, n = (split.rank + (dst_blocks[0] if dst_blocks else 0)) % reps, len(src_blocks)
     lo, hi = k * n // reps, (k + 1) * n // reps
     written = 0
-    for sh in shards if hi > lo else []:
-        s, e = max(a, sh.heads[0]), min(b, sh.heads[1])
-        if s < e:
-            copy_heads(cache, src_blocks[lo:hi], (s - a, e - a), sh.pool, dst_blocks[lo:hi],
-                       (s - sh.heads[0], e - sh.heads[0]))
-            written += hi - lo
+    batches: list[tuple[object, int]] = []
+    try:
+        for sh in shards if hi > lo else []:
+            s, e = max(a, sh.heads[0]), min(b, sh.heads[1])
+            if s < e:
+                args = (src_blocks[lo:hi], (s - a, e - a), dst_blocks[lo:hi], (s - sh.heads[0], e - sh.heads[0]))
+                if isinstance(sh.pool, RemotePool):
+                    batches += sh.pool.write_heads(cache, *args)
+                else:
+                    copy_heads(cache, args[0], args[1], sh.pool, args[2], args[3])
+                written += hi - lo
+    finally:
+        settle_writes(batches)  # nothing of this chunk is in flight once this returns
     for dev in {t.device for t in (cache, *(sh.pool for sh in shards))}:
         if dev.type == "cuda":  # the pages must have landed before rank 0 is told they have
             torch.cuda.current_stream(dev).synchronize()
@@ -197,12 +210,18 @@ class RankPools:
         self.cache = cache
         self.split = split
         self.pools = SharedKVPools()
+        self.mooncake = RankMooncake()
         self._lock = threading.Lock()  # ATTACH runs in a worker thread, WRITE on the engine thread
+
+    def _attach(self, dest: decode_pb2.KVDestination) -> torch.Tensor | RemotePool:
+        if dest.WhichOneof("pool") == "mooncake":
+            return self.mooncake.remote(dest)
+        return self.pools.attach(dest)
 
     def shards(self, raw: bytes) -> list[Shard]:
         dest = decode_pb2.KVDestination.FromString(raw)
         with self._lock:
-            return open_shards(dest, self.pools.attach, self.cache, self.split.num_kv_heads, self.split.kv_range)
+            return open_shards(dest, self._attach, self.cache, self.split.num_kv_heads, self.split.kv_range)
 
 
 _RANK_POOLS: weakref.WeakKeyDictionary[object, RankPools] = weakref.WeakKeyDictionary()
@@ -216,8 +235,8 @@ def rank_pools(runner) -> RankPools:
     return pools
 
 
-def _header(sub: Sub, n: int = 0, m: int = 0) -> torch.Tensor:
-    return torch.tensor([Op.RANK_PAGES, sub, n, m, 0, 0, 0, 0], dtype=torch.int64)
+def _header(sub: Sub, n: int = 0, m: int = 0, k: int = 0) -> torch.Tensor:
+    return torch.tensor([Op.RANK_PAGES, sub, n, m, k, 0, 0, 0], dtype=torch.int64)
 
 
 def _int64(raw: bytes) -> torch.Tensor:
@@ -238,17 +257,23 @@ def _encode_dest(dest: decode_pb2.KVDestination | None) -> torch.Tensor:
 def serve_op(runner, group, header: torch.Tensor) -> None:
     """Ranks 1..N-1: one RANK_PAGES sequence rank 0 announced (worker.serve). A failure to open or write is
     reported to rank 0 through the sequence's all-reduce, never by leaving the loop."""
-    sub, n, m = (int(x) for x in header[1:4].tolist())
+    sub, n, m, k = (int(x) for x in header[1:5].tolist())
     if sub == Sub.POOLS:
-        group.gather_to_root(_encode_dest(runner.kv_destination).to(group.device))
+        own = runner.kv_destination
+        if m:  # Mooncake: this rank's shard through its own engines at the host rank 0 hands over
+            host = _text(group.broadcast(torch.empty(m, dtype=torch.int64, device=group.device)).cpu())
+            own = rank_pools(runner).mooncake.offer(runner.kv_cache, host, n)
+        group.gather_to_root(_encode_dest(own).to(group.device))
         return
-    size = 2 * n + m if sub == Sub.WRITE else m
+    size = 2 * n + m if sub == Sub.WRITE else k + m
     payload = group.broadcast(torch.empty(size, dtype=torch.int64, device=group.device)).cpu()
     raw = bytes(payload[size - m:].tolist())
     split = runner.model.tp_split
     if sub == Sub.ATTACH:
         flag = torch.zeros(1, dtype=torch.int64)
         try:
+            if k:
+                rank_pools(runner).mooncake.start(_text(payload[:k]), n)
             rank_pools(runner).shards(raw)
         except (SharedKVAttachError, ValueError, OSError, RuntimeError) as e:
             log.warning("tensor-parallel rank %d cannot open the decode's pools: %s", group.rank, e)
@@ -263,6 +288,11 @@ def serve_op(runner, group, header: torch.Tensor) -> None:
         log.warning("tensor-parallel rank %d failed to write pages: %r", group.rank, e)
         counts[group.size] = 1
     group.all_reduce(counts.to(group.device))
+
+
+def _text(payload: torch.Tensor) -> str:
+    """A host name rank 0 handed over (bytes as int64; undecodable bytes are replaced, never run)."""
+    return bytes(int(x) & 0xFF for x in payload[:MAX_HOST_BYTES + 1].tolist()).decode("utf-8", "replace")
 
 
 def _unlink(paths: list[str]) -> None:
@@ -281,25 +311,29 @@ class ShardWrites:
         self.local = rank_pools(runner)
         self.on_pages: Callable[[int, int], None] | None = None
         """Called with (rank, page slices) after each chunk a rank wrote (a metric)."""
-        self._offer: tuple[decode_pb2.KVDestination | None] | None = None
+        self._offers: dict[tuple[str, int], decode_pb2.KVDestination | None] = {}
+        """(Mooncake host or "", engines) -> the offer made for it (one collective sequence each, once)."""
 
     @property
     def collective(self) -> bool:
         return self.split.tp_size > 1
 
-    def offer(self) -> decode_pb2.KVDestination | None:
-        """Decode: the ShardedPool of every rank's own pool; None unless every rank has one (one collective
-        sequence, the first time)."""
-        if self._offer is None:
-            self._offer = (self._pools(),)
-        return self._offer[0]
+    def offer(self, mooncake_host: str = "", engines: int = 1) -> decode_pb2.KVDestination | None:
+        """Decode: the ShardedPool of every rank's own pool (shm / CUDA IPC, or with ``mooncake_host`` each
+        rank's shard registered with its own ``engines`` transfer engines there); None unless every rank has
+        one (one collective sequence, the first time)."""
+        key = (mooncake_host, engines)
+        if key not in self._offers:
+            self._offers[key] = self._pools(*key)
+        return self._offers[key]
 
-    def _pools(self) -> decode_pb2.KVDestination | None:
-        own = self.runner.kv_destination
+    def _pools(self, host: str, engines: int) -> decode_pb2.KVDestination | None:
+        own = self.local.mooncake.offer(self.runner.kv_cache, host, engines) if host else self.runner.kv_destination
         if not self.collective or own is None or own.WhichOneof("pool") not in PLAIN_POOLS:
             return None
         group = self.runner.group
-        with self.runner._sequence(_header(Sub.POOLS)):
+        raw = host.encode()
+        with self.runner._sequence(_header(Sub.POOLS, engines, len(raw)), _int64(raw) if raw else None):
             parts = [p.cpu() for p in group.gather_to_root(_encode_dest(own).to(group.device))]
         raws = [bytes(p[1:1 + int(p[0])].tolist()) for p in parts]
         if not all(raws):
@@ -311,15 +345,20 @@ class ShardWrites:
         atexit.register(_unlink, files)  # a rank stopped by a signal (or SIGKILL) cannot remove its own file
         return sharded_destination(self.split, pools)
 
-    def attach(self, dest: decode_pb2.KVDestination) -> int:
-        """Worker thread: every rank opens ``dest``'s pools; raises SharedKVAttachError if any rank cannot.
-        Returns the blocks of the smallest pool (a destination block id must be below it)."""
+    def attach(self, dest: decode_pb2.KVDestination, mooncake: tuple[str, int] | None = None) -> int:
+        """Worker thread: every rank opens ``dest``'s pools (``mooncake``: (host, engines) every rank starts its
+        transfer engines at first); raises SharedKVAttachError if any rank cannot. Returns the blocks of the
+        smallest pool (a destination block id must be below it)."""
         raw = dest.SerializeToString(deterministic=True)
+        host, engines = mooncake or ("", 0)
+        if host:
+            self.local.mooncake.start(host, engines)
         if not self.collective:
             return min(sh.pool.shape[2] for sh in self.local.shards(raw))
         err: SharedKVAttachError | None = None
         flag = torch.zeros(1, dtype=torch.int64)
-        with self.runner._sequence(_header(Sub.ATTACH, 0, len(raw)), _int64(raw)):
+        hb = host.encode()
+        with self.runner._sequence(_header(Sub.ATTACH, engines, len(raw), len(hb)), _int64(hb + raw)):
             try:
                 blocks = min(sh.pool.shape[2] for sh in self.local.shards(raw))
             except SharedKVAttachError as e:

@@ -1,0 +1,127 @@
+"""Rank to rank over Mooncake: tensor-parallel instances whose ranks move KV heads through their own transfer
+engines (host pools only: this Mooncake build moves host memory).
+
+Decode: every rank starts its own engine(s) at the decode's ``--kv-mooncake-host`` (rank 0 hands the host and
+the engine count to the others in the RANK_PAGES/POOLS sequence), registers its KV shard and describes it as
+a ``MooncakePool``; rank 0 offers them together as a ``ShardedPool`` (rank_pages.sharded_destination), rank r
+holding the heads [a, b) it holds in its own pool.
+
+Prefill: every rank starts its own engine(s) at the prefill's host (handed over in RANK_PAGES/ATTACH) and
+registers its own cache; a decode rank's pool is a :class:`RemotePool` (its shape and dtype checked as
+mooncake.check_pool does; rank 0 has already checked every segment is on the decode the stream goes to).
+A rank writes the intersection of its heads with a decode rank's heads: when both sides hold exactly those
+heads, a run of consecutive blocks is one contiguous range per (layer, K|V) on both sides; otherwise each
+token's slice of heads is its own range (head_dim x heads contiguous, token rows strided).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import grpc
+import torch
+
+from services.common.pb import decode_pb2
+from services.engine.kv_transport import mooncake
+from services.engine.kv_transport.base import TransferError
+from services.engine.shared_kv import SharedKVAttachError, _runs
+
+log = logging.getLogger(__name__)
+
+MAX_HOST_BYTES = 255
+"""Longest host name a rank is handed (DNS names are at most 253 characters)."""
+
+
+class RankMooncake:
+    """One rank's transfer engines (started once, at the first host handed to it) and what it registered."""
+
+    def __init__(self) -> None:
+        self.engine: mooncake.MooncakeEngine | None = None
+        self._lock = threading.Lock()
+
+    def start(self, host: str, count: int) -> mooncake.MooncakeEngine:
+        """This rank's engines at ``host`` (blocking; started on the first call, later calls reuse them)."""
+        with self._lock:
+            if self.engine is None:
+                why = mooncake.available()
+                if why is not None:
+                    raise SharedKVAttachError("unavailable", why)
+                if not host or len(host) > MAX_HOST_BYTES:
+                    raise SharedKVAttachError("host", f"no valid Mooncake host for this rank ({host!r})")
+                self.engine = mooncake.MooncakeEngine(host, count=max(1, count))
+            return self.engine
+
+    def offer(self, cache: torch.Tensor, host: str, count: int) -> decode_pb2.KVDestination | None:
+        """Decode rank: its own shard registered with its engines, as a MooncakePool; None (logged) when it
+        cannot be (no Mooncake here, a device cache)."""
+        try:
+            return mooncake.export_pool(self.start(host, count), cache)
+        except SharedKVAttachError as e:
+            log.warning("this tensor-parallel rank's KV shard is not offered over Mooncake: %s", e)
+            return None
+
+    def remote(self, dest: decode_pb2.KVDestination) -> RemotePool:
+        """Prefill rank: a decode rank's Mooncake pool (``dest.mooncake``), checked."""
+        if self.engine is None:
+            raise SharedKVAttachError("unavailable", "this rank started no Mooncake transfer engine")
+        return RemotePool(self.engine, dest.mooncake)
+
+
+class RemotePool:
+    """A decode rank's registered pool [layers, 2, blocks, block_size, heads, head_dim] as a writer rank sees it."""
+
+    def __init__(self, engine: mooncake.MooncakeEngine, pool: decode_pb2.MooncakePool) -> None:
+        if pool.page_major:
+            raise SharedKVAttachError("device", "a decode rank's Mooncake pool is a host landing area (page major); "
+                                                "ranks write only into host pools")
+        # The segments' host is checked against the decode's address by rank 0 (direct_write); here against
+        # itself: shape, dtype, size and ports.
+        self.shape, self.dtype = mooncake.check_pool(pool, mooncake._host(pool.segment))
+        self.engine = engine
+        self.segments = mooncake.segments_of(pool)
+        self.base = pool.base_address
+        self.device = torch.device("cpu")
+        """Where the pool's bytes are (host memory, written by the transfer engine; nothing to synchronize)."""
+
+    def write_heads(self, src: torch.Tensor, src_blocks: list[int], src_heads: tuple[int, int],
+                    dst_blocks: list[int], dst_heads: tuple[int, int]) -> list[tuple[object, int]]:
+        """Start writing src[:, :, src_blocks[i], :, a:b] into this pool's [:, :, dst_blocks[i], :, c:d]; returns
+        the transfer batches in flight (mooncake.settle). Block ids are checked against both pools."""
+        (a, b), (c, d) = src_heads, dst_heads
+        assert b - a == d - c > 0
+        for blocks, total, side in ((src_blocks, src.shape[2], "source"), (dst_blocks, self.shape[2], "destination")):
+            bad = next((x for x in blocks if not 0 <= x < total), None)
+            if bad is not None:
+                raise ValueError(f"{side} block {bad} is outside the pool's {total} blocks")
+        layers, _, nb_src, bs, h_src, hd = src.shape
+        nb_dst, h_dst = self.shape[2], self.shape[4]
+        elt = src.element_size()
+        row_src, row_dst = h_src * hd * elt, h_dst * hd * elt  # one token's heads (bytes)
+        src_base = self.engine.register(src)
+        srcs: list[int] = []
+        dsts: list[int] = []
+        lens: list[int] = []
+        whole = (b - a) == h_src and (d - c) == h_dst  # both sides hold exactly these heads
+        for s, t, n in _runs(src_blocks, dst_blocks):
+            for plane in range(layers * 2):
+                so = src_base + (plane * nb_src + s) * bs * row_src
+                do = self.base + (plane * nb_dst + t) * bs * row_dst
+                if whole:
+                    srcs.append(so)
+                    dsts.append(do)
+                    lens.append(n * bs * row_src)
+                    continue
+                for row in range(n * bs):
+                    srcs.append(so + row * row_src + a * hd * elt)
+                    dsts.append(do + row * row_dst + c * hd * elt)
+                    lens.append((b - a) * hd * elt)
+        return self.engine.submit(self.segments, srcs, dsts, lens) if srcs else []
+
+
+def settle_writes(batches: list[tuple[object, int]]) -> None:
+    """Block until every batch of this rank's chunk has landed; TransferError on a failed one."""
+    rc = mooncake.settle(batches)
+    if rc != 0:
+        raise TransferError(f"a Mooncake write into a decode rank's pool failed (rc={rc})",
+                            grpc.StatusCode.UNAVAILABLE)
