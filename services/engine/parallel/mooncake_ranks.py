@@ -119,6 +119,11 @@ class RemotePool:
         return self.engine.submit(self.segments, srcs, dsts, lens) if srcs else []
 
 
+def host_text(payload: torch.Tensor) -> str:
+    """A host name rank 0 handed over (bytes as int64; undecodable bytes are replaced, never run)."""
+    return bytes(int(x) & 0xFF for x in payload[:MAX_HOST_BYTES + 1].tolist()).decode("utf-8", "replace")
+
+
 def settle_writes(batches: list[tuple[object, int]]) -> None:
     """Block until every batch of this rank's chunk has landed; TransferError on a failed one."""
     rc = mooncake.settle(batches)

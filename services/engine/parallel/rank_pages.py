@@ -41,7 +41,7 @@ import torch
 from services.common.pb import decode_pb2
 from services.engine.kv_layout import HeadSplitSpec
 from services.engine.kv_transport.base import PageWriter, TransferError
-from services.engine.parallel.mooncake_ranks import MAX_HOST_BYTES, RankMooncake, RemotePool, settle_writes
+from services.engine.parallel.mooncake_ranks import RankMooncake, RemotePool, host_text, settle_writes
 from services.engine.parallel.plan import Op
 from services.engine.parallel.split import HeadSplit, TensorParallelError
 from services.engine.shared_kv import SHM_DIR, SHM_NAME_RE, SharedKVAttachError, SharedKVPools, _runs, pool_id
@@ -261,7 +261,7 @@ def serve_op(runner, group, header: torch.Tensor) -> None:
     if sub == Sub.POOLS:
         own = runner.kv_destination
         if m:  # Mooncake: this rank's shard through its own engines at the host rank 0 hands over
-            host = _text(group.broadcast(torch.empty(m, dtype=torch.int64, device=group.device)).cpu())
+            host = host_text(group.broadcast(torch.empty(m, dtype=torch.int64, device=group.device)).cpu())
             own = rank_pools(runner).mooncake.offer(runner.kv_cache, host, n)
         group.gather_to_root(_encode_dest(own).to(group.device))
         return
@@ -273,7 +273,7 @@ def serve_op(runner, group, header: torch.Tensor) -> None:
         flag = torch.zeros(1, dtype=torch.int64)
         try:
             if k:
-                rank_pools(runner).mooncake.start(_text(payload[:k]), n)
+                rank_pools(runner).mooncake.start(host_text(payload[:k]), n)
             rank_pools(runner).shards(raw)
         except (SharedKVAttachError, ValueError, OSError, RuntimeError) as e:
             log.warning("tensor-parallel rank %d cannot open the decode's pools: %s", group.rank, e)
@@ -288,11 +288,6 @@ def serve_op(runner, group, header: torch.Tensor) -> None:
         log.warning("tensor-parallel rank %d failed to write pages: %r", group.rank, e)
         counts[group.size] = 1
     group.all_reduce(counts.to(group.device))
-
-
-def _text(payload: torch.Tensor) -> str:
-    """A host name rank 0 handed over (bytes as int64; undecodable bytes are replaced, never run)."""
-    return bytes(int(x) & 0xFF for x in payload[:MAX_HOST_BYTES + 1].tolist()).decode("utf-8", "replace")
 
 
 def _unlink(paths: list[str]) -> None:
