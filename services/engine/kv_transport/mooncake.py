@@ -24,6 +24,11 @@ thread (~3 GB/s over loopback on the H200 host); decode registers the same memor
 them all (``MooncakePool.extra_segments``), and a writer spreads a chunk's entries round-robin over as
 many (own engine, decode segment) pairs as both sides have, all batches in flight at once
 (benchmarks/mooncake_tcp_probe.py ``--engines``).
+
+Speculative decoding: a decode with a draft region registers its draft pool with the same engines and offers it
+beside the target pool (``DraftPool.mooncake``, spec/pools.py); a writer then fills both pools, each run of
+blocks one range per (layer, K|V) of each. Tensor parallelism: every rank has its own engines
+(parallel/mooncake_ranks.py).
 """
 
 from __future__ import annotations

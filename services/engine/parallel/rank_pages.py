@@ -1,4 +1,5 @@
-"""Pages rank to rank: side transports (shm on CPU, cuda-ipc on GPU) between tensor-parallel instances.
+"""Pages rank to rank: side transports (shm on CPU, cuda-ipc on GPU, mooncake on host pools) between
+tensor-parallel instances.
 
 Decode: every rank's KV shard is its own shared pool; rank 0 collects them once (RANK_PAGES/POOLS: each
 rank's KVDestination gathered to rank 0) into one typed ``ShardedPool`` that Reserve offers (rank r: KV
