@@ -11,19 +11,22 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import grpc
 import pytest
 import torch
 
 from services.common.grpc_util import create_channel
 from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc
-from services.engine.kv_layout import Region
+from services.engine.convert import layout_from_pb
+from services.engine.kv_layout import Region, region_bytes
 from services.engine.kv_transport import mooncake
 from services.engine.sampling_params import SamplingParams
-from services.engine.shared_kv import SharedKVAttachError
+from services.engine.shared_kv import SharedKVAttachError, pool_id
 from services.engine.spec.pools import mooncake_draft, region_name
 from services.launcher import LocalCluster
 from tests.e2e.cluster_util import CHAT_PROMPTS, generate_ids, metric_sum, wait_idle
 from tests.e2e.conftest import SMALL_KV
+from tests.e2e.test_spec_pd import _status
 
 NO_MOONCAKE = mooncake.available()
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(NO_MOONCAKE is not None,
@@ -98,3 +101,38 @@ def test_offered_draft_pool_is_checked_against_the_writers_draft(mc_cluster):
     moved.draft.mooncake.segment = f"{host}:1"
     with pytest.raises(SharedKVAttachError, match="transfer engines"):
         mooncake_draft(moved, region, cache, host)
+
+
+def test_mooncake_descriptor_with_another_draft_codec_is_refused(mc_cluster):
+    """A mooncake writer's claim on decode's pools is accepted; its descriptor's layout with an fp32 draft region
+    instead of fp8-e4m3 is refused (FAILED_PRECONDITION) naming both fingerprints."""
+    addr = mc_cluster.get("decode-0").ready["grpc"]
+
+    async def run() -> tuple[grpc.StatusCode, str, str, str]:
+        async with create_channel(addr) as ch:
+            stub = decode_pb2_grpc.DecodeStub(ch)
+            resv = await stub.Reserve(decode_pb2.ReserveRequest(
+                request_id="spec-mc-mismatch", token_ids=list(range(60, 100)), lease_ms=30_000,
+                params=common_pb2.SamplingParams(max_tokens=4, temperature=0.0)), timeout=30)
+            ours = layout_from_pb(resv.layout)
+            target, draft = ours.regions
+            fp32 = region_bytes(6, ours.num_kv_heads, ours.head_dim, ours.block_size, "fp32")
+            theirs = dataclasses.replace(ours, regions=(target, dataclasses.replace(draft, codec="fp32",
+                                                                                     bytes_per_page=fp32)))
+            head = dict(reservation_id=resv.reservation_id, reservation_token=resv.reservation_token,
+                        transport="mooncake")
+            chunks = [common_pb2.KVChunk(**head, claim=common_pb2.KVClaim(
+                          transport="mooncake", dest_block_ids=resv.block_ids, pool_id=pool_id(resv.destination))),
+                      common_pb2.KVChunk(**head, chunk_index=0, first_block=0, num_pages=1, token_start=0,
+                                         token_end=16, layout_fingerprint=theirs.fingerprint)]
+            code, details = await _status(stub.PushKV(_stream(chunks), timeout=30))
+            return code, details, ours.fingerprint, theirs.fingerprint
+
+    code, details, ours, theirs = asyncio.run(run())
+    assert code == grpc.StatusCode.FAILED_PRECONDITION, details
+    assert theirs in details and ours in details and "fp8-e4m3" in details
+
+
+async def _stream(chunks: list[common_pb2.KVChunk]):
+    for c in chunks:
+        yield c
