@@ -27,38 +27,32 @@ from services.launcher import LocalCluster
 from tests.e2e.cluster_util import CHAT_PROMPTS, generate_ids, metric_sum, wait_idle
 from tests.e2e.conftest import SMALL_KV
 from tests.e2e.test_spec_pd import _status
+from tests.e2e.test_spec_shm import DRAFT, MAX_TOKENS
 
 NO_MOONCAKE = mooncake.available()
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(NO_MOONCAKE is not None,
                                                   reason=f"the Mooncake wheel cannot load here: {NO_MOONCAKE}")]
 
-DRAFT = ["--draft-model", "layers:6"]
-MAX_TOKENS = 16
+SPEC = {"prefill": ["--max-prefill-chunk", "37", *SMALL_KV, *DRAFT], "decode": [*SMALL_KV, *DRAFT, "--spec-tokens", "3"]}
+"""K = 3 with the draft layers:6 on both sides, 37-token chunks (the long prompt spans several)."""
 
 
 @pytest.fixture(scope="module")
 def mc_cluster():
-    extra = {
-        "prefill": ["--max-prefill-chunk", "37", *SMALL_KV, *DRAFT],
-        "decode": [*SMALL_KV, *DRAFT, "--spec-tokens", "3"],
-    }
-    with LocalCluster(prefill=1, decode=1, kv_transport="mooncake", dtype="float32", extra=extra, quiet=True) as c:
+    with LocalCluster(prefill=1, decode=1, kv_transport="mooncake", dtype="float32", extra=SPEC, quiet=True) as c:
         yield c
 
 
 def test_mooncake_greedy_equals_plain_with_both_regions_in_place(mc_cluster, reference_engine):
-    router = mc_cluster.router["grpc"]
-    for text in (CHAT_PROMPTS[0], CHAT_PROMPTS[1] * 3):  # the second spans several 37-token chunks
-        ids = reference_engine.tokenizer.encode(text)
-        want = reference_engine.generate([ids], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
-                                                               ignore_eos=True))[0]
-        got = [t for msg in asyncio.run(generate_ids(router, ids, MAX_TOKENS)) for t in msg.token_ids]
-        assert got == want, text[:30]
-    prefill = mc_cluster.get("prefill-0").ready["metrics"]
-    decode = mc_cluster.get("decode-0").ready["metrics"]
-    assert metric_sum(prefill, "pdserve_prefill_kv_transport_fallbacks_total") == 0
-    assert metric_sum(prefill, "pdserve_prefill_kv_chunks_sent_total", transport="mooncake") >= 2  # in place
-    assert metric_sum(prefill, "pdserve_prefill_kv_chunks_sent_total", transport="grpc") == 0
+    prompts = [reference_engine.tokenizer.encode(t) for t in (CHAT_PROMPTS[0], CHAT_PROMPTS[1] * 3)]
+    plain = reference_engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    served = [[t for msg in asyncio.run(generate_ids(mc_cluster.router["grpc"], ids, MAX_TOKENS))
+               for t in msg.token_ids] for ids in prompts]
+    assert served == plain
+    prefill, decode = (mc_cluster.get(n).ready["metrics"] for n in ("prefill-0", "decode-0"))
+    assert metric_sum(prefill, "pdserve_prefill_kv_transport_fallbacks_total") == 0  # no reason "draft"
+    sent = {t: metric_sum(prefill, "pdserve_prefill_kv_chunks_sent_total", transport=t) for t in ("mooncake", "grpc")}
+    assert sent["mooncake"] >= 2 and sent["grpc"] == 0, sent  # both regions in place, descriptors only
     assert metric_sum(decode, "pdserve_decode_spec_draft_tokens_total", acceptance="real") > 0
     rep = wait_idle(mc_cluster.get("decode-0").ready["grpc"])
     assert rep.free_blocks == rep.total_blocks
