@@ -105,8 +105,7 @@ class DirectWrites:
         ranks = self.shards is not None and (offered == "sharded" or self.shards.collective)
         transport = transport_of(request.destination) if ranks else TRANSPORT_OF.get(offered or "", "")
         if not transport or (self.mode != "auto" and transport != self.mode):
-            reason = "tensor-parallel" if ranks and offered == "mooncake" else "none"
-            self._fallback(self.mode, reason, f"the decode offers {offered or 'no shared pool'}")
+            self._fallback(self.mode, "none", f"the decode offers {offered or 'no shared pool'}")
             return None
         dest = list(request.dest_block_ids)
         if len(dest) != num_blocks:
