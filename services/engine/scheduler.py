@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from services.engine.block_manager import BlockManager
-from services.engine.prefill_tail import tail_piece
+from services.engine.prefill_tail import applies, tail_piece
 from services.engine.sampling_params import Sampled
 from services.engine.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -253,7 +253,7 @@ class Scheduler:
     def _chunk_len(self, seq: Sequence, remaining: int, budget: int) -> int:
         """Tokens this step computes of a sequence with ``remaining`` uncomputed tokens."""
         n = min(remaining, self.config.max_prefill_chunk, budget)
-        if seq.seq_id in self._streamed:
+        if seq.seq_id in self._streamed and applies(len(seq.token_ids), self.config.max_prefill_chunk):
             n = min(n, tail_piece(remaining, self.config.prefill_tail_tokens, self.block_manager.block_size))
         return n
 

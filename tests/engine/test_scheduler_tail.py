@@ -33,10 +33,8 @@ def _pieces(sched: Scheduler, seq: Sequence, stream_kv: bool) -> list[int]:
 
 
 @pytest.mark.parametrize(("prompt", "want"), [
-    (100, [100]),                                           # at most the floor: one piece
-    (300, [160, 140]),                                      # halved once, rounded up to whole 16-token blocks
-    (2000, [1008, 496, 256, 240]),                          # one chunk's worth: halves down to the floor
-    (2048, [1024, 512, 256, 256]),
+    (3000, [1504, 752, 384, 192, 168]),                     # over one chunk: halved, rounded up to 16-token blocks
+    (2100, [1056, 528, 272, 244]),
     (8000, [2048, 2048, 1952, 976, 496, 240, 240]),         # full chunks until 2 chunks' worth remain
 ])
 def test_the_rule_halves_what_remains_down_to_the_floor(prompt: int, want: list[int]) -> None:
@@ -50,9 +48,11 @@ def test_off_or_short_prompts_keep_todays_chunks() -> None:
     assert prefill_pieces(8000, 2048, 0, 16) == [2048, 2048, 2048, 1856]
     assert tail_piece(5000, 0, 16) == 5000
     assert tail_piece(256, 256, 16) == 256
+    for prompt in (100, 300, 2000, 2048):  # one chunk or less: uncut (measured slower cut, prefill_tail.applies)
+        assert prefill_pieces(prompt, 2048, 256, 16) == [prompt]
 
 
-@pytest.mark.parametrize("prompt", [300, 2000, 8000])
+@pytest.mark.parametrize("prompt", [300, 3000, 8000])
 def test_the_scheduler_cuts_a_streamed_prompt_by_the_rule(prompt: int) -> None:
     got = _pieces(_scheduler(256), make_seq(prompt, max_tokens=1, ignore_eos=True), stream_kv=True)
     assert got == prefill_pieces(prompt, 2048, 256, 16)
@@ -65,12 +65,12 @@ def test_a_prompt_whose_kv_does_not_stream_is_not_split() -> None:
 
 
 def test_the_step_budget_still_caps_a_piece() -> None:
-    got = _pieces(_scheduler(256, budget=600), make_seq(2000, max_tokens=1, ignore_eos=True), stream_kv=True)
-    assert got == [600, 600, 400, 208, 192]  # 800 left: 400; then 400 -> 208 (13 blocks) and 192
+    got = _pieces(_scheduler(256, budget=600), make_seq(3000, max_tokens=1, ignore_eos=True), stream_kv=True)
+    assert got == [600, 600, 600, 600, 304, 160, 136]  # the budget caps the halves until 600 left: 304, 160, 136
 
 
 def test_a_finished_streamed_sequence_is_forgotten() -> None:
-    sched = _scheduler(256)
+    sched = _scheduler(256, chunk=512)
     seq = make_seq(600, max_tokens=1, ignore_eos=True)
     assert _pieces(sched, seq, stream_kv=True) == [304, 160, 136]
     assert not sched.has_work and not sched._streamed
