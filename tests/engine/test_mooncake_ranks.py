@@ -1,7 +1,7 @@
 """RemotePool.write_heads (parallel/mooncake_ranks.py) in one process over loopback TCP: a writer engine puts a
 slice of KV heads of some blocks into a registered "decode rank" pool; the pool then equals what
 rank_pages.copy_heads writes into a copy of it, for whole shards (one range per run and plane) and for partial
-head slices (one range per token row); bad blocks and another rank's checks are refused."""
+head slices (gathered into staging, or one range per token row); bad blocks and another rank's checks are refused."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from services.engine.kv_transport import mooncake
+from services.engine.parallel import mooncake_ranks
 from services.engine.parallel.mooncake_ranks import RankMooncake, RemotePool, settle_writes
 from services.engine.parallel.rank_pages import copy_heads
 from services.engine.shared_kv import SharedKVAttachError
@@ -49,6 +50,8 @@ def test_write_heads_equals_copy_heads(engines, src_heads, pool_heads, a_b, c_d)
     want = torch.zeros_like(pool)
     copy_heads(src, src_blocks, a_b, want, dst_blocks, c_d)
     assert torch.equal(pool, want)
+    if c_d[1] - c_d[0] == pool_heads and a_b[1] - a_b[0] < src_heads:  # went through the gather buffer
+        assert writer._staging is not None
     assert pool.abs().sum() > 0
     with pytest.raises(ValueError, match="destination block 8"):
         remote.write_heads(src, [0], a_b, [BLOCKS], c_d)
@@ -63,9 +66,24 @@ def test_remote_pool_refuses_a_landing_area_and_a_bad_size(engines) -> None:
     landing.CopyFrom(offer.mooncake)
     landing.page_major = True
     with pytest.raises(SharedKVAttachError, match="landing area"):
-        RemotePool(writer.engine, landing)
+        RemotePool(writer.engine, landing, writer.staging)
     offer.mooncake.pool_bytes += 4
     with pytest.raises(SharedKVAttachError, match="does not hold shape"):
         writer.remote(offer)
     with pytest.raises(SharedKVAttachError, match="no Mooncake transfer engine"):
         RankMooncake().remote(offer)
+
+
+def test_a_run_larger_than_the_staging_buffer_goes_in_pieces(engines, monkeypatch) -> None:
+    writer, decode = engines
+    writer.staging()  # allocated at full size before the limit shrinks: pieces then reuse its first bytes
+    monkeypatch.setattr(mooncake_ranks, "STAGING_BYTES", LAYERS * 2 * BS * HD * 4 * 2)  # 2 one-head blocks
+    src = torch.randn(LAYERS, 2, BLOCKS, BS, 2, HD)
+    pool = torch.zeros(LAYERS, 2, BLOCKS, BS, 1, HD)
+    KEEP.extend((src, pool))
+    remote = writer.remote(decode.offer(pool, "127.0.0.1", 2))
+    src_blocks, dst_blocks = [0, 1, 2, 3, 4], [2, 3, 4, 5, 6]  # one run of 5: pieces of 2, 2, 1
+    assert remote.write_heads(src, src_blocks, (1, 2), dst_blocks, (0, 1)) == []
+    want = torch.zeros_like(pool)
+    copy_heads(src, src_blocks, (1, 2), want, dst_blocks, (0, 1))
+    assert torch.equal(pool, want) and pool.abs().sum() > 0

@@ -10,14 +10,18 @@ Prefill: every rank starts its own engine(s) at the prefill's host (handed over 
 registers its own cache; a decode rank's pool is a :class:`RemotePool` (its shape and dtype checked as
 mooncake.check_pool does; rank 0 has already checked every segment is on the decode the stream goes to).
 A rank writes the intersection of its heads with a decode rank's heads: when both sides hold exactly those
-heads, a run of consecutive blocks is one contiguous range per (layer, K|V) on both sides; otherwise each
-token's slice of heads is its own range (head_dim x heads contiguous, token rows strided).
+heads, a run of consecutive blocks is one contiguous range per (layer, K|V) on both sides; when the decode
+rank's shard is whole but the writer holds more heads (a lower prefill TP, e.g. (1, 2)), the slice is first
+gathered into registered staging bytes in the shard's layout (one range per (layer, K|V) and piece of the
+run); otherwise (the shard holds more heads than the writer sends, e.g. (2, 1)) each token's slice of heads
+is its own range (head_dim x heads contiguous, token rows strided).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 import grpc
 import torch
@@ -31,6 +35,17 @@ log = logging.getLogger(__name__)
 
 MAX_HOST_BYTES = 255
 """Longest host name a rank is handed (DNS names are at most 253 characters)."""
+STAGING_BYTES = 64 << 20
+"""Host bytes a writer rank registers once (when it first gathers a head slice) to send slices as whole shards."""
+
+
+class Staging:
+    """A writer rank's registered gather buffer; held (``lock``) from the gather until its transfers settled."""
+
+    def __init__(self, engine: mooncake.MooncakeEngine) -> None:
+        self.buf = torch.empty(STAGING_BYTES, dtype=torch.uint8)
+        self.base = engine.register(self.buf)
+        self.lock = threading.Lock()
 
 
 class RankMooncake:
@@ -38,6 +53,7 @@ class RankMooncake:
 
     def __init__(self) -> None:
         self.engine: mooncake.MooncakeEngine | None = None
+        self._staging: Staging | None = None
         self._lock = threading.Lock()
 
     def start(self, host: str, count: int) -> mooncake.MooncakeEngine:
@@ -65,13 +81,22 @@ class RankMooncake:
         """Prefill rank: a decode rank's Mooncake pool (``dest.mooncake``), checked."""
         if self.engine is None:
             raise SharedKVAttachError("unavailable", "this rank started no Mooncake transfer engine")
-        return RemotePool(self.engine, dest.mooncake)
+        return RemotePool(self.engine, dest.mooncake, self.staging)
+
+    def staging(self) -> Staging:
+        """This rank's gather buffer (allocated and registered on first use)."""
+        with self._lock:
+            if self._staging is None:
+                assert self.engine is not None
+                self._staging = Staging(self.engine)
+            return self._staging
 
 
 class RemotePool:
     """A decode rank's registered pool [layers, 2, blocks, block_size, heads, head_dim] as a writer rank sees it."""
 
-    def __init__(self, engine: mooncake.MooncakeEngine, pool: decode_pb2.MooncakePool) -> None:
+    def __init__(self, engine: mooncake.MooncakeEngine, pool: decode_pb2.MooncakePool,
+                 staging: Callable[[], Staging]) -> None:
         if pool.page_major:
             raise SharedKVAttachError("device", "a decode rank's Mooncake pool is a host landing area (page major); "
                                                 "ranks write only into host pools")
@@ -81,6 +106,7 @@ class RemotePool:
         self.engine = engine
         self.segments = mooncake.segments_of(pool)
         self.base = pool.base_address
+        self.staging = staging
         self.device = torch.device("cpu")
         """Where the pool's bytes are (host memory, written by the transfer engine; nothing to synchronize)."""
 
@@ -102,6 +128,9 @@ class RemotePool:
         srcs: list[int] = []
         dsts: list[int] = []
         lens: list[int] = []
+        if (d - c) == h_dst and (b - a) != h_src:  # the whole shard, a slice of the writer's heads
+            self._write_gathered(src, src_blocks, src_heads, dst_blocks)
+            return []
         whole = (b - a) == h_src and (d - c) == h_dst  # both sides hold exactly these heads
         for s, t, n in _runs(src_blocks, dst_blocks):
             for plane in range(layers * 2):
@@ -117,6 +146,29 @@ class RemotePool:
                     dsts.append(do + row * row_dst + c * hd * elt)
                     lens.append((b - a) * hd * elt)
         return self.engine.submit(self.segments, srcs, dsts, lens) if srcs else []
+
+
+    def _write_gathered(self, src: torch.Tensor, src_blocks: list[int], heads: tuple[int, int],
+                        dst_blocks: list[int]) -> None:
+        """Blocking: gather src[:, :, run, :, a:b] piece by piece into the staging bytes (the shard's layout, so
+        one range per (layer, K|V) and piece) and write each piece before the next gather reuses the bytes."""
+        a, b = heads
+        layers, _, _, bs, _, hd = src.shape
+        planes = layers * 2
+        block_bytes = bs * (b - a) * hd * src.element_size()  # one block of one plane, equal on both sides
+        if planes * block_bytes > STAGING_BYTES:
+            raise ValueError(f"one page slice ({planes * block_bytes} bytes) exceeds the staging buffer")
+        per = STAGING_BYTES // (planes * block_bytes)  # blocks per piece
+        stage = self.staging()
+        with stage.lock:
+            for s, t, n in _runs(src_blocks, dst_blocks):
+                for i in range(0, n, per):
+                    k = min(per, n - i)
+                    view = stage.buf[:planes * k * block_bytes].view(src.dtype).view(layers, 2, k, bs, b - a, hd)
+                    view.copy_(src[:, :, s + i:s + i + k, :, a:b])
+                    srcs = [stage.base + p * k * block_bytes for p in range(planes)]
+                    dsts = [self.base + (p * self.shape[2] + t + i) * block_bytes for p in range(planes)]
+                    settle_writes(self.engine.submit(self.segments, srcs, dsts, [k * block_bytes] * planes))
 
 
 def host_text(payload: torch.Tensor) -> str:
