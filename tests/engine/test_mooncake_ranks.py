@@ -44,7 +44,7 @@ def test_write_heads_equals_copy_heads(engines, src_heads, pool_heads, a_b, c_d)
     KEEP.extend((src, pool))
     offer = decode.offer(pool, "127.0.0.1", 2)
     assert offer is not None and offer.mooncake.extra_segments
-    remote = writer.remote(offer)
+    remote = writer.remote(offer, src)
     src_blocks, dst_blocks = [1, 2, 3, 6], [4, 5, 6, 0]  # runs of 3 and 1
     settle_writes(remote.write_heads(src, src_blocks, a_b, dst_blocks, c_d))
     want = torch.zeros_like(pool)
@@ -69,9 +69,9 @@ def test_remote_pool_refuses_a_landing_area_and_a_bad_size(engines) -> None:
         RemotePool(writer.engine, landing, writer.staging)
     offer.mooncake.pool_bytes += 4
     with pytest.raises(SharedKVAttachError, match="does not hold shape"):
-        writer.remote(offer)
+        writer.remote(offer, KEEP[-1])
     with pytest.raises(SharedKVAttachError, match="no Mooncake transfer engine"):
-        RankMooncake().remote(offer)
+        RankMooncake().remote(offer, KEEP[-1])
 
 
 def test_a_run_larger_than_the_staging_buffer_goes_in_pieces(engines, monkeypatch) -> None:
@@ -81,7 +81,7 @@ def test_a_run_larger_than_the_staging_buffer_goes_in_pieces(engines, monkeypatc
     src = torch.randn(LAYERS, 2, BLOCKS, BS, 2, HD)
     pool = torch.zeros(LAYERS, 2, BLOCKS, BS, 1, HD)
     KEEP.extend((src, pool))
-    remote = writer.remote(decode.offer(pool, "127.0.0.1", 2))
+    remote = writer.remote(decode.offer(pool, "127.0.0.1", 2), src)
     src_blocks, dst_blocks = [0, 1, 2, 3, 4], [2, 3, 4, 5, 6]  # one run of 5: pieces of 2, 2, 1
     assert remote.write_heads(src, src_blocks, (1, 2), dst_blocks, (0, 1)) == []
     want = torch.zeros_like(pool)

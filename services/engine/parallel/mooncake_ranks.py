@@ -77,10 +77,15 @@ class RankMooncake:
             log.warning("this tensor-parallel rank's KV shard is not offered over Mooncake: %s", e)
             return None
 
-    def remote(self, dest: decode_pb2.KVDestination) -> RemotePool:
-        """Prefill rank: a decode rank's Mooncake pool (``dest.mooncake``), checked."""
+    def remote(self, dest: decode_pb2.KVDestination, cache: torch.Tensor) -> RemotePool:
+        """Prefill rank: a decode rank's Mooncake pool (``dest.mooncake``), checked, for writes from ``cache`` (this
+        rank's, registered here: a device cache is refused now, at attach, so the pages go as bytes)."""
         if self.engine is None:
             raise SharedKVAttachError("unavailable", "this rank started no Mooncake transfer engine")
+        if cache.is_cuda:
+            raise SharedKVAttachError("device", "this Mooncake build writes from host memory only; this rank's KV "
+                                                "cache is on a device")
+        self.engine.register(cache)
         return RemotePool(self.engine, dest.mooncake, self.staging)
 
     def staging(self) -> Staging:

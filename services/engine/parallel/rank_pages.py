@@ -216,7 +216,7 @@ class RankPools:
 
     def _attach(self, dest: decode_pb2.KVDestination) -> torch.Tensor | RemotePool:
         if dest.WhichOneof("pool") == "mooncake":
-            return self.mooncake.remote(dest)
+            return self.mooncake.remote(dest, self.cache)
         return self.pools.attach(dest)
 
     def shards(self, raw: bytes) -> list[Shard]:
