@@ -44,8 +44,8 @@ class EngineConfig(ContextConfig, ModelConfig, DtypeConfig):
     max_num_seqs: int = opt(64, "Most sequences in one batch.")
     max_num_batched_tokens: int = opt(2048, "Token budget of one step (decode tokens + prefill chunks).")
     max_prefill_chunk: int = opt(512, "Most prompt tokens of one sequence computed in one step.")
-    prefill_tail_tokens: int = opt(256, "Prefill engines whose KV streams out per chunk (prefill service, chunked "
-                                        "transfer on): a prompt's last tokens are computed in pieces that halve "
+    prefill_tail_tokens: int = opt(256, "Prefill engines whose KV streams out per chunk over mooncake (prefill "
+                                        "service, chunked transfer on; prompts over one chunk): a prompt's last tokens are computed in pieces that halve "
                                         "what remains down to this many tokens, so the KV still to send when "
                                         "compute ends is small (services/engine/prefill_tail.py). Decode and "
                                         "colocated engines never split. 0: off.")
