@@ -17,11 +17,12 @@ only then does rank 0 send the chunk's descriptor on the PushKV stream. No page 
 Over mooncake (mooncake_ranks.py) each rank uses its own transfer engines: rank 0 hands every rank the host
 and engine count (POOLS on decode, ATTACH on prefill) and each rank starts its engines there.
 
-Plan message: header [Op.RANK_PAGES, sub, pages n, destination bytes m, host bytes k, 0, 0, 0]; int64 payload
-WRITE: source block ids[n] | destination block ids[n] | destination bytes[m]; ATTACH: host bytes[k] |
-destination bytes[m] (n: Mooncake engines; k = 0: no Mooncake); POOLS: host bytes[m] (n: Mooncake engines;
-m = 0: each rank's own shm / CUDA IPC pool). The destination is KVDestination protobuf bytes (parsed as that type, never code);
-a rank opens nothing but what shared_kv's checks allow.
+Plan message: header [Op.RANK_PAGES, sub, pages n, destination bytes m, host bytes k, 0, 0, 0]; int64
+payload WRITE: source block ids[n] | destination block ids[n] | destination bytes[m]; ATTACH: host
+bytes[k] | destination bytes[m] (n: Mooncake engines; k = 0: no Mooncake); POOLS: host bytes[m] (n:
+Mooncake engines; m = 0: each rank's own shm / CUDA IPC pool). The destination is KVDestination protobuf
+bytes (parsed as that type, never code); the host is text (a name or address, never a path); a rank opens
+nothing but what shared_kv's and mooncake's checks allow.
 """
 
 from __future__ import annotations
