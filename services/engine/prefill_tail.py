@@ -29,12 +29,13 @@ def tail_piece(remaining: int, floor: int, block_size: int) -> int:
     return min(remaining, -(-half // block_size) * block_size)
 
 
-TAIL_TRANSPORTS = frozenset({"mooncake"})
-"""Transports whose streamed prompts get the rule. Measured on the H200 at 8K tokens, chunked, tail 256
-(docs/PERFORMANCE.md): mooncake (network, host-staged) exposed 12.0 ms instead of 41.8 (fp8); cuda-ipc
-already exposes ~3.5 ms without it and the extra pieces only added compute (292.7 ms against 256.4,
-TTFT 1.20x against 1.06x colocated); grpc is bound by its byte rate, where the cut changes nothing
-but adds pieces (compute 1.14x in-process)."""
+# Which streams get the rule: those whose writer overlaps compute (``PageWriter.overlaps_compute``: the
+# mooncake writers). Measured on the H200 at 8K tokens, chunked, tail 256 (docs/PERFORMANCE.md): mooncake
+# (network, host-staged) exposed 12.0 ms instead of 41.8 (fp8); cuda-ipc already exposes ~3.5 ms without
+# it and the extra pieces only added compute (292.7 ms against 256.4, TTFT 1.20x against 1.06x
+# colocated); grpc is bound by its byte rate, where the cut changes nothing but adds pieces (compute
+# 1.14x in-process). A tensor-parallel rank-to-rank writer waits for its writes on the engine thread,
+# so it gets no cut either.
 
 
 def applies(prompt_tokens: int, max_chunk: int) -> bool:

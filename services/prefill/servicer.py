@@ -29,7 +29,6 @@ from services.engine.kv_layout import FP8_CODEC, PageLayout
 from services.engine.kv_pages import pages_of
 from services.engine.kv_transport import KVSender, KVTransport, TransferError
 from services.engine.kv_transport.base import PageWriter
-from services.engine.prefill_tail import TAIL_TRANSPORTS
 from services.engine.sampling_params import InvalidRequestError
 from services.engine.scheduler import ScheduledChunk
 from services.prefill.config import PrefillConfig
@@ -280,7 +279,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
         def admit() -> int:
             loaded = eng.import_prefix_pages(ids, first, pages) if pages is not None else 0
-            tail = stream.chunked and stream.writer is not None and stream.writer.transport in TAIL_TRANSPORTS
+            tail = stream.chunked and stream.writer is not None and stream.writer.overlaps_compute
             eng.add_request(rid, ids, params, False, stream_kv=tail)
             return loaded
 

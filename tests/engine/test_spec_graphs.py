@@ -93,14 +93,16 @@ def test_a_sampling_row_runs_the_step_eagerly(baseline: list[list[int]]) -> None
     eng = _cpu_engine(3)
     g = _with_body(eng)
     run = g.run
+    graph_steps = []
 
     def checked(bucket, steps):  # type: ignore[no-untyped-def]
         assert all(seq.params.greedy for seq in eng.scheduler.running)  # never with the sampling row
+        graph_steps.append(bucket)
         return run(bucket, steps)
 
     g.run = checked  # type: ignore[method-assign]
     prompts = _prompts()
-    sampled = SamplingParams(max_tokens=GREEDY.max_tokens, ignore_eos=True, temperature=0.8, seed=7)
+    sampled = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.8, seed=7)  # ends before the greedy rows
     for i, p in enumerate(prompts):
         eng.add_request(f"g{i}", p, GREEDY, detokenize=False)
     eng.add_request("s", prompts[0], sampled, detokenize=False)
@@ -109,7 +111,8 @@ def test_a_sampling_row_runs_the_step_eagerly(baseline: list[list[int]]) -> None
         for o in eng.step():
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
     assert [out[f"g{i}"] for i in range(len(prompts))] == baseline
-    assert len(out["s"]) == GREEDY.max_tokens
+    assert len(out["s"]) == 2
+    assert graph_steps  # the greedy rows went on in the graph once the sampling row had finished
 
 
 def test_graph_step_synthetic_acceptance_counts() -> None:

@@ -29,7 +29,7 @@ TAIL = dataclasses.replace(ENGINE, max_prefill_chunk=64, prefill_tail_tokens=16)
 @pytest.mark.parametrize(("transport", "cut"), [
     pytest.param("mooncake", True, marks=pytest.mark.skipif(
         NO_MOONCAKE is not None, reason=f"the Mooncake wheel cannot load here: {NO_MOONCAKE}")),
-    ("grpc", False),  # prefill_tail.TAIL_TRANSPORTS: the cut pays only on mooncake (measured)
+    ("grpc", False),  # PageWriter.overlaps_compute: the cut pays only on mooncake (measured)
 ])
 async def test_tail_split_prefill_gives_the_in_process_engines_tokens(pair, transport: str,  # noqa: F811
                                                                         cut: bool) -> None:

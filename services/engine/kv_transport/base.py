@@ -144,6 +144,10 @@ class PageWriter(abc.ABC):
     """Decode's reserved block ids, in page order."""
     wire_codec: str = ""
     """Codec of the pages this writer moves ("": the pool's own dtype; FP8_CODEC after ``carry``)."""
+    overlaps_compute: bool = False
+    """True when ``write`` only starts the transfer and ``wait`` finishes it off the engine thread, so a
+    chunk moves while the next one computes; the prefill tail rule (engine/prefill_tail.py) cuts only
+    prompts streamed through such a writer."""
     splits: tuple[HeadSplitSpec, HeadSplitSpec] | None = None
     """(writer, pool) head splits when tensor-parallel ranks write per-rank head shards (parallel/rank_pages.py):
     named in the claim and in the layout fingerprint of every chunk; None: all heads into one pool."""

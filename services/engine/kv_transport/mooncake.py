@@ -205,6 +205,7 @@ class MooncakeWriter(PageWriter):
     ``write`` submits the chunk's batches (engine thread, returns at once); ``wait`` blocks until they landed."""
 
     transport = "mooncake"
+    overlaps_compute = True
 
     def __init__(self, engine: MooncakeEngine, src: torch.Tensor, dest: decode_pb2.KVDestination,
                  dest_blocks: list[int], draft: tuple[torch.Tensor, decode_pb2.MooncakePool] | None = None) -> None:

@@ -165,6 +165,7 @@ class StagedWriter(PageWriter):
     ``export(block_ids, codec, out)`` is the engine's page export into ``out`` (a staging view)."""
 
     transport = "mooncake"
+    overlaps_compute = True
 
     def __init__(self, engine: MooncakeEngine, ring: StagingRing, page_shape: tuple[int, ...], dtype: torch.dtype,
                  export: Callable[[list[int], str | None, torch.Tensor], PageExport], dest: decode_pb2.KVDestination,

@@ -358,8 +358,9 @@ class ShardWrites:
         with self.runner._sequence(_header(Sub.ATTACH, engines, len(raw), len(hb)), _int64(hb + raw)):
             try:
                 blocks = min(sh.pool.shape[2] for sh in self.local.shards(raw))
-            except SharedKVAttachError as e:
-                err, flag[0] = e, 1
+            except Exception as e:  # any failure: rank 0 still joins the all-reduce the other ranks wait in
+                err = e if isinstance(e, SharedKVAttachError) else SharedKVAttachError("rank", f"rank 0: {e!r}")
+                flag[0] = 1
             failed = int(self.runner.group.all_reduce(flag.to(self.runner.group.device)).item())
         if err is not None:
             raise err
