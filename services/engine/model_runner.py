@@ -77,7 +77,9 @@ class ModelRunner:
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.dtype)
 
     def release(self) -> None:
-        """Free what outlives the process otherwise: the shared-memory pool's file."""
+        """Free what outlives the process otherwise: the shared-memory pool files (target and draft)."""
+        if self.spec is not None:
+            self.spec.release()
         if self.kv_shm_path is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.kv_shm_path)

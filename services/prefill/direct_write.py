@@ -24,7 +24,14 @@ from services.engine.kv_transport import mooncake
 from services.engine.kv_transport.base import PageWriter
 from services.engine.kv_transport.mooncake_staged import StagedWriter, StagingRing, codec_fits
 from services.engine.kv_transport.shared_pool import ONEOF_OF, SharedPoolWriter
-from services.engine.parallel.rank_pages import ShardWriter, ShardWrites, pool_split, spec_of, transport_of
+from services.engine.parallel.rank_pages import (
+    MAX_TP,
+    ShardWriter,
+    ShardWrites,
+    pool_split,
+    spec_of,
+    transport_of,
+)
 from services.engine.shared_kv import SharedKVAttachError, SharedKVPools, pool_id
 from services.engine.spec.pools import draft_writer, mooncake_draft
 
@@ -174,6 +181,8 @@ class DirectWrites:
         dest = request.destination
         transport = transport_of(dest)
         try:
+            if len(dest.sharded.ranks) > MAX_TP:  # bounded before any per-rank work
+                raise SharedKVAttachError("split", f"{len(dest.sharded.ranks)} rank pools (at most {MAX_TP})")
             moon = None
             if transport == "mooncake":  # every rank pool is on the decode the stream goes to (ranks trust this)
                 for pool in [dest] if dest.HasField("mooncake") else [rp.pool for rp in dest.sharded.ranks]:
