@@ -138,18 +138,21 @@ class ModelRunner:
         """Max model length, and decode CUDA graphs when enabled with the Triton backend."""
         from services.engine.gpu_attention import TritonPagedAttention
 
-        torch.cuda.set_device(self.device)  # the building thread captures below (device_scope says why)
         self.max_model_len = min(self.config.max_model_len or loaded.max_model_len, loaded.max_model_len)
-        self.model.rotary.ensure(self.max_model_len)
-        if self.config.cuda_graphs and self.spec is not None and isinstance(self.attn_backend, TritonPagedAttention):
-            if self.config.spec_tokens:  # the whole speculative step, per batch bucket (spec/graphs.py)
-                self.spec.capture_graphs(self)
-        elif self.config.cuda_graphs and isinstance(self.attn_backend, TritonPagedAttention):
-            from services.engine.cuda_graphs import DecodeGraphs
+        # What follows launches on the current device (device_scope says why); the building thread's own current
+        # device is left as it was (a guard, not set_device: a process may build engines on several GPUs).
+        with device_scope(self.device):
+            self.model.rotary.ensure(self.max_model_len)
+            if self.config.cuda_graphs and self.spec is not None and isinstance(self.attn_backend,
+                                                                                TritonPagedAttention):
+                if self.config.spec_tokens:  # the whole speculative step, per batch bucket (spec/graphs.py)
+                    self.spec.capture_graphs(self)
+            elif self.config.cuda_graphs and isinstance(self.attn_backend, TritonPagedAttention):
+                from services.engine.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self.model, self.attn_backend, self.config.max_num_seqs,
-                                       self.max_model_len, self.block_size, self.device)
-            self.graphs.capture()
+                self.graphs = DecodeGraphs(self.model, self.attn_backend, self.config.max_num_seqs,
+                                           self.max_model_len, self.block_size, self.device)
+                self.graphs.capture()
 
     def _prepare_gpu(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Like `_prepare`, but all index tensors travel in ONE pinned host->device copy.

@@ -5,6 +5,10 @@ into a pool exported on cuda:1 by another process. Skips cleanly without two CUD
 
 from __future__ import annotations
 
+import queue
+import sys
+import time
+
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -13,6 +17,7 @@ from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.kv_transport.base import KVPoll
 from services.engine.model_loader import LoadedModel, build_empty_model, load_model
+from services.engine.parallel import fast_allreduce
 from services.engine.sampler import Sampled
 from services.engine.sampling_params import SamplingParams
 
@@ -90,6 +95,7 @@ def _rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 def test_tp2_on_two_gpus_matches_tp1(graphs: bool) -> None:
     tp1 = _tp1("cuda:0", graphs)
     want, ref, buckets1 = _run(tp1)
+    first_group = fast_allreduce._rendezvoused == 0  # this process builds its first symmetric-memory group
     tp2 = LLMEngine(_cfg(2, graphs))
     try:
         assert (tp2.runner.graphs is not None) == graphs
@@ -109,8 +115,12 @@ def test_tp2_on_two_gpus_matches_tp1(graphs: bool) -> None:
                 noise = float((got[n][k] - ref[n][k]).abs().max())
                 assert float(top2[0] - top2[1]) <= 2 * noise, (n, k, tokens[n], want[n])
         # Last, so a setup that fell back to NCCL still shows whether TP=2 matched: two GPUs over NVLink
-        # (P2P-reachable) take the one-shot path for these small all-reduces, in and out of the graphs.
-        assert tp2.runner.group.fast is not None, "the one-shot all-reduce fell back to NCCL (see the log)"
+        # (P2P-reachable) take the one-shot path for these small all-reduces, in and out of the graphs. A second
+        # group in this process beside fresh rank processes is refused (torch numbers its handle exchange per
+        # process, fast_allreduce._rendezvoused): NCCL, at once, instead of a hang in the rendezvous.
+        fast = tp2.runner.group.fast is not None
+        assert fast == first_group, ("the one-shot all-reduce fell back to NCCL (see the log)" if first_group else
+                                     "a second group in one process took the one-shot path")
     finally:
         tp2.runner.release()
 
@@ -120,9 +130,17 @@ ALLREDUCE_SHAPES = ((3, 64), (64, 4096), (256, 4096), (1024, 4096))
 8 MiB (above ONE_SHOT_MAX_BYTES: NCCL even with the fast path on)."""
 
 
+RANK_LIMIT_S = 150
+"""A rank still running after this long dumps every thread's stack to stderr and exits (the test then names it),
+instead of spinning unseen; its own setup steps give up after fast_allreduce.SETUP_TIMEOUT_S each."""
+
+
 def _allreduce_rank(rank: int, port: int, results) -> None:
     """One rank: (rank, one-shot on, rows, error): per case (shape, dtype, took one-shot, max |eager - NCCL|,
     max |graph replay - NCCL|, max |NCCL|); error: the traceback of a failure (the test shows it)."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(RANK_LIMIT_S, exit=True)
     try:
         _allreduce_cases(rank, port, results)
     except BaseException:
@@ -138,6 +156,8 @@ def _allreduce_cases(rank: int, port: int, results) -> None:
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
     group = connect(open_store(2, port), rank, 2, dev)
+    print(f"rank {rank}: connected, one-shot {'on' if group.fast is not None else 'off'}", file=sys.stderr,
+          flush=True)
     rows = []
     for dtype in (torch.bfloat16, torch.float32):
         for shape in ALLREDUCE_SHAPES:
@@ -171,8 +191,14 @@ def test_oneshot_allreduce_equals_nccl_in_and_out_of_graphs() -> None:
         p.start()
     try:
         got: dict[int, tuple] = {}
+        deadline = time.monotonic() + RANK_LIMIT_S + 30
         while len(got) < len(procs):  # a failed rank reports at once; its peer may be left waiting on it
-            r, on, rows, err = results.get(timeout=300)
+            try:
+                r, on, rows, err = results.get(timeout=max(1.0, deadline - time.monotonic()))
+            except queue.Empty:
+                missing = sorted(set(range(len(procs))) - set(got))
+                pytest.fail(f"ranks {missing} gave no result within {RANK_LIMIT_S + 30} s (exit codes "
+                            f"{[procs[m].exitcode for m in missing]}; a hung rank dumps its stacks to stderr)")
             got[r] = (on, rows, err)
             if err:
                 break

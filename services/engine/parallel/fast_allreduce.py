@@ -24,14 +24,19 @@ symmetric-memory kernel); the instance's watcher still reports the dead rank.
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import logging
 import os
 import uuid
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 ONE_SHOT_MAX_BYTES = 4 << 20
 """Largest all-reduce (bytes) that takes the one-shot path; above it NCCL (ring/tree) wins because every
@@ -82,69 +87,131 @@ class OneShotAllReduce:
         return x
 
 
-def _agree(pg: dist.ProcessGroup, ok: bool, device: torch.device) -> bool:
-    """True when every rank says ok (one NCCL all-reduce)."""
+SETUP_TIMEOUT_S = 30.0
+"""Longest one step of the setup may wait for the other ranks (an agreement all-reduce, the group name, the
+rendezvous's handle exchange over the store). A rank that never enters the setup, or is stuck before a step,
+makes its peers raise SetupTimeoutError naming the step, instead of spinning until the group's 120 s timeout."""
+
+_rendezvoused = 0
+"""Symmetric-memory groups this process has rendezvoused. torch numbers the store keys of its handle exchange
+with one counter per process, so ranks whose counts differ (a process that already built a group, beside fresh
+peers) would wait on keys the others never write: setup agrees on the counts first."""
+
+
+class SetupTimeoutError(RuntimeError):
+    """A rank waited SETUP_TIMEOUT_S for its peers in one setup step (the group cannot go on: a collective of
+    it timed out)."""
+
+
+def _agree(pg: dist.ProcessGroup, ok: bool, device: torch.device, step: str) -> bool:
+    """True when every rank says ok (one NCCL all-reduce, bounded by SETUP_TIMEOUT_S)."""
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-    pg.allreduce([flag]).wait()
+    _bounded(pg.allreduce([flag]), step)
     return int(flag.item()) == pg.size()
 
 
-def _peers_reachable(pg: dist.ProcessGroup, device: torch.device) -> bool:
-    mine = torch.tensor([device.index], dtype=torch.int64, device=device)
-    every = mine.new_empty(pg.size())
-    pg._allgather_base(every, mine).wait()
-    return all(torch.cuda.can_device_access_peer(device, int(d)) for d in every.tolist() if int(d) != device.index)
+def _agreed(pg: dist.ProcessGroup, why: str, device: torch.device, step: str) -> bool:
+    """Every rank's verdict on one step (``why``: this rank's failure, "" for none); False on every rank when
+    any rank failed, logged here with this rank's reason."""
+    if _agree(pg, not why, device, step):
+        return True
+    log.warning("one-shot all-reduce off (NCCL only): %s", why or f"another rank failed its {step}")
+    return False
+
+
+def _bounded(work: dist.Work, step: str) -> None:
+    try:
+        work.wait(datetime.timedelta(seconds=SETUP_TIMEOUT_S))
+    except RuntimeError as e:
+        raise SetupTimeoutError(f"one-shot all-reduce setup: not every rank reached '{step}' within "
+                                f"{SETUP_TIMEOUT_S:.0f} s (a rank never entered the setup, or is stuck before "
+                                f"it): {e}") from e
+
+
+def _peers(pg: dist.ProcessGroup, device: torch.device) -> str:
+    """Why this rank cannot take the fast path with its peers ("" if it can): a peer GPU not P2P-reachable,
+    or ranks whose processes rendezvoused different numbers of groups (one collective: an all-gather)."""
+    mine = torch.tensor([device.index, _rendezvoused], dtype=torch.int64, device=device)
+    every = mine.new_empty((pg.size(), 2))
+    _bounded(pg._allgather_base(every, mine), "peer check")
+    rows = every.tolist()
+    if len({c for _, c in rows}) > 1:
+        return (f"the ranks' processes rendezvoused different numbers of symmetric-memory groups "
+                f"({[c for _, c in rows]}): their handle exchanges would never meet")
+    if not all(torch.cuda.can_device_access_peer(device, d) for d, _ in rows if d != device.index):
+        return "a peer GPU is not P2P-reachable from this one"
+    return ""
+
+
+def _attempt(rank: int, what: str, fn: Callable[[], T]) -> tuple[T | None, str]:
+    """(fn(), "") or (None, why) when it raised (logged with the traceback): one local step of the setup."""
+    try:
+        return fn(), ""
+    except Exception as e:  # any failure means NCCL only, on every rank
+        why = f"{what} failed: {e!r}"
+        log.warning("rank %d: %s", rank, why, exc_info=True)
+        return None, why
+
+
+@contextlib.contextmanager
+def _store_timeout(store: dist.Store, seconds: float) -> Iterator[None]:
+    prev = store.timeout
+    store.set_timeout(datetime.timedelta(seconds=seconds))
+    try:
+        yield
+    finally:
+        store.set_timeout(prev)
 
 
 def setup(pg: dist.ProcessGroup, store: dist.Store, rank: int, size: int, device: torch.device,
           max_bytes: int = ONE_SHOT_MAX_BYTES) -> OneShotAllReduce | None:
     """Collective (every rank of a CUDA group calls it after NCCL is up): the fast path, or None on every
-    rank when any rank lacks symmetric memory or a peer is not P2P-reachable (the reason is logged)."""
-    why, fused = "", False
-    try:
-        from torch._C._distributed_c10d import _SymmetricMemory
-        from torch.distributed import _symmetric_memory as symm_mem
-
-        fused = hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
-        if not fused and not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out"):
-            why = "this torch has no symm_mem.one_shot_all_reduce_out"
-    except Exception as e:  # any failure means NCCL only, on every rank
-        why = f"no symmetric memory in this torch ({e!r})"
-    with torch.cuda.device(device):
-        if not why and not _peers_reachable(pg, device):
-            why = "a peer GPU is not P2P-reachable from this one"
-        if not _agree(pg, not why, device):
-            log.warning("one-shot all-reduce off (NCCL only): %s", why or "another rank cannot use it")
+    rank when any rank lacks symmetric memory, a peer is not P2P-reachable or a step fails (the reason is
+    logged). Each step is local, then agreed by every rank before the next one, so a rank that failed never
+    leaves its peers in a store exchange; SetupTimeoutError when a rank does not arrive at a step in time."""
+    global _rendezvoused
+    fused = hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
+    why = "" if fused or hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out") else \
+        "this torch has no symm_mem.one_shot_all_reduce_out"
+    with torch.cuda.device(device), _store_timeout(store, SETUP_TIMEOUT_S):
+        peers = _peers(pg, device)  # a collective: every rank runs it, whatever it already knows
+        if not _agreed(pg, why or peers, device, "peer check"):
             return None
         if rank == 0:
             store.set("pdserve/symm_mem_group", f"pdserve-tp-{uuid.uuid4().hex}")
         name = store.get("pdserve/symm_mem_group").decode()
-        buffer: torch.Tensor | None = None
-        try:
-            try:
-                symm_mem.set_backend("CUDA")  # peer mappings over cuMem/IPC; never NVSHMEM
-            except Exception as e:  # already chosen in this process (an earlier group)
-                log.debug("symmetric memory backend not set: %r", e)
-            _SymmetricMemory.set_group_info(name, rank, size, dist.PrefixStore(name, store))
-            buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
-        except Exception as e:  # any failure means NCCL only, on every rank
-            why, buffer = f"symmetric memory allocation failed: {e!r}", None
-            log.warning("rank %d: %s", rank, why, exc_info=True)
-        # Local steps agreed before the collective one, so a rank that failed above never leaves its peers
-        # waiting in the rendezvous's store exchange.
-        if not _agree(pg, buffer is not None, device):
-            log.warning("one-shot all-reduce off (NCCL only): %s", why or "another rank failed its allocation")
+        buffer, why = _attempt(rank, "symmetric memory allocation",
+                               lambda: _allocate(name, store, rank, size, device, max_bytes))
+        if not _agreed(pg, why, device, "allocation"):
             return None
-        assert buffer is not None  # every rank allocated, this one included
-        try:
-            symm_mem.rendezvous(buffer, name)
-        except Exception as e:  # any failure means NCCL only, on every rank
-            why, buffer = f"symmetric memory rendezvous failed: {e!r}", None
-            log.warning("rank %d: %s", rank, why, exc_info=True)
-        if not _agree(pg, buffer is not None, device):
-            log.warning("one-shot all-reduce off (NCCL only): %s", why or "another rank failed its setup")
+        _rendezvoused += 1  # every rank enters this exchange now, whatever its outcome
+        _, why = _attempt(rank, "symmetric memory rendezvous", lambda: _rendezvous(buffer, name))
+        if not _agreed(pg, why, device, "rendezvous"):
             return None
     assert buffer is not None
     log.info("one-shot all-reduce on for tensors up to %d bytes (symmetric memory group %s, %s)", max_bytes, name,
              "one_shot_all_reduce_copy_out" if fused else "copy + one_shot_all_reduce_out")
     return OneShotAllReduce(name, buffer, max_bytes, fused)
+
+
+def _allocate(name: str, store: dist.Store, rank: int, size: int, device: torch.device,
+              max_bytes: int) -> torch.Tensor:
+    """This rank's symmetric buffer of ``name``'s group (CUDA backend: peer mappings over cuMem/IPC, never
+    NVSHMEM)."""
+    from torch._C._distributed_c10d import _SymmetricMemory
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    try:
+        symm_mem.set_backend("CUDA")
+    except Exception as e:  # already chosen in this process (an earlier group)
+        log.debug("symmetric memory backend not set: %r", e)
+    _SymmetricMemory.set_group_info(name, rank, size, dist.PrefixStore(name, store))
+    return symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+
+
+def _rendezvous(buffer: torch.Tensor | None, name: str) -> None:
+    """Exchange peer mappings of ``buffer`` over the group's store (bounded by its timeout, SETUP_TIMEOUT_S)."""
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    assert buffer is not None  # every rank allocated (agreed)
+    symm_mem.rendezvous(buffer, name)

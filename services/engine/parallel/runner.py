@@ -23,7 +23,7 @@ from services.engine.attention import ForwardContext
 from services.engine.config import EngineConfig
 from services.engine.kv_layout import FP8_CODEC
 from services.engine.model_loader import LoadedModel
-from services.engine.model_runner import ModelRunner, _sampled_rows
+from services.engine.model_runner import ModelRunner, _sampled_rows, device_scope
 from services.engine.parallel.group import TPGroup
 from services.engine.parallel.pages import as_cache, assemble, from_cache, per_rank_heads
 from services.engine.parallel.plan import (
@@ -88,6 +88,10 @@ class TPModelRunner(ModelRunner):
     def execute(self, out: SchedulerOutput) -> dict[int, Sampled]:
         if not out.chunks:
             return {}
+        with device_scope(self.device):  # rank 0's kernels launch on its device, from whichever thread steps
+            return self._execute_tp(out)
+
+    def _execute_tp(self, out: SchedulerOutput) -> dict[int, Sampled]:
         chunks = sorted(out.chunks, key=lambda c: c.num_new_tokens != 1)  # decode rows first
         bucket = self._graph_bucket(chunks)
         if bucket is not None:
@@ -135,7 +139,7 @@ class TPModelRunner(ModelRunner):
         from kernels import pack_pages, pack_pages_fp8
 
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        with self._sequence(simple(Op.EXPORT, len(block_ids)), idx.cpu()):
+        with device_scope(self.device), self._sequence(simple(Op.EXPORT, len(block_ids)), idx.cpu()):
             full = assemble(self.group.gather_to_root(pack_pages(self.kv_cache, idx)), self.split)
         if codec == FP8_CODEC:
             full = pack_pages_fp8(as_cache(full), torch.arange(len(block_ids), device=full.device))
@@ -151,11 +155,12 @@ class TPModelRunner(ModelRunner):
             L, _, _, bs, _, d = self.kv_cache.shape
             cache = torch.empty((L, 2, len(block_ids), bs, self.split.num_kv_heads, d), dtype=self.dtype,
                                 device=self.device)
-            unpack_pages_fp8(pages, cache, torch.arange(len(block_ids), device=self.device))
+            with device_scope(self.device):
+                unpack_pages_fp8(pages, cache, torch.arange(len(block_ids), device=self.device))
             pages = from_cache(cache)
         pages = pages.to(self.dtype).contiguous()
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        with self._sequence(simple(Op.IMPORT, len(block_ids)), idx.cpu()):
+        with device_scope(self.device), self._sequence(simple(Op.IMPORT, len(block_ids)), idx.cpu()):
             mine = pages.new_empty((len(block_ids), *self.kv_cache.shape[:2], *self.kv_cache.shape[3:]))
             self.group.scatter_from_root(mine, per_rank_heads(pages, self.split))
             unpack_pages(mine, self.kv_cache, idx)
