@@ -14,10 +14,10 @@ import torch
 from services.common.pb import common_pb2, decode_pb2
 from services.decode.side_pool import check_claim
 from services.engine.kv_layout import HeadSplitSpec, PageLayout
+from services.engine.kv_transport.shared_pool import copy_pages_peer
 from services.engine.parallel.rank_pages import (
     Shard,
     copy_heads,
-    gathered_copy,
     head_ranges,
     open_shards,
     pool_split,
@@ -66,11 +66,16 @@ def test_gathered_copy_equals_the_run_copies() -> None:
     src_blocks, dst_blocks = [1, 2, 3, 7, 8, 0], [9, 10, 0, 4, 5, 11]
     runs, gathered = torch.zeros(L, 2, BLOCKS, BS, 2, D), torch.zeros(L, 2, BLOCKS, BS, 2, D)
     copy_heads(full, src_blocks, (1, 3), runs, dst_blocks, (0, 2))
-    gathered_copy(full, src_blocks, (1, 3), gathered, dst_blocks, (0, 2))
+    copy_pages_peer(full, src_blocks, gathered, dst_blocks, (1, 3), (0, 2))
     assert torch.equal(runs, gathered) and torch.equal(runs[:, :, dst_blocks], full[:, :, src_blocks, :, 1:3])
     half = torch.zeros(L, 2, BLOCKS, BS, 2, D)  # into one head of a two-head pool
-    gathered_copy(full, src_blocks, (3, 4), half, dst_blocks, (1, 2))
+    copy_pages_peer(full, src_blocks, half, dst_blocks, (3, 4), (1, 2))
     assert torch.equal(half[:, :, dst_blocks, :, 1:2], full[:, :, src_blocks, :, 3:4]) and not half[..., 0, :].any()
+    whole = torch.zeros(L, 2, BLOCKS, BS, 4, D)  # all heads (the cuda-ipc writer's form)
+    copy_pages_peer(full, src_blocks, whole, dst_blocks)
+    assert torch.equal(whole[:, :, dst_blocks], full[:, :, src_blocks])
+    with pytest.raises(ValueError, match="destination block 99"):
+        copy_pages_peer(full, src_blocks[:1], whole, [99])
 
 
 def test_open_shards_checks_the_split_and_the_pool_shapes() -> None:

@@ -38,15 +38,25 @@ class SharedPoolWriter(PageWriter):
         return None
 
 
-def copy_pages_peer(src_cache: torch.Tensor, src_blocks: list[int], dst_cache: torch.Tensor,
-                    dst_blocks: list[int]) -> None:
-    """copy_pages between two GPUs in three ops, however the blocks fall into runs: gather them on the
-    source GPU, one contiguous device-to-device copy (the driver's peer copy over NVLink/PCIe), scatter on
-    the pool's GPU (a kernel there, in the context that holds the pool's IPC mapping). One copy per run
-    and (layer, K/V) plane instead costs ~100 us of host time each across devices: with decode's blocks
-    fragmented, ~0.5 s per 2048-token chunk. Same bounds checks as copy_pages."""
-    for blocks, cache in ((src_blocks, src_cache), (dst_blocks, dst_cache)):
-        if any(not 0 <= x < cache.shape[2] for x in blocks):
-            raise ValueError(f"block ids {blocks} are not all inside a pool of {cache.shape[2]} blocks")
-    staged = src_cache.index_select(2, torch.tensor(src_blocks, device=src_cache.device)).to(dst_cache.device)
-    dst_cache.index_copy_(2, torch.tensor(dst_blocks, device=dst_cache.device), staged)
+def check_blocks(blocks: list[int], total: int, side: str) -> None:
+    """ValueError unless every block id is inside a pool of ``total`` blocks (``side``: which pool, for the message)."""
+    bad = next((x for x in blocks if not 0 <= x < total), None)
+    if bad is not None:
+        raise ValueError(f"{side} block {bad} is outside the pool's {total} blocks")
+
+
+def copy_pages_peer(src_cache: torch.Tensor, src_blocks: list[int], dst_cache: torch.Tensor, dst_blocks: list[int],
+                    src_heads: tuple[int, int] | None = None, dst_heads: tuple[int, int] | None = None) -> None:
+    """dst_cache[:, :, dst_blocks[i], :, c:d] = src_cache[:, :, src_blocks[i], :, a:b] (caches [L, 2, blocks, bs,
+    heads, D]; heads None: all) in three ops, however the blocks fall into runs: gather them on the source GPU,
+    one contiguous device-to-device copy (the driver's peer copy over NVLink/PCIe), scatter on the pool's GPU
+    (a kernel there, in the context that holds the pool's IPC mapping). One copy per run and (layer, K/V) plane
+    instead costs ~100 us of host time each across devices: with decode's blocks fragmented, ~0.5 s per
+    2048-token chunk. Block ids are checked against both caches. The one gather-copy-scatter of the side
+    transports: a whole pool (cuda-ipc), a draft pool (spec/pools.py), a rank's heads (parallel/rank_pages.py)."""
+    check_blocks(src_blocks, src_cache.shape[2], "source")
+    check_blocks(dst_blocks, dst_cache.shape[2], "destination")
+    src = src_cache if src_heads is None else src_cache[:, :, :, :, src_heads[0]:src_heads[1]]
+    dst = dst_cache if dst_heads is None else dst_cache[:, :, :, :, dst_heads[0]:dst_heads[1]]
+    staged = src.index_select(2, torch.tensor(src_blocks, device=src.device)).to(dst.device)
+    dst.index_copy_(2, torch.tensor(dst_blocks, device=dst.device), staged)

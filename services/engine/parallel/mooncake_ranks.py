@@ -29,6 +29,7 @@ import torch
 from services.common.pb import decode_pb2
 from services.engine.kv_transport import mooncake
 from services.engine.kv_transport.base import TransferError
+from services.engine.kv_transport.shared_pool import check_blocks
 from services.engine.shared_kv import SharedKVAttachError, _runs
 
 log = logging.getLogger(__name__)
@@ -121,10 +122,8 @@ class RemotePool:
         the transfer batches in flight (mooncake.settle). Block ids are checked against both pools."""
         (a, b), (c, d) = src_heads, dst_heads
         assert b - a == d - c > 0
-        for blocks, total, side in ((src_blocks, src.shape[2], "source"), (dst_blocks, self.shape[2], "destination")):
-            bad = next((x for x in blocks if not 0 <= x < total), None)
-            if bad is not None:
-                raise ValueError(f"{side} block {bad} is outside the pool's {total} blocks")
+        check_blocks(src_blocks, src.shape[2], "source")
+        check_blocks(dst_blocks, self.shape[2], "destination")
         layers, _, nb_src, bs, h_src, hd = src.shape
         nb_dst, h_dst = self.shape[2], self.shape[4]
         elt = src.element_size()

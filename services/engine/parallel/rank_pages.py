@@ -43,6 +43,7 @@ import torch
 from services.common.pb import decode_pb2
 from services.engine.kv_layout import HeadSplitSpec
 from services.engine.kv_transport.base import PageWriter, TransferError
+from services.engine.kv_transport.shared_pool import check_blocks, copy_pages_peer
 from services.engine.parallel.mooncake_ranks import RankMooncake, RemotePool, host_text, settle_writes
 from services.engine.parallel.plan import Op
 from services.engine.parallel.split import HeadSplit, TensorParallelError
@@ -149,30 +150,18 @@ def open_shards(dest: decode_pb2.KVDestination,
 
 def copy_heads(src: torch.Tensor, src_blocks: list[int], src_heads: tuple[int, int], dst: torch.Tensor,
                dst_blocks: list[int], dst_heads: tuple[int, int]) -> None:
-    """dst[:, :, dst_blocks[i], :, c:d] = src[:, :, src_blocks[i], :, a:b] (caches [L, 2, blocks, bs, heads, D]),
-    one strided copy per run of consecutive blocks. Block ids are checked against both caches."""
+    """dst[:, :, dst_blocks[i], :, c:d] = src[:, :, src_blocks[i], :, a:b] (caches [L, 2, blocks, bs, heads, D]):
+    on the CPU one strided copy per run of consecutive blocks, on GPUs shared_pool.copy_pages_peer (gather, one
+    copy, scatter). Block ids are checked against both caches."""
     (a, b), (c, d) = src_heads, dst_heads
     assert b - a == d - c > 0
-    for blocks, cache, side in ((src_blocks, src, "source"), (dst_blocks, dst, "destination")):
-        bad = next((x for x in blocks if not 0 <= x < cache.shape[2]), None)
-        if bad is not None:
-            raise ValueError(f"{side} block {bad} is outside the pool's {cache.shape[2]} blocks")
     if src.is_cuda or dst.is_cuda:
-        gathered_copy(src, src_blocks, src_heads, dst, dst_blocks, dst_heads)
+        copy_pages_peer(src, src_blocks, dst, dst_blocks, src_heads, dst_heads)
         return
+    check_blocks(src_blocks, src.shape[2], "source")
+    check_blocks(dst_blocks, dst.shape[2], "destination")
     for s, t, n in _runs(src_blocks, dst_blocks):
         dst[:, :, t:t + n, :, c:d].copy_(src[:, :, s:s + n, :, a:b])
-
-
-def gathered_copy(src: torch.Tensor, src_blocks: list[int], src_heads: tuple[int, int], dst: torch.Tensor,
-                  dst_blocks: list[int], dst_heads: tuple[int, int]) -> None:
-    """copy_heads on GPUs in three ops however the blocks fall into runs: gather the heads of the blocks on
-    the source device, one contiguous copy (a peer copy between two GPUs), scatter on the pool's device (as
-    shared_pool.copy_pages_peer; one strided copy per run and plane costs ~100 us of host time each across
-    devices). Bounds are checked by copy_heads."""
-    (a, b), (c, d) = src_heads, dst_heads
-    staged = src[:, :, :, :, a:b].index_select(2, torch.tensor(src_blocks, device=src.device)).to(dst.device)
-    dst[:, :, :, :, c:d].index_copy_(2, torch.tensor(dst_blocks, device=dst.device), staged)
 
 
 def write_share(cache: torch.Tensor, split: HeadSplit, shards: list[Shard], src_blocks: list[int],
