@@ -30,12 +30,13 @@ def tail_piece(remaining: int, floor: int, block_size: int) -> int:
 
 
 # Which streams get the rule: those whose writer overlaps compute (``PageWriter.overlaps_compute``: the
-# mooncake writers). Measured on the H200 at 8K tokens, chunked, tail 256 (docs/PERFORMANCE.md): mooncake
+# mooncake writers, the tensor-parallel rank-to-rank one over mooncake included). Measured on the H200 at 8K tokens, chunked, tail 256 (docs/PERFORMANCE.md): mooncake
 # (network, host-staged) exposed 12.0 ms instead of 41.8 (fp8); cuda-ipc already exposes ~3.5 ms without
 # it and the extra pieces only added compute (292.7 ms against 256.4, TTFT 1.20x against 1.06x
 # colocated); grpc is bound by its byte rate, where the cut changes nothing but adds pieces (compute
-# 1.14x in-process). A tensor-parallel rank-to-rank writer waits for its writes on the engine thread,
-# so it gets no cut either.
+# 1.14x in-process). A tensor-parallel rank-to-rank writer (parallel/rank_writes.py) starts each rank's
+# writes on the engine threads and waits for them in the pump's worker thread: over mooncake its bytes move
+# while the next chunk computes (cut); over shm / cuda-ipc the copies run in the start (no cut, as cuda-ipc).
 
 
 def applies(prompt_tokens: int, max_chunk: int) -> bool:

@@ -24,14 +24,8 @@ from services.engine.kv_transport import mooncake
 from services.engine.kv_transport.base import PageWriter
 from services.engine.kv_transport.mooncake_staged import StagedWriter, StagingRing, codec_fits
 from services.engine.kv_transport.shared_pool import ONEOF_OF, SharedPoolWriter
-from services.engine.parallel.rank_pages import (
-    MAX_TP,
-    ShardWriter,
-    ShardWrites,
-    pool_split,
-    spec_of,
-    transport_of,
-)
+from services.engine.parallel.rank_pages import MAX_TP, ShardWrites, pool_split, spec_of, transport_of
+from services.engine.parallel.rank_writes import ShardWriter
 from services.engine.shared_kv import SharedKVAttachError, SharedKVPools, pool_id
 from services.engine.spec.pools import draft_writer, mooncake_draft
 
@@ -81,6 +75,8 @@ class DirectWrites:
             return self.pools.attach(request.destination)
 
     def _engine(self) -> mooncake.MooncakeEngine:
+        if self.shards is not None:  # one set of engines per process: rank 0's, which its ranks' writes use too
+            return self.shards.local.mooncake.start(self.mooncake_host, self.mooncake_engines)
         with self._lock:
             if self._mooncake is None:
                 why = mooncake.available()
@@ -188,12 +184,13 @@ class DirectWrites:
                 for pool in [dest] if dest.HasField("mooncake") else [rp.pool for rp in dest.sharded.ranks]:
                     await asyncio.to_thread(mooncake.check_pool, pool.mooncake, request.decode_address)
                 moon = (self.mooncake_host, self.mooncake_engines)
-            pool_blocks = await asyncio.to_thread(self.shards.attach, dest, moon)
+            attached = await asyncio.to_thread(self.shards.attach, dest, moon)  # kept by every rank for the chunks
         except SharedKVAttachError as e:
             self._fallback(transport, e.reason, str(e))
             return None
-        bad = next((b for b in blocks if b >= pool_blocks), None)
+        bad = next((b for b in blocks if b >= attached.blocks), None)
         if bad is not None:
-            raise InvalidDestinationError(f"block {bad} is outside the decode pool's {pool_blocks} blocks")
+            raise InvalidDestinationError(f"block {bad} is outside the decode pool's {attached.blocks} blocks")
         split = self.shards.split
-        return ShardWriter(self.shards, dest, blocks, spec_of(split), pool_split(dest, split.num_kv_heads))
+        return ShardWriter(self.shards, transport, pool_id(dest), attached, blocks,
+                           (spec_of(split), pool_split(dest, split.num_kv_heads)))

@@ -1,6 +1,6 @@
 """RemotePool.write_heads (parallel/mooncake_ranks.py) in one process over loopback TCP: a writer engine puts a
 slice of KV heads of some blocks into a registered "decode rank" pool; the pool then equals what
-rank_pages.copy_heads writes into a copy of it, for whole shards (one range per run and plane) and for partial
+rank_writes.copy_heads writes into a copy of it, for whole shards (one range per run and plane) and for partial
 head slices (gathered into staging, or one range per token row); bad blocks and another rank's checks are refused."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from services.engine.kv_transport import mooncake
 from services.engine.parallel import mooncake_ranks
 from services.engine.parallel.mooncake_ranks import RankMooncake, RemotePool, settle_writes
-from services.engine.parallel.rank_pages import copy_heads
+from services.engine.parallel.rank_writes import copy_heads
 from services.engine.shared_kv import SharedKVAttachError
 
 NO_MOONCAKE = mooncake.available()

@@ -16,15 +16,13 @@ from services.decode.side_pool import check_claim
 from services.engine.kv_layout import HeadSplitSpec, PageLayout
 from services.engine.kv_transport.shared_pool import copy_pages_peer
 from services.engine.parallel.rank_pages import (
-    Shard,
-    copy_heads,
     head_ranges,
     open_shards,
     pool_split,
     sharded_destination,
     spec_of,
-    write_share,
 )
+from services.engine.parallel.rank_writes import Shard, copy_heads, write_share
 from services.engine.parallel.split import HeadSplit
 from services.engine.shared_kv import SharedKVAttachError, create_shared_kv, open_shm_pool, pool_id
 

@@ -116,10 +116,16 @@ class RemotePool:
         self.device = torch.device("cpu")
         """Where the pool's bytes are (host memory, written by the transfer engine; nothing to synchronize)."""
 
+    def gathers(self, src_heads: tuple[int, int], dst_heads: tuple[int, int], src: torch.Tensor) -> bool:
+        """Whether write_heads sends this slice through the staging buffer, blocking until it has landed (the whole
+        shard, a slice of the writer's heads: e.g. (1, 2)); otherwise it only submits."""
+        return dst_heads[1] - dst_heads[0] == self.shape[4] and src_heads[1] - src_heads[0] != src.shape[4]
+
     def write_heads(self, src: torch.Tensor, src_blocks: list[int], src_heads: tuple[int, int],
                     dst_blocks: list[int], dst_heads: tuple[int, int]) -> list[tuple[object, int]]:
         """Start writing src[:, :, src_blocks[i], :, a:b] into this pool's [:, :, dst_blocks[i], :, c:d]; returns
-        the transfer batches in flight (mooncake.settle). Block ids are checked against both pools."""
+        the transfer batches in flight (mooncake.settle; none when it ``gathers``: written when it returns). Block
+        ids are checked against both pools."""
         (a, b), (c, d) = src_heads, dst_heads
         assert b - a == d - c > 0
         check_blocks(src_blocks, src.shape[2], "source")
@@ -132,7 +138,7 @@ class RemotePool:
         srcs: list[int] = []
         dsts: list[int] = []
         lens: list[int] = []
-        if (d - c) == h_dst and (b - a) != h_src:  # the whole shard, a slice of the writer's heads
+        if self.gathers(src_heads, dst_heads, src):
             self._write_gathered(src, src_blocks, src_heads, dst_blocks)
             return []
         whole = (b - a) == h_src and (d - c) == h_dst  # both sides hold exactly these heads

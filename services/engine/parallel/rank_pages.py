@@ -6,23 +6,26 @@ rank's KVDestination gathered to rank 0) into one typed ``ShardedPool`` that Res
 heads [a, b); a head held by several ranks is in each replica's pool).
 
 Prefill: a request's destination (a ShardedPool, or one plain pool holding all heads) is opened by every
-rank before the claim (RANK_PAGES/ATTACH; any rank failing means the pages go as bytes in the stream).
-For each chunk rank 0 announces RANK_PAGES/WRITE (source and destination block ids, the destination);
-every rank copies the intersection of its heads with each decode rank's heads straight into that rank's
-pool (a head replicated on the prefill side: its replicas split the pages; replicated on the decode
-side: written into every replica). The sequence ends with one all-reduce of the per-rank page counts:
-when rank 0 holds it, every rank's writes of the chunk have landed (a CUDA rank synchronizes first), and
-only then does rank 0 send the chunk's descriptor on the PushKV stream. No page passes through rank 0.
+rank before the claim (RANK_PAGES/ATTACH; any rank failing means the pages go as bytes in the stream) and kept
+by every rank under the attach id rank 0 gave it. For each chunk rank 0 announces RANK_PAGES/WRITE (the attach
+id, the chunk's sequence number, source and destination block ids: never the destination again); every rank
+starts writing the intersection of its heads with each decode rank's heads straight into that rank's pool (a
+head replicated on the prefill side: its replicas split the pages; replicated on the decode side: written into
+every replica) and goes on with the next plan. Each rank finishes its share off its engine thread and
+acknowledges the chunk to rank 0 (rank_writes.py: a key on the instance's TCPStore, no collective); rank 0's
+writer waits for its own share and every acknowledgement in the request's pump thread (``PageWriter.wait``),
+and only then sends the chunk's descriptor on the PushKV stream. No page passes through rank 0.
 
 Over mooncake (mooncake_ranks.py) each rank uses its own transfer engines: rank 0 hands every rank the host
-and engine count (POOLS on decode, ATTACH on prefill) and each rank starts its engines there.
+and engine count (POOLS on decode, ATTACH on prefill) and each rank starts its engines there (rank 0's are the
+only ones its prefill uses, for plain pools as well: direct_write).
 
-Plan message: header [Op.RANK_PAGES, sub, pages n, destination bytes m, host bytes k, 0, 0, 0]; int64
-payload WRITE: source block ids[n] | destination block ids[n] | destination bytes[m]; ATTACH: host
-bytes[k] | destination bytes[m] (n: Mooncake engines; k = 0: no Mooncake); POOLS: host bytes[m] (n:
-Mooncake engines; m = 0: each rank's own shm / CUDA IPC pool). The destination is KVDestination protobuf
-bytes (parsed as that type, never code); the host is text (a name or address, never a path); a rank opens
-nothing but what shared_kv's and mooncake's checks allow.
+Plan message: header [Op.RANK_PAGES, sub, n, m, k, a, b, 0] and an int64 payload. WRITE: n pages, a the chunk's
+sequence number, b the attach id; payload source block ids[n] | destination block ids[n]. ATTACH: n Mooncake
+engines, m destination bytes, k host bytes (0: no Mooncake), a the attach id; payload host bytes[k] |
+destination bytes[m]. POOLS: n Mooncake engines, m host bytes (0: each rank's own shm / CUDA IPC pool); payload
+host bytes[m]. The destination is KVDestination protobuf bytes (parsed as that type, never code); the host is
+text (a name or address, never a path); a rank opens nothing but what shared_kv's and mooncake's checks allow.
 """
 
 from __future__ import annotations
@@ -30,24 +33,33 @@ from __future__ import annotations
 import atexit
 import contextlib
 import enum
+import itertools
 import logging
 import os
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import grpc
 import torch
 
 from services.common.pb import decode_pb2
 from services.engine.kv_layout import HeadSplitSpec
-from services.engine.kv_transport.base import PageWriter, TransferError
-from services.engine.kv_transport.shared_pool import check_blocks, copy_pages_peer
-from services.engine.parallel.mooncake_ranks import RankMooncake, RemotePool, host_text, settle_writes
+from services.engine.kv_transport.base import TransferError
+from services.engine.parallel.mooncake_ranks import RankMooncake, RemotePool, host_text
 from services.engine.parallel.plan import Op
+from services.engine.parallel.rank_writes import (
+    Acks,
+    Attached,
+    ChunkWrite,
+    Settler,
+    Shard,
+    ShareWrite,
+    start_share,
+)
 from services.engine.parallel.split import HeadSplit, TensorParallelError
-from services.engine.shared_kv import SHM_DIR, SHM_NAME_RE, SharedKVAttachError, SharedKVPools, _runs, pool_id
+from services.engine.shared_kv import SHM_DIR, SHM_NAME_RE, SharedKVAttachError, SharedKVPools
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +67,8 @@ MAX_DEST_BYTES = 4096
 """Longest serialized per-rank KVDestination a rank hands rank 0 (a CUDA IPC pool is ~300 bytes)."""
 MAX_TP = 64
 """Largest tensor-parallel size a ShardedPool may name."""
+ATTACHED_MAX = 4096
+"""Destinations a rank keeps attached (the most recent): far more than the requests one prefill runs at once."""
 PLAIN_POOLS = {"shm": "shm", "cuda_ipc": "cuda-ipc", "mooncake": "mooncake"}
 """KVDestination.pool cases a rank's own pool may be -> the transport that writes it."""
 
@@ -101,14 +115,6 @@ def pool_split(dest: decode_pb2.KVDestination, num_kv_heads: int) -> HeadSplitSp
     return HeadSplitSpec(1, num_kv_heads, 1)
 
 
-@dataclass(frozen=True)
-class Shard:
-    heads: tuple[int, int]
-    """[start, end) of the KV heads this pool holds."""
-    pool: torch.Tensor | RemotePool
-    """[layers, 2, blocks, block_size, end - start, head_dim] (mapped here, or a decode rank's over Mooncake)."""
-
-
 def open_shards(dest: decode_pb2.KVDestination,
                 attach: Callable[[decode_pb2.KVDestination], torch.Tensor | RemotePool],
                 cache: torch.Tensor, num_kv_heads: int, heads: tuple[int, int] | None = None) -> list[Shard]:
@@ -148,54 +154,9 @@ def open_shards(dest: decode_pb2.KVDestination,
     return shards
 
 
-def copy_heads(src: torch.Tensor, src_blocks: list[int], src_heads: tuple[int, int], dst: torch.Tensor,
-               dst_blocks: list[int], dst_heads: tuple[int, int]) -> None:
-    """dst[:, :, dst_blocks[i], :, c:d] = src[:, :, src_blocks[i], :, a:b] (caches [L, 2, blocks, bs, heads, D]):
-    on the CPU one strided copy per run of consecutive blocks, on GPUs shared_pool.copy_pages_peer (gather, one
-    copy, scatter). Block ids are checked against both caches."""
-    (a, b), (c, d) = src_heads, dst_heads
-    assert b - a == d - c > 0
-    if src.is_cuda or dst.is_cuda:
-        copy_pages_peer(src, src_blocks, dst, dst_blocks, src_heads, dst_heads)
-        return
-    check_blocks(src_blocks, src.shape[2], "source")
-    check_blocks(dst_blocks, dst.shape[2], "destination")
-    for s, t, n in _runs(src_blocks, dst_blocks):
-        dst[:, :, t:t + n, :, c:d].copy_(src[:, :, s:s + n, :, a:b])
-
-
-def write_share(cache: torch.Tensor, split: HeadSplit, shards: list[Shard], src_blocks: list[int],
-                dst_blocks: list[int]) -> int:
-    """This rank's part of a chunk: its heads' intersection with every shard, over its share of the pages
-    (replicas of a head split the pages evenly; which replica takes the larger share turns with the first
-    destination block, so one-page chunks do not all fall to one replica). Returns page slices written (a page
-    into k shards: k); the writes have landed when it returns."""
-    a, b = split.kv_range
-    reps = split.kv_replicas
-    k, n = (split.rank + (dst_blocks[0] if dst_blocks else 0)) % reps, len(src_blocks)
-    lo, hi = k * n // reps, (k + 1) * n // reps
-    written = 0
-    batches: list[tuple[object, int]] = []
-    try:
-        for sh in shards if hi > lo else []:
-            s, e = max(a, sh.heads[0]), min(b, sh.heads[1])
-            if s < e:
-                args = (src_blocks[lo:hi], (s - a, e - a), dst_blocks[lo:hi], (s - sh.heads[0], e - sh.heads[0]))
-                if isinstance(sh.pool, RemotePool):
-                    batches += sh.pool.write_heads(cache, *args)
-                else:
-                    copy_heads(cache, args[0], args[1], sh.pool, args[2], args[3])
-                written += hi - lo
-    finally:
-        settle_writes(batches)  # nothing of this chunk is in flight once this returns
-    for dev in {t.device for t in (cache, *(sh.pool for sh in shards))}:
-        if dev.type == "cuda":  # the pages must have landed before rank 0 is told they have
-            torch.cuda.current_stream(dev).synchronize()
-    return written
-
-
 class RankPools:
-    """One rank's opened destinations (each decode pool mapped once, shared_kv.SharedKVPools)."""
+    """One rank's opened destinations (each decode pool mapped once, shared_kv.SharedKVPools), those attached for
+    a request (by attach id, the most recent ATTACHED_MAX), and (ranks 1..N-1) its write settler."""
 
     def __init__(self, cache: torch.Tensor, split: HeadSplit) -> None:
         self.cache = cache
@@ -203,6 +164,8 @@ class RankPools:
         self.pools = SharedKVPools()
         self.mooncake = RankMooncake()
         self._lock = threading.Lock()  # ATTACH runs in a worker thread, WRITE on the engine thread
+        self._attached: OrderedDict[int, list[Shard]] = OrderedDict()
+        self._settler: Settler | None = None
 
     def _attach(self, dest: decode_pb2.KVDestination) -> torch.Tensor | RemotePool:
         if dest.WhichOneof("pool") == "mooncake":
@@ -213,6 +176,28 @@ class RankPools:
         dest = decode_pb2.KVDestination.FromString(raw)
         with self._lock:
             return open_shards(dest, self._attach, self.cache, self.split.num_kv_heads, self.split.kv_range)
+
+    def attach(self, aid: int, raw: bytes) -> list[Shard]:
+        """Open ``raw`` and keep its shards as ``aid`` (the oldest beyond ATTACHED_MAX are dropped)."""
+        shards = self.shards(raw)
+        with self._lock:
+            self._attached[aid] = shards
+            while len(self._attached) > ATTACHED_MAX:
+                self._attached.popitem(last=False)
+        return shards
+
+    def attached(self, aid: int) -> list[Shard]:
+        with self._lock:
+            shards = self._attached.get(aid)
+        if shards is None:
+            raise ValueError(f"no destination attached as {aid} on this rank (kept: the last {ATTACHED_MAX})")
+        return shards
+
+    def settler(self, group) -> Settler:
+        """Ranks 1..N-1: the thread that finishes this rank's shares and acknowledges them (made on first use)."""
+        if self._settler is None:
+            self._settler = Settler(Acks(group.store.port, group.size), group.rank)
+        return self._settler
 
 
 _RANK_POOLS: weakref.WeakKeyDictionary[object, RankPools] = weakref.WeakKeyDictionary()
@@ -226,8 +211,8 @@ def rank_pools(runner) -> RankPools:
     return pools
 
 
-def _header(sub: Sub, n: int = 0, m: int = 0, k: int = 0) -> torch.Tensor:
-    return torch.tensor([Op.RANK_PAGES, sub, n, m, k, 0, 0, 0], dtype=torch.int64)
+def _header(sub: Sub, n: int = 0, m: int = 0, k: int = 0, a: int = 0, b: int = 0) -> torch.Tensor:
+    return torch.tensor([Op.RANK_PAGES, sub, n, m, k, a, b, 0], dtype=torch.int64)
 
 
 def _int64(raw: bytes) -> torch.Tensor:
@@ -246,39 +231,37 @@ def _encode_dest(dest: decode_pb2.KVDestination | None) -> torch.Tensor:
 
 
 def serve_op(runner, group, header: torch.Tensor) -> None:
-    """Ranks 1..N-1: one RANK_PAGES sequence rank 0 announced (worker.serve). A failure to open or write is
-    reported to rank 0 through the sequence's all-reduce, never by leaving the loop."""
-    sub, n, m, k = (int(x) for x in header[1:5].tolist())
+    """Ranks 1..N-1: one RANK_PAGES sequence rank 0 announced (worker.serve). A failure to open is reported to rank
+    0 through ATTACH's all-reduce, a failed write through the chunk's acknowledgement, never by leaving the loop."""
+    sub, n, m, k, a, b = (int(x) for x in header[1:7].tolist())
+    pools = rank_pools(runner)
     if sub == Sub.POOLS:
         own = runner.kv_destination
         if m:  # Mooncake: this rank's shard through its own engines at the host rank 0 hands over
             host = host_text(group.broadcast(torch.empty(m, dtype=torch.int64, device=group.device)).cpu())
-            own = rank_pools(runner).mooncake.offer(runner.kv_cache, host, n)
+            own = pools.mooncake.offer(runner.kv_cache, host, n)
         group.gather_to_root(_encode_dest(own).to(group.device))
         return
-    size = 2 * n + m if sub == Sub.WRITE else k + m
+    size = 2 * n if sub == Sub.WRITE else k + m
     payload = group.broadcast(torch.empty(size, dtype=torch.int64, device=group.device)).cpu()
-    raw = bytes(payload[size - m:].tolist())
-    split = runner.model.tp_split
     if sub == Sub.ATTACH:
         flag = torch.zeros(1, dtype=torch.int64)
         try:
             if k:
-                rank_pools(runner).mooncake.start(host_text(payload[:k]), n)
-            rank_pools(runner).shards(raw)
+                pools.mooncake.start(host_text(payload[:k]), n)
+            pools.attach(a, bytes(payload[k:].tolist()))
         except (SharedKVAttachError, ValueError, OSError, RuntimeError) as e:
             log.warning("tensor-parallel rank %d cannot open the decode's pools: %s", group.rank, e)
             flag[0] = 1
         group.all_reduce(flag.to(group.device))
         return
-    counts = torch.zeros(group.size + 1, dtype=torch.int64)
-    try:
-        ids = payload[:2 * n].tolist()
-        counts[group.rank] = write_share(runner.kv_cache, split, rank_pools(runner).shards(raw), ids[:n], ids[n:])
-    except Exception as e:  # reported to rank 0, which fails the request; this rank keeps serving
-        log.warning("tensor-parallel rank %d failed to write pages: %r", group.rank, e)
-        counts[group.size] = 1
-    group.all_reduce(counts.to(group.device))
+    ids = payload.tolist()
+    share: ShareWrite | BaseException
+    try:  # started here, finished and acknowledged by the settler: this loop goes on with the next plan
+        share = start_share(runner.kv_cache, runner.model.tp_split, pools.attached(b), ids[:n], ids[n:])
+    except Exception as e:
+        share = e
+    pools.settler(group).put(a, share)
 
 
 def _unlink(paths: list[str]) -> None:
@@ -289,7 +272,7 @@ def _unlink(paths: list[str]) -> None:
 
 class ShardWrites:
     """Rank 0 of an instance (or a TP=1 instance's only rank): its ranks' pools for decode (``pools``), and
-    page writes of every rank straight into a decode's pools (``attach``, ``write``)."""
+    page writes of every rank straight into a decode's pools (``attach``, ``start``, ``finish``)."""
 
     def __init__(self, runner) -> None:
         self.runner = runner
@@ -299,6 +282,9 @@ class ShardWrites:
         """Called with (rank, page slices) after each chunk a rank wrote (a metric)."""
         self._offers: dict[tuple[str, int], decode_pb2.KVDestination | None] = {}
         """(Mooncake host or "", engines) -> the offer made for it (one collective sequence each, once)."""
+        self._ids = itertools.count(1)
+        """Attach ids and chunk sequence numbers (one counter: no two messages ever share one)."""
+        self._acks: Acks | None = None
 
     @property
     def collective(self) -> bool:
@@ -331,22 +317,25 @@ class ShardWrites:
         atexit.register(_unlink, files)  # a rank stopped by a signal (or SIGKILL) cannot remove its own file
         return sharded_destination(self.split, pools)
 
-    def attach(self, dest: decode_pb2.KVDestination, mooncake: tuple[str, int] | None = None) -> int:
-        """Worker thread: every rank opens ``dest``'s pools (``mooncake``: (host, engines) every rank starts its
-        transfer engines at first); raises SharedKVAttachError if any rank cannot. Returns the blocks of the
-        smallest pool (a destination block id must be below it)."""
+    def attach(self, dest: decode_pb2.KVDestination, mooncake: tuple[str, int] | None = None) -> Attached:
+        """Worker thread: every rank opens ``dest``'s pools and keeps them for the request's chunks (``mooncake``:
+        (host, engines) every rank starts its transfer engines at first); raises SharedKVAttachError if any rank
+        cannot."""
         raw = dest.SerializeToString(deterministic=True)
         host, engines = mooncake or ("", 0)
+        aid = next(self._ids)
         if host:
             self.local.mooncake.start(host, engines)
         if not self.collective:
-            return min(sh.pool.shape[2] for sh in self.local.shards(raw))
+            shards = self.local.shards(raw)
+            return Attached(aid, shards, min(sh.pool.shape[2] for sh in shards))
         err: SharedKVAttachError | None = None
         flag = torch.zeros(1, dtype=torch.int64)
         hb = host.encode()
-        with self.runner._sequence(_header(Sub.ATTACH, engines, len(raw), len(hb)), _int64(hb + raw)):
+        shards: list[Shard] = []
+        with self.runner._sequence(_header(Sub.ATTACH, engines, len(raw), len(hb), aid), _int64(hb + raw)):
             try:
-                blocks = min(sh.pool.shape[2] for sh in self.local.shards(raw))
+                shards = self.local.shards(raw)
             except Exception as e:  # any failure: rank 0 still joins the all-reduce the other ranks wait in
                 err = e if isinstance(e, SharedKVAttachError) else SharedKVAttachError("rank", f"rank 0: {e!r}")
                 flag[0] = 1
@@ -356,48 +345,58 @@ class ShardWrites:
         if failed:
             raise SharedKVAttachError("rank", f"{failed} of {self.split.tp_size} tensor-parallel ranks cannot open "
                                               "the decode's pools (their logs say why)")
-        return blocks
+        return Attached(aid, shards, min(sh.pool.shape[2] for sh in shards))
 
-    def write(self, raw: bytes, src_blocks: list[int], dst_blocks: list[int]) -> None:
-        """Engine thread: every rank writes its heads of ``src_blocks`` into ``dst_blocks`` of the pools of the
-        destination ``raw`` (KVDestination bytes); returns once all of them have landed."""
-        counts = torch.zeros(self.split.tp_size + 1, dtype=torch.int64)
-        failure: Exception | None = None
-        if not self.collective:
-            counts[0] = write_share(self.runner.kv_cache, self.split, self.local.shards(raw), src_blocks, dst_blocks)
-        else:
-            payload = torch.cat([torch.tensor(src_blocks + dst_blocks, dtype=torch.int64), _int64(raw)])
-            with self.runner._sequence(_header(Sub.WRITE, len(src_blocks), len(raw)), payload):
-                try:
-                    counts[0] = write_share(self.runner.kv_cache, self.split, self.local.shards(raw), src_blocks,
-                                            dst_blocks)
-                except Exception as e:  # raised after the sequence (every rank must finish its all-reduce)
-                    failure, counts[self.split.tp_size] = e, 1
-                counts = self.runner.group.all_reduce(counts.to(self.runner.group.device)).cpu()
-        failed = int(counts[self.split.tp_size])
-        if failed:
-            raise TransferError(f"{failed} tensor-parallel rank(s) failed to write pages into decode's pools"
-                                f"{f': {failure!r}' if failure is not None else ''}", grpc.StatusCode.INTERNAL)
+    def start(self, attached: Attached, src_blocks: list[int], dst_blocks: list[int]) -> ChunkWrite:
+        """Engine thread: announce the chunk to every rank (the plan broadcast, no other collective) and start rank
+        0's share; returns without waiting for any byte to land (``finish`` does)."""
+        seq = next(self._ids)
+        if self.collective:
+            payload = torch.tensor(src_blocks + dst_blocks, dtype=torch.int64)
+            with self.runner._sequence(_header(Sub.WRITE, len(src_blocks), 0, 0, seq, attached.id), payload):
+                pass
+        try:
+            return ChunkWrite(seq, start_share(self.runner.kv_cache, self.split, attached.shards, src_blocks,
+                                               dst_blocks), None)
+        except Exception as e:  # raised by finish, after every other rank's share is accounted for
+            return ChunkWrite(seq, None, e)
+
+    def finish(self, w: ChunkWrite) -> None:
+        """Worker thread: block until rank 0's share and every other rank's acknowledgement of ``w`` are in;
+        TransferError when any rank's share failed (or a rank died or stayed silent)."""
+        with w.lock:
+            mine, w.claimed = not w.claimed, True
+        if mine:
+            try:
+                w.failure = self._finish(w)
+            except Exception as e:  # a dead rank (RankDiedError), a silent one, the store gone
+                w.failure = e if isinstance(e, TransferError) else TransferError(
+                    f"tensor-parallel page writes of a chunk cannot be confirmed: {e}", grpc.StatusCode.UNAVAILABLE)
+            finally:
+                w.done.set()
+        w.done.wait()
+        if w.failure is not None:
+            raise w.failure
+
+    def _finish(self, w: ChunkWrite) -> TransferError | None:
+        counts, errors = [0] * self.split.tp_size, []
+        try:
+            if w.own is not None:
+                counts[0] = w.own.finish()
+        except Exception as e:
+            errors.append(f"rank 0: {e!r}")
+        if w.error is not None:
+            errors.append(f"rank 0: {w.error!r}")
+        if self.collective:
+            if self._acks is None:
+                self._acks = Acks(self.runner.group.store.port, self.split.tp_size)
+            counts[1:], more = self._acks.collect(w.seq, range(1, self.split.tp_size), self.runner._check)
+            errors += more
+        if errors:
+            return TransferError(f"{len(errors)} tensor-parallel rank(s) failed to write pages into decode's pools: "
+                                 + "; ".join(errors), grpc.StatusCode.INTERNAL)
         if self.on_pages is not None:
-            for r, c in enumerate(counts[:self.split.tp_size].tolist()):
+            for r, c in enumerate(counts):
                 if c:
                     self.on_pages(r, c)
-
-
-class ShardWriter(PageWriter):
-    """One request's writer: every rank writes its heads straight into the decode ranks' pools."""
-
-    def __init__(self, writes: ShardWrites, dest: decode_pb2.KVDestination, dest_blocks: list[int],
-                 writer_split: HeadSplitSpec, pool: HeadSplitSpec) -> None:
-        self.transport = transport_of(dest)
-        self.pool_id = pool_id(dest)
-        self.writes = writes
-        self.raw = dest.SerializeToString(deterministic=True)
-        self.dest = dest_blocks
-        self.sender = None
-        self.splits = (writer_split, pool)
-
-    def write(self, first_block: int, src_blocks: list[int]) -> object:
-        self._check_write(first_block, len(src_blocks))
-        self.writes.write(self.raw, src_blocks, self.dest[first_block:first_block + len(src_blocks)])
         return None
