@@ -15,9 +15,6 @@ does (``write`` / ``export`` on the engine thread, the wait in a worker thread):
   mooncake      the real host-staged write (StagedWriter into a HostLanding of this process over loopback
                 TCP, --engines transfer engines per side), native pages
   mooncake-fp8  the same with fp8-e4m3 pages
-  export2, mooncake2, mooncake2-fp8
-                the same with a candidate export: gathers on one side stream, device-to-host copies on another,
-                so a gather never queues behind an earlier copy (the compute stream waits for gathers only)
 
 Per request: compute ms (first step start -> the last chunk's listener, what prefill's compute histogram
 measures), drained ms (-> the last worker's wait returned; exposed = drained - compute), and per step the
@@ -55,8 +52,7 @@ from services.engine.kv_transport.base import KVPoll
 from services.engine.kv_transport.mooncake_staged import HostLanding, StagedWriter, StagingRing
 from services.engine.sampling_params import SamplingParams
 
-VARIANTS = ("none", "export", "export-sync", "gil", "burn", "mooncake", "mooncake-fp8", "export2", "mooncake2",
-            "mooncake2-fp8")
+VARIANTS = ("none", "export", "export-sync", "gil", "burn", "mooncake", "mooncake-fp8")
 _LIBC = ctypes.PyDLL(None)
 """libc through PyDLL: its calls keep the GIL (what a native call without a GIL release does)."""
 
@@ -106,7 +102,6 @@ class Probe:
         self.futures: list[Future] = []
         self.next_block = 0
         self.last_listener = 0.0
-        self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
         self._mc: tuple[mooncake.MooncakeEngine, mooncake.MooncakeEngine, StagingRing, HostLanding] | None = None
         model = r.execute
 
@@ -177,35 +172,7 @@ class Probe:
     # --- engine thread ---
 
     def _export(self, ids: list[int], codec: str | None = None, out: torch.Tensor | None = None) -> PageExport:
-        if "2" in self.variant and self.cuda:
-            return self._export2(ids, codec, out)
         return self.pages.export(ids, codec, out)
-
-    def _export2(self, ids: list[int], codec: str | None, out: torch.Tensor | None) -> PageExport:
-        """KVPages.export with the device-to-host copies on a stream of their own."""
-        from kernels import pack_pages, pack_pages_fp8
-
-        cache = self.pages.pool
-        if self._streams is None:
-            self._streams = (torch.cuda.Stream(cache.device), torch.cuda.Stream(cache.device))
-        gather_s, copy_s = self._streams
-        compute = torch.cuda.current_stream(cache.device)
-        gather_s.wait_stream(compute)
-        with torch.cuda.stream(gather_s):
-            idx = torch.tensor(ids, dtype=torch.int64).pin_memory().to(cache.device, non_blocking=True)
-            staged = (pack_pages_fp8 if codec == FP8_CODEC else pack_pages)(cache, idx)
-            gathered = torch.cuda.Event()
-            gathered.record(gather_s)
-        copy_s.wait_event(gathered)
-        with torch.cuda.stream(copy_s):
-            host = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True) if out is None else out
-            host.copy_(staged, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(copy_s)
-        compute.wait_event(gathered)
-        staged.record_stream(copy_s)
-        idx.record_stream(gather_s)
-        return PageExport(host, done)
 
     def _on_chunk(self, ch, sampled) -> None:
         t0 = time.perf_counter()
@@ -328,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = sorted(set(variants) - set(VARIANTS))
     if bad:
         p.error(f"--variants: unknown {bad} ({', '.join(VARIANTS)})")
-    scheduler_module.applies = lambda prompt_tokens, max_chunk: True  # pieces rows cut one-chunk prompts too
+    scheduler_module.applies = lambda *_: True  # pieces rows cut one-chunk prompts too
     probe = Probe(args)
     result: dict[str, object] = {"args": {k: v for k, v in vars(args).items()}, "rows": {}}
     if any(v.startswith("mooncake") for v in variants) and mooncake.available() is None:

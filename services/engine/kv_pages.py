@@ -3,10 +3,12 @@
 Thread rules:
   * ``export`` runs on the engine thread (inside a chunk listener, while the source blocks are held).
     On CPU it gathers the pages into a fresh host tensor (one memcpy; checksums and encoding happen
-    later in a worker). On GPU it only enqueues work: a side CUDA stream waits for the step's compute,
-    gathers the pages into a device staging buffer (one kernel), and copies it to pinned host memory
-    asynchronously; the compute stream waits for the gather only (GPU-side), so the next chunk's
-    compute never waits for the device-to-host copy. ``PageExport.wait`` (a worker thread) blocks
+    later in a worker). On GPU it only enqueues work: a gather stream waits for the step's compute and
+    gathers the pages into a device staging buffer (one kernel); a copy stream waits for that gather and
+    copies it to pinned host memory asynchronously; the compute stream waits for the gather only
+    (GPU-side). Gathers and copies have a stream each so that a gather never queues behind an earlier
+    export's copy: with one side stream the next chunk's compute waited 13-16 ms for them at 8K tokens
+    (benchmarks/tail_probe.py on the H200, docs/PERFORMANCE.md). ``PageExport.wait`` (a worker thread) blocks
     until the host bytes are ready.
   * ``import_pages`` writes into blocks a reservation owns and the engine does not read until the
     import is done (kv_import_done), so it may run in a worker thread; pages for blocks the engine
@@ -43,7 +45,8 @@ class KVPages:
     def __init__(self, runner) -> None:
         self._runner = runner
         self.device = runner.device
-        self._side: torch.cuda.Stream | None = None
+        self._side: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
+        """(gather, copy) side streams (GPU): a gather never queues behind an earlier export's device-to-host copy."""
         self.exporters: list[object] = []
         self._shard_writes = None
         """What serves this pool to other processes (a Mooncake engine): kept as long as the engine."""
@@ -110,23 +113,25 @@ class KVPages:
             pages = pack(cache, torch.tensor(block_ids, dtype=torch.int64))
             return PageExport(pages if out is None else out.copy_(pages))
         if self._side is None:
-            self._side = torch.cuda.Stream(device=cache.device)
+            self._side = (torch.cuda.Stream(device=cache.device), torch.cuda.Stream(device=cache.device))
         compute = torch.cuda.current_stream(cache.device)
-        side = self._side
-        side.wait_stream(compute)  # the chunk's KV is written
-        with torch.cuda.stream(side):
+        gather, copy = self._side
+        gather.wait_stream(compute)  # the chunk's KV is written
+        with torch.cuda.stream(gather):
             idx = torch.tensor(block_ids, dtype=torch.int64).pin_memory().to(cache.device, non_blocking=True)
             staged = pack(cache, idx)
             gathered = torch.cuda.Event()
-            gathered.record(side)
+            gathered.record(gather)
+        copy.wait_event(gathered)
+        with torch.cuda.stream(copy):
             host = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True) if out is None else out
             host.copy_(staged, non_blocking=True)
             done = torch.cuda.Event()
-            done.record(side)
+            done.record(copy)
         # Later steps may reuse these blocks once the request ends: they run after the gather, on the GPU.
         compute.wait_event(gathered)
-        staged.record_stream(side)
-        idx.record_stream(side)
+        staged.record_stream(copy)
+        idx.record_stream(gather)
         return PageExport(host, done)
 
     def import_pages(self, block_ids: list[int], pages: torch.Tensor, codec: str | None = None) -> None:

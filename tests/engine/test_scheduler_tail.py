@@ -52,6 +52,16 @@ def test_off_or_short_prompts_keep_todays_chunks() -> None:
         assert prefill_pieces(prompt, 2048, 256, 16) == [prompt]
 
 
+def test_a_one_chunk_prompt_is_cut_in_two_only_by_a_floor_of_half_a_chunk_or_more() -> None:
+    assert prefill_pieces(2000, 2048, 1023, 16) == [2000]  # pieces under half a chunk: launch-bound, uncut
+    assert prefill_pieces(2000, 2048, 1024, 16) == [1008, 992]
+    assert prefill_pieces(2048, 2048, 1024, 16) == [1024, 1024]
+    assert prefill_pieces(1000, 2048, 1024, 16) == [1000]  # at most the floor: one piece
+    assert prefill_pieces(8000, 2048, 1024, 16) == [2048, 2048, 1952, 976, 976]
+    got = _pieces(_scheduler(1024), make_seq(2000, max_tokens=1, ignore_eos=True), stream_kv=True)
+    assert got == [1008, 992]
+
+
 @pytest.mark.parametrize("prompt", [300, 3000, 8000])
 def test_the_scheduler_cuts_a_streamed_prompt_by_the_rule(prompt: int) -> None:
     got = _pieces(_scheduler(256), make_seq(prompt, max_tokens=1, ignore_eos=True), stream_kv=True)

@@ -38,6 +38,7 @@ import math
 import os
 import socket
 import threading
+import time
 
 import grpc
 import torch
@@ -115,15 +116,14 @@ class MooncakeEngine:
     def submit(self, segments: list[str], srcs: list[int], dsts: list[int],
                lens: list[int]) -> list[tuple[object, int]]:
         """Start writing entries (srcs[i] here -> dsts[i] at the peer, lens[i] bytes), spread round-robin over
-        (engine k, segments[k]) for k < min(engines, segments); returns the batches, all in flight."""
+        (engine k, segments[k]) for k < min(engines, segments); returns the batches, all in flight, in entry
+        order. One batch per entry: :func:`settle` polls a batch through ``transfer_check_status``, which
+        reads a batch's first entry only."""
         pairs = list(zip(self.tes, segments, strict=False))
         batches: list[tuple[object, int]] = []
-        for k, (te, segment) in enumerate(pairs):
-            mine = range(k, len(srcs), len(pairs))
-            if not mine:
-                continue
-            batch = te.batch_transfer_async_write(segment, [srcs[i] for i in mine], [dsts[i] for i in mine],
-                                                  [lens[i] for i in mine])
+        for i, (src, dst, n) in enumerate(zip(srcs, dsts, lens, strict=True)):
+            te, segment = pairs[i % len(pairs)]
+            batch = te.batch_transfer_async_write(segment, [src], [dst], [n])
             if batch <= 0:
                 settle(batches)
                 raise TransferError(f"Mooncake refused the write to {segment} (batch id {batch})",
@@ -132,10 +132,23 @@ class MooncakeEngine:
         return batches
 
 
+POLL_S = 0.0002
+"""Sleep between two status reads of a batch still in flight (seconds). The binding's own wait
+(``get_batch_transfer_status``) spins on a core, GIL released, until the batch ends: on the H200 host such
+spinners and the engines' I/O threads slowed the prefill engine thread's kernel launches ~1.6x
+(benchmarks/tail_probe.py, docs/PERFORMANCE.md); polling costs ~2 ms of CPU per 64 MiB moved."""
+
+
 def settle(batches: list[tuple[object, int]]) -> int:
-    """Wait for every batch of :meth:`MooncakeEngine.submit` (each is freed once read); 0 or the first failure."""
-    rcs = [te.get_batch_transfer_status([batch]) for te, batch in batches]  # type: ignore[attr-defined]
-    return next((rc for rc in rcs if rc != 0), 0)
+    """Wait for every batch of :meth:`MooncakeEngine.submit` (each is freed once it ended: completed or
+    failed); 0 or the first failure (-1 failed, -2 timed out, a batch the engine then keeps)."""
+    rc = 0
+    for te, batch in batches:
+        while (status := te.transfer_check_status(batch)) == 0:  # type: ignore[attr-defined]
+            time.sleep(POLL_S)
+        if status != 1 and rc == 0:
+            rc = status
+    return rc
 
 
 def segments_of(pool: decode_pb2.MooncakePool) -> list[str]:
