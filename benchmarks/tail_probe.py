@@ -1,8 +1,8 @@
 """Why do a streamed prompt's tail pieces compute slowly? One in-process engine, per-step timings.
 
 An LLMEngine runs each prompt alone, as a prefill with chunked transfer on does: uncut (``one``: chunks of
-``--chunk``) or cut by the prefill tail rule (``pieces``: ``--tail`` floor, forced on even for a prompt of one
-chunk). A chunk listener does what a variant says with each chunk's pages, the way services/prefill/kv_stream.py
+``--chunk``) or cut by the prefill tail rule (``pieces-F``: each ``--tail`` floor F, forced on even for a prompt of
+one chunk). A chunk listener does what a variant says with each chunk's pages, the way services/prefill/kv_stream.py
 does (``write`` / ``export`` on the engine thread, the wait in a worker thread):
 
   none          nothing (the model alone: does a piece with a cached prefix compute slowly by itself?)
@@ -24,7 +24,7 @@ stream that waited). Also a GIL check: Python iterations a thread makes while an
 transfer-engine batch, against the same thread alone.
 
     python -m benchmarks.tail_probe --model random:llama-3-8b --device cuda:0 --prompts 2000,8000 --json out.json
-    python -m benchmarks.tail_probe --model random:tiny-llama --device cpu --prompts 300,900 --chunk 256 --tail 32
+    python -m benchmarks.tail_probe --model random:tiny-llama --device cpu --prompts 300,900 --chunk 256 --tail 32,128
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class Probe:
         self.args = args
         self.eng = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                                           kv_cache_bytes=args.kv_cache_bytes, max_prefill_chunk=args.chunk,
-                                          max_num_batched_tokens=args.chunk, prefill_tail_tokens=args.tail))
+                                          max_num_batched_tokens=args.chunk))
         self.cuda = args.device.startswith("cuda")
         self.pages = pages_of(self.eng)
         r = self.eng.runner
@@ -234,8 +234,8 @@ class Probe:
         k, vocab = self.n, min(250, self.eng.vocab_size)
         return [(k * 7919 + i * 131 + (i * i) % 97) % (vocab - 5) + 1 for i in range(tokens)]
 
-    def run(self, tokens: int, pieces: bool, variant: str) -> dict[str, object]:
-        self.eng.scheduler.config.prefill_tail_tokens = self.args.tail if pieces else 0
+    def run(self, tokens: int, tail: int, variant: str) -> dict[str, object]:
+        self.eng.scheduler.config.prefill_tail_tokens = tail
         self.variant, self.steps, self.futures, self.next_block = variant, [], [], 0
         self.writer = None
         if variant.startswith("mooncake"):
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--prompts", default="2000,8000")
     p.add_argument("--chunk", type=int, default=2048)
-    p.add_argument("--tail", type=int, default=256, help="tail floor of the pieces rows (tokens)")
+    p.add_argument("--tail", default="256", help="tail floors of the pieces rows (tokens), comma-separated")
     p.add_argument("--kv-cache-bytes", type=int, default=8 << 30)
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--engines", type=int, default=8, help="transfer engines per side (mooncake variants)")
@@ -291,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     args.prompt_lens = [int(x) for x in args.prompts.split(",")]
+    args.tails = [int(x) for x in args.tail.split(",")]
     variants = args.variants.split(",")
     bad = sorted(set(variants) - set(VARIANTS))
     if bad:
@@ -306,13 +307,13 @@ def main(argv: list[str] | None = None) -> int:
           "GPU step ms | GPU gap ms |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for tokens in args.prompt_lens:
-        for pieces in (False, True):
+        for tail in [0, *args.tails]:
             for v in variants:
                 if v.startswith("mooncake") and mooncake.available() is not None:
                     continue
-                probe.run(tokens, pieces, v)  # warm-up
-                med = _median([probe.run(tokens, pieces, v) for _ in range(args.repeats)])
-                split = "pieces" if pieces else "one"
+                probe.run(tokens, tail, v)  # warm-up
+                med = _median([probe.run(tokens, tail, v) for _ in range(args.repeats)])
+                split = f"pieces-{tail}" if tail else "one"
                 result["rows"][f"{tokens}-{split}-{v}"] = med  # type: ignore[index]
                 print(f"| {tokens} | {split} | {v} | {med['steps']:.0f} | {med['compute_ms']:.1f} | "
                       f"{med['exposed_ms']:.1f} | {med['cpu_model_ms']:.1f} | {med['cpu_listener_ms']:.1f} | "
