@@ -39,22 +39,20 @@ def tail_piece(remaining: int, floor: int, block_size: int) -> int:
 # while the next chunk computes (cut); over shm / cuda-ipc the copies run in the start (no cut, as cuda-ipc).
 
 
-def applies(prompt_tokens: int, max_chunk: int, floor: int) -> bool:
-    """Whether the rule cuts a prompt: one longer than a chunk always; one of a chunk or less only when
-    ``floor`` is at least half a chunk, so that it is cut in two pieces of about half a chunk each.
-
-    Why (benchmarks/tail_probe.py on the H200, random Llama-3-8B, docs/PERFORMANCE.md): one eager step
-    of this model takes the engine thread ~14 ms to launch (~23 ms while transfer engines move KV on
-    the same host), and a piece computes at ~23 us/token, so a piece under ~600-1000 tokens is bound by
-    its launch, not by the GPU: a 2000-token prompt cut at floor 256 (1008, 496, 256, 240) computed in
-    62 ms with no transfer at all and 101-107 ms with mooncake against 48-50 ms uncut. Two halves of a
-    chunk stay GPU-bound."""
-    return prompt_tokens > max_chunk or 2 * floor >= max_chunk
+def applies(prompt_tokens: int, max_chunk: int) -> bool:
+    """The rule cuts only prompts longer than one chunk. Measured on the H200 (docs/PERFORMANCE.md,
+    "Tail pieces at 2K"; random Llama-3-8B, mooncake fp8, 8 engines per side): one eager step takes the
+    engine thread ~14 ms to launch (~23 ms while transfer engines move KV on the same host) and a piece
+    computes at ~23 us/token, so a piece under ~600-1000 tokens is bound by its launch, not by the GPU.
+    A 2000-token prompt cut at floor 256 (1008, 496, 256, 240) computed in 62-77 ms with no transfer at
+    all (benchmarks/tail_probe.py) against 48-50 uncut; cut in two halves (floor 1024) its P/D TTFT was
+    81.7 ms (compute 60.9) against 74.8 uncut (compute 47.2), in one run."""
+    return prompt_tokens > max_chunk
 
 
 def prefill_pieces(prompt_tokens: int, max_chunk: int, floor: int, block_size: int) -> list[int]:
     """The piece sizes one prompt alone in the batch is computed in (budget >= max_chunk)."""
-    if not applies(prompt_tokens, max_chunk, floor):
+    if not applies(prompt_tokens, max_chunk):
         floor = 0
     pieces: list[int] = []
     left = prompt_tokens

@@ -253,9 +253,8 @@ class Scheduler:
     def _chunk_len(self, seq: Sequence, remaining: int, budget: int) -> int:
         """Tokens this step computes of a sequence with ``remaining`` uncomputed tokens."""
         n = min(remaining, self.config.max_prefill_chunk, budget)
-        floor = self.config.prefill_tail_tokens
-        if seq.seq_id in self._streamed and applies(len(seq.token_ids), self.config.max_prefill_chunk, floor):
-            n = min(n, tail_piece(remaining, floor, self.block_manager.block_size))
+        if seq.seq_id in self._streamed and applies(len(seq.token_ids), self.config.max_prefill_chunk):
+            n = min(n, tail_piece(remaining, self.config.prefill_tail_tokens, self.block_manager.block_size))
         return n
 
     @staticmethod
