@@ -30,7 +30,8 @@ def tail_piece(remaining: int, floor: int, block_size: int) -> int:
 
 
 # Which streams get the rule: those whose writer overlaps compute (``PageWriter.overlaps_compute``: the
-# mooncake writers, the tensor-parallel rank-to-rank one over mooncake included). Measured on the H200 at 8K tokens, chunked, tail 256 (docs/PERFORMANCE.md): mooncake
+# mooncake writers, the tensor-parallel rank-to-rank one over mooncake included). Measured on the H200 at 8K
+# tokens, chunked, tail 256 (docs/PERFORMANCE.md): mooncake
 # (network, host-staged) exposed 12.0 ms instead of 41.8 (fp8); cuda-ipc already exposes ~3.5 ms without
 # it and the extra pieces only added compute (292.7 ms against 256.4, TTFT 1.20x against 1.06x
 # colocated); grpc is bound by its byte rate, where the cut changes nothing but adds pieces (compute
