@@ -3,7 +3,10 @@
     python -m benchmarks.compiled_decode_bench [--batches 1,2,4] [--weight-format auto] [--output-len 64] [--pairs 5] [--json out.json]
 
 One LLMEngine (default dtype, --weight-format, compiled decode for batch sizes 1..max(--batches)) is
-built; its start-up compile time is reported. Then:
+built; it is ready as soon as its weights are loaded, and its background compile (decode_compiler.py)
+runs while this process decodes batch-1 requests of 16 tokens through it: the time to ready, each
+variant's compile seconds, check and start-up timing, when it was switched on, and the eager/compiled
+ms per step of those requests meanwhile are printed. Then:
 
   * correctness, teacher-forced on the real model: a 200-token prompt prefilled eagerly, then 48 decode
     steps, each run eagerly AND compiled from the same KV state (the cache restored in between): max
@@ -42,6 +45,12 @@ class Results:
     dtype: str
     weight_format: str
     compile_seconds: float
+    ready_s: float = 0.0
+    """Engine construction (weights, KV pool, compile thread started) in seconds."""
+    variants: list[dict] = field(default_factory=list)
+    """The background compile's VariantReport of each batch size, times relative to construction start."""
+    during_compile: list[list[float]] = field(default_factory=list)
+    """[seconds since construction start, ms per step, batch 1 compiled (0/1)] of each batch-1 run meanwhile."""
     max_logit_diff: float = 0.0
     greedy_agreement: float = 0.0
     max_kv_diff: float = 0.0
@@ -87,22 +96,49 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pairs", type=int, default=5)
     p.add_argument("--cpu-threads", type=int, default=0)
     p.add_argument("--weight-format", default="auto", choices=WEIGHT_FORMATS)
+    p.add_argument("--idle-during-compile", action="store_true",
+                   help="wait for the background compile instead of decoding batch-1 requests meanwhile")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     batches = sorted({int(b) for b in args.batches.split(",")})
+    t0 = time.monotonic()
     bench = EngineBench(None, "auto", args.prompt_len, max(batches), args.prompt_len + args.output_len + 64,
                         args.cpu_threads, args.weight_format, cpu_compile_decode=max(batches))
+    ready_s = time.monotonic() - t0
     cfg, runner = bench.config, bench.engine.runner
-    assert runner.compiled_decode is not None, "the compiled decode path was not built (see the engine log)"
+    cd, compiler = runner.compiled_decode, runner.decode_compiler
+    assert cd is not None and compiler is not None, "the compiled decode path was not built (see the engine log)"
+    during: list[list[float]] = []
+    one = _prompts(1, args.prompt_len, bench.vocab, seed=5)
+    while not compiler.wait(1.0 if args.idle_during_compile else 0):  # serve batch-1 requests meanwhile
+        if args.idle_during_compile:
+            continue
+        on = 1 in cd.active
+        during.append([time.monotonic() - t0, bench.decode(one, 16) / 15 * 1e3, float(on and 1 in cd.active)])
+    report = compiler.report
     r = Results(machine=_machine(), torch=torch.__version__, threads=torch.get_num_threads(),
                 dtype=cfg.resolved_dtype, weight_format=cfg.resolved_weight_format,
-                compile_seconds=runner.compiled_decode.compile_seconds)
+                compile_seconds=cd.compile_seconds, ready_s=ready_s, during_compile=during,
+                variants=[dict(asdict(v), decided=v.decided - t0) for v in report.variants])
     print(f"machine: {r.machine}; torch {r.torch}, {r.threads} threads; dtype {r.dtype}, weights "
-          f"{r.weight_format}; compile at start {r.compile_seconds:.1f} s", flush=True)
+          f"{r.weight_format}; engine ready in {ready_s:.1f} s; background compile {report.status}, "
+          f"{r.compile_seconds:.1f} s compiling", flush=True)
+    for v in report.variants:
+        print(f"  batch {v.batch}: compiled in {v.compile_s:.1f} s, max |logit diff| {v.max_logit_diff:.3g}, "
+              f"same argmax {v.same_argmax}, start-up timing {v.compiled_ms:.2f} ms vs eager {v.eager_ms:.2f} ms, "
+              f"{'switched on' if v.active else 'stays eager'} at {v.decided - t0:.1f} s", flush=True)
+    for label, sel in (("eager", 0.0), ("compiled", 1.0)):
+        ms = [d[1] for d in during if d[2] == sel]
+        if ms:
+            print(f"  batch-1 requests during the compile, {label} steps: {len(ms)} runs, median "
+                  f"{statistics.median(ms):.2f} ms/step, max {max(ms):.2f}", flush=True)
+    if not all(v.same_argmax for v in report.variants if v.batch in batches) or report.status != "done":
+        print("a variant failed to compile or its check: no timed comparison", flush=True)
+        return 1
+    cd.active = frozenset(batches)  # time every asked size, whatever the start-up timing decided
     check(bench, r)
     print(f"teacher-forced, 48 steps: max |logit diff| {r.max_logit_diff:.4f}, greedy agreement "
           f"{r.greedy_agreement:.0%}, max K/V diff {r.max_kv_diff:.4f}", flush=True)
-    cd = runner.compiled_decode
     frames0 = torch._dynamo.utils.counters["frames"]["ok"]
     n = args.output_len
     for b in batches:

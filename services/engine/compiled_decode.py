@@ -11,15 +11,24 @@ as the last key column; the new K/V of all layers come back stacked and are stor
 ``index_copy_`` per K and V afterwards. That is the same set of keys the eager path attends to (it stores
 first, then gathers), so only the rounding of fused elementwise ops differs.
 
-Shapes: the batch size is static (one compiled variant per size 1..N, all compiled at engine start);
-the gathered length is dynamic (one variant covers every context length), and at least two pages are
-gathered so that dimension never is 0 or 1 (torch specializes those sizes).
+Shapes: the batch size is static (one compiled variant per size 1..N); the gathered length and the
+pool's page count are dynamic (one variant covers every context length, and a variant compiled against a
+small private scratch pool serves the engine's pool unchanged), and at least two pages are gathered so that
+dimension never is 0 or 1 (torch specializes those sizes).
+
+Threads: each variant is its own copy of the forward's code object, so each has its own Dynamo cache. The
+background compiler (decode_compiler.py) compiles variant b (``compile``) while the engine thread runs the
+variants already switched on (``active``) through ``torch._dynamo.run``, which never compiles: a guard miss
+would run the same forward uncompiled, never trace on the engine thread. Only the engine thread touches the
+engine's KV pool; compiling and checking use the scratch pool.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import types
+from collections.abc import Callable
 
 import torch
 import torch._dynamo.exc
@@ -38,6 +47,12 @@ MIN_PAGES = 2
 """Pages gathered per sequence at least (padding pages are masked out)."""
 
 
+def _own_code(fn: Callable, tag: str) -> Callable:
+    """``fn`` (a function) with a code object of its own: Dynamo keeps its cache on the code object."""
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{tag}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
 class CompiledDecode:
     """Pure-decode CPU steps of at most ``max_batch`` sequences through a compiled model forward."""
 
@@ -45,11 +60,19 @@ class CompiledDecode:
         self.model = model
         self.kv_cache = kv_cache
         self.max_batch = max_batch
-        layers, two, blocks, self.block_size, self.kv_heads, self.head_dim = kv_cache.shape
-        # [layers, 2, slots, KVH, D]: the store target (one index_copy_ over all layers for K, one for V).
-        self._slots = kv_cache.view(layers, two, blocks * self.block_size, self.kv_heads, self.head_dim)
-        self._forward = torch.compile(self._eager_forward, fullgraph=True)
+        _, _, _, self.block_size, self.kv_heads, self.head_dim = kv_cache.shape
+        self._compiled: dict[int, Callable] = {}
+        """batch size -> torch.compile wrapper (traces on a cache miss: compiling thread only)."""
+        self._run_only: dict[int, Callable] = {}
+        """batch size -> the same variant, never compiling (the engine thread's calls)."""
+        for b in range(1, max_batch + 1):
+            fn = types.MethodType(_own_code(type(self)._eager_forward, f"b{b}"), self)
+            self._compiled[b] = torch.compile(fn, fullgraph=True)
+            self._run_only[b] = torch._dynamo.run(fn)
+        self.active: frozenset[int] = frozenset()
+        """Batch sizes the engine thread runs compiled (replaced whole, never mutated: one reference read)."""
         self.compile_seconds = 0.0
+        """Seconds spent compiling the variants (all of them, checked or not)."""
 
     @staticmethod
     def supported(model: torch.nn.Module) -> bool:
@@ -58,12 +81,12 @@ class CompiledDecode:
         return (split is not None and split.tp_size == 1 and hasattr(model, "rotary")
                 and hasattr(getattr(model, "model", None), "layers"))
 
-    def _eager_forward(self, ids: torch.Tensor, pos: torch.Tensor, gather: torch.Tensor, mask: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """ids/pos int64 [B]; gather int64 [B * pages] page ids; mask bool [B, 1, 1, pages * block_size + 1]
-        (old keys < position, and the appended new key) -> (fp32 logits [B, vocab], new K and new V
-        [layers, B, KVH, D])."""
-        model, kv = self.model, self.kv_cache
+    def _eager_forward(self, ids: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor, gather: torch.Tensor,
+                       mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """ids/pos int64 [B]; kv the pool (read only); gather int64 [B * pages] page ids; mask bool
+        [B, 1, 1, pages * block_size + 1] (old keys < position, and the appended new key) -> (fp32 logits
+        [B, vocab], new K and new V [layers, B, KVH, D])."""
+        model = self.model
         b = ids.shape[0]
         h = model.model.embed_tokens(ids)
         cos = model.rotary.cos_cache[pos][:, None, :].to(h.dtype)  # [B, 1, D]
@@ -87,13 +110,28 @@ class CompiledDecode:
         return model.compute_logits(model.model.norm(h)), torch.stack(new_k), torch.stack(new_v)
 
     def accepts(self, chunks: list[ScheduledChunk]) -> bool:
-        return 0 < len(chunks) <= self.max_batch and all(c.num_new_tokens == 1 and not c.spec_tokens for c in chunks)
+        """A pure-decode step of a batch size whose variant is switched on (engine thread, once per step)."""
+        return len(chunks) in self.active and all(c.num_new_tokens == 1 and not c.spec_tokens for c in chunks)
 
-    def _run(self, ids: torch.Tensor, pos: torch.Tensor, gather: torch.Tensor, mask: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        torch._dynamo.maybe_mark_dynamic(gather, 0)
-        torch._dynamo.maybe_mark_dynamic(mask, 3)
-        return self._forward(ids, pos, gather, mask)
+    def activate(self, batch: int) -> None:
+        """Switch variant ``batch`` on: the engine thread's next step of that size runs it."""
+        self.active = self.active | {batch}
+
+    def compile(self, batch: int, kv: torch.Tensor) -> float:
+        """Trace and compile variant ``batch`` now, running it once on ``kv`` (a scratch pool of the
+        engine pool's dtype and page shape); seconds taken. Raises what a failed compile raises
+        (_COMPILE_ERRORS). Never on the engine thread while the engine serves: it may take minutes."""
+        t0 = time.monotonic()
+        ids = torch.zeros(batch, dtype=torch.int64)
+        mask = torch.zeros(batch, 1, 1, MIN_PAGES * self.block_size + 1, dtype=torch.bool)
+        mask[..., -1] = True
+        gather = torch.zeros(batch * MIN_PAGES, dtype=torch.int64)
+        for t, dim in ((kv, 2), (gather, 0), (mask, 3)):
+            torch._dynamo.maybe_mark_dynamic(t, dim)
+        self._compiled[batch](ids, ids.clone(), kv, gather, mask)
+        seconds = time.monotonic() - t0
+        self.compile_seconds += seconds
+        return seconds
 
     def inputs(self, rows: list[tuple[int, int, list[int]]]
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -112,12 +150,16 @@ class CompiledDecode:
         ids = torch.tensor([t for t, _, _ in rows], dtype=torch.int64)
         return ids, pos, torch.tensor(slots, dtype=torch.int64), gather.view(-1), mask
 
-    def forward(self, rows: list[tuple[int, int, list[int]]]) -> torch.Tensor:
-        """One decode step of rows (token, position, block table): stores the new K/V, returns fp32 logits."""
+    def forward(self, rows: list[tuple[int, int, list[int]]], kv: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode step of rows (token, position, block table) through the compiled variant of that batch
+        size (compiled before: this never compiles): stores the new K/V into ``kv`` (default: the engine's
+        pool), returns fp32 logits."""
+        kv = self.kv_cache if kv is None else kv
         ids, pos, slots, gather, mask = self.inputs(rows)
-        logits, k, v = self._run(ids, pos, gather, mask)
-        self._slots[:, 0].index_copy_(1, slots, k)
-        self._slots[:, 1].index_copy_(1, slots, v)
+        logits, k, v = self._run_only[len(rows)](ids, pos, kv, gather, mask)
+        flat = kv.view(kv.shape[0], 2, -1, self.kv_heads, self.head_dim)  # [layers, 2, slots, KVH, D]
+        flat[:, 0].index_copy_(1, slots, k)  # one store over all layers for K, one for V
+        flat[:, 1].index_copy_(1, slots, v)
         return logits
 
     def step(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
@@ -128,22 +170,26 @@ class CompiledDecode:
             rows.append((ch.seq.token_ids[p], p, ch.seq.block_table))
         return self.forward(rows)
 
+    def scratch_pool(self, pages: int) -> torch.Tensor:
+        """A private pool of ``pages`` pages shaped like the engine's (what compiling and checking write)."""
+        shape = (self.kv_cache.shape[0], 2, max(pages, MIN_PAGES), self.block_size, self.kv_heads, self.head_dim)
+        return torch.zeros(shape, dtype=self.kv_cache.dtype, device=self.kv_cache.device)
+
     @torch.inference_mode()
     def warm_up(self) -> bool:
-        """Compile every batch size now (reads page 0 only, writes nothing), so no request waits for it.
-        False (logged) when compiling fails, e.g. no working C++ compiler: the engine then stays eager."""
-        t0 = time.monotonic()
+        """Compile every batch size now on the calling thread and switch them all on, unchecked (tests and
+        benchmarks; the engine compiles in the background, decode_compiler.py). False (logged) when
+        compiling fails, e.g. no working C++ compiler."""
+        scratch = self.scratch_pool(MIN_PAGES)
         try:
             for b in range(1, self.max_batch + 1):
-                ids = torch.zeros(b, dtype=torch.int64)
-                mask = torch.zeros(b, 1, 1, MIN_PAGES * self.block_size + 1, dtype=torch.bool)
-                mask[..., -1] = True
-                self._run(ids, ids.clone(), torch.zeros(b * MIN_PAGES, dtype=torch.int64), mask)
+                self.compile(b, scratch)
         except _COMPILE_ERRORS as e:
             log.warning("engine: --cpu-compile-decode %d: compiling the decode step failed after %.1f s, decode "
-                        "steps stay eager: %s", self.max_batch, time.monotonic() - t0, str(e).splitlines()[0])
+                        "steps stay eager: %s", self.max_batch, self.compile_seconds, str(e).splitlines()[0])
             return False
-        self.compile_seconds = time.monotonic() - t0
+        self.active = frozenset(range(1, self.max_batch + 1))
         log.info("engine: decode steps of 1..%d sequences compiled (torch.compile, inductor) in %.1f s",
                  self.max_batch, self.compile_seconds)
         return True
+

@@ -68,10 +68,12 @@ class EngineConfig(ContextConfig, ModelConfig, DtypeConfig):
                                      "Q4_1 blocks packed for torch's int4 GEMM, dequantized reads the dense weights; "
                                      "prefill-sized steps always use the dense ones. auto: int4 where it measures "
                                      "faster at start.", choices=WEIGHT_FORMATS)
-    cpu_compile_decode: int = opt(0, "CPU: run pure-decode steps of 1..N sequences through one torch.compile'd "
-                                     "forward (inductor; needs a C++ compiler), compiled at engine start (about "
-                                     "a minute on 2 cores the first time, seconds from inductor's disk cache). "
-                                     "0: eager steps.")
+    cpu_compile_decode: int = opt(4, "CPU: run pure-decode steps of 1..N sequences through one torch.compile'd "
+                                     "forward (inductor; needs a C++ compiler). The engine serves eager steps "
+                                     "from the start; a background thread compiles each batch size (about a "
+                                     "minute each on 2 cores the first time, seconds from inductor's disk cache), "
+                                     "checks it against the eager step and switches it on if it measured faster. "
+                                     "0: eager steps only.")
     draft_model: str = opt("", "Draft model of speculative decoding: layers:N (the target's first N layers, "
                                "sharing its embeddings, final norm and LM head), a .gguf file, an HF directory, or "
                                "random:NAME. Set it on prefill AND decode: pages then carry a draft KV region. "

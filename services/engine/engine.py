@@ -300,6 +300,7 @@ class LLMEngine:
 
     def stats(self) -> dict[str, float]:
         bm = self.block_manager
+        cd = getattr(self.runner, "compiled_decode", None)  # a tensor-parallel runner has none
         return {
             "running": self.scheduler.num_running,
             "waiting": self.scheduler.num_waiting,
@@ -307,6 +308,9 @@ class LLMEngine:
             "free_blocks": bm.num_free_blocks,
             "total_blocks": self.runner.num_blocks,
             "kv_usage": bm.usage,
+            # --cpu-compile-decode: batch sizes whose step runs compiled now, seconds spent compiling (0: off)
+            "compiled_step_batch_sizes": float(len(cd.active)) if cd is not None else 0.0,
+            "step_compile_seconds": cd.compile_seconds if cd is not None else 0.0,
         }
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams | list[SamplingParams]

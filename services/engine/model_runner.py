@@ -66,18 +66,25 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._init_gpu(loaded)
         self.compiled_decode = None
-        """CPU pure-decode steps through one compiled forward (--cpu-compile-decode); None: eager."""
+        """CPU pure-decode steps through one compiled forward (--cpu-compile-decode); None: eager. Its
+        variants are compiled by ``decode_compiler`` in the background and switched on once checked."""
+        self.decode_compiler = None
         if config.cpu_compile_decode and self.device.type == "cpu" and self.spec is None:
             from services.engine.compiled_decode import CompiledDecode
+            from services.engine.decode_compiler import DecodeCompiler
 
             if CompiledDecode.supported(self.model):
-                compiled = CompiledDecode(self.model, self.kv_cache, config.cpu_compile_decode)
-                self.compiled_decode = compiled if compiled.warm_up() else None  # failed: logged, stays eager
+                self.compiled_decode = CompiledDecode(self.model, self.kv_cache, config.cpu_compile_decode)
+                self.decode_compiler = DecodeCompiler(self.compiled_decode, config.resolved_cpu_threads)
+                self.decode_compiler.start()
         log.info("kv cache: %d blocks x %d tokens (%.1f MiB, %s)", self.num_blocks, self.block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.dtype)
 
     def release(self) -> None:
-        """Free what outlives the process otherwise: the shared-memory pool files (target and draft)."""
+        """Free what outlives the process otherwise: the shared-memory pool files (target and draft); stop
+        the background compile (a variant being compiled finishes on its daemon thread)."""
+        if self.decode_compiler is not None:
+            self.decode_compiler.stop()
         if self.spec is not None:
             self.spec.release()
         if self.kv_shm_path is not None:

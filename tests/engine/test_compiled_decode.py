@@ -1,5 +1,7 @@
-"""CPU decode through one torch.compile'd forward (services/engine/compiled_decode.py): the same logits and
-the same KV writes as the eager paged path, at batch 1 and at batch 2 with unequal context lengths."""
+"""CPU decode through one torch.compile'd forward (services/engine/compiled_decode.py), compiled in the
+background (services/engine/decode_compiler.py): the same logits and KV writes as the eager paged path; an
+engine that serves eager steps before its variants are ready and the same greedy tokens after the switch; a
+failed compile that leaves the engine eager; the setting's bounds."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.engine import decode_compiler
 from services.engine.compiled_decode import CompiledDecode
 from services.engine.config import EngineConfig, EngineConfigError
 from services.engine.engine import LLMEngine
@@ -19,6 +22,8 @@ from .conftest import PagedHarness
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("gcc") is None,
                                 reason="inductor's CPU backend needs a C++ compiler")
+WAIT_S = 300.0
+"""Bound on a background compile in these tests (a cold tiny-model compile takes ~10-40 s on 2 cores)."""
 
 
 @torch.inference_mode()
@@ -29,11 +34,13 @@ def test_compiled_decode_matches_the_eager_paged_path(tiny_llama3_dir: Path) -> 
     last = h.step(prompts)
     kv = h.kv.clone()
     compiled = CompiledDecode(model, kv, max_batch=2)
-    compiled.warm_up()
+    assert compiled.warm_up()  # compiled against a 2-page scratch pool, run on this 8-page one
     for step in range(24):
         seqs = [0] if step % 3 == 2 else [0, 1]  # batch 1 and batch 2 steps
         tokens = {s: int(last[s].argmax()) for s in seqs}
         rows = [(tokens[s], h.lens[s], h.block_table(s)) for s in seqs]
+        with torch.compiler.set_stance("fail_on_recompile"):  # the scratch-pool variant serves this pool
+            got = compiled._compiled[len(seqs)](*compiled.inputs(rows)[:2], kv, *compiled.inputs(rows)[3:])[0]
         got = compiled.forward(rows)
         last.update(h.step({s: [tokens[s]] for s in seqs}))
         for i, s in enumerate(seqs):
@@ -42,7 +49,7 @@ def test_compiled_decode_matches_the_eager_paged_path(tiny_llama3_dir: Path) -> 
 
 
 @torch.inference_mode()
-def test_compiled_decode_takes_only_small_pure_decode_steps(tiny_llama3_dir: Path) -> None:
+def test_compiled_decode_takes_only_small_pure_decode_steps_of_active_sizes(tiny_llama3_dir: Path) -> None:
     model = load_model(str(tiny_llama3_dir), torch.float32).model
     compiled = CompiledDecode(model, PagedHarness(model, num_seqs=1).kv, max_batch=2)
 
@@ -50,56 +57,94 @@ def test_compiled_decode_takes_only_small_pure_decode_steps(tiny_llama3_dir: Pat
         def __init__(self, n: int) -> None:
             self.num_new_tokens, self.spec_tokens = n, 0
 
+    assert not compiled.accepts([_Chunk(1)])  # nothing switched on yet: eager
+    compiled.activate(2)
     assert compiled.accepts([_Chunk(1), _Chunk(1)])
+    assert not compiled.accepts([_Chunk(1)])  # batch 1 not switched on
     assert not compiled.accepts([_Chunk(1)] * 3)  # above max_batch: eager
     assert not compiled.accepts([_Chunk(1), _Chunk(4)])  # a prefill chunk in the step: eager
     assert not compiled.accepts([])
 
 
-def test_setting_is_bounded() -> None:
-    assert EngineConfig().cpu_compile_decode == 0  # eager unless asked for
-    with pytest.raises(EngineConfigError):
-        EngineConfig(cpu_compile_decode=9)
+def test_setting_is_on_by_default_and_bounded() -> None:
+    assert EngineConfig().cpu_compile_decode == 4
+    assert EngineConfig(cpu_compile_decode=0).cpu_compile_decode == 0  # eager
+    for bad in (-1, 9):
+        with pytest.raises(EngineConfigError, match="--cpu-compile-decode"):
+            EngineConfig(cpu_compile_decode=bad)
 
 
-class _Untraceable(CompiledDecode):
-    """A forward torch.compile(fullgraph=True) cannot capture (a host sync mid-graph)."""
+def _generate(eng: LLMEngine, prompts: list[list[int]], lens: list[int]) -> dict[str, tuple[list[int], list]]:
+    out: dict[str, tuple[list[int], list]] = {}
+    for i, (p, n) in enumerate(zip(prompts, lens, strict=True)):
+        rid = f"r{i}-{id(out)}"
+        eng.add_request(rid, p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=True),
+                        detokenize=False)
+        out[rid] = ([], [])
+    while eng.has_work():
+        for o in eng.step():
+            out[o.request_id][0].extend(o.new_token_ids)
+            out[o.request_id][1].extend(o.new_logprobs)
+    return dict(zip((f"r{i}" for i in range(len(prompts))), out.values(), strict=True))
 
-    def _eager_forward(self, ids: torch.Tensor, pos: torch.Tensor, gather: torch.Tensor, mask: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if ids.sum().item() > 0:
-            ids = ids + 0
-        return super()._eager_forward(ids, pos, gather, mask)
+
+PROMPTS = [list(range(5, 12)), list(range(30, 52)), list(range(90, 93))]
+LENS = [6, 14, 20]
 
 
-def test_a_failed_compile_leaves_the_engine_eager(tiny_llama3_dir: Path) -> None:
-    model = load_model(str(tiny_llama3_dir), torch.float32).model
-    assert not _Untraceable(model, PagedHarness(model, num_seqs=1).kv, max_batch=1).warm_up()
+def _config(tiny_llama3_dir: Path, n: int) -> EngineConfig:
+    return EngineConfig(model=str(tiny_llama3_dir), dtype="float32", num_kv_blocks=32, enable_prefix_caching=False,
+                        cpu_compile_decode=n)
 
 
-def test_engine_with_compiled_decode_generates_what_the_eager_engine_does(tiny_llama3_dir: Path) -> None:
-    """Through LLMEngine: batch 3 (above max_batch: eager) shrinking to 2 and 1 (compiled) as requests end."""
-    cfg = dict(model=str(tiny_llama3_dir), dtype="float32", num_kv_blocks=32, enable_prefix_caching=False)
-    prompts = [list(range(5, 12)), list(range(30, 52)), list(range(90, 93))]
-    lens = [6, 14, 20]
-    eager = LLMEngine(EngineConfig(**cfg))
-    compiled = LLMEngine(EngineConfig(**cfg, cpu_compile_decode=2))
-    cd = compiled.runner.compiled_decode
-    assert eager.runner.compiled_decode is None and cd is not None
+def test_engine_serves_eager_until_the_switch_then_the_same_tokens(tiny_llama3_dir: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batch 3 (above N: eager) shrinking to 2 and 1 as requests end; the compile held back, then let go."""
+    monkeypatch.setattr(decode_compiler, "MIN_SPEEDUP", 0.0)  # switch on whatever the timings on this box say
+    monkeypatch.setattr(decode_compiler, "NICE", 0)  # the suite's time: compile at the test's priority
+    eager = LLMEngine(_config(tiny_llama3_dir, 0))
+    assert eager.runner.compiled_decode is None and eager.runner.decode_compiler is None
+    want = _generate(eager, PROMPTS, LENS)
+    with decode_compiler._ONE_AT_A_TIME:  # the background compile cannot start: the engine must not wait for it
+        eng = LLMEngine(_config(tiny_llama3_dir, 2))
+        cd, compiler = eng.runner.compiled_decode, eng.runner.decode_compiler
+        assert cd is not None and compiler is not None
+        assert _generate(eng, PROMPTS, LENS) == want  # served, eagerly
+        assert compiler.report.status == "pending" and cd.active == frozenset()
+    assert compiler.wait(WAIT_S), "background compile did not finish"
+    r = compiler.report
+    assert r.status == "done", r
+    assert [v.batch for v in r.variants] == [1, 2] and all(v.same_argmax and v.active for v in r.variants), r
+    assert all(v.max_logit_diff < 1e-3 for v in r.variants), r
+    assert cd.active == {1, 2}
     steps: list[int] = []
     compiled_step = cd.step
     cd.step = lambda chunks: steps.append(len(chunks)) or compiled_step(chunks)  # type: ignore[method-assign]
-    want, got = {}, {}
-    for eng, out in ((eager, want), (compiled, got)):
-        for i, (p, n) in enumerate(zip(prompts, lens, strict=True)):
-            eng.add_request(f"r{i}", p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=True),
-                            detokenize=False)
-        out.update({f"r{i}": ([], []) for i in range(3)})
-        while eng.has_work():
-            for o in eng.step():
-                out[o.request_id][0].extend(o.new_token_ids)
-                out[o.request_id][1].extend(o.new_logprobs)
+    got = _generate(eng, PROMPTS, LENS)
     assert set(steps) == {1, 2}  # the compiled path ran at both batch sizes, batch 3 stayed eager
     for rid, (tokens, lps) in want.items():
         assert got[rid][0] == tokens
         assert got[rid][1] == pytest.approx(lps, abs=1e-4)
+    eng.runner.release()
+
+
+def _untraceable(self: CompiledDecode, ids: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor,
+                 gather: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A forward torch.compile(fullgraph=True) cannot capture (a host sync mid-graph)."""
+    if ids.sum().item() > 0:
+        ids = ids + 0
+    return _FORWARD(self, ids, pos, kv, gather, mask)
+
+
+_FORWARD = CompiledDecode._eager_forward
+
+
+def test_a_failed_compile_leaves_the_engine_eager_and_serving(tiny_llama3_dir: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(CompiledDecode, "_eager_forward", _untraceable)
+    eng = LLMEngine(_config(tiny_llama3_dir, 1))
+    compiler = eng.runner.decode_compiler
+    assert compiler is not None and compiler.wait(WAIT_S)
+    assert compiler.report.status == "failed" and eng.runner.compiled_decode.active == frozenset()
+    want = _generate(LLMEngine(_config(tiny_llama3_dir, 0)), PROMPTS, LENS)
+    assert _generate(eng, PROMPTS, LENS) == want

@@ -1,0 +1,285 @@
+"""Compiles the CPU decode step in the background while the engine serves eager steps (``--cpu-compile-decode``).
+
+One daemon thread per engine (one at a time per process) takes batch sizes 1..N in turn: it compiles the
+variant against a private scratch pool, checks it against the eager step on the same inputs (fp32 logits
+within a tolerance of the dtype, the same argmax in every row: a variant that disagrees is dropped and
+logged), times compiled and eager steps alternating, and switches the variant on
+(``CompiledDecode.activate``) only when it measured faster. The engine thread reads the set of switched-on
+sizes once per step, so a switch happens between steps, on the engine thread.
+
+Sharing: the thread reads the model's weights and the RoPE tables and nothing else of the engine: its pool
+is the scratch pool, its eager reference step uses a private copy of the rotary module (StepCachedRotary
+keeps per-step rows on the module), and it never calls a variant the engine thread runs.
+
+Cores: the thread runs at nice +10 (Linux: per thread; the C++ compiler processes it starts inherit it), so
+an engine step that wants the cores gets them; while it runs, the interpreter's switch interval drops to
+0.5 ms, so an engine step waiting for the GIL after each torch op (ops release it) waits at most that long
+instead of 5 ms; inductor compiles in this thread (compile_threads = 1: no worker pool), and generated
+kernels use the engine's thread share (cpp.threads).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import copy
+import logging
+import os
+import statistics
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch._inductor.config as inductor_config
+
+from services.engine.attention import ForwardContext, TorchPagedAttention
+from services.engine.compiled_decode import _COMPILE_ERRORS, CompiledDecode
+
+log = logging.getLogger(__name__)
+
+CONTEXT_TOKENS = 96
+"""Prompt tokens of each scratch sequence the checks and timings decode after (6 pages of 16)."""
+TIMED_PAIRS = 8
+"""Eager/compiled step pairs timed per variant (order alternating; the first pair warms up, not kept)."""
+MIN_SPEEDUP = 1.0
+"""A variant is switched on when eager ms / compiled ms (medians) exceeds this."""
+SWITCH_INTERVAL_S = 0.0005
+"""sys.setswitchinterval while compiling (the interpreter's default is 0.005 s)."""
+NICE = 10
+"""Niceness of the compile thread (and of the compiler processes it starts): it takes what serving leaves."""
+_ONE_AT_A_TIME = threading.Lock()
+"""Held by the compiling thread: engines of one process compile one after another."""
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """Largest |compiled - eager| logit allowed, relative to the largest |eager logit| (at least 1)."""
+    return 1e-3 if dtype == torch.float32 else 5e-2
+
+
+@dataclass
+class VariantReport:
+    """What the background compile found for one batch size."""
+
+    batch: int
+    compile_s: float = 0.0
+    max_logit_diff: float = 0.0
+    same_argmax: bool = False
+    eager_ms: float = 0.0
+    compiled_ms: float = 0.0
+    active: bool = False
+    decided: float = 0.0
+    """monotonic time the check and timing ended (the switch, when ``active``)."""
+
+
+@dataclass
+class CompileReport:
+    status: str = "pending"
+    """pending -> compiling -> done (every size tried) | failed (compiling raised: eager) | stopped."""
+    started: float = 0.0
+    """monotonic time the thread began compiling (0.0 before)."""
+    finished: float = 0.0
+    variants: list[VariantReport] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def _background_priority() -> Iterator[None]:
+    with contextlib.suppress(OSError, AttributeError):  # per-thread nice: Linux
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(interval)
+
+
+class _Stopped(Exception):
+    """stop() was called: the thread ends between two steps of its work."""
+
+
+class DecodeCompiler:
+    """The background thread of one engine's CompiledDecode (start / stop; ``report`` while it runs)."""
+
+    def __init__(self, compiled: CompiledDecode, cpu_threads: int) -> None:
+        self.compiled = compiled
+        self.cpu_threads = cpu_threads
+        """Threads of the generated kernels (the engine's --cpu-threads share)."""
+        self.report = CompileReport()
+        self._stop = threading.Event()
+        # The thread holds this object weakly while it waits for its turn: an engine dropped meanwhile is
+        # never compiled (and its model is not kept alive by the wait).
+        self._thread = threading.Thread(target=_thread_main, args=(weakref.ref(self),), name="pdserve-compile",
+                                        daemon=True)
+
+    def start(self) -> None:
+        _ALL.add(self)
+        self._thread.start()
+
+    def stop(self, timeout: float = 1.0) -> None:
+        """No further step of the work is started; waits up to ``timeout`` s (a variant being traced or
+        compiled cannot be cut: it finishes on the daemon thread, which then ends)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the thread has ended (tests, benchmarks); True if it has."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _stopping(self) -> None:
+        if self._stop.is_set():
+            raise _Stopped
+
+    def _main(self) -> None:
+        try:
+            with _background_priority(), torch.inference_mode():
+                self._compile_all()
+        except _Stopped:
+            self.report.status = "stopped"
+        except Exception:  # anything unforeseen: this engine stays eager, the service keeps serving
+            log.exception("engine: background compile of the decode step failed; decode steps stay eager")
+            self.report.status = "failed"
+        finally:
+            self.report.finished = time.monotonic()
+
+    def _compile_all(self) -> None:
+        cd, r = self.compiled, self.report
+        inductor_config.compile_threads = 1
+        inductor_config.cpp.threads = self.cpu_threads
+        r.status, r.started = "compiling", time.monotonic()
+        bs = cd.block_size
+        pages = (CONTEXT_TOKENS + bs) // bs + 1  # the prompt, the decoded token, one spare
+        scratch = cd.scratch_pool(cd.max_batch * pages)
+        tables = [list(range(i * pages, (i + 1) * pages)) for i in range(cd.max_batch)]
+        eager = _EagerStep(cd.model, scratch, bs)
+        # Unequal contexts: sequence i holds CONTEXT_TOKENS - 5 i prompt tokens (fixed, in-vocabulary ids).
+        vocab = cd.model.arch.vocab_size
+        lens = [CONTEXT_TOKENS - 5 * i for i in range(cd.max_batch)]
+        for i, n in enumerate(lens):
+            self._stopping()
+            eager.prefill([(7 * j + 3 * i) % vocab for j in range(n)], tables[i])
+        for b in range(1, cd.max_batch + 1):
+            self._stopping()
+            v = VariantReport(b)
+            r.variants.append(v)
+            try:
+                v.compile_s = cd.compile(b, scratch)
+            except _COMPILE_ERRORS as e:
+                log.warning("engine: --cpu-compile-decode: compiling the decode step of %d sequences failed after "
+                            "%.1f s, decode steps of that size and larger stay eager: %s", b,
+                            time.monotonic() - r.started, str(e).splitlines()[0])
+                r.status = "failed"
+                return
+            rows = [((11 * i + 5) % vocab, lens[i], tables[i]) for i in range(b)]  # (token, position, table)
+            self._check(v, rows, eager, scratch)
+            v.decided = time.monotonic()
+            if v.active:
+                cd.activate(b)
+            log.info("engine: compiled decode step of %d sequences: compiled in %.1f s, max |logit diff| %.2g, "
+                     "same argmax %s, %.2f ms vs eager %.2f ms per step: %s", b, v.compile_s, v.max_logit_diff,
+                     v.same_argmax, v.compiled_ms, v.eager_ms,
+                     "switched on" if v.active else "stays eager")
+        r.status = "done"
+        log.info("engine: background compile done in %.1f s; compiled decode steps for batch sizes %s",
+                 time.monotonic() - r.started, sorted(cd.active) or "none")
+
+    def _check(self, v: VariantReport, rows: list[tuple[int, int, list[int]]], eager: _EagerStep,
+               scratch: torch.Tensor) -> None:
+        """Same inputs through both paths: logits and argmax, then alternating timings."""
+        cd = self.compiled
+        want = eager.decode(rows)
+        got = cd.forward(rows, scratch)
+        v.max_logit_diff = (got - want).abs().max().item()
+        v.same_argmax = bool(torch.equal(got.argmax(-1), want.argmax(-1)))
+        limit = tolerance(scratch.dtype) * max(1.0, want.abs().max().item())
+        if not v.same_argmax or not v.max_logit_diff <= limit:
+            log.warning("engine: compiled decode step of %d sequences disagrees with the eager step (max |logit "
+                        "diff| %.3g, limit %.3g, same argmax %s): dropped", v.batch, v.max_logit_diff, limit,
+                        v.same_argmax)
+            return
+        times: dict[str, list[float]] = {"eager": [], "compiled": []}
+        for i in range(TIMED_PAIRS + 1):
+            for name in (("eager", "compiled") if i % 2 else ("compiled", "eager")):
+                self._stopping()
+                t0 = time.perf_counter()
+                if name == "eager":
+                    eager.decode(rows)
+                else:
+                    cd.forward(rows, scratch)
+                if i:
+                    times[name].append((time.perf_counter() - t0) * 1e3)
+        v.eager_ms, v.compiled_ms = statistics.median(times["eager"]), statistics.median(times["compiled"])
+        v.active = v.eager_ms > MIN_SPEEDUP * v.compiled_ms
+
+
+class _EagerStep:
+    """The model runner's eager CPU step (paged attention, the model's forward) on the scratch pool, with a
+    private rotary module; it rewrites the same slots at every call (positions do not advance)."""
+
+    def __init__(self, model: torch.nn.Module, pool: torch.Tensor, block_size: int) -> None:
+        self.model, self.block_size = model, block_size
+        self.rotary = copy.copy(model.rotary)  # own per-step cache attributes, shared (read-only) tables
+        self.backend = TorchPagedAttention(pool, pool.shape[-1] ** -0.5)
+
+    def _run(self, rows: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
+        from services.engine.model_runner import prepare_rows  # the runner imports this module lazily
+
+        ids, pos, meta = prepare_rows(rows, self.block_size, torch.device("cpu"))
+        ctx = ForwardContext(self.backend, meta)
+        m = self.model
+        h = m.model.embed_tokens(ids)
+        for layer in m.model.layers:  # LlamaForCausalLM.forward on CPU, with this rotary module
+            h = layer(h, pos, self.rotary, ctx)
+        return m.compute_logits(m.model.norm(h)[torch.tensor(list(_row_ends(rows)))])
+
+    def prefill(self, prompt: list[int], table: list[int]) -> None:
+        self._run([(prompt, 0, table)])
+
+    def decode(self, rows: list[tuple[int, int, list[int]]]) -> torch.Tensor:
+        """fp32 logits [len(rows), vocab] of one decode step of rows (token, position, block table)."""
+        return self._run([([t], p, table) for t, p, table in rows])
+
+
+def _row_ends(rows: list[tuple[list[int], int, list[int]]]) -> Iterator[int]:
+    n = 0
+    for tokens, _, _ in rows:
+        n += len(tokens)
+        yield n - 1
+
+
+def _thread_main(ref: weakref.ref[DecodeCompiler]) -> None:
+    while not _ONE_AT_A_TIME.acquire(timeout=0.2):
+        c = ref()
+        if c is None:
+            return
+        if c._stop.is_set():
+            c.report.status = "stopped"
+            return
+        del c
+    try:
+        c = ref()
+        if c is not None:
+            c._main()
+    finally:
+        _ONE_AT_A_TIME.release()
+
+
+_ALL: weakref.WeakSet[DecodeCompiler] = weakref.WeakSet()
+EXIT_WAIT_S = 3.0
+"""At interpreter exit: how long to wait for compile threads to stop (one running torch ops while the
+interpreter tears down would abort the process)."""
+
+
+@atexit.register
+def _stop_all() -> None:
+    compilers = list(_ALL)
+    for c in compilers:
+        c._stop.set()
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for c in compilers:
+        c.wait(max(0.0, deadline - time.monotonic()))
