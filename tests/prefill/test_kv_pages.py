@@ -58,3 +58,21 @@ def test_gpu_export_is_ordered_before_later_compute_that_reuses_the_blocks() -> 
     assert torch.equal(got, want)
     torch.cuda.synchronize()
     assert not cache[:, :, ids].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_back_to_back_exports_into_one_staging_buffer_each_get_their_pages() -> None:
+    """Gathers and host copies run on separate side streams (a gather never queues behind an earlier copy):
+    two exports issued while the step still runs, then the blocks reused, each land their own old pages."""
+    cache = torch.randn(SHAPE, device="cuda", dtype=torch.bfloat16)
+    pages = KVPages(_runner(cache))
+    out = torch.empty((8, SHAPE[0], 2, *SHAPE[3:]), dtype=cache.dtype, pin_memory=True)
+    first, second = [1, 2, 3], [7, 8]
+    want_first, want_second = _expected(cache, first), _expected(cache, second)
+    torch.cuda._sleep(50_000_000)
+    a = pages.export(first, out=out[:3])
+    b = pages.export(second, out=out[3:5])
+    cache[:, :, first + second] = 0
+    assert torch.equal(b.wait(), want_second) and torch.equal(a.wait(), want_first)
+    assert out[:5].data_ptr() == a.host.data_ptr()  # written in place: the staging view, no copy of it
