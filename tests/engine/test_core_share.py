@@ -1,0 +1,157 @@
+"""services/engine/core_share.py: engines of one host lend each other idle cores."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.engine import core_share as cs
+from services.engine.cpu_features import split_cores
+
+HOLD = cs.HOLD_NS
+T0 = 10**12
+"""A CLOCK_MONOTONIC ns far from 0, so 'idle since start' is long past."""
+
+
+class Threads:
+    """The set_threads callback: records every change it is asked for."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def __call__(self, n: int) -> None:
+        self.calls.append(n)
+
+
+def _join(tmp_path: Path, share: int, pid: int, group: str = "g1") -> tuple[cs.CoreShare, Threads]:
+    rec = Threads()
+    return cs.CoreShare.join(group, share, rec, shm_dir=tmp_path, pid=pid), rec
+
+
+@pytest.fixture
+def live_pids() -> list[int]:
+    """Pids of two live processes of this user (this test process and its parent)."""
+    return [os.getpid(), os.getppid()]
+
+
+def test_shares_add_up_to_the_cores_when_every_engine_is_busy(tmp_path: Path, live_pids: list[int]) -> None:
+    shares = split_cores(2, 1, 1)
+    assert sum(shares) == 2
+    (a, _), (b, _) = (_join(tmp_path, s, pid) for s, pid in zip(shares, live_pids, strict=True))
+    assert a.busy(T0) + b.busy(T0) == 2
+    assert a.busy(T0 + 10 * HOLD) + b.busy(T0 + 10 * HOLD) == 2
+
+
+def test_an_idle_peer_is_borrowed_after_the_hold_a_busy_one_never(tmp_path: Path, live_pids: list[int]) -> None:
+    a, rec_a = _join(tmp_path, 1, live_pids[0])
+    b, _ = _join(tmp_path, 3, live_pids[1])
+    b.idle(T0)
+    assert a.busy(T0 + HOLD - 1) == 1  # b paused for less than the hold: not lent
+    assert a.busy(T0 + HOLD) == 4  # idle for the hold: its 3 threads are lent
+    b.busy(T0 + HOLD + 5)
+    assert a.busy(T0 + HOLD + 6) == 1  # b works again: a gives its cores back at its next step
+    assert rec_a.calls == [4, 1]
+
+
+def test_a_dead_peer_is_borrowed_at_once(tmp_path: Path) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    gone = int(dead.stdout)
+    a, _ = _join(tmp_path, 1, os.getpid())
+    b, _ = _join(tmp_path, 2, gone)
+    b.busy(T0)  # it crashed mid-step: its busy flag stays set
+    assert a.busy(T0 + 1) == 3
+
+
+def test_a_dead_peers_slot_is_claimed_again(tmp_path: Path) -> None:
+    gone = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True).stdout)
+    stale, _ = _join(tmp_path, 1, gone)
+    fresh, _ = _join(tmp_path, 1, os.getpid())
+    assert fresh.slot == stale.slot
+
+
+def test_no_flapping_when_a_peer_pauses_shorter_than_the_hold(tmp_path: Path, live_pids: list[int]) -> None:
+    a, rec_a = _join(tmp_path, 1, live_pids[0])
+    b, rec_b = _join(tmp_path, 1, live_pids[1])
+    a.busy(T0)
+    b.busy(T0)
+    now = T0
+    for _ in range(200):  # b steps with 1 ms pauses; a keeps working
+        now += 1_000_000
+        b.idle(now)
+        now += 1_000_000
+        a.busy(now)
+        b.busy(now)
+    assert rec_a.calls == [] and rec_b.calls == []
+    assert a.changes == 0
+
+
+def test_idle_drops_back_only_after_the_hold(tmp_path: Path, live_pids: list[int]) -> None:
+    a, rec = _join(tmp_path, 1, live_pids[0])
+    b, _ = _join(tmp_path, 1, live_pids[1])
+    b.idle(T0)
+    assert a.busy(T0 + HOLD) == 2
+    assert a.idle(T0 + HOLD + 1) == 2  # a short pause keeps the borrowed threads
+    assert a.idle(T0 + 2 * HOLD + 1) == 1
+    assert rec.calls == [2, 1]
+
+
+def test_lendable_threads_counts_only_idle_or_gone_peers() -> None:
+    peers = [cs.Peer(pid=11, share=2, threads=2, busy=True, changed_ns=0),
+             cs.Peer(pid=12, share=1, threads=1, busy=False, changed_ns=T0),
+             cs.Peer(pid=13, share=4, threads=4, busy=True, changed_ns=0)]
+    alive = {11: True, 12: True, 13: False}.__getitem__
+    assert cs.lendable_threads(peers, T0 + HOLD, HOLD, alive) == 1 + 4
+    assert cs.lendable_threads(peers, T0 + HOLD - 1, HOLD, alive) == 4
+
+
+def test_group_file_is_private_and_removed(tmp_path: Path) -> None:
+    path = cs.create_group("up1-ab", tmp_path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert path.stat().st_size == cs.FILE_BYTES
+    with pytest.raises(cs.CoreShareError):
+        cs.create_group("up1-ab", tmp_path)  # never reuses a file someone made
+    cs.remove_group("up1-ab", tmp_path)
+    assert not path.exists()
+    cs.remove_group("up1-ab", tmp_path)  # gone already: nothing
+
+
+def test_refuses_links_foreign_modes_and_bad_ids(tmp_path: Path) -> None:
+    (tmp_path / "target").write_bytes(b"")
+    (tmp_path / f"{cs.FILE_PREFIX}link").symlink_to(tmp_path / "target")
+    with pytest.raises(cs.CoreShareError, match="symbolic link"):
+        _join(tmp_path, 1, os.getpid(), group="link")
+    loose = tmp_path / f"{cs.FILE_PREFIX}loose"
+    loose.write_bytes(b"")
+    loose.chmod(0o644)
+    with pytest.raises(cs.CoreShareError, match="0600"):
+        _join(tmp_path, 1, os.getpid(), group="loose")
+    other = tmp_path / f"{cs.FILE_PREFIX}other"
+    other.write_bytes(b"x" * 8)
+    other.chmod(0o600)
+    with pytest.raises(cs.CoreShareError, match="bytes"):
+        _join(tmp_path, 1, os.getpid(), group="other")
+    for bad in ("", "../etc", "a/b", "-x", "x" * 65):
+        with pytest.raises(cs.CoreShareError):
+            cs.check_group_id(bad)
+
+
+def test_leave_frees_the_slot(tmp_path: Path, live_pids: list[int]) -> None:
+    a, _ = _join(tmp_path, 1, live_pids[0])
+    b, _ = _join(tmp_path, 1, live_pids[1])
+    a.leave()
+    assert [p.pid for p in b.peers()] == []
+
+
+def test_engine_config_validates_the_group_id() -> None:
+    from services.engine.config import EngineConfig, EngineConfigError
+
+    assert EngineConfig(cpu_share_group="up12-abcd").cpu_share_group == "up12-abcd"
+    with pytest.raises(EngineConfigError, match="PDSERVE_CPU_SHARE_GROUP"):
+        EngineConfig(cpu_share_group="../x")
