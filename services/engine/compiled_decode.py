@@ -65,8 +65,12 @@ class CompiledDecode:
         """batch size -> torch.compile wrapper (traces on a cache miss: compiling thread only)."""
         self._run_only: dict[int, Callable] = {}
         """batch size -> the same variant, never compiling (the engine thread's calls)."""
+        self._codes: dict[int, types.CodeType] = {}
+        """batch size -> the variant's code object (Dynamo's cache hangs on it)."""
         for b in range(1, max_batch + 1):
-            fn = types.MethodType(_own_code(type(self)._eager_forward, f"b{b}"), self)
+            own = _own_code(type(self)._eager_forward, f"b{b}")
+            self._codes[b] = own.__code__
+            fn = types.MethodType(own, self)
             self._compiled[b] = torch.compile(fn, fullgraph=True)
             self._run_only[b] = torch._dynamo.run(fn)
         self.active: frozenset[int] = frozenset()
@@ -173,7 +177,24 @@ class CompiledDecode:
     def scratch_pool(self, pages: int) -> torch.Tensor:
         """A private pool of ``pages`` pages shaped like the engine's (what compiling and checking write)."""
         shape = (self.kv_cache.shape[0], 2, max(pages, MIN_PAGES), self.block_size, self.kv_heads, self.head_dim)
-        return torch.zeros(shape, dtype=self.kv_cache.dtype, device=self.kv_cache.device)
+        # An inference tensor lacks a dispatch key a normal one has, and Dynamo guards on the key set: the
+        # scratch pool is made like the engine's, so what is compiled against it accepts the engine's pool.
+        with torch.inference_mode(self.kv_cache.is_inference()):
+            return torch.zeros(shape, dtype=self.kv_cache.dtype, device=self.kv_cache.device)
+
+    def serves_engine_pool(self, batch: int, rows: list[tuple[int, int, list[int]]]) -> bool | None:
+        """Whether variant ``batch`` would run compiled on the engine's pool with inputs like ``rows``': its
+        guards are evaluated on the pool's metadata (no tensor data is read, nothing runs). None when this
+        torch does not expose its guards (then the check is skipped)."""
+        try:
+            from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+            entries = _debug_get_cache_entry_list(self._codes[batch])
+            ids, pos, _, gather, mask = self.inputs(rows)
+            local = {"self": self, "ids": ids, "pos": pos, "kv": self.kv_cache, "gather": gather, "mask": mask}
+            return any(e.guard_manager.check(local) for e in entries)
+        except (ImportError, AttributeError, TypeError):
+            return None
 
     @torch.inference_mode()
     def warm_up(self) -> bool:

@@ -177,6 +177,10 @@ class DecodeCompiler:
                 return
             rows = [((11 * i + 5) % vocab, lens[i], tables[i]) for i in range(b)]  # (token, position, table)
             self._check(v, rows, eager, scratch)
+            if v.active and cd.serves_engine_pool(b, rows) is False:
+                log.warning("engine: compiled decode step of %d sequences: its guards refuse the engine's KV pool "
+                            "(it would run uncompiled there): stays eager", b)
+                v.active = False
             v.decided = time.monotonic()
             if v.active:
                 cd.activate(b)

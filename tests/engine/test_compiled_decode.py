@@ -117,6 +117,8 @@ def test_engine_serves_eager_until_the_switch_then_the_same_tokens(tiny_llama3_d
     assert [v.batch for v in r.variants] == [1, 2] and all(v.same_argmax and v.active for v in r.variants), r
     assert all(v.max_logit_diff < 1e-3 for v in r.variants), r
     assert cd.active == {1, 2}
+    with torch.inference_mode():  # as the engine thread calls them: compiled against scratch, they take its pool
+        assert all(cd.serves_engine_pool(b, [(5, 9, [0, 1])] * b) for b in (1, 2))
     steps: list[int] = []
     compiled_step = cd.step
     cd.step = lambda chunks: steps.append(len(chunks)) or compiled_step(chunks)  # type: ignore[method-assign]
