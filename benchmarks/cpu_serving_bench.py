@@ -1,8 +1,11 @@
 """CPU serving as deployed: ``pdserve up`` (disaggregated and --colocated) against the in-process engine and
-llama.cpp's server, on the same GGUF, with the same OpenAI-compatible client, in one run.
+llama.cpp's server, on the same GGUF, with the same OpenAI-compatible client, in one run. ``up`` lends cores
+between its engines (the default); ``up-fixed`` is the same 1P1D cluster with ``--no-lend-cores`` (each engine
+keeps its fixed share) and ``up-pinned`` the same with ``--pin-cores`` (pinned: no lending), so one run shows
+what lending does and what pinning instead would.
 
     pdserve bench cpu-serving [--prompt-len 512] [--output-len 64] [--concurrency 1,4,16] [--repeats 3]
-                              [--systems engine,up,colocated,llamacpp] [--llama-python PATH]
+                              [--systems engine,up,up-fixed,up-pinned,colocated,llamacpp] [--llama-python PATH]
                               [--cpu-compile-decode N] [--json out.json]
 
 Every system is started once and stays up; the systems then TAKE TURNS round by round (round i of
@@ -59,7 +62,10 @@ DECODE_GOAL = 1.0
 """pdserve batch-1 decode tok/s over llama.cpp's (at least)."""
 THROUGHPUT_GOAL = 2.0
 """pdserve output tok/s at concurrency 16 over llama.cpp's (at least)."""
-SYSTEMS = ("engine", "up", "colocated", "llamacpp")
+SYSTEMS = ("engine", "up", "up-fixed", "up-pinned", "colocated", "llamacpp")
+SERVED = {"up": [], "up-fixed": ["--no-lend-cores"], "up-pinned": ["--pin-cores"], "colocated": ["--colocated"]}
+"""pdserve systems -> their `pdserve up` flags (up-fixed: the same 1P1D cluster without core lending;
+up-pinned: each engine pinned to its share's cores, where lending is off)."""
 
 
 @dataclass
@@ -154,7 +160,7 @@ def ratios(engine: SystemResult | None, served: list[SystemResult], llama: Syste
             continue
         if prefill is not None and prefill.ttft_s > 0:
             r.ttft_over_prefill[s.name] = one.ttft_s / prefill.ttft_s
-        if s.name == "up" and share_prefill:
+        if s.name.startswith("up") and share_prefill:
             r.ttft_over_share_prefill[s.name] = one.ttft_s / share_prefill
         if base1 is not None and base1.tpot_s and one.tpot_s:
             r.decode_vs_llamacpp[s.name] = base1.tpot_s / one.tpot_s
@@ -316,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
                                              f"{args.cpu_compile_decode}); prefill also at {share} thread(s)")
             print(f"engine: ready; dtype {dtype_s}, weight format {fmt_s}", flush=True)
         common = ["--model", str(gguf), "--dtype", args.dtype]
-        for name, extra in (("up", []), ("colocated", ["--colocated"])):
+        for name, extra in SERVED.items():
             if name not in systems:
                 continue
             port, base = free_port(), free_port_run(6)
@@ -377,8 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         res.load_avg.append(os.getloadavg()[0])
     ordered = [results[n] for n in SYSTEMS if n in results]
     top = max(concurrencies)
-    r = ratios(results.get("engine"), [s for s in ordered if s.name in ("up", "colocated")], results.get("llamacpp"),
-               top, share)
+    r = ratios(results.get("engine"), [s for s in ordered if s.name in SERVED], results.get("llamacpp"), top, share)
     print()
     print(f"{cpu.model} [{' '.join(cpu.reported_flags()) or '-'}], dtype {dtype_s}, weight format {fmt_s}, "
           f"cpu_compile_decode {args.cpu_compile_decode}, prompt {args.prompt_len} tokens, {args.output_len} output "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -22,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.engine.core_share import create_group, remove_group
 from services.engine.cpu_features import engine_cpu_args, quiet_openmp_env
 from services.process import RestartPolicy, ServiceProc, emit, exit_text, parse_ready
 
@@ -99,7 +101,7 @@ class LocalCluster:
                  kv_transport: str = "grpc", tls_dir: str | os.PathLike[str] | None = None,
                  api_key: str | None = None, api_key_file: str | None = None, supervise: bool = False,
                  restart_policy: RestartPolicy | None = None, pin_cores: bool = False,
-                 metrics_port_base: int = 0) -> None:
+                 metrics_port_base: int = 0, lend_cores: bool = True) -> None:
         self.n_prefill, self.n_decode, self.kvstore = prefill, decode, kvstore
         self.model, self.dtype, self.host = model, dtype, host
         self.http_port, self.grpc_port = http_port, grpc_port
@@ -111,6 +113,11 @@ class LocalCluster:
         # OpenMP workers sleep when idle (engines share the host's cores); set before torch loads.
         self.env = {**quiet_openmp_env(os.environ), "PYTHONUNBUFFERED": "1", **(env or {})}
         self.pin_cores = pin_cores
+        # Engines lend each other idle cores through one share group (services/engine/core_share.py):
+        # unpinned, more than one engine process; the group file is created at start, removed at stop.
+        n_engines = self.n_decode + (0 if colocated else self.n_prefill)
+        self.share_group = (f"up{os.getpid()}-{secrets.token_hex(4)}"
+                            if lend_cores and not pin_cores and n_engines > 1 else "")
         # 0: metrics ports picked free at start; N: fixed, router N, kvstore N+1, mooncake master N+2,
         # prefill-i N+3+i, decode-j / worker-j after the prefills (metrics_port()).
         self.metrics_port_base = metrics_port_base
@@ -278,6 +285,9 @@ class LocalCluster:
         specs: list[_Spec] = []
         # Each engine process gets its share of this host's cores (--cpu-threads, --cpu-affinity if pinned).
         cpu = engine_cpu_args(0 if self.colocated else self.n_prefill, self.n_decode, pin=self.pin_cores)
+        if self.share_group:
+            create_group(self.share_group)
+            cpu = [[*a, "--cpu-share-group", self.share_group] for a in cpu]
         if self.colocated:
             specs += [self._service(f"worker-{j}", "decode", ["--mode", "colocated", *self.model_args(), *cpu[j]])
                       for j in range(self.n_decode)]
@@ -359,6 +369,8 @@ class LocalCluster:
                 p.reap(max(0.1, deadline - time.monotonic()))
         for p in procs:
             p.join_output(5.0)
+        if self.share_group:
+            remove_group(self.share_group)
 
     def kill_all(self) -> None:
         """SIGKILL every service's process group at once (a second Ctrl-C)."""

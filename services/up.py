@@ -79,6 +79,10 @@ class UpConfig:
     dtype: str = reuse(DtypeConfig, "dtype", group=_CLUSTER)
     pin_cores: bool = opt(False, "Pin each engine process to its own share of this host's CPUs (--cpu-affinity).",
                           env=_env("pin_cores"), group=_CLUSTER)
+    lend_cores: bool = opt(True, "Engines lend each other the cores of their shares while idle (the prefill "
+                                 "computes on all cores while its decode waits for the KV, the decode decodes "
+                                 "on all while the prefill is idle): --cpu-share-group. Off under --pin-cores.",
+                           env=_env("lend_cores"), group=_CLUSTER)
     kv_transport: str = reuse(PrefillConfig, "kv_transport", default="auto", group=_CLUSTER)
     """Every prefill's --kv-transport; decodes offer what it needs (services.launcher.kv_transport_args). auto:
     decode shares its pool, prefill writes into it (shm on CPU, cuda-ipc on GPU)."""
@@ -239,7 +243,7 @@ def _run(cfg: UpConfig, tls_dir: Path | None, key: str | None,
                            api_key=None if cfg.api_key_file else key,
                            api_key_file=str(Path(cfg.api_key_file).resolve()) if cfg.api_key_file else None,
                            supervise=cfg.restart, restart_policy=policy, pin_cores=cfg.pin_cores,
-                           metrics_port_base=cfg.metrics_port_base, extra=extra)
+                           metrics_port_base=cfg.metrics_port_base, extra=extra, lend_cores=cfg.lend_cores)
     stop = threading.Event()
 
     signals: list[int] = []

@@ -84,6 +84,7 @@ PREFILL_KV_CHUNKS_SENT_TOTAL = "pdserve_prefill_kv_chunks_sent_total"
 PREFILL_KV_TRANSFER_FAILURES_TOTAL = "pdserve_prefill_kv_transfer_failures_total"
 PREFILL_RUNNING_REQUESTS = "pdserve_prefill_running_requests"
 PREFILL_WAITING_REQUESTS = "pdserve_prefill_waiting_requests"
+PREFILL_CPU_THREADS = "pdserve_prefill_cpu_threads"
 PREFILL_ENGINE_INFO = "pdserve_prefill_engine_info"
 PREFILL_REQUESTS_ABORTED_TOTAL = "pdserve_prefill_requests_aborted_total"
 PREFILL_KVSTORE_ERRORS_TOTAL = "pdserve_prefill_kvstore_errors_total"
@@ -102,6 +103,7 @@ DECODE_RESERVATIONS_EXPIRED_TOTAL = "pdserve_decode_reservations_expired_total"
 DECODE_KV_CACHE_USAGE_RATIO = "pdserve_decode_kv_cache_usage_ratio"
 DECODE_RUNNING_REQUESTS = "pdserve_decode_running_requests"
 DECODE_WAITING_REQUESTS = "pdserve_decode_waiting_requests"
+DECODE_CPU_THREADS = "pdserve_decode_cpu_threads"
 DECODE_WAITING_FOR_KV_REQUESTS = "pdserve_decode_waiting_for_kv_requests"
 DECODE_GENERATION_TOKENS_TOTAL = "pdserve_decode_generation_tokens_total"
 DECODE_KV_STREAMS_BROKEN_TOTAL = "pdserve_decode_kv_streams_broken_total"
@@ -193,6 +195,8 @@ SPECS: tuple[MetricSpec, ...] = (
        "KV transfers to decode that failed, by transport and reason."),
     _s(PREFILL_RUNNING_REQUESTS, "gauge", ["model"], "prefill", "Requests with a chunk in the running batch."),
     _s(PREFILL_WAITING_REQUESTS, "gauge", ["model"], "prefill", "Requests queued, no chunk scheduled yet."),
+    _s(PREFILL_CPU_THREADS, "gauge", ["model"], "prefill",
+       "torch intra-op threads the engine runs with now: its share plus the cores idle peers lend."),
     _s(PREFILL_ENGINE_INFO, "gauge", ENGINE_INFO_LABELS, "prefill",
        "1, labelled with the engine's resolved dtype and why, device, CPU model and torch threads."),
     _s(PREFILL_REQUESTS_ABORTED_TOTAL, "counter", ["reason"], "prefill",
@@ -229,6 +233,8 @@ SPECS: tuple[MetricSpec, ...] = (
     _s(DECODE_KV_CACHE_USAGE_RATIO, "gauge", ["model"], "decode",
        "Fraction of KV cache blocks in use or reserved, 0..1."),
     _s(DECODE_RUNNING_REQUESTS, "gauge", ["model"], "decode", "Requests in the running decode batch."),
+    _s(DECODE_CPU_THREADS, "gauge", ["model"], "decode",
+       "torch intra-op threads the engine runs with now: its share plus the cores idle peers lend."),
     _s(DECODE_WAITING_REQUESTS, "gauge", ["model"], "decode",
        "Requests with complete KV waiting to join the running batch."),
     _s(DECODE_WAITING_FOR_KV_REQUESTS, "gauge", ["model"], "decode",

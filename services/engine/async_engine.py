@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
 from services.engine.config import EngineConfig
+from services.engine.core_share import CoreShare, CoreShareError
 from services.engine.engine import LLMEngine, RequestOutput
 from services.engine.model_loader import LoadedModel
 from services.engine.sampling_params import SamplingParams, TopLogprobs
@@ -47,6 +48,32 @@ def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
         q.put_nowait(o)
 
 
+def _set_torch_threads(n: int) -> None:
+    import torch
+
+    torch.set_num_threads(n)
+
+
+def _join_share_group(config: EngineConfig) -> CoreShare | None:
+    """This engine's slot in its core share group (--cpu-share-group), or None: no group, not on CPU, pinned
+    (--cpu-affinity: lending would have to widen the pin), tensor-parallel (ranks step in lockstep with
+    equal threads), or the group file refused (logged; the engine runs on its own share)."""
+    group = config.cpu_share_group
+    if not group:
+        return None
+    why_not = ("device is not cpu" if not config.device.startswith("cpu") else
+               "pinned by --cpu-affinity" if config.cpu_affinity_list else
+               "tensor-parallel" if config.tensor_parallel_size > 1 else "")
+    if why_not:
+        log.info("core share group %s: lending off (%s)", group, why_not)
+        return None
+    try:
+        return CoreShare.join(group, config.resolved_cpu_threads, _set_torch_threads)
+    except CoreShareError as e:
+        log.warning("core share group %s: lending off: %s", group, e)
+        return None
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
                  engine: LLMEngine | None = None) -> None:
@@ -63,6 +90,9 @@ class AsyncEngine:
         self._published: dict[str, float] = {}
         self._step_start = 0.0
         """monotonic time the running step began; 0.0 between steps."""
+        self._cores = _join_share_group(config)
+        self._threads = config.resolved_cpu_threads if config.device.startswith("cpu") else 0
+        """torch intra-op threads now (the ``cpu_threads`` stat; 0 off CPU)."""
         self._publish()
         self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
         self._thread.start()
@@ -75,12 +105,16 @@ class AsyncEngine:
             try:
                 self._run_commands()
                 if eng.has_work():
+                    if self._cores is not None:
+                        self._threads = self._cores.busy()
                     self._step_start = time.monotonic()
                     outputs = eng.step()
                     self._step_start = 0.0
                     self._deliver(outputs)
                     self._publish()
                 else:
+                    if self._cores is not None:
+                        self._threads = self._cores.idle()
                     self._publish()
                     self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()
@@ -112,6 +146,7 @@ class AsyncEngine:
     def _publish(self) -> None:
         s = self.engine.stats()
         s["published_unix"] = time.time()
+        s["cpu_threads"] = float(self._threads)
         self._published = s
 
     def _die(self, e: BaseException) -> None:
@@ -162,7 +197,8 @@ class AsyncEngine:
 
     def published_stats(self) -> dict[str, float]:
         """The engine's latest published figures (never waits on the engine thread): running, waiting,
-        waiting_for_kv, free_blocks, total_blocks, kv_usage, published_unix (Unix s) and step_running_s
+        waiting_for_kv, free_blocks, total_blocks, kv_usage, published_unix (Unix s), cpu_threads (torch
+        threads now: its share plus what peers lend, services/engine/core_share.py) and step_running_s
         (seconds the current step has run; 0 between steps)."""
         s = dict(self._published)
         start = self._step_start
@@ -276,4 +312,7 @@ class AsyncEngine:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout)
+        if self._cores is not None and not self._thread.is_alive():
+            self._cores.leave()
+            self._cores = None
         self.engine.runner.release()

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from services.common.config import ContextConfig, opt
+from services.engine.core_share import CoreShareError, check_group_id
 from services.engine.cpu_features import (
     DTYPE_REASONS,
     apply_cpu_threads,
@@ -38,6 +39,12 @@ class EngineConfig(ContextConfig, ModelConfig, DtypeConfig):
                               "run on (its affinity mask). pdserve up gives each engine its share of the host.")
     cpu_affinity: str = opt("", "Pin this engine process to these CPUs at start (Linux cpulist, e.g. 0-3,8); "
                                 "empty: keep the inherited affinity.")
+    cpu_share_group: str = opt("", "Core lending (CPU): engine processes of one host given the same id lend each "
+                                   "other their --cpu-threads through /dev/shm/pdserve-cores-<id> (mode 0600): "
+                                   "before each step an engine runs with its own threads plus those of peers "
+                                   "idle for 3 ms or gone, and drops back when it has no work. pdserve up sets it "
+                                   "for the engines it starts (--no-lend-cores: off). Empty: off; no effect "
+                                   "with --cpu-affinity or at --tensor-parallel-size > 1.")
     block_size: int = opt(16, "Tokens per KV page.")
     num_kv_blocks: int = opt(0, "KV pages to allocate; 0 sizes the pool from kv_cache_bytes.")
     kv_cache_bytes: int = opt(1 << 30, "Bytes for the KV pool when num_kv_blocks is 0.")
@@ -95,6 +102,11 @@ class EngineConfig(ContextConfig, ModelConfig, DtypeConfig):
                                     f"sizes), got {self.cpu_compile_decode}")
         if self.cpu_threads < 0:
             raise EngineConfigError(f"--cpu-threads / PDSERVE_CPU_THREADS: must be >= 0, got {self.cpu_threads}")
+        if self.cpu_share_group:
+            try:
+                check_group_id(self.cpu_share_group)
+            except CoreShareError as e:
+                raise EngineConfigError(f"--cpu-share-group / PDSERVE_CPU_SHARE_GROUP: {e}") from None
         try:
             self.cpu_affinity_list: list[int] = parse_cpu_list(self.cpu_affinity)
         except ValueError as e:

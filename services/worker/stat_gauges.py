@@ -7,7 +7,8 @@ from collections.abc import Callable
 from services.common.metrics import MetricGroup
 
 STAT_GAUGES = {"running": "running_requests", "waiting": "waiting_requests",
-               "waiting_for_kv": "waiting_for_kv_requests", "kv_usage": "kv_cache_usage_ratio"}
+               "waiting_for_kv": "waiting_for_kv_requests", "kv_usage": "kv_cache_usage_ratio",
+               "cpu_threads": "cpu_threads"}
 """Engine stats key -> the gauge attribute of a service's metric group that shows it."""
 
 

@@ -7,13 +7,16 @@ from prometheus_client import CollectorRegistry
 from services.common import metrics as m
 from services.worker.stat_gauges import stat_gauges
 
-STATS = {"running": 3.0, "waiting": 2.0, "waiting_for_kv": 1.0, "kv_usage": 0.25, "free_blocks": 9.0}
+STATS = {"running": 3.0, "waiting": 2.0, "waiting_for_kv": 1.0, "kv_usage": 0.25, "free_blocks": 9.0,
+         "cpu_threads": 2.0}
 
 
-def test_decode_publishes_all_four_and_prefill_its_two() -> None:
+def test_decode_publishes_all_five_and_prefill_its_three() -> None:
     for group, want in ((m.DecodeMetrics, {m.DECODE_RUNNING_REQUESTS: 3.0, m.DECODE_WAITING_REQUESTS: 2.0,
-                                           m.DECODE_WAITING_FOR_KV_REQUESTS: 1.0, m.DECODE_KV_CACHE_USAGE_RATIO: 0.25}),
-                        (m.PrefillMetrics, {m.PREFILL_RUNNING_REQUESTS: 3.0, m.PREFILL_WAITING_REQUESTS: 2.0})):
+                                           m.DECODE_WAITING_FOR_KV_REQUESTS: 1.0, m.DECODE_KV_CACHE_USAGE_RATIO: 0.25,
+                                           m.DECODE_CPU_THREADS: 2.0}),
+                        (m.PrefillMetrics, {m.PREFILL_RUNNING_REQUESTS: 3.0, m.PREFILL_WAITING_REQUESTS: 2.0,
+                                            m.PREFILL_CPU_THREADS: 2.0})):
         registry = CollectorRegistry()
         model = ["loading"]
         publish = stat_gauges(group(registry), lambda model=model: model[0])
