@@ -159,6 +159,13 @@ def pd_rows() -> list[Row]:
                   description="Near 0: transfer hidden behind prefill compute. Near 1: decode waits on bytes."),
             Panel("Prefill compute (p50/p99)", p50_p99(m.PREFILL_COMPUTE_SECONDS), unit="s", width=12,
                   description="First chunk scheduled -> last chunk computed."),
+            Panel("Handoff phases (mean)", [
+                Target(f"sum by (phase) ({rate(h + '_sum')}) / sum by (phase) ({rate(h + '_count')})",
+                       f"{svc} {{{{phase}}}}")
+                for h, svc in ((m.ROUTER_HANDOFF_PHASE_SECONDS, "router"), (m.PREFILL_HANDOFF_PHASE_SECONDS, "prefill"),
+                               (m.DECODE_HANDOFF_PHASE_SECONDS, "decode"))], unit="s", width=24,
+                  description="Router: arrival -> each point of the handoff. Prefill and decode: their own phases "
+                              "(docs/METRICS.md). benchmarks/pd_plumbing.py lines them up for one request."),
         ]),
         Row("KV transfer", [
             Panel("KV bytes/s by transport", [

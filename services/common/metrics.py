@@ -27,6 +27,7 @@ Label values (small, closed sets; never request ids or prompts):
     transport      grpc | shm | cuda-ipc | mooncake
     tier           memory | disk | mooncake
     outcome        ok | failed   (router migrations)
+    phase          a point of a P/D handoff (the *_handoff_phase_seconds help lists them)
     dtype, dtype_reason, device, cpu_model, cpu_threads, weight_format, weight_format_reason
                                                           (engine info gauges only: one series per process)
 """
@@ -51,6 +52,8 @@ LATENCY_BUCKETS: tuple[float, ...] = (
     1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0,
     90.0, 120.0, 180.0, 240.0, 300.0, 450.0, 600.0,
 )
+# Phases of one P/D handoff: 100 us .. 600 s (on one host most phases take well under 1 ms).
+PHASE_BUCKETS: tuple[float, ...] = (0.0001, 0.00025, 0.0005, *LATENCY_BUCKETS)
 # Tokens per speculative verify step (accepted drafts + 1): 1 .. 16.
 SPEC_LENGTH_BUCKETS: tuple[float, ...] = tuple(float(n) for n in range(1, 17))
 # Per-token gaps (ITL, TPOT): denser below 200 ms, still reaching 300 s for stalls.
@@ -71,6 +74,7 @@ ROUTER_DISPATCH_RETRIES_TOTAL = "pdserve_router_dispatch_retries_total"
 ROUTER_INFLIGHT_REQUESTS = "pdserve_router_inflight_requests"
 ROUTER_INSTANCE_HEALTHY = "pdserve_router_instance_healthy"
 ROUTER_MIGRATIONS_TOTAL = "pdserve_router_migrations_total"
+ROUTER_HANDOFF_PHASE_SECONDS = "pdserve_router_handoff_phase_seconds"
 
 # --- prefill ------------------------------------------------------------------------------------
 PREFILL_QUEUE_SECONDS = "pdserve_prefill_queue_seconds"
@@ -90,11 +94,13 @@ PREFILL_REQUESTS_ABORTED_TOTAL = "pdserve_prefill_requests_aborted_total"
 PREFILL_KVSTORE_ERRORS_TOTAL = "pdserve_prefill_kvstore_errors_total"
 PREFILL_KV_TRANSPORT_FALLBACKS_TOTAL = "pdserve_prefill_kv_transport_fallbacks_total"
 PREFILL_KV_RANK_PAGES_TOTAL = "pdserve_prefill_kv_rank_pages_total"
+PREFILL_HANDOFF_PHASE_SECONDS = "pdserve_prefill_handoff_phase_seconds"
 
 # --- decode -------------------------------------------------------------------------------------
 DECODE_KV_WAIT_SECONDS = "pdserve_decode_kv_wait_seconds"
 DECODE_KV_TRANSFER_EXPOSED_SECONDS = "pdserve_decode_kv_transfer_exposed_seconds"
 DECODE_QUEUE_SECONDS = "pdserve_decode_queue_seconds"
+DECODE_HANDOFF_PHASE_SECONDS = "pdserve_decode_handoff_phase_seconds"
 DECODE_TPOT_SECONDS = "pdserve_decode_time_per_output_token_seconds"
 DECODE_KV_RECEIVED_BYTES_TOTAL = "pdserve_decode_kv_received_bytes_total"
 DECODE_KV_CHUNKS_RECEIVED_TOTAL = "pdserve_decode_kv_chunks_received_total"
@@ -173,6 +179,11 @@ SPECS: tuple[MetricSpec, ...] = (
        "1 if the router sees the backend instance as SERVING, else 0."),
     _s(ROUTER_MIGRATIONS_TOTAL, "counter", ["outcome"], "router",
        "Streams moved to another decode after theirs died mid-generation, by outcome (ok, failed)."),
+    _s(ROUTER_HANDOFF_PHASE_SECONDS, "histogram", ["phase"], "router",
+       "Time from a P/D request's arrival at the router to a point of its handoff (seconds): reserve (decode's "
+       "Reserve answered), prefill_sent (Prefill call made), prefill_response (PrefillResponse received), "
+       "decode_first (decode's first message received), first_token (first token handed to the client).",
+       PHASE_BUCKETS),
     # prefill
     _s(PREFILL_QUEUE_SECONDS, "histogram", ["model"], "prefill",
        "Prefill queue: Prefill request arrives -> its first chunk is scheduled (seconds)."),
@@ -211,6 +222,11 @@ SPECS: tuple[MetricSpec, ...] = (
     _s(PREFILL_KV_RANK_PAGES_TOTAL, "counter", ["rank"], "prefill",
        "Page slices a rank of this instance wrote straight into a decode rank's pool over a side transport "
        "(rank to rank, tensor parallelism; a page split over k decode ranks counts k)."),
+    _s(PREFILL_HANDOFF_PHASE_SECONDS, "histogram", ["phase"], "prefill",
+       "One phase of a P/D request at prefill (seconds): rpc_in (router sent -> Prefill arrived, Unix clocks), "
+       "claim (arrival -> decode acknowledged the claim), admitted (arrival -> in the engine), last_sent (last "
+       "chunk computed -> last KV message handed to the sender), finish (-> decode's PushKV answer), "
+       "respond (arrival -> PrefillResponse returned).", PHASE_BUCKETS),
     # decode
     _s(DECODE_KV_WAIT_SECONDS, "histogram", ["model"], "decode",
        "Decode KV-wait: reservation -> last KV chunk landed (seconds). Includes prefill queue and "
@@ -220,6 +236,9 @@ SPECS: tuple[MetricSpec, ...] = (
        "the transfer time that chunk overlap did not hide."),
     _s(DECODE_QUEUE_SECONDS, "histogram", ["model"], "decode",
        "Decode queue: KV complete -> first decode step of the request (seconds)."),
+    _s(DECODE_HANDOFF_PHASE_SECONDS, "histogram", ["phase"], "decode",
+       "One phase of a P/D handoff at decode (seconds): import (last KV chunk in -> the engine thread took the "
+       "request into its batch), first_message (-> its first message handed to the router's stream).", PHASE_BUCKETS),
     _s(DECODE_TPOT_SECONDS, "histogram", ["model"], "decode",
        "Time per output token after the first, measured at decode (seconds).", TOKEN_BUCKETS),
     _s(DECODE_KV_RECEIVED_BYTES_TOTAL, "counter", ["transport"], "decode",

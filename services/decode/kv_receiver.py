@@ -88,8 +88,12 @@ class DecodeKVReceiver:
                  on_landed: Callable[[Reservation, common_pb2.KVChunk], None] | None = None,
                  on_rejected: Callable[[str], None] | None = None,
                  on_broken: Callable[[], None] | None = None,
-                 destination: decode_pb2.KVDestination | None = None) -> None:
+                 destination: decode_pb2.KVDestination | None = None,
+                 on_phase: Callable[[str, float], None] | None = None) -> None:
         self.engine = engine
+        self.on_phase = on_phase
+        """Observes a handoff phase (name, seconds): ``import`` = last chunk checked and its pages in -> the
+        engine took the request into its batch (the engine-thread hop)."""
         self.pool_id = pool_id(destination) if destination is not None and destination.WhichOneof("pool") else ""
         """The pool side transports may claim (what Reserve offers); empty: none."""
         self.layout = layout
@@ -351,12 +355,15 @@ class DecodeKVReceiver:
         if r.lease is not None:  # every page is in: the lease has done its job
             r.lease.cancel()
             r.lease = None
+        t0 = time.monotonic()
         if not await self.engine.kv_import_done(r.reservation_id, c.first_token,
                                                 c.first_logprob if r.params.logprobs else None,
                                                 top_from_pb(c.first_top_logprobs) if r.params.top_logprobs else None):
             await self.release(r, EndCause.ABORTED)  # the engine no longer waits for it
             raise _gone(r)
         r.kv_done_at = time.monotonic()
+        if self.on_phase is not None:
+            self.on_phase("import", r.kv_done_at - t0)
         if self.on_landed is not None:
             self.on_landed(r, c)
 

@@ -87,7 +87,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.receiver = DecodeKVReceiver(engine, self.layout, self.table, [engine.engine.fp8_layout],
                                          destination=self.destination, on_landed=self._landed,
                                          on_rejected=lambda reason: metrics.kv_chunks_rejected_total.labels(reason).inc(),
-                                         on_broken=lambda: metrics.kv_streams_broken_total.labels(self.model).inc())
+                                         on_broken=lambda: metrics.kv_streams_broken_total.labels(self.model).inc(),
+                                         on_phase=lambda phase, s: metrics.handoff_phase_seconds.labels(phase).observe(s))
         self.leases = LeaseKeeper(self.config, self.receiver.release, on_end=self._lease_ended)
 
     # --- admission ---
@@ -302,10 +303,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.leases.picked_up(r)
         self._generating += 1
         finished = False
+        first_sent = False
         with tracing.span_from_metadata("decode.generate", context.invocation_metadata(),
                                         request_id=r.request_id):
             try:
                 async for o in self._stream(r.reservation_id, r.stream, lambda: r.kv_done_at, abort_on_exit=False):
+                    if not first_sent:  # 0 when output 1 left before the receiver task noted the landing
+                        first_sent = True
+                        self.metrics.handoff_phase_seconds.labels("first_message").observe(
+                            max(0.0, time.monotonic() - (r.kv_done_at or time.monotonic())))
                     if o.finished and o.finish_reason == FinishReason.ABORT and r.end_cause is not None:
                         await errors.ended(context, r.reservation_id, r.end_cause)
                     finished = o.finished

@@ -83,6 +83,8 @@ class RequestKVStream:
         self.hashes: list[bytes] = []
         self.writeback_from: int | None = None
         """Set when new full pages from this block on should go to the kvstore."""
+        self.last_picked: float | None = None
+        """When the sender task took the last chunk off the queue (monotonic seconds)."""
 
     # --- engine thread ---
 
@@ -156,6 +158,8 @@ async def pump(stream: RequestKVStream, sender: KVSender, request_id: str, reser
         item = await stream.queue.get()
         if isinstance(item, BaseException):
             raise item
+        if item.last:
+            stream.last_picked = time.monotonic()
         n = item.num_pages
         page_bytes += n * layout.page_bytes
         data = memoryview(b"")

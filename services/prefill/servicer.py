@@ -152,6 +152,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         first_params = dataclasses.replace(params, max_tokens=1, stop=[], stop_token_ids=[], ignore_eos=True)
         self.inflight += 1
         start = time.monotonic()
+        if request.sent_unix:
+            self._phase("rpc_in", max(0.0, time.time() - request.sent_unix))
         try:
             loop = asyncio.get_running_loop()
             try:
@@ -201,9 +203,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                                                          list(request.dest_block_ids)))
                 else:
                     await sender.bootstrap()
+                self._phase("claim", time.monotonic() - stream.arrival)
                 self.streams[rid] = stream
                 try:
                     loaded = await self._admit(rid, ids, first_params, stream)
+                    self._phase("admitted", time.monotonic() - stream.arrival)
                 except ValueError as e:  # InvalidRequestError, or a prompt this pool can never hold
                     await self._cleanup(rid, sender, "refused", writer)
                     await self._refuse(context, "invalid", grpc.StatusCode.INVALID_ARGUMENT, str(e),
@@ -212,8 +216,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 last, page_bytes = await pump(stream, sender, request.request_id, request.reservation_id,
                                               request.reservation_token, wire,
                                               payload_budget(self.config.max_message_bytes), transport)
+                if stream.last_picked is not None and stream.last_computed is not None:
+                    self._phase("picked", stream.last_picked - stream.last_computed)
+                self._since_computed("last_sent", stream)
                 with tracing.span("prefill.kv_finish"):
                     await sender.finish()
+                self._since_computed("finish", stream)
                 if last.writeback is not None and self.kvstore is not None:
                     self.kvstore.write_back(stream.hashes, *last.writeback)
             except TransferError as e:
@@ -244,6 +252,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             num_chunks=sender.chunks_sent, kv_bytes_sent=page_bytes, queue_s=queue_s, compute_s=compute_s)
         if last.first_top is not None:
             resp.first_top_logprobs.CopyFrom(top_to_pb(last.first_top))
+        self._phase("respond", time.monotonic() - stream.arrival)
         return resp
 
     def _fp8_agreed(self, request: prefill_pb2.PrefillRequest) -> PageLayout | None:
@@ -298,6 +307,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             await asyncio.shield(asyncio.to_thread(writer.quiesce))
         if sender is not None:
             await sender.abort(reason)
+
+    def _phase(self, phase: str, seconds: float) -> None:
+        self.metrics.handoff_phase_seconds.labels(phase).observe(seconds)
+
+    def _since_computed(self, phase: str, stream: RequestKVStream) -> None:
+        """Observe ``phase`` as the time since the request's last chunk was computed."""
+        if stream.last_computed is not None:
+            self._phase(phase, time.monotonic() - stream.last_computed)
 
     def _observe(self, request: prefill_pb2.PrefillRequest, stream: RequestKVStream, loaded: int, transport: str,
                  page_bytes: int, chunks_sent: int) -> None:

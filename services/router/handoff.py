@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
@@ -101,6 +102,7 @@ class Handoff:
         """Token events of ``prompt`` (output positions from 0); raises BackendError or DecodeLostError."""
         hashes = block_hashes(prompt, self.s.block_size)
         decode, resv = await self._reserve(st, prompt, params, hashes)
+        self._phase(st, "reserve")
         st.target = (decode, resv.reservation_id)
         events: asyncio.Queue[DispatchEvent] = asyncio.Queue()
         prefill_over = asyncio.Event()
@@ -135,6 +137,7 @@ class Handoff:
                         cached = ev.resp.num_cached_tokens
                         if emitted == 0:
                             emitted = 1
+                            self._phase(st, "first_token")
                             yield TokenEvent([ev.resp.first_token],
                                              [ev.resp.first_logprob if params.logprobs else None],
                                              prompt_tokens=len(prompt), cached_tokens=cached,
@@ -148,6 +151,8 @@ class Handoff:
                     lps: list[float | None] = list(msg.logprobs)[skip:] if msg.logprobs else [None] * len(new)
                     emitted = max(emitted, ev.start + len(msg.token_ids))
                     finished = reason is not None  # set before the yield: the consumer may close us there
+                    if new and emitted == len(new):
+                        self._phase(st, "first_token")
                     if finished and cached is None:
                         cached = await _late_prefill_report(events, prefill_over)
                     if new or reason:
@@ -163,6 +168,10 @@ class Handoff:
             st.target = None
             if not finished:
                 self._spawn(abort_quietly(decode, resv.reservation_id, "router"))
+
+    def _phase(self, st: RequestState, phase: str) -> None:
+        """Observe the time from the request's arrival to ``phase`` of its handoff."""
+        self.metrics.handoff_phase_seconds.labels(phase).observe(time.monotonic() - st.arrived)
 
     # --- 1. Reserve ---
 
@@ -201,6 +210,8 @@ class Handoff:
             call = decode.decode.Generate(decode_pb2.DecodeGenerateRequest(reservation_id=resv.reservation_id),
                                           metadata=st.metadata, timeout=st.timeout_s())
             async for msg in call:
+                if not start:
+                    self._phase(st, "decode_first")
                 await events.put(DecodeTokens(start, msg))
                 start += len(msg.token_ids)
             await events.put(Failed(BackendError("internal", f"decode {decode.address} ended the stream "
@@ -234,8 +245,11 @@ class Handoff:
                 prefill = pick(self.prefill_pool, self.s, hashes, tried, last)
                 try:
                     with inflight(prefill), tracing.span("router.prefill", prefill=prefill.address):
+                        req.sent_unix = time.time()
+                        self._phase(st, "prefill_sent")
                         resp = await prefill.prefill.Prefill(req, metadata=tracing.inject_metadata(),
                                                              timeout=st.timeout_s())
+                    self._phase(st, "prefill_response")
                     prefill.remember(hashes)
                     await events.put(PrefillDone(resp))
                     return

@@ -60,6 +60,8 @@ class RequestState:
     lost: set[str] = field(default_factory=set)
     """Decode addresses that died under this request (never tried again for it)."""
     migrations: int = 0
+    arrived: float = field(default_factory=time.monotonic)
+    """When dispatch took the request (monotonic seconds): the origin of the router's handoff phases."""
 
     def remaining_s(self) -> float:
         return self.deadline_unix - time.time()

@@ -184,6 +184,7 @@ _LABEL_VALUES: dict[str, list[str]] = {
     "weight_format_reason": ["measured_faster"],
     "acceptance": ["real", "synthetic"],
     "rank": ["0", "1"],
+    "phase": ["reserve", "claim", "import"],
 }
 
 
