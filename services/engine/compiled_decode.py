@@ -75,6 +75,9 @@ class CompiledDecode:
             self._run_only[b] = torch._dynamo.run(fn)
         self.active: frozenset[int] = frozenset()
         """Batch sizes the engine thread runs compiled (replaced whole, never mutated: one reference read)."""
+        self.threads = torch.get_num_threads()
+        """torch threads the variants were compiled at. Dynamo guards on the thread count (its global state
+        guard), so a step at another count (core lending, services/engine/core_share.py) runs eager."""
         self.compile_seconds = 0.0
         """Seconds spent compiling the variants (all of them, checked or not)."""
 
@@ -115,7 +118,8 @@ class CompiledDecode:
 
     def accepts(self, chunks: list[ScheduledChunk]) -> bool:
         """A pure-decode step of a batch size whose variant is switched on (engine thread, once per step)."""
-        return len(chunks) in self.active and all(c.num_new_tokens == 1 and not c.spec_tokens for c in chunks)
+        return (len(chunks) in self.active and torch.get_num_threads() == self.threads
+                and all(c.num_new_tokens == 1 and not c.spec_tokens for c in chunks))
 
     def activate(self, batch: int) -> None:
         """Switch variant ``batch`` on: the engine thread's next step of that size runs it."""
@@ -202,6 +206,7 @@ class CompiledDecode:
         benchmarks; the engine compiles in the background, decode_compiler.py). False (logged) when
         compiling fails, e.g. no working C++ compiler."""
         scratch = self.scratch_pool(MIN_PAGES)
+        self.threads = torch.get_num_threads()
         try:
             for b in range(1, self.max_batch + 1):
                 self.compile(b, scratch)

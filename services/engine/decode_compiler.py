@@ -14,8 +14,9 @@ keeps per-step rows on the module), and it never calls a variant the engine thre
 Cores: the thread runs at nice +10 (Linux: per thread; the C++ compiler processes it starts inherit it), so
 an engine step that wants the cores gets them; while it runs, the interpreter's switch interval drops to
 0.5 ms, so an engine step waiting for the GIL after each torch op (ops release it) waits at most that long
-instead of 5 ms; inductor compiles in this thread (compile_threads = 1: no worker pool), and generated
-kernels use the engine's thread share (cpp.threads).
+instead of 5 ms; inductor compiles in this thread (compile_threads = 1: no worker pool), at the engine's
+thread share (--cpu-threads): the variants serve steps run at that count, and steps at a count core lending
+raised run eager (Dynamo guards on the thread count).
 """
 
 from __future__ import annotations
@@ -150,7 +151,10 @@ class DecodeCompiler:
     def _compile_all(self) -> None:
         cd, r = self.compiled, self.report
         inductor_config.compile_threads = 1
-        inductor_config.cpp.threads = self.cpu_threads
+        # The engine's share, on this thread (guards and generated kernels take it from here); it is what
+        # the main thread set at start, so threads that start later and take the default see no change.
+        torch.set_num_threads(self.cpu_threads)
+        cd.threads = self.cpu_threads
         r.status, r.started = "compiling", time.monotonic()
         bs = cd.block_size
         pages = (CONTEXT_TOKENS + bs) // bs + 1  # the prompt, the decoded token, one spare

@@ -64,6 +64,12 @@ def test_compiled_decode_takes_only_small_pure_decode_steps_of_active_sizes(tiny
     assert not compiled.accepts([_Chunk(1)] * 3)  # above max_batch: eager
     assert not compiled.accepts([_Chunk(1), _Chunk(4)])  # a prefill chunk in the step: eager
     assert not compiled.accepts([])
+    n = torch.get_num_threads()
+    torch.set_num_threads(n + 1)  # core lending raised this step's threads: the guards would refuse it
+    try:
+        assert not compiled.accepts([_Chunk(1), _Chunk(1)])
+    finally:
+        torch.set_num_threads(n)
 
 
 def test_setting_is_on_by_default_and_bounded() -> None:
