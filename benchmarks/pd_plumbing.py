@@ -29,6 +29,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 
+import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.common import metrics as m
@@ -172,9 +173,15 @@ class Client:
 
     def __init__(self, address: str) -> None:
         self.loop = asyncio.new_event_loop()
-        self.channel = create_channel(address)
-        self.loop.run_until_complete(self.channel.channel_ready())
+        asyncio.set_event_loop(self.loop)
+        self.channel = self.loop.run_until_complete(self._connect(address))
         self.stub = router_pb2_grpc.RouterStub(self.channel)
+
+    @staticmethod
+    async def _connect(address: str) -> grpc.aio.Channel:
+        channel = create_channel(address)  # inside the loop: a grpc.aio channel binds to the running loop
+        await channel.channel_ready()
+        return channel
 
     def __enter__(self) -> Client:
         return self
