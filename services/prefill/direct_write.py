@@ -75,9 +75,10 @@ class DirectWrites:
             return self.pools.attach(request.destination)
 
     def _engine(self) -> mooncake.MooncakeEngine:
-        if self.shards is not None:  # one set of engines per process: rank 0's, which its ranks' writes use too
-            return self.shards.local.mooncake.start(self.mooncake_host, self.mooncake_engines)
         with self._lock:
+            if self._mooncake is None and self.shards is not None:
+                # One set of engines per process: rank 0's (parallel/mooncake_ranks.py), which its rank writes use.
+                self._mooncake = self.shards.local.mooncake.start(self.mooncake_host, self.mooncake_engines)
             if self._mooncake is None:
                 why = mooncake.available()
                 if why is not None:
