@@ -51,7 +51,8 @@ async def _generate(router: str, ids: list[int]) -> float:
 
 def run_mode(args: argparse.Namespace, chunked: bool) -> dict[str, float]:
     tp = ["--tensor-parallel-size", str(args.tp), "--cpu-threads", "1", "--num-kv-blocks", str(args.kv_blocks)]
-    extra = {"prefill": [*tp, "--max-prefill-chunk", str(args.chunk), "--chunked-transfer", str(chunked).lower()],
+    extra = {"prefill": [*tp, "--max-prefill-chunk", str(args.chunk), "--chunked-transfer", str(chunked).lower(),
+                         "--prefill-tail-tokens", "0"],  # the same pieces in both modes (no tail cut)
              "decode": tp}
     with LocalCluster(prefill=1, decode=1, kvstore=None, model=args.model, dtype="float32", extra=extra, quiet=True,
                       kv_transport=args.transport) as c:
