@@ -13,17 +13,19 @@ on the wire.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import grpc
 import torch
 
 from services.common.pb import common_pb2
 from services.engine.convert import top_to_pb
 from services.engine.kv_layout import FP8_CODEC, PageLayout, checksum
 from services.engine.kv_pages import PageExport
-from services.engine.kv_transport import KVSender
+from services.engine.kv_transport import KVSender, TransferError
 from services.engine.kv_transport.base import PageWriter
 from services.engine.sampling_params import Sampled, TopLogprobs
 from services.engine.scheduler import ScheduledChunk
@@ -35,6 +37,12 @@ MESSAGE_PAYLOAD_BYTES = 8 << 20
 Every message is a fresh buffer on each side (gRPC's and Python's copies); glibc recycles buffers of
 this size, while ones above its 32 MiB mmap ceiling are mapped and page-faulted anew every time:
 ``pdserve bench kv`` measured 0.8-0.9 CPU s/GB per side at 6-8 MiB messages, 1.6 at 47 MiB."""
+
+
+CLAIM_WAIT_S = 0.5
+"""Longest the engine thread waits at a request's last chunk for decode to acknowledge its writer's claim
+(seconds). The claim runs while the prompt computes, so only a prompt computed faster than the claim's
+round trip waits at all; past the bound the request fails UNAVAILABLE with no page written."""
 
 
 @dataclass
@@ -85,6 +93,31 @@ class RequestKVStream:
         """Set when new full pages from this block on should go to the kvstore."""
         self.last_picked: float | None = None
         """When the sender task took the last chunk off the queue (monotonic seconds)."""
+        self.claimed = threading.Event()
+        """Set once no claim is pending: decode answered the writer's claim (or refused it, or the request
+        ended). The engine thread writes no page before it is set."""
+        self.claimed.set()
+        self.claim_answered: float | None = None
+        """When decode acknowledged the writer's claim (monotonic seconds; None: no claim, or not yet)."""
+
+    def claim(self, sender: KVSender, msg: common_pb2.KVChunk) -> asyncio.Future[None]:
+        """Send the writer's claim while the request is admitted and computed (not before): chunks computed
+        before decode's answer are written with a later chunk, the last one waits for it (CLAIM_WAIT_S).
+        The future raises decode's TransferError when it refused."""
+        self.claimed.clear()
+
+        async def run() -> None:
+            try:
+                await sender.bootstrap(msg)
+                self.claim_answered = time.monotonic()
+            finally:
+                self.claimed.set()
+
+        return asyncio.ensure_future(run())
+
+    def stop_waiting(self) -> None:
+        """The request is ending: the engine thread must not wait for a claim any more."""
+        self.claimed.set()
 
     # --- engine thread ---
 
@@ -108,6 +141,12 @@ class RequestKVStream:
             first = self.next_block
             n = max(0, limit - first)
             item = PagesReady(first, first * bs, min(limit * bs, end) if n else first * bs, None, n)
+            if n and self.writer is not None and not self.claimed.is_set():
+                if not last:
+                    return  # next_block stays: the first chunk written after the claim's answer covers these pages
+                if not self.claimed.wait(CLAIM_WAIT_S):
+                    raise TransferError(f"decode did not acknowledge the KV claim within {CLAIM_WAIT_S:g} s of the "
+                                        "prompt being computed; no page was written", grpc.StatusCode.UNAVAILABLE)
             if n and self.writer is not None:
                 item.write = self.writer.write(first, seq.block_table[first:limit])
             elif n:

@@ -192,30 +192,33 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                                  chunked, time.monotonic(), writer, lambda b: self.pages.export(b).wait())
         transport = writer.transport if writer is not None else self.transport.name
         sender: KVSender | None = None
+        claim: asyncio.Future[None] | None = None
         with tracing.span_from_metadata("prefill.request", context.invocation_metadata(),
                                         request_id=request.request_id, prompt_tokens=len(ids)) as sp:
             try:
                 sender = self.transport.open(request.decode_address, rid, metadata=tuple(tracing.inject_metadata()))
-                if writer is not None:  # decode must hold the reservation for this writer before any write
+                if writer is not None:  # decode must hold the reservation before any write: the stream waits
                     writer.sender = sender
-                    await sender.bootstrap(claim_message(request.request_id, request.reservation_id,
-                                                         request.reservation_token, writer,
-                                                         list(request.dest_block_ids)))
+                    claim = stream.claim(sender, claim_message(request.request_id, request.reservation_id,
+                                                               request.reservation_token, writer,
+                                                               list(request.dest_block_ids)))
                 else:
                     await sender.bootstrap()
-                self._phase("claim", time.monotonic() - stream.arrival)
                 self.streams[rid] = stream
                 try:
                     loaded = await self._admit(rid, ids, first_params, stream)
                     self._phase("admitted", time.monotonic() - stream.arrival)
                 except ValueError as e:  # InvalidRequestError, or a prompt this pool can never hold
-                    await self._cleanup(rid, sender, "refused", writer)
+                    await self._cleanup(rid, sender, "refused", writer, stream)
                     await self._refuse(context, "invalid", grpc.StatusCode.INVALID_ARGUMENT, str(e),
                                        Reason.ERROR_REASON_INVALID_INPUT,
                                        field=getattr(e, "field", "") or "token_ids")
                 last, page_bytes = await pump(stream, sender, request.request_id, request.reservation_id,
                                               request.reservation_token, wire,
                                               payload_budget(self.config.max_message_bytes), transport)
+                if claim is not None:  # answered by now unless no page was due: then the stream ends after it
+                    await claim
+                self._phase("claim", (stream.claim_answered or time.monotonic()) - stream.arrival)
                 if stream.last_picked is not None and stream.last_computed is not None:
                     self._phase("picked", stream.last_picked - stream.last_computed)
                 self._since_computed("last_sent", stream)
@@ -224,9 +227,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 self._since_computed("finish", stream)
                 if last.writeback is not None and self.kvstore is not None:
                     self.kvstore.write_back(stream.hashes, *last.writeback)
-            except TransferError as e:
+            except TransferError as err:
+                e = refusal(claim) or err  # decode's own answer to the claim, not the broken stream it left
                 self.metrics.kv_transfer_failures_total.labels(transport, e.code.name.lower()).inc()
-                await self._cleanup(rid, sender, str(e), writer)
+                await self._cleanup(rid, sender, str(e), writer, stream)
                 self.metrics.requests_aborted_total.labels("kv_handoff").inc()
                 await abort(context, e.code, f"KV handoff to decode {request.decode_address} failed: {e}",
                             error_detail(Reason.ERROR_REASON_KV_HANDOFF_FAILED, retryable=False, side="decode"))
@@ -234,15 +238,18 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 raise
             except Exception as e:  # a page read or direct write failed on the engine thread
                 log.exception("prefill of %s failed", request.request_id)
-                await self._cleanup(rid, sender, repr(e), writer)
+                await self._cleanup(rid, sender, repr(e), writer, stream)
                 self.metrics.requests_aborted_total.labels("internal").inc()
                 await abort(context, grpc.StatusCode.INTERNAL, f"prefill failed: {e!r}",
                             error_detail(Reason.ERROR_REASON_UNSPECIFIED, side=SIDE))
             except BaseException:  # cancelled: the client left or the deadline passed
-                await self._cleanup(rid, sender, "cancelled", writer)
+                await self._cleanup(rid, sender, "cancelled", writer, stream)
                 raise
             finally:
                 self.streams.pop(rid, None)
+                if claim is not None:  # ended (or cancelled here); its outcome was read above or no longer matters
+                    claim.cancel()
+                    await asyncio.gather(claim, return_exceptions=True)
             sp.set_attribute("chunks", stream.num_chunks_computed)
         self._observe(request, stream, loaded, transport, page_bytes, sender.chunks_sent)
         queue_s, compute_s = stream_times(stream)
@@ -294,11 +301,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
         return await self.engine.call(admit)
 
-    async def _cleanup(self, rid: str, sender: KVSender | None, reason: str, writer: PageWriter | None = None
-                       ) -> None:
+    async def _cleanup(self, rid: str, sender: KVSender | None, reason: str, writer: PageWriter | None = None,
+                       stream: RequestKVStream | None = None) -> None:
         """Abort the request in the engine (frees its blocks; a no-op when it never got there: an admit
         still queued runs first, so it cannot slip past) and the KV stream to decode. A side transport's
         writes in flight land first: decode frees the blocks they target once the stream ends."""
+        if stream is not None:  # an engine thread waiting for the claim's answer lets go first
+            stream.stop_waiting()
         try:
             await asyncio.shield(self.engine.abort(rid))
         except EngineDeadError:  # nothing left to free
@@ -339,6 +348,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def drain(self) -> None:
         while self.inflight:  # noqa: ASYNC110 (bounded by the server's drain timeout)
             await asyncio.sleep(0.05)
+
+
+def refusal(claim: asyncio.Future[None] | None) -> TransferError | None:
+    """Decode's refusal of a writer's claim, once the claim has ended with one."""
+    if claim is None or not claim.done() or claim.cancelled():
+        return None
+    e = claim.exception()
+    return e if isinstance(e, TransferError) else None
 
 
 def stream_times(stream: RequestKVStream) -> tuple[float, float]:
