@@ -204,6 +204,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                                                                list(request.dest_block_ids)))
                 else:
                     await sender.bootstrap()
+                    stream.claim_answered = time.monotonic()
                 self.streams[rid] = stream
                 try:
                     loaded = await self._admit(rid, ids, first_params, stream)
