@@ -177,6 +177,14 @@ def _bytes_view(pages: torch.Tensor) -> memoryview:
     return memoryview(pages.contiguous().view(torch.uint8).reshape(-1).numpy())
 
 
+async def _landed(pages: PageExport) -> torch.Tensor:
+    """The exported pages on the host; the wait runs in a worker thread only while the copy is still in flight
+    (a CPU export, or a GPU copy already done, costs no thread hand-off)."""
+    if pages.done is None or pages.done.query():
+        return pages.wait()
+    return await asyncio.to_thread(pages.wait)
+
+
 async def _crc(payload: memoryview) -> int:
     if len(payload) >= CRC_IN_THREAD_BYTES:
         return await asyncio.to_thread(checksum, payload)
@@ -203,7 +211,7 @@ async def pump(stream: RequestKVStream, sender: KVSender, request_id: str, reser
         page_bytes += n * layout.page_bytes
         data = memoryview(b"")
         if item.pages is not None:
-            data = _bytes_view(await asyncio.to_thread(item.pages.wait))
+            data = _bytes_view(await _landed(item.pages))
         elif n and stream.writer is not None:  # written by a side transport: one descriptor once it landed
             if item.write is not None:
                 await asyncio.to_thread(stream.writer.wait, item.write)
