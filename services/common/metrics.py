@@ -224,8 +224,8 @@ SPECS: tuple[MetricSpec, ...] = (
        "(rank to rank, tensor parallelism; a page split over k decode ranks counts k)."),
     _s(PREFILL_HANDOFF_PHASE_SECONDS, "histogram", ["phase"], "prefill",
        "One phase of a P/D request at prefill (seconds): rpc_in (router sent -> Prefill arrived, Unix clocks), "
-       "claim (arrival -> decode acknowledged the claim), admitted (arrival -> in the engine), last_sent (last "
-       "chunk computed -> last KV message handed to the sender), finish (-> decode's PushKV answer), "
+       "claim (arrival -> decode acknowledged the claim), admitted (arrival -> in the engine), picked (last chunk "
+       "computed -> the sender task took it), last_sent (-> its last KV message handed to the sender), finish (-> decode's PushKV answer), "
        "respond (arrival -> PrefillResponse returned).", PHASE_BUCKETS),
     # decode
     _s(DECODE_KV_WAIT_SECONDS, "histogram", ["model"], "decode",
