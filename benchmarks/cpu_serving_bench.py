@@ -329,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
             cmd = [sys.executable, "-m", "services.cli", "up", *extra, *common, "--http-port", str(port),
                    "--grpc-port", "0", "--metrics-port-base", str(base)]
             target = Target(f"http://127.0.0.1:{port}", "", api="completions")  # model: read from /v1/models
-            servers[name] = Server(name, cmd, target, str(gguf), list(range(base, base + 6)))
+            servers[name] = Server(name, cmd, target, str(gguf), list(range(base, base + 6)),
+                                   compiling_engines=1 if args.cpu_compile_decode else 0)  # decode-0 / worker-0
         if "llamacpp" in systems:
             exe, info = llama_python(args.llama_python)
             if exe is None:

@@ -77,6 +77,13 @@ STAGE_METRICS = ("pdserve_router_time_to_first_token_seconds", "pdserve_prefill_
 and compute, decode's wait for the KV); the rest of the client's TTFT is HTTP, gRPC and detokenization."""
 
 
+COMPILE_FINISHED = ("engine: background compile done", "decode steps of that size and larger stay eager",
+                    "engine: background compile of the decode step failed")
+"""Log lines with which an engine's background decode compile (services/engine/decode_compiler.py) ends,
+compiled or not: a server is measured only after each of its compiling engines printed one, so no round
+runs beside a compile (minutes of both cores on a small host)."""
+
+
 def parse_histogram_sums(text: str, names: tuple[str, ...] = STAGE_METRICS) -> dict[str, tuple[float, float]]:
     """Prometheus text -> {name: (sum, count)} over every label set of each named histogram."""
     out: dict[str, list[float]] = {}
@@ -130,8 +137,10 @@ class Server:
     """One server process for the whole benchmark; :meth:`round` sends c concurrent requests."""
 
     def __init__(self, name: str, command: list[str], target: Target, spec: str,
-                 metrics_ports: list[int] | None = None) -> None:
+                 metrics_ports: list[int] | None = None, compiling_engines: int = 0) -> None:
         self.name, self.command, self.target, self.spec = name, command, target, spec
+        self.compiling_engines = compiling_engines
+        """Engines of this server that compile their decode step in the background (waited for at start)."""
         self.metrics_ports = metrics_ports or []
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = Path(os.environ.get("TMPDIR", "/tmp")) / f"pdserve-bench-{name}-{os.getpid()}.log"
@@ -145,7 +154,25 @@ class Server:
             self.target = dataclasses.replace(self.target,
                                               model=served_model(self.target.base_url.removeprefix("http://")))
         asyncio.run(_round(self.target, text_prompts(self.spec, 1, prompt_len, seed + 999), 4))  # first-call costs
-        print(f"{self.name}: ready ({' '.join(self.command[:6])} ...), log {self.log}", flush=True)
+        waited = self._wait_compiles(ready_timeout_s)
+        print(f"{self.name}: ready ({' '.join(self.command[:6])} ...), log {self.log}"
+              + (f"; waited {waited:.0f} s for background decode compiles" if self.compiling_engines else ""),
+              flush=True)
+
+    def _wait_compiles(self, timeout_s: float) -> float:
+        """Seconds waited until every compiling engine logged the end of its background compile; RuntimeError
+        after ``timeout_s`` or if the server exits."""
+        t0 = time.monotonic()
+        while self.compiling_engines:
+            text = self.log.read_text(errors="replace")
+            if sum(text.count(m) for m in COMPILE_FINISHED) >= self.compiling_engines:
+                break
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited while its engines compiled; log {self.log}")
+            if time.monotonic() - t0 > timeout_s:
+                raise RuntimeError(f"{self.name}: background decode compiles not done after {timeout_s:.0f} s")
+            time.sleep(1.0)
+        return time.monotonic() - t0
 
     def round(self, prompts: list[str], max_tokens: int, stages: bool) -> tuple[list[RequestResult], float]:
         """One round; with ``stages``, the stage histograms' sums/counts over it are accumulated."""
@@ -187,6 +214,9 @@ class InProcess:
                                  cpu_compile_decode=cpu_compile_decode)
         self.prompt_len, self.output_len, self.threads = prompt_len, output_len, threads
         self._n = 0
+        compiler = self.bench.engine.runner.decode_compiler
+        if compiler is not None:  # measured compiled, as served engines are once their compile is done
+            compiler.wait()
         cfg = self.bench.engine.config
         self.dtype = f"{cfg.resolved_dtype} ({cfg.dtype_reason})"
         self.weight_format = f"{cfg.resolved_weight_format} ({cfg.weight_format_reason})"
