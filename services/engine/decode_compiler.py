@@ -9,7 +9,9 @@ sizes once per step, so a switch happens between steps, on the engine thread.
 
 Sharing: the thread reads the model's weights and the RoPE tables and nothing else of the engine: its pool
 is the scratch pool, its eager reference step uses a private copy of the rotary module (StepCachedRotary
-keeps per-step rows on the module), and it never calls a variant the engine thread runs.
+keeps per-step rows on the module), and it never calls a variant the engine thread runs. torch.fx patches
+``nn.Module`` itself while it traces, so model steps and tracer windows exclude each other (trace_fence.py):
+a step waits while the compile thread traces (make_fx of one variant's graph: the longest stalls).
 
 Cores: the thread runs at nice +10 (Linux: per thread; the C++ compiler processes it starts inherit it), so
 an engine step that wants the cores gets them; while it runs, the interpreter's switch interval drops to
@@ -37,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 import torch._inductor.config as inductor_config
 
+from services.engine import trace_fence
 from services.engine.attention import ForwardContext, TorchPagedAttention
 from services.engine.compiled_decode import _COMPILE_ERRORS, CompiledDecode
 
@@ -117,7 +120,13 @@ class DecodeCompiler:
                                         daemon=True)
 
     def start(self) -> None:
+        if not trace_fence.install():
+            log.warning("engine: --cpu-compile-decode: this torch has no FX patcher to fence, so no background "
+                        "compile: decode steps stay eager")
+            self.report.status = "failed"
+            return
         _ALL.add(self)
+        trace_fence.compiling(+1)  # CPU model steps of this process take the fence until the thread ends
         self._thread.start()
 
     def stop(self, timeout: float = 1.0) -> None:
@@ -261,20 +270,23 @@ def _row_ends(rows: list[tuple[list[int], int, list[int]]]) -> Iterator[int]:
 
 
 def _thread_main(ref: weakref.ref[DecodeCompiler]) -> None:
-    while not _ONE_AT_A_TIME.acquire(timeout=0.2):
-        c = ref()
-        if c is None:
-            return
-        if c._stop.is_set():
-            c.report.status = "stopped"
-            return
-        del c
     try:
-        c = ref()
-        if c is not None:
-            c._main()
+        while not _ONE_AT_A_TIME.acquire(timeout=0.2):
+            c = ref()
+            if c is None:
+                return
+            if c._stop.is_set():
+                c.report.status = "stopped"
+                return
+            del c
+        try:
+            c = ref()
+            if c is not None:
+                c._main()
+        finally:
+            _ONE_AT_A_TIME.release()
     finally:
-        _ONE_AT_A_TIME.release()
+        trace_fence.compiling(-1)
 
 
 _ALL: weakref.WeakSet[DecodeCompiler] = weakref.WeakSet()

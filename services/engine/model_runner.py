@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from services.common.pb import decode_pb2
+from services.engine import trace_fence
 from services.engine.attention import AttentionMetadata, ForwardContext, TorchPagedAttention
 from services.engine.config import EngineConfig
 from services.engine.kv_layout import FP8_CODEC
@@ -124,6 +125,10 @@ class ModelRunner:
         if self.device.type == "cuda":
             with device_scope(self.device):
                 return self._execute_gpu(out)
+        with trace_fence.fence():  # no FX tracer patch window while the model runs (a background compile)
+            return self._execute_cpu(out)
+
+    def _execute_cpu(self, out: SchedulerOutput) -> dict[int, Sampled]:
         if self.compiled_decode is not None and self.compiled_decode.accepts(out.chunks):
             logits = self.compiled_decode.step(out.chunks)
             ends, rows, seq_ids = _sampled_rows(out.chunks)

@@ -156,3 +156,39 @@ def test_a_failed_compile_leaves_the_engine_eager_and_serving(tiny_llama3_dir: P
     assert compiler.report.status == "failed" and eng.runner.compiled_decode.active == frozenset()
     want = _generate(LLMEngine(_config(tiny_llama3_dir, 0)), PROMPTS, LENS)
     assert _generate(eng, PROMPTS, LENS) == want
+
+
+def test_model_steps_and_fx_tracing_in_another_thread_exclude_each_other(tiny_llama3_dir: Path) -> None:
+    """torch.fx patches nn.Module.__call__ for every thread while it traces; with a background compile
+    running, the fence (services/engine/trace_fence.py) keeps the engine's steps out of those windows."""
+    import threading
+
+    from services.engine import trace_fence
+
+    class _Traced(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x).relu()
+
+    eng = LLMEngine(_config(tiny_llama3_dir, 0))
+    want = _generate(eng, PROMPTS, LENS)
+    assert trace_fence.install()
+    trace_fence.compiling(+1)
+    done = threading.Event()
+
+    def trace() -> None:
+        while not done.is_set():
+            torch.fx.symbolic_trace(_Traced())
+
+    tracer = threading.Thread(target=trace)
+    tracer.start()
+    try:
+        for _ in range(3):
+            assert _generate(eng, PROMPTS, LENS) == want
+    finally:
+        done.set()
+        tracer.join()
+        trace_fence.compiling(-1)
