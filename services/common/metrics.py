@@ -110,6 +110,8 @@ DECODE_KV_CACHE_USAGE_RATIO = "pdserve_decode_kv_cache_usage_ratio"
 DECODE_RUNNING_REQUESTS = "pdserve_decode_running_requests"
 DECODE_WAITING_REQUESTS = "pdserve_decode_waiting_requests"
 DECODE_CPU_THREADS = "pdserve_decode_cpu_threads"
+DECODE_COMPILED_STEP_BATCH_SIZES = "pdserve_decode_compiled_step_batch_sizes"
+DECODE_STEP_COMPILE_SECONDS = "pdserve_decode_step_compile_seconds"
 DECODE_WAITING_FOR_KV_REQUESTS = "pdserve_decode_waiting_for_kv_requests"
 DECODE_GENERATION_TOKENS_TOTAL = "pdserve_decode_generation_tokens_total"
 DECODE_KV_STREAMS_BROKEN_TOTAL = "pdserve_decode_kv_streams_broken_total"
@@ -254,6 +256,11 @@ SPECS: tuple[MetricSpec, ...] = (
     _s(DECODE_RUNNING_REQUESTS, "gauge", ["model"], "decode", "Requests in the running decode batch."),
     _s(DECODE_CPU_THREADS, "gauge", ["model"], "decode",
        "torch intra-op threads the engine runs with now: its share plus the cores idle peers lend."),
+    _s(DECODE_COMPILED_STEP_BATCH_SIZES, "gauge", ["model"], "decode",
+       "CPU decode batch sizes whose step runs compiled now (--cpu-compile-decode; 0 while the background "
+       "compile runs, when it is off, failed, or no size measured faster)."),
+    _s(DECODE_STEP_COMPILE_SECONDS, "gauge", ["model"], "decode",
+       "Seconds the background compile of the CPU decode step has spent compiling so far (0: off)."),
     _s(DECODE_WAITING_REQUESTS, "gauge", ["model"], "decode",
        "Requests with complete KV waiting to join the running batch."),
     _s(DECODE_WAITING_FOR_KV_REQUESTS, "gauge", ["model"], "decode",

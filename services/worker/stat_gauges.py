@@ -8,7 +8,8 @@ from services.common.metrics import MetricGroup
 
 STAT_GAUGES = {"running": "running_requests", "waiting": "waiting_requests",
                "waiting_for_kv": "waiting_for_kv_requests", "kv_usage": "kv_cache_usage_ratio",
-               "cpu_threads": "cpu_threads"}
+               "cpu_threads": "cpu_threads", "compiled_step_batch_sizes": "compiled_step_batch_sizes",
+               "step_compile_seconds": "step_compile_seconds"}
 """Engine stats key -> the gauge attribute of a service's metric group that shows it."""
 
 
