@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import copy
+import ctypes
 import logging
 import os
 import statistics
@@ -101,8 +102,9 @@ def _background_priority() -> Iterator[None]:
         sys.setswitchinterval(interval)
 
 
-class _Stopped(Exception):
-    """stop() was called: the thread ends between two steps of its work."""
+class _Stopped(BaseException):
+    """stop() was called (the thread ends between two steps of its work), or the interpreter is exiting
+    (raised inside the thread, wherever it is: a BaseException, so torch's handlers let it through)."""
 
 
 class DecodeCompiler:
@@ -116,8 +118,9 @@ class DecodeCompiler:
         self._stop = threading.Event()
         # The thread holds this object weakly while it waits for its turn: an engine dropped meanwhile is
         # never compiled (and its model is not kept alive by the wait).
-        self._thread = threading.Thread(target=_thread_main, args=(weakref.ref(self),), name="pdserve-compile",
-                                        daemon=True)
+        # Not a daemon: a daemon thread still inside torch while the interpreter tears down aborts the
+        # process ("terminate called without an active exception"). At exit _interrupt_all ends it first.
+        self._thread = threading.Thread(target=_thread_main, args=(weakref.ref(self),), name="pdserve-compile")
 
     def start(self) -> None:
         if not trace_fence.install():
@@ -271,35 +274,43 @@ def _row_ends(rows: list[tuple[list[int], int, list[int]]]) -> Iterator[int]:
 
 def _thread_main(ref: weakref.ref[DecodeCompiler]) -> None:
     try:
-        while not _ONE_AT_A_TIME.acquire(timeout=0.2):
-            c = ref()
-            if c is None:
-                return
-            if c._stop.is_set():
-                c.report.status = "stopped"
-                return
-            del c
-        try:
-            c = ref()
-            if c is not None:
-                c._main()
-        finally:
-            _ONE_AT_A_TIME.release()
+        _run_in_turn(ref)
+    except _Stopped:  # raised into the thread at interpreter exit
+        pass
     finally:
         trace_fence.compiling(-1)
 
 
+def _run_in_turn(ref: weakref.ref[DecodeCompiler]) -> None:
+    while not _ONE_AT_A_TIME.acquire(timeout=0.2):
+        c = ref()
+        if c is None:
+            return
+        if c._stop.is_set():
+            c.report.status = "stopped"
+            return
+        del c
+    try:
+        c = ref()
+        if c is not None:
+            c._main()
+    finally:
+        _ONE_AT_A_TIME.release()
+
+
 _ALL: weakref.WeakSet[DecodeCompiler] = weakref.WeakSet()
-EXIT_WAIT_S = 3.0
-"""At interpreter exit: how long to wait for compile threads to stop (one running torch ops while the
-interpreter tears down would abort the process)."""
 
 
-@atexit.register
-def _stop_all() -> None:
-    compilers = list(_ALL)
-    for c in compilers:
+def _interrupt_all() -> None:
+    """Interpreter exit, before threads are joined: raise _Stopped inside every compile thread (at its next
+    bytecode: a C++ compiler run or a torch op finishes first), so the join below takes seconds, not the
+    minutes a cold compile can."""
+    for c in list(_ALL):
         c._stop.set()
-    deadline = time.monotonic() + EXIT_WAIT_S
-    for c in compilers:
-        c.wait(max(0.0, deadline - time.monotonic()))
+        tid = c._thread.ident
+        if tid is not None and c._thread.is_alive():
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), ctypes.py_object(_Stopped))
+
+
+# Runs before the interpreter joins non-daemon threads (plain atexit runs after: too late).
+getattr(threading, "_register_atexit", atexit.register)(_interrupt_all)
