@@ -13,12 +13,13 @@ keeps per-step rows on the module), and it never calls a variant the engine thre
 ``nn.Module`` itself while it traces, so model steps and tracer windows exclude each other (trace_fence.py):
 a step waits while the compile thread traces (make_fx of one variant's graph: the longest stalls).
 
-Cores: the thread runs at nice +10 (Linux: per thread; the C++ compiler processes it starts inherit it), so
-an engine step that wants the cores gets them; while it runs, the interpreter's switch interval drops to
-0.5 ms, so an engine step waiting for the GIL after each torch op (ops release it) waits at most that long
-instead of 5 ms; inductor compiles in this thread (compile_threads = 1: no worker pool), at the engine's
-thread share (--cpu-threads): the variants serve steps run at that count, and steps at a count core lending
-raised run eager (Dynamo guards on the thread count).
+Cores: the thread keeps the engine's priority (NICE = 0): it holds the fence while it traces, and at
+nice +10 on a loaded box the engine's steps waited behind a starved tracing thread (tests/engine/test_engine.py
+took 6 min instead of 2). While it runs, the interpreter's switch interval drops to 0.5 ms, so an engine step
+waiting for the GIL after each torch op (ops release it) waits at most that long instead of 5 ms; inductor
+compiles in this thread (compile_threads = 1: one C++ compiler process at a time, no worker pool), at the
+engine's thread share (--cpu-threads): the variants serve steps run at that count, and steps at a count core
+lending raised run eager (Dynamo guards on the thread count).
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ MIN_SPEEDUP = 1.0
 """A variant is switched on when eager ms / compiled ms (medians) exceeds this."""
 SWITCH_INTERVAL_S = 0.0005
 """sys.setswitchinterval while compiling (the interpreter's default is 0.005 s)."""
-NICE = 10
-"""Niceness of the compile thread (and of the compiler processes it starts): it takes what serving leaves."""
+NICE = 0
+"""Niceness of the compile thread and of the compiler processes it starts (Linux, per thread; see above)."""
 _ONE_AT_A_TIME = threading.Lock()
 """Held by the compiling thread: engines of one process compile one after another."""
 

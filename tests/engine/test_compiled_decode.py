@@ -107,7 +107,6 @@ def test_engine_serves_eager_until_the_switch_then_the_same_tokens(tiny_llama3_d
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Batch 3 (above N: eager) shrinking to 2 and 1 as requests end; the compile held back, then let go."""
     monkeypatch.setattr(decode_compiler, "MIN_SPEEDUP", 0.0)  # switch on whatever the timings on this box say
-    monkeypatch.setattr(decode_compiler, "NICE", 0)  # the suite's time: compile at the test's priority
     eager = LLMEngine(_config(tiny_llama3_dir, 0))
     assert eager.runner.compiled_decode is None and eager.runner.decode_compiler is None
     want = _generate(eager, PROMPTS, LENS)
