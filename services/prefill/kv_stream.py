@@ -94,9 +94,11 @@ class RequestKVStream:
         self.last_picked: float | None = None
         """When the sender task took the last chunk off the queue (monotonic seconds)."""
         self.claimed = threading.Event()
-        """Set once no claim is pending: decode answered the writer's claim (or refused it, or the request
-        ended). The engine thread writes no page before it is set."""
+        """Set once nothing is left to wait for: decode answered the writer's claim (or refused it), or the
+        request is ending."""
         self.claimed.set()
+        self.claim_ok = True
+        """Pages may be written: no claim was needed, or decode acknowledged it (set before ``claimed``)."""
         self.claim_answered: float | None = None
         """When decode acknowledged the writer's claim (monotonic seconds; None: no claim, or not yet)."""
 
@@ -104,19 +106,22 @@ class RequestKVStream:
         """Send the writer's claim while the request is admitted and computed (not before): chunks computed
         before decode's answer are written with a later chunk, the last one waits for it (CLAIM_WAIT_S).
         The future raises decode's TransferError when it refused."""
+        self.claim_ok = False
         self.claimed.clear()
 
         async def run() -> None:
             try:
                 await sender.bootstrap(msg)
                 self.claim_answered = time.monotonic()
+                self.claim_ok = True
             finally:
                 self.claimed.set()
 
         return asyncio.ensure_future(run())
 
     def stop_waiting(self) -> None:
-        """The request is ending: the engine thread must not wait for a claim any more."""
+        """The request is ending: the engine thread waits for no claim any more (and, unless decode had
+        acknowledged it, writes nothing)."""
         self.claimed.set()
 
     # --- engine thread ---
@@ -141,12 +146,14 @@ class RequestKVStream:
             first = self.next_block
             n = max(0, limit - first)
             item = PagesReady(first, first * bs, min(limit * bs, end) if n else first * bs, None, n)
-            if n and self.writer is not None and not self.claimed.is_set():
-                if not last:
+            if n and self.writer is not None and not self.claim_ok:
+                if not last and not self.claimed.is_set():
                     return  # next_block stays: the first chunk written after the claim's answer covers these pages
-                if not self.claimed.wait(CLAIM_WAIT_S):
-                    raise TransferError(f"decode did not acknowledge the KV claim within {CLAIM_WAIT_S:g} s of the "
-                                        "prompt being computed; no page was written", grpc.StatusCode.UNAVAILABLE)
+                self.claimed.wait(CLAIM_WAIT_S)
+                if not self.claim_ok:  # not answered in time, refused, or the request is ending
+                    raise TransferError(f"decode did not acknowledge the KV claim (waited up to {CLAIM_WAIT_S:g} s "
+                                        "after the prompt was computed); no page was written",
+                                        grpc.StatusCode.UNAVAILABLE)
             if n and self.writer is not None:
                 item.write = self.writer.write(first, seq.block_table[first:limit])
             elif n:

@@ -136,3 +136,20 @@ async def test_a_claim_unanswered_when_the_prompt_is_computed_fails_unavailable(
     assert r.end_cause is None and r.next_chunk == 0  # a broken stream keeps the reservation for a retry
     assert (await p.dstub.Abort(common_pb2.AbortRequest(request_id=resv.reservation_id))).found
     await _assert_freed(p.decode.engine)
+
+
+async def test_a_prefill_gone_mid_claim_writes_nothing_and_frees_its_blocks(pair) -> None:  # noqa: F811
+    p = await pair("shm", slowdown_ms=40)
+    gate, states = _hold_claims(p), _spy_writes(p)
+    ids = PROMPTS[1]
+    resv = await _reserve(p, ids)
+    call = p.pstub.Prefill(_request(p, resv, ids))
+    await _until(lambda: _computed(p) >= 1)
+    assert _computed(p) >= 1
+    call.cancel()  # the caller left with the claim unanswered: prefill stops, nothing may be written
+    await _assert_freed(p.prefill.engine)
+    assert states == []  # not even the chunks computed while it stopped
+    gate.set()
+    assert p.decode.table.get(resv.reservation_id).next_chunk == 0  # decode kept the reservation for a retry
+    assert (await p.dstub.Abort(common_pb2.AbortRequest(request_id=resv.reservation_id))).found
+    await _assert_freed(p.decode.engine)
