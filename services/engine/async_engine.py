@@ -54,6 +54,15 @@ def _set_torch_threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
+def _serves_one(eng: LLMEngine) -> bool:
+    """Whether the engine has at most one request (running, queued or awaiting its KV): only then does it
+    borrow idle peers' cores. That is the low-load case where a fixed split idles half the host (at c=1 the
+    prefill and its decode take turns); with more requests the engines overlap, and a long borrowed step
+    (a 2048-token prefill) would overrun a peer that wakes mid-step (measured: c=16 TPOT doubled)."""
+    sch = eng.scheduler
+    return sch.num_running + sch.num_waiting + sch.num_waiting_for_kv <= 1
+
+
 def _join_share_group(config: EngineConfig) -> CoreShare | None:
     """This engine's slot in its core share group (--cpu-share-group), or None: no group, not on CPU, pinned
     (--cpu-affinity: lending would have to widen the pin), tensor-parallel (ranks step in lockstep with
@@ -106,7 +115,7 @@ class AsyncEngine:
                 self._run_commands()
                 if eng.has_work():
                     if self._cores is not None:
-                        self._threads = self._cores.busy()
+                        self._threads = self._cores.busy(borrow=_serves_one(eng))
                     self._step_start = time.monotonic()
                     outputs = eng.step()
                     self._step_start = 0.0

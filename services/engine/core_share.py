@@ -264,11 +264,13 @@ class CoreShare:
             log.debug("core share: %d thread(s)", threads)
         return threads
 
-    def busy(self, now_ns: int | None = None) -> int:
-        """Mark this process busy and run with its share plus what idle peers lend; the thread count."""
+    def busy(self, now_ns: int | None = None, borrow: bool = True) -> int:
+        """Mark this process busy and run with its share plus what idle peers lend (``borrow=False``: its own
+        share only); the thread count."""
         now = time.monotonic_ns() if now_ns is None else now_ns
         self._mark(True, now)
-        return self._apply(self.share + lendable_threads(self.peers(), now, self.hold_ns))
+        lent = lendable_threads(self.peers(), now, self.hold_ns) if borrow else 0
+        return self._apply(self.share + lent)
 
     def idle(self, now_ns: int | None = None) -> int:
         """Mark this process idle (lendable once ``hold_ns`` has passed); once it has been idle that long,

@@ -76,6 +76,16 @@ def test_a_dead_peers_slot_is_claimed_again(tmp_path: Path) -> None:
     assert fresh.slot == stale.slot
 
 
+def test_no_borrowing_when_asked_not_to(tmp_path: Path, live_pids: list[int]) -> None:
+    a, rec = _join(tmp_path, 1, live_pids[0])
+    b, _ = _join(tmp_path, 1, live_pids[1])
+    b.idle(T0)
+    assert a.busy(T0 + HOLD, borrow=False) == 1
+    assert a.busy(T0 + HOLD + 1) == 2
+    assert a.busy(T0 + HOLD + 2, borrow=False) == 1  # more work came: back to its own share
+    assert rec.calls == [2, 1]
+
+
 def test_no_flapping_when_a_peer_pauses_shorter_than_the_hold(tmp_path: Path, live_pids: list[int]) -> None:
     a, rec_a = _join(tmp_path, 1, live_pids[0])
     b, rec_b = _join(tmp_path, 1, live_pids[1])
