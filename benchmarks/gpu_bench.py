@@ -378,7 +378,8 @@ def gpu_vs_cpu(spec: str, steps: int, prompt_lens: tuple[int, ...]) -> dict[str,
     gpu_loaded = LoadedModel(gpu_model, cpu_loaded.arch, cpu_loaded.tokenizer, cpu_loaded.model_id,
                              cpu_loaded.max_model_len)
     common = dict(model=spec, block_size=16, num_kv_blocks=256, max_num_seqs=8, max_model_len=1024)
-    cpu = LLMEngine(EngineConfig(dtype="float32", device="cpu", **common), loaded=cpu_loaded)
+    # eager CPU steps only: a background decode compile would run the model (and the logits hook) on its own
+    cpu = LLMEngine(EngineConfig(dtype="float32", device="cpu", cpu_compile_decode=0, **common), loaded=cpu_loaded)
     gpu = LLMEngine(EngineConfig(dtype="bfloat16", device="cuda", **common), loaded=gpu_loaded)
     rows = []
     for i, n in enumerate(prompt_lens):

@@ -21,6 +21,7 @@ from services.launcher import LocalCluster
 
 async def _generate(addr: str, ids: list[int], n: int) -> tuple[list[int], float]:
     async with create_channel(addr) as ch:
+        await ch.channel_ready()  # TTFT as a client with an open connection sees it (no TCP/HTTP2 set-up)
         t0 = time.perf_counter()
         ttft, out = None, []
         req = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=ids), stream=True,
