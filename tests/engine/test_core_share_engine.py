@@ -47,7 +47,8 @@ async def _threads_while_generating(engine: AsyncEngine, prompt: list[int]) -> s
 async def test_engine_borrows_an_idle_peer_and_not_a_busy_one(our_gguf_model: Any, group: str) -> None:
     peer = cs.CoreShare.join(group, 1, lambda n: None, pid=os.getppid())  # a live process: the test's parent
     peer.idle(time.monotonic_ns() - 10 * cs.HOLD_NS)
-    engine = AsyncEngine(EngineConfig(dtype="float32", num_kv_blocks=64, cpu_threads=1, cpu_share_group=group),
+    engine = AsyncEngine(EngineConfig(dtype="float32", num_kv_blocks=64, cpu_threads=1, cpu_share_group=group,
+                                      cpu_compile_decode=0),  # a compiled step never borrows (async_engine)
                          loaded=our_gguf_model)
     try:
         prompt = list(range(100, 140))
