@@ -75,7 +75,7 @@ class EngineConfig(ContextConfig, ModelConfig, DtypeConfig):
                                      "Q4_1 blocks packed for torch's int4 GEMM, dequantized reads the dense weights; "
                                      "prefill-sized steps always use the dense ones. auto: int4 where it measures "
                                      "faster at start.", choices=WEIGHT_FORMATS)
-    cpu_compile_decode: int = opt(4, "CPU: run pure-decode steps of 1..N sequences through one torch.compile'd "
+    cpu_compile_decode: int = opt(2, "CPU: run pure-decode steps of 1..N sequences through one torch.compile'd "
                                      "forward (inductor; needs a C++ compiler). The engine serves eager steps "
                                      "from the start; a background thread compiles each batch size (about a "
                                      "minute each on 2 cores the first time, seconds from inductor's disk cache), "
