@@ -41,8 +41,9 @@ class EngineConfig(ContextConfig, ModelConfig, DtypeConfig):
                                 "empty: keep the inherited affinity.")
     cpu_share_group: str = opt("", "Core lending (CPU): engine processes of one host given the same id lend each "
                                    "other their --cpu-threads through /dev/shm/pdserve-cores-<id> (mode 0600): "
-                                   "before each step an engine runs with its own threads plus those of peers "
-                                   "idle for 3 ms or gone, and drops back when it has no work. pdserve up sets it "
+                                   "before each step an engine serving one request runs with its own threads plus "
+                                   "those of peers idle for 3 ms or gone (not with a compiled decode step on), "
+                                   "and drops back when it has no work. pdserve up sets it "
                                    "for the engines it starts (--no-lend-cores: off). Empty: off; no effect "
                                    "with --cpu-affinity or at --tensor-parallel-size > 1.")
     block_size: int = opt(16, "Tokens per KV page.")
