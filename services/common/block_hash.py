@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 HASH_SIZE = 16
 """Bytes per block hash."""
@@ -61,6 +61,28 @@ def block_hashes(token_ids: Sequence[int], block_size: int, parent: bytes | None
         prev = h.digest()
         out.append(prev)
     return out
+
+
+LAZY_WINDOW_BLOCKS = 32
+"""Blocks whose tokens ``iter_block_hashes`` converts to bytes at a time (one C call per window)."""
+
+
+def iter_block_hashes(token_ids: Sequence[int], block_size: int, parent: bytes | None = None) -> Iterator[bytes]:
+    """The hashes of ``block_hashes``, one at a time: a consumer that stops early (a prefix-cache lookup
+    ends at its first miss) converts and hashes only the blocks it took, plus the rest of one window."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be > 0, got {block_size}")
+    num_full = len(token_ids) // block_size
+    stride = block_size * 4
+    prev = parent if parent is not None else ROOT_HASH
+    for w in range(0, num_full, LAZY_WINDOW_BLOCKS):
+        n = min(LAZY_WINDOW_BLOCKS, num_full - w)
+        buf = memoryview(_tokens_le_int32(token_ids[w * block_size : (w + n) * block_size]))
+        for i in range(n):
+            h = hashlib.blake2b(prev, digest_size=HASH_SIZE)
+            h.update(buf[i * stride : (i + 1) * stride])
+            prev = h.digest()
+            yield prev
 
 
 def hash_to_hex(block_hash: bytes) -> str:

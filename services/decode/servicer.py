@@ -79,6 +79,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.engine = engine
         self.model = engine.engine.loaded.model_id
         self.layout = engine.engine.layout
+        self._layout_pb = layout_to_pb(self.layout)
+        """Reserve's answer names the layout and the wire fingerprints; both are frozen, so they are
+        built once here (each fingerprint is a JSON dump + sha256, ~0.05 ms, per Reserve before)."""
+        self._wire_fingerprints = [engine.engine.fp8_layout.fingerprint]
         self.vocab_size = engine.engine.vocab_size
         self.max_model_len = engine.engine.max_model_len
         self.destination = offered_pool(pages_of(engine.engine), self.config.kv_mooncake_host,
@@ -137,6 +141,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             await errors.invalid(context, "token_ids", f"token_ids (prompt): {len(ids)} tokens do not fit the "
                                                        f"context of {self.max_model_len} tokens (one position must "
                                                        "remain for the output)")
+        if min(ids) >= 0 and max(ids) < self.vocab_size:  # C scans; the Python one runs only on a bad id
+            return
         bad = next((i for i, t in enumerate(ids) if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             await errors.invalid(context, "token_ids", f"token_ids: token id {ids[bad]} at position {bad} is outside "
@@ -206,8 +212,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.leases.arm(r, request.lease_ms)
         resp = decode_pb2.ReserveResponse(
             reservation_id=rid, num_cached_blocks=num_cached, block_size=self.layout.block_size,
-            layout=layout_to_pb(self.layout), lease_expires_unix=r.lease_expires_unix, block_ids=block_ids,
-            reservation_token=r.token, accepted_wire_fingerprints=[self.engine.engine.fp8_layout.fingerprint])
+            layout=self._layout_pb, lease_expires_unix=r.lease_expires_unix, block_ids=block_ids,
+            reservation_token=r.token, accepted_wire_fingerprints=self._wire_fingerprints)
         if self.destination is not None:  # a pool prefills may write into
             resp.destination.CopyFrom(self.destination)
         return resp

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 
-from services.common.block_hash import block_hashes
+from services.common.block_hash import block_hashes, iter_block_hashes
 from services.engine.sequence import Sequence
 
 
@@ -84,14 +84,17 @@ class BlockManager:
         """Longest run of cached blocks matching the leading full blocks of seq[:max_tokens]."""
         if not self.enable_prefix_caching or max_tokens < self.block_size:
             return [], []
-        hashes = block_hashes(seq.token_ids[:max_tokens], self.block_size)
+        # Lazy: a prompt whose first block misses hashes one window, not the whole prompt (mark_computed
+        # hashes the blocks past the hits once their KV is written).
         ids: list[int] = []
-        for h in hashes:
+        hashes: list[bytes] = []
+        for h in iter_block_hashes(seq.token_ids[:max_tokens], self.block_size):
             b = self._hash_to_block.get(h)
             if b is None:
                 break
             ids.append(b)
-        return ids, hashes[: len(ids)]
+            hashes.append(h)
+        return ids, hashes
 
     def get_computed_prefix(self, seq: Sequence) -> tuple[list[int], int]:
         """Cached block ids for seq's leading full blocks and the number of tokens they hold.

@@ -137,7 +137,8 @@ class LLMEngine:
             raise InvalidRequestError(
                 "prompt", f"{len(prompt_token_ids)} tokens do not fit the context of {self.max_model_len} "
                           "tokens (one position must remain for the output)")
-        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        in_vocab = min(prompt_token_ids) >= 0 and max(prompt_token_ids) < self.vocab_size  # C scans
+        bad = None if in_vocab else next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise InvalidRequestError("prompt", f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         params.validate()
