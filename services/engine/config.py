@@ -76,12 +76,14 @@ class EngineConfig(ContextConfig, ModelConfig, DtypeConfig):
                                      "Q4_1 blocks packed for torch's int4 GEMM, dequantized reads the dense weights; "
                                      "prefill-sized steps always use the dense ones. auto: int4 where it measures "
                                      "faster at start.", choices=WEIGHT_FORMATS)
-    cpu_compile_decode: int = opt(2, "CPU: run pure-decode steps of 1..N sequences through one torch.compile'd "
+    cpu_compile_decode: int = opt(0, "CPU: run pure-decode steps of 1..N sequences through one torch.compile'd "
                                      "forward (inductor; needs a C++ compiler). The engine serves eager steps "
-                                     "from the start; a background thread compiles each batch size (about a "
-                                     "minute each on 2 cores the first time, seconds from inductor's disk cache), "
-                                     "checks it against the eager step and switches it on if it measured faster. "
-                                     "0: eager steps only.")
+                                     "from the start; a background thread compiles each batch size (1-10 min each "
+                                     "on 2 busy cores the first time, serving ~3x slower meanwhile; seconds from "
+                                     "inductor's disk cache), checks it against the eager step and switches it on "
+                                     "if it measured faster (2: sizes 1-2, measured 1.28x / 1.10x). 0: eager steps "
+                                     "only (default: a cold compile costs more than it pays back on a fresh small "
+                                     "host).")
     draft_model: str = opt("", "Draft model of speculative decoding: layers:N (the target's first N layers, "
                                "sharing its embeddings, final norm and LM head), a .gguf file, an HF directory, or "
                                "random:NAME. Set it on prefill AND decode: pages then carry a draft KV region. "
