@@ -195,7 +195,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         await self._admit(context, needs_blocks=True)
         if not request.request_id:
             await errors.invalid(context, "request_id", "request_id: must not be empty")
-        ids = list(request.token_ids)
+        ids = request.token_ids[:]  # a list in one C copy (list() iterates the upb container)
         await self._check_prompt(context, ids)
         params = await self._params(context, request.params)
         deadline = request.deadline_unix

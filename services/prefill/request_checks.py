@@ -26,7 +26,7 @@ def problem(request: prefill_pb2.PrefillRequest, *, vocab_size: int, max_model_l
         return "reservation_token", "must not be empty (ReserveResponse.reservation_token)"
     if len(request.reservation_token) > MAX_TOKEN_BYTES:
         return "reservation_token", f"{len(request.reservation_token)} bytes; at most {MAX_TOKEN_BYTES}"
-    ids = request.token_ids
+    ids = request.token_ids[:]  # a list in one C copy: min/max over it beat min/max over the upb container
     if not ids:
         return "token_ids", "must not be empty"
     if len(ids) >= max_model_len:
