@@ -139,12 +139,27 @@ spinners and the engines' I/O threads slowed the prefill engine thread's kernel 
 (benchmarks/tail_probe.py, docs/PERFORMANCE.md); polling costs ~2 ms of CPU per 64 MiB moved."""
 
 
-def settle(batches: list[tuple[object, int]]) -> int:
+SETTLE_BASE_S = 30.0
+"""Seconds :func:`settle` waits for its batches beyond the time their bytes take at SETTLE_BYTES_PER_S (the
+rule of the binding's ``get_batch_transfer_status``: 30 s + 1 ns/byte). The engine reports a slice timeout
+only when MC_SLICE_TIMEOUT > 0 (off by default): without this limit a frozen peer would be polled forever."""
+
+SETTLE_BYTES_PER_S = 1e9
+"""Slowest rate (bytes/s) :func:`settle` allows for the bytes it is told of."""
+
+
+def settle(batches: list[tuple[object, int]], nbytes: int = 0) -> int:
     """Wait for every batch of :meth:`MooncakeEngine.submit` (each is freed once it ended: completed or
-    failed); 0 or the first failure (-1 failed, -2 timed out, a batch the engine then keeps)."""
+    failed); 0 or the first failure (-1 failed, -2 timed out, a batch the engine then keeps). ``nbytes``: the
+    bytes the batches move; past SETTLE_BASE_S + nbytes / SETTLE_BYTES_PER_S a batch still in flight counts
+    as timed out (-2) and the batches after it are read once each."""
+    deadline = time.monotonic() + SETTLE_BASE_S + nbytes / SETTLE_BYTES_PER_S
     rc = 0
     for te, batch in batches:
         while (status := te.transfer_check_status(batch)) == 0:  # type: ignore[attr-defined]
+            if time.monotonic() >= deadline:
+                status = -2
+                break
             time.sleep(POLL_S)
         if status != 1 and rc == 0:
             rc = status
@@ -252,7 +267,7 @@ class MooncakeWriter(PageWriter):
                     lens.append(n * rb)
         if not srcs:
             return None
-        batch = _Batch(self.engine.submit(self.segments, srcs, dsts, lens))
+        batch = _Batch(self.engine.submit(self.segments, srcs, dsts, lens), sum(lens))
         with self._lock:
             self._batches.append(batch)
         return batch
@@ -263,7 +278,7 @@ class MooncakeWriter(PageWriter):
             mine = not b.claimed
             b.claimed = True
         if mine:
-            b.rc = settle(b.batches)
+            b.rc = settle(b.batches, b.nbytes)
             b.done.set()
         b.done.wait()
         return b.rc
@@ -301,8 +316,9 @@ class _Plane:
 class _Batch:
     """One write's transfer-engine batches (several engines' at once) and its result, read once."""
 
-    def __init__(self, batches: list[tuple[object, int]]) -> None:
+    def __init__(self, batches: list[tuple[object, int]], nbytes: int) -> None:
         self.batches = batches
+        self.nbytes = nbytes
         self.claimed = False
         self.rc = 0
         self.done = threading.Event()
