@@ -16,7 +16,8 @@ step out of date)::
             state = last change (CLOCK_MONOTONIC ns, one clock for all processes) << 1 | busy
 
 Invariants: an engine uses its own share whenever it works, so when every engine works the threads add up
-to the shares given (the cores); a busy peer is never borrowed from; a peer is lent from only once it has
+to the shares given (the cores); a busy peer is never borrowed from, and what working peers borrowed
+already is not lent twice; a peer is lent from only once it has
 been idle for ``HOLD_NS`` (or its pid is gone: a crashed peer's stale slot counts as idle), so a peer
 that pauses for less than that is never borrowed from and thread counts change at most once per peer
 pause (no flapping). torch's thread count is set only when it changes.
@@ -97,15 +98,20 @@ def pid_alive(pid: int) -> bool:
 
 def lendable_threads(peers: Iterable[Peer], now_ns: int, hold_ns: int = HOLD_NS,
                      alive: Callable[[int], bool] = pid_alive) -> int:
-    """Threads the caller may borrow now: the shares of peers idle for at least ``hold_ns`` or gone."""
-    total = 0
+    """Threads the caller may borrow now: the shares of peers idle for at least ``hold_ns`` or gone, less
+    what the other live working peers (busy, or paused shorter than the hold) borrowed already (their
+    published threads above their share), so the borrowed threads never add up to more than the idle
+    shares."""
+    idle_shares = borrowed = 0
     for p in peers:
         if p.pid <= 0 or p.share <= 0:
             continue
         idle_long = not p.busy and now_ns - p.changed_ns >= hold_ns
         if idle_long or not alive(p.pid):  # liveness is asked only of peers that look busy or just paused
-            total += p.share
-    return total
+            idle_shares += p.share
+        else:
+            borrowed += max(0, p.threads - p.share)
+    return max(0, idle_shares - borrowed)
 
 
 def _open_group(path: Path, create_only: bool) -> int:

@@ -112,6 +112,27 @@ def test_idle_drops_back_only_after_the_hold(tmp_path: Path, live_pids: list[int
     assert rec.calls == [2, 1]
 
 
+def test_two_busy_engines_never_borrow_the_same_idle_share(tmp_path: Path) -> None:
+    """3 engines x 2 threads on 6 cores, one idle: the first busy one borrows the idle share, the second
+    finds it borrowed and runs with its own; the threads add up to the 6 cores."""
+    third = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        a, _ = _join(tmp_path, 2, os.getpid())
+        b, _ = _join(tmp_path, 2, os.getppid())
+        c, _ = _join(tmp_path, 2, third.pid)
+        assert len({a.slot, b.slot, c.slot}) == 3
+        c.idle(T0)
+        assert a.busy(T0 + HOLD) == 4
+        assert b.busy(T0 + HOLD + 1) == 2
+        a.idle(T0 + HOLD + 2)  # a short pause: a keeps its borrowed threads, still not lendable twice
+        assert b.busy(T0 + HOLD + 3) == 2
+        assert a.idle(T0 + 3 * HOLD) == 2  # a idle past the hold: back to its share, and lends it
+        assert b.busy(T0 + 3 * HOLD + 1) == 2 + 2 + 2
+    finally:
+        third.kill()
+        third.wait()
+
+
 def test_lendable_threads_counts_only_idle_or_gone_peers() -> None:
     peers = [cs.Peer(pid=11, share=2, threads=2, busy=True, changed_ns=0),
              cs.Peer(pid=12, share=1, threads=1, busy=False, changed_ns=T0),
@@ -119,6 +140,9 @@ def test_lendable_threads_counts_only_idle_or_gone_peers() -> None:
     alive = {11: True, 12: True, 13: False}.__getitem__
     assert cs.lendable_threads(peers, T0 + HOLD, HOLD, alive) == 1 + 4
     assert cs.lendable_threads(peers, T0 + HOLD - 1, HOLD, alive) == 4
+    borrower = cs.Peer(pid=14, share=1, threads=3, busy=True, changed_ns=0)  # took 2 of the idle ones
+    alive_too = {11: True, 12: True, 13: False, 14: True}.__getitem__
+    assert cs.lendable_threads([*peers, borrower], T0 + HOLD, HOLD, alive_too) == 1 + 4 - 2
 
 
 def test_group_file_is_private_and_removed(tmp_path: Path) -> None:
