@@ -68,6 +68,16 @@ def _may_borrow(eng: LLMEngine) -> bool:
     return sch.num_running + sch.num_waiting + sch.num_waiting_for_kv <= 1
 
 
+def _out_of_work(cores: CoreShare, eng: LLMEngine) -> int:
+    """Mark the engine idle in its share group (its share becomes lendable after the hold), unless its
+    background decode compile is pending or compiling: that thread works on the engine's share, so the
+    engine stays marked busy, at its own share (it borrows nothing); the thread count."""
+    compiler = getattr(eng.runner, "decode_compiler", None)
+    if compiler is not None and compiler.working:
+        return cores.busy(borrow=False)
+    return cores.idle()
+
+
 def _join_share_group(config: EngineConfig) -> CoreShare | None:
     """This engine's slot in its core share group (--cpu-share-group), or None: no group, not on CPU, pinned
     (--cpu-affinity: lending would have to widen the pin), tensor-parallel (ranks step in lockstep with
@@ -128,7 +138,7 @@ class AsyncEngine:
                     self._publish()
                 else:
                     if self._cores is not None:
-                        self._threads = self._cores.idle()
+                        self._threads = _out_of_work(self._cores, eng)
                     self._publish()
                     self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()

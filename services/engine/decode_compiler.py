@@ -123,6 +123,12 @@ class DecodeCompiler:
         # process ("terminate called without an active exception"). At exit _interrupt_all ends it first.
         self._thread = threading.Thread(target=_thread_main, args=(weakref.ref(self),), name="pdserve-compile")
 
+    @property
+    def working(self) -> bool:
+        """Waiting for its turn or compiling (the runner starts it at once): its thread uses, or is about to
+        use, the engine's share of cores."""
+        return self.report.status in ("pending", "compiling")
+
     def start(self) -> None:
         if not trace_fence.install():
             log.warning("engine: --cpu-compile-decode: this torch has no FX patcher to fence, so no background "

@@ -6,7 +6,9 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -189,3 +191,25 @@ def test_engine_config_validates_the_group_id() -> None:
     assert EngineConfig(cpu_share_group="up12-abcd").cpu_share_group == "up12-abcd"
     with pytest.raises(EngineConfigError, match="PDSERVE_CPU_SHARE_GROUP"):
         EngineConfig(cpu_share_group="../x")
+
+
+def test_an_engine_out_of_work_stays_busy_while_its_decode_compile_runs(tmp_path: Path,
+                                                                        live_pids: list[int]) -> None:
+    """A pending or compiling background compile works on the engine's share: a peer must not borrow it."""
+    from services.engine.async_engine import _out_of_work
+    from services.engine.decode_compiler import DecodeCompiler
+
+    a, _ = _join(tmp_path, 1, live_pids[0])
+    b, _ = _join(tmp_path, 1, live_pids[1])
+    compiler = DecodeCompiler(None, 1)  # type: ignore[arg-type]  # never started: only its report is read
+    eng = SimpleNamespace(runner=SimpleNamespace(decode_compiler=compiler))
+    for status in ("pending", "compiling"):
+        compiler.report.status = status
+        assert _out_of_work(b, eng) == 1  # type: ignore[arg-type]
+        assert a.busy(time.monotonic_ns() + 10 * HOLD) == 1  # b is marked busy: nothing lent
+    compiler.report.status = "done"
+    _out_of_work(b, eng)  # type: ignore[arg-type]
+    now = time.monotonic_ns()  # b marked its idle start before this
+    assert a.busy(now + 10 * HOLD) == 2  # compile over: b idle, lent after the hold
+    eng.runner.decode_compiler = None
+    assert _out_of_work(b, eng) == 1  # type: ignore[arg-type]  # no compile (eager): idle as before
