@@ -170,7 +170,10 @@ class Handoff:
                 self._spawn(abort_quietly(decode, resv.reservation_id, "router"))
 
     def _phase(self, st: RequestState, phase: str) -> None:
-        """Observe the time from the request's arrival to ``phase`` of its handoff."""
+        """Observe the time from the request's arrival to ``phase`` of its handoff, once per request."""
+        if phase in st.phases:
+            return
+        st.phases.add(phase)
         self.metrics.handoff_phase_seconds.labels(phase).observe(time.monotonic() - st.arrived)
 
     # --- 1. Reserve ---
@@ -206,11 +209,13 @@ class Handoff:
     async def _decode_stream(self, st: RequestState, decode: Instance, resv: decode_pb2.ReserveResponse,
                              events: asyncio.Queue[DispatchEvent]) -> None:
         start = 0
+        first = True
         try:
             call = decode.decode.Generate(decode_pb2.DecodeGenerateRequest(reservation_id=resv.reservation_id),
                                           metadata=st.metadata, timeout=st.timeout_s())
             async for msg in call:
-                if not start:
+                if first:
+                    first = False
                     self._phase(st, "decode_first")
                 await events.put(DecodeTokens(start, msg))
                 start += len(msg.token_ids)

@@ -62,6 +62,9 @@ class RequestState:
     migrations: int = 0
     arrived: float = field(default_factory=time.monotonic)
     """When dispatch took the request (monotonic seconds): the origin of the router's handoff phases."""
+    phases: set[str] = field(default_factory=set)
+    """Handoff phases already observed for this request: each once, at its first attempt that reached it
+    (a retry or migration runs another attempt; ``first_token`` is so the client's first token)."""
 
     def remaining_s(self) -> float:
         return self.deadline_unix - time.time()

@@ -1,5 +1,6 @@
 """The router's handoff phase histogram (pdserve_router_handoff_phase_seconds): every point of one P/D request
-observed once, in order, whichever side delivers the first token; Prefill carries the time it was sent."""
+observed once, in order, whichever side delivers the first token, and once per request when a migration runs a
+second attempt; Prefill carries the time it was sent. Order only: no timing slack (the box may be loaded)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from tests.router.test_router_dispatch import (
     PROMPT,
     cluster_factory,  # noqa: F401 (the fixture)
     collect,
+    exact,
+    prefer,
     reference,
     router,
     tokens,
@@ -33,8 +36,23 @@ async def test_each_handoff_point_is_observed_once_in_order(cluster_factory, rep
     assert tokens(events) == reference(PROMPT, 4)
     assert count == dict.fromkeys(POINTS, 1.0)
     assert 0 <= at["reserve"] <= at["prefill_sent"] <= min(at["prefill_response"], at["decode_first"]) < took
-    assert at["first_token"] <= min(at["prefill_response"], at["decode_first"]) + 0.05
+    assert at["first_token"] >= min(at["prefill_response"], at["decode_first"])
     if reply_delay_s:
-        assert at["prefill_response"] >= at["decode_first"] + 0.2
+        assert at["prefill_response"] >= at["decode_first"]
     (prefill,) = c.prefill(0).requests
     assert t0 <= prefill.sent_unix <= t0 + took
+
+
+async def test_a_migration_observes_each_point_once_and_first_token_is_the_clients(cluster_factory) -> None:  # noqa: F811
+    c = await cluster_factory(2, 1)
+    c.decode(0).die_after_tokens = 3  # the second attempt (decode 1) reserves, prefills and streams again
+    async with router(c) as r:
+        prefer(r.decode_pool, c.decode_addr(0))
+        t0 = time.monotonic()
+        await exact(r, 10)
+        took = time.monotonic() - t0
+        count = {p: r.registry.get_sample_value(f"{PHASE}_count", {"phase": p}) for p in POINTS}
+        at = {p: r.registry.get_sample_value(f"{PHASE}_sum", {"phase": p}) for p in POINTS}
+    assert len(c.decode(1).reserves) == 1 and len(c.prefill(0).requests) == 2  # two attempts ran
+    assert count == dict.fromkeys(POINTS, 1.0)
+    assert 0 <= at["reserve"] <= at["prefill_sent"] <= at["first_token"] < took
