@@ -314,10 +314,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                         request_id=r.request_id):
             try:
                 async for o in self._stream(r.reservation_id, r.stream, lambda: r.kv_done_at, abort_on_exit=False):
-                    if not first_sent:  # 0 when output 1 left before the receiver task noted the landing
+                    if not first_sent:  # not observed when output 1 left before the receiver noted the landing
                         first_sent = True
-                        self.metrics.handoff_phase_seconds.labels("first_message").observe(
-                            max(0.0, time.monotonic() - (r.kv_done_at or time.monotonic())))
+                        if r.kv_done_at is not None:
+                            self.metrics.handoff_phase_seconds.labels("first_message").observe(
+                                max(0.0, time.monotonic() - r.kv_done_at))
                     if o.finished and o.finish_reason == FinishReason.ABORT and r.end_cause is not None:
                         await errors.ended(context, r.reservation_id, r.end_cause)
                     finished = o.finished
