@@ -23,7 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.engine.core_share import create_group, remove_group
+from services.common.config import env_name
+from services.engine.core_share import CoreShareError, create_group, remove_group
 from services.engine.cpu_features import engine_cpu_args, quiet_openmp_env
 from services.process import RestartPolicy, ServiceProc, emit, exit_text, parse_ready
 
@@ -37,6 +38,9 @@ _STOP_TIER = {"router": 0, "prefill": 1, "decode": 1, "kvstore": 2, "kvstore.moo
 _ROLE = {"router": "router", "prefill": "prefill", "decode": "decode", "kvstore": "kvstore"}
 # Settings only the router may see (the others never get the API key in their environment).
 _ROUTER_ONLY_ENV = ("PDSERVE_API_KEY", "PDSERVE_API_KEY_FILE")
+# The engines' --cpu-share-group: given by the launcher alone, so an exported one never joins engines to a
+# group the launcher did not make (--no-lend-cores, pinned, one engine, group file refused).
+_SHARE_GROUP_ENV = env_name("cpu_share_group")
 _WILDCARD = {"", "0.0.0.0", "::", "[::]"}
 
 
@@ -164,10 +168,11 @@ class LocalCluster:
         return args + (["--http-host", self.host] if module == "router" else [])
 
     def _env_for(self, module: str) -> dict[str, str]:
+        env = {k: v for k, v in self.env.items() if k != _SHARE_GROUP_ENV}
         if module == "router":
             keys = {"PDSERVE_API_KEY": self.api_key, "PDSERVE_API_KEY_FILE": self.api_key_file}
-            return {**self.env, **{k: v for k, v in keys.items() if v}}
-        return {k: v for k, v in self.env.items() if k not in _ROUTER_ONLY_ENV}
+            return {**env, **{k: v for k, v in keys.items() if v}}
+        return {k: v for k, v in env.items() if k not in _ROUTER_ONLY_ENV}
 
     def _command(self, name: str, module: str, args: list[str]) -> list[str]:
         # Services stop (draining) when this launcher dies, even by SIGKILL: they run in their own
@@ -267,6 +272,17 @@ class LocalCluster:
             self._watcher.start()
         return self
 
+    def _join_cores(self, cpu: list[list[str]]) -> list[list[str]]:
+        """Each engine's CPU flags plus its share group, created now; the flags unchanged (lending off, with a
+        warning) when the group file is refused (no or read-only /dev/shm): lending is an optimisation."""
+        if self.share_group:
+            try:
+                create_group(self.share_group)
+            except CoreShareError as e:
+                self._say(f"warning: core lending off: {e}")
+                self.share_group = ""
+        return [[*a, "--cpu-share-group", self.share_group] for a in cpu] if self.share_group else cpu
+
     def _start(self, timeout: float) -> None:
         kv_args: list[str] = []
         if self.kvstore:
@@ -285,9 +301,7 @@ class LocalCluster:
         specs: list[_Spec] = []
         # Each engine process gets its share of this host's cores (--cpu-threads, --cpu-affinity if pinned).
         cpu = engine_cpu_args(0 if self.colocated else self.n_prefill, self.n_decode, pin=self.pin_cores)
-        if self.share_group:
-            create_group(self.share_group)
-            cpu = [[*a, "--cpu-share-group", self.share_group] for a in cpu]
+        cpu = self._join_cores(cpu)
         if self.colocated:
             specs += [self._service(f"worker-{j}", "decode", ["--mode", "colocated", *self.model_args(), *cpu[j]])
                       for j in range(self.n_decode)]
