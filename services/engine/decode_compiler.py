@@ -1,11 +1,11 @@
 """Compiles the CPU decode step in the background while the engine serves eager steps (``--cpu-compile-decode``).
 
-One daemon thread per engine (one at a time per process) takes batch sizes 1..N in turn: it compiles the
-variant against a private scratch pool, checks it against the eager step on the same inputs (fp32 logits
-within a tolerance of the dtype, the same argmax in every row: a variant that disagrees is dropped and
-logged), times compiled and eager steps alternating, and switches the variant on
-(``CompiledDecode.activate``) only when it measured faster. The engine thread reads the set of switched-on
-sizes once per step, so a switch happens between steps, on the engine thread.
+One thread per engine (one at a time per process; not a daemon: DecodeCompiler.__init__ says why) takes
+batch sizes 1..N in turn: it compiles the variant against a private scratch pool, checks it against the
+eager step on the same inputs (fp32 logits within a tolerance of the dtype, the same argmax in every row:
+a variant that disagrees is dropped and logged), times compiled and eager steps alternating, and switches
+the variant on (``CompiledDecode.activate``) only when it measured faster. The engine thread reads the set
+of switched-on sizes once per step, so a switch happens between steps, on the engine thread.
 
 Sharing: the thread reads the model's weights and the RoPE tables and nothing else of the engine: its pool
 is the scratch pool, its eager reference step uses a private copy of the rotary module (StepCachedRotary
@@ -141,7 +141,8 @@ class DecodeCompiler:
 
     def stop(self, timeout: float = 1.0) -> None:
         """No further step of the work is started; waits up to ``timeout`` s (a variant being traced or
-        compiled cannot be cut: it finishes on the daemon thread, which then ends)."""
+        compiled cannot be cut: it finishes on the compile thread, which then ends; at interpreter exit
+        _interrupt_all cuts it at its next bytecode)."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout)

@@ -83,7 +83,7 @@ class ModelRunner:
 
     def release(self) -> None:
         """Free what outlives the process otherwise: the shared-memory pool files (target and draft); stop
-        the background compile (a variant being compiled finishes on its daemon thread)."""
+        the background compile (a variant being compiled finishes on its thread, which is not a daemon)."""
         if self.decode_compiler is not None:
             self.decode_compiler.stop()
         if self.spec is not None:

@@ -124,8 +124,8 @@ class EngineService:
                 self._gauge_task.cancel()
             for fn in self.on_close:
                 await fn()
-            if self.engine is not None:
-                self.engine.shutdown()
+            if self.engine is not None:  # joins the engine thread and stops the compile: seconds, off the loop
+                await asyncio.to_thread(self.engine.shutdown)
 
         self.servicer = servicer
         srv = ServiceServer(self.name, self.cfg, drain=servicer.drain, on_shutdown=shutdown)
