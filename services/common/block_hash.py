@@ -67,12 +67,14 @@ LAZY_WINDOW_BLOCKS = 32
 """Blocks whose tokens ``iter_block_hashes`` converts to bytes at a time (one C call per window)."""
 
 
-def iter_block_hashes(token_ids: Sequence[int], block_size: int, parent: bytes | None = None) -> Iterator[bytes]:
+def iter_block_hashes(token_ids: Sequence[int], block_size: int, parent: bytes | None = None, *,
+                      max_tokens: int | None = None) -> Iterator[bytes]:
     """The hashes of ``block_hashes``, one at a time: a consumer that stops early (a prefix-cache lookup
-    ends at its first miss) converts and hashes only the blocks it took, plus the rest of one window."""
+    ends at its first miss) converts and hashes only the blocks it took, plus the rest of one window.
+    ``max_tokens`` (>= 0; below counts as 0): only the full blocks of ``token_ids[:max_tokens]``, without copying."""
     if block_size <= 0:
         raise ValueError(f"block_size must be > 0, got {block_size}")
-    num_full = len(token_ids) // block_size
+    num_full = (len(token_ids) if max_tokens is None else min(len(token_ids), max(0, max_tokens))) // block_size
     stride = block_size * 4
     prev = parent if parent is not None else ROOT_HASH
     for w in range(0, num_full, LAZY_WINDOW_BLOCKS):

@@ -88,7 +88,7 @@ class BlockManager:
         # hashes the blocks past the hits once their KV is written).
         ids: list[int] = []
         hashes: list[bytes] = []
-        for h in iter_block_hashes(seq.token_ids[:max_tokens], self.block_size):
+        for h in iter_block_hashes(seq.token_ids, self.block_size, max_tokens=max_tokens):
             b = self._hash_to_block.get(h)
             if b is None:
                 break
