@@ -138,11 +138,33 @@ def run_pd(args: argparse.Namespace, transport: str, prompts: Iterator[list[int]
     with started(c, args.start_timeout):
         addrs = [c.router["metrics"], c.get("prefill-0").ready["metrics"], c.get("decode-0").ready["metrics"]]
         grpc_addr = c.router["grpc"]
-        return measure(args, grpc_addr, addrs, prompts, transport)
+        return measure(args, grpc_addr, addrs, prompts, transport, PD_LAST)
 
 
-def measure(args: argparse.Namespace, grpc_addr: str, addrs: list[str], prompts: Iterator[list[int]], label: str
-            ) -> dict[str, float]:
+PD_LAST = (f"{R}[prefill_response]#n", f"{P}[respond]#n")
+"""Counts of the last observations of one P/D request (PrefillResponse may follow the client's last token)."""
+
+LANDED_WITHIN_S = 10.0
+"""Longest wait for a request's last observations before scraping anyway (seconds)."""
+
+
+def scrape_landed(addrs: list[str], before: dict[str, float], last: tuple[str, ...]) -> dict[str, float]:
+    """Every service's histograms once each count in ``last`` grew by one since ``before`` (a late observation
+    would else land in the next request's delta), or as they are after LANDED_WITHIN_S."""
+    deadline = time.monotonic() + LANDED_WITHIN_S
+    while True:
+        after = {k: v for a in addrs for k, v in scrape(a).items()}
+        if all(after.get(k, 0.0) >= before.get(k, 0.0) + 1 for k in last):
+            return after
+        if time.monotonic() >= deadline:
+            print(f"warning: {[k for k in last if after.get(k, 0.0) < before.get(k, 0.0) + 1]} not observed "
+                  f"within {LANDED_WITHIN_S} s", flush=True)
+            return after
+        time.sleep(0.005)
+
+
+def measure(args: argparse.Namespace, grpc_addr: str, addrs: list[str], prompts: Iterator[list[int]], label: str,
+            last: tuple[str, ...] = ()) -> dict[str, float]:
     per: dict[str, list[float]] = {}
     points: dict[str, list[float]] = {}
     with Client(grpc_addr) as client:
@@ -151,8 +173,7 @@ def measure(args: argparse.Namespace, grpc_addr: str, addrs: list[str], prompts:
         for _ in range(args.requests):
             before = {k: v for a in addrs for k, v in scrape(a).items()}
             ttft = client.ttft(next(prompts), args.max_tokens)
-            time.sleep(0.05)  # PrefillResponse may follow the client's last token by a moment
-            after = {k: v for a in addrs for k, v in scrape(a).items()}
+            after = scrape_landed(addrs, before, last)
             got = request_phases(before, after)
             got["client_ttft[]"] = ttft
             for k, v in got.items():
