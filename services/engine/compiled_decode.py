@@ -128,17 +128,20 @@ class CompiledDecode:
     def compile(self, batch: int, kv: torch.Tensor) -> float:
         """Trace and compile variant ``batch`` now, running it once on ``kv`` (a scratch pool of the
         engine pool's dtype and page shape); seconds taken. Raises what a failed compile raises
-        (_COMPILE_ERRORS). Never on the engine thread while the engine serves: it may take minutes."""
+        (_COMPILE_ERRORS). Never on the engine thread while the engine serves: it may take minutes.
+        ``compile_seconds`` adds the time spent, a failed or cut compile's too."""
         t0 = time.monotonic()
-        ids = torch.zeros(batch, dtype=torch.int64)
-        mask = torch.zeros(batch, 1, 1, MIN_PAGES * self.block_size + 1, dtype=torch.bool)
-        mask[..., -1] = True
-        gather = torch.zeros(batch * MIN_PAGES, dtype=torch.int64)
-        for t, dim in ((kv, 2), (gather, 0), (mask, 3)):
-            torch._dynamo.maybe_mark_dynamic(t, dim)
-        self._compiled[batch](ids, ids.clone(), kv, gather, mask)
-        seconds = time.monotonic() - t0
-        self.compile_seconds += seconds
+        try:
+            ids = torch.zeros(batch, dtype=torch.int64)
+            mask = torch.zeros(batch, 1, 1, MIN_PAGES * self.block_size + 1, dtype=torch.bool)
+            mask[..., -1] = True
+            gather = torch.zeros(batch * MIN_PAGES, dtype=torch.int64)
+            for t, dim in ((kv, 2), (gather, 0), (mask, 3)):
+                torch._dynamo.maybe_mark_dynamic(t, dim)
+            self._compiled[batch](ids, ids.clone(), kv, gather, mask)
+        finally:
+            seconds = time.monotonic() - t0
+            self.compile_seconds += seconds
         return seconds
 
     def inputs(self, rows: list[tuple[int, int, list[int]]]
