@@ -78,7 +78,7 @@ and compute, decode's wait for the KV); the rest of the client's TTFT is HTTP, g
 
 
 COMPILE_FINISHED = ("engine: background compile done", "decode steps of that size and larger stay eager",
-                    "engine: background compile of the decode step failed")
+                    "engine: background compile of the decode step failed", "so no background compile")
 """Log lines with which an engine's background decode compile (services/engine/decode_compiler.py) ends,
 compiled or not: a server is measured only after each of its compiling engines printed one, so no round
 runs beside a compile (minutes of both cores on a small host)."""
@@ -207,7 +207,7 @@ class InProcess:
     """The in-process engine; one :meth:`round` = prefill seconds per thread count, and batch-1 decode s/token."""
 
     def __init__(self, gguf: Path, dtype: str, weight_format: str, prompt_len: int, output_len: int, threads: int,
-                 cpu_compile_decode: int) -> None:
+                 cpu_compile_decode: int, compile_timeout_s: float = 600.0) -> None:
         from benchmarks.engine_bench import EngineBench
 
         self.bench = EngineBench(str(gguf), dtype, prompt_len, 1, 64 + output_len, threads, weight_format,
@@ -215,8 +215,11 @@ class InProcess:
         self.prompt_len, self.output_len, self.threads = prompt_len, output_len, threads
         self._n = 0
         compiler = self.bench.engine.runner.decode_compiler
-        if compiler is not None:  # measured compiled, as served engines are once their compile is done
-            compiler.wait()
+        # Measured compiled, as served engines are once their compile is done; a compile still running after
+        # compile_timeout_s (the bench's --ready-timeout-s default) fails the run rather than hang it.
+        if compiler is not None and not compiler.wait(compile_timeout_s):
+            raise RuntimeError(f"in-process engine: background decode compile not done after "
+                               f"{compile_timeout_s:.0f} s")
         cfg = self.bench.engine.config
         self.dtype = f"{cfg.resolved_dtype} ({cfg.dtype_reason})"
         self.weight_format = f"{cfg.resolved_weight_format} ({cfg.weight_format_reason})"
