@@ -5,7 +5,9 @@ and ``__getattr__`` ON THE CLASS for as long as it traces, in every thread: a mo
 another thread meanwhile has its module calls routed into the tracer and fails ("module is not installed as
 a submodule"). So while any background compile runs in this process, each tracer patch window and each
 CPU model step take one lock (``fence``): a step waits for a trace window to close, a trace window waits
-for the step. With no compile running, ``fence`` is a no-op.
+for the step. Before the first compile of this process ``fence`` is a no-op; once ``install`` ran, every
+step takes the lock (uncontended when no compile traces): a step that read "no compile running" could
+otherwise still be running when another engine's compile in this process opens its first window.
 """
 
 from __future__ import annotations
@@ -53,5 +55,6 @@ def compiling(delta: int) -> None:
 
 
 def fence() -> contextlib.AbstractContextManager[object]:
-    """Around a CPU model step: the lock while a background compile runs, else nothing."""
-    return _LOCK if _active else contextlib.nullcontext()
+    """Around a CPU model step: the lock once a background compile was set up in this process (``install``;
+    it stays True), else nothing."""
+    return _LOCK if _installed else contextlib.nullcontext()
