@@ -108,6 +108,8 @@ class LLMEngine:
         self.scheduler = Scheduler(sched_cfg, self.block_manager, set(self.tokenizer.eos_token_ids))
         self.requests: dict[str, _Request] = {}
         self._by_seq: dict[int, _Request] = {}
+        self._held: dict[str, int] = {}
+        """request_id -> seq_id of sequences marked by ``hold_blocks`` (blocks kept past the end)."""
         self.chunk_listeners: list[ChunkListener] = []
         self.last_step_start = 0.0
         """monotonic time the current/last step's model call began (chunk listeners read it)."""
@@ -186,8 +188,21 @@ class LLMEngine:
         req.first_token_time = time.monotonic()
         return [self._emit(req, [first_token], [logprob], [top])]
 
+    def hold_blocks(self, seq: Sequence) -> None:
+        """Engine thread (a chunk listener): keep seq's KV blocks after it finishes, until
+        ``release_held(request_id)`` or ``abort(request_id)`` (a KV hand-off still reads them). Counted as used."""
+        self.scheduler.hold(seq.seq_id)
+        self._held[seq.request_id] = seq.seq_id
+
+    def release_held(self, request_id: str) -> bool:
+        """Free the blocks ``hold_blocks`` kept (True if it freed any); idempotent."""
+        seq_id = self._held.pop(request_id, None)
+        return seq_id is not None and self.scheduler.release_held(seq_id)
+
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Cancel a request in any state and free its blocks; returns its final (ABORT) output."""
+        """Cancel a request in any state and free its blocks (held ones too); returns its final (ABORT)
+        output, None when it is no longer running."""
+        self.release_held(request_id)
         req = self.requests.pop(request_id, None)
         if req is None:
             return None

@@ -16,7 +16,8 @@ Invariants (``check_invariants``):
   * every live sequence is in exactly one of waiting / running / kv_ready / waiting_for_kv;
   * waiting sequences hold no blocks and have num_computed_tokens == 0;
   * running sequences have 0 <= num_computed_tokens < len(token_ids) between steps;
-  * finished sequences hold no blocks and are no longer tracked.
+  * finished sequences hold no blocks and are no longer tracked, except those marked with ``hold``
+    before they finished (not aborted): they sit in ``held`` with their blocks until ``release_held``.
 """
 
 from __future__ import annotations
@@ -95,6 +96,9 @@ class Scheduler:
         self.waiting_for_kv: dict[int, Sequence] = {}
         self._seqs: dict[int, Sequence] = {}
         self._streamed: set[int] = set()  # seq_ids whose KV streams out per chunk (subset of _seqs)
+        self._hold: set[int] = set()  # live seq_ids whose blocks outlive them (subset of _seqs)
+        self.held: dict[int, Sequence] = {}
+        """Finished sequences still holding their blocks (a KV hand-off reads them), by seq_id."""
         self.num_preemptions = 0
         """Preemptions since start (a counter)."""
         # KV for the last token needs a slot, so a sequence may grow to pool_tokens + 1 tokens.
@@ -188,11 +192,28 @@ class Scheduler:
             self.kv_ready.remove(seq)
         else:
             self.running.remove(seq)
-        self.block_manager.free(seq)
+        if seq.seq_id in self._hold and reason != FinishReason.ABORT:
+            self.held[seq.seq_id] = seq  # freed by release_held
+        else:
+            self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self._seqs[seq.seq_id]
         self._streamed.discard(seq.seq_id)
+        self._hold.discard(seq.seq_id)
+
+    def hold(self, seq_id: int) -> None:
+        """Keep a live sequence's blocks when it finishes (not when aborted) until ``release_held``."""
+        if seq_id in self._seqs:
+            self._hold.add(seq_id)
+
+    def release_held(self, seq_id: int) -> bool:
+        """Free the blocks of a held finished sequence (and drop a live one's hold mark); True if freed."""
+        self._hold.discard(seq_id)
+        seq = self.held.pop(seq_id, None)
+        if seq is not None:
+            self.block_manager.free(seq)
+        return seq is not None
 
     # ---- stepping -------------------------------------------------------------------------------
 
@@ -361,6 +382,8 @@ class Scheduler:
         assert len(placed) == len(set(placed)) == len(self._seqs), "a sequence is in two queues or none"
         assert set(placed) == self._seqs.keys(), "queues and the live-sequence index disagree"
         assert self._streamed <= self._seqs.keys(), "a finished sequence is still marked as streaming KV"
+        assert self._hold <= self._seqs.keys(), "a finished sequence is still marked to hold its blocks"
+        assert all(s.status == SequenceStatus.FINISHED for s in self.held.values())
         for s in self.waiting:
             assert s.status == SequenceStatus.WAITING and not s.block_table and s.num_computed_tokens == 0
         for s in self.running:
@@ -370,4 +393,4 @@ class Scheduler:
         for s in self.waiting_for_kv.values():
             assert s.status == SequenceStatus.WAITING_FOR_KV
         assert len(self.running) <= self.config.max_num_seqs
-        self.block_manager.check_invariants(self._seqs.values())
+        self.block_manager.check_invariants([*self._seqs.values(), *self.held.values()])

@@ -42,6 +42,10 @@ class PrefillConfig(ServerConfig, TracingConfig, MooncakeTransportConfig):
                                       "no request waits on a store that is down; then try again.")
     kvstore_max_pending_writes: int = opt(8, "Background kvstore write-backs under way at once (count); more are "
                                              "dropped (counted), bounding the host memory they hold.")
+    claim_wait_s: float = opt(30.0, "Longest a request whose prompt is computed waits for decode to acknowledge a "
+                                    "side transport's claim (seconds; its KV blocks stay held meanwhile, no other "
+                                    "request waits). Past it the request fails UNAVAILABLE, retryable: the router "
+                                    "retries it with the same reservation.")
     max_queued: int = opt(64, "Prefill requests admitted and not finished (count); past it Prefill answers "
                               "RESOURCE_EXHAUSTED (reason OVERLOADED, with a retry-after hint).")
     slowdown_ms_per_chunk: int = opt(0, "Testing aid: sleep this long after each computed chunk (simulates a "
@@ -50,6 +54,7 @@ class PrefillConfig(ServerConfig, TracingConfig, MooncakeTransportConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.check_mooncake()
+        require(self.claim_wait_s > 0, self, "claim_wait_s", f"must be > 0, got {self.claim_wait_s}")
         require(self.max_queued > 0, self, "max_queued", f"must be > 0, got {self.max_queued}")
         require(self.kv_mooncake_staging_bytes > 0, self, "kv_mooncake_staging_bytes",
                 f"must be > 0, got {self.kv_mooncake_staging_bytes}")

@@ -2,7 +2,10 @@
 
 Engine thread (``on_chunk``, while the chunk's blocks are held): either a side transport's writer
 starts writing the chunk's pages into decode's pool, or the page API starts exporting them to host
-memory (a gather; on GPU an async copy on a side stream). Nothing else happens on the step loop.
+memory (a gather; on GPU an async copy on a side stream). Nothing else happens on the step loop, and
+it never waits: when the last chunk is computed before decode acknowledged the writer's claim, the
+request's blocks are held past its end (``LLMEngine.hold_blocks``) and its unwritten pages go to the
+sender as a deferred write, issued on the engine thread once the claim is acknowledged.
 
 Sender task (``pump``): waits for the write or the export in a worker thread, checksums the bytes
 there, and sends one message per piece; the page bytes go from the page tensor to gRPC with one copy
@@ -13,7 +16,6 @@ on the wire.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +24,7 @@ import grpc
 import torch
 
 from services.common.pb import common_pb2
+from services.engine.async_engine import AsyncEngine
 from services.engine.convert import top_to_pb
 from services.engine.kv_layout import FP8_CODEC, PageLayout, checksum
 from services.engine.kv_pages import PageExport
@@ -39,10 +42,9 @@ this size, while ones above its 32 MiB mmap ceiling are mapped and page-faulted 
 ``pdserve bench kv`` measured 0.8-0.9 CPU s/GB per side at 6-8 MiB messages, 1.6 at 47 MiB."""
 
 
-CLAIM_WAIT_S = 0.5
-"""Longest the engine thread waits at a request's last chunk for decode to acknowledge its writer's claim
-(seconds). The claim runs while the prompt computes, so only a prompt computed faster than the claim's
-round trip waits at all; past the bound the request fails UNAVAILABLE with no page written."""
+class ClaimTimeout(TransferError):
+    """Decode did not acknowledge the writer's claim within ``claim_wait_s`` of the prompt being computed;
+    no page was written and decode keeps the reservation, so the request may be retried with it."""
 
 
 @dataclass
@@ -55,6 +57,9 @@ class PagesReady:
     writes them (then num_pages says how many and ``write`` is its handle)."""
     num_pages: int = 0
     write: object = None
+    deferred: list[int] | None = None
+    """Source block ids of pages computed before decode acknowledged the claim: the sender issues their
+    write once it has (``write`` is None until then); the blocks are held until that write landed."""
     last: bool = False
     writeback: tuple[int, torch.Tensor] | None = None
     """(first block, pages) of full blocks the kvstore lacks, on the last item only."""
@@ -70,7 +75,8 @@ class RequestKVStream:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, export: Callable[[list[int]], PageExport], block_size: int,
                  num_skip_blocks: int, chunked: bool, arrival: float, writer: PageWriter | None = None,
-                 read_native: Callable[[list[int]], torch.Tensor] | None = None) -> None:
+                 read_native: Callable[[list[int]], torch.Tensor] | None = None, engine: AsyncEngine | None = None,
+                 claim_wait_s: float = 0.0) -> None:
         self.loop = loop
         self.export = export
         """Starts a chunk's page export for the wire (the cache's dtype, or a codec such as fp8-e4m3)."""
@@ -93,36 +99,37 @@ class RequestKVStream:
         """Set when new full pages from this block on should go to the kvstore."""
         self.last_picked: float | None = None
         """When the sender task took the last chunk off the queue (monotonic seconds)."""
-        self.claimed = threading.Event()
-        """Set once nothing is left to wait for: decode answered the writer's claim (or refused it), or the
-        request is ending."""
-        self.claimed.set()
+        self.engine = engine
+        """Holds the request's blocks past its end for a deferred write (needed with a claim)."""
+        self.claim_wait_s = claim_wait_s
+        """Longest the sender waits for the claim's answer once a deferred write is due (seconds)."""
+        self.claim_task: asyncio.Future[None] | None = None
         self.claim_ok = True
-        """Pages may be written: no claim was needed, or decode acknowledged it (set before ``claimed``)."""
+        """Pages may be written now: no claim was needed, or decode acknowledged it."""
+        self.ending = False
+        """The request is ending: with no acknowledged claim, nothing is written any more."""
+        self.held_request: str | None = None
+        """Engine request id whose blocks are held for the deferred write (None: none held)."""
         self.claim_answered: float | None = None
         """When decode acknowledged the writer's claim (monotonic seconds; None: no claim, or not yet)."""
 
     def claim(self, sender: KVSender, msg: common_pb2.KVChunk) -> asyncio.Future[None]:
         """Send the writer's claim while the request is admitted and computed (not before): chunks computed
-        before decode's answer are written with a later chunk, the last one waits for it (CLAIM_WAIT_S).
-        The future raises decode's TransferError when it refused."""
+        before decode's answer are written with a later chunk, or by the sender as a deferred write once the
+        answer came. The future raises decode's TransferError when it refused."""
         self.claim_ok = False
-        self.claimed.clear()
 
         async def run() -> None:
-            try:
-                await sender.bootstrap(msg)
-                self.claim_answered = time.monotonic()
-                self.claim_ok = True
-            finally:
-                self.claimed.set()
+            await sender.bootstrap(msg)
+            self.claim_answered = time.monotonic()
+            self.claim_ok = True
 
-        return asyncio.ensure_future(run())
+        self.claim_task = asyncio.ensure_future(run())
+        return self.claim_task
 
     def stop_waiting(self) -> None:
-        """The request is ending: the engine thread waits for no claim any more (and, unless decode had
-        acknowledged it, writes nothing)."""
-        self.claimed.set()
+        """The request is ending: unless decode had acknowledged the claim, nothing is written any more."""
+        self.ending = True
 
     # --- engine thread ---
 
@@ -146,19 +153,22 @@ class RequestKVStream:
             first = self.next_block
             n = max(0, limit - first)
             item = PagesReady(first, first * bs, min(limit * bs, end) if n else first * bs, None, n)
-            if n and self.writer is not None and not self.claim_ok:
-                if not last and not self.claimed.is_set():
-                    return  # next_block stays: the first chunk written after the claim's answer covers these pages
-                self.claimed.wait(CLAIM_WAIT_S)
-                if not self.claim_ok:  # not answered in time, refused, or the request is ending
-                    raise TransferError(f"decode did not acknowledge the KV claim (waited up to {CLAIM_WAIT_S:g} s "
-                                        "after the prompt was computed); no page was written",
-                                        grpc.StatusCode.UNAVAILABLE)
-            if n and self.writer is not None:
+            deferred = bool(n) and self.writer is not None and not self.claim_ok
+            if deferred and self.ending:
+                raise TransferError("the request ended before decode acknowledged the KV claim; no page was "
+                                    "written", grpc.StatusCode.UNAVAILABLE)
+            if deferred and not last:
+                return  # next_block stays: the first write after the claim's answer covers these pages
+            if deferred:  # never wait here: the blocks outlive the request until the sender wrote them
+                assert self.engine is not None, "a claim needs the engine to hold the request's blocks"
+                self.engine.engine.hold_blocks(seq)
+                self.held_request = seq.request_id
+                item.deferred = list(seq.block_table[first:limit])
+            elif n and self.writer is not None:
                 item.write = self.writer.write(first, seq.block_table[first:limit])
             elif n:
                 item.pages = self.export(seq.block_table[first:limit])
-            if last and self.writer is not None:
+            if last and self.writer is not None and not deferred:
                 self.writer.release_source()  # the request's blocks are freed after this step
             self.next_block = max(self.next_block, limit)
             if last:
@@ -177,6 +187,33 @@ class RequestKVStream:
 
     def fail(self, exc: BaseException) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, exc)
+
+    # --- sender task ---
+
+    async def write_deferred(self, item: PagesReady) -> object:
+        """Wait (asynchronously) for the claim's answer, then start the deferred write on the engine thread
+        (stream order as for any write). Raises decode's refusal, or ClaimTimeout after ``claim_wait_s``."""
+        assert self.claim_task is not None and self.engine is not None and self.writer is not None
+        try:
+            await asyncio.wait_for(asyncio.shield(self.claim_task), self.claim_wait_s)
+        except TimeoutError:
+            raise ClaimTimeout(f"decode did not acknowledge the KV claim within {self.claim_wait_s:g} s "
+                               "(--claim-wait-s) of the prompt being computed; no page was written",
+                               grpc.StatusCode.UNAVAILABLE) from None
+        return await self.engine.call(self.writer.write, item.first_block, item.deferred)
+
+    async def release_held(self) -> None:
+        """The deferred write landed: let the writer drop its source and free the held blocks (engine thread)."""
+        engine, writer, rid = self.engine, self.writer, self.held_request
+        if engine is None or writer is None or rid is None:
+            return
+
+        def release() -> None:
+            writer.release_source()
+            engine.engine.release_held(rid)
+
+        await engine.call(release)
+        self.held_request = None
 
 
 def _bytes_view(pages: torch.Tensor) -> memoryview:
@@ -220,8 +257,12 @@ async def pump(stream: RequestKVStream, sender: KVSender, request_id: str, reser
         if item.pages is not None:
             data = _bytes_view(await _landed(item.pages))
         elif n and stream.writer is not None:  # written by a side transport: one descriptor once it landed
+            if item.deferred is not None:
+                item.write = await stream.write_deferred(item)
             if item.write is not None:
                 await asyncio.to_thread(stream.writer.wait, item.write)
+            if item.deferred is not None:
+                await stream.release_held()
             pages_per_msg = max(1, n)
         bs = layout.block_size
         pieces = [(o, min(pages_per_msg, n - o)) for o in range(0, n, pages_per_msg)] or [(0, 0)]

@@ -21,7 +21,7 @@ import grpc
 from services.common import tracing
 from services.common.grpc_util import Reason, abort, abort_if_draining, error_detail, payload_budget
 from services.common.metrics import PrefillMetrics
-from services.common.pb import prefill_pb2, prefill_pb2_grpc
+from services.common.pb import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services.common.tls import peer_role
 from services.engine.async_engine import AsyncEngine, EngineDeadError
 from services.engine.convert import params_from_pb, top_to_pb
@@ -33,7 +33,7 @@ from services.engine.sampling_params import InvalidRequestError
 from services.engine.scheduler import ScheduledChunk
 from services.prefill.config import PrefillConfig
 from services.prefill.direct_write import DirectWrites, InvalidDestinationError
-from services.prefill.kv_stream import RequestKVStream, claim_message, pump
+from services.prefill.kv_stream import ClaimTimeout, RequestKVStream, claim_message, pump
 from services.prefill.kvstore_prefix import KVStorePrefix
 from services.prefill.request_checks import deadline_monotonic, problem
 
@@ -159,7 +159,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             try:
                 when = None if deadline is None else loop.time() + (deadline - time.monotonic())
                 async with asyncio.timeout_at(when):
-                    resp = await self._serve(request, context, first_params)
+                    resp = await self._serve(request, context, first_params, start)
             except TimeoutError:
                 await self._refuse(context, "deadline", grpc.StatusCode.DEADLINE_EXCEEDED,
                                    f"the request's deadline passed after {time.monotonic() - start:.2f} s in prefill; "
@@ -177,7 +177,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self.inflight -= 1
 
     async def _serve(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext,
-                     first_params) -> prefill_pb2.PrefillResponse:
+                     first_params, arrival: float) -> prefill_pb2.PrefillResponse:
+        """``arrival``: when the Prefill call began (monotonic; writer setup counts in its phases)."""
         ids = list(request.token_ids)
         try:
             writer = await self.direct.writer(request, self.pages.pool, -(-len(ids) // self.layout.block_size),
@@ -189,7 +190,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         chunked = request.chunked_transfer if request.HasField("chunked_transfer") else self.config.chunked_transfer
         rid = f"{request.request_id}/{uuid.uuid4().hex[:8]}"
         stream = RequestKVStream(asyncio.get_running_loop(), export, self.layout.block_size, request.num_skip_blocks,
-                                 chunked, time.monotonic(), writer, lambda b: self.pages.export(b).wait())
+                                 chunked, arrival, writer, lambda b: self.pages.export(b).wait(), self.engine,
+                                 self.config.claim_wait_s)
         transport = writer.transport if writer is not None else self.transport.name
         sender: KVSender | None = None
         claim: asyncio.Future[None] | None = None
@@ -234,7 +236,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 await self._cleanup(rid, sender, str(e), writer, stream)
                 self.metrics.requests_aborted_total.labels("kv_handoff").inc()
                 await abort(context, e.code, f"KV handoff to decode {request.decode_address} failed: {e}",
-                            error_detail(Reason.ERROR_REASON_KV_HANDOFF_FAILED, retryable=False, side="decode"))
+                            handoff_detail(e))
             except grpc.aio.AbortError:
                 raise
             except Exception as e:  # a page read or direct write failed on the engine thread
@@ -307,9 +309,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         """Abort the request in the engine (frees its blocks; a no-op when it never got there: an admit
         still queued runs first, so it cannot slip past) and the KV stream to decode. A side transport's
         writes in flight land first: decode frees the blocks they target once the stream ends."""
-        if stream is not None:  # an engine thread waiting for the claim's answer lets go first
+        if stream is not None:  # no chunk computed from now on is written unless the claim was acknowledged
             stream.stop_waiting()
-        try:
+        if writer is not None and stream is not None and stream.held_request is not None:
+            await asyncio.shield(asyncio.to_thread(writer.quiesce))  # a deferred write lands before its source is freed
+        try:  # frees blocks held for a deferred write too
             await asyncio.shield(self.engine.abort(rid))
         except EngineDeadError:  # nothing left to free
             log.warning("engine is dead; %s was not aborted in it", rid)
@@ -349,6 +353,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def drain(self) -> None:
         while self.inflight:  # noqa: ASYNC110 (bounded by the server's drain timeout)
             await asyncio.sleep(0.05)
+
+
+def handoff_detail(e: TransferError) -> common_pb2.ErrorDetail:
+    """A claim decode did not answer in time is retryable with the same reservation (decode kept it, no page
+    was written): not KV_HANDOFF_FAILED, which the router ends the request on."""
+    if isinstance(e, ClaimTimeout):
+        return error_detail(Reason.ERROR_REASON_UNSPECIFIED, retryable=True, side="decode")
+    return error_detail(Reason.ERROR_REASON_KV_HANDOFF_FAILED, retryable=False, side="decode")
 
 
 def refusal(claim: asyncio.Future[None] | None) -> TransferError | None:

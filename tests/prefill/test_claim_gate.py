@@ -1,18 +1,20 @@
 """RequestKVStream's claim gate on the engine thread: a chunk computed before decode acknowledged the claim is
-not written (a later write covers it), and once the request is ending without an acknowledgement no chunk
-is written at all, even though the engine thread no longer waits."""
+not written (a later write covers it); the last chunk computed before it never waits on the engine thread:
+its blocks are held and its pages written by the sender once decode acknowledged (a retryable ClaimTimeout
+past claim_wait_s); once the request is ending without an acknowledgement no chunk is written at all."""
 
 from __future__ import annotations
 
 import asyncio
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from services.common.pb import common_pb2
 from services.engine.kv_pages import PageExport
 from services.engine.kv_transport import TransferError
-from services.prefill.kv_stream import RequestKVStream
+from services.prefill.kv_stream import ClaimTimeout, RequestKVStream
 
 BS = 4
 
@@ -41,14 +43,33 @@ class _Sender:
         await self.ack.wait()
 
 
+class _Engine:
+    """The two engine-thread calls a deferred write makes, recorded; ``call`` runs them in a worker thread."""
+
+    def __init__(self) -> None:
+        self.engine = self
+        self.log: list[tuple[str, object]] = []
+
+    def hold_blocks(self, seq) -> None:
+        self.log.append(("hold", seq.request_id))
+
+    def release_held(self, request_id: str) -> bool:
+        self.log.append(("release", request_id))
+        return True
+
+    async def call(self, fn, *args):
+        return await asyncio.to_thread(fn, *args)
+
+
 def _chunk(start: int, n: int, last: bool) -> SimpleNamespace:
-    seq = SimpleNamespace(num_computed_tokens=start, num_cached_tokens=0, block_table=list(range(100, 110)))
+    seq = SimpleNamespace(num_computed_tokens=start, num_cached_tokens=0, block_table=list(range(100, 110)),
+                          request_id="r/1")
     return SimpleNamespace(seq=seq, num_new_tokens=n, sample=last)
 
 
-def _stream(writer: _Writer) -> RequestKVStream:
+def _stream(writer: _Writer, engine: _Engine | None = None, claim_wait_s: float = 60.0) -> RequestKVStream:
     return RequestKVStream(asyncio.get_running_loop(), lambda ids: PageExport(torch.zeros(1)), BS, 0, True, 0.0,
-                           writer)  # type: ignore[arg-type]
+                           writer, engine=engine, claim_wait_s=claim_wait_s)  # type: ignore[arg-type]
 
 
 async def _on_chunk(stream: RequestKVStream, start: int, n: int, last: bool = False) -> None:
@@ -79,5 +100,39 @@ async def test_nothing_is_written_once_the_request_ends_without_an_ack() -> None
     assert writer.writes == []
     for _ in range(2):
         assert isinstance(await stream.queue.get(), TransferError)
+    claim.cancel()
+    await asyncio.gather(claim, return_exceptions=True)
+
+
+async def test_the_last_chunk_before_the_ack_holds_its_blocks_and_the_sender_writes_them_after_it() -> None:
+    writer, sender, engine = _Writer(), _Sender(), _Engine()
+    stream = _stream(writer, engine)
+    claim = stream.claim(sender, common_pb2.KVChunk())  # type: ignore[arg-type]
+    await _on_chunk(stream, 0, 8)
+    await _on_chunk(stream, 8, 6, last=True)  # returns at once: the engine thread does not wait for the ack
+    assert writer.writes == [] and engine.log == [("hold", "r/1")]
+    item = await stream.queue.get()
+    assert item.last and item.write is None and item.deferred == [100, 101, 102, 103]
+    write = asyncio.ensure_future(stream.write_deferred(item))
+    await asyncio.sleep(0)
+    assert not write.done() and writer.writes == []  # nothing before decode's answer
+    sender.ack.set()
+    await write
+    assert writer.writes == [(0, [100, 101, 102, 103])]
+    await stream.release_held()
+    assert engine.log == [("hold", "r/1"), ("release", "r/1")] and stream.held_request is None
+    await claim
+
+
+async def test_a_claim_unanswered_past_claim_wait_s_is_a_retryable_timeout_writing_nothing() -> None:
+    writer, sender, engine = _Writer(), _Sender(), _Engine()
+    stream = _stream(writer, engine, claim_wait_s=0.01)
+    claim = stream.claim(sender, common_pb2.KVChunk())  # type: ignore[arg-type]
+    await _on_chunk(stream, 0, 6, last=True)
+    item = await stream.queue.get()
+    with pytest.raises(ClaimTimeout, match="--claim-wait-s"):
+        await stream.write_deferred(item)
+    assert writer.writes == [] and stream.held_request == "r/1"  # the servicer's abort frees the held blocks
+    assert not claim.done()  # the claim itself is left to the servicer (cancelled in its cleanup)
     claim.cancel()
     await asyncio.gather(claim, return_exceptions=True)
