@@ -17,10 +17,11 @@ step out of date)::
 
 Invariants: an engine uses its own share whenever it works, so when every engine works the threads add up
 to the shares given (the cores); a busy peer is never borrowed from, and what working peers borrowed
-already is not lent twice; a peer is lent from only once it has
-been idle for ``HOLD_NS`` (or its pid is gone: a crashed peer's stale slot counts as idle), so a peer
-that pauses for less than that is never borrowed from and thread counts change at most once per peer
-pause (no flapping). torch's thread count is set only when it changes.
+already is not lent twice (two borrowers reading at the same instant may still both take it, until their
+next steps); a peer is lent from only once it has been idle for ``HOLD_NS`` (or its pid is gone: a crashed
+peer's stale slot counts as idle), so a peer that pauses for less than that is never borrowed from and
+thread counts change at most once per peer pause (no flapping). torch's thread count is set only when it
+changes.
 
 No torch import here: the caller passes the function that sets the thread count.
 """
