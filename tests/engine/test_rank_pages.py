@@ -15,7 +15,9 @@ from services.common.pb import common_pb2, decode_pb2
 from services.decode.side_pool import check_claim
 from services.engine.kv_layout import HeadSplitSpec, PageLayout
 from services.engine.kv_transport.shared_pool import copy_pages_peer
+from services.engine.parallel import rank_pages
 from services.engine.parallel.rank_pages import (
+    RankPools,
     head_ranges,
     open_shards,
     pool_split,
@@ -147,3 +149,16 @@ def test_claim_names_both_head_splits_and_must_match_this_pool() -> None:
     # A TP=1 pool written by a TP=1 writer: no splits, the all-heads layout.
     plain = dict(kw, split=HeadSplitSpec(1, 2, 1))
     assert check_claim(_claim("tp2:x", [3, 4, 5], None, None), r, _Rejected, **plain) is layout
+
+
+def test_a_destination_still_written_is_not_evicted(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rank_pages, "ATTACHED_MAX", 2)
+    pools = RankPools(_full(2), HeadSplit(4, 2, 2, 1))
+    monkeypatch.setattr(pools, "shards", lambda raw: [Shard((0, 1), torch.zeros(1))])
+    pools.attach(1, b"a")
+    pools.attach(2, b"b")
+    pools.attached(1)  # a WRITE of request 1: the most recently used now
+    pools.attach(3, b"c")
+    assert pools.attached(1) and pools.attached(3)
+    with pytest.raises(ValueError, match="no destination attached as 2"):
+        pools.attached(2)

@@ -17,6 +17,9 @@ import torch.distributed as dist
 from services.engine.parallel.fast_allreduce import OneShotAllReduce, forbid_multicast, setup
 
 LOOPBACK = "127.0.0.1"
+COLLECTIVE_TIMEOUT_S = 120.0
+"""The group's bound on one collective and one store call (seconds); rank 0 waits as long for a rank's
+acknowledgement of a chunk's page writes (rank_writes.py) before it takes the rank as dead."""
 
 
 class TPGroup:
@@ -84,13 +87,13 @@ class TPGroup:
         return out
 
 
-def open_store(size: int, port: int = 0, *, timeout_s: float = 120.0) -> dist.TCPStore:
+def open_store(size: int, port: int = 0, *, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> dist.TCPStore:
     """Rank 0 (port 0: a free port, read it back from ``.port``) or a peer (rank 0's port)."""
     return dist.TCPStore(LOOPBACK, port, size, is_master=port == 0, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def connect(store: dist.Store, rank: int, size: int, device: torch.device, *, timeout_s: float = 120.0,
+def connect(store: dist.Store, rank: int, size: int, device: torch.device, *, timeout_s: float = COLLECTIVE_TIMEOUT_S,
             fast_allreduce: bool = True) -> TPGroup:
     """Join the group (every rank calls this, with the same ``fast_allreduce``; returns when all have).
     On CUDA with ``fast_allreduce`` small all-reduces go one-shot over P2P (fast_allreduce.py) when every

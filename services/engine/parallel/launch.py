@@ -50,6 +50,7 @@ class RankSet:
         self.device = rank_device(config.device, 0)
         self.failed: RankDiedError | None = None
         self._failed_event = threading.Event()
+        self._fail_lock = threading.Lock()
         self._stopping = False
         self.runner: TPModelRunner | None = None
         ctx = mp.get_context("spawn")
@@ -72,13 +73,32 @@ class RankSet:
         dead = next(p for p in self.procs if p.sentinel in ready)
         dead.join(1.0)
         rank = self.procs.index(dead) + 1
-        self.failed = RankDiedError(f"tensor-parallel rank {rank} of {self.size} (pid {dead.pid}) exited with "
-                                    f"status {dead.exitcode}")
+        self._fail(RankDiedError(f"tensor-parallel rank {rank} of {self.size} (pid {dead.pid}) exited with "
+                                 f"status {dead.exitcode}"))
+
+    def _fail(self, err: RankDiedError) -> None:
+        """The instance cannot compute any more (the first cause is kept); a collective blocked on a rank fails."""
+        with self._fail_lock:
+            if self.failed is not None:
+                return
+            self.failed = err
         self._failed_event.set()
-        log.error("%s: the instance stops serving", self.failed)
+        log.error("%s: the instance stops serving", err)
         if self.group.pg is not None:
             with contextlib.suppress(Exception):
                 self.group.pg.abort()
+
+    def silent(self, ranks: list[int], reason: str) -> RankDiedError:
+        """Live ranks that did not acknowledge their page writes in time are taken as dead: the instance fails
+        and every rank 1..N-1 is killed and reaped before this returns, so no rank's write can land in a decode's
+        pool after the request that owned those blocks has ended (its stream is aborted, decode frees them)."""
+        self._fail(RankDiedError(f"tensor-parallel ranks {ranks} of {self.size} taken as dead: {reason}"))
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.join(STOP_WAIT_S)
+        assert self.failed is not None
+        return self.failed
 
     def check(self) -> None:
         """Raise RankDiedError once any rank has died."""
@@ -107,7 +127,8 @@ class RankSet:
         return loaded
 
     def make_runner(self, loaded: LoadedModel) -> TPModelRunner:
-        self.runner = TPModelRunner(loaded, self.config, self.group, self.check, self.failure, self.stop)
+        self.runner = TPModelRunner(loaded, self.config, self.group, self.check, self.failure, self.stop,
+                                    self.silent)
         return self.runner
 
     def stop(self) -> None:

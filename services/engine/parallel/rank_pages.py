@@ -56,6 +56,7 @@ from services.engine.parallel.rank_writes import (
     Settler,
     Shard,
     ShareWrite,
+    SilentRanks,
     start_share,
 )
 from services.engine.parallel.split import HeadSplit, TensorParallelError
@@ -68,7 +69,8 @@ MAX_DEST_BYTES = 4096
 MAX_TP = 64
 """Largest tensor-parallel size a ShardedPool may name."""
 ATTACHED_MAX = 4096
-"""Destinations a rank keeps attached (the most recent): far more than the requests one prefill runs at once."""
+"""Destinations a rank keeps attached (the most recently attached or written): far more than the requests one
+prefill runs at once."""
 PLAIN_POOLS = {"shm": "shm", "cuda_ipc": "cuda-ipc", "mooncake": "mooncake"}
 """KVDestination.pool cases a rank's own pool may be -> the transport that writes it."""
 
@@ -156,7 +158,7 @@ def open_shards(dest: decode_pb2.KVDestination,
 
 class RankPools:
     """One rank's opened destinations (each decode pool mapped once, shared_kv.SharedKVPools), those attached for
-    a request (by attach id, the most recent ATTACHED_MAX), and (ranks 1..N-1) its write settler."""
+    a request (by attach id, the ATTACHED_MAX most recently attached or written), and (ranks 1..N-1) its write settler."""
 
     def __init__(self, cache: torch.Tensor, split: HeadSplit) -> None:
         self.cache = cache
@@ -178,19 +180,21 @@ class RankPools:
             return open_shards(dest, self._attach, self.cache, self.split.num_kv_heads, self.split.kv_range)
 
     def attach(self, aid: int, raw: bytes) -> list[Shard]:
-        """Open ``raw`` and keep its shards as ``aid`` (the oldest beyond ATTACHED_MAX are dropped)."""
+        """Open ``raw`` and keep its shards as ``aid`` (beyond ATTACHED_MAX the least recently used are dropped)."""
         shards = self.shards(raw)
         with self._lock:
             self._attached[aid] = shards
-            while len(self._attached) > ATTACHED_MAX:
+            while len(self._attached) > ATTACHED_MAX:  # the least recently written (``attached`` touches)
                 self._attached.popitem(last=False)
         return shards
 
     def attached(self, aid: int) -> list[Shard]:
         with self._lock:
             shards = self._attached.get(aid)
+            if shards is not None:  # a request still writing is never the one evicted
+                self._attached.move_to_end(aid)
         if shards is None:
-            raise ValueError(f"no destination attached as {aid} on this rank (kept: the last {ATTACHED_MAX})")
+            raise ValueError(f"no destination attached as {aid} on this rank (kept: the {ATTACHED_MAX} last used)")
         return shards
 
     def settler(self, group) -> Settler:
@@ -361,14 +365,15 @@ class ShardWrites:
         except Exception as e:  # raised by finish, after every other rank's share is accounted for
             return ChunkWrite(seq, None, e)
 
-    def finish(self, w: ChunkWrite) -> None:
+    def finish(self, w: ChunkWrite, deadline: float | None = None) -> None:
         """Worker thread: block until rank 0's share and every other rank's acknowledgement of ``w`` are in;
-        TransferError when any rank's share failed (or a rank died or stayed silent)."""
+        TransferError when any rank's share failed (or a rank died, or stayed silent past ``deadline``, monotonic
+        s, None: the group's timeout from now: then every rank is killed and the instance fails)."""
         with w.lock:
             mine, w.claimed = not w.claimed, True
         if mine:
             try:
-                w.failure = self._finish(w)
+                w.failure = self._finish(w, deadline)
             except Exception as e:  # a dead rank (RankDiedError), a silent one, the store gone
                 w.failure = e if isinstance(e, TransferError) else TransferError(
                     f"tensor-parallel page writes of a chunk cannot be confirmed: {e}", grpc.StatusCode.UNAVAILABLE)
@@ -378,7 +383,7 @@ class ShardWrites:
         if w.failure is not None:
             raise w.failure
 
-    def _finish(self, w: ChunkWrite) -> TransferError | None:
+    def _finish(self, w: ChunkWrite, deadline: float | None) -> TransferError | None:
         counts, errors = [0] * self.split.tp_size, []
         try:
             if w.own is not None:
@@ -390,7 +395,11 @@ class ShardWrites:
         if self.collective:
             if self._acks is None:
                 self._acks = Acks(self.runner.group.store.port, self.split.tp_size)
-            counts[1:], more = self._acks.collect(w.seq, range(1, self.split.tp_size), self.runner._check)
+            try:
+                counts[1:], more = self._acks.collect(w.seq, range(1, self.split.tp_size), self.runner._check,
+                                                      deadline)
+            except SilentRanks as e:  # their writes may land later, into blocks decode frees: they must not live
+                raise self.runner.silent(e.ranks, str(e)) from e
             errors += more
         if errors:
             return TransferError(f"{len(errors)} tensor-parallel rank(s) failed to write pages into decode's pools: "

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import os
 import queue
 import threading
 import time
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from services.engine.kv_layout import HeadSplitSpec
 from services.engine.kv_transport.base import PageWriter, TransferError
 from services.engine.kv_transport.shared_pool import check_blocks, copy_pages_peer
+from services.engine.parallel.group import COLLECTIVE_TIMEOUT_S, open_store
 from services.engine.parallel.mooncake_ranks import RemotePool, settle_writes
 from services.engine.parallel.split import HeadSplit
 from services.engine.shared_kv import _runs
@@ -38,11 +40,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ACK_WAIT_S = 120.0
-"""Longest rank 0 waits for a live rank's acknowledgement of one chunk (the group's collective timeout): a slow
-rank is waited for, a dead one is seen at once through the liveness check (launch.RankSet)."""
 ACK_POLL_S = 0.5
 """Rank 0 checks the ranks' liveness this often while it waits for acknowledgements (seconds)."""
+ACK_FAILED_EXIT = 3
+"""Exit status of a rank that could not post an acknowledgement to rank 0 (launch.RankSet sees it die)."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,14 @@ def _key(seq: int, rank: int) -> str:
     return f"pdserve/rank-pages/ack/{seq}/{rank}"
 
 
+class SilentRanks(TransferError):
+    """Live ranks that never acknowledged a chunk: their writes may still land, so they are taken as dead."""
+
+    def __init__(self, ranks: list[int], message: str) -> None:
+        super().__init__(message, grpc.StatusCode.UNAVAILABLE)
+        self.ranks = ranks
+
+
 class Acks:
     """Per-chunk acknowledgements of ranks 1..N-1 to rank 0 over the instance's TCPStore (rank 0 serves it at
     127.0.0.1:``port``): rank r sets ``pdserve/rank-pages/ack/<seq>/<r>`` to its page-slice count, or to
@@ -156,8 +165,6 @@ class Acks:
     def _store(self) -> dist.TCPStore:
         store = getattr(self._local, "store", None)
         if store is None:
-            from services.engine.parallel.group import open_store
-
             store = self._local.store = open_store(self.size, self.port)
         return store
 
@@ -165,12 +172,13 @@ class Acks:
         """Ranks 1..N-1: this rank's share of chunk ``seq`` has landed (``written`` slices) or failed (``error``)."""
         self._store().set(_key(seq, rank), f"!{error}" if error else str(written))
 
-    def collect(self, seq: int, ranks: range, alive: Callable[[], None]) -> tuple[list[int], list[str]]:
+    def collect(self, seq: int, ranks: range, alive: Callable[[], None],
+                deadline: float | None = None) -> tuple[list[int], list[str]]:
         """Rank 0: every rank's acknowledgement of chunk ``seq`` (page slices per rank in ``ranks``' order, and the
-        errors reported); ``alive`` raises when a rank has died. TransferError when a live rank has not answered
-        within ACK_WAIT_S."""
+        errors reported); ``alive`` raises when a rank has died. SilentRanks when a live rank has not answered by
+        ``deadline`` (time.monotonic(); None: COLLECTIVE_TIMEOUT_S from now). Every key read is deleted."""
         store, keys = self._store(), [_key(seq, r) for r in ranks]
-        deadline = time.monotonic() + ACK_WAIT_S
+        deadline = time.monotonic() + COLLECTIVE_TIMEOUT_S if deadline is None else deadline
         while True:
             alive()
             try:
@@ -179,8 +187,10 @@ class Acks:
             except dist.DistStoreError:  # not all in yet: slow is not dead, the liveness check says which
                 if time.monotonic() > deadline:
                     missing = [r for r, k in zip(ranks, keys, strict=True) if not store.check([k])]
-                    raise TransferError(f"tensor-parallel ranks {missing} did not report their page writes of a "
-                                        f"chunk within {ACK_WAIT_S:.0f} s", grpc.StatusCode.UNAVAILABLE) from None
+                    for k in keys:  # the answers that did come are dropped with the chunk
+                        store.delete_key(k)
+                    raise SilentRanks(missing, f"tensor-parallel ranks {missing} did not report their page "
+                                               f"writes of a chunk in time") from None
         counts, errors = [], []
         for r, k in zip(ranks, keys, strict=True):
             value = store.get(k).decode()
@@ -209,13 +219,20 @@ class Settler:
     def _run(self) -> None:
         while True:
             seq, share = self._queue.get()
+            written, error = 0, ""
             try:
                 if isinstance(share, BaseException):
                     raise share
-                self.acks.post(seq, self.rank, share.finish())
+                written = share.finish()
             except Exception as e:  # reported to rank 0, which fails the request; this rank keeps serving
                 log.warning("tensor-parallel rank %d failed to write pages: %r", self.rank, e)
-                self.acks.post(seq, self.rank, 0, repr(e)[:512])
+                error = repr(e)[:512]
+            try:
+                self.acks.post(seq, self.rank, written, error)
+            except Exception as e:  # rank 0 would wait out its bound for every later chunk: it sees this rank die
+                log.critical("tensor-parallel rank %d cannot acknowledge chunk %d to rank 0 (%r): the rank exits",
+                             self.rank, seq, e)
+                os._exit(ACK_FAILED_EXIT)
 
 
 @dataclass(frozen=True)
@@ -268,20 +285,25 @@ class ShardWriter(PageWriter):
         return w
 
     def wait(self, handle: object) -> None:
+        self._wait(handle, None)
+
+    def _wait(self, handle: object, deadline: float | None) -> None:
         if handle is None:
             return
         assert isinstance(handle, ChunkWrite)
         try:
-            self.writes.finish(handle)
+            self.writes.finish(handle, deadline)
         finally:
             with self._lock:
                 if handle in self._pending:
                     self._pending.remove(handle)
 
     def quiesce(self) -> None:
-        """Block until no chunk of this request is in flight on any rank; failures are reported by :meth:`wait`."""
+        """Block until no chunk of this request is in flight on any rank (a rank silent past one deadline for all
+        of them is killed: ShardWrites.finish); failures are reported by :meth:`wait`."""
+        deadline = time.monotonic() + COLLECTIVE_TIMEOUT_S
         with self._lock:
             pending = list(self._pending)
         for w in pending:
             with contextlib.suppress(TransferError):
-                self.wait(w)
+                self._wait(w, deadline)

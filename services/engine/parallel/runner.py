@@ -40,7 +40,7 @@ from services.engine.scheduler import ScheduledChunk, SchedulerOutput
 
 KEEPALIVE_S = 30.0
 """Longest rank 0 goes without sending a plan (an idle instance sends Op.NOOP): well under the group's
-collective timeout (group.connect, 120 s), which a rank's pending plan receive would otherwise reach."""
+collective timeout (group.COLLECTIVE_TIMEOUT_S), which a rank's pending plan receive would otherwise reach."""
 
 
 def send(group: TPGroup, header: torch.Tensor, payload: torch.Tensor | None = None) -> None:
@@ -53,7 +53,8 @@ def send(group: TPGroup, header: torch.Tensor, payload: torch.Tensor | None = No
 
 class TPModelRunner(ModelRunner):
     def __init__(self, loaded: LoadedModel, config: EngineConfig, group: TPGroup, check: Callable[[], None],
-                 failure: Callable[[BaseException], Exception], stop: Callable[[], None]) -> None:
+                 failure: Callable[[BaseException], Exception], stop: Callable[[], None],
+                 silent: Callable[[list[int], str], Exception]) -> None:
         super().__init__(loaded, config)
         self.group = group
         self.split = loaded.model.tp_split
@@ -62,6 +63,9 @@ class TPModelRunner(ModelRunner):
         self._failure = failure
         """Maps a failed collective to the RankDiedError the engine dies of (launch.RankSet.failure)."""
         self._stop = stop
+        self.silent = silent
+        """Ranks that never acknowledged a chunk's page writes: kills them, fails the instance, returns the
+        RankDiedError (launch.RankSet.silent)."""
         self.lock = threading.Lock()
         self._last_plan = time.monotonic()
         """When rank 0 last sent a plan (monotonic s)."""
@@ -142,7 +146,8 @@ class TPModelRunner(ModelRunner):
         with device_scope(self.device), self._sequence(simple(Op.EXPORT, len(block_ids)), idx.cpu()):
             full = assemble(self.group.gather_to_root(pack_pages(self.kv_cache, idx)), self.split)
         if codec == FP8_CODEC:
-            full = pack_pages_fp8(as_cache(full), torch.arange(len(block_ids), device=full.device))
+            with device_scope(self.device):  # the kernel launches on rank 0's device, not the thread's current one
+                full = pack_pages_fp8(as_cache(full), torch.arange(len(block_ids), device=full.device))
         return full.cpu()
 
     @torch.inference_mode()
