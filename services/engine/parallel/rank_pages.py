@@ -45,6 +45,7 @@ import grpc
 import torch
 
 from services.common.pb import decode_pb2
+from services.engine.async_engine import EngineDeadError
 from services.engine.kv_layout import HeadSplitSpec
 from services.engine.kv_transport.base import TransferError
 from services.engine.parallel.mooncake_ranks import RankMooncake, RemotePool, host_text
@@ -400,6 +401,8 @@ class ShardWrites:
                                                       deadline)
             except SilentRanks as e:  # their writes may land later, into blocks decode frees: they must not live
                 raise self.runner.silent(e.ranks, str(e)) from e
+            except EngineDeadError as e:  # a rank died on its own: the live ones' writes of this chunk must not
+                raise self.runner.silent([], str(e)) from e  # land later either, so they go before decode frees
             errors += more
         if errors:
             return TransferError(f"{len(errors)} tensor-parallel rank(s) failed to write pages into decode's pools: "

@@ -14,6 +14,7 @@ import grpc
 import pytest
 import torch
 
+from services.engine.async_engine import EngineDeadError
 from services.engine.kv_layout import HeadSplitSpec
 from services.engine.kv_transport import mooncake
 from services.engine.kv_transport.base import TransferError
@@ -164,6 +165,26 @@ def test_a_silent_rank_is_taken_as_dead_and_quiesce_has_one_deadline(monkeypatch
     assert len(deadlines) == 2 and deadlines[0] is not None and deadlines[0] == deadlines[1]
     with pytest.raises(TransferError, match="cannot be confirmed"):
         writer.wait(w1)  # the handle's failure stays with it
+
+
+def test_a_rank_that_died_has_the_live_ones_stopped_before_the_chunk_is_dropped(monkeypatch: pytest.MonkeyPatch
+                                                                                 ) -> None:
+    store = open_store(2)  # kept: the store lives as long as this object
+    runner = _Runner(store.port)
+
+    def dead() -> None:
+        raise EngineDeadError("rank 1 exited")  # what RankSet.check raises: a RankDiedError
+
+    runner._check = dead  # type: ignore[method-assign]
+    writes = ShardWrites(runner)
+    spec = HeadSplitSpec(2, 1, 1)
+    writer = ShardWriter(writes, "shm", "pool", Attached(1, [], BLOCKS), list(range(BLOCKS)), (spec, spec))
+    w = ChunkWrite(201, ShareWrite(), None)
+    writer._pending.append(w)
+    writer.quiesce()
+    assert not writer._pending and runner.silenced == [[]]  # every rank stopped through the silent-rank hook
+    with pytest.raises(TransferError):
+        writer.wait(w)
 
 
 NO_MOONCAKE = mooncake.available()
