@@ -18,7 +18,8 @@ dimension never is 0 or 1 (torch specializes those sizes).
 
 Threads: each variant is its own copy of the forward's code object, so each has its own Dynamo cache. The
 background compiler (decode_compiler.py) compiles variant b (``compile``) while the engine thread runs the
-variants already switched on (``active``) through ``torch._dynamo.run``, which never compiles: a guard miss
+variants already switched on (``on``: batch size and torch thread count; a size compiled at two counts holds
+two cache entries) through ``torch._dynamo.run``, which never compiles: a guard miss
 would run the same forward uncompiled, never trace on the engine thread. Only the engine thread touches the
 engine's KV pool; compiling and checking use the scratch pool.
 """
@@ -73,11 +74,15 @@ class CompiledDecode:
             fn = types.MethodType(own, self)
             self._compiled[b] = torch.compile(fn, fullgraph=True)
             self._run_only[b] = torch._dynamo.run(fn)
-        self.active: frozenset[int] = frozenset()
-        """Batch sizes the engine thread runs compiled (replaced whole, never mutated: one reference read)."""
+        self.on: frozenset[tuple[int, int]] = frozenset()
+        """(batch size, torch threads) of the variants the engine thread runs compiled (replaced whole, never
+        mutated: one reference read). Dynamo guards on the thread count (its global state guard), so each
+        variant is compiled at a count (the code object holds one cache entry per count compiled) and a step
+        at a count without a variant of its size runs eager."""
         self.threads = torch.get_num_threads()
-        """torch threads the variants were compiled at. Dynamo guards on the thread count (its global state
-        guard), so a step at another count (core lending, services/engine/core_share.py) runs eager."""
+        """The engine's own share of torch threads (``active`` counts the sizes switched on at it)."""
+        self.steps_by_threads: dict[int, int] = {}
+        """torch threads -> compiled steps run at that count (engine thread; tests and logs read it)."""
         self.compile_seconds = 0.0
         """Seconds spent compiling the variants (all of them, checked or not)."""
 
@@ -116,14 +121,25 @@ class CompiledDecode:
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return model.compute_logits(model.model.norm(h)), torch.stack(new_k), torch.stack(new_v)
 
+    @property
+    def active(self) -> frozenset[int]:
+        """Batch sizes switched on at the engine's own share of threads (the compiled-sizes gauge)."""
+        return frozenset(b for b, t in self.on if t == self.threads)
+
+    def sizes_at(self, threads: int) -> frozenset[int]:
+        """Batch sizes switched on at ``threads`` torch threads (a lent count: core lending)."""
+        return frozenset(b for b, t in self.on if t == threads)
+
     def accepts(self, chunks: list[ScheduledChunk]) -> bool:
-        """A pure-decode step of a batch size whose variant is switched on (engine thread, once per step)."""
-        return (len(chunks) in self.active and torch.get_num_threads() == self.threads
+        """A pure-decode step of a batch size whose variant is switched on at the calling thread's torch
+        thread count (engine thread, once per step)."""
+        return ((len(chunks), torch.get_num_threads()) in self.on
                 and all(c.num_new_tokens == 1 and not c.spec_tokens for c in chunks))
 
-    def activate(self, batch: int) -> None:
-        """Switch variant ``batch`` on: the engine thread's next step of that size runs it."""
-        self.active = self.active | {batch}
+    def activate(self, batch: int, threads: int | None = None) -> None:
+        """Switch variant ``batch`` compiled at ``threads`` (default: the engine's share) on: the engine
+        thread's next step of that size at that thread count runs it."""
+        self.on = self.on | {(batch, self.threads if threads is None else threads)}
 
     def compile(self, batch: int, kv: torch.Tensor) -> float:
         """Trace and compile variant ``batch`` now, running it once on ``kv`` (a scratch pool of the
@@ -166,6 +182,9 @@ class CompiledDecode:
         size (compiled before: this never compiles): stores the new K/V into ``kv`` (default: the engine's
         pool), returns fp32 logits."""
         kv = self.kv_cache if kv is None else kv
+        if kv is self.kv_cache:
+            n = torch.get_num_threads()
+            self.steps_by_threads[n] = self.steps_by_threads.get(n, 0) + 1
         ids, pos, slots, gather, mask = self.inputs(rows)
         logits, k, v = self._run_only[len(rows)](ids, pos, kv, gather, mask)
         flat = kv.view(kv.shape[0], 2, -1, self.kv_heads, self.head_dim)  # [layers, 2, slots, KVH, D]
@@ -217,7 +236,7 @@ class CompiledDecode:
             log.warning("engine: --cpu-compile-decode %d: compiling the decode step failed after %.1f s, decode "
                         "steps stay eager: %s", self.max_batch, self.compile_seconds, str(e).splitlines()[0])
             return False
-        self.active = frozenset(range(1, self.max_batch + 1))
+        self.on = frozenset((b, self.threads) for b in range(1, self.max_batch + 1))
         log.info("engine: decode steps of 1..%d sequences compiled (torch.compile, inductor) in %.1f s",
                  self.max_batch, self.compile_seconds)
         return True

@@ -1,10 +1,15 @@
 """Compiles the CPU decode step in the background while the engine serves eager steps (``--cpu-compile-decode``).
 
-One thread per engine (one at a time per process; not a daemon: DecodeCompiler.__init__ says why) takes
-batch sizes 1..N in turn: it compiles the variant against a private scratch pool, checks it against the
-eager step on the same inputs (fp32 logits within a tolerance of the dtype, the same argmax in every row:
+The cold compile runs in a child process (compile_child.py: nice 19, one C++ compiler at a time, no lock
+of the server) that fills the on-disk compile cache (compile_cache.py, ``--cpu-compile-cache-dir``) with
+every variant: batch sizes 1..N at the engine's thread share, and again at the lent thread count when the
+engine is in a core share group. One thread per engine (one at a time per process; not a daemon:
+DecodeCompiler.__init__ says why) takes each variant as the child reports it: it compiles it in this process
+from that cache (seconds; a cache miss compiles here, as before, logged) against a private scratch pool,
+at the variant's thread count, checks it against the eager step on the same inputs (fp32 logits within a tolerance of the dtype, the same argmax in every row:
 a variant that disagrees is dropped and logged), times compiled and eager steps alternating, and switches
-the variant on (``CompiledDecode.activate``) only when it measured faster. The engine thread reads the set
+the variant on (``CompiledDecode.activate``) only when it measured faster. A child that fails or dies is
+logged once; the sizes it did not deliver stay eager (no retry, no restart). The engine thread reads the set
 of switched-on sizes once per step, so a switch happens between steps, on the engine thread.
 
 Sharing: the thread reads the model's weights and the RoPE tables and nothing else of the engine: its pool
@@ -17,9 +22,9 @@ Cores: the thread keeps the engine's priority (NICE = 0): it holds the fence whi
 nice +10 on a loaded box the engine's steps waited behind a starved tracing thread (tests/engine/test_engine.py
 took 6 min instead of 2). While it runs, the interpreter's switch interval drops to 0.5 ms, so an engine step
 waiting for the GIL after each torch op (ops release it) waits at most that long instead of 5 ms; inductor
-compiles in this thread (compile_threads = 1: one C++ compiler process at a time, no worker pool), at the
-engine's thread share (--cpu-threads): the variants serve steps run at that count, and steps at a count core
-lending raised run eager (Dynamo guards on the thread count).
+compiles (cache misses) in this thread (compile_threads = 1: one C++ compiler process at a time, no worker
+pool), at each variant's thread count (Dynamo guards on the thread count: a step at a count without a
+variant of its size runs eager).
 """
 
 from __future__ import annotations
@@ -41,9 +46,10 @@ from dataclasses import dataclass, field
 import torch
 import torch._inductor.config as inductor_config
 
-from services.engine import trace_fence
+from services.engine import compile_cache, trace_fence
 from services.engine.attention import ForwardContext, TorchPagedAttention
 from services.engine.compiled_decode import _COMPILE_ERRORS, CompiledDecode
+from services.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +77,14 @@ class VariantReport:
     """What the background compile found for one batch size."""
 
     batch: int
+    threads: int = 0
+    """torch threads it was compiled and timed at."""
+    child_s: float = 0.0
+    """Seconds the compile child took to put it in the on-disk cache."""
     compile_s: float = 0.0
+    """Seconds this process took to build it (from the cache)."""
+    cache_misses: int = 0
+    """Inductor FX-graph cache misses while building it here (0: all from the child's cache)."""
     max_logit_diff: float = 0.0
     same_argmax: bool = False
     eager_ms: float = 0.0
@@ -111,11 +124,16 @@ class _Stopped(BaseException):
 class DecodeCompiler:
     """The background thread of one engine's CompiledDecode (start / stop; ``report`` while it runs)."""
 
-    def __init__(self, compiled: CompiledDecode, cpu_threads: int) -> None:
+    def __init__(self, compiled: CompiledDecode, cpu_threads: int, config: EngineConfig | None = None) -> None:
         self.compiled = compiled
+        self.config = config
+        """The engine's settings (the compile child loads the model from them); None: never started."""
         self.cpu_threads = cpu_threads
         """Threads of the generated kernels (the engine's --cpu-threads share)."""
+        self.lent_threads = compile_cache.lent_threads(config) if config is not None else 0
+        """The count core lending raises steps to (variants compiled there too); 0: none."""
         self.report = CompileReport()
+        self._child: compile_cache.CompileChild | None = None
         self._stop = threading.Event()
         # The thread holds this object weakly while it waits for its turn: an engine dropped meanwhile is
         # never compiled (and its model is not kept alive by the wait).
@@ -135,6 +153,8 @@ class DecodeCompiler:
                         "compile: decode steps stay eager")
             self.report.status = "failed"
             return
+        assert self.config is not None, "a started compiler needs the engine's settings"
+        compile_cache.use_cache_dir(compile_cache.cache_dir_of(self.config))
         _ALL.add(self)
         trace_fence.compiling(+1)  # CPU model steps of this process take the fence until the thread ends
         self._thread.start()
@@ -144,6 +164,7 @@ class DecodeCompiler:
         compiled cannot be cut: it finishes on the compile thread, which then ends; at interpreter exit
         _interrupt_all cuts it at its next bytecode)."""
         self._stop.set()
+        self._kill_child()
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -151,6 +172,11 @@ class DecodeCompiler:
         """Block until the thread has ended (tests, benchmarks); True if it has."""
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    def _kill_child(self) -> None:
+        child = self._child
+        if child is not None:
+            child.kill()
 
     def _stopping(self) -> None:
         if self._stop.is_set():
@@ -176,10 +202,40 @@ class DecodeCompiler:
         torch.set_num_threads(self.cpu_threads)
         cd.threads = self.cpu_threads
         r.status, r.started = "compiling", time.monotonic()
+        counts = [self.cpu_threads] + ([self.lent_threads] if self.lent_threads else [])
+        wanted = [(b, t) for b in range(1, cd.max_batch + 1) for t in counts]
+        pages = scratch_pages(cd.max_batch, cd.block_size)
+        assert self.config is not None  # start() checked
+        self._child = compile_cache.CompileChild(
+            compile_cache.child_request(self.config, cd.model, cd.max_batch, pages, wanted))
+        try:
+            if self._stop.is_set():  # stop() ran before the child existed
+                raise _Stopped
+            self._build_from_child(wanted, pages)
+        finally:
+            torch.set_num_threads(self.cpu_threads)
+            self._child.kill()
+            rc = self._child.wait()
+        self._stopping()
+        if r.status == "compiling" and len(r.variants) < len(wanted):
+            log.warning("engine: --cpu-compile-decode: the compile child exited (status %d) after %d of %d variants; "
+                        "the rest stay eager (no retry)", rc, len(r.variants), len(wanted))
+            r.status = "failed"
+        if r.status == "compiling":
+            r.status = "done"
+        log.info("engine: background compile %s in %.1f s; compiled decode steps at %d threads for batch sizes %s%s",
+                 r.status, time.monotonic() - r.started, self.cpu_threads, sorted(cd.active) or "none",
+                 f", at {self.lent_threads} (lent) for {sorted(cd.sizes_at(self.lent_threads)) or 'none'}"
+                 if self.lent_threads else "")
+
+    def _build_from_child(self, wanted: list[tuple[int, int]], pages: int) -> None:
+        """Each variant the child put in the cache: built here from it, checked, timed, maybe switched on."""
+        cd, r = self.compiled, self.report
+        assert self._child is not None
         bs = cd.block_size
-        pages = (CONTEXT_TOKENS + bs) // bs + 1  # the prompt, the decoded token, one spare
-        scratch = cd.scratch_pool(cd.max_batch * pages)
-        tables = [list(range(i * pages, (i + 1) * pages)) for i in range(cd.max_batch)]
+        per_seq = pages // cd.max_batch
+        scratch = cd.scratch_pool(pages)
+        tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(cd.max_batch)]
         eager = _EagerStep(cd.model, scratch, bs)
         # Unequal contexts: sequence i holds CONTEXT_TOKENS - 5 i prompt tokens (fixed, in-vocabulary ids).
         vocab = cd.model.arch.vocab_size
@@ -187,18 +243,31 @@ class DecodeCompiler:
         for i, n in enumerate(lens):
             self._stopping()
             eager.prefill([(7 * j + 3 * i) % vocab for j in range(n)], tables[i])
-        for b in range(1, cd.max_batch + 1):
+        for rec in self._child.records():
             self._stopping()
-            v = VariantReport(b)
+            b, t = int(rec.get("batch", 0)), int(rec.get("threads", 0))
+            if (b, t) not in wanted or "error" in rec:
+                log.warning("engine: --cpu-compile-decode: the compile child failed on the decode step of %d sequences "
+                            "at %d threads after %.1f s, that size and larger stay eager: %s", b, t,
+                            time.monotonic() - r.started, rec.get("error", rec))
+                r.status = "failed"
+                return
+            v = VariantReport(b, threads=t, child_s=float(rec.get("seconds", 0.0)))
             r.variants.append(v)
+            torch.set_num_threads(t)
+            misses = _cache_misses()
             try:
                 v.compile_s = cd.compile(b, scratch)
             except _COMPILE_ERRORS as e:
-                log.warning("engine: --cpu-compile-decode: compiling the decode step of %d sequences failed after "
-                            "%.1f s, decode steps of that size and larger stay eager: %s", b,
+                log.warning("engine: --cpu-compile-decode: building the decode step of %d sequences at %d threads "
+                            "failed after %.1f s, that size and larger stay eager: %s", b, t,
                             time.monotonic() - r.started, str(e).splitlines()[0])
                 r.status = "failed"
                 return
+            v.cache_misses = _cache_misses() - misses
+            if v.cache_misses:
+                log.warning("engine: compiled decode step of %d sequences at %d threads: %d inductor cache misses "
+                            "(compiled in the serving process, %.1f s)", b, t, v.cache_misses, v.compile_s)
             rows = [((11 * i + 5) % vocab, lens[i], tables[i]) for i in range(b)]  # (token, position, table)
             self._check(v, rows, eager, scratch)
             if v.active and cd.serves_engine_pool(b, rows) is False:
@@ -207,14 +276,11 @@ class DecodeCompiler:
                 v.active = False
             v.decided = time.monotonic()
             if v.active:
-                cd.activate(b)
-            log.info("engine: compiled decode step of %d sequences: compiled in %.1f s, max |logit diff| %.2g, "
-                     "same argmax %s, %.2f ms vs eager %.2f ms per step: %s", b, v.compile_s, v.max_logit_diff,
-                     v.same_argmax, v.compiled_ms, v.eager_ms,
+                cd.activate(b, t)
+            log.info("engine: compiled decode step of %d sequences at %d threads: %.1f s in the compile child, "
+                     "%.1f s here, max |logit diff| %.2g, same argmax %s, %.2f ms vs eager %.2f ms per step: %s",
+                     b, t, v.child_s, v.compile_s, v.max_logit_diff, v.same_argmax, v.compiled_ms, v.eager_ms,
                      "switched on" if v.active else "stays eager")
-        r.status = "done"
-        log.info("engine: background compile done in %.1f s; compiled decode steps for batch sizes %s",
-                 time.monotonic() - r.started, sorted(cd.active) or "none")
 
     def _check(self, v: VariantReport, rows: list[tuple[int, int, list[int]]], eager: _EagerStep,
                scratch: torch.Tensor) -> None:
@@ -273,6 +339,18 @@ class _EagerStep:
         return self._run([([t], p, table) for t, p, table in rows])
 
 
+def scratch_pages(max_batch: int, block_size: int) -> int:
+    """Pages of the scratch pool (the child builds its graphs against one of the same size: the page count
+    is a dynamic dimension, but equal sizes of dynamic dimensions are unified, so it must match)."""
+    return max_batch * ((CONTEXT_TOKENS + block_size) // block_size + 1)  # prompt, decoded token, one spare
+
+
+def _cache_misses() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["fxgraph_cache_miss"])
+
+
 def _row_ends(rows: list[tuple[list[int], int, list[int]]]) -> Iterator[int]:
     n = 0
     for tokens, _, _ in rows:
@@ -315,6 +393,7 @@ def _interrupt_all() -> None:
     minutes a cold compile can."""
     for c in list(_ALL):
         c._stop.set()
+        c._kill_child()
         tid = c._thread.ident
         if tid is not None and c._thread.is_alive():
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), ctypes.py_object(_Stopped))

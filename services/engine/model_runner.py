@@ -19,6 +19,7 @@ from services.engine import trace_fence
 from services.engine.attention import AttentionMetadata, ForwardContext, TorchPagedAttention
 from services.engine.config import EngineConfig
 from services.engine.kv_layout import FP8_CODEC
+from services.engine.layer_groups import LayerGroups
 from services.engine.model_loader import LoadedModel
 from services.engine.sampler import Sampled, Sampler, SamplingRow
 from services.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -76,7 +77,8 @@ class ModelRunner:
 
             if CompiledDecode.supported(self.model):
                 self.compiled_decode = CompiledDecode(self.model, self.kv_cache, config.cpu_compile_decode)
-                self.decode_compiler = DecodeCompiler(self.compiled_decode, config.resolved_cpu_threads)
+                self.decode_compiler = DecodeCompiler(self.compiled_decode, config.resolved_cpu_threads,
+                                                     config)
                 self.decode_compiler.start()
         log.info("kv cache: %d blocks x %d tokens (%.1f MiB, %s)", self.num_blocks, self.block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.dtype)
@@ -116,9 +118,13 @@ class ModelRunner:
         return prepare_rows(rows, self.block_size, self.device)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[int, Sampled]:
+    def execute(self, out: SchedulerOutput, groups: LayerGroups | None = None) -> dict[int, Sampled]:
+        """``groups``: sinks the forward hands each computed layer group to (layer_groups.py; eager steps)."""
         if not out.chunks:
             return {}
+        if groups is not None:
+            with groups.hooked(self.model):
+                return self.execute(out)
         if self.spec is not None:  # draft mirror + speculation (its own CUDA graphs on GPU)
             with device_scope(self.device):
                 return self.spec.execute(self, out)  # type: ignore[return-value]

@@ -98,9 +98,10 @@ PROMPTS = [list(range(5, 12)), list(range(30, 52)), list(range(90, 93))]
 LENS = [6, 14, 20]
 
 
-def _config(tiny_llama3_dir: Path, n: int) -> EngineConfig:
+def _config(tiny_llama3_dir: Path, n: int, **kw: object) -> EngineConfig:
+    kw.setdefault("cpu_compile_cache_dir", str(tiny_llama3_dir.parent / "compile-cache"))
     return EngineConfig(model=str(tiny_llama3_dir), dtype="float32", num_kv_blocks=32, enable_prefix_caching=False,
-                        cpu_compile_decode=n)
+                        cpu_compile_decode=n, **kw)  # type: ignore[arg-type]
 
 
 def test_engine_serves_eager_until_the_switch_then_the_same_tokens(tiny_llama3_dir: Path,
@@ -121,6 +122,9 @@ def test_engine_serves_eager_until_the_switch_then_the_same_tokens(tiny_llama3_d
     assert r.status == "done", r
     assert [v.batch for v in r.variants] == [1, 2] and all(v.same_argmax and v.active for v in r.variants), r
     assert all(v.max_logit_diff < 1e-3 for v in r.variants), r
+    # The child compiled them into the cache directory; this process built them from it.
+    assert all(v.child_s > 0 and v.cache_misses == 0 for v in r.variants), r
+    assert any((tiny_llama3_dir.parent / "compile-cache" / "fxgraph").iterdir())
     assert cd.active == {1, 2}
     with torch.inference_mode():  # as the engine thread calls them: compiled against scratch, they take its pool
         assert all(cd.serves_engine_pool(b, [(5, 9, [0, 1])] * b) for b in (1, 2))

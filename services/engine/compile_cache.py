@@ -1,0 +1,102 @@
+"""The serving side of the compile child (compile_child.py): the on-disk compile cache directory, the thread
+counts variants are compiled at, and the child process itself.
+
+Cache directory: ``--cpu-compile-cache-dir`` (default ``~/.cache/pdserve/torch-compile``), local config only.
+It becomes inductor's cache directory (TORCHINDUCTOR_CACHE_DIR, which inductor itself reads and writes in
+this process's environment) for every compile of this process: one directory per process, the first engine
+to start a compile sets it. The child inherits it and fills it; the server's own compiles then read it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import fields
+from pathlib import Path
+from typing import IO, Any
+
+from services.engine.compile_child import weight_plan
+from services.engine.config import EngineConfig
+from services.engine.cpu_features import available_cpus
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CACHE_DIR = "~/.cache/pdserve/torch-compile"
+CHILD_ARGV = (sys.executable, "-m", "services.engine.compile_child")
+"""The child's command line (run from the directory holding the ``services`` package)."""
+_ROOT = Path(__file__).resolve().parents[2]
+"""The directory holding the ``services`` package."""
+
+
+def cache_dir_of(config: EngineConfig) -> Path:
+    return Path(config.cpu_compile_cache_dir or DEFAULT_CACHE_DIR).expanduser().resolve()
+
+
+def use_cache_dir(path: Path) -> None:
+    """Make ``path`` inductor's cache directory for this process (created, mode 0700 when new)."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") != str(path):
+        from torch._inductor.utils import clear_caches
+
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+        clear_caches()  # in-memory entries of another directory are not this one's
+
+
+def lent_threads(config: EngineConfig) -> int:
+    """The torch thread count core lending can raise this engine to (its share plus every peer's: the CPUs it
+    may run on) when it is in a share group and lending applies (async_engine._join_share_group's rules);
+    0 when it never runs at another count."""
+    if not config.cpu_share_group or config.cpu_affinity_list or config.tensor_parallel_size > 1:
+        return 0
+    n = len(available_cpus())
+    return n if n > config.resolved_cpu_threads else 0
+
+
+def child_request(config: EngineConfig, model: Any, max_batch: int, scratch_pages: int,
+                  variants: list[tuple[int, int]]) -> dict[str, Any]:
+    """What the child needs to build the same graphs: the engine's settings with the dtype it resolved, the
+    packed-weight choices it made, one small KV pool, nothing shared, no compile of its own."""
+    cfg = {f.name: getattr(config, f.name) for f in fields(config) if f.init}
+    cfg.update(dtype=config.resolved_dtype, weight_format="dequantized", cpu_compile_decode=0, num_kv_blocks=4,
+               kv_cache_shared=False, cpu_share_group="", cpu_affinity="", draft_model="", spec_tokens=0,
+               spec_synthetic_acceptance=0.0, tensor_parallel_size=1, device="cpu")
+    return {"config": cfg, "weights": weight_plan(model), "max_batch": max_batch, "scratch_pages": scratch_pages,
+            "variants": [list(v) for v in variants]}
+
+
+class CompileChild:
+    """One compile child: started at construction, its per-variant records read as they come."""
+
+    def __init__(self, request: dict[str, Any]) -> None:
+        self.proc = subprocess.Popen(CHILD_ARGV, cwd=_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        stdin: IO[str] | None = self.proc.stdin
+        assert stdin is not None
+        with contextlib.suppress(BrokenPipeError):  # a child that died at start: its exit status tells
+            stdin.write(json.dumps(request))
+            stdin.close()
+
+    def records(self) -> Iterator[dict[str, Any]]:
+        """Each variant's record as the child prints it; ends when the child exits or is killed."""
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with contextlib.suppress(json.JSONDecodeError):
+                rec = json.loads(line)
+                if isinstance(rec, dict):
+                    yield rec
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+
+    def wait(self) -> int:
+        """The child's exit status (negative: killed by that signal)."""
+        rc = self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        return rc

@@ -1,0 +1,98 @@
+"""The compile child (services/engine/compile_child.py, compile_cache.py): a child that dies leaves the engine
+eager and serving, with no retry; variants compiled at the lent thread count (core lending) serve the steps
+run at that count; what the child is asked to build."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.engine import compile_cache, decode_compiler
+from services.engine.config import EngineConfig
+from services.engine.cpu_features import available_cpus
+from services.engine.engine import LLMEngine
+from services.engine.sampling_params import SamplingParams
+
+WAIT_S = 300.0
+"""Bound on a background compile in these tests (a cold tiny-model compile takes ~10-40 s on 2 cores)."""
+needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("gcc") is None,
+                                    reason="inductor's CPU backend needs a C++ compiler")
+
+
+def _config(model_dir: Path, **kw: object) -> EngineConfig:
+    return EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=32, enable_prefix_caching=False,
+                        cpu_compile_cache_dir=str(model_dir.parent / "compile-cache"), **kw)  # type: ignore[arg-type]
+
+
+def _greedy(eng: LLMEngine) -> list[list[int]]:
+    return eng.generate([list(range(5, 12)), list(range(30, 40))],
+                        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+
+
+def test_a_dead_compile_child_leaves_the_engine_eager_and_serving(tiny_llama3_dir: Path, caplog: pytest.LogCaptureFixture,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compile_cache, "CHILD_ARGV", (sys.executable, "-c", "import sys; sys.exit(3)"))
+    want = _greedy(LLMEngine(_config(tiny_llama3_dir)))
+    with caplog.at_level(logging.WARNING, logger="services.engine.decode_compiler"):
+        eng = LLMEngine(_config(tiny_llama3_dir, cpu_compile_decode=2))
+        compiler, cd = eng.runner.decode_compiler, eng.runner.compiled_decode
+        assert compiler is not None and cd is not None and compiler.wait(WAIT_S)
+    assert compiler.report.status == "failed" and compiler.report.variants == []
+    assert cd.on == frozenset() and cd.compile_seconds == 0.0  # nothing compiled in the serving process
+    said = [r.getMessage() for r in caplog.records if "compile child exited" in r.getMessage()]
+    assert len(said) == 1 and "status 3" in said[0], said  # logged once, no restart
+    assert _greedy(eng) == want
+    assert cd.steps_by_threads == {}
+    eng.runner.release()
+
+
+@needs_compiler
+@pytest.mark.skipif(len(available_cpus()) < 2, reason="lending needs a second CPU")
+def test_variants_at_the_lent_thread_count_serve_steps_at_that_count(tiny_llama3_dir: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(decode_compiler, "MIN_SPEEDUP", 0.0)  # switch on whatever the timings on this box say
+    lent = len(available_cpus())
+    config = _config(tiny_llama3_dir, cpu_compile_decode=1, cpu_threads=1, cpu_share_group="test-lent")
+    eng = LLMEngine(config)
+    compiler, cd = eng.runner.decode_compiler, eng.runner.compiled_decode
+    assert compiler is not None and cd is not None and compiler.lent_threads == lent
+    assert compiler.wait(WAIT_S), "background compile did not finish"
+    r = compiler.report
+    assert r.status == "done", r
+    assert [(v.batch, v.threads) for v in r.variants] == [(1, 1), (1, lent)], r
+    assert all(v.active and v.cache_misses == 0 for v in r.variants), r
+    assert cd.active == {1} and cd.sizes_at(lent) == {1}
+    prompt = [list(range(5, 12))]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    eager = LLMEngine(_config(tiny_llama3_dir, cpu_threads=1)).generate(prompt, params)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(lent)  # what core lending does on the engine thread before a step
+        assert eng.generate(prompt, params) == eager
+        assert cd.steps_by_threads.get(lent, 0) == 5  # every decode step after the first token ran compiled
+        torch.set_num_threads(1)
+        assert eng.generate(prompt, params) == eager
+        assert cd.steps_by_threads.get(1, 0) == 5
+    finally:
+        torch.set_num_threads(before)
+        eng.runner.release()
+
+
+def test_the_child_is_asked_for_the_resolved_model_and_nothing_shared(tiny_llama3_dir: Path) -> None:
+    config = _config(tiny_llama3_dir, cpu_threads=1, cpu_share_group="g1", kv_cache_shared=True,
+                     cpu_compile_decode=2)
+    eng = LLMEngine(_config(tiny_llama3_dir))
+    req = compile_cache.child_request(config, eng.runner.model, 2, 14, [(1, 1), (1, 2), (2, 1), (2, 2)])
+    cfg = req["config"]
+    assert cfg["dtype"] == "float32" and cfg["model"] == str(tiny_llama3_dir)
+    assert cfg["cpu_compile_decode"] == 0 and not cfg["kv_cache_shared"] and cfg["cpu_share_group"] == ""
+    assert req["weights"] == {"linear_rows": 0, "head_rows": 0}  # an HF checkpoint: nothing packed
+    assert EngineConfig(**cfg).cpu_compile_decode == 0  # the child can build its config from it
+    assert compile_cache.lent_threads(config) == (len(available_cpus()) if len(available_cpus()) > 1 else 0)
+    assert compile_cache.lent_threads(_config(tiny_llama3_dir, cpu_threads=1)) == 0  # no share group: no lending
+    assert compile_cache.cache_dir_of(EngineConfig()) == Path("~/.cache/pdserve/torch-compile").expanduser()
