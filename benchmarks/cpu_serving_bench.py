@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.cpu_serving_systems import (  # noqa: F401  (parse_histogram_sums, stage_means: re-exported)
+    SHORT_CONTEXT,
     InProcess,
     Server,
     free_port,
@@ -253,7 +254,8 @@ def _engine_round(eng: InProcess, res: SystemResult, i: int, threads: list[int],
     res.rounds.append(Round(0, i, load, prefill[threads[0]], per_token, 0.0, 0))
     shown = ", ".join(f"{t} thread{'s' if t > 1 else ''} {s:.3f} s" for t, s in prefill.items())
     print(f"  round {i}     engine     prefill {shown}; batch-1 decode {per_token * 1e3:.1f} ms "
-          f"({1 / per_token:.1f} tok/s); 1-min load {load:.2f}", flush=True)
+          f"({1 / per_token:.1f} tok/s) after a {eng.prompt_len}-token prompt ({eng.short_decode_s * 1e3:.1f} ms after "
+          f"{SHORT_CONTEXT}); 1-min load {load:.2f}", flush=True)
 
 
 def llama_python(arg: str) -> tuple[str | None, str]:
