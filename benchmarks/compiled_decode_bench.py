@@ -3,10 +3,12 @@
     python -m benchmarks.compiled_decode_bench [--batches 1,2,4] [--weight-format auto] [--output-len 64] [--pairs 5] [--json out.json]
 
 One LLMEngine (default dtype, --weight-format, compiled decode for batch sizes 1..max(--batches)) is
-built; it is ready as soon as its weights are loaded, and its background compile (decode_compiler.py)
-runs while this process decodes batch-1 requests of 16 tokens through it: the time to ready, each
-variant's compile seconds, check and start-up timing, when it was switched on, and the eager/compiled
-ms per step of those requests meanwhile are printed. Then:
+built; it is ready as soon as its weights are loaded. Its background compile (decode_compiler.py: a niced
+compile child fills the on-disk cache ``--cache-dir``, this process builds each variant from it) is held
+back while ``--baseline-runs`` batch-1 requests of 16 tokens run eagerly (the undisturbed reference), then
+runs while this process keeps decoding such requests: the time to ready, each variant's seconds in the
+child and here, check and start-up timing, when it was switched on, and the eager/compiled ms per step
+of those requests meanwhile are printed. Then:
 
   * correctness, teacher-forced on the real model: a 200-token prompt prefilled eagerly, then 48 decode
     steps, each run eagerly AND compiled from the same KV state (the cache restored in between): max
@@ -32,6 +34,7 @@ import torch
 import torch._dynamo.utils
 
 from benchmarks.engine_bench import EngineBench, _machine, _prompts
+from services.engine import compile_cache, decode_compiler
 from services.engine.attention import ForwardContext, TorchPagedAttention
 from services.engine.model_runner import prepare_rows
 from services.engine.models.quant_linear import WEIGHT_FORMATS
@@ -49,6 +52,9 @@ class Results:
     """Engine construction (weights, KV pool, compile thread started) in seconds."""
     variants: list[dict] = field(default_factory=list)
     """The background compile's VariantReport of each batch size, times relative to construction start."""
+    cache_dir: str = ""
+    baseline_ms: list[float] = field(default_factory=list)
+    """ms per step of each batch-1 request before the compile began (eager, nothing compiling)."""
     during_compile: list[list[float]] = field(default_factory=list)
     """[seconds since construction start, ms per step, batch 1 compiled (0/1)] of each batch-1 run meanwhile."""
     max_logit_diff: float = 0.0
@@ -98,18 +104,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--weight-format", default="auto", choices=WEIGHT_FORMATS)
     p.add_argument("--idle-during-compile", action="store_true",
                    help="wait for the background compile instead of decoding batch-1 requests meanwhile")
+    p.add_argument("--cache-dir", type=Path, default=None,
+                   help="the compile cache directory (default: the engine's, ~/.cache/pdserve/torch-compile); an "
+                        "empty one measures a first start")
+    p.add_argument("--baseline-runs", type=int, default=8,
+                   help="batch-1 requests decoded eagerly before the background compile may start")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     batches = sorted({int(b) for b in args.batches.split(",")})
+    if args.cache_dir is not None:  # EngineBench builds its config with the default cache directory
+        compile_cache.DEFAULT_CACHE_DIR = str(args.cache_dir)
     t0 = time.monotonic()
-    bench = EngineBench(None, "auto", args.prompt_len, max(batches), args.prompt_len + args.output_len + 64,
-                        args.cpu_threads, args.weight_format, cpu_compile_decode=max(batches))
-    ready_s = time.monotonic() - t0
+    with decode_compiler._ONE_AT_A_TIME:  # the compile (child included) waits until the baseline is taken
+        bench = EngineBench(None, "auto", args.prompt_len, max(batches), args.prompt_len + args.output_len + 64,
+                            args.cpu_threads, args.weight_format, cpu_compile_decode=max(batches))
+        ready_s = time.monotonic() - t0
+        one = _prompts(1, args.prompt_len, bench.vocab, seed=5)
+        baseline = [bench.decode(one, 16) / 15 * 1e3 for _ in range(args.baseline_runs)]
+    t0 = time.monotonic()  # compile timeline from here: the compile starts now
     cfg, runner = bench.config, bench.engine.runner
     cd, compiler = runner.compiled_decode, runner.decode_compiler
     assert cd is not None and compiler is not None, "the compiled decode path was not built (see the engine log)"
     during: list[list[float]] = []
-    one = _prompts(1, args.prompt_len, bench.vocab, seed=5)
     while not compiler.wait(1.0 if args.idle_during_compile else 0):  # serve batch-1 requests meanwhile
         if args.idle_during_compile:
             continue
@@ -119,23 +135,29 @@ def main(argv: list[str] | None = None) -> int:
     r = Results(machine=_machine(), torch=torch.__version__, threads=torch.get_num_threads(),
                 dtype=cfg.resolved_dtype, weight_format=cfg.resolved_weight_format,
                 compile_seconds=cd.compile_seconds, ready_s=ready_s, during_compile=during,
+                cache_dir=str(compile_cache.cache_dir_of(cfg)), baseline_ms=baseline,
                 variants=[dict(asdict(v), decided=v.decided - t0) for v in report.variants])
     print(f"machine: {r.machine}; torch {r.torch}, {r.threads} threads; dtype {r.dtype}, weights "
           f"{r.weight_format}; engine ready in {ready_s:.1f} s; background compile {report.status}, "
-          f"{r.compile_seconds:.1f} s compiling", flush=True)
+          f"{r.compile_seconds:.1f} s building variants in this process; cache {r.cache_dir}", flush=True)
+    if baseline:
+        print(f"  batch-1 requests before the compile (eager): {len(baseline)} runs, median "
+              f"{statistics.median(baseline):.2f} ms/step", flush=True)
     for v in report.variants:
-        print(f"  batch {v.batch}: compiled in {v.compile_s:.1f} s, max |logit diff| {v.max_logit_diff:.3g}, "
+        print(f"  batch {v.batch} at {v.threads} threads: {v.child_s:.1f} s in the compile child, built here in "
+              f"{v.compile_s:.1f} s ({v.cache_misses} cache misses), max |logit diff| {v.max_logit_diff:.3g}, "
               f"same argmax {v.same_argmax}, start-up timing {v.compiled_ms:.2f} ms vs eager {v.eager_ms:.2f} ms, "
               f"{'switched on' if v.active else 'stays eager'} at {v.decided - t0:.1f} s", flush=True)
     for label, sel in (("eager", 0.0), ("compiled", 1.0)):
         ms = [d[1] for d in during if d[2] == sel]
         if ms:
+            slow = f", {statistics.median(ms) / statistics.median(baseline):.2f}x the eager baseline" if baseline else ""
             print(f"  batch-1 requests during the compile, {label} steps: {len(ms)} runs, median "
-                  f"{statistics.median(ms):.2f} ms/step, max {max(ms):.2f}", flush=True)
+                  f"{statistics.median(ms):.2f} ms/step, max {max(ms):.2f}{slow}", flush=True)
     if not all(v.same_argmax for v in report.variants if v.batch in batches) or report.status != "done":
         print("a variant failed to compile or its check: no timed comparison", flush=True)
         return 1
-    cd.active = frozenset(batches)  # time every asked size, whatever the start-up timing decided
+    cd.on = frozenset((b, cd.threads) for b in batches)  # time every asked size, whatever the start-up timing decided
     check(bench, r)
     print(f"teacher-forced, 48 steps: max |logit diff| {r.max_logit_diff:.4f}, greedy agreement "
           f"{r.greedy_agreement:.0%}, max K/V diff {r.max_kv_diff:.4f}", flush=True)

@@ -154,7 +154,14 @@ class DecodeCompiler:
             self.report.status = "failed"
             return
         assert self.config is not None, "a started compiler needs the engine's settings"
-        compile_cache.use_cache_dir(compile_cache.cache_dir_of(self.config))
+        path = compile_cache.cache_dir_of(self.config)
+        try:
+            compile_cache.use_cache_dir(path)
+        except OSError as e:
+            log.warning("engine: --cpu-compile-decode: compile cache directory %s unusable (%s): decode steps stay "
+                        "eager", path, e)
+            self.report.status = "failed"
+            return
         _ALL.add(self)
         trace_fence.compiling(+1)  # CPU model steps of this process take the fence until the thread ends
         self._thread.start()
@@ -169,7 +176,9 @@ class DecodeCompiler:
             self._thread.join(timeout)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the thread has ended (tests, benchmarks); True if it has."""
+        """Block until the thread has ended or was never started (tests, benchmarks); True if so."""
+        if self._thread.ident is None:
+            return True
         self._thread.join(timeout)
         return not self._thread.is_alive()
 

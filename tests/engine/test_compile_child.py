@@ -25,8 +25,9 @@ needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which
 
 
 def _config(model_dir: Path, **kw: object) -> EngineConfig:
+    kw.setdefault("cpu_compile_cache_dir", str(model_dir.parent / "compile-cache"))
     return EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=32, enable_prefix_caching=False,
-                        cpu_compile_cache_dir=str(model_dir.parent / "compile-cache"), **kw)  # type: ignore[arg-type]
+                        **kw)  # type: ignore[arg-type]
 
 
 def _greedy(eng: LLMEngine) -> list[list[int]]:
@@ -96,3 +97,13 @@ def test_the_child_is_asked_for_the_resolved_model_and_nothing_shared(tiny_llama
     assert compile_cache.lent_threads(config) == (len(available_cpus()) if len(available_cpus()) > 1 else 0)
     assert compile_cache.lent_threads(_config(tiny_llama3_dir, cpu_threads=1)) == 0  # no share group: no lending
     assert compile_cache.cache_dir_of(EngineConfig()) == Path("~/.cache/pdserve/torch-compile").expanduser()
+
+
+def test_an_unusable_cache_directory_leaves_the_engine_eager(tiny_llama3_dir: Path, tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    eng = LLMEngine(_config(tiny_llama3_dir, cpu_compile_decode=1, cpu_compile_cache_dir=str(blocker / "cache")))
+    compiler = eng.runner.decode_compiler
+    assert compiler is not None and compiler.report.status == "failed" and compiler._child is None
+    assert compiler.wait(0.1) and not compiler.working  # never started: nothing to wait for
+    assert len(_greedy(eng)) == 2
