@@ -99,23 +99,23 @@ async def test_queue_full_is_resource_exhausted_with_retry_after(make_prefill) -
 
 async def test_deadline_drops_a_queued_request_and_frees_its_blocks(make_prefill) -> None:
     """One running slot: the second request queues behind a slow first one and its deadline passes."""
-    rig = await make_prefill(config=PrefillConfig(slowdown_ms_per_chunk=40), engine=engine_config(max_num_seqs=1))
+    # The slow one holds the only slot for >= 43 chunks x 100 ms; the late one's deadline (1.5 s) passes while it
+    # queues, long before that (no wall-clock assert: a loaded host only stretches both).
+    rig = await make_prefill(config=PrefillConfig(slowdown_ms_per_chunk=100), engine=engine_config(max_num_seqs=1))
     slow = asyncio.ensure_future(rig.stub.Prefill(prefill_request(LONG, request_id="slow")))
     await rig.receiver.first_chunk.wait()
-    t0 = time.monotonic()
     late = asyncio.ensure_future(rig.stub.Prefill(prefill_request(PROMPT, request_id="late",
-                                                                  deadline_unix=time.time() + 0.4)))
+                                                                  deadline_unix=time.time() + 1.5)))
     for _ in range(100):
-        if (await rig.engine.stats())["waiting"] == 1:
+        if (await rig.engine.stats())["waiting"] == 1 or late.done():
             break
         await asyncio.sleep(0.02)
     assert (await rig.engine.stats())["waiting"] == 1  # queued behind the slow one
     err = await _fails(late)
-    took = time.monotonic() - t0
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and detail_of(err).reason == Reason.ERROR_REASON_DEADLINE
     s = await rig.engine.stats()
-    assert s["waiting"] == 0 and s["running"] == 1 and not slow.done()  # gone from the queue at once
-    assert took < 1.5 and _aborted(rig, "deadline") == 1
+    assert s["waiting"] == 0 and s["running"] == 1 and not slow.done()  # dropped from the queue, slow still running
+    assert _aborted(rig, "deadline") == 1
     await slow
     s = await rig.idle()
     assert s["free_blocks"] == s["total_blocks"]
