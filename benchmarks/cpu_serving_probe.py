@@ -9,7 +9,7 @@ thread names from ``py-spy dump`` where installed (threads Python does not know,
 thread slept (GIL, OpenMP barrier, waiting for work).
 
     python -m benchmarks.cpu_serving_probe --url http://127.0.0.1:8000 --pid worker=W --pid router=R
-    python -m benchmarks.cpu_serving_probe --in-process [--prompt-len 512]
+    python -m benchmarks.cpu_serving_probe --in-process [--prompt-len 512] [--profile TOP]
 """
 
 from __future__ import annotations
@@ -24,6 +24,11 @@ import subprocess
 import time
 import urllib.request
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from benchmarks.engine_bench import EngineBench
+    from services.engine.sampling_params import SamplingParams
 
 
 @dataclass
@@ -132,6 +137,9 @@ def in_process(a: argparse.Namespace) -> None:
     threads = a.threads or len(available_cpus())
     bench = EngineBench(str(default_gguf_path()), "auto", a.prompt_len, 1, a.prompt_len + a.max_tokens + 64,
                         threads, "auto", cpu_compile_decode=0)
+    if a.profile:
+        profile(bench, sorted({32, a.prompt_len}), a.max_tokens, a.profile)
+        return
     names = thread_names(os.getpid())
     for plen in sorted({32, a.prompt_len}):
         bench.decode(token_prompts(1, plen, bench.vocab, seed=7), 8)  # warm-up
@@ -147,6 +155,43 @@ def in_process(a: argparse.Namespace) -> None:
             print(f"  engine   {name:28s} {json.dumps(row)}")
 
 
+def profile(bench: EngineBench, prompt_lens: list[int], tokens: int, top: int) -> None:
+    """torch.profiler over ``tokens`` batch-1 decode steps after a prompt of each length: self CPU ms per step
+    of the ops whose cost changes most between the shortest and the longest context."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from benchmarks.engine_bench import _prompts as token_prompts
+
+    per_len: dict[int, dict[str, tuple[float, int]]] = {}
+    for plen in prompt_lens:
+        eng = bench.engine
+        eng.add_request(f"profile-{plen}", token_prompts(1, plen, bench.vocab, seed=3)[0], _params(tokens + 2),
+                        detokenize=False)
+        eng.step()  # the prompt
+        eng.step()
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(tokens):
+                eng.step()
+        while eng.has_work():
+            eng.step()
+        per_len[plen] = {e.key: (e.self_cpu_time_total / 1e3 / tokens, e.count // tokens)
+                         for e in prof.key_averages()}
+        total = sum(ms for ms, _ in per_len[plen].values())
+        print(f"profile, prompt {plen}: {total:.2f} ms self CPU per step in aten ops (profiler on)")
+    lo, hi = per_len[min(prompt_lens)], per_len[max(prompt_lens)]
+    keys = sorted(set(lo) | set(hi), key=lambda k: -abs(hi.get(k, (0, 0))[0] - lo.get(k, (0, 0))[0]))
+    for k in keys[:top]:
+        a, b = lo.get(k, (0.0, 0)), hi.get(k, (0.0, 0))
+        print(f"  {k:40s} {a[0]:7.3f} -> {b[0]:7.3f} ms/step  calls/step {a[1]} -> {b[1]}")
+
+
+def _params(max_tokens: int) -> SamplingParams:
+    from services.engine.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", default="")
@@ -154,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pid", action="append", default=[], help="NAME=PID of a served process to watch")
     ap.add_argument("--in-process", action="store_true", help="measure the in-process engine instead")
     ap.add_argument("--threads", type=int, default=0, help="--in-process: torch threads (0: every usable CPU)")
+    ap.add_argument("--profile", type=int, default=0, metavar="TOP",
+                    help="--in-process: torch.profiler instead, the TOP ops whose cost grows most with the context")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
