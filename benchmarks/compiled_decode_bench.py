@@ -8,7 +8,9 @@ compile child fills the on-disk cache ``--cache-dir``, this process builds each 
 back while ``--baseline-runs`` batch-1 requests of 16 tokens run eagerly (the undisturbed reference), then
 runs while this process keeps decoding such requests: the time to ready, each variant's seconds in the
 child and here, check and start-up timing, when it was switched on, and the eager/compiled ms per step
-of those requests meanwhile are printed. Then:
+of those requests meanwhile are printed. While the child lives, every other request runs with the child
+(and its compiler runs) stopped (SIGSTOP), so its cost to serving is the ratio of neighbouring requests
+under the same box load. Then:
 
   * correctness, teacher-forced on the real model: a 200-token prompt prefilled eagerly, then 48 decode
     steps, each run eagerly AND compiled from the same KV state (the cache restored in between): max
@@ -56,7 +58,8 @@ class Results:
     baseline_ms: list[float] = field(default_factory=list)
     """ms per step of each batch-1 request before the compile began (eager, nothing compiling)."""
     during_compile: list[list[float]] = field(default_factory=list)
-    """[seconds since construction start, ms per step, batch 1 compiled (0/1)] of each batch-1 run meanwhile."""
+    """[seconds since the compile began, ms per step, batch 1 compiled (0/1), child stopped (1) / running (0) /
+    gone (-1)] of each batch-1 run meanwhile."""
     max_logit_diff: float = 0.0
     greedy_agreement: float = 0.0
     max_kv_diff: float = 0.0
@@ -130,7 +133,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.idle_during_compile:
             continue
         on = 1 in cd.active
-        during.append([time.monotonic() - t0, bench.decode(one, 16) / 15 * 1e3, float(on and 1 in cd.active)])
+        child = compiler._child
+        state = -1.0 if child is None or child.proc.poll() is not None else float(len(during) % 2)
+        if state == 1.0:
+            child.pause(True)  # type: ignore[union-attr]
+        try:
+            ms = bench.decode(one, 16) / 15 * 1e3
+        finally:
+            if state == 1.0:
+                child.pause(False)  # type: ignore[union-attr]
+        during.append([time.monotonic() - t0, ms, float(on and 1 in cd.active), state])
     report = compiler.report
     r = Results(machine=_machine(), torch=torch.__version__, threads=torch.get_num_threads(),
                 dtype=cfg.resolved_dtype, weight_format=cfg.resolved_weight_format,
@@ -154,6 +166,13 @@ def main(argv: list[str] | None = None) -> int:
             slow = f", {statistics.median(ms) / statistics.median(baseline):.2f}x the eager baseline" if baseline else ""
             print(f"  batch-1 requests during the compile, {label} steps: {len(ms)} runs, median "
                   f"{statistics.median(ms):.2f} ms/step, max {max(ms):.2f}{slow}", flush=True)
+    for label, sel in (("eager", 0.0), ("compiled", 1.0)):
+        run = [d[1] for d in during if d[2] == sel and d[3] == 0.0]
+        stopped = [d[1] for d in during if d[2] == sel and d[3] == 1.0]
+        if run and stopped:
+            print(f"  while the child lived, {label} steps: child running {statistics.median(run):.2f} ms/step "
+                  f"({len(run)} runs), child stopped {statistics.median(stopped):.2f} ({len(stopped)} runs): "
+                  f"{statistics.median(run) / statistics.median(stopped):.3f}x", flush=True)
     if not all(v.same_argmax for v in report.variants if v.batch in batches) or report.status != "done":
         print("a variant failed to compile or its check: no timed comparison", flush=True)
         return 1

@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -70,11 +71,16 @@ def child_request(config: EngineConfig, model: Any, max_batch: int, scratch_page
 
 
 class CompileChild:
-    """One compile child: started at construction, its per-variant records read as they come."""
+    """One compile child: started at construction, its per-variant records read as they come.
+
+    It leads a process group of its own (its C++ compiler runs are in it): ``kill`` and ``pause`` reach
+    them all, and a terminal's Ctrl-C reaches the server only, which kills the group as it stops. A server
+    killed outright leaves the child to finish the variant at hand: its next record meets a closed pipe
+    and it exits."""
 
     def __init__(self, request: dict[str, Any]) -> None:
         self.proc = subprocess.Popen(CHILD_ARGV, cwd=_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True)
+                                     text=True, start_new_session=True)
         stdin: IO[str] | None = self.proc.stdin
         assert stdin is not None
         with contextlib.suppress(BrokenPipeError):  # a child that died at start: its exit status tells
@@ -90,9 +96,18 @@ class CompileChild:
                 if isinstance(rec, dict):
                     yield rec
 
+    def _signal(self, sig: int) -> None:
+        if self.proc.returncode is None:  # not reaped yet: the group id is still this child's
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, sig)
+
     def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.kill()
+        self._signal(signal.SIGKILL)
+
+    def pause(self, paused: bool) -> None:
+        """Stop (SIGSTOP) or continue the child and its compiler runs (benchmarks: serving with and without
+        it, alternating)."""
+        self._signal(signal.SIGSTOP if paused else signal.SIGCONT)
 
     def wait(self) -> int:
         """The child's exit status (negative: killed by that signal)."""
