@@ -22,7 +22,6 @@ import shutil
 import statistics
 import subprocess
 import time
-import urllib.request
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -96,16 +95,24 @@ def prompt_text(prompt_len: int, i: int) -> str:
 
 
 def stream_one(url: str, model: str, prompt: str, max_tokens: int) -> float:
-    """One streamed /v1/completions; its TPOT (ms) between the first and last output events."""
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-                       "ignore_eos": True, "temperature": 0}).encode()
-    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
-    times = []
-    with urllib.request.urlopen(req) as r:
-        for line in r:
-            if line.startswith(b"data: {"):
-                times.append(time.perf_counter())
-    return (times[-1] - times[0]) / (len(times) - 1) * 1000
+    """One streamed /v1/completions through the bench's client; its TPOT (ms) between the first and last
+    output events (the same definition as ``pdserve bench cpu-serving``)."""
+    import asyncio
+
+    import aiohttp
+
+    from benchmarks.serve.client import RequestResult, Target, send
+
+    async def one() -> RequestResult:
+        async with aiohttp.ClientSession() as session:
+            return await send(session, Target(url, model, api="completions"), prompt, max_tokens,
+                              RequestResult("probe", 0, 0.0), time.perf_counter())
+
+    res = asyncio.run(one())
+    if not res.ok or len(res.event_times) < 2:
+        raise RuntimeError(f"request failed: {res.error} {res.detail[:200]}")
+    t = res.event_times
+    return (t[-1] - t[0]) / (len(t) - 1) * 1000
 
 
 def served(a: argparse.Namespace) -> None:
