@@ -47,6 +47,11 @@ class ClaimTimeout(TransferError):
     no page was written and decode keeps the reservation, so the request may be retried with it."""
 
 
+class AttachTimeout(ClaimTimeout):
+    """An early request got no reservation within ``claim_wait_s`` of its prompt being computed: nothing was
+    written, so another prefill may take the request with the reservation (retryable)."""
+
+
 @dataclass
 class PagesReady:
     first_block: int
@@ -76,7 +81,9 @@ class RequestKVStream:
     def __init__(self, loop: asyncio.AbstractEventLoop, export: Callable[[list[int]], PageExport], block_size: int,
                  num_skip_blocks: int, chunked: bool, arrival: float, writer: PageWriter | None = None,
                  read_native: Callable[[list[int]], torch.Tensor] | None = None, engine: AsyncEngine | None = None,
-                 claim_wait_s: float = 0.0) -> None:
+                 claim_wait_s: float = 0.0, pending: bool = False) -> None:
+        """``pending``: an early Prefill whose reservation is not known yet (``attach`` names it); until its
+        claim is acknowledged every computed page is deferred exactly as for an unanswered writer claim."""
         self.loop = loop
         self.export = export
         """Starts a chunk's page export for the wire (the cache's dtype, or a codec such as fp8-e4m3)."""
@@ -112,20 +119,44 @@ class RequestKVStream:
         """Engine request id whose blocks are held for the deferred write (None: none held)."""
         self.claim_answered: float | None = None
         """When decode acknowledged the writer's claim (monotonic seconds; None: no claim, or not yet)."""
+        self.pending = pending
+        self.num_skip_blocks = num_skip_blocks
+        """Leading blocks decode holds: never sent (an early stream learns it at ``attach``)."""
+        self.computed = asyncio.Event()
+        """Set once the last chunk is computed or the stream failed (an early request's attach wait starts)."""
+        if pending:
+            self.claim_ok = False
 
-    def claim(self, sender: KVSender, msg: common_pb2.KVChunk) -> asyncio.Future[None]:
-        """Send the writer's claim while the request is admitted and computed (not before): chunks computed
-        before decode's answer are written with a later chunk, or by the sender as a deferred write once the
-        answer came. The future raises decode's TransferError when it refused."""
+    def claim(self, sender: KVSender, msg: common_pb2.KVChunk | None) -> asyncio.Future[None]:
+        """Send the writer's claim (``msg``; None: open a byte stream, an early request without a writer)
+        while the request is admitted and computed (not before): chunks computed before decode's answer are
+        written with a later chunk, or by the sender as a deferred write once the answer came. The future
+        raises decode's TransferError when it refused; the refusal also fails the stream at once, so the
+        request stops computing and frees its blocks without waiting for its last chunk."""
         self.claim_ok = False
 
         async def run() -> None:
-            await sender.bootstrap(msg)
+            try:
+                await sender.bootstrap(msg)
+            except TransferError as e:
+                self.fail(e)
+                raise
             self.claim_answered = time.monotonic()
             self.claim_ok = True
 
         self.claim_task = asyncio.ensure_future(run())
         return self.claim_task
+
+    def attach(self, writer: PageWriter | None, export: Callable[[list[int]], PageExport], num_skip_blocks: int
+               ) -> None:
+        """Engine thread (ordered with ``on_chunk``): an early request's reservation arrived. Pages computed
+        before it stay deferred until its claim is acknowledged; the first write after that starts at
+        ``num_skip_blocks`` at the earliest (a deferred last item is trimmed by the sender)."""
+        self.writer = writer
+        self.export = export
+        self.num_skip_blocks = num_skip_blocks
+        self.next_block = max(self.next_block, num_skip_blocks)
+        self.pending = False
 
     def stop_waiting(self) -> None:
         """The request is ending: unless decode had acknowledged the claim, nothing is written any more."""
@@ -153,7 +184,7 @@ class RequestKVStream:
             first = self.next_block
             n = max(0, limit - first)
             item = PagesReady(first, first * bs, min(limit * bs, end) if n else first * bs, None, n)
-            deferred = bool(n) and self.writer is not None and not self.claim_ok
+            deferred = bool(n) and not self.claim_ok  # a writer's claim, or an early request's reservation
             if deferred and self.ending:
                 raise TransferError("the request ended before decode acknowledged the KV claim; no page was "
                                     "written", grpc.StatusCode.UNAVAILABLE)
@@ -182,34 +213,54 @@ class RequestKVStream:
                                       self.read_native(seq.block_table[self.writeback_from:full]))
             if item.num_pages or item.last:
                 self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            if last:  # after last_computed: a waiter seeing the event reads it set
+                self.loop.call_soon_threadsafe(self.computed.set)
         except BaseException as e:  # surfaced to the request's task, not the engine loop
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, e)
+            self.fail(e)
 
     def fail(self, exc: BaseException) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, exc)
+        self.loop.call_soon_threadsafe(self.computed.set)
 
     # --- sender task ---
 
-    async def write_deferred(self, item: PagesReady) -> object:
-        """Wait (asynchronously) for the claim's answer, then start the deferred write on the engine thread
-        (stream order as for any write). Raises decode's refusal, or ClaimTimeout after ``claim_wait_s``."""
-        assert self.claim_task is not None and self.engine is not None and self.writer is not None
+    async def write_deferred(self, item: PagesReady) -> None:
+        """Wait (asynchronously) for the claim's answer, drop the pages decode holds (an early request learnt
+        ``num_skip_blocks`` after deferring them), then start the deferred write (``item.write``) or page
+        export (``item.pages``) on the engine thread (stream order as for any write). Raises decode's refusal,
+        or ClaimTimeout after ``claim_wait_s``."""
+        assert self.claim_task is not None and self.engine is not None and item.deferred is not None
         try:
             await asyncio.wait_for(asyncio.shield(self.claim_task), self.claim_wait_s)
         except TimeoutError:
             raise ClaimTimeout(f"decode did not acknowledge the KV claim within {self.claim_wait_s:g} s "
                                "(--claim-wait-s) of the prompt being computed; no page was written",
                                grpc.StatusCode.UNAVAILABLE) from None
-        return await self.engine.call(self.writer.write, item.first_block, item.deferred)
+        skip = min(item.num_pages, max(0, self.num_skip_blocks - item.first_block))
+        if skip:
+            item.first_block += skip
+            item.deferred = item.deferred[skip:]
+            item.num_pages -= skip
+            item.token_start = item.first_block * self.block_size
+            if not item.num_pages:
+                item.token_end = item.token_start
+        if not item.num_pages:
+            return
+        if self.writer is not None:
+            item.write = await self.engine.call(self.writer.write, item.first_block, item.deferred)
+        else:
+            item.pages = await self.engine.call(self.export, item.deferred)
 
     async def release_held(self) -> None:
-        """The deferred write landed: let the writer drop its source and free the held blocks (engine thread)."""
+        """The deferred write landed (or its pages are on the host): let the writer drop its source and free
+        the held blocks (engine thread)."""
         engine, writer, rid = self.engine, self.writer, self.held_request
-        if engine is None or writer is None or rid is None:
+        if engine is None or rid is None:
             return
 
         def release() -> None:
-            writer.release_source()
+            if writer is not None:
+                writer.release_source()
             engine.engine.release_held(rid)
 
         await engine.call(release)
@@ -251,19 +302,19 @@ async def pump(stream: RequestKVStream, sender: KVSender, request_id: str, reser
             raise item
         if item.last:
             stream.last_picked = time.monotonic()
+        if item.deferred is not None:
+            await stream.write_deferred(item)
         n = item.num_pages
         page_bytes += n * layout.page_bytes
         data = memoryview(b"")
         if item.pages is not None:
             data = _bytes_view(await _landed(item.pages))
         elif n and stream.writer is not None:  # written by a side transport: one descriptor once it landed
-            if item.deferred is not None:
-                item.write = await stream.write_deferred(item)
             if item.write is not None:
                 await asyncio.to_thread(stream.writer.wait, item.write)
-            if item.deferred is not None:
-                await stream.release_held()
             pages_per_msg = max(1, n)
+        if item.deferred is not None:
+            await stream.release_held()
         bs = layout.block_size
         pieces = [(o, min(pages_per_msg, n - o)) for o in range(0, n, pages_per_msg)] or [(0, 0)]
         for k, (off, cnt) in enumerate(pieces):

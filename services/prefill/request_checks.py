@@ -7,25 +7,25 @@ import math
 import time
 
 from services.common.pb import prefill_pb2
+from services.prefill.attach import early_problem
 
 MAX_ID_CHARS = 256
-"""Longest request_id / reservation_id / decode_address accepted (characters)."""
+"""Longest request_id / attach_id / reservation_id / decode_address accepted (characters)."""
 MAX_TOKEN_BYTES = 64
 """Longest reservation_token accepted (bytes; decode issues 16)."""
 
 
 def problem(request: prefill_pb2.PrefillRequest, *, vocab_size: int, max_model_len: int, block_size: int
             ) -> tuple[str, str] | None:
-    for name in ("request_id", "decode_address", "reservation_id"):
-        value = getattr(request, name)
-        if not value:
-            return name, "must not be empty"
-        if len(value) > MAX_ID_CHARS:
-            return name, f"{len(value)} characters; at most {MAX_ID_CHARS}"
-    if not request.reservation_token:
-        return "reservation_token", "must not be empty (ReserveResponse.reservation_token)"
-    if len(request.reservation_token) > MAX_TOKEN_BYTES:
-        return "reservation_token", f"{len(request.reservation_token)} bytes; at most {MAX_TOKEN_BYTES}"
+    """Every field of a Prefill call; an early one (attach_id set) carries no reservation field."""
+    early = bool(request.attach_id)
+    bad = _ids(request, ("request_id", "attach_id") if early else ("request_id",))
+    if bad is not None:
+        return bad
+    if early:
+        bad = early_problem(request)
+        if bad is not None:
+            return bad
     ids = request.token_ids[:]  # a list in one C copy: min/max over it beat min/max over the upb container
     if not ids:
         return "token_ids", "must not be empty"
@@ -35,14 +35,40 @@ def problem(request: prefill_pb2.PrefillRequest, *, vocab_size: int, max_model_l
     lo, hi = min(ids), max(ids)
     if lo < 0 or hi >= vocab_size:
         return "token_ids", f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {vocab_size})"
-    blocks = -(-len(ids) // block_size)
+    if not early:
+        bad = reservation_problem(request, block_size)
+        if bad is not None:
+            return bad
+    if not math.isfinite(request.deadline_unix) or request.deadline_unix < 0:
+        return "deadline_unix", f"must be a finite time >= 0, got {request.deadline_unix}"
+    return None
+
+
+def reservation_problem(request: prefill_pb2.PrefillRequest, block_size: int) -> tuple[str, str] | None:
+    """The reservation fields of a full PrefillRequest (an early one's once its attach is merged in)."""
+    bad = _ids(request, ("decode_address", "reservation_id"))
+    if bad is not None:
+        return bad
+    if not request.reservation_token:
+        return "reservation_token", "must not be empty (ReserveResponse.reservation_token)"
+    if len(request.reservation_token) > MAX_TOKEN_BYTES:
+        return "reservation_token", f"{len(request.reservation_token)} bytes; at most {MAX_TOKEN_BYTES}"
+    blocks = -(-len(request.token_ids) // block_size)
     if request.num_skip_blocks > blocks:
         return "num_skip_blocks", f"{request.num_skip_blocks} exceeds the prompt's {blocks} blocks"
     if request.dest_block_ids and len(request.dest_block_ids) != blocks:
-        return "dest_block_ids", (f"{len(request.dest_block_ids)} block ids for a prompt of {len(ids)} tokens "
-                                  f"({blocks} blocks of {block_size})")
-    if not math.isfinite(request.deadline_unix) or request.deadline_unix < 0:
-        return "deadline_unix", f"must be a finite time >= 0, got {request.deadline_unix}"
+        return "dest_block_ids", (f"{len(request.dest_block_ids)} block ids for a prompt of "
+                                  f"{len(request.token_ids)} tokens ({blocks} blocks of {block_size})")
+    return None
+
+
+def _ids(request: prefill_pb2.PrefillRequest, names: tuple[str, ...]) -> tuple[str, str] | None:
+    for name in names:
+        value = getattr(request, name)
+        if not value:
+            return name, "must not be empty"
+        if len(value) > MAX_ID_CHARS:
+            return name, f"{len(value)} characters; at most {MAX_ID_CHARS}"
     return None
 
 

@@ -31,6 +31,8 @@ from services.engine.kv_transport import KVSender, KVTransport, TransferError
 from services.engine.kv_transport.base import PageWriter
 from services.engine.sampling_params import InvalidRequestError
 from services.engine.scheduler import ScheduledChunk
+from services.prefill.attach import Attachments, Waiting
+from services.prefill.attach_rpc import EarlyAttach
 from services.prefill.config import PrefillConfig
 from services.prefill.direct_write import DirectWrites, InvalidDestinationError
 from services.prefill.kv_stream import ClaimTimeout, RequestKVStream, claim_message, pump
@@ -46,7 +48,7 @@ _EWMA = 0.2
 """Weight of the newest request in the moving average of request durations."""
 
 
-class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
+class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
     def __init__(self, config: PrefillConfig, metrics: PrefillMetrics, transport: KVTransport,
                  draining: asyncio.Event) -> None:
         self.config = config
@@ -58,6 +60,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.inflight = 0
         """Requests admitted and not finished (bounded by config.max_queued)."""
         self.kvstore: KVStorePrefix | None = None
+        self.attachments = Attachments()
+        """Early Prefill calls waiting for their reservation (AttachReservation)."""
         self.direct = DirectWrites(config.kv_transport, metrics, config.kv_mooncake_host,
                                    config.kv_mooncake_staging_bytes, config.kv_mooncake_engines)
         self._request_s = 1.0  # moving average of admitted requests' durations (seconds)
@@ -180,33 +184,37 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                      first_params, arrival: float) -> prefill_pb2.PrefillResponse:
         """``arrival``: when the Prefill call began (monotonic; writer setup counts in its phases)."""
         ids = list(request.token_ids)
-        try:
-            writer = await self.direct.writer(request, self.pages.pool, -(-len(ids) // self.layout.block_size),
-                                              self.pages.export, self._fp8_agreed(request))
-        except InvalidDestinationError as e:
-            await self._refuse(context, "invalid", grpc.StatusCode.INVALID_ARGUMENT, f"dest_block_ids: {e}",
-                               Reason.ERROR_REASON_INVALID_INPUT, field="dest_block_ids")
+        waiting: Waiting | None = None
+        writer: PageWriter | None = None
+        if request.attach_id:  # early: the reservation (and so the writer) comes with AttachReservation
+            waiting = self.attachments.register(request)
+            if waiting is None:
+                await self._refuse(context, "invalid", grpc.StatusCode.FAILED_PRECONDITION,
+                                   "attach_id: another Prefill call on this prefill uses it",
+                                   Reason.ERROR_REASON_INVALID_INPUT, field="attach_id")
+        else:
+            try:
+                writer = await self.direct.writer(request, self.pages.pool, -(-len(ids) // self.layout.block_size),
+                                                  self.pages.export, self._fp8_agreed(request))
+            except InvalidDestinationError as e:
+                await self._refuse(context, "invalid", grpc.StatusCode.INVALID_ARGUMENT, f"dest_block_ids: {e}",
+                                   Reason.ERROR_REASON_INVALID_INPUT, field="dest_block_ids")
         wire, export = self._wire_codec(request, writer)
         chunked = request.chunked_transfer if request.HasField("chunked_transfer") else self.config.chunked_transfer
         rid = f"{request.request_id}/{uuid.uuid4().hex[:8]}"
         stream = RequestKVStream(asyncio.get_running_loop(), export, self.layout.block_size, request.num_skip_blocks,
                                  chunked, arrival, writer, lambda b: self.pages.export(b).wait(), self.engine,
-                                 self.config.claim_wait_s)
+                                 self.config.claim_wait_s, pending=waiting is not None)
         transport = writer.transport if writer is not None else self.transport.name
         sender: KVSender | None = None
         claim: asyncio.Future[None] | None = None
         with tracing.span_from_metadata("prefill.request", context.invocation_metadata(),
                                         request_id=request.request_id, prompt_tokens=len(ids)) as sp:
             try:
-                sender = self.transport.open(request.decode_address, rid, metadata=tuple(tracing.inject_metadata()))
-                if writer is not None:  # decode must hold the reservation before any write: the stream waits
-                    writer.sender = sender
-                    claim = stream.claim(sender, claim_message(request.request_id, request.reservation_id,
-                                                               request.reservation_token, writer,
-                                                               list(request.dest_block_ids)))
-                else:
-                    await sender.bootstrap()
-                    stream.claim_answered = time.monotonic()
+                if waiting is None:
+                    sender = self.transport.open(request.decode_address, rid,
+                                                 metadata=tuple(tracing.inject_metadata()))
+                    claim = await self._claim(request, stream, sender, writer)
                 self.streams[rid] = stream
                 try:
                     loaded = await self._admit(rid, ids, first_params, stream)
@@ -216,6 +224,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     await self._refuse(context, "invalid", grpc.StatusCode.INVALID_ARGUMENT, str(e),
                                        Reason.ERROR_REASON_INVALID_INPUT,
                                        field=getattr(e, "field", "") or "token_ids")
+                if waiting is not None:  # computing already; nothing is written before the claim is acknowledged
+                    request, writer = await self._await_attach(waiting, stream)
+                    wire, export = self._wire_codec(request, writer)
+                    transport = writer.transport if writer is not None else self.transport.name
+                    sender = self.transport.open(request.decode_address, rid,
+                                                 metadata=tuple(tracing.inject_metadata()))
+                    await self.engine.call(stream.attach, writer, export, request.num_skip_blocks)
+                    claim = await self._claim(request, stream, sender, writer)
                 last, page_bytes = await pump(stream, sender, request.request_id, request.reservation_id,
                                               request.reservation_token, wire,
                                               payload_budget(self.config.max_message_bytes), transport)
@@ -235,8 +251,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 self.metrics.kv_transfer_failures_total.labels(transport, e.code.name.lower()).inc()
                 await self._cleanup(rid, sender, str(e), writer, stream)
                 self.metrics.requests_aborted_total.labels("kv_handoff").inc()
-                await abort(context, e.code, f"KV handoff to decode {request.decode_address} failed: {e}",
-                            handoff_detail(e))
+                await abort(context, e.code, f"KV handoff to decode {request.decode_address or '(none attached)'} "
+                                             f"failed: {e}", handoff_detail(e))
             except grpc.aio.AbortError:
                 raise
             except Exception as e:  # a page read or direct write failed on the engine thread
@@ -250,6 +266,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 raise
             finally:
                 self.streams.pop(rid, None)
+                if waiting is not None:
+                    self.attachments.remove(waiting)
                 if claim is not None:  # ended (or cancelled here); its outcome was read above or no longer matters
                     claim.cancel()
                     await asyncio.gather(claim, return_exceptions=True)
@@ -264,6 +282,21 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             resp.first_top_logprobs.CopyFrom(top_to_pb(last.first_top))
         self._phase("respond", time.monotonic() - stream.arrival)
         return resp
+
+    async def _claim(self, request: prefill_pb2.PrefillRequest, stream: RequestKVStream, sender: KVSender,
+                     writer: PageWriter | None) -> asyncio.Future[None] | None:
+        """Open the KV stream to decode. A writer's claim, and an early request's byte stream, run while the
+        prompt computes (the stream writes nothing before decode's answer); a full request's byte stream is
+        opened before admission."""
+        if writer is not None:  # decode must hold the reservation before any write: the stream waits
+            writer.sender = sender
+            return stream.claim(sender, claim_message(request.request_id, request.reservation_id,
+                                                      request.reservation_token, writer, list(request.dest_block_ids)))
+        if request.attach_id:
+            return stream.claim(sender, None)
+        await sender.bootstrap()
+        stream.claim_answered = time.monotonic()
+        return None
 
     def _fp8_agreed(self, request: prefill_pb2.PrefillRequest) -> PageLayout | None:
         """The fp8-e4m3 layout when this prefill is configured for it and decode accepted it at Reserve."""
@@ -298,7 +331,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
         def admit() -> int:
             loaded = eng.import_prefix_pages(ids, first, pages) if pages is not None else 0
-            tail = stream.chunked and stream.writer is not None and stream.writer.overlaps_compute
+            # an early request's writer is not known yet: its transport's (mooncake writers overlap compute)
+            overlaps = stream.writer.overlaps_compute if stream.writer is not None else (
+                stream.pending and self.direct.mode == "mooncake")
+            tail = stream.chunked and overlaps
             eng.add_request(rid, ids, params, False, stream_kv=tail)
             return loaded
 

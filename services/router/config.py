@@ -30,6 +30,10 @@ class RouterConfig(ServerConfig, TracingConfig, ContextConfig, ModelConfig, Leas
                               "(Reserve, Prefill); also the most migrations of one stream to another decode.")
     chunked_transfer: bool | None = opt(None, "Force chunked KV transfer on/off for every request; "
                                               "unset: each prefill's own default.")
+    early_prefill: bool = opt(True, "P/D: send Prefill at the same time as decode's Reserve, without the "
+                                    "reservation, and hand it over with AttachReservation once Reserve answered "
+                                    "(prefill computes meanwhile, writes nothing before). Not done while decode "
+                                    "answered Reserve with OVERLOADED in the last second.")
     health_interval_s: float = opt(1.0, "Health and load polling period per instance (seconds).")
     dead_after_s: float = opt(10.0, "An instance is dead after this long without a SERVING health answer "
                                     "(seconds); a refused connection or NOT_SERVING is dead at once, a slow "

@@ -1,11 +1,18 @@
 """One P/D dispatch of a prompt: Reserve on a decode, Prefill with its destination, merged token stream.
 
+0. Early prefill (``--early-prefill``, on by default): Prefill is sent at the same time as Reserve, without
+   a reservation (``attach_id`` set, no decode named); prefill admits and computes at once and writes
+   nothing until AttachReservation hands it the reservation (decode address included) once Reserve
+   answered, so a Reserve retried on another decode never lets prefill write to the first. Every decode
+   failing Reserve cancels the early Prefill (prefill frees everything). Not done while the last Reserve
+   answer of the pool, within DECODE_FULL_MEMORY_S, was OVERLOADED: prefill compute would be spent on a
+   request that most likely gets 429.
 1. Reserve on decode (it allocates destination blocks, reports which prefix blocks it holds). A full
    (OVERLOADED), unreachable or departing decode is skipped for the next; when none is left the
    request fails ``resource_exhausted`` (with a retry-after) if any was only full, else ``unavailable``.
 2. Open decode's token stream for that reservation, and at the same time
-3. send Prefill with that destination. A prefill that dies or is full is retried on another with the
-   SAME reservation (decode keeps it when a PushKV stream breaks); the router renews the lease every
+3. send Prefill with that destination (or AttachReservation to the early one). A prefill that dies or is
+   full is retried on another with the full request and the SAME reservation (decode keeps it when a PushKV stream breaks); the router renews the lease every
    lease/3 while Prefill is in flight, so a long prefill queue does not expire it and a router that
    disappears lets it lapse. No prefill left: the request fails and its reservation is aborted.
 4. The first token arrives with PrefillResponse or first on decode's stream, whichever is first;
@@ -20,7 +27,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
@@ -50,6 +59,9 @@ from services.router.rpc_failure import RpcFailure
 
 log = logging.getLogger(__name__)
 
+DECODE_FULL_MEMORY_S = 1.0
+"""How long a Reserve answered OVERLOADED turns early prefill off (seconds; a later successful Reserve
+turns it back on)."""
 LATE_PREFILL_WAIT_S = 1.0
 """Longest wait for PrefillResponse after decode's last message, for usage.cached_tokens (seconds)."""
 _FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
@@ -96,23 +108,35 @@ class Handoff:
         self.metrics = metrics
         self._spawn = spawn
         """Runs a coroutine in a task the backend owns (aborts that must outlive the request)."""
+        self._decode_full_at = -math.inf
+        """When a decode last answered Reserve OVERLOADED (monotonic s; -inf: a later Reserve succeeded)."""
 
     async def attempt(self, st: RequestState, prompt: list[int], params: SamplingParams
                       ) -> AsyncIterator[TokenEvent]:
         """Token events of ``prompt`` (output positions from 0); raises BackendError or DecodeLostError."""
         hashes = block_hashes(prompt, self.s.block_size)
-        decode, resv = await self._reserve(st, prompt, params, hashes)
-        self._phase(st, "reserve")
-        st.target = (decode, resv.reservation_id)
+        early = self.s.early_prefill and time.monotonic() - self._decode_full_at >= DECODE_FULL_MEMORY_S
+        reserved: asyncio.Future[tuple[Instance, decode_pb2.ReserveResponse]] = (
+            asyncio.get_running_loop().create_future())
         events: asyncio.Queue[DispatchEvent] = asyncio.Queue()
         prefill_over = asyncio.Event()
-        tasks = [
-            asyncio.create_task(self._decode_stream(st, decode, resv, events)),
-            asyncio.create_task(self._prefill(st, prompt, params, hashes, decode, resv, events, prefill_over)),
-            asyncio.create_task(self._renew(st, decode, resv, prefill_over)),
-        ]
+        tasks: list[asyncio.Task[None]] = []
+        decode: Instance | None = None
+        resv: decode_pb2.ReserveResponse | None = None
         finished = False
         try:
+            if early:  # computes while Reserve is in flight; gets the reservation with AttachReservation
+                tasks.append(asyncio.create_task(self._prefill(st, prompt, params, hashes, reserved, events,
+                                                               prefill_over, early=True)))
+            decode, resv = await self._reserve(st, prompt, params, hashes)
+            reserved.set_result((decode, resv))
+            self._phase(st, "reserve")
+            st.target = (decode, resv.reservation_id)
+            tasks.append(asyncio.create_task(self._decode_stream(st, decode, resv, events)))
+            if not early:
+                tasks.append(asyncio.create_task(self._prefill(st, prompt, params, hashes, reserved, events,
+                                                               prefill_over, early=False)))
+            tasks.append(asyncio.create_task(self._renew(st, decode, resv, prefill_over)))
             with inflight(decode):
                 emitted = 0
                 from_decode = False  # decode's stream has delivered: the KV landed, prefill's fate no longer matters
@@ -162,11 +186,12 @@ class Handoff:
                     if finished:
                         return
         finally:
-            for t in tasks:
+            for t in tasks:  # an early Prefill still waiting for its reservation is cancelled: prefill frees it
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            reserved.cancel()
             st.target = None
-            if not finished:
+            if decode is not None and resv is not None and not finished:
                 self._spawn(abort_quietly(decode, resv.reservation_id, "router"))
 
     def _phase(self, st: RequestState, phase: str) -> None:
@@ -191,9 +216,12 @@ class Handoff:
                         lease_ms=st.lease_ms(self.s), deadline_unix=st.deadline_unix),
                         timeout=st.timeout_s(CONTROL_TIMEOUT_S), metadata=tracing.inject_metadata())
                 decode.remember(hashes)
+                self._decode_full_at = -math.inf
                 return decode, resv
             except grpc.aio.AioRpcError as e:
                 last = RpcFailure.of(f"decode {decode.address} Reserve", e)
+                if last.overloaded:
+                    self._decode_full_at = time.monotonic()
                 hung = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and st.remaining_s() > 0  # our cap, not the client's
                 if not (last.retryable or hung):
                     raise last.error() from e
@@ -231,29 +259,28 @@ class Handoff:
     # --- 3. Prefill, retried with the same reservation ---
 
     async def _prefill(self, st: RequestState, prompt: list[int], params: SamplingParams, hashes: list[bytes],
-                       decode: Instance, resv: decode_pb2.ReserveResponse, events: asyncio.Queue[DispatchEvent],
-                       over: asyncio.Event) -> None:
-        req = prefill_pb2.PrefillRequest(
-            request_id=st.request_id, token_ids=prompt, params=params_to_pb(params),
-            decode_address=decode.address, reservation_id=resv.reservation_id,
-            num_skip_blocks=resv.num_cached_blocks, expected_layout_fingerprint=resv.layout.fingerprint,
-            dest_block_ids=resv.block_ids, reservation_token=resv.reservation_token,
-            accepted_wire_fingerprints=resv.accepted_wire_fingerprints, deadline_unix=st.deadline_unix)
-        if resv.HasField("destination"):
-            req.destination.CopyFrom(resv.destination)
-        if self.s.chunked_transfer is not None:
-            req.chunked_transfer = self.s.chunked_transfer
+                       reserved: asyncio.Future[tuple[Instance, decode_pb2.ReserveResponse]],
+                       events: asyncio.Queue[DispatchEvent], over: asyncio.Event, *, early: bool) -> None:
+        """Prefill until one answers. ``early``: the first call goes out before ``reserved`` is known and gets
+        it with AttachReservation; retries wait for it and carry it in the request."""
         tried: set[str] = set()
         last: RpcFailure | None = None
         try:
-            for _ in range(self.s.max_retries + 1):
+            for attempt in range(self.s.max_retries + 1):
                 prefill = pick(self.prefill_pool, self.s, hashes, tried, last)
                 try:
-                    with inflight(prefill), tracing.span("router.prefill", prefill=prefill.address):
-                        req.sent_unix = time.time()
-                        self._phase(st, "prefill_sent")
-                        resp = await prefill.prefill.Prefill(req, metadata=tracing.inject_metadata(),
-                                                             timeout=st.timeout_s())
+                    with inflight(prefill), tracing.span("router.prefill", prefill=prefill.address,
+                                                         early=early and attempt == 0):
+                        if early and attempt == 0:
+                            req = self._prefill_request(st, prompt, params, None)
+                            req.attach_id = uuid.uuid4().hex
+                            resp = await self._early_call(st, prefill, req, reserved)
+                        else:
+                            req = self._prefill_request(st, prompt, params, await asyncio.shield(reserved))
+                            req.sent_unix = time.time()
+                            self._phase(st, "prefill_sent")
+                            resp = await prefill.prefill.Prefill(req, metadata=tracing.inject_metadata(),
+                                                                 timeout=st.timeout_s())
                     self._phase(st, "prefill_response")
                     prefill.remember(hashes)
                     await events.put(PrefillDone(resp))
@@ -276,6 +303,47 @@ class Handoff:
         finally:
             over.set()
 
+    def _prefill_request(self, st: RequestState, prompt: list[int], params: SamplingParams,
+                         reserved: tuple[Instance, decode_pb2.ReserveResponse] | None) -> prefill_pb2.PrefillRequest:
+        """A PrefillRequest with the reservation's fields (None: none, an early Prefill)."""
+        req = prefill_pb2.PrefillRequest(request_id=st.request_id, token_ids=prompt, params=params_to_pb(params),
+                                         deadline_unix=st.deadline_unix)
+        if reserved is not None:
+            _set_reservation(req, *reserved)
+        if self.s.chunked_transfer is not None:
+            req.chunked_transfer = self.s.chunked_transfer
+        return req
+
+    async def _early_call(self, st: RequestState, prefill: Instance, req: prefill_pb2.PrefillRequest,
+                          reserved: asyncio.Future[tuple[Instance, decode_pb2.ReserveResponse]]
+                          ) -> prefill_pb2.PrefillResponse:
+        """An early Prefill and, once Reserve answered, its AttachReservation. A refused attach ends the call
+        (its error is raised unless the Prefill call had already failed with its own)."""
+        req.sent_unix = time.time()
+        self._phase(st, "prefill_sent")
+        call = prefill.prefill.Prefill(req, metadata=tracing.inject_metadata(), timeout=st.timeout_s())
+        answer = asyncio.ensure_future(call)
+        attach = asyncio.ensure_future(self._attach(st, prefill, req.attach_id, reserved))
+        try:
+            await asyncio.wait({answer, attach}, return_when=asyncio.FIRST_COMPLETED)
+            if not answer.done() and attach.exception() is not None:
+                raise attach.exception()  # type: ignore[misc]
+            return await answer
+        finally:
+            call.cancel()  # a no-op once it answered; else prefill frees everything it held for it
+            attach.cancel()
+            await asyncio.gather(answer, attach, return_exceptions=True)
+
+    async def _attach(self, st: RequestState, prefill: Instance, attach_id: str,
+                      reserved: asyncio.Future[tuple[Instance, decode_pb2.ReserveResponse]]) -> None:
+        decode, resv = await asyncio.shield(reserved)
+        msg = prefill_pb2.AttachReservationRequest(request_id=st.request_id, attach_id=attach_id)
+        _set_reservation(msg, decode, resv)
+        with tracing.span("router.attach", prefill=prefill.address, decode=decode.address):
+            await prefill.prefill.AttachReservation(msg, metadata=tracing.inject_metadata(),
+                                                    timeout=st.timeout_s(CONTROL_TIMEOUT_S))
+        self._phase(st, "attached")
+
     async def _renew(self, st: RequestState, decode: Instance, resv: decode_pb2.ReserveResponse,
                      prefill_over: asyncio.Event) -> None:
         """RenewLease every lease/3 until Prefill returns (its KV landed, or it failed for good)."""
@@ -293,6 +361,20 @@ class Handoff:
                             e.code().name, e.details())
             except BackendError:  # deadline passed: decode drops the reservation itself
                 return
+
+
+def _set_reservation(msg: prefill_pb2.PrefillRequest | prefill_pb2.AttachReservationRequest, decode: Instance,
+                     resv: decode_pb2.ReserveResponse) -> None:
+    """The reservation fields (same names in both messages) from decode's Reserve answer."""
+    msg.decode_address = decode.address
+    msg.reservation_id = resv.reservation_id
+    msg.num_skip_blocks = resv.num_cached_blocks
+    msg.expected_layout_fingerprint = resv.layout.fingerprint
+    msg.dest_block_ids.extend(resv.block_ids)
+    msg.reservation_token = resv.reservation_token
+    msg.accepted_wire_fingerprints.extend(resv.accepted_wire_fingerprints)
+    if resv.HasField("destination"):
+        msg.destination.CopyFrom(resv.destination)
 
 
 def top_of(p: common_pb2.TopLogprobs) -> TopLogprobs | None:

@@ -34,6 +34,7 @@ class DispatchSettings:
     lease_ms: int = _router_default("lease_ms")
     max_retries: int = _router_default("max_retries")
     chunked_transfer: bool | None = _router_default("chunked_transfer")
+    early_prefill: bool = _router_default("early_prefill")
     block_size: int = 16
     """Tokens per block of the routing hashes (the prefix index); a decode's own block size comes
     with its Reserve answer and is used for that request only."""
@@ -44,7 +45,7 @@ class DispatchSettings:
     def from_config(cls, cfg: RouterConfig) -> DispatchSettings:
         return cls(policy=cfg.policy, prefix_credit=cfg.prefix_credit, lease_ms=cfg.lease_ms,
                    max_retries=cfg.max_retries, chunked_transfer=cfg.chunked_transfer,
-                   timeout_s=cfg.request_timeout_s)
+                   early_prefill=cfg.early_prefill, timeout_s=cfg.request_timeout_s)
 
 
 @dataclass(eq=False)

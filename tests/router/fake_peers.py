@@ -131,9 +131,12 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.finish_abort_after: int | None = None
         """Set: the stream ends with FINISH_REASON_ABORT after this many tokens (a lease ran out)."""
         self.token_delay_s = 0.005
+        self.reserve_delay_s = 0.0
+        """Time Reserve takes before it answers (seconds)."""
 
     async def Reserve(self, request, context):
         self.reserves.append(request)
+        await asyncio.sleep(self.reserve_delay_s)
         await _refuse_if_full(context, "decode", self.full_retry_after_ms)
         r = Reservation(f"rsv-{next(self._ids)}", b"token-%d" % len(self.reserves), list(request.token_ids),
                         request.params.max_tokens)
@@ -212,10 +215,38 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         """Set: the server dies this long into a Prefill call (mid-transfer)."""
         self.full_retry_after_ms: int | None = None
         self.handoff_fails = False
+        self.attaches: dict[str, asyncio.Future[prefill_pb2.AttachReservationRequest]] = {}
+        """Reservations of early Prefill calls by attach_id (AttachReservation sets them, once)."""
+        self.early_cancelled = 0
+        """Early Prefill calls the router cancelled while they waited for their reservation."""
+
+    async def AttachReservation(self, request, context):
+        fut = self.attaches.setdefault(request.attach_id, asyncio.get_running_loop().create_future())
+        if fut.done():
+            await grpc_util.abort(context, grpc.StatusCode.FAILED_PRECONDITION, "attached already",
+                                  error_detail(Reason.ERROR_REASON_INVALID_INPUT, side="prefill", field="attach_id"))
+        fut.set_result(request)
+        return prefill_pb2.AttachReservationResponse()
 
     async def Prefill(self, request, context):
         self.requests.append(request)
         await _refuse_if_full(context, "prefill", self.full_retry_after_ms)
+        if request.attach_id:  # early: the reservation comes with AttachReservation (the request as it ends up)
+            fut = self.attaches.setdefault(request.attach_id, asyncio.get_running_loop().create_future())
+            try:
+                att = await fut
+            except asyncio.CancelledError:
+                self.early_cancelled += 1
+                raise
+            full = prefill_pb2.PrefillRequest()
+            full.CopyFrom(request)
+            for name in ("decode_address", "reservation_id", "reservation_token", "num_skip_blocks",
+                         "expected_layout_fingerprint"):
+                setattr(full, name, getattr(att, name))
+            full.dest_block_ids.extend(att.dest_block_ids)
+            full.accepted_wire_fingerprints.extend(att.accepted_wire_fingerprints)
+            full.destination.CopyFrom(att.destination)
+            self.requests[self.requests.index(request)] = request = full
         if self.die_after_s is not None:
             await asyncio.sleep(self.die_after_s)
             assert self.peer is not None

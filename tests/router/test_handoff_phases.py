@@ -28,7 +28,7 @@ async def test_each_handoff_point_is_observed_once_in_order(cluster_factory, rep
     c = await cluster_factory(1, 1)
     c.prefill(0).reply_delay_s = reply_delay_s
     t0 = time.time()
-    async with router(c, lease_ms=30_000) as r:
+    async with router(c, lease_ms=30_000, early_prefill=False) as r:  # early: tests/router/test_early_prefill.py
         events = await collect(r, 4)
         took = time.time() - t0
         count = {p: r.registry.get_sample_value(f"{PHASE}_count", {"phase": p}) for p in POINTS}
@@ -46,7 +46,7 @@ async def test_each_handoff_point_is_observed_once_in_order(cluster_factory, rep
 async def test_a_migration_observes_each_point_once_and_first_token_is_the_clients(cluster_factory) -> None:  # noqa: F811
     c = await cluster_factory(2, 1)
     c.decode(0).die_after_tokens = 3  # the second attempt (decode 1) reserves, prefills and streams again
-    async with router(c) as r:
+    async with router(c, early_prefill=False) as r:
         prefer(r.decode_pool, c.decode_addr(0))
         t0 = time.monotonic()
         await exact(r, 10)

@@ -227,7 +227,7 @@ async def test_reserve_overloaded_moves_to_the_next_decode(cluster_factory):
 async def test_all_decodes_overloaded_is_resource_exhausted_with_retry_after(cluster_factory):
     c = await cluster_factory(2, 1)
     c.decode(0).full_retry_after_ms = c.decode(1).full_retry_after_ms = 700
-    async with router(c) as r:
+    async with router(c, early_prefill=False) as r:  # early: tests/router/test_early_prefill.py
         err = await failure(r, 4)
     assert err.code == "resource_exhausted" and err.retry_after_s == pytest.approx(0.7)
     assert len(c.decode(0).reserves) == 1 and len(c.decode(1).reserves) == 1

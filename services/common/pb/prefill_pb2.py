@@ -26,7 +26,7 @@ from . import common_pb2 as pdserve_dot_v1_dot_common__pb2
 from . import decode_pb2 as pdserve_dot_v1_dot_decode__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\x1a\x17pdserve/v1/decode.proto\"\xd1\x03\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\x16\n\x0ereservation_id\x18\x05 \x01(\t\x12\x17\n\x0fnum_skip_blocks\x18\x06 \x01(\r\x12#\n\x1b\x65xpected_layout_fingerprint\x18\x07 \x01(\t\x12\x1d\n\x10\x63hunked_transfer\x18\x08 \x01(\x08H\x00\x88\x01\x01\x12\x16\n\x0e\x64\x65st_block_ids\x18\t \x03(\r\x12\x19\n\x11reservation_token\x18\x0b \x01(\x0c\x12.\n\x0b\x64\x65stination\x18\x0c \x01(\x0b\x32\x19.pdserve.v1.KVDestination\x12\"\n\x1a\x61\x63\x63\x65pted_wire_fingerprints\x18\r \x03(\t\x12\x15\n\rdeadline_unix\x18\x0e \x01(\x01\x12\x11\n\tsent_unix\x18\x0f \x01(\x01\x42\x13\n\x11_chunked_transferJ\x04\x08\n\x10\x0bR\x13\x64\x65st_transport_info\"\xf7\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x15\n\rfirst_logprob\x18\x02 \x01(\x02\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x12\n\nnum_chunks\x18\x05 \x01(\r\x12\x15\n\rkv_bytes_sent\x18\x06 \x01(\x04\x12\x0f\n\x07queue_s\x18\x07 \x01(\x01\x12\x11\n\tcompute_s\x18\x08 \x01(\x01\x12\x33\n\x12\x66irst_top_logprobs\x18\t \x01(\x0b\x32\x17.pdserve.v1.TopLogprobs2M\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\x1a\x17pdserve/v1/decode.proto\"\xe4\x03\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\x16\n\x0ereservation_id\x18\x05 \x01(\t\x12\x17\n\x0fnum_skip_blocks\x18\x06 \x01(\r\x12#\n\x1b\x65xpected_layout_fingerprint\x18\x07 \x01(\t\x12\x1d\n\x10\x63hunked_transfer\x18\x08 \x01(\x08H\x00\x88\x01\x01\x12\x16\n\x0e\x64\x65st_block_ids\x18\t \x03(\r\x12\x19\n\x11reservation_token\x18\x0b \x01(\x0c\x12.\n\x0b\x64\x65stination\x18\x0c \x01(\x0b\x32\x19.pdserve.v1.KVDestination\x12\"\n\x1a\x61\x63\x63\x65pted_wire_fingerprints\x18\r \x03(\t\x12\x15\n\rdeadline_unix\x18\x0e \x01(\x01\x12\x11\n\tsent_unix\x18\x0f \x01(\x01\x12\x11\n\tattach_id\x18\x10 \x01(\tB\x13\n\x11_chunked_transferJ\x04\x08\n\x10\x0bR\x13\x64\x65st_transport_info\"\xb6\x02\n\x18\x41ttachReservationRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tattach_id\x18\x02 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x03 \x01(\t\x12\x16\n\x0ereservation_id\x18\x04 \x01(\t\x12\x17\n\x0fnum_skip_blocks\x18\x05 \x01(\r\x12#\n\x1b\x65xpected_layout_fingerprint\x18\x06 \x01(\t\x12\x16\n\x0e\x64\x65st_block_ids\x18\x07 \x03(\r\x12\x19\n\x11reservation_token\x18\x08 \x01(\x0c\x12.\n\x0b\x64\x65stination\x18\t \x01(\x0b\x32\x19.pdserve.v1.KVDestination\x12\"\n\x1a\x61\x63\x63\x65pted_wire_fingerprints\x18\n \x03(\t\"\x1b\n\x19\x41ttachReservationResponse\"\xf7\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x15\n\rfirst_logprob\x18\x02 \x01(\x02\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x12\n\nnum_chunks\x18\x05 \x01(\r\x12\x15\n\rkv_bytes_sent\x18\x06 \x01(\x04\x12\x0f\n\x07queue_s\x18\x07 \x01(\x01\x12\x11\n\tcompute_s\x18\x08 \x01(\x01\x12\x33\n\x12\x66irst_top_logprobs\x18\t \x01(\x0b\x32\x17.pdserve.v1.TopLogprobs2\xaf\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12`\n\x11\x41ttachReservation\x12$.pdserve.v1.AttachReservationRequest\x1a%.pdserve.v1.AttachReservationResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,9 +34,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.prefill_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=91
-  _globals['_PREFILLREQUEST']._serialized_end=556
-  _globals['_PREFILLRESPONSE']._serialized_start=559
-  _globals['_PREFILLRESPONSE']._serialized_end=806
-  _globals['_PREFILL']._serialized_start=808
-  _globals['_PREFILL']._serialized_end=885
+  _globals['_PREFILLREQUEST']._serialized_end=575
+  _globals['_ATTACHRESERVATIONREQUEST']._serialized_start=578
+  _globals['_ATTACHRESERVATIONREQUEST']._serialized_end=888
+  _globals['_ATTACHRESERVATIONRESPONSE']._serialized_start=890
+  _globals['_ATTACHRESERVATIONRESPONSE']._serialized_end=917
+  _globals['_PREFILLRESPONSE']._serialized_start=920
+  _globals['_PREFILLRESPONSE']._serialized_end=1167
+  _globals['_PREFILL']._serialized_start=1170
+  _globals['_PREFILL']._serialized_end=1345
 # @@protoc_insertion_point(module_scope)

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "params", "decode_address", "reservation_id", "num_skip_blocks", "expected_layout_fingerprint", "chunked_transfer", "dest_block_ids", "reservation_token", "destination", "accepted_wire_fingerprints", "deadline_unix", "sent_unix")
+    __slots__ = ("request_id", "token_ids", "params", "decode_address", "reservation_id", "num_skip_blocks", "expected_layout_fingerprint", "chunked_transfer", "dest_block_ids", "reservation_token", "destination", "accepted_wire_fingerprints", "deadline_unix", "sent_unix", "attach_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class PrefillRequest(_message.Message):
     ACCEPTED_WIRE_FINGERPRINTS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
     SENT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
@@ -38,7 +39,36 @@ class PrefillRequest(_message.Message):
     accepted_wire_fingerprints: _containers.RepeatedScalarFieldContainer[str]
     deadline_unix: float
     sent_unix: float
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., reservation_id: _Optional[str] = ..., num_skip_blocks: _Optional[int] = ..., expected_layout_fingerprint: _Optional[str] = ..., chunked_transfer: _Optional[bool] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., reservation_token: _Optional[bytes] = ..., destination: _Optional[_Union[_decode_pb2.KVDestination, _Mapping]] = ..., accepted_wire_fingerprints: _Optional[_Iterable[str]] = ..., deadline_unix: _Optional[float] = ..., sent_unix: _Optional[float] = ...) -> None: ...
+    attach_id: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., reservation_id: _Optional[str] = ..., num_skip_blocks: _Optional[int] = ..., expected_layout_fingerprint: _Optional[str] = ..., chunked_transfer: _Optional[bool] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., reservation_token: _Optional[bytes] = ..., destination: _Optional[_Union[_decode_pb2.KVDestination, _Mapping]] = ..., accepted_wire_fingerprints: _Optional[_Iterable[str]] = ..., deadline_unix: _Optional[float] = ..., sent_unix: _Optional[float] = ..., attach_id: _Optional[str] = ...) -> None: ...
+
+class AttachReservationRequest(_message.Message):
+    __slots__ = ("request_id", "attach_id", "decode_address", "reservation_id", "num_skip_blocks", "expected_layout_fingerprint", "dest_block_ids", "reservation_token", "destination", "accepted_wire_fingerprints")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_SKIP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DEST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_WIRE_FINGERPRINTS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    attach_id: str
+    decode_address: str
+    reservation_id: str
+    num_skip_blocks: int
+    expected_layout_fingerprint: str
+    dest_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    reservation_token: bytes
+    destination: _decode_pb2.KVDestination
+    accepted_wire_fingerprints: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., attach_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., reservation_id: _Optional[str] = ..., num_skip_blocks: _Optional[int] = ..., expected_layout_fingerprint: _Optional[str] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., reservation_token: _Optional[bytes] = ..., destination: _Optional[_Union[_decode_pb2.KVDestination, _Mapping]] = ..., accepted_wire_fingerprints: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class AttachReservationResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "first_logprob", "num_prompt_tokens", "num_cached_tokens", "num_chunks", "kv_bytes_sent", "queue_s", "compute_s", "first_top_logprobs")

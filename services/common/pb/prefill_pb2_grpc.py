@@ -39,6 +39,11 @@ class PrefillStub:
                 request_serializer=pdserve_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.AttachReservation = channel.unary_unary(
+                '/pdserve.v1.Prefill/AttachReservation',
+                request_serializer=pdserve_dot_v1_dot_prefill__pb2.AttachReservationRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_prefill__pb2.AttachReservationResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -51,6 +56,13 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AttachReservation(self, request, context):
+        """Hand an early Prefill (attach_id set) its reservation; accepted once, from the router only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -58,6 +70,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=pdserve_dot_v1_dot_prefill__pb2.PrefillRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_prefill__pb2.PrefillResponse.SerializeToString,
+            ),
+            'AttachReservation': grpc.unary_unary_rpc_method_handler(
+                    servicer.AttachReservation,
+                    request_deserializer=pdserve_dot_v1_dot_prefill__pb2.AttachReservationRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_prefill__pb2.AttachReservationResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -87,6 +104,33 @@ class Prefill:
             '/pdserve.v1.Prefill/Prefill',
             pdserve_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
             pdserve_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttachReservation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Prefill/AttachReservation',
+            pdserve_dot_v1_dot_prefill__pb2.AttachReservationRequest.SerializeToString,
+            pdserve_dot_v1_dot_prefill__pb2.AttachReservationResponse.FromString,
             options,
             channel_credentials,
             insecure,
