@@ -94,6 +94,22 @@ class Round:
     tpot_s: float | None
     output_tok_s: float
     failed: int
+    first_gap_s: float | None = None
+    """Median gap between a request's first and second streamed token (P/D: the hand-off from prefill to decode)."""
+    later_gap_s: float | None = None
+    """Median of the gaps after that (the decode steps)."""
+
+
+def gap_split(results: list[RequestResult]) -> tuple[float | None, float | None]:
+    """(median first inter-token gap, median of the later gaps) over the requests that succeeded: TPOT averages
+    both, and under P/D the first is the hand-off from prefill to decode, not a decode step."""
+    firsts, later = [], []
+    for r in results:
+        gaps = r.itls() if r.ok else []
+        if gaps:
+            firsts.append(gaps[0])
+            later += gaps[1:]
+    return (statistics.median(firsts) if firsts else None, statistics.median(later) if later else None)
 
 
 @dataclass
@@ -238,9 +254,11 @@ def _served_round(srv: Server, res: SystemResult, got: Collected, spec: str, c: 
     got.tokens.append(sum((r.output_tokens if r.output_tokens is not None else len(r.event_times)) for r in ok))
     p = summarize(results, c, [wall], got.tokens[-1:])
     load = os.getloadavg()[0]
-    res.rounds.append(Round(c, i, load, p.ttft_s, p.tpot_s, p.output_tok_s, p.failed))
+    first, later = gap_split(results)
+    res.rounds.append(Round(c, i, load, p.ttft_s, p.tpot_s, p.output_tok_s, p.failed, first, later))
     errors = sorted({f"{r.error}: {r.detail[:80]}" for r in results if not r.ok})
-    print(f"  round {i} c={c} {srv.name:<10} TTFT {p.ttft_s:.3f} s, TPOT {(p.tpot_s or 0) * 1e3:.1f} ms, "
+    gaps = f" (gaps: first {first * 1e3:.1f} ms, later {later * 1e3:.1f} ms)" if first is not None and later else ""
+    print(f"  round {i} c={c} {srv.name:<10} TTFT {p.ttft_s:.3f} s, TPOT {(p.tpot_s or 0) * 1e3:.1f} ms{gaps}, "
           f"{p.output_tok_s:.1f} out tok/s, {p.failed} failed {errors[:2]}; 1-min load {load:.2f}", flush=True)
 
 
