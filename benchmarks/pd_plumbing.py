@@ -103,6 +103,8 @@ def timeline(ph: dict[str, float]) -> list[tuple[str, float | None]]:
         ("Reserve answered", g(R, "reserve")),
         ("Prefill call made", g(R, "prefill_sent")),
         ("Prefill arrives at prefill", arrive),
+        ("AttachReservation answered (early prefill)", g(R, "attached")),
+        ("reservation attached at prefill (early prefill)", plus(arrive, g(P, "attached"))),
         ("claim acknowledged (stream open)", plus(arrive, g(P, "claim"))),
         ("admitted to the engine", plus(arrive, g(P, "admitted"))),
         ("first chunk scheduled", scheduled),
@@ -131,14 +133,17 @@ def started(c: LocalCluster, timeout_s: float) -> Iterator[LocalCluster]:
         c.stop()
 
 
-def run_pd(args: argparse.Namespace, transport: str, prompts: Iterator[list[int]]) -> dict[str, float]:
+def run_pd(args: argparse.Namespace, transport: str, prompts: Iterator[list[int]], early: str = "on",
+           label: str = "") -> dict[str, float]:
+    """``early``: the router's --early-prefill (on / off)."""
     extra = [*args.service_args]
+    router = [] if early == "on" else ["--no-early-prefill"]
     c = LocalCluster(prefill=1, decode=1, kvstore=None, model=args.model, dtype=args.dtype, quiet=True,
-                     extra={"prefill": extra, "decode": extra}, kv_transport=transport)
+                     extra={"prefill": extra, "decode": extra, "router": router}, kv_transport=transport)
     with started(c, args.start_timeout):
         addrs = [c.router["metrics"], c.get("prefill-0").ready["metrics"], c.get("decode-0").ready["metrics"]]
         grpc_addr = c.router["grpc"]
-        return measure(args, grpc_addr, addrs, prompts, transport, PD_LAST)
+        return measure(args, grpc_addr, addrs, prompts, label or transport, PD_LAST)
 
 
 PD_LAST = (f"{R}[prefill_response]#n", f"{P}[respond]#n")
@@ -256,6 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-colocated", action="store_true", help="skip the colocated baseline")
     p.add_argument("--service-flags", default="", help="more flags for every engine service, space-separated "
                                                            "(e.g. \"--cpu-compile-decode 0\")")
+    p.add_argument("--early-prefill", default="on", help="comma-separated router --early-prefill settings to run "
+                                                         "per transport, e.g. off,on (columns 'grpc early-off')")
+    p.add_argument("--rounds", type=int, default=1, help="run every (transport, early) cluster this many times, "
+                                                         "alternating (columns get ' #k')")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     args.service_args = ["--device", args.device]
@@ -267,7 +276,13 @@ def main(argv: list[str] | None = None) -> int:
     print(cpu_line(), flush=True)
     prompts = prompt_stream(args.prompt_tokens)
     col = None if args.no_colocated else run_colocated(args, prompts)
-    results = {t: run_pd(args, t, prompts) for t in args.kv_transport.split(",")}
+    early = args.early_prefill.split(",")
+    results: dict[str, dict[str, float]] = {}
+    for k in range(args.rounds):
+        for t in args.kv_transport.split(","):
+            for e in early:
+                name = t + (f" early-{e}" if len(early) > 1 else "") + (f" #{k + 1}" if args.rounds > 1 else "")
+                results[name] = run_pd(args, t, prompts, e, name)
     print(f"\n{args.model} {args.dtype} on {args.device}, {args.prompt_tokens}-token prompts, median of "
           f"{args.requests} sequential requests; ms from arrival at the router\n")
     names = list(results)

@@ -183,7 +183,8 @@ SPECS: tuple[MetricSpec, ...] = (
        "Streams moved to another decode after theirs died mid-generation, by outcome (ok, failed)."),
     _s(ROUTER_HANDOFF_PHASE_SECONDS, "histogram", ["phase"], "router",
        "Time from a P/D request's arrival at the router to a point of its handoff (seconds): reserve (decode's "
-       "Reserve answered), prefill_sent (Prefill call made), prefill_response (PrefillResponse received), "
+       "Reserve answered), prefill_sent (Prefill call made), attached (an early Prefill's AttachReservation "
+       "answered), prefill_response (PrefillResponse received), "
        "decode_first (decode's first message received), first_token (first token handed to the client).",
        PHASE_BUCKETS),
     # prefill
@@ -226,7 +227,8 @@ SPECS: tuple[MetricSpec, ...] = (
        "(rank to rank, tensor parallelism; a page split over k decode ranks counts k)."),
     _s(PREFILL_HANDOFF_PHASE_SECONDS, "histogram", ["phase"], "prefill",
        "One phase of a P/D request at prefill (seconds): rpc_in (router sent -> Prefill arrived, Unix clocks), "
-       "claim (arrival -> decode acknowledged the claim), admitted (arrival -> in the engine), picked (last chunk "
+       "claim (arrival -> decode acknowledged the claim), admitted (arrival -> in the engine), attached (arrival -> "
+       "an early Prefill took its AttachReservation), picked (last chunk "
        "computed -> the sender task took it), last_sent (-> its last KV message handed to the sender), finish (-> decode's PushKV answer), "
        "respond (arrival -> PrefillResponse returned).", PHASE_BUCKETS),
     # decode

@@ -21,7 +21,7 @@ import grpc
 from services.common import tracing
 from services.common.grpc_util import Reason, abort, abort_if_draining, error_detail, payload_budget
 from services.common.metrics import PrefillMetrics
-from services.common.pb import common_pb2, prefill_pb2, prefill_pb2_grpc
+from services.common.pb import prefill_pb2, prefill_pb2_grpc
 from services.common.tls import peer_role
 from services.engine.async_engine import AsyncEngine, EngineDeadError
 from services.engine.convert import params_from_pb, top_to_pb
@@ -35,8 +35,9 @@ from services.prefill.attach import Attachments, Waiting
 from services.prefill.attach_rpc import EarlyAttach
 from services.prefill.config import PrefillConfig
 from services.prefill.direct_write import DirectWrites, InvalidDestinationError
-from services.prefill.kv_stream import ClaimTimeout, RequestKVStream, claim_message, pump
+from services.prefill.kv_stream import RequestKVStream, claim_message, pump
 from services.prefill.kvstore_prefix import KVStorePrefix
+from services.prefill.outcome import handoff_detail, refusal, stream_times
 from services.prefill.request_checks import deadline_monotonic, problem
 
 log = logging.getLogger(__name__)
@@ -344,17 +345,23 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
                        stream: RequestKVStream | None = None) -> None:
         """Abort the request in the engine (frees its blocks; a no-op when it never got there: an admit
         still queued runs first, so it cannot slip past) and the KV stream to decode. A side transport's
-        writes in flight land first: decode frees the blocks they target once the stream ends."""
+        writes in flight land first: decode frees the blocks they target once the stream ends. Runs to
+        its end in that order even when the request's task is cancelled again meanwhile."""
+        await asyncio.shield(self._cleanup_now(rid, sender, reason, writer, stream))
+
+    async def _cleanup_now(self, rid: str, sender: KVSender | None, reason: str, writer: PageWriter | None,
+                           stream: RequestKVStream | None) -> None:
         if stream is not None:  # no chunk computed from now on is written unless the claim was acknowledged
             stream.stop_waiting()
-        if writer is not None and stream is not None and stream.held_request is not None:
-            await asyncio.shield(asyncio.to_thread(writer.quiesce))  # a deferred write lands before its source is freed
-        try:  # frees blocks held for a deferred write too
-            await asyncio.shield(self.engine.abort(rid))
+        try:
+            if writer is not None:  # a write the engine thread was already asked for (a deferred one) has started
+                await self.engine.call(_started)
+                await asyncio.to_thread(writer.quiesce)  # ... and landed before its source blocks are freed
+            await self.engine.abort(rid)  # frees blocks held for a deferred write too
         except EngineDeadError:  # nothing left to free
             log.warning("engine is dead; %s was not aborted in it", rid)
-        if writer is not None:
-            await asyncio.shield(asyncio.to_thread(writer.quiesce))
+        if writer is not None:  # writes of chunks computed meanwhile (claim acknowledged) land before the stream ends
+            await asyncio.to_thread(writer.quiesce)
         if sender is not None:
             await sender.abort(reason)
 
@@ -391,26 +398,5 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
             await asyncio.sleep(0.05)
 
 
-def handoff_detail(e: TransferError) -> common_pb2.ErrorDetail:
-    """A claim decode did not answer in time is retryable with the same reservation (decode kept it, no page
-    was written): not KV_HANDOFF_FAILED, which the router ends the request on."""
-    if isinstance(e, ClaimTimeout):
-        return error_detail(Reason.ERROR_REASON_UNSPECIFIED, retryable=True, side="decode")
-    return error_detail(Reason.ERROR_REASON_KV_HANDOFF_FAILED, retryable=False, side="decode")
-
-
-def refusal(claim: asyncio.Future[None] | None) -> TransferError | None:
-    """Decode's refusal of a writer's claim, once the claim has ended with one."""
-    if claim is None or not claim.done() or claim.cancelled():
-        return None
-    e = claim.exception()
-    return e if isinstance(e, TransferError) else None
-
-
-def stream_times(stream: RequestKVStream) -> tuple[float, float]:
-    """(queue, compute) seconds of a finished request: arrival -> first chunk scheduled -> last computed."""
-    first = stream.first_scheduled or stream.arrival
-    queue_s = first - stream.arrival
-    compute_s = (stream.last_computed or time.monotonic()) - first
-    return max(0.0, queue_s), max(0.0, compute_s)
-
+def _started() -> None:
+    """Engine thread: nothing; returns once every command queued before it has run."""
