@@ -9,8 +9,9 @@ back while ``--baseline-runs`` batch-1 requests of 16 tokens run eagerly (the un
 runs while this process keeps decoding such requests: the time to ready, each variant's seconds in the
 child and here, check and start-up timing, when it was switched on, and the eager/compiled ms per step
 of those requests meanwhile are printed. While the child lives, every other request runs with the child
-(and its compiler runs) stopped (SIGSTOP), so its cost to serving is the ratio of neighbouring requests
-under the same box load. Then:
+held stopped (``DecodeCompiler.hold_child``; otherwise the compiler's gate runs it for CHILD_DUTY of the
+time while the engine serves), so its cost to serving is the ratio of neighbouring requests under the same
+box load. Then:
 
   * correctness, teacher-forced on the real model: a 200-token prompt prefilled eagerly, then 48 decode
     steps, each run eagerly AND compiled from the same KV state (the cache restored in between): max
@@ -135,13 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         on = 1 in cd.active
         child = compiler._child
         state = -1.0 if child is None or child.proc.poll() is not None else float(len(during) % 2)
-        if state == 1.0:
-            child.pause(True)  # type: ignore[union-attr]
+        compiler.hold_child = state == 1.0
         try:
             ms = bench.decode(one, 16) / 15 * 1e3
         finally:
-            if state == 1.0:
-                child.pause(False)  # type: ignore[union-attr]
+            compiler.hold_child = False
         during.append([time.monotonic() - t0, ms, float(on and 1 in cd.active), state])
     report = compiler.report
     r = Results(machine=_machine(), torch=torch.__version__, threads=torch.get_num_threads(),
@@ -170,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         run = [d[1] for d in during if d[2] == sel and d[3] == 0.0]
         stopped = [d[1] for d in during if d[2] == sel and d[3] == 1.0]
         if run and stopped:
-            print(f"  while the child lived, {label} steps: child running {statistics.median(run):.2f} ms/step "
+            print(f"  while the child lived, {label} steps: child gated {statistics.median(run):.2f} ms/step "
                   f"({len(run)} runs), child stopped {statistics.median(stopped):.2f} ({len(stopped)} runs): "
                   f"{statistics.median(run) / statistics.median(stopped):.3f}x", flush=True)
     if not all(v.same_argmax for v in report.variants if v.batch in batches) or report.status != "done":

@@ -13,13 +13,14 @@ import contextlib
 import json
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import fields
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from services.engine.compile_child import weight_plan
 from services.engine.config import EngineConfig
@@ -80,21 +81,32 @@ class CompileChild:
 
     def __init__(self, request: dict[str, Any]) -> None:
         self.proc = subprocess.Popen(CHILD_ARGV, cwd=_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, start_new_session=True)
-        stdin: IO[str] | None = self.proc.stdin
-        assert stdin is not None
+                                     start_new_session=True)
+        assert self.proc.stdin is not None
         with contextlib.suppress(BrokenPipeError):  # a child that died at start: its exit status tells
-            stdin.write(json.dumps(request))
-            stdin.close()
+            self.proc.stdin.write(json.dumps(request).encode())
+            self.proc.stdin.close()
 
-    def records(self) -> Iterator[dict[str, Any]]:
-        """Each variant's record as the child prints it; ends when the child exits or is killed."""
+    def records(self, tick: Callable[[], None], every_s: float) -> Iterator[dict[str, Any]]:
+        """Each variant's record as the child prints it, calling ``tick`` at least every ``every_s`` s while
+        it waits; ends when the child exits or is killed."""
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            with contextlib.suppress(json.JSONDecodeError):
-                rec = json.loads(line)
-                if isinstance(rec, dict):
-                    yield rec
+        fd, pending = self.proc.stdout.fileno(), b""
+        while True:
+            ready, _, _ = select.select([fd], [], [], every_s)
+            tick()
+            if not ready:
+                continue
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                with contextlib.suppress(ValueError):  # not JSON (or not UTF-8): not a record
+                    rec = json.loads(line)
+                    if isinstance(rec, dict):
+                        yield rec
 
     def _signal(self, sig: int) -> None:
         if self.proc.returncode is None:  # not reaped yet: the group id is still this child's

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
+from types import TracebackType
 
 _LOCK = threading.RLock()
 """Held by a model step or by a tracer's patch window (re-entrant: tracers nest)."""
@@ -22,6 +24,29 @@ _active = 0
 """Background compiles running in this process (changed under _COUNT_LOCK)."""
 _COUNT_LOCK = threading.Lock()
 _installed = False
+_steps = 0
+"""Model steps inside the fence now (engines of this process)."""
+_last_step_end = 0.0
+"""time.monotonic() a fenced model step last ended (0.0: none yet)."""
+
+
+class _Step:
+    """The fence around one model step: the lock, and the step's activity for ``serving_within``."""
+
+    def __enter__(self) -> None:
+        global _steps
+        _LOCK.acquire()
+        _steps += 1
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        global _steps, _last_step_end
+        _steps -= 1
+        _last_step_end = time.monotonic()
+        _LOCK.release()
+
+
+_STEP = _Step()
 
 
 def install() -> bool:
@@ -57,4 +82,10 @@ def compiling(delta: int) -> None:
 def fence() -> contextlib.AbstractContextManager[object]:
     """Around a CPU model step: the lock once a background compile was set up in this process (``install``;
     it stays True), else nothing."""
-    return _LOCK if _installed else contextlib.nullcontext()
+    return _STEP if _installed else contextlib.nullcontext()
+
+
+def serving_within(seconds: float) -> bool:
+    """A fenced model step runs now or ended less than ``seconds`` ago (the compile child's gate,
+    decode_compiler.py; read without the lock: a stale answer costs one tick)."""
+    return _steps > 0 or time.monotonic() - _last_step_end < seconds
