@@ -10,11 +10,13 @@ thread slept (GIL, OpenMP barrier, waiting for work).
 
     python -m benchmarks.cpu_serving_probe --url http://127.0.0.1:8000 --pid worker=W --pid router=R
     python -m benchmarks.cpu_serving_probe --in-process [--prompt-len 512] [--profile TOP]
+    python -m benchmarks.cpu_serving_probe --attention 32,128,576,2048
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -26,6 +28,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
+
     from benchmarks.engine_bench import EngineBench
     from services.engine.sampling_params import SamplingParams
 
@@ -193,6 +199,44 @@ def profile(bench: EngineBench, prompt_lens: list[int], tokens: int, top: int) -
         print(f"  {k:40s} {a[0]:7.3f} -> {b[0]:7.3f} ms/step  calls/step {a[1]} -> {b[1]}")
 
 
+def _attention_layer(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, ids: torch.Tensor, ctx: int,
+                     kv_heads: int, head_dim: int) -> torch.Tensor:
+    """What the CPU backend does per layer at batch 1: K and V gathered from paged blocks, then SDPA (GQA)."""
+    import torch.nn.functional as F
+
+    shape = (1, -1, kv_heads, head_dim)
+    k = kp.index_select(0, ids).view(shape)[:, :ctx].transpose(1, 2)
+    v = vp.index_select(0, ids).view(shape)[:, :ctx].transpose(1, 2)
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
+def attention_ops(contexts: list[int], heads: int = 9, kv_heads: int = 3, head_dim: int = 64, block: int = 16,
+                  threads: tuple[int, ...] = (2, 1), calls: int = 2000) -> None:
+    """One layer's batch-1 decode attention (the embedded model's shapes), bf16, timed alone at each thread
+    count (us per call)."""
+    import torch
+
+    def timed(fn: Callable[[], torch.Tensor]) -> float:
+        for _ in range(50):
+            fn()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - t0) / calls * 1e6
+
+    q = torch.randn(1, heads, 1, head_dim).to(torch.bfloat16)
+    for ctx in contexts:
+        nb = (ctx + block - 1) // block
+        kp = torch.randn(nb + 8, block * kv_heads * head_dim).to(torch.bfloat16)
+        layer = functools.partial(_attention_layer, q, kp, torch.randn_like(kp),
+                                  torch.arange(4, 4 + nb, dtype=torch.int64), ctx, kv_heads, head_dim)
+        row = []
+        for t in threads:
+            torch.set_num_threads(t)
+            row.append(f"{t} thread{'s' if t > 1 else ''} {timed(layer):.1f} us")
+        print(f"attention, {ctx} keys: " + ", ".join(row) + f"; load {os.getloadavg()[0]:.2f}")
+
+
 def _params(max_tokens: int) -> SamplingParams:
     from services.engine.sampling_params import SamplingParams
 
@@ -211,8 +255,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--attention", default="", metavar="CONTEXTS",
+                    help="time one layer's batch-1 decode attention alone at 2 and 1 threads, e.g. 32,128,576,2048")
     a = ap.parse_args(argv)
-    if a.in_process:
+    if a.attention:
+        from services.engine.cpu_features import QUIET_OPENMP_ENV
+
+        for k, v in QUIET_OPENMP_ENV.items():  # before torch loads OpenMP, as the engines get it
+            os.environ.setdefault(k, v)
+        attention_ops([int(c) for c in a.attention.split(",")])
+    elif a.in_process:
         in_process(a)
     elif a.url:
         served(a)
