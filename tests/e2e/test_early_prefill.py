@@ -28,7 +28,8 @@ FULL_MEMORY_S = 1.2
 @pytest.fixture(scope="module")
 def cluster():
     extra = {"prefill": SIZES, "decode": [*SIZES, "--max-pending", "1", "--overload-retry-after-ms", "500"],
-             "router": ["--policy", "round_robin"]}
+             # load polls far apart: the router learns that a decode is full from its Reserve answer
+             "router": ["--policy", "round_robin", "--health-interval-s", "60", "--dead-after-s", "600"]}
     with LocalCluster(prefill=1, decode=2, kvstore=None, dtype="float32", extra=extra, quiet=True,
                       kv_transport="grpc") as c:
         yield c
