@@ -2,18 +2,22 @@
 reservation with AttachReservation. Real prefill and decode servicers (tests/prefill/test_transports.py's
 pair): the tokens equal the engine's on every CPU transport whether the attach comes at once or after the
 prompt was computed, with decode prefix hits (num_skip_blocks); a bad, duplicate, unknown or foreign attach
-is refused with a clear status and changes nothing; no attach within --claim-wait-s and a cancelled call
+is refused with a clear status and changes nothing (under mTLS only the router may attach); no attach within --claim-wait-s and a cancelled call
 free every block; a claim decode refuses stops the request before its last chunk."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import grpc
 import pytest
 
-from services.common.grpc_util import Reason, detail_of
-from services.common.pb import decode_pb2, prefill_pb2
+from services.common.grpc_util import Reason, create_channel, detail_of
+from services.common.pb import decode_pb2, prefill_pb2, prefill_pb2_grpc
+from services.common.tls import TLSConfig, make_certs
+from services.prefill.config import PrefillConfig
+from tests.prefill.conftest import TOKEN, prefill_request
 from tests.prefill.test_claim_overlap import HANG_GUARD, _computed, _prompt_done, _want
 from tests.prefill.test_transports import (  # noqa: F401 (pair: the fixture)
     PROMPTS,
@@ -176,3 +180,29 @@ async def test_a_refused_claim_stops_the_request_before_its_last_chunk(pair) -> 
     assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "claim.dest_block_ids" in err.details()
     assert computed and not any(computed), computed  # stopped when refused, never computed to its last chunk
     await _assert_freed(p.prefill.engine)
+
+
+async def test_with_mtls_only_the_router_may_attach(make_prefill, tmp_path: Path) -> None:
+    certs = make_certs(tmp_path)
+
+    def tls(role: str) -> TLSConfig:
+        return TLSConfig(tls_cert=str(certs / f"{role}.pem"), tls_key=str(certs / f"{role}-key.pem"),
+                         tls_ca=str(certs / "ca.pem"))
+
+    server_tls = tls("prefill")
+    cfg = PrefillConfig(tls_cert=server_tls.tls_cert, tls_key=server_tls.tls_key, tls_ca=server_tls.tls_ca)
+    rig = await make_prefill(config=cfg, server_tls=server_tls)
+    async with create_channel(rig.address, tls=tls("router")) as rch, \
+            create_channel(rig.address, tls=tls("decode")) as dch:
+        router, other = prefill_pb2_grpc.PrefillStub(rch), prefill_pb2_grpc.PrefillStub(dch)
+        ids = PROMPTS[0]
+        call = router.Prefill(prefill_pb2.PrefillRequest(request_id="req", token_ids=ids, attach_id=ATTACH_ID,
+                                                         params=prefill_request(ids).params))
+        att = prefill_pb2.AttachReservationRequest(request_id="req", attach_id=ATTACH_ID, decode_address="decode-x",
+                                                   reservation_id="resv", reservation_token=TOKEN)
+        err = await _refused(other.AttachReservation(att))
+        assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert detail_of(err).reason == Reason.ERROR_REASON_PERMISSION
+        await router.AttachReservation(att)
+        resp = await call
+        assert resp.num_prompt_tokens == len(ids) and rig.receiver.chunks[-1].is_last
