@@ -8,6 +8,7 @@ free every block; a claim decode refuses stops the request before its last chunk
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 
 import grpc
@@ -184,16 +185,13 @@ async def test_a_refused_claim_stops_the_request_before_its_last_chunk(pair) -> 
 
 async def test_with_mtls_only_the_router_may_attach(make_prefill, tmp_path: Path) -> None:
     certs = make_certs(tmp_path)
-
-    def tls(role: str) -> TLSConfig:
-        return TLSConfig(tls_cert=str(certs / f"{role}.pem"), tls_key=str(certs / f"{role}-key.pem"),
-                         tls_ca=str(certs / "ca.pem"))
-
-    server_tls = tls("prefill")
-    cfg = PrefillConfig(tls_cert=server_tls.tls_cert, tls_key=server_tls.tls_key, tls_ca=server_tls.tls_ca)
-    rig = await make_prefill(config=cfg, server_tls=server_tls)
-    async with create_channel(rig.address, tls=tls("router")) as rch, \
-            create_channel(rig.address, tls=tls("decode")) as dch:
+    tls = {role: TLSConfig(**{k: str(certs / f) for k, f in
+                              (("tls_cert", f"{role}.pem"), ("tls_key", f"{role}-key.pem"), ("tls_ca", "ca.pem"))})
+           for role in ("prefill", "router", "decode")}
+    cfg = PrefillConfig(**dataclasses.asdict(tls["prefill"]))
+    rig = await make_prefill(config=cfg, server_tls=tls["prefill"])
+    async with create_channel(rig.address, tls=tls["router"]) as rch, \
+            create_channel(rig.address, tls=tls["decode"]) as dch:
         router, other = prefill_pb2_grpc.PrefillStub(rch), prefill_pb2_grpc.PrefillStub(dch)
         ids = PROMPTS[0]
         call = router.Prefill(prefill_pb2.PrefillRequest(request_id="req", token_ids=ids, attach_id=ATTACH_ID,
