@@ -111,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="the compile cache directory (default: the engine's, ~/.cache/pdserve/torch-compile); an "
                         "empty one measures a first start")
+    p.add_argument("--gap-s", type=float, default=0.0,
+                   help="idle seconds between the batch-1 requests served during the compile (0: back to back)")
     p.add_argument("--baseline-runs", type=int, default=8,
                    help="batch-1 requests decoded eagerly before the background compile may start")
     p.add_argument("--json", type=Path, default=None)
@@ -142,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             compiler.hold_child = False
         during.append([time.monotonic() - t0, ms, float(on and 1 in cd.active), state])
+        time.sleep(args.gap_s)
     report = compiler.report
     r = Results(machine=_machine(), torch=torch.__version__, threads=torch.get_num_threads(),
                 dtype=cfg.resolved_dtype, weight_format=cfg.resolved_weight_format,

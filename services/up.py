@@ -40,7 +40,7 @@ from services.common.config import (
 from services.common.config_file import ConfigFile, add_config_arg, config_file
 from services.common.lease import LeaseConfig
 from services.common.logging import LoggingConfig
-from services.engine.model_settings import DtypeConfig, ModelConfig
+from services.engine.model_settings import CompileDecodeConfig, DtypeConfig, ModelConfig
 from services.kvstore.config import BACKENDS
 from services.launcher import LocalCluster, RestartPolicy, StartCancelled, dial_host, served_model
 from services.prefill.config import PrefillConfig
@@ -86,6 +86,8 @@ class UpConfig:
     kv_transport: str = reuse(PrefillConfig, "kv_transport", default="auto", group=_CLUSTER)
     """Every prefill's --kv-transport; decodes offer what it needs (services.launcher.kv_transport_args). auto:
     decode shares its pool, prefill writes into it (shm on CPU, cuda-ipc on GPU)."""
+    cpu_compile_decode: int = reuse(CompileDecodeConfig, "cpu_compile_decode", default=2, group=_CLUSTER)
+    """Given to every decode and colocated engine (prefills: 0, they never run a decode step)."""
     demo: bool = opt(False, "Send one chat request once the cluster is up.", env=_env("demo"), group=_CLUSTER)
     served_model_name: str = reuse(RouterConfig, "served_model_name", group=_SERVING)
     max_model_len: int = reuse(ContextConfig, "max_model_len", group=_SERVING)
@@ -216,6 +218,13 @@ def _forwarded(ns: argparse.Namespace, cfg: UpConfig, config_path: str | None) -
     return out
 
 
+def _add_compile_flags(extra: dict[str, list[str]], cfg: UpConfig) -> None:
+    """A prefill engine never runs a pure-decode step: no compile there (PDSERVE_CPU_COMPILE_DECODE reaches
+    every child's environment: the flags win). Decode and colocated engines (module decode) get up's value."""
+    extra.setdefault("prefill", []).extend(["--cpu-compile-decode", "0"])
+    extra.setdefault("decode", []).extend(["--cpu-compile-decode", str(cfg.cpu_compile_decode)])
+
+
 def check_file(file: ConfigFile) -> None:
     """Every key of a config file names a setting of some service (top level) or of its section's service;
     ConfigError naming the first that does not. Imports the engine's settings (and torch) to know them."""
@@ -312,9 +321,7 @@ def main(argv: list[str]) -> int:
         print(f"pdserve up: {e}", file=sys.stderr)
         return 2
     extra = _forwarded(ns, cfg, ns.config)
-    # A prefill engine never runs a pure-decode step: no start-up compile there (PDSERVE_CPU_COMPILE_DECODE
-    # set for the decodes reaches every child's environment).
-    extra.setdefault("prefill", []).extend(["--cpu-compile-decode", "0"])
+    _add_compile_flags(extra, cfg)
     tls_dir: Path | None = Path(cfg.tls_dir) if cfg.tls_dir else None
     tmp: str | None = None
     if cfg.tls:

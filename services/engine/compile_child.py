@@ -34,11 +34,9 @@ from typing import Any
 
 NICE = 19
 """Niceness of the child and of the C++ compiler processes it starts."""
-IDLE_POLICY = True
-"""Run the child (and its compilers) under SCHED_IDLE where the OS has it: it then gets a core only when no
-other task wants it, and a serving thread that wakes preempts it at once (at nice 19 alone the measured
-batch-1 decode step ran 1.38-1.47x slower while it compiled: each of the step's OpenMP regions waited for a
-thread that woke up behind the compiler)."""
+# Not SCHED_IDLE: measured, a batch-1 decode step ran as much slower beside it (1.49x vs 1.38x at nice 19:
+# the child's compiler competes for the cores' caches and memory, not for the scheduler), and under the
+# serving gate (decode_compiler.CHILD_DUTY) it got almost no CPU in its run windows.
 LOCK_NAME = "compile.lock"
 """flock'd file in the cache directory: one compile child at a time per directory."""
 
@@ -118,9 +116,6 @@ def run(request: dict[str, Any]) -> int:
 def main() -> int:
     with contextlib.suppress(OSError):
         os.nice(NICE)  # inherited by the C++ compiler processes inductor starts
-    if IDLE_POLICY and hasattr(os, "SCHED_IDLE"):
-        with contextlib.suppress(OSError):
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # inherited likewise
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s compile-child %(levelname)s %(name)s: %(message)s")
     return run(json.loads(sys.stdin.read()))

@@ -19,7 +19,7 @@ from services.engine.cpu_features import (
     resolve_dtype,
     torch_cpu_capability,
 )
-from services.engine.model_settings import DTYPE_CHOICES, DtypeConfig, ModelConfig
+from services.engine.model_settings import DTYPE_CHOICES, CompileDecodeConfig, DtypeConfig, ModelConfig
 from services.engine.models.quant_linear import WEIGHT_FORMATS
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ class EngineConfigError(ValueError):
 
 
 @dataclass
-class EngineConfig(ContextConfig, ModelConfig, DtypeConfig):
+class EngineConfig(ContextConfig, ModelConfig, DtypeConfig, CompileDecodeConfig):
     device: str = opt("cpu", "Torch device (cpu, cuda, cuda:N).")
     cpu_threads: int = opt(0, "Torch intra-op threads of this engine process; 0: one per CPU the process may "
                               "run on (its affinity mask). pdserve up gives each engine its share of the host.")
@@ -76,14 +76,6 @@ class EngineConfig(ContextConfig, ModelConfig, DtypeConfig):
                                      "Q4_1 blocks packed for torch's int4 GEMM, dequantized reads the dense weights; "
                                      "prefill-sized steps always use the dense ones. auto: int4 where it measures "
                                      "faster at start.", choices=WEIGHT_FORMATS)
-    cpu_compile_decode: int = opt(0, "CPU: run pure-decode steps of 1..N sequences through one torch.compile'd "
-                                     "forward (inductor; needs a C++ compiler). The engine serves eager steps "
-                                     "from the start; a background thread compiles each batch size (1-10 min each "
-                                     "on 2 busy cores the first time, serving ~3x slower meanwhile; seconds from "
-                                     "inductor's disk cache), checks it against the eager step and switches it on "
-                                     "if it measured faster (2: sizes 1-2, measured 1.28x / 1.10x). 0: eager steps "
-                                     "only (default: a cold compile costs more than it pays back on a fresh small "
-                                     "host).")
     cpu_compile_cache_dir: str = opt("", "CPU, --cpu-compile-decode: the on-disk compile cache (inductor's) a "
                                          "low-priority child process fills with the decode-step variants before "
                                          "the engine builds them from it in seconds. Empty: "

@@ -1,0 +1,27 @@
+"""pdserve up's --cpu-compile-decode (services/up.py): decode and colocated engines get its value (default 2:
+batch sizes 1-2 compiled in the background), prefills 0; a bare engine's default stays 0 (eager)."""
+
+from __future__ import annotations
+
+from services.common.config import parse_config
+from services.up import UpConfig, _add_compile_flags
+
+
+def _flags(argv: list[str]) -> dict[str, list[str]]:
+    extra: dict[str, list[str]] = {"decode": ["--lease-ms", "5"]}
+    _add_compile_flags(extra, parse_config(UpConfig, argv))
+    return extra
+
+
+def test_up_compiles_decode_steps_of_its_decode_engines_by_default() -> None:
+    extra = _flags([])
+    assert extra["decode"] == ["--lease-ms", "5", "--cpu-compile-decode", "2"]
+    assert extra["prefill"] == ["--cpu-compile-decode", "0"]
+
+
+def test_up_passes_an_explicit_value_on_and_a_bare_engine_stays_eager() -> None:
+    assert _flags(["--cpu-compile-decode", "0"])["decode"][-2:] == ["--cpu-compile-decode", "0"]
+    assert _flags(["--cpu-compile-decode", "1"])["prefill"] == ["--cpu-compile-decode", "0"]
+    from services.engine.config import EngineConfig
+
+    assert EngineConfig().cpu_compile_decode == 0
