@@ -149,9 +149,12 @@ class RequestKVStream:
 
     def attach(self, writer: PageWriter | None, export: Callable[[list[int]], PageExport], num_skip_blocks: int
                ) -> None:
-        """Engine thread (ordered with ``on_chunk``): an early request's reservation arrived. Pages computed
-        before it stay deferred until its claim is acknowledged; the first write after that starts at
-        ``num_skip_blocks`` at the earliest (a deferred last item is trimmed by the sender)."""
+        """Event loop, before the claim is sent: an early request's reservation arrived. Safe while the engine
+        thread runs ``on_chunk`` (no hop: a step computing the prompt may last the whole prefill): until the
+        claim is acknowledged (``claim_ok``, set after this) on_chunk reads neither writer nor export and
+        moves next_block only past the last chunk, and the sender trims a deferred last item to
+        ``num_skip_blocks``; the first write after the acknowledgement starts at ``num_skip_blocks`` at the
+        earliest."""
         self.writer = writer
         self.export = export
         self.num_skip_blocks = num_skip_blocks

@@ -231,7 +231,7 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
                     transport = writer.transport if writer is not None else self.transport.name
                     sender = self.transport.open(request.decode_address, rid,
                                                  metadata=tuple(tracing.inject_metadata()))
-                    await self.engine.call(stream.attach, writer, export, request.num_skip_blocks)
+                    stream.attach(writer, export, request.num_skip_blocks)  # no engine hop: the step may be long
                     claim = await self._claim(request, stream, sender, writer)
                 last, page_bytes = await pump(stream, sender, request.request_id, request.reservation_id,
                                               request.reservation_token, wire,
