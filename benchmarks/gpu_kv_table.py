@@ -20,6 +20,10 @@ rule acts only on chunked-on rows).
 
     python benchmarks/gpu_kv_table.py --model random:llama-3-8b --prompts 2000,8000 --transports mooncake \
         --kv-wire-codec native,fp8-e4m3 --kv-mooncake-engines 8
+
+``--kv-export-layer-group`` is the prefills' layers per export group of a streamed prompt's last chunk
+(services/engine/layer_groups.py; 0: the chunk leaves once computed), a comma-separated list runs every
+transport, codec and tail once per value (before/after rows in one run).
 """
 
 from __future__ import annotations
@@ -140,10 +144,11 @@ def colocated(args: argparse.Namespace, prompts: Prompts, dev: list[str]) -> dic
 
 
 def disaggregated(args: argparse.Namespace, prompts: Prompts, dev: list[str], transport: str, codec: str,
-                  want: dict[int, list[int]], tail: int = 0) -> dict[tuple[str, int], dict[str, float]]:
+                  want: dict[int, list[int]], tail: int = 0, group: int = 0) -> dict[tuple[str, int], dict[str, float]]:
     rows: dict[tuple[str, int], dict[str, float]] = {}
     engines = ["--kv-mooncake-engines", str(args.kv_mooncake_engines)]
-    prefill = [*dev, *engines, "--kv-wire-codec", codec, "--prefill-tail-tokens", str(tail)]
+    prefill = [*dev, *engines, "--kv-wire-codec", codec, "--prefill-tail-tokens", str(tail),
+               "--kv-export-layer-group", str(group)]
     with LocalCluster(prefill=1, decode=1, kvstore=None, model=args.model, dtype=args.dtype, quiet=True,
                       extra={"prefill": prefill, "decode": [*dev, *engines]},
                       kv_transport=transport) as c:
@@ -174,7 +179,7 @@ def disaggregated(args: argparse.Namespace, prompts: Prompts, dev: list[str], tr
                 got = asyncio.run(_generate(addr, check_prompt(n), CHECK_TOKENS))[0]
                 r["tokens_equal"] = sum(a == b for a, b in zip(got, want[n], strict=False))
                 rows[(chunked, n)] = r
-                print(f"{transport} {codec} tail {tail}, chunked transfer {chunked}, {n} tokens: TTFT {r['ttft'] * 1000:.1f} ms, compute "
+                print(f"{transport} {codec} tail {tail} groups {group}, chunked transfer {chunked}, {n} tokens: TTFT {r['ttft'] * 1000:.1f} ms, compute "
                       f"{r['compute'] * 1000:.1f}, exposed {r['exposed'] * 1000:.1f}, KV via {r['via']} "
                       f"{r['kv_mb']:.3f} MB/req "
                       f"({r['fallbacks']:.0f} fallbacks), tokens equal to in-process {r['tokens_equal']}/"
@@ -198,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-mooncake-engines", type=int, default=4, help="transfer engines per side (mooncake)")
     p.add_argument("--prefill-tail-tokens", default="256",
                    help="the prefills' --prefill-tail-tokens, comma-separated (0,256: without and with the tail rule)")
+    p.add_argument("--kv-export-layer-group", default="4",
+                   help="the prefills' --kv-export-layer-group, comma-separated (0,4: without and with layer groups)")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     args.prompt_lens = [int(x) for x in args.prompts.split(",")]
@@ -211,12 +218,13 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         p.error(f"--kv-wire-codec: unknown {bad} (native, fp8-e4m3)")
     tails = [int(x) for x in args.prefill_tail_tokens.split(",")]
-    pd = {f"{t} {codec} tail {tail}": disaggregated(args, prompts, dev, t, codec, want, tail)
-          for tail in tails for codec in codecs for t in args.transports.split(",")}
+    groups = [int(x) for x in args.kv_export_layer_group.split(",")]
+    pd = {f"{t} {codec} tail {tail} groups {g}": disaggregated(args, prompts, dev, t, codec, want, tail, g)
+          for g in groups for tail in tails for codec in codecs for t in args.transports.split(",")}
     print(f"\n{args.model} {args.dtype} on {args.device}, prefill chunk {args.chunk}, KV wire codec "
           f"{args.kv_wire_codec}, mooncake engines {args.kv_mooncake_engines}, prefill tail tokens "
-          f"{args.prefill_tail_tokens}, median of {args.repeats}\n")
-    print("| transport codec tail | KV via | KV MB/req | chunked | prompt | TTFT ms | x colocated | prefill compute ms | "
+          f"{args.prefill_tail_tokens}, layer groups {args.kv_export_layer_group}, median of {args.repeats}\n")
+    print("| transport codec tail groups | KV via | KV MB/req | chunked | prompt | TTFT ms | x colocated | prefill compute ms | "
           f"x in-process | exposed ms | exposed / compute | plumbing ms | tokens = in-process (of {CHECK_TOKENS}) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for n in args.prompt_lens:

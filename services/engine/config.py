@@ -57,6 +57,13 @@ class EngineConfig(ContextConfig, ModelConfig, DtypeConfig, CompileDecodeConfig)
                                         "what remains down to this many tokens, so the KV still to send when "
                                         "compute ends is small (services/engine/prefill_tail.py). Decode and "
                                         "colocated engines never split. 0: off.")
+    kv_export_layer_group: int = opt(4, "GPU prefill: a streamed prompt's last chunk leaves decode-bound layer group "
+                                        "by layer group while it computes (mooncake through host staging, native "
+                                        "codec): after every this many layers the group's pages are gathered, copied "
+                                        "to the staging ring and sent (services/engine/layer_groups.py). 0: off (the "
+                                        "chunk leaves once computed).")
+    kv_export_layer_group_cpu: bool = opt(False, "Also use --kv-export-layer-group on CPU (tests: the CPU forward is "
+                                                 "synchronous, so only the network start moves earlier).")
     enable_prefix_caching: bool = opt(True, "Reuse KV pages of identical prompt prefixes.")
     attention_backend: str = opt("auto", "auto (Triton on CUDA, torch on CPU) or torch.", choices=("auto", "torch"))
     kv_cache_shared: bool = opt(False, "Share the KV pool with prefills on this host so they write pages straight "
@@ -135,6 +142,9 @@ class EngineConfig(ContextConfig, ModelConfig, DtypeConfig, CompileDecodeConfig)
         if self.prefill_tail_tokens < 0:
             raise EngineConfigError("--prefill-tail-tokens / PDSERVE_PREFILL_TAIL_TOKENS: must be >= 0, "
                                     f"got {self.prefill_tail_tokens}")
+        if self.kv_export_layer_group < 0:
+            raise EngineConfigError("--kv-export-layer-group / PDSERVE_KV_EXPORT_LAYER_GROUP: must be >= 0, "
+                                    f"got {self.kv_export_layer_group}")
         if self.max_model_len < 0:
             raise EngineConfigError(f"max_model_len: must be >= 0, got {self.max_model_len}")
 

@@ -17,6 +17,7 @@ from services.engine.block_manager import BlockManager, NoFreeBlocksError
 from services.engine.config import EngineConfig
 from services.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from services.engine.kv_layout import FP8_CODEC, PageLayout
+from services.engine.layer_groups import LayerListener, plan
 from services.engine.model_loader import LoadedModel, load_model
 from services.engine.model_runner import ModelRunner
 from services.engine.models.cpu_fast import install as install_cpu_fast_paths
@@ -111,8 +112,14 @@ class LLMEngine:
         self._held: dict[str, int] = {}
         """request_id -> seq_id of sequences marked by ``hold_blocks`` (blocks kept past the end)."""
         self.chunk_listeners: list[ChunkListener] = []
+        self.layer_listeners: list[LayerListener] = []
+        """Asked before each step's model call which chunks' pages leave layer group by layer group (layer_groups)."""
         self.last_step_start = 0.0
         """monotonic time the current/last step's model call began (chunk listeners read it)."""
+        self.layer_group = config.kv_export_layer_group if (
+            self.runner.device.type == "cuda" or config.kv_export_layer_group_cpu) and self.ranks is None and \
+            self.runner.spec is None else 0
+        """Layers per export group of a layer listener's chunk (0: no layer listener is asked)."""
         self.vocab_size = self.loaded.arch.vocab_size
         arch = self.loaded.arch
         self.layout = PageLayout.for_model(self.loaded.model_id, arch.num_layers, arch.num_kv_heads, arch.head_dim,
@@ -256,7 +263,8 @@ class LLMEngine:
         if not out.chunks:
             return []
         self.last_step_start = time.monotonic()
-        sampled = self.runner.execute(out)
+        groups = plan(self.layer_listeners, out.chunks, self.runner.num_layers, self.layer_group)
+        sampled = self.runner.execute(out) if groups is None else self.runner.execute(out, groups)
         if self.chunk_listeners:
             for ch in out.chunks:
                 s = sampled.get(ch.seq.seq_id) if ch.sample else None
@@ -342,4 +350,3 @@ class LLMEngine:
             for o in self.step():
                 results[o.request_id].extend(o.new_token_ids)
         return [results[r] for r in ids]
-

@@ -96,19 +96,29 @@ class KVPages:
     def dtype(self) -> torch.dtype:
         return torch.uint8 if self.has_draft else self._runner.dtype
 
-    def export(self, block_ids: list[int], codec: str | None = None, out: torch.Tensor | None = None) -> PageExport:
+    @property
+    def exports_layers(self) -> bool:
+        """``export`` may take a layer range (native pages of an unsharded pool without a draft region)."""
+        return not self.sharded and not self.has_draft
+
+    def export(self, block_ids: list[int], codec: str | None = None, out: torch.Tensor | None = None,
+               layers: tuple[int, int] | None = None) -> PageExport:
         """Engine thread: start copying the pages of ``block_ids`` to the host (see the module docstring);
         into ``out`` when given (host memory of the pages' shape, pinned on GPU: a transport's registered
-        staging buffer)."""
+        staging buffer). ``layers`` (a, b): only those layers of each page, [P, b - a, 2, bs, kvh, hd] (native
+        codec, ``exports_layers``), e.g. inside a layer sink once the forward queued them (layer_groups.py): the
+        gather waits on the compute stream for what it queued so far."""
         from kernels import pack_pages, pack_pages_fp8
 
+        if layers is not None:
+            assert codec != FP8_CODEC and self.exports_layers, "a layer range is exported in the native codec only"
         if self.sharded:  # every rank's heads, gathered by rank 0 (one collective, synchronous)
             return PageExport(self._runner.read_pages(block_ids, codec))
         if self.has_draft:  # both regions packed synchronously (no side stream on this path)
             pages = self._runner.read_pages(block_ids, codec)
             return PageExport(pages if out is None else out.copy_(pages))
         pack = pack_pages_fp8 if codec == FP8_CODEC else pack_pages
-        cache = self._runner.kv_cache
+        cache = self._runner.kv_cache if layers is None else self._runner.kv_cache[layers[0]:layers[1]]  # contiguous
         if not cache.is_cuda:
             pages = pack(cache, torch.tensor(block_ids, dtype=torch.int64))
             return PageExport(pages if out is None else out.copy_(pages))

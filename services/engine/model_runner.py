@@ -19,6 +19,7 @@ from services.engine import trace_fence
 from services.engine.attention import AttentionMetadata, ForwardContext, TorchPagedAttention
 from services.engine.config import EngineConfig
 from services.engine.kv_layout import FP8_CODEC
+from services.engine.layer_groups import LayerGroups
 from services.engine.model_loader import LoadedModel
 from services.engine.sampler import Sampled, Sampler, SamplingRow
 from services.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -117,9 +118,13 @@ class ModelRunner:
         return prepare_rows(rows, self.block_size, self.device)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[int, Sampled]:
+    def execute(self, out: SchedulerOutput, groups: LayerGroups | None = None) -> dict[int, Sampled]:
+        """``groups``: sinks the forward hands each computed layer group to (layer_groups.py; eager steps)."""
         if not out.chunks:
             return {}
+        if groups is not None:
+            with groups.hooked(self.model):
+                return self.execute(out)
         if self.spec is not None:  # draft mirror + speculation (its own CUDA graphs on GPU)
             with device_scope(self.device):
                 return self.spec.execute(self, out)  # type: ignore[return-value]

@@ -32,6 +32,7 @@ from services.engine.kv_transport import KVSender, TransferError
 from services.engine.kv_transport.base import PageWriter
 from services.engine.sampling_params import Sampled, TopLogprobs
 from services.engine.scheduler import ScheduledChunk
+from services.prefill.layer_export import armed, watch
 
 CRC_IN_THREAD_BYTES = 1 << 18
 """Payloads at least this large are checksummed in a worker thread (zlib releases the GIL)."""
@@ -134,6 +135,7 @@ class RequestKVStream:
         raises decode's TransferError when it refused; the refusal also fails the stream at once, so the
         request stops computing and frees its blocks without waiting for its last chunk."""
         self.claim_ok = False
+        watch(self, sender)  # its last chunk may leave layer group by layer group (layer_export.py)
 
         async def run() -> None:
             try:
@@ -199,7 +201,7 @@ class RequestKVStream:
                 self.held_request = seq.request_id
                 item.deferred = list(seq.block_table[first:limit])
             elif n and self.writer is not None:
-                item.write = self.writer.write(first, seq.block_table[first:limit])
+                item.write = armed(self, ch, first, limit) or self.writer.write(first, seq.block_table[first:limit])
             elif n:
                 item.pages = self.export(seq.block_table[first:limit])
             if last and self.writer is not None and not deferred:

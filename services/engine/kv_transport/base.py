@@ -77,6 +77,8 @@ class KVSender(abc.ABC):
         self.state = KVPoll.BOOTSTRAPPING
         self.bytes_sent = 0
         self.chunks_sent = 0
+        self.request_id = ""
+        """The engine request id the stream was opened for (``KVTransport.open``)."""
 
     def poll(self) -> KVPoll:
         return self.state

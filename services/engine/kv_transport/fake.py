@@ -107,7 +107,9 @@ class FakeTransport(KVTransport):
     def open(self, decode_address: str, request_id: str, metadata: tuple[tuple[str, str], ...] = ()) -> KVSender:
         if decode_address not in self.receivers:
             raise TransferError(f"no fake receiver registered at {decode_address!r}", grpc.StatusCode.UNAVAILABLE)
-        return _FakeSender(self.receivers[decode_address], self.faults)
+        sender = _FakeSender(self.receivers[decode_address], self.faults)
+        sender.request_id = request_id
+        return sender
 
     async def close(self) -> None:
         self.receivers.clear()

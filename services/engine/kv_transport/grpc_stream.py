@@ -207,6 +207,7 @@ class GrpcStreamTransport(KVTransport):
     def open(self, decode_address: str, request_id: str, metadata: tuple[tuple[str, str], ...] = ()) -> KVSender:
         peer = self._peer(decode_address)
         sender = _GrpcSender(self._channel(peer, decode_address), (*self._metadata, *metadata))
+        sender.request_id = request_id
         peer.streams += 1
         sender.on_call_done(lambda: self._stream_ended(peer))
         return sender

@@ -45,6 +45,7 @@ from services.engine.kv_layout import FP8_CODEC, PageLayout
 from services.engine.kv_pages import PageExport
 from services.engine.kv_transport.base import KVSender, PageWriter, TransferError
 from services.engine.kv_transport.mooncake import MooncakeEngine, segments_of, settle
+from services.engine.kv_transport.mooncake_groups import GroupWrite
 from services.engine.shared_kv import SharedKVAttachError, _dtype_name, _runs, pool_id
 
 ALIGN = 4096
@@ -152,6 +153,8 @@ class _Staged:
     dsts: list[int]
     lens: list[int]
     state: _State = _State.STAGED
+    group: GroupWrite | None = None
+    """Set for a write sent layer group by layer group while its chunk computes (``start_groups``)."""
 
     def exported(self) -> None:
         """Block until every piece is in the span."""
@@ -237,10 +240,40 @@ class StagedWriter(PageWriter):
             self._writes.append(w)
         return w
 
+    def start_groups(self, first_block: int, src_blocks: list[int]) -> GroupWrite | None:
+        """Engine thread, before the forward that computes these pages (a request's last chunk): stage and send
+        them layer group by layer group as the forward hands the groups over (mooncake_groups.py); the returned
+        sink's ``handle`` goes where ``write``'s would. None (nothing taken) when this request carries a wire
+        codec: an fp8-e4m3 page is all layers' values then all layers' scales, so a layer group of it is not one
+        range of decode's landing slot; such pages go whole through ``write`` once the chunk is computed."""
+        n = len(src_blocks)
+        if self.wire_codec or not n:
+            return None
+        self._check_write(first_block, n)
+        nbytes = n * self.page_bytes
+        off = self.ring.take(nbytes, self._broken)
+        w = _Staged(off, nbytes, [], [], [], [], _State.SENDING)
+        with self._lock:
+            self._writes.append(w)
+            self._sending += 1
+        w.group = GroupWrite(self, w, first_block, src_blocks, ENTRY_BYTES)
+        return w.group
+
+    def _done(self, w: _Staged) -> None:
+        """A sent (or failed) write's transfers settled and its copies landed: its span goes back to the ring."""
+        with self._lock:
+            self._sending -= 1
+            w.state = _State.DONE
+            self._writes.remove(w)
+        self.ring.give(w.off, w.nbytes)
+
     def wait(self, handle: object) -> None:
         if handle is None:
             return
         assert isinstance(handle, _Staged)
+        if handle.group is not None:
+            handle.group.wait()
+            return
         first, _ = handle.pieces[0]
         first.wait()  # the first piece is in the span
         with self._lock:
@@ -256,11 +289,7 @@ class StagedWriter(PageWriter):
         try:
             rc = settle(self._send(handle))
         finally:
-            with self._lock:
-                self._sending -= 1
-                handle.state = _State.DONE
-                self._writes.remove(handle)
-            self.ring.give(handle.off, handle.nbytes)
+            self._done(handle)
         if rc != 0:
             raise TransferError(f"Mooncake write to {self.segment} failed (rc={rc})", grpc.StatusCode.UNAVAILABLE)
 
@@ -303,6 +332,9 @@ class StagedWriter(PageWriter):
         with self._lock:
             self._closed = True
             pending = [w for w in self._writes if w.state is _State.STAGED]
+            groups = [w.group for w in self._writes if w.group is not None]
+        for g in groups:
+            g.stop()
         for w in pending:
             w.exported()
             with self._lock:

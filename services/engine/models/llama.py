@@ -13,7 +13,7 @@ RoPE round once in fp32 instead of per torch op. The CPU path is the plain torch
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -175,6 +175,9 @@ class LlamaForCausalLM(nn.Module):
         self.fused_kernels: bool | None = None
         #: hidden -> logits in place of F.linear with the head's weight, set after loading (quant_linear.py).
         self.logits_head: nn.Module | None = None
+        #: Called with each layer's index right after the layer ran (queued on GPU); set for one forward by
+        #: services/engine/layer_groups.py (a chunk's KV leaving group by group), None otherwise.
+        self.layer_hook: Callable[[int], None] | None = None
 
     def _use_fused(self, h: torch.Tensor) -> bool:
         if self.fused_kernels is not None:
@@ -193,16 +196,22 @@ class LlamaForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         if self._use_fused(h):
             return self._forward_fused(h, positions, ctx)
-        for layer in self.model.layers:
+        hook = self.layer_hook
+        for i, layer in enumerate(self.model.layers):
             h = layer(h, positions, self.rotary, ctx)
+            if hook is not None:
+                hook(i)
         return self.model.norm(h)
 
     def _forward_fused(self, h: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         from kernels.rms_norm import fused_add_rms_norm
 
         residual: torch.Tensor | None = None
-        for layer in self.model.layers:
+        hook = self.layer_hook
+        for i, layer in enumerate(self.model.layers):
             h, residual = layer.forward_fused(h, residual, positions, self.rotary, ctx)
+            if hook is not None:
+                hook(i)
         norm = self.model.norm
         if residual is None:  # no layers
             return norm(h)

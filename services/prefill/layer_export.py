@@ -1,0 +1,92 @@
+"""The prefill's layer listener: a request's last chunk leaves layer group by layer group while it computes.
+
+One :class:`LayerExports` per engine (``exports_of``) sits in ``LLMEngine.layer_listeners``. A request's
+stream is watched from its claim on, by the engine request id its sender was opened for (exact: the same id
+the engine schedules it under). Before the forward of a watched request's last chunk (engine thread), when
+its writer can send by layer group (``PageWriter.start_groups``: mooncake through host staging, native codec)
+and decode already acknowledged the claim, the pages ``on_chunk`` would write are handed to such a write
+instead; ``on_chunk`` then takes its handle (``armed``) where it would have started the write. Otherwise
+nothing changes: the chunk is written once computed, as before.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import TYPE_CHECKING
+
+from services.engine.kv_transport.base import KVSender
+from services.engine.layer_groups import LayerSink
+from services.engine.scheduler import ScheduledChunk
+
+if TYPE_CHECKING:
+    from services.engine.engine import LLMEngine
+    from services.prefill.kv_stream import RequestKVStream
+
+
+class LayerExports:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._streams: weakref.WeakValueDictionary[str, RequestKVStream] = weakref.WeakValueDictionary()
+        """Engine request id -> its stream (an entry ends with the stream)."""
+        self._armed: weakref.WeakKeyDictionary[RequestKVStream, tuple[int, int, int, object]] = \
+            weakref.WeakKeyDictionary()
+        """stream -> (seq id, first block, block limit, write handle) of the write armed for its last chunk."""
+
+    def watch(self, request_id: str, stream: RequestKVStream) -> None:
+        with self._lock:
+            self._streams[request_id] = stream
+
+    def __call__(self, ch: ScheduledChunk) -> LayerSink | None:
+        """Engine thread, before the step's forward (layer_groups.LayerListener)."""
+        if not ch.sample:
+            return None
+        with self._lock:
+            stream = self._streams.get(ch.seq.request_id)
+        writer = None if stream is None else stream.writer
+        start = getattr(writer, "start_groups", None)
+        if stream is None or start is None or not stream.claim_ok or stream.ending:
+            return None
+        seq = ch.seq
+        first, limit = stream.next_block, -(-(seq.num_computed_tokens + ch.num_new_tokens) // stream.block_size)
+        if limit <= first:
+            return None
+        try:
+            sink = start(first, seq.block_table[first:limit])
+        except Exception:  # the chunk's own write (on_chunk) meets the same condition and reports it
+            return None
+        if sink is not None:
+            with self._lock:
+                self._armed[stream] = (seq.seq_id, first, limit, sink.handle)
+        return sink
+
+    def take(self, stream: RequestKVStream, ch: ScheduledChunk, first: int, limit: int) -> object | None:
+        """Engine thread (``on_chunk``): the handle of the write armed for this chunk's pages, or None."""
+        with self._lock:
+            armed = self._armed.pop(stream, None)
+        if armed is None:
+            return None
+        if armed[:3] != (ch.seq.seq_id, first, limit):  # on_chunk computes the same range: a bug if not
+            raise RuntimeError(f"layer-group write armed for {armed[:3]}, chunk wants {(ch.seq.seq_id, first, limit)}")
+        return armed[3]
+
+
+def exports_of(engine: LLMEngine) -> LayerExports:
+    """The engine's layer listener (registered once, like ``kv_pages.pages_of``)."""
+    exports = getattr(engine, "_layer_exports", None)
+    if exports is None:
+        exports = engine._layer_exports = LayerExports()
+        engine.layer_listeners.append(exports)
+    return exports
+
+
+def watch(stream: RequestKVStream, sender: KVSender) -> None:
+    """From the claim on, the stream's last chunk may leave layer group by layer group (module docstring)."""
+    if stream.engine is not None and sender.request_id and getattr(stream.engine.engine, "layer_group", 0):
+        exports_of(stream.engine.engine).watch(sender.request_id, stream)
+
+
+def armed(stream: RequestKVStream, ch: ScheduledChunk, first: int, limit: int) -> object | None:
+    """Engine thread: the layer-group write armed for the chunk's pages [first, limit), or None."""
+    exports = None if stream.engine is None else getattr(stream.engine.engine, "_layer_exports", None)
+    return None if exports is None else exports.take(stream, ch, first, limit)
