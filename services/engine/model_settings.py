@@ -44,7 +44,7 @@ class CompileDecodeConfig:
                                      "forward (inductor; needs a C++ compiler). The engine serves eager steps "
                                      "from the start; a low-priority child process compiles each batch size into "
                                      "the on-disk cache (--cpu-compile-cache-dir; 2-5 min per size on 2 cores the "
-                                     "first time, paused while the engine serves but a fifth of the time; "
+                                     "first time, paused while the engine serves but a tenth of the time; "
                                      "seconds after), the engine builds it from there, checks it against the "
                                      "eager step and switches it on if it measured faster (2: sizes 1-2, "
                                      "measured 1.27x / 1.10x). 0: eager steps only (the default of a bare "
