@@ -23,7 +23,7 @@ rule acts only on chunked-on rows).
 
 ``--kv-export-layer-group`` is the prefills' layers per export group of a streamed prompt's last chunk
 (services/engine/layer_groups.py; 0: the chunk leaves once computed), a comma-separated list runs every
-transport, codec and tail once per value (before/after rows in one run).
+transport, codec and tail once per value (before/after rows in one run). ``--router-flags`` go to the P/D routers.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import statistics
 import time
 import urllib.request
@@ -150,7 +151,7 @@ def disaggregated(args: argparse.Namespace, prompts: Prompts, dev: list[str], tr
     prefill = [*dev, *engines, "--kv-wire-codec", codec, "--prefill-tail-tokens", str(tail),
                "--kv-export-layer-group", str(group)]
     with LocalCluster(prefill=1, decode=1, kvstore=None, model=args.model, dtype=args.dtype, quiet=True,
-                      extra={"prefill": prefill, "decode": [*dev, *engines]},
+                      extra={"prefill": prefill, "decode": [*dev, *engines], "router": shlex.split(args.router_flags)},
                       kv_transport=transport) as c:
         pm, dm = c.get("prefill-0").ready["metrics"], c.get("decode-0").ready["metrics"]
         off = c._spawn("router-off", "router", [
@@ -205,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the prefills' --prefill-tail-tokens, comma-separated (0,256: without and with the tail rule)")
     p.add_argument("--kv-export-layer-group", default="4",
                    help="the prefills' --kv-export-layer-group, comma-separated (0,4: without and with layer groups)")
+    p.add_argument("--router-flags", default="", help="extra flags of the P/D routers, e.g. --no-early-prefill")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     args.prompt_lens = [int(x) for x in args.prompts.split(",")]

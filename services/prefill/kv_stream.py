@@ -189,7 +189,8 @@ class RequestKVStream:
             first = self.next_block
             n = max(0, limit - first)
             item = PagesReady(first, first * bs, min(limit * bs, end) if n else first * bs, None, n)
-            deferred = bool(n) and not self.claim_ok  # a writer's claim, or an early request's reservation
+            write = armed(self, ch, first, limit) if n else None  # by layer group: sent once the claim is answered
+            deferred = bool(n) and not self.claim_ok and write is None  # a writer's claim, or an early request's reservation
             if deferred and self.ending:
                 raise TransferError("the request ended before decode acknowledged the KV claim; no page was "
                                     "written", grpc.StatusCode.UNAVAILABLE)
@@ -201,7 +202,7 @@ class RequestKVStream:
                 self.held_request = seq.request_id
                 item.deferred = list(seq.block_table[first:limit])
             elif n and self.writer is not None:
-                item.write = armed(self, ch, first, limit) or self.writer.write(first, seq.block_table[first:limit])
+                item.write = write or self.writer.write(first, seq.block_table[first:limit])
             elif n:
                 item.pages = self.export(seq.block_table[first:limit])
             if last and self.writer is not None and not deferred:

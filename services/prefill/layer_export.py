@@ -4,9 +4,11 @@ One :class:`LayerExports` per engine (``exports_of``) sits in ``LLMEngine.layer_
 stream is watched from its claim on, by the engine request id its sender was opened for (exact: the same id
 the engine schedules it under). Before the forward of a watched request's last chunk (engine thread), when
 its writer can send by layer group (``PageWriter.start_groups``: mooncake through host staging, native codec)
-and decode already acknowledged the claim, the pages ``on_chunk`` would write are handed to such a write
-instead; ``on_chunk`` then takes its handle (``armed``) where it would have started the write. Otherwise
-nothing changes: the chunk is written once computed, as before.
+and its claim was sent, the pages ``on_chunk`` would write are handed to such a write instead (it stages
+them at once, and submits nothing before decode acknowledged the claim); ``on_chunk`` then takes its handle
+(``armed``) where it would have started the write, or deferred it for the claim. Otherwise nothing changes:
+the chunk is written once computed, as before. An early request whose reservation (its writer) arrives after
+its last chunk started computing cannot take this path.
 """
 
 from __future__ import annotations
@@ -45,14 +47,14 @@ class LayerExports:
             stream = self._streams.get(ch.seq.request_id)
         writer = None if stream is None else stream.writer
         start = getattr(writer, "start_groups", None)
-        if stream is None or start is None or not stream.claim_ok or stream.ending:
+        if stream is None or start is None or stream.claim_task is None or stream.ending:
             return None
         seq = ch.seq
         first, limit = stream.next_block, -(-(seq.num_computed_tokens + ch.num_new_tokens) // stream.block_size)
         if limit <= first:
             return None
         try:
-            sink = start(first, seq.block_table[first:limit])
+            sink = start(first, seq.block_table[first:limit], lambda: _cleared(stream), stream.claim_wait_s)
         except Exception:  # the chunk's own write (on_chunk) meets the same condition and reports it
             return None
         if sink is not None:
@@ -69,6 +71,14 @@ class LayerExports:
         if armed[:3] != (ch.seq.seq_id, first, limit):  # on_chunk computes the same range: a bug if not
             raise RuntimeError(f"layer-group write armed for {armed[:3]}, chunk wants {(ch.seq.seq_id, first, limit)}")
         return armed[3]
+
+
+def _cleared(stream: RequestKVStream) -> bool | None:
+    """Any thread: True once decode acknowledged the stream's claim, False once it never will, None meanwhile."""
+    if stream.claim_ok:
+        return True
+    task = stream.claim_task
+    return False if stream.ending or task is None or task.done() else None
 
 
 def exports_of(engine: LLMEngine) -> LayerExports:

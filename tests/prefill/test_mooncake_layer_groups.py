@@ -38,8 +38,8 @@ def _record_groups(monkeypatch) -> list[GroupWrite]:
     made: list[GroupWrite] = []
     real = StagedWriter.start_groups
 
-    def start_groups(self, first_block: int, src_blocks: list[int]) -> GroupWrite | None:
-        g = real(self, first_block, src_blocks)
+    def start_groups(self, first_block: int, src_blocks: list[int], *wait) -> GroupWrite | None:
+        g = real(self, first_block, src_blocks, *wait)
         if g is not None:
             made.append(g)
         return g

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import grpc
@@ -54,8 +56,12 @@ class GroupWrite:
     """A LayerSink staging and sending one write's pages group by group (module docstring)."""
 
     def __init__(self, writer: StagedWriter, w: _Staged, first_block: int, src_blocks: list[int],
-                 entry_bytes: int) -> None:
+                 entry_bytes: int, cleared: Callable[[], bool | None] = lambda: True, clear_wait_s: float = 0.0) -> None:
+        """``cleared``: True once decode acknowledged the writer's claim (nothing is submitted before), False
+        once it never will (refused, or the request ended), None while unknown; waited for at most
+        ``clear_wait_s`` seconds from the first group's copy. Staging into the span goes on meanwhile."""
         self.writer, self.w = writer, w
+        self.cleared, self.clear_wait_s = cleared, clear_wait_s
         self.src = src_blocks
         self.dest = writer.dest[first_block:first_block + len(src_blocks)]
         self.num_layers = writer.page_shape[0]
@@ -120,12 +126,24 @@ class GroupWrite:
 
     # --- worker threads ---
 
+    def _clear(self) -> None:
+        """Wait (0.2 ms polls) until decode acknowledged the claim; TransferError when it will not."""
+        deadline = time.monotonic() + self.clear_wait_s
+        while (ok := self.cleared()) is not True:
+            if ok is False or self._closed or time.monotonic() > deadline:
+                raise TransferError("decode did not acknowledge the KV claim; the layer groups were not sent",
+                                    grpc.StatusCode.UNAVAILABLE)
+            time.sleep(0.0002)
+
     def _send(self) -> None:
-        """Submit each group's entries once its copy landed, in order, until the last group or a close."""
+        """Submit each group's entries once its copy landed and the claim is acknowledged, in order, until the
+        last group or a close."""
         try:
             while (item := self._todo.get()) is not None:
                 export, srcs, dsts, lens = item
                 export.wait()
+                if not self.groups_sent:
+                    self._clear()
                 if self.writer._broken():
                     raise TransferError("KV stream to decode is broken: chunk not sent", grpc.StatusCode.CANCELLED)
                 self._batches += self.writer.engine.submit(self.writer.segments, srcs, dsts, lens)

@@ -240,12 +240,14 @@ class StagedWriter(PageWriter):
             self._writes.append(w)
         return w
 
-    def start_groups(self, first_block: int, src_blocks: list[int]) -> GroupWrite | None:
+    def start_groups(self, first_block: int, src_blocks: list[int], cleared: Callable[[], bool | None] = lambda: True,
+                     clear_wait_s: float = 0.0) -> GroupWrite | None:
         """Engine thread, before the forward that computes these pages (a request's last chunk): stage and send
         them layer group by layer group as the forward hands the groups over (mooncake_groups.py); the returned
         sink's ``handle`` goes where ``write``'s would. None (nothing taken) when this request carries a wire
         codec: an fp8-e4m3 page is all layers' values then all layers' scales, so a layer group of it is not one
-        range of decode's landing slot; such pages go whole through ``write`` once the chunk is computed."""
+        range of decode's landing slot; such pages go whole through ``write`` once the chunk is computed.
+        ``cleared`` / ``clear_wait_s``: nothing is submitted before the claim is acknowledged (GroupWrite)."""
         n = len(src_blocks)
         if self.wire_codec or not n:
             return None
@@ -256,7 +258,7 @@ class StagedWriter(PageWriter):
         with self._lock:
             self._writes.append(w)
             self._sending += 1
-        w.group = GroupWrite(self, w, first_block, src_blocks, ENTRY_BYTES)
+        w.group = GroupWrite(self, w, first_block, src_blocks, ENTRY_BYTES, cleared, clear_wait_s)
         return w.group
 
     def _done(self, w: _Staged) -> None:
