@@ -39,13 +39,37 @@ class AttentionMetadata:
 class DecodePlan:
     """Per-step constants of the decode part (the first num_decode sequences), shared by all layers."""
 
-    gather: torch.Tensor
-    """int64 [nd * blocks]: the block ids to gather (index_select with int64 is the fast CPU path)."""
+    gather: torch.Tensor | None
+    """int64 [nd * blocks]: the block ids to gather (index_select with int64 is the fast CPU path); None when
+    ``starts`` reads views instead."""
     blocks: int
     """Blocks gathered per sequence (covering the longest context)."""
     max_len: int
     mask: torch.Tensor | None
-    """bool [nd, 1, 1, max_len] of valid keys; None when every sequence has max_len keys (no padding)."""
+    """bool [nd, 1, 1, max_len] of valid keys; None when every sequence has max_len keys (no padding) or views."""
+    starts: list[int] | None = None
+    """First cache slot of each decode sequence when every one's blocks are consecutive pool blocks: its keys are
+    then slots [start, start + context) of the layer's pool, read as a view (no copy, no mask). None: gather."""
+    lens: list[int] | None = None
+    """Keys of each decode sequence (its context length) when ``starts`` is set."""
+    threads: int = 0
+    """torch threads decode attention runs at, the step's own count restored after each layer; 0: the step's."""
+
+
+ONE_THREAD_MAX_BATCH = 4
+"""CPU decode attention of at most this many sequences runs on one torch thread: at batch 1-4 and 128-2048 keys
+one layer's attention measured faster on 1 thread than on 2 (an OpenMP region's wake-up of the helper costs more
+than the split saves at these sizes; docs/PERFORMANCE.md, "CPU decode attention"). Larger batches keep the step's."""
+
+
+def consecutive_starts(tables: list[list[int]], block_size: int) -> list[int] | None:
+    """First slot of each block table whose blocks are consecutive pool blocks; None if any table is not."""
+    starts = []
+    for t in tables:
+        if t[-1] - t[0] != len(t) - 1 or any(b != t[0] + i for i, b in enumerate(t)):
+            return None
+        starts.append(t[0] * block_size)
+    return starts
 
 
 class AttentionBackend(Protocol):
@@ -90,17 +114,48 @@ class TorchPagedAttention:
             ctx = meta.context_lens_host[:nd]
             max_len = max(ctx)
             nb = (max_len + self.block_size - 1) // self.block_size
+            cpu = meta.block_tables.device.type == "cpu"  # reading the tables on the host: no device sync
+            threads = 1 if cpu and nd <= ONE_THREAD_MAX_BATCH else 0
+            if cpu:
+                bs = self.block_size
+                tables = meta.block_tables[:nd, :nb].tolist()
+                starts = consecutive_starts([t[: (c + bs - 1) // bs] for t, c in zip(tables, ctx, strict=True)], bs)
+                if starts is not None:
+                    meta.decode_plan = DecodePlan(None, nb, max_len, None, starts, ctx, threads)
+                    return meta.decode_plan
             gather = meta.block_tables[:nd, :nb].reshape(-1).to(torch.int64)
             mask = None
             if min(ctx) != max_len:
                 pos = torch.arange(max_len, device=meta.block_tables.device)
                 lens = torch.tensor(ctx, dtype=torch.int64, device=pos.device)
                 mask = (pos[None, :] < lens[:, None])[:, None, None, :]
-            meta.decode_plan = DecodePlan(gather, nb, max_len, mask)
+            meta.decode_plan = DecodePlan(gather, nb, max_len, mask, threads=threads)
         return meta.decode_plan
 
     def _decode(self, layer: int, q: torch.Tensor, plan: DecodePlan, gqa: bool) -> torch.Tensor:
         """q [nd, H, D] -> out [nd, H, D] over each sequence's cached keys (its new K/V already stored)."""
+        step_threads = torch.get_num_threads()
+        if not plan.threads or plan.threads == step_threads:
+            return self._decode_keys(layer, q, plan, gqa)
+        torch.set_num_threads(plan.threads)
+        try:
+            return self._decode_keys(layer, q, plan, gqa)
+        finally:
+            torch.set_num_threads(step_threads)  # core lending set the step's count: the GEMMs keep it
+
+    def _decode_keys(self, layer: int, q: torch.Tensor, plan: DecodePlan, gqa: bool) -> torch.Tensor:
+        if plan.starts is not None:
+            assert plan.lens is not None
+            kc, vc = self._slots[layer]
+            outs = []
+            for i, (s, n) in enumerate(zip(plan.starts, plan.lens, strict=True)):
+                k, v = kc[s:s + n].unsqueeze(0).transpose(1, 2), vc[s:s + n].unsqueeze(0).transpose(1, 2)
+                if k.dtype != q.dtype:
+                    k, v = k.to(q.dtype), v.to(q.dtype)
+                outs.append(F.scaled_dot_product_attention(q[i:i + 1].unsqueeze(2), k, v, scale=self.scale,
+                                                           enable_gqa=gqa))
+            return (outs[0] if len(outs) == 1 else torch.cat(outs)).squeeze(2)
+        assert plan.gather is not None
         nd = q.shape[0]
         kp, vp = self._pages[layer]
         shape = (nd, plan.blocks * self.block_size, self.num_kv_heads, self.head_dim)

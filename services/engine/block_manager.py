@@ -6,6 +6,10 @@ Invariants (``check_invariants`` verifies them):
   * Every block is either in use (``ref_count > 0``) or free (``ref_count == 0``), never both.
   * A free block sits in exactly one free queue: ``_free_plain`` (no cached content) or
     ``_free_cached`` (content registered in the prefix cache, LRU order, oldest first).
+  * Placement only (nothing may rely on it): a sequence's new blocks follow its previous block when that
+    one is plain free, and a sequence's first fresh block starts a run of plain free blocks, so CPU decode
+    attention reads most sequences' keys as one slice of the pool (attention.py). Cached free blocks are
+    never taken out of LRU order for this.
   * ``_block_hash[b] is not None`` iff ``_hash_to_block[_block_hash[b]] == b``: a block is registered
     under at most one hash and a hash names at most one block. Only full, computed blocks register.
   * A cached free block keeps its content until it is taken for new content (then its hash entry is
@@ -14,7 +18,7 @@ Invariants (``check_invariants`` verifies them):
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterable
 
 from services.common.block_hash import block_hashes, iter_block_hashes
@@ -46,7 +50,7 @@ class BlockManager:
         self._ref_count: list[int] = [0] * num_blocks
         self._block_hash: list[bytes | None] = [None] * num_blocks
         self._hash_to_block: dict[bytes, int] = {}
-        self._free_plain: deque[int] = deque(range(num_blocks))
+        self._free_plain: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._free_cached: OrderedDict[int, None] = OrderedDict()
         # seq_id -> chained hashes of that sequence's leading full computed blocks.
         self._seq_hashes: dict[int, list[bytes]] = {}
@@ -153,8 +157,7 @@ class BlockManager:
             if hit_ids and not hit_hashes:
                 hit_hashes = [self._block_hash[b] for b in hit_ids]  # type: ignore[misc]
             self._take_hits(seq, hit_ids, hit_hashes, len(seq.token_ids) - 1)
-        for _ in range(fresh):
-            seq.block_table.append(self._take_free())
+        self._append_fresh(seq, fresh)
         return True
 
     def allocate_for_kv_import(self, seq: Sequence) -> int:
@@ -171,8 +174,7 @@ class BlockManager:
         if fresh + free_hits > self.num_free_blocks:
             raise NoFreeBlocksError(seq, fresh + free_hits, self.num_free_blocks)
         self._take_hits(seq, hit_ids, hit_hashes, len(seq.token_ids))
-        for _ in range(fresh):
-            seq.block_table.append(self._take_free())
+        self._append_fresh(seq, fresh)
         return len(hit_ids)
 
     def _take_hits(self, seq: Sequence, hit_ids: list[int], hit_hashes: list[bytes], queried: int) -> None:
@@ -190,10 +192,41 @@ class BlockManager:
         self.num_prefix_hit_tokens += num_hit_tokens
         self._seq_hashes[seq.seq_id] = list(hit_hashes)
 
-    def _take_free(self) -> int:
-        """A free block for new content: a plain one first, else the least recently freed cached one."""
-        if self._free_plain:
-            b = self._free_plain.popleft()
+    def _append_fresh(self, seq: Sequence, n: int) -> None:
+        """Take n free blocks onto seq's table, each the block after the one before it where that one is plain
+        free (a sequence with no blocks yet starts where ``_run_start`` says)."""
+        if n <= 0:
+            return
+        want = seq.block_table[-1] + 1 if seq.block_table else self._run_start(n)
+        for _ in range(n):
+            b = self._take_free(want)
+            seq.block_table.append(b)
+            want = b + 1
+
+    def _run_start(self, n: int) -> int:
+        """Where a new sequence's n blocks go: the start of the longest run of consecutive plain free blocks
+        (the lowest of equals), moved in to the middle of the spare room when the block before the run is in use
+        (a live sequence may grow into it). -1 when no block is plain free. O(plain free blocks), once per new
+        sequence."""
+        best, best_len, start, prev = -1, 0, -1, -2
+        for b in sorted(self._free_plain):
+            if b != prev + 1:
+                start = b
+            prev = b
+            if b - start + 1 > best_len:
+                best, best_len = start, b - start + 1
+        if best > 0 and self._ref_count[best - 1] > 0 and best_len > n:
+            best += (best_len - n) // 2
+        return best
+
+    def _take_free(self, want: int = -1) -> int:
+        """A free block for new content: ``want`` when it is plain free, else a plain one (oldest freed first),
+        else the least recently freed cached one."""
+        if want in self._free_plain:
+            del self._free_plain[want]
+            b = want
+        elif self._free_plain:
+            b, _ = self._free_plain.popitem(last=False)
         else:
             b, _ = self._free_cached.popitem(last=False)
             h = self._block_hash[b]
@@ -245,7 +278,7 @@ class BlockManager:
                 if self._block_hash[b] is not None:
                     self._free_cached[b] = None
                 else:
-                    self._free_plain.append(b)
+                    self._free_plain[b] = None
         seq.block_table.clear()
         self._seq_hashes.pop(seq.seq_id, None)
 
@@ -256,7 +289,7 @@ class BlockManager:
             b, _ = self._free_cached.popitem(last=False)
             del self._hash_to_block[self._block_hash[b]]  # type: ignore[arg-type]
             self._block_hash[b] = None
-            self._free_plain.append(b)
+            self._free_plain[b] = None
             dropped += 1
         return dropped
 
@@ -266,7 +299,6 @@ class BlockManager:
         """Assert the module invariants; with ``seqs`` (every live sequence holding blocks), also that
         each block's ref_count equals the number of block tables naming it. O(num_blocks)."""
         plain = set(self._free_plain)
-        assert len(plain) == len(self._free_plain), "duplicate block in the plain free queue"
         assert not plain & self._free_cached.keys(), "block in both free queues"
         for b in range(self.num_blocks):
             ref, h = self._ref_count[b], self._block_hash[b]
