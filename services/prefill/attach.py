@@ -43,6 +43,15 @@ class Offer:
     answer: asyncio.Future[None]
     """Resolved by the request's task: None (taken) or AttachRefused."""
 
+    def reply(self, refused: AttachRefused | None = None) -> None:
+        """Answer the attach call (a no-op once it is gone: cancelled by its caller)."""
+        if self.answer.done():
+            return
+        if refused is None:
+            self.answer.set_result(None)
+        else:
+            self.answer.set_exception(refused)
+
 
 @dataclass
 class Waiting:
@@ -77,10 +86,7 @@ class Attachments:
         if self.waiting.get(waiting.request.attach_id) is waiting:
             del self.waiting[waiting.request.attach_id]
         while not waiting.offers.empty():
-            offer = waiting.offers.get_nowait()
-            if not offer.answer.done():
-                offer.answer.set_exception(AttachRefused("attach_id", "the Prefill call ended before it took "
-                                                                      "the reservation"))
+            waiting.offers.get_nowait().reply(ended())
 
     async def find(self, attach_id: str, wait_s: float = UNKNOWN_WAIT_S) -> Waiting | None:
         """The waiting request of ``attach_id``, waiting up to ``wait_s`` for its Prefill call to arrive."""
@@ -111,6 +117,11 @@ class Attachments:
             waiting.attached = True
         finally:
             waiting.busy = False
+
+
+def ended() -> AttachRefused:
+    """The refusal of an attach whose Prefill call ended before taking it."""
+    return AttachRefused("attach_id", "the Prefill call ended before it took the reservation")
 
 
 def merged(early: prefill_pb2.PrefillRequest, att: prefill_pb2.AttachReservationRequest

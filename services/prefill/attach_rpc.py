@@ -15,7 +15,7 @@ from services.common.tls import peer_role
 from services.engine.kv_layout import PageLayout
 from services.engine.kv_pages import KVPages
 from services.engine.kv_transport.base import PageWriter
-from services.prefill.attach import Attachments, AttachRefused, Waiting, merged
+from services.prefill.attach import Attachments, AttachRefused, Waiting, ended, merged
 from services.prefill.config import PrefillConfig
 from services.prefill.direct_write import DirectWrites, InvalidDestinationError
 from services.prefill.kv_stream import AttachTimeout, RequestKVStream
@@ -59,10 +59,13 @@ class EarlyAttach:
                                                       or -(-len(offer.request.token_ids) // self.layout.block_size),
                                                       self.pages.export, self._fp8_agreed(offer.request))
                 except InvalidDestinationError as e:
-                    offer.answer.set_exception(AttachRefused("dest_block_ids", f"dest_block_ids: {e}"))
+                    offer.reply(AttachRefused("dest_block_ids", f"dest_block_ids: {e}"))
                     get = asyncio.ensure_future(waiting.offers.get())
                     continue
-                offer.answer.set_result(None)
+                except BaseException:  # the request is ending (cancelled, deadline): its attach call is answered
+                    offer.reply(ended())
+                    raise
+                offer.reply()
                 self._phase("attached", time.monotonic() - stream.arrival)
                 return offer.request, writer
         finally:
