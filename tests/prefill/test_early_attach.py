@@ -204,3 +204,25 @@ async def test_with_mtls_only_the_router_may_attach(make_prefill, tmp_path: Path
         await router.AttachReservation(att)
         resp = await call
         assert resp.num_prompt_tokens == len(ids) and rig.receiver.chunks[-1].is_last
+
+
+async def test_an_attach_taken_by_a_request_that_then_ends_is_answered(pair) -> None:  # noqa: F811
+    p = await pair("shm")
+    make, entered = p.prefill.direct.writer, asyncio.Event()
+
+    async def slow_writer(*args, **kw):  # the writer set-up takes long: the request is cancelled meanwhile
+        entered.set()
+        await asyncio.sleep(2.0)
+        return await make(*args, **kw)
+
+    p.prefill.direct.writer = slow_writer  # type: ignore[method-assign]
+    ids = PROMPTS[0]
+    call = p.pstub.Prefill(_early(p, ids))
+    resv = await _reserve(p, ids)
+    attach = asyncio.ensure_future(p.pstub.AttachReservation(_attach(p, resv, ids), timeout=30))
+    await entered.wait()
+    call.cancel()
+    err = await _refused(attach)  # at once, not after the attach's 30 s deadline
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "ended before" in err.details()
+    await _assert_freed(p.prefill.engine)
+    assert not p.prefill.attachments.waiting
