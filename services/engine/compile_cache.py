@@ -68,7 +68,7 @@ def child_request(config: EngineConfig, model: Any, max_batch: int, scratch_page
                kv_cache_shared=False, cpu_share_group="", cpu_affinity="", draft_model="", spec_tokens=0,
                spec_synthetic_acceptance=0.0, tensor_parallel_size=1, device="cpu")
     return {"config": cfg, "weights": weight_plan(model), "max_batch": max_batch, "scratch_pages": scratch_pages,
-            "variants": [list(v) for v in variants]}
+            "variants": [list(v) for v in variants], "parent_pid": os.getpid()}
 
 
 class CompileChild:
@@ -76,8 +76,7 @@ class CompileChild:
 
     It leads a process group of its own (its C++ compiler runs are in it): ``kill`` and ``pause`` reach
     them all, and a terminal's Ctrl-C reaches the server only, which kills the group as it stops. A server
-    killed outright leaves the child to finish the variant at hand: its next record meets a closed pipe
-    and it exits."""
+    killed outright takes the child with it (its parent-death signal, compile_child._die_with_parent)."""
 
     def __init__(self, request: dict[str, Any]) -> None:
         self.proc = subprocess.Popen(CHILD_ARGV, cwd=_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

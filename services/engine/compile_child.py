@@ -22,10 +22,12 @@ to stderr. The cache directory is TORCHINDUCTOR_CACHE_DIR, set by the parent in 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -113,12 +115,24 @@ def run(request: dict[str, Any]) -> int:
     return 0
 
 
+def _die_with_parent() -> None:
+    """SIGKILL this child when the thread that started it ends (Linux prctl PR_SET_PDEATHSIG): a server killed
+    outright (SIGKILL, OOM) leaves no compiler behind. That thread waits for the child, so it never ends first
+    otherwise."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+
+
 def main() -> int:
+    _die_with_parent()
     with contextlib.suppress(OSError):
         os.nice(NICE)  # inherited by the C++ compiler processes inductor starts
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s compile-child %(levelname)s %(name)s: %(message)s")
-    return run(json.loads(sys.stdin.read()))
+    request = json.loads(sys.stdin.read())
+    if os.getppid() != request.get("parent_pid"):
+        return 1  # the server died before the death signal was armed
+    return run(request)
 
 
 if __name__ == "__main__":
