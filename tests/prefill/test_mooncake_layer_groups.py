@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import grpc
 import pytest
@@ -111,7 +112,8 @@ async def test_an_export_failing_mid_groups_ends_the_request_and_frees_everythin
     assert e.value.code() == grpc.StatusCode.INTERNAL
     assert detail_of(e.value).reason == Reason.ERROR_REASON_KV_HANDOFF_FAILED
     assert "export of layers [1, 2) failed" in e.value.details()
-    assert len(made) == 1 and made[0].groups_sent == 1  # one group reached decode's landing, then it stopped
+    # Nothing after the failure was sent: the first group went if decode's claim answer came before it.
+    assert len(made) == 1 and made[0].groups_sent <= 1
     assert p.metric("pdserve_prefill_kv_transfer_failures_total", transport="mooncake", reason="internal") == 1
     ring = p.prefill.direct._ring
     assert ring is not None and ring._free == [(0, ring.capacity)]
@@ -121,3 +123,32 @@ async def test_an_export_failing_mid_groups_ends_the_request_and_frees_everythin
     for eng in (p.decode.engine, p.prefill.engine):
         s = await _idle(eng)
         assert s["free_blocks"] == s["total_blocks"]
+
+
+async def test_a_claim_answered_after_compute_began_is_waited_for_before_any_group_goes(pair, monkeypatch) -> None:
+    """Decode's claim answer comes 0.3 s late: every chunk is computed before it, the last one's groups are
+    staged at once and sent only after the answer (the earlier chunks ride in the same write)."""
+    from services.engine.kv_transport import grpc_stream
+
+    made = _record_groups(monkeypatch)
+    real = grpc_stream._GrpcSender.bootstrap
+    answered: list[float] = []
+
+    async def late(self, claim=None):
+        await asyncio.sleep(0.3)
+        await real(self, claim)
+        answered.append(time.monotonic())
+
+    monkeypatch.setattr(grpc_stream._GrpcSender, "bootstrap", late)
+    p = await pair("mooncake", prefill_engine=_grouped(2))
+    _offer_landing(p)
+    ids = PROMPTS[1]
+    resv = await _reserve(p, ids)
+    consume = asyncio.create_task(_generate(p, resv))
+    await p.pstub.Prefill(_request(p, resv, ids))
+    assert await consume == LLMEngine(ENGINE).generate([ids], SamplingParams(max_tokens=6, temperature=0))[0]
+    assert len(made) == 1 and len(made[0].src) == len(resv.block_ids)  # the whole prompt in the last write
+    assert made[0].groups_sent == -(-p.prefill.engine.engine.runner.num_layers // 2)
+    assert made[0].first_sent is not None and made[0].first_sent >= answered[0]
+    ring = p.prefill.direct._ring
+    assert ring is not None and ring._free == [(0, ring.capacity)]

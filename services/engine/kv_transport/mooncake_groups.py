@@ -77,6 +77,8 @@ class GroupWrite:
         self._finished = False
         self.groups_sent = 0
         """Groups whose Transfer Engine writes were submitted (tests read it)."""
+        self.first_sent: float | None = None
+        """When the first group was submitted (monotonic seconds; tests read it)."""
         self._thread = threading.Thread(target=self._send, name="mooncake-layer-groups", daemon=True)
         self._thread.start()
 
@@ -130,7 +132,8 @@ class GroupWrite:
         """Wait (0.2 ms polls) until decode acknowledged the claim; TransferError when it will not."""
         deadline = time.monotonic() + self.clear_wait_s
         while (ok := self.cleared()) is not True:
-            if ok is False or self._closed or time.monotonic() > deadline:
+            # A failure ends the wait; a close does not (the last group closes the write too).
+            if ok is False or self._error is not None or time.monotonic() > deadline:
                 raise TransferError("decode did not acknowledge the KV claim; the layer groups were not sent",
                                     grpc.StatusCode.UNAVAILABLE)
             time.sleep(0.0002)
@@ -144,6 +147,7 @@ class GroupWrite:
                 export.wait()
                 if not self.groups_sent:
                     self._clear()
+                    self.first_sent = time.monotonic()
                 if self.writer._broken():
                     raise TransferError("KV stream to decode is broken: chunk not sent", grpc.StatusCode.CANCELLED)
                 self._batches += self.writer.engine.submit(self.writer.segments, srcs, dsts, lens)
