@@ -59,19 +59,25 @@ def _may_borrow(eng: LLMEngine) -> bool:
     (running, queued or awaiting its KV), the low-load case where a fixed split idles half the host (at c=1
     the prefill and its decode take turns; with more requests they overlap, and a long borrowed step, a
     2048-token prefill, would overrun a peer that wakes mid-step), and never while a compiled decode step is
-    switched on: it is compiled at the engine's own share and a step at another thread count runs eager
-    (measured, c=1 on the shared 2-core box: 23.9 ms/token borrowed and eager vs 18.8 ms compiled alone)."""
+    switched on, unless every size switched on at its own share is switched on at the lent count too (a step
+    at a thread count without a variant runs eager; measured, c=1 on the shared 2-core box: 23.9 ms/token
+    borrowed and eager vs 18.8 ms compiled alone)."""
     sch = eng.scheduler
     compiled = getattr(eng.runner, "compiled_decode", None)
     if compiled is not None and compiled.active:
-        return False
+        compiler = getattr(eng.runner, "decode_compiler", None)
+        lent = compiler.lent_threads if compiler is not None else 0
+        if not lent or not compiled.active <= compiled.sizes_at(lent):
+            return False
     return sch.num_running + sch.num_waiting + sch.num_waiting_for_kv <= 1
 
 
 def _out_of_work(cores: CoreShare, eng: LLMEngine) -> int:
     """Mark the engine idle in its share group (its share becomes lendable after the hold), unless its
-    background decode compile is pending or compiling: that thread works on the engine's share, so the
-    engine stays marked busy, at its own share (it borrows nothing); the thread count."""
+    background decode compile is working in this process (pending, or building / checking / timing a variant):
+    that thread works on the engine's share, so the engine stays marked busy, at its own share (it borrows
+    nothing); while it only waits for the compile child (a niced process, minutes cold) the share is lendable.
+    Returns the thread count."""
     compiler = getattr(eng.runner, "decode_compiler", None)
     if compiler is not None and compiler.working:
         return cores.busy(borrow=False)

@@ -43,6 +43,7 @@ import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch._inductor.config as inductor_config
@@ -149,6 +150,8 @@ class DecodeCompiler:
         self._child: compile_cache.CompileChild | None = None
         self._child_running = True
         self.hold_child = False
+        self.awaiting_child = False
+        """The thread is blocked on the compile child's next record (it uses no core meanwhile)."""
         """Keep the child stopped whatever the engine does (benchmarks: serving with and without it)."""
         self._stop = threading.Event()
         # The thread holds this object weakly while it waits for its turn: an engine dropped meanwhile is
@@ -159,9 +162,10 @@ class DecodeCompiler:
 
     @property
     def working(self) -> bool:
-        """Waiting for its turn or compiling (the runner starts it at once): its thread uses, or is about to
-        use, the engine's share of cores."""
-        return self.report.status in ("pending", "compiling")
+        """Waiting for its turn or compiling in this process (the runner starts it at once): its thread uses,
+        or is about to use, the engine's share of cores. False while the thread only waits for the compile
+        child's next variant (the child is niced and gated, and uses no core of the engine's share)."""
+        return self.report.status in ("pending", "compiling") and not self.awaiting_child
 
     def start(self) -> None:
         if not trace_fence.install():
@@ -283,7 +287,7 @@ class DecodeCompiler:
         for i, n in enumerate(lens):
             self._stopping()
             eager.prefill([(7 * j + 3 * i) % vocab for j in range(n)], tables[i])
-        for rec in self._child.records(self._gate_child, GATE_TICK_S):
+        for rec in self._awaited(self._child.records(self._gate_child, GATE_TICK_S)):
             self._stopping()
             b, t = int(rec.get("batch", 0)), int(rec.get("threads", 0))
             if (b, t) not in wanted or "error" in rec:
@@ -321,6 +325,18 @@ class DecodeCompiler:
                      "%.1f s here, max |logit diff| %.2g, same argmax %s, %.2f ms vs eager %.2f ms per step: %s",
                      b, t, v.child_s, v.compile_s, v.max_logit_diff, v.same_argmax, v.compiled_ms, v.eager_ms,
                      "switched on" if v.active else "stays eager")
+
+    def _awaited(self, records: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        """``records`` with ``awaiting_child`` set while the next one is awaited."""
+        while True:
+            self.awaiting_child = True
+            try:
+                rec = next(records)
+            except StopIteration:
+                return
+            finally:
+                self.awaiting_child = False
+            yield rec
 
     def _check(self, v: VariantReport, rows: list[tuple[int, int, list[int]]], eager: _EagerStep,
                scratch: torch.Tensor) -> None:

@@ -207,9 +207,36 @@ def test_an_engine_out_of_work_stays_busy_while_its_decode_compile_runs(tmp_path
         compiler.report.status = status
         assert _out_of_work(b, eng) == 1  # type: ignore[arg-type]
         assert a.busy(time.monotonic_ns() + 10 * HOLD) == 1  # b is marked busy: nothing lent
+    compiler.awaiting_child = True  # compiling, but only waiting for the niced compile child: lendable
+    _out_of_work(b, eng)  # type: ignore[arg-type]
+    now = time.monotonic_ns()
+    assert a.busy(now + 10 * HOLD) == 2
+    compiler.awaiting_child = False
+    assert _out_of_work(b, eng) == 1  # type: ignore[arg-type]  # building a variant here again: busy
     compiler.report.status = "done"
     _out_of_work(b, eng)  # type: ignore[arg-type]
     now = time.monotonic_ns()  # b marked its idle start before this
     assert a.busy(now + 10 * HOLD) == 2  # compile over: b idle, lent after the hold
     eng.runner.decode_compiler = None
     assert _out_of_work(b, eng) == 1  # type: ignore[arg-type]  # no compile (eager): idle as before
+
+
+def test_a_compiled_engine_borrows_only_where_its_sizes_are_compiled_at_the_lent_count() -> None:
+    """A step at a thread count without a compiled variant runs eager: with compiled sizes switched on, the
+    engine borrows only if each of them is switched on at the lent count too."""
+    from services.engine.async_engine import _may_borrow
+
+    on: set[tuple[int, int]] = {(1, 1)}  # (batch, threads) switched on; own share 1, lent count 2
+    compiled = SimpleNamespace(active=frozenset({1}),
+                               sizes_at=lambda t: frozenset(b for b, th in on if th == t))
+    sch = SimpleNamespace(num_running=1, num_waiting=0, num_waiting_for_kv=0)
+    eng = SimpleNamespace(scheduler=sch, runner=SimpleNamespace(compiled_decode=compiled,
+                                                                decode_compiler=SimpleNamespace(lent_threads=2)))
+    assert not _may_borrow(eng)  # type: ignore[arg-type]  # batch 1 compiled at 1 thread only
+    on.add((1, 2))
+    assert _may_borrow(eng)  # type: ignore[arg-type]
+    sch.num_waiting = 1
+    assert not _may_borrow(eng)  # type: ignore[arg-type]  # two requests: keep the shares
+    sch.num_waiting = 0
+    eng.runner.decode_compiler = SimpleNamespace(lent_threads=0)  # not in a share group
+    assert not _may_borrow(eng)  # type: ignore[arg-type]
