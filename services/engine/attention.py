@@ -60,6 +60,10 @@ ONE_THREAD_MAX_BATCH = 4
 """CPU decode attention of at most this many sequences runs on one torch thread: at batch 1-4 and 128-2048 keys
 one layer's attention measured faster on 1 thread than on 2 (an OpenMP region's wake-up of the helper costs more
 than the split saves at these sizes; docs/PERFORMANCE.md, "CPU decode attention"). Larger batches keep the step's."""
+VIEWS_MIN_KEYS_BATCHED = 512
+"""A decode batch of several sequences reads views (one SDPA per sequence) when its longest context has at least
+this many keys, else one gather + one batched SDPA: at 128 keys, batches 2 and 4, the gather measured faster (the
+per-sequence calls cost more than the copy), from 512 keys on the views (same section)."""
 
 
 def consecutive_starts(tables: list[list[int]], block_size: int) -> list[int] | None:
@@ -116,7 +120,7 @@ class TorchPagedAttention:
             nb = (max_len + self.block_size - 1) // self.block_size
             cpu = meta.block_tables.device.type == "cpu"  # reading the tables on the host: no device sync
             threads = 1 if cpu and nd <= ONE_THREAD_MAX_BATCH else 0
-            if cpu:
+            if cpu and (nd == 1 or max_len >= VIEWS_MIN_KEYS_BATCHED):
                 bs = self.block_size
                 tables = meta.block_tables[:nd, :nb].tolist()
                 starts = consecutive_starts([t[: (c + bs - 1) // bs] for t, c in zip(tables, ctx, strict=True)], bs)
