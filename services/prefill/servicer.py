@@ -217,6 +217,10 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
                                                  metadata=tuple(tracing.inject_metadata()))
                     claim = await self._claim(request, stream, sender, writer)
                 self.streams[rid] = stream
+                if waiting is not None and self._attach_before_compute(ids):
+                    request, writer = await self._await_attach_first(waiting, stream)
+                    wire, export, transport, sender, claim = await self._attached(request, writer, rid, stream)
+                    waiting = None
                 try:
                     loaded = await self._admit(rid, ids, first_params, stream)
                     self._phase("admitted", time.monotonic() - stream.arrival)
@@ -227,12 +231,7 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
                                        field=getattr(e, "field", "") or "token_ids")
                 if waiting is not None:  # computing already; nothing is written before the claim is acknowledged
                     request, writer = await self._await_attach(waiting, stream)
-                    wire, export = self._wire_codec(request, writer)
-                    transport = writer.transport if writer is not None else self.transport.name
-                    sender = self.transport.open(request.decode_address, rid,
-                                                 metadata=tuple(tracing.inject_metadata()))
-                    stream.attach(writer, export, request.num_skip_blocks)  # no engine hop: the step may be long
-                    claim = await self._claim(request, stream, sender, writer)
+                    wire, export, transport, sender, claim = await self._attached(request, writer, rid, stream)
                 last, page_bytes = await pump(stream, sender, request.request_id, request.reservation_id,
                                               request.reservation_token, wire,
                                               payload_budget(self.config.max_message_bytes), transport)
@@ -283,6 +282,15 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
             resp.first_top_logprobs.CopyFrom(top_to_pb(last.first_top))
         self._phase("respond", time.monotonic() - stream.arrival)
         return resp
+
+    async def _attached(self, request: prefill_pb2.PrefillRequest, writer: PageWriter | None, rid: str,
+                        stream: RequestKVStream):
+        """An early request's reservation taken: its wire codec, export, transport name, sender and claim."""
+        wire, export = self._wire_codec(request, writer)
+        transport = writer.transport if writer is not None else self.transport.name
+        sender = self.transport.open(request.decode_address, rid, metadata=tuple(tracing.inject_metadata()))
+        stream.attach(writer, export, request.num_skip_blocks)  # no engine hop: the step may be long
+        return wire, export, transport, sender, await self._claim(request, stream, sender, writer)
 
     async def _claim(self, request: prefill_pb2.PrefillRequest, stream: RequestKVStream, sender: KVSender,
                      writer: PageWriter | None) -> asyncio.Future[None] | None:

@@ -38,6 +38,7 @@ class _Sender:
 
     def __init__(self) -> None:
         self.ack = asyncio.Event()
+        self.request_id = ""  # KVSender's: no engine request named (no layer-group export watched)
 
     async def bootstrap(self, claim=None) -> None:
         await self.ack.wait()
