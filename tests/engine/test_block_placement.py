@@ -4,6 +4,11 @@ LRU order or changing what is counted."""
 
 from __future__ import annotations
 
+import itertools
+
+import pytest
+
+import services.engine.block_manager as bm_mod
 from services.engine.block_manager import BlockManager
 from services.engine.sequence import Sequence
 from tests.engine.factories import make_block_manager, make_seq
@@ -43,7 +48,7 @@ def test_a_new_sequence_takes_the_longest_free_run_after_fragmentation() -> None
     for s in seqs:
         assert bm.allocate(s, 4)
     assert len({s.block_table[0] for s in seqs}) == 8
-    assert all(abs(a.block_table[0] - b.block_table[0]) > 1 for a, b in zip(seqs, seqs[1:], strict=False))
+    assert all(abs(a.block_table[0] - b.block_table[0]) > 1 for a, b in itertools.pairwise(seqs))
     for s in seqs[1:6:2]:  # free three single blocks
         bm.free(s)
     new = make_seq(12, seed=99)
@@ -85,3 +90,15 @@ def test_kv_import_allocation_is_consecutive() -> None:
     assert bm.allocate_for_kv_import(imported) == 0
     assert _consecutive(imported.block_table) and not set(imported.block_table) & set(live.block_table)
     bm.check_invariants([live, imported])
+
+
+def test_large_free_pools_skip_the_run_scan(monkeypatch: pytest.MonkeyPatch) -> None:
+
+    bm = make_block_manager(num_blocks=64, block_size=4)
+    a = make_seq(6, seed=1)
+    assert bm.allocate(a, 6)
+    monkeypatch.setattr(bm_mod, "RUN_SCAN_MAX", 8)  # 62 plain free blocks: more than the cap
+    b = make_seq(8, seed=2)
+    assert bm.allocate(b, 8)
+    assert b.block_table == [2, 3]  # the oldest plain free block, no mid-run placement; still consecutive
+    bm.check_invariants([a, b])
