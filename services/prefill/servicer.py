@@ -217,10 +217,11 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
                                                  metadata=tuple(tracing.inject_metadata()))
                     claim = await self._claim(request, stream, sender, writer)
                 self.streams[rid] = stream
+                attached = False
                 if waiting is not None and self._attach_before_compute(ids):
                     request, writer = await self._await_attach_first(waiting, stream)
                     wire, export, transport, sender, claim = await self._attached(request, writer, rid, stream)
-                    waiting = None
+                    attached = True
                 try:
                     loaded = await self._admit(rid, ids, first_params, stream)
                     self._phase("admitted", time.monotonic() - stream.arrival)
@@ -229,7 +230,7 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
                     await self._refuse(context, "invalid", grpc.StatusCode.INVALID_ARGUMENT, str(e),
                                        Reason.ERROR_REASON_INVALID_INPUT,
                                        field=getattr(e, "field", "") or "token_ids")
-                if waiting is not None:  # computing already; nothing is written before the claim is acknowledged
+                if waiting is not None and not attached:  # computing already; nothing is written before the ack
                     request, writer = await self._await_attach(waiting, stream)
                     wire, export, transport, sender, claim = await self._attached(request, writer, rid, stream)
                 last, page_bytes = await pump(stream, sender, request.request_id, request.reservation_id,

@@ -46,6 +46,7 @@ async def test_an_early_one_chunk_prompt_is_admitted_with_its_reservation_and_go
     assert await consume == _want(ids)
     layers = p.prefill.engine.engine.runner.num_layers
     assert len(made) == 1 and made[0].groups_sent == -(-layers // 3)  # the chunk went group by group
+    assert not p.prefill.attachments.waiting and not p.prefill.streams
     await _assert_freed(p.prefill.engine)
 
 
