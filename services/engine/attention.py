@@ -57,9 +57,12 @@ class DecodePlan:
 
 
 ONE_THREAD_MAX_BATCH = 4
-"""CPU decode attention of at most this many sequences runs on one torch thread: at batch 1-4 and 128-2048 keys
-one layer's attention measured faster on 1 thread than on 2 (an OpenMP region's wake-up of the helper costs more
-than the split saves at these sizes; docs/PERFORMANCE.md, "CPU decode attention"). Larger batches keep the step's."""
+ONE_THREAD_MAX_KEYS = 512
+"""CPU decode attention that GATHERS at most ONE_THREAD_MAX_BATCH sequences of at most ONE_THREAD_MAX_KEYS keys
+runs on one torch thread: the gather crosses torch's parallel grain, and waking the OpenMP helper for it and SDPA
+cost more than the split saves (whole step at 512 keys on a quiet box: 17.74 -> 16.69 ms per token; at 2048 keys
+2 threads won, 25.67 vs 27.24). Views keep the step's threads (at 2048 keys 21.85 ms at 2 threads vs 25.46 at 1;
+docs/PERFORMANCE.md, "CPU decode attention")."""
 VIEWS_MIN_KEYS_BATCHED = 512
 """A decode batch of several sequences reads views (one SDPA per sequence) when its longest context has at least
 this many keys, else one gather + one batched SDPA: at 128 keys, batches 2 and 4, the gather measured faster (the
@@ -119,13 +122,12 @@ class TorchPagedAttention:
             max_len = max(ctx)
             nb = (max_len + self.block_size - 1) // self.block_size
             cpu = meta.block_tables.device.type == "cpu"  # reading the tables on the host: no device sync
-            threads = 1 if cpu and nd <= ONE_THREAD_MAX_BATCH else 0
             if cpu and (nd == 1 or max_len >= VIEWS_MIN_KEYS_BATCHED):
                 bs = self.block_size
                 tables = meta.block_tables[:nd, :nb].tolist()
                 starts = consecutive_starts([t[: (c + bs - 1) // bs] for t, c in zip(tables, ctx, strict=True)], bs)
                 if starts is not None:
-                    meta.decode_plan = DecodePlan(None, nb, max_len, None, starts, ctx, threads)
+                    meta.decode_plan = DecodePlan(None, nb, max_len, None, starts, ctx)
                     return meta.decode_plan
             gather = meta.block_tables[:nd, :nb].reshape(-1).to(torch.int64)
             mask = None
@@ -133,7 +135,8 @@ class TorchPagedAttention:
                 pos = torch.arange(max_len, device=meta.block_tables.device)
                 lens = torch.tensor(ctx, dtype=torch.int64, device=pos.device)
                 mask = (pos[None, :] < lens[:, None])[:, None, None, :]
-            meta.decode_plan = DecodePlan(gather, nb, max_len, mask, threads=threads)
+            one = cpu and nd <= ONE_THREAD_MAX_BATCH and max_len <= ONE_THREAD_MAX_KEYS
+            meta.decode_plan = DecodePlan(gather, nb, max_len, mask, threads=1 if one else 0)
         return meta.decode_plan
 
     def _decode(self, layer: int, q: torch.Tensor, plan: DecodePlan, gqa: bool) -> torch.Tensor:

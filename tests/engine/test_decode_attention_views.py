@@ -95,7 +95,7 @@ def test_consecutive_starts() -> None:
 
 
 @torch.inference_mode()
-def test_small_decode_batches_attend_on_one_thread_and_restore_the_steps_count(
+def test_small_gathered_decode_batches_attend_on_one_thread_and_restore_the_steps_count(
         model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[int] = []
     sdpa = attention.F.scaled_dot_product_attention
@@ -111,10 +111,14 @@ def test_small_decode_batches_attend_on_one_thread_and_restore_the_steps_count(
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        for batch, want in ((1, 1), (4, 1), (6, 2)):
+        # batch 1 on consecutive blocks reads views at the step's threads; small gathered batches use one thread
+        for batch, want in ((1, 2), (4, 1), (6, 2)):
             seen.clear()
             paged.forward([([5], 9, list(range(3 * i, 3 * i + 3))) for i in range(batch)])
             assert set(seen) == {want}, (batch, seen)
             assert torch.get_num_threads() == 2  # the step's count is back for the next layer's GEMMs
+        seen.clear()
+        paged.forward([([6], 10, [3, 40, 5])])  # a fragmented batch 1 (only threads checked): gathered on one thread
+        assert set(seen) == {1} and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
