@@ -36,6 +36,7 @@ import grpc
 
 from services.common import tracing
 from services.common.block_hash import block_hashes
+from services.common.grpc_util import detail_of
 from services.common.metrics import RouterMetrics
 from services.common.pb import common_pb2, decode_pb2, prefill_pb2
 from services.engine.convert import params_to_pb
@@ -318,7 +319,8 @@ class Handoff:
                           reserved: asyncio.Future[tuple[Instance, decode_pb2.ReserveResponse]]
                           ) -> prefill_pb2.PrefillResponse:
         """An early Prefill and, once Reserve answered, its AttachReservation. A refused attach ends the call
-        (its error is raised unless the Prefill call had already failed with its own)."""
+        (its error is raised), except one refused because the Prefill call already ended: that call's own
+        status decides (a retryable failure is retried, an internal one stays internal)."""
         req.sent_unix = time.time()
         self._phase(st, "prefill_sent")
         call = prefill.prefill.Prefill(req, metadata=tracing.inject_metadata(), timeout=st.timeout_s())
@@ -326,8 +328,9 @@ class Handoff:
         attach = asyncio.ensure_future(self._attach(st, prefill, req.attach_id, reserved))
         try:
             await asyncio.wait({answer, attach}, return_when=asyncio.FIRST_COMPLETED)
-            if not answer.done() and attach.exception() is not None:
-                raise attach.exception()  # type: ignore[misc]
+            refused = None if answer.done() else attach.exception()
+            if refused is not None and not _call_ended(refused):
+                raise refused
             return await answer
         finally:
             call.cancel()  # a no-op once it answered; else prefill frees everything it held for it
@@ -361,6 +364,15 @@ class Handoff:
                             e.code().name, e.details())
             except BackendError:  # deadline passed: decode drops the reservation itself
                 return
+
+
+def _call_ended(err: BaseException) -> bool:
+    """An AttachReservation refused because its Prefill call no longer waits for it (it ended, or never
+    arrived): FAILED_PRECONDITION on field attach_id, not retryable."""
+    if not isinstance(err, grpc.aio.AioRpcError) or err.code() != grpc.StatusCode.FAILED_PRECONDITION:
+        return False
+    d = detail_of(err)
+    return d.field == "attach_id" and not d.retryable
 
 
 def _set_reservation(msg: prefill_pb2.PrefillRequest | prefill_pb2.AttachReservationRequest, decode: Instance,

@@ -54,6 +54,11 @@ def _attached(c: LocalCluster) -> float:
                       phase="attached")
 
 
+def _prefill_sent(c: LocalCluster) -> float:
+    """Prefill calls the router sent (observed before each goes out)."""
+    return metric_sum(c.router["metrics"], m.ROUTER_HANDOFF_PHASE_SECONDS + "_count", phase="prefill_sent")
+
+
 def test_a_reserve_retried_on_another_decode_writes_only_there(cluster, reference_engine) -> None:
     c = cluster
     d0, d1 = (c.get(f"decode-{i}").ready for i in (0, 1))
@@ -88,21 +93,22 @@ def test_every_decode_full_cancels_the_early_prefill_and_frees_its_blocks(cluste
     try:
         time.sleep(FULL_MEMORY_S)
         cancelled = metric_sum(pm, m.PREFILL_REQUESTS_ABORTED_TOTAL, reason="cancelled")
-        status, body = post_json(c.router["http"], "/v1/completions",
-                                 {"model": served_model(c.router["http"]), "prompt": ids, "max_tokens": 4})
-        assert status == 429, body
-        assert body["error"]["message"]
+        sent = _prefill_sent(c)
+        body = {"model": served_model(c.router["http"]), "prompt": ids, "max_tokens": 4}
+        status, reply = post_json(c.router["http"], "/v1/completions", body)
+        assert status == 429, reply
+        assert reply["error"]["message"]
+        # At once, within DECODE_FULL_MEMORY_S of that OVERLOADED, the router sends no Prefill early: none at all.
+        # The router observes prefill_sent before a Prefill goes out, so before either 429 is answered.
+        status, _ = post_json(c.router["http"], "/v1/completions", body)
+        assert status == 429
+        assert _prefill_sent(c) == sent + 1
         deadline = time.monotonic() + 20
         while metric_sum(pm, m.PREFILL_REQUESTS_ABORTED_TOTAL, reason="cancelled") == cancelled:
             assert time.monotonic() < deadline, "the early Prefill was not cancelled"
             time.sleep(0.1)
         rep = wait_idle(c.get("prefill-0").ready["grpc"])
         assert rep.free_blocks == rep.total_blocks, rep
-        # Within a second of OVERLOADED the router does not send Prefill early: nothing more reaches prefill.
-        status, _ = post_json(c.router["http"], "/v1/completions",
-                              {"model": served_model(c.router["http"]), "prompt": ids, "max_tokens": 4})
-        assert status == 429
-        assert metric_sum(pm, m.PREFILL_REQUESTS_ABORTED_TOTAL, reason="cancelled") == cancelled + 1
     finally:
         for a, r in zip(decodes, held, strict=True):
             asyncio.run(_release(a, r))

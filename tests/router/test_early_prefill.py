@@ -6,8 +6,14 @@ second, no Prefill goes out early."""
 
 from __future__ import annotations
 
+import asyncio
+
+import grpc
 import pytest
 
+from services.common import grpc_util
+from services.common.grpc_util import Reason, error_detail
+from tests.router.fake_peers import FakePrefill
 from tests.router.test_router_dispatch import (
     PROMPT,
     cluster_factory,  # noqa: F401 (the fixture)
@@ -32,7 +38,9 @@ async def test_prefill_is_sent_before_reserve_answers_and_attached_after(cluster
         at = {p: r.registry.get_sample_value(f"{PHASE}_sum", {"phase": p})
               for p in ("prefill_sent", "reserve", "attached", "first_token")}
     assert tokens(events) == reference(PROMPT, 4)
-    assert at["prefill_sent"] < 0.2 <= at["reserve"] <= at["attached"] <= at["first_token"], at
+    # times since the request began: Prefill went out before Reserve answered, the attach after it
+    assert at["prefill_sent"] < at["reserve"] <= at["attached"] <= at["first_token"], at
+    assert at["reserve"] >= 0.2, at
     (prefill,) = c.prefill(0).requests  # as it ended up: the early call with the attached reservation
     (attach_id,) = c.prefill(0).attaches
     assert prefill.attach_id == attach_id and prefill.decode_address == c.decode_addr(0)
@@ -56,8 +64,54 @@ async def test_every_decode_full_cancels_the_early_prefill_and_turns_early_off(c
     async with router(c) as r:
         err = await failure(r, 4)
         assert err.code == "resource_exhausted" and err.retry_after_s == pytest.approx(0.7)
-        await eventually(lambda: c.prefill(0).early_cancelled == 1)
-        assert len(c.prefill(0).requests) == 1  # sent early, then cancelled
-        err = await failure(r, 4)  # within a second of OVERLOADED: Reserve first, so no Prefill at all
+        err = await failure(r, 4)  # at once, within a second of OVERLOADED: Reserve first, so no Prefill at all
         assert err.code == "resource_exhausted"
-    assert len(c.prefill(0).requests) == 1
+        assert r.metric(f"{PHASE}_count", phase="prefill_sent") == 1
+        await eventually(lambda: c.prefill(0).early_cancelled == 1)
+    assert len(c.prefill(0).requests) == 1  # the first, sent early, then cancelled
+
+
+def _early_call_ends_before_its_attach(monkeypatch: pytest.MonkeyPatch, code: grpc.StatusCode,
+                                       retryable: bool) -> None:
+    """Every fake prefill's early call ends with ``code`` once its attach came, and the attach is refused as a
+    real prefill refuses one whose call ended (FAILED_PRECONDITION on attach_id), before the call's own status
+    reaches the router. A Prefill carrying its reservation (a retry) is served as usual."""
+    ended: dict[str, asyncio.Event] = {}
+    serve = FakePrefill.Prefill
+
+    async def attach(self, request, context):
+        ended.setdefault(request.attach_id, asyncio.Event()).set()
+        await grpc_util.abort(context, grpc.StatusCode.FAILED_PRECONDITION, "the Prefill call ended before it "
+                              "took the reservation", error_detail(Reason.ERROR_REASON_INVALID_INPUT,
+                                                                   side="prefill", field="attach_id"))
+
+    async def prefill(self, request, context):
+        if not request.attach_id:
+            return await serve(self, request, context)
+        self.requests.append(request)
+        await ended.setdefault(request.attach_id, asyncio.Event()).wait()
+        await asyncio.sleep(0.2)  # the attach's refusal reaches the router first
+        await grpc_util.abort(context, code, "prefill failed", error_detail(Reason.ERROR_REASON_UNSPECIFIED,
+                                                                            retryable=retryable, side="prefill"))
+
+    monkeypatch.setattr(FakePrefill, "AttachReservation", attach)
+    monkeypatch.setattr(FakePrefill, "Prefill", prefill)
+
+
+async def test_an_attach_refused_as_its_call_ended_leaves_the_calls_own_status(
+        cluster_factory, monkeypatch) -> None:  # noqa: F811
+    _early_call_ends_before_its_attach(monkeypatch, grpc.StatusCode.INTERNAL, retryable=False)
+    c = await cluster_factory(1, 1)
+    async with router(c) as r:
+        err = await failure(r, 4)
+    assert err.code == "internal", err  # the call's own failure, not a 400 about attach_id
+
+
+async def test_an_attach_refused_as_its_call_ended_retries_a_retryable_call(
+        cluster_factory, monkeypatch) -> None:  # noqa: F811
+    _early_call_ends_before_its_attach(monkeypatch, grpc.StatusCode.UNAVAILABLE, retryable=True)
+    c = await cluster_factory(1, 2)
+    async with router(c) as r:
+        await exact(r, 4)
+    retried, early = sorted((p for i in range(2) for p in c.prefill(i).requests), key=lambda p: bool(p.attach_id))
+    assert early.attach_id and not retried.attach_id and retried.decode_address == c.decode_addr(0)
