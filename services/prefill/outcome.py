@@ -9,13 +9,15 @@ import time
 from services.common.grpc_util import Reason, error_detail
 from services.common.pb import common_pb2
 from services.engine.kv_transport import TransferError
+from services.engine.kv_transport.base import ClaimUnanswered
 from services.prefill.kv_stream import ClaimTimeout, RequestKVStream
 
 
 def handoff_detail(e: TransferError) -> common_pb2.ErrorDetail:
     """A claim decode did not answer in time is retryable with the same reservation (decode kept it, no page
-    was written): not KV_HANDOFF_FAILED, which the router ends the request on."""
-    if isinstance(e, ClaimTimeout):
+    was written; the sender's ClaimTimeout or a layer-group write's ClaimUnanswered): not KV_HANDOFF_FAILED,
+    which the router ends the request on."""
+    if isinstance(e, (ClaimTimeout, ClaimUnanswered)):
         return error_detail(Reason.ERROR_REASON_UNSPECIFIED, retryable=True, side="decode")
     return error_detail(Reason.ERROR_REASON_KV_HANDOFF_FAILED, retryable=False, side="decode")
 

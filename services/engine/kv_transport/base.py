@@ -53,6 +53,12 @@ class TransferError(RuntimeError):
         self.detail = detail
 
 
+class ClaimUnanswered(TransferError):
+    """Decode did not acknowledge a writer's claim within the claim wait of the prompt being computed: no page
+    was written and decode keeps the reservation, so the request may be retried with it (a typed retry
+    decision; the prefill's ClaimTimeout is one)."""
+
+
 OnClaimed = Callable[[], Awaitable[None]]
 """Decode's acknowledgement of a claim (the servicer sends CLAIM_ACK as initial metadata)."""
 
