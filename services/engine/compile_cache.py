@@ -76,11 +76,15 @@ class CompileChild:
 
     It leads a process group of its own (its C++ compiler runs are in it): ``kill`` and ``pause`` reach
     them all, and a terminal's Ctrl-C reaches the server only, which kills the group as it stops. A server
-    killed outright takes the child with it (its parent-death signal, compile_child._die_with_parent)."""
+    killed outright takes the child with it (its parent-death signal, compile_child._die_with_parent); the
+    group stays in the server's session, so when the server dies the group is orphaned and the kernel sends
+    it SIGHUP and SIGCONT: compiler runs stopped by the gate end too (in a session of its own the group
+    would never be orphaned, and stay stopped forever). A compiler run that the gate had not stopped runs to
+    its end."""
 
     def __init__(self, request: dict[str, Any]) -> None:
         self.proc = subprocess.Popen(CHILD_ARGV, cwd=_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     start_new_session=True)
+                                     process_group=0)
         assert self.proc.stdin is not None
         with contextlib.suppress(BrokenPipeError):  # a child that died at start: its exit status tells
             self.proc.stdin.write(json.dumps(request).encode())

@@ -193,7 +193,8 @@ def _listening(port: int) -> set[str]:
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_pdserve_up_binds_loopback_and_sigterm_stops_everything() -> None:
-    env = {**os.environ, "PDSERVE_KV_CACHE_BYTES": str(96 << 20)}
+    # No compile child: this test is about binding and stopping, not compiling (up defaults to compiling).
+    env = {**os.environ, "PDSERVE_KV_CACHE_BYTES": str(96 << 20), "PDSERVE_CPU_COMPILE_DECODE": "0"}
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--kvstore", "none", "--kv-transport",
                              "grpc", "--http-port", "0", "--grpc-port", "0"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, env=env,

@@ -4,9 +4,14 @@ run at that count; what the child is asked to build."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import shutil
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -107,3 +112,54 @@ def test_an_unusable_cache_directory_leaves_the_engine_eager(tiny_llama3_dir: Pa
     assert compiler is not None and compiler.report.status == "failed" and compiler._child is None
     assert compiler.wait(0.1) and not compiler.working  # never started: nothing to wait for
     assert len(_greedy(eng)) == 2
+
+
+_SERVER = """
+import sys, time
+from services.engine import compile_cache
+compile_cache.CHILD_ARGV = (sys.executable, "-c", "import subprocess, time; subprocess.Popen(['sleep', '120']); time.sleep(120)")
+child = compile_cache.CompileChild({})
+time.sleep(0.5)  # the stand-in child has started its 'compiler' (sleep)
+child.pause(True)  # what the serving gate does 90% of the time
+print(child.proc.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def _group_states(pgid: int) -> list[str]:
+    """States (R, S, T, ...) of the live processes of process group ``pgid``."""
+    states = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":  # fields[2]: process group id
+                states.append(fields[0])
+    return states
+
+
+def test_a_server_killed_while_the_child_is_stopped_leaves_no_stopped_process() -> None:
+    """The child's group stays in the server's session: killed outright, the server leaves the group orphaned,
+    and the kernel's SIGHUP + SIGCONT ends the stopped processes (in a session of their own they stayed
+    stopped forever)."""
+    server = subprocess.Popen([sys.executable, "-c", _SERVER], cwd=compile_cache._ROOT, stdout=subprocess.PIPE,
+                              text=True)
+    assert server.stdout is not None
+    pgid = int(server.stdout.readline())
+    try:
+        deadline = time.monotonic() + 10
+        while _group_states(pgid).count("T") < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _group_states(pgid).count("T") == 2  # the stand-in child and its 'compiler', stopped
+        server.kill()
+        server.wait()
+        deadline = time.monotonic() + 10
+        while _group_states(pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _group_states(pgid) == []
+    finally:
+        server.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
