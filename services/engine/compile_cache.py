@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -47,6 +48,18 @@ def use_cache_dir(path: Path) -> None:
 
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
         clear_caches()  # in-memory entries of another directory are not this one's
+
+
+def cpp_compiler() -> str | None:
+    """Path of the C++ compiler inductor would run (its ``cpp.cxx`` choice: $CXX or g++, looked up on PATH);
+    None when there is none (inductor's optional conda install of g++ is not counted)."""
+    import torch._inductor.config as inductor_config
+
+    cxx = inductor_config.cpp.cxx
+    for name in cxx if isinstance(cxx, (list, tuple)) else (cxx,):
+        if name and (path := shutil.which(name)):
+            return path
+    return None
 
 
 def lent_threads(config: EngineConfig) -> int:

@@ -174,6 +174,11 @@ class DecodeCompiler:
             self.report.status = "failed"
             return
         assert self.config is not None, "a started compiler needs the engine's settings"
+        if compile_cache.cpp_compiler() is None:
+            log.warning("engine: --cpu-compile-decode: no C++ compiler on PATH (inductor runs $CXX or g++), so no "
+                        "background compile: decode steps stay eager (--cpu-compile-decode 0 says so quietly)")
+            self.report.status = "failed"
+            return
         path = compile_cache.cache_dir_of(self.config)
         try:
             compile_cache.use_cache_dir(path)
@@ -249,6 +254,9 @@ class DecodeCompiler:
         assert self.config is not None  # start() checked
         self._child = compile_cache.CompileChild(
             compile_cache.child_request(self.config, cd.model, cd.max_batch, pages, wanted))
+        log.info("engine: --cpu-compile-decode: compile child (pid %d) started, filling the compile cache %s with %d "
+                 "decode-step variants (a cold compile takes minutes; a warm cache, seconds); steps stay eager "
+                 "until each lands", self._child.proc.pid, compile_cache.cache_dir_of(self.config), len(wanted))
         try:
             if self._stop.is_set():  # stop() ran before the child existed
                 raise _Stopped

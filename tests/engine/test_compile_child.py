@@ -163,3 +163,17 @@ def test_a_server_killed_while_the_child_is_stopped_leaves_no_stopped_process() 
         server.kill()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGKILL)
+
+
+def test_no_cpp_compiler_leaves_the_engine_eager_without_a_child(tiny_llama3_dir: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no g++ (nor $CXX) to be found
+    with caplog.at_level(logging.INFO, logger="services.engine.decode_compiler"):
+        eng = LLMEngine(_config(tiny_llama3_dir, cpu_compile_decode=1))
+    compiler = eng.runner.decode_compiler
+    assert compiler is not None and compiler.report.status == "failed" and compiler._child is None
+    assert compiler.wait(0.1) and not compiler.working
+    said = [r.getMessage() for r in caplog.records if r.name == "services.engine.decode_compiler"]
+    assert len(said) == 1 and "no C++ compiler" in said[0], said
+    assert len(_greedy(eng)) == 2
