@@ -13,12 +13,11 @@ import contextlib
 import json
 import logging
 import os
-import select
 import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -103,26 +102,14 @@ class CompileChild:
             self.proc.stdin.write(json.dumps(request).encode())
             self.proc.stdin.close()
 
-    def records(self, tick: Callable[[], None], every_s: float) -> Iterator[dict[str, Any]]:
-        """Each variant's record as the child prints it, calling ``tick`` at least every ``every_s`` s while
-        it waits; ends when the child exits or is killed."""
+    def records(self) -> Iterator[dict[str, Any]]:
+        """Each variant's record as the child prints it; ends when the child exits or is killed."""
         assert self.proc.stdout is not None
-        fd, pending = self.proc.stdout.fileno(), b""
-        while True:
-            ready, _, _ = select.select([fd], [], [], every_s)
-            tick()
-            if not ready:
-                continue
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                return
-            pending += chunk
-            *lines, pending = pending.split(b"\n")
-            for line in lines:
-                with contextlib.suppress(ValueError):  # not JSON (or not UTF-8): not a record
-                    rec = json.loads(line)
-                    if isinstance(rec, dict):
-                        yield rec
+        for line in self.proc.stdout:
+            with contextlib.suppress(ValueError):  # not JSON (or not UTF-8): not a record
+                rec = json.loads(line)
+                if isinstance(rec, dict):
+                    yield rec
 
     def _signal(self, sig: int) -> None:
         if self.proc.returncode is None:  # not reaped yet: the group id is still this child's

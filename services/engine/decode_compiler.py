@@ -1,8 +1,8 @@
 """Compiles the CPU decode step in the background while the engine serves eager steps (``--cpu-compile-decode``).
 
 The cold compile runs in a child process (compile_child.py: nice 19, one C++ compiler at a
-time, no lock of the server; run while the engine is idle and for CHILD_DUTY of the time while it serves,
-stopped with SIGSTOP the rest) that fills the on-disk compile cache (compile_cache.py, ``--cpu-compile-cache-dir``) with
+time, no lock of the server; a gate thread runs it while the engine is idle, while this process builds a
+variant from the cache, and for CHILD_DUTY of the time while it serves, stopped with SIGSTOP the rest) that fills the on-disk compile cache (compile_cache.py, ``--cpu-compile-cache-dir``) with
 every variant: batch sizes 1..N at the engine's thread share, and again at the lent thread count when the
 engine is in a core share group. One thread per engine (one at a time per process; not a daemon:
 DecodeCompiler.__init__ says why) takes each variant as the child reports it: it compiles it in this process
@@ -21,7 +21,8 @@ a step waits while the compile thread traces (make_fx of one variant's graph: th
 
 Cores: the thread keeps the engine's priority (NICE = 0): it holds the fence while it traces, and at
 nice +10 on a loaded box the engine's steps waited behind a starved tracing thread (tests/engine/test_engine.py
-took 6 min instead of 2). While it runs, the interpreter's switch interval drops to 0.5 ms, so an engine step
+took 6 min instead of 2). While it works (not while it waits for the child), the interpreter's switch
+interval drops to 0.5 ms, so an engine step
 waiting for the GIL after each torch op (ops release it) waits at most that long instead of 5 ms; inductor
 compiles (cache misses) in this thread (compile_threads = 1: one C++ compiler process at a time, no worker
 pool), at each variant's thread count (Dynamo guards on the thread count: a step at a count without a
@@ -76,7 +77,7 @@ fifth of the time (and a 20 ms tick) still 1.12x (eager steps) / 1.26x (compiled
 CHILD_PERIOD_S = 0.5
 """Length of one run/stop cycle of the child while the engine serves (s)."""
 GATE_TICK_S = 0.005
-"""How often the compile thread looks at the engine's activity while it waits for the child (s)."""
+"""How often the gate thread looks at the engine's activity to run or stop the child (s)."""
 _ONE_AT_A_TIME = threading.Lock()
 """Held by the compiling thread: engines of one process compile one after another."""
 
@@ -119,13 +120,14 @@ class CompileReport:
 
 
 @contextlib.contextmanager
-def _background_priority() -> Iterator[None]:
+def _background_priority() -> Iterator[float]:
+    """This thread's niceness, and the short switch interval until the end; yields the interval before."""
     with contextlib.suppress(OSError, AttributeError):  # per-thread nice: Linux
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
     interval = sys.getswitchinterval()
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
-        yield
+        yield interval
     finally:
         sys.setswitchinterval(interval)
 
@@ -150,9 +152,11 @@ class DecodeCompiler:
         self._child: compile_cache.CompileChild | None = None
         self._child_running = True
         self.hold_child = False
+        """Keep the child stopped whatever the engine does (benchmarks: serving with and without it)."""
         self.awaiting_child = False
         """The thread is blocked on the compile child's next record (it uses no core meanwhile)."""
-        """Keep the child stopped whatever the engine does (benchmarks: serving with and without it)."""
+        self._switch_interval = sys.getswitchinterval()
+        """The interpreter's switch interval outside the compile (restored while the thread awaits the child)."""
         self._stop = threading.Event()
         # The thread holds this object weakly while it waits for its turn: an engine dropped meanwhile is
         # never compiled (and its model is not kept alive by the wait).
@@ -208,12 +212,14 @@ class DecodeCompiler:
         return not self._thread.is_alive()
 
     def _gate_child(self) -> None:
-        """Run the child while the engine is idle, for CHILD_DUTY of each CHILD_PERIOD_S while it serves."""
+        """Run the child while the engine is idle, for CHILD_DUTY of each CHILD_PERIOD_S while it serves, and
+        always while this thread builds, checks or times a variant (it may wait on an inductor file lock the
+        child holds: a stopped child would hold it until the gate ran it again)."""
         child = self._child
         if child is None:
             return
         now = time.monotonic()
-        run = not self.hold_child and (not trace_fence.serving_within(SERVING_IDLE_S)
+        run = not self.hold_child and (not self.awaiting_child or not trace_fence.serving_within(SERVING_IDLE_S)
                                        or now % CHILD_PERIOD_S < CHILD_DUTY * CHILD_PERIOD_S)
         if run != self._child_running:
             child.pause(not run)
@@ -230,7 +236,7 @@ class DecodeCompiler:
 
     def _main(self) -> None:
         try:
-            with _background_priority(), torch.inference_mode():
+            with _background_priority() as self._switch_interval, torch.inference_mode():
                 self._compile_all()
         except _Stopped:
             self.report.status = "stopped"
@@ -254,6 +260,9 @@ class DecodeCompiler:
         assert self.config is not None  # start() checked
         self._child = compile_cache.CompileChild(
             compile_cache.child_request(self.config, cd.model, cd.max_batch, pages, wanted))
+        gate_stop = threading.Event()
+        gate = threading.Thread(target=self._gate_main, args=(gate_stop,), name="pdserve-compile-gate", daemon=True)
+        gate.start()  # daemon: it touches no torch state, and is stopped and joined below
         log.info("engine: --cpu-compile-decode: compile child (pid %d) started, filling the compile cache %s with %d "
                  "decode-step variants (a cold compile takes minutes; a warm cache, seconds); steps stay eager "
                  "until each lands", self._child.proc.pid, compile_cache.cache_dir_of(self.config), len(wanted))
@@ -263,7 +272,9 @@ class DecodeCompiler:
             self._build_from_child(wanted, pages)
         finally:
             torch.set_num_threads(self.cpu_threads)
-            self._child.kill()
+            gate_stop.set()
+            gate.join()
+            self._child.kill()  # after the gate: it continues nothing once killed
             rc = self._child.wait()
         self._stopping()
         if r.status == "compiling" and len(r.variants) < len(wanted):
@@ -295,7 +306,7 @@ class DecodeCompiler:
         for i, n in enumerate(lens):
             self._stopping()
             eager.prefill([(7 * j + 3 * i) % vocab for j in range(n)], tables[i])
-        for rec in self._awaited(self._child.records(self._gate_child, GATE_TICK_S)):
+        for rec in self._awaited(self._child.records()):
             self._stopping()
             b, t = int(rec.get("batch", 0)), int(rec.get("threads", 0))
             if (b, t) not in wanted or "error" in rec:
@@ -334,15 +345,23 @@ class DecodeCompiler:
                      b, t, v.child_s, v.compile_s, v.max_logit_diff, v.same_argmax, v.compiled_ms, v.eager_ms,
                      "switched on" if v.active else "stays eager")
 
+    def _gate_main(self, stop: threading.Event) -> None:
+        """The gate's own thread, for the child's whole life (ticks while this thread waits and works alike)."""
+        while not stop.wait(GATE_TICK_S):
+            self._gate_child()
+
     def _awaited(self, records: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-        """``records`` with ``awaiting_child`` set while the next one is awaited."""
+        """``records`` with ``awaiting_child`` set while the next one is awaited, at the interpreter's usual
+        switch interval (the short one only matters while this thread runs Python)."""
         while True:
             self.awaiting_child = True
+            sys.setswitchinterval(self._switch_interval)
             try:
                 rec = next(records)
             except StopIteration:
                 return
             finally:
+                sys.setswitchinterval(SWITCH_INTERVAL_S)
                 self.awaiting_child = False
             yield rec
 

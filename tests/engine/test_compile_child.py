@@ -177,3 +177,45 @@ def test_no_cpp_compiler_leaves_the_engine_eager_without_a_child(tiny_llama3_dir
     said = [r.getMessage() for r in caplog.records if r.name == "services.engine.decode_compiler"]
     assert len(said) == 1 and "no C++ compiler" in said[0], said
     assert len(_greedy(eng)) == 2
+
+
+_ONE_RECORD = ("import json, sys, time; v = json.load(sys.stdin)['variants'][0]; "
+               "print(json.dumps({'batch': v[0], 'threads': v[1], 'seconds': 0.1}), flush=True); time.sleep(120)")
+"""A stand-in child: reports the first variant at once (not in the cache: the engine compiles it), then waits."""
+
+
+def _state(pid: int) -> str:
+    return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def _until(what: str, cond: object, limit_s: float) -> None:
+    deadline = time.monotonic() + limit_s
+    while not cond():  # type: ignore[operator]
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+@needs_compiler
+def test_the_gate_runs_while_the_engine_builds_and_the_wait_keeps_the_usual_switch_interval(
+        tiny_llama3_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compile_cache, "CHILD_ARGV", (sys.executable, "-c", _ONE_RECORD))
+    usual = sys.getswitchinterval()
+    eng = LLMEngine(_config(tiny_llama3_dir, cpu_compile_decode=1, cpu_compile_cache_dir=str(tmp_path / "cache")))
+    compiler = eng.runner.decode_compiler
+    assert compiler is not None
+    try:
+        _until("the child's record", lambda: compiler.report.variants, WAIT_S)
+        assert compiler.report.variants[0].compile_s == 0.0  # building it here (a cold cache: tens of seconds)
+        child = compiler._child
+        assert child is not None
+        compiler.hold_child = True  # the gate acts while the engine builds, not only while it awaits the child
+        _until("the child stopped while the engine builds", lambda: _state(child.proc.pid) == "T", 10)
+        assert not compiler.awaiting_child and compiler.report.variants[0].compile_s == 0.0
+        compiler.hold_child = False
+        _until("the child running again", lambda: _state(child.proc.pid) != "T", 10)
+        _until("the wait for the next record", lambda: compiler.awaiting_child, WAIT_S)
+        assert sys.getswitchinterval() == usual  # not the compile's 0.5 ms while it only waits
+    finally:
+        compiler.stop()
+        assert compiler.wait(30)
+        eng.runner.release()
