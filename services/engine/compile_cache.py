@@ -3,8 +3,10 @@ counts variants are compiled at, and the child process itself.
 
 Cache directory: ``--cpu-compile-cache-dir`` (default ``~/.cache/pdserve/torch-compile``), local config only.
 It becomes inductor's cache directory (TORCHINDUCTOR_CACHE_DIR, which inductor itself reads and writes in
-this process's environment) for every compile of this process: one directory per process, the first engine
-to start a compile sets it. The child inherits it and fills it; the server's own compiles then read it.
+this process's environment) for every compile of this process: one directory per process, set by each engine
+that starts a background compile (the last one started wins: engines of one process name the same directory).
+The child inherits it and fills it; the server's own compiles then read it. Inductor loads shared objects and
+pickled code from it, so a directory not owned by this user, or writable by group or others, is refused.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -40,8 +43,13 @@ def cache_dir_of(config: EngineConfig) -> Path:
 
 
 def use_cache_dir(path: Path) -> None:
-    """Make ``path`` inductor's cache directory for this process (created, mode 0700 when new)."""
+    """Make ``path`` inductor's cache directory for this process (created, mode 0700 when new); PermissionError
+    when it is not a directory of this user that only this user may write."""
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = path.stat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise PermissionError(f"not a directory of this user writable by this user only (mode {st.st_mode & 0o777:o}):"
+                              " refused (inductor loads code from it)")
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR") != str(path):
         from torch._inductor.utils import clear_caches
 

@@ -219,3 +219,16 @@ def test_the_gate_runs_while_the_engine_builds_and_the_wait_keeps_the_usual_swit
         compiler.stop()
         assert compiler.wait(30)
         eng.runner.release()
+
+
+def test_a_cache_directory_others_may_write_leaves_the_engine_eager(tiny_llama3_dir: Path, tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    shared = tmp_path / "cache"
+    shared.mkdir()
+    shared.chmod(0o777)  # anyone could plant the .so files and pickled code inductor loads from it
+    with caplog.at_level(logging.WARNING, logger="services.engine.decode_compiler"):
+        eng = LLMEngine(_config(tiny_llama3_dir, cpu_compile_decode=1, cpu_compile_cache_dir=str(shared)))
+    compiler = eng.runner.decode_compiler
+    assert compiler is not None and compiler.report.status == "failed" and compiler._child is None
+    assert any("refused" in r.getMessage() for r in caplog.records if r.name == "services.engine.decode_compiler")
+    assert len(_greedy(eng)) == 2
