@@ -72,6 +72,17 @@ def _may_borrow(eng: LLMEngine) -> bool:
     return sch.num_running + sch.num_waiting + sch.num_waiting_for_kv <= 1
 
 
+def _borrow_exactly(eng: LLMEngine) -> int:
+    """The only thread count a borrowed step may run at (CoreShare.busy's ``exactly``): with compiled decode
+    sizes switched on, the lent count they are compiled at (a count in between, some peers idle and some not,
+    has no variant: its steps would run eager); 0: any."""
+    compiled = getattr(eng.runner, "compiled_decode", None)
+    compiler = getattr(eng.runner, "decode_compiler", None)
+    if compiled is None or not compiled.active or compiler is None:
+        return 0
+    return int(compiler.lent_threads)
+
+
 def _out_of_work(cores: CoreShare, eng: LLMEngine) -> int:
     """Mark the engine idle in its share group (its share becomes lendable after the hold), unless its
     background decode compile is working in this process (pending, or building / checking / timing a variant):
@@ -136,7 +147,7 @@ class AsyncEngine:
                 self._run_commands()
                 if eng.has_work():
                     if self._cores is not None:
-                        self._threads = self._cores.busy(borrow=_may_borrow(eng))
+                        self._threads = self._cores.busy(borrow=_may_borrow(eng), exactly=_borrow_exactly(eng))
                     self._step_start = time.monotonic()
                     outputs = eng.step()
                     self._step_start = 0.0

@@ -271,13 +271,14 @@ class CoreShare:
             log.debug("core share: %d thread(s)", threads)
         return threads
 
-    def busy(self, now_ns: int | None = None, borrow: bool = True) -> int:
+    def busy(self, now_ns: int | None = None, borrow: bool = True, exactly: int = 0) -> int:
         """Mark this process busy and run with its share plus what idle peers lend (``borrow=False``: its own
-        share only); the thread count."""
+        share only; ``exactly`` > 0: borrowed only when that makes exactly this many, else its own share);
+        the thread count."""
         now = time.monotonic_ns() if now_ns is None else now_ns
         self._mark(True, now)
-        lent = lendable_threads(self.peers(), now, self.hold_ns) if borrow else 0
-        return self._apply(self.share + lent)
+        total = self.share + (lendable_threads(self.peers(), now, self.hold_ns) if borrow else 0)
+        return self._apply(total if not exactly or total == exactly else self.share)
 
     def idle(self, now_ns: int | None = None) -> int:
         """Mark this process idle (lendable once ``hold_ns`` has passed); once it has been idle that long,
