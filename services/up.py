@@ -218,10 +218,14 @@ def _forwarded(ns: argparse.Namespace, cfg: UpConfig, config_path: str | None) -
     return out
 
 
-def _add_compile_flags(extra: dict[str, list[str]], cfg: UpConfig) -> None:
+def _add_compile_flags(extra: dict[str, list[str]], cfg: UpConfig, file: ConfigFile | None = None,
+                       given: bool = False) -> None:
     """A prefill engine never runs a pure-decode step: no compile there (PDSERVE_CPU_COMPILE_DECODE reaches
-    every child's environment: the flags win). Decode and colocated engines (module decode) get up's value."""
+    every child's environment: the flags win). Decode and colocated engines (module decode) get up's value,
+    unless the config ``file``'s decode section sets cpu_compile_decode and up's flag was not ``given``."""
     extra.setdefault("prefill", []).extend(["--cpu-compile-decode", "0"])
+    if not given and file is not None and "cpu_compile_decode" in file.sections.get("decode", {}):
+        return
     extra.setdefault("decode", []).extend(["--cpu-compile-decode", str(cfg.cpu_compile_decode)])
 
 
@@ -321,7 +325,7 @@ def main(argv: list[str]) -> int:
         print(f"pdserve up: {e}", file=sys.stderr)
         return 2
     extra = _forwarded(ns, cfg, ns.config)
-    _add_compile_flags(extra, cfg)
+    _add_compile_flags(extra, cfg, file, given=ns.cpu_compile_decode is not None)
     tls_dir: Path | None = Path(cfg.tls_dir) if cfg.tls_dir else None
     tmp: str | None = None
     if cfg.tls:

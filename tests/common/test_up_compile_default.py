@@ -3,6 +3,8 @@ batch sizes 1-2 compiled in the background), prefills 0; a bare engine's default
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from services.common.config import parse_config
 from services.up import UpConfig, _add_compile_flags
 
@@ -25,3 +27,21 @@ def test_up_passes_an_explicit_value_on_and_a_bare_engine_stays_eager() -> None:
     from services.engine.config import EngineConfig
 
     assert EngineConfig().cpu_compile_decode == 0
+
+
+def test_a_config_files_decode_section_keeps_its_value_unless_up_is_given_one(tmp_path: Path) -> None:
+    from services.common.config_file import ConfigFile
+
+    path = tmp_path / "pdserve.yaml"
+    path.write_text("decode:\n  cpu_compile_decode: 1\n")
+    file = ConfigFile.load(str(path))
+    extra: dict[str, list[str]] = {}
+    _add_compile_flags(extra, parse_config(UpConfig, []), file)
+    assert "decode" not in extra and extra["prefill"] == ["--cpu-compile-decode", "0"]  # the file's 1 stands
+    extra = {}
+    _add_compile_flags(extra, parse_config(UpConfig, ["--cpu-compile-decode", "0"]), file, given=True)
+    assert extra["decode"] == ["--cpu-compile-decode", "0"]  # up's own flag wins over the file
+    path.write_text("prefill:\n  max_pending: 3\n")
+    extra = {}
+    _add_compile_flags(extra, parse_config(UpConfig, []), ConfigFile.load(str(path)))
+    assert extra["decode"] == ["--cpu-compile-decode", "2"]
