@@ -77,8 +77,18 @@ class LayerGroups:
 def plan(listeners: list[LayerListener], chunks: list[ScheduledChunk], num_layers: int, size: int
          ) -> LayerGroups | None:
     """The step's layer groups, or None when no listener wants a chunk (or the setting is off: ``size`` 0).
-    Only multi-token chunks (prefill) are offered: decode steps and their CUDA graphs never change."""
+    Only multi-token chunks (prefill) are offered: decode steps and their CUDA graphs never change. A listener
+    that raises fails the step: the sinks made before it are abandoned first (as when the forward fails)."""
     if not listeners or size <= 0:
         return None
-    sinks = [s for ch in chunks if ch.num_new_tokens > 1 for lis in listeners if (s := lis(ch)) is not None]
+    sinks: list[LayerSink] = []
+    try:
+        for ch in chunks:
+            for lis in listeners if ch.num_new_tokens > 1 else ():
+                if (s := lis(ch)) is not None:
+                    sinks.append(s)
+    except BaseException:
+        for s in sinks:
+            s.abandon()
+        raise
     return LayerGroups(sinks, num_layers, size) if sinks else None

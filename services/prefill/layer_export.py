@@ -13,6 +13,7 @@ its last chunk started computing cannot take this path.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from typing import TYPE_CHECKING
@@ -33,7 +34,9 @@ class LayerExports:
         """Engine request id -> its stream (an entry ends with the stream)."""
         self._armed: weakref.WeakKeyDictionary[RequestKVStream, tuple[int, int, int, object]] = \
             weakref.WeakKeyDictionary()
-        """stream -> (seq id, first block, block limit, write handle) of the write armed for its last chunk."""
+        """stream -> (seq id, first block, block limit, write handle) of the write armed for its last chunk. The
+        value never reaches the stream (the sink reads it through a weak reference), so an entry that ``take``
+        never popped (the step raised) ends with the stream."""
 
     def watch(self, request_id: str, stream: RequestKVStream) -> None:
         with self._lock:
@@ -53,13 +56,19 @@ class LayerExports:
         first, limit = stream.next_block, -(-(seq.num_computed_tokens + ch.num_new_tokens) // stream.block_size)
         if limit <= first:
             return None
+        ref = weakref.ref(stream)
         try:
-            sink = start(first, seq.block_table[first:limit], lambda: _cleared(stream), stream.claim_wait_s)
+            sink = start(first, seq.block_table[first:limit], lambda: _cleared(ref()), stream.claim_wait_s)
         except Exception:  # the chunk's own write (on_chunk) meets the same condition and reports it
             return None
         if sink is not None:
             with self._lock:
                 self._armed[stream] = (seq.seq_id, first, limit, sink.handle)
+            wake = getattr(sink, "wake", None)
+            if wake is not None:  # the claim's answer ends the sink's wait at once (it polls slowly otherwise)
+                task = stream.claim_task
+                with contextlib.suppress(RuntimeError):  # a closed loop: the request is ending anyway
+                    stream.loop.call_soon_threadsafe(lambda: task.add_done_callback(lambda _: wake()))
         return sink
 
     def take(self, stream: RequestKVStream, ch: ScheduledChunk, first: int, limit: int) -> object | None:
@@ -73,8 +82,11 @@ class LayerExports:
         return armed[3]
 
 
-def _cleared(stream: RequestKVStream) -> bool | None:
-    """Any thread: True once decode acknowledged the stream's claim, False once it never will, None meanwhile."""
+def _cleared(stream: RequestKVStream | None) -> bool | None:
+    """Any thread: True once decode acknowledged the stream's claim, False once it never will (or the stream is
+    gone), None meanwhile."""
+    if stream is None:
+        return False
     if stream.claim_ok:
         return True
     task = stream.claim_task

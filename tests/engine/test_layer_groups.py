@@ -89,3 +89,26 @@ def test_without_the_cpu_switch_no_listener_is_asked_on_cpu() -> None:
     eng.layer_listeners.append(lambda ch: asked.append(ch.num_new_tokens))
     eng.generate([PROMPT], GREEDY)
     assert eng.layer_group == 0 and asked == []
+
+
+def test_a_listener_raising_fails_the_step_after_abandoning_the_sinks_made_before_it() -> None:
+    """A sink a listener already made is abandoned (its write closes) when a later listener raises in ``plan``:
+    nothing would ever hand it a group otherwise."""
+    eng = LLMEngine(EngineConfig(model="random:tiny-llama", dtype="float32", num_kv_blocks=32, max_prefill_chunk=32,
+                                 kv_export_layer_group=2, kv_export_layer_group_cpu=True))
+    sinks: list[_Collect] = []
+
+    def first(ch: ScheduledChunk) -> _Collect | None:
+        if ch.sample:
+            sinks.append(_Collect(eng, ch.seq.block_table[:1]))
+            return sinks[-1]
+        return None
+
+    def second(ch: ScheduledChunk) -> None:
+        if ch.sample:
+            raise RuntimeError("injected: listener failed")
+
+    eng.layer_listeners += [first, second]
+    with pytest.raises(RuntimeError, match="injected"):
+        eng.generate([PROMPT], GREEDY)
+    assert len(sinks) == 1 and sinks[0].abandoned and sinks[0].groups == []

@@ -22,8 +22,19 @@ from services.engine.kv_transport import mooncake
 from services.engine.kv_transport.mooncake_groups import GroupWrite
 from services.engine.kv_transport.mooncake_staged import StagedWriter
 from services.engine.sampling_params import SamplingParams
+from tests.prefill.test_claim_overlap import HANG_GUARD, _hold_claims, _prompt_done
 from tests.prefill.test_mooncake_staging import _offer_landing
-from tests.prefill.test_transports import ENGINE, PROMPTS, _generate, _idle, _request, _reserve, pair
+from tests.prefill.test_transports import (
+    ENGINE,
+    PROMPTS,
+    _assert_freed,
+    _generate,
+    _idle,
+    _request,
+    _reserve,
+    _until,
+    pair,
+)
 
 NO_MOONCAKE = mooncake.available()
 pytestmark = pytest.mark.skipif(NO_MOONCAKE is not None, reason=f"the Mooncake wheel cannot load here: {NO_MOONCAKE}")
@@ -152,3 +163,170 @@ async def test_a_claim_answered_after_compute_began_is_waited_for_before_any_gro
     assert made[0].first_sent is not None and made[0].first_sent >= answered[0]
     ring = p.prefill.direct._ring
     assert ring is not None and ring._free == [(0, ring.capacity)]
+
+
+def _late_claims(monkeypatch, delay_s: float) -> list[float]:
+    """Decode's claim answers reach the prefill ``delay_s`` late; returns when each came (monotonic seconds)."""
+    from services.engine.kv_transport import grpc_stream
+
+    real = grpc_stream._GrpcSender.bootstrap
+    answered: list[float] = []
+
+    async def late(self, claim=None):
+        await asyncio.sleep(delay_s)
+        await real(self, claim)
+        answered.append(time.monotonic())
+
+    monkeypatch.setattr(grpc_stream._GrpcSender, "bootstrap", late)
+    return answered
+
+
+def _ring_free(p) -> bool:
+    ring = p.prefill.direct._ring
+    return ring is not None and ring._free == [(0, ring.capacity)]
+
+
+async def test_a_claim_unanswered_within_claim_wait_s_on_the_group_path_is_retryable(pair, monkeypatch) -> None:
+    """The review's reproduction: groups of 2, --claim-wait-s 0.2, decode's claim answer 1.5 s late. Nothing
+    was written and decode keeps the reservation: retryable (not KV_HANDOFF_FAILED), and the retry lands."""
+    from services.engine.kv_transport import grpc_stream
+
+    made = _record_groups(monkeypatch)
+    real = grpc_stream._GrpcSender.bootstrap
+    _late_claims(monkeypatch, 1.5)
+    p = await pair("mooncake", prefill_engine=_grouped(2))
+    _offer_landing(p)
+    p.prefill.config.claim_wait_s = 0.2
+    ids = PROMPTS[1]
+    resv = await _reserve(p, ids)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await p.pstub.Prefill(_request(p, resv, ids))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    detail = detail_of(e.value)
+    assert detail.retryable and detail.reason != Reason.ERROR_REASON_KV_HANDOFF_FAILED  # the router retries it
+    assert "did not acknowledge the KV claim within 0.2 s" in e.value.details()
+    assert len(made) == 1 and made[0].groups_sent == 0  # the last chunk was armed by group; nothing went
+    assert _ring_free(p)
+    await _assert_freed(p.prefill.engine)
+    r = p.decode.table.get(resv.reservation_id)
+    await _until(lambda: not r.receiving, HANG_GUARD)
+    assert r.end_cause is None and r.next_chunk == 0  # decode kept the reservation for a retry
+    monkeypatch.setattr(grpc_stream._GrpcSender, "bootstrap", real)
+    p.prefill.config.claim_wait_s = 60.0
+    consume = asyncio.create_task(_generate(p, resv))
+    await p.pstub.Prefill(_request(p, resv, ids))  # the retry the router makes, with the same reservation
+    assert await consume == LLMEngine(ENGINE).generate([ids], SamplingParams(max_tokens=6, temperature=0))[0]
+    assert len(made) == 2 and made[1].groups_sent == -(-p.prefill.engine.engine.runner.num_layers // 2)
+    assert _ring_free(p)
+    await _assert_freed(p.decode.engine, p.prefill.engine)
+
+
+async def test_a_claim_refused_after_the_groups_were_staged_sends_none(pair, monkeypatch) -> None:
+    made = _record_groups(monkeypatch)
+    p = await pair("mooncake", prefill_engine=_grouped(2))
+    _offer_landing(p)
+    gate = _hold_claims(p)
+    ids, other_ids = PROMPTS
+    resv = await _reserve(p, ids)
+    other = await _reserve(p, other_ids[:len(ids)])
+    req = _request(p, resv, ids)
+    del req.dest_block_ids[:]
+    req.dest_block_ids.extend(other.block_ids)  # another reservation's blocks: decode refuses the claim
+    call = asyncio.ensure_future(p.pstub.Prefill(req))
+    await _until(lambda: _prompt_done(p), HANG_GUARD)
+    assert _prompt_done(p) and len(made) == 1  # every group staged, waiting for the answer
+    gate.set()
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await call
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED  # decode's answer
+    assert detail_of(e.value).reason == Reason.ERROR_REASON_KV_HANDOFF_FAILED
+    assert made[0].groups_sent == 0
+    assert _ring_free(p)
+    for x in (resv, other):
+        assert (await p.dstub.Abort(common_pb2.AbortRequest(request_id=x.reservation_id))).found
+    await _assert_freed(p.decode.engine, p.prefill.engine)
+
+
+async def test_a_prefill_cancelled_with_its_groups_staged_sends_none_and_frees_everything(pair, monkeypatch) -> None:
+    """The caller leaves while the group write waits for the claim's answer: quiesce stops it (GroupWrite.stop),
+    nothing is sent, the span and the blocks come back, decode keeps the reservation."""
+    made = _record_groups(monkeypatch)
+    p = await pair("mooncake", prefill_engine=_grouped(1))
+    _offer_landing(p)
+    gate = _hold_claims(p)
+    ids = PROMPTS[1]
+    resv = await _reserve(p, ids)
+    call = asyncio.ensure_future(p.pstub.Prefill(_request(p, resv, ids)))
+    await _until(lambda: _prompt_done(p), HANG_GUARD)
+    assert _prompt_done(p) and len(made) == 1
+    call.cancel()
+    await _assert_freed(p.prefill.engine)
+    await _until(lambda: _ring_free(p), HANG_GUARD)
+    assert _ring_free(p) and made[0].groups_sent == 0
+    gate.set()
+    assert p.decode.table.get(resv.reservation_id).next_chunk == 0
+    assert (await p.dstub.Abort(common_pb2.AbortRequest(request_id=resv.reservation_id))).found
+    await _assert_freed(p.decode.engine)
+
+
+async def test_a_send_failing_with_a_non_transfer_error_ends_the_request_and_frees_everything(pair, monkeypatch
+                                                                                             ) -> None:
+    """The worker thread fails with a RuntimeError: the write reports it as a TransferError (INTERNAL), so the
+    cleanup's quiesce (GroupWrite.stop) does not raise midway and every block and span comes back."""
+    made = _record_groups(monkeypatch)
+
+    def submit(self, segments, srcs, dsts, lens):
+        raise RuntimeError("injected: transfer engine gone")
+
+    monkeypatch.setattr(mooncake.MooncakeEngine, "submit", submit)
+    p = await pair("mooncake", prefill_engine=_grouped(2))
+    _offer_landing(p)
+    ids = PROMPTS[1]
+    resv = await _reserve(p, ids)
+    consume = asyncio.create_task(_generate(p, resv))
+    with pytest.raises(grpc.aio.AioRpcError) as e:  # unchunked: the only write is the group write
+        await p.pstub.Prefill(_request(p, resv, ids, chunked_transfer=False))
+    assert e.value.code() == grpc.StatusCode.INTERNAL
+    assert detail_of(e.value).reason == Reason.ERROR_REASON_KV_HANDOFF_FAILED
+    assert "sending the layer groups failed" in e.value.details()
+    assert len(made) == 1 and made[0].groups_sent == 0
+    assert _ring_free(p)
+    await p.dstub.Abort(common_pb2.AbortRequest(request_id=resv.reservation_id))
+    with pytest.raises(grpc.aio.AioRpcError):
+        await consume
+    await _assert_freed(p.decode.engine, p.prefill.engine)
+
+
+async def test_an_armed_write_never_taken_ends_with_its_stream() -> None:
+    """A write armed for a last chunk whose step raised (``take`` never pops it) does not keep its stream (and
+    so the entry) alive: the sink reaches the stream through a weak reference only."""
+    import gc
+    from types import SimpleNamespace
+
+    from services.prefill.kv_stream import RequestKVStream
+    from services.prefill.layer_export import LayerExports
+
+    class Sink:  # what a GroupWrite keeps of its maker: the ``cleared`` callable, and its handle
+        def __init__(self, cleared) -> None:
+            self.cleared, self.handle = cleared, self
+
+        def group_done(self, first_layer: int, end_layer: int) -> None: ...
+
+        def abandon(self) -> None: ...
+
+    class Writer:
+        def start_groups(self, first_block, src_blocks, cleared, clear_wait_s):
+            return Sink(cleared)
+
+    loop = asyncio.get_running_loop()
+    stream = RequestKVStream(loop, lambda ids: None, 16, 0, False, 0.0, writer=Writer(), claim_wait_s=1.0)
+    stream.claim_task, stream.claim_ok = loop.create_future(), False  # a claim sent, not answered
+    exports = LayerExports()
+    exports.watch("r", stream)
+    seq = SimpleNamespace(request_id="r", seq_id=1, num_computed_tokens=0, block_table=[3, 4])
+    sink = exports(SimpleNamespace(sample=True, seq=seq, num_new_tokens=20))
+    assert isinstance(sink, Sink) and len(exports._armed) == 1 and sink.cleared() is None
+    stream.claim_task.cancel()
+    del stream
+    gc.collect()
+    assert len(exports._armed) == 0 and sink.cleared() is False

@@ -28,12 +28,16 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from services.engine.kv_transport.base import TransferError
+from services.engine.kv_transport.base import ClaimUnanswered, TransferError
 from services.engine.kv_transport.mooncake import settle
 
 if TYPE_CHECKING:
     from services.engine.kv_pages import PageExport
     from services.engine.kv_transport.mooncake_staged import StagedWriter, _Staged
+
+CLAIM_POLL_S = 0.005
+"""How often the worker re-reads the claim's state while no ``wake`` came (seconds): ``wake`` (the claim's
+answer) and a close end the wait at once; this only bounds noticing a request that ended."""
 
 
 def _merged(entries: list[tuple[int, int, int]], limit: int) -> tuple[list[int], list[int], list[int]]:
@@ -59,7 +63,9 @@ class GroupWrite:
                  entry_bytes: int, cleared: Callable[[], bool | None] = lambda: True, clear_wait_s: float = 0.0) -> None:
         """``cleared``: True once decode acknowledged the writer's claim (nothing is submitted before), False
         once it never will (refused, or the request ended), None while unknown; waited for at most
-        ``clear_wait_s`` seconds from the first group's copy. Staging into the span goes on meanwhile."""
+        ``clear_wait_s`` seconds from the prompt being computed (the last group handed over, as the deferred
+        write waits from the step's end), then ClaimUnanswered (retryable). ``wake`` when the answer came.
+        Staging into the span goes on meanwhile."""
         self.writer, self.w = writer, w
         self.cleared, self.clear_wait_s = cleared, clear_wait_s
         self.src = src_blocks
@@ -71,7 +77,12 @@ class GroupWrite:
         self._closed = False
         """No further group is exported (the last came, or the write was abandoned or failed)."""
         self._error: BaseException | None = None
-        self._todo: queue.SimpleQueue[tuple[PageExport, list[int], list[int], list[int]] | None] = queue.SimpleQueue()
+        self._todo: queue.SimpleQueue[tuple[PageExport, int, int] | None] = queue.SimpleQueue()
+        """(export, first layer, layers) of each group handed over, then None (the write closed)."""
+        self._wake = threading.Event()
+        """Set when the claim's answer came, the last group was handed over, or the write closed (ends a wait)."""
+        self._computed_at: float | None = None
+        """When the last group was handed over (monotonic seconds): the claim wait runs from then."""
         self._batches: list[tuple[object, int]] = []
         self._finish = threading.Lock()
         self._finished = False
@@ -107,12 +118,15 @@ class GroupWrite:
             last = end_layer >= self.num_layers
             if last:
                 self._closed = True
-        src0 = self.writer.ring.base + self.w.off + base
-        entries = [(src0 + i * g * lb, self.writer.dst_base + b * self.writer.slot_bytes + first_layer * lb, g * lb)
-                   for i, b in enumerate(self.dest)]
-        self._todo.put((export, *_merged(entries, self.entry_bytes)))
+                self._computed_at = time.monotonic()
+        self._todo.put((export, first_layer, g))
         if last:
             self._todo.put(None)
+            self._wake.set()
+
+    def wake(self) -> None:
+        """Any thread: the claim's answer came (``cleared`` is no longer None)."""
+        self._wake.set()
 
     def abandon(self) -> None:
         self._close(TransferError("the step computing the chunk failed; its KV was not sent",
@@ -125,37 +139,55 @@ class GroupWrite:
             self._closed = True
             self._error = self._error or error
         self._todo.put(None)
+        self._wake.set()
 
     # --- worker threads ---
 
     def _clear(self) -> None:
-        """Wait (0.2 ms polls) until decode acknowledged the claim; TransferError when it will not."""
-        deadline = time.monotonic() + self.clear_wait_s
+        """Wait until decode acknowledged the claim: TransferError when it will not (refused, the request ended,
+        the write failed), ClaimUnanswered when no answer came within ``clear_wait_s`` of the prompt computed."""
         while (ok := self.cleared()) is not True:
             # A failure ends the wait; a close does not (the last group closes the write too).
-            if ok is False or self._error is not None or time.monotonic() > deadline:
+            if ok is False or self._error is not None:
                 raise TransferError("decode did not acknowledge the KV claim; the layer groups were not sent",
                                     grpc.StatusCode.UNAVAILABLE)
-            time.sleep(0.0002)
+            done = self._computed_at
+            left = CLAIM_POLL_S if done is None else done + self.clear_wait_s - time.monotonic()
+            if left <= 0:
+                raise ClaimUnanswered(f"decode did not acknowledge the KV claim within {self.clear_wait_s:g} s "
+                                      "(--claim-wait-s) of the prompt being computed; no layer group was written",
+                                      grpc.StatusCode.UNAVAILABLE)
+            self._wake.wait(min(left, CLAIM_POLL_S))
+            self._wake.clear()  # the loop re-reads every condition a set announced
+
+    def _entries(self, first_layer: int, g: int) -> tuple[list[int], list[int], list[int]]:
+        """Transfer Engine (srcs, dsts, lens) of layers [first_layer, first_layer + g) (module docstring)."""
+        n, lb = len(self.src), self.layer_bytes
+        src0 = self.writer.ring.base + self.w.off + n * first_layer * lb
+        entries = [(src0 + i * g * lb, self.writer.dst_base + b * self.writer.slot_bytes + first_layer * lb, g * lb)
+                   for i, b in enumerate(self.dest)]
+        return _merged(entries, self.entry_bytes)
 
     def _send(self) -> None:
         """Submit each group's entries once its copy landed and the claim is acknowledged, in order, until the
         last group or a close."""
         try:
             while (item := self._todo.get()) is not None:
-                export, srcs, dsts, lens = item
+                export, first_layer, g = item
                 export.wait()
                 if not self.groups_sent:
                     self._clear()
                     self.first_sent = time.monotonic()
                 if self.writer._broken():
                     raise TransferError("KV stream to decode is broken: chunk not sent", grpc.StatusCode.CANCELLED)
-                self._batches += self.writer.engine.submit(self.writer.segments, srcs, dsts, lens)
+                self._batches += self.writer.engine.submit(self.writer.segments, *self._entries(first_layer, g))
                 self.groups_sent += 1
-        except BaseException as e:  # reported by wait()
+        except BaseException as e:  # reported by wait(), always as a TransferError (stop() and quiesce rely on it)
+            err = e if isinstance(e, TransferError) else TransferError(
+                f"sending the layer groups failed: {e!r}", grpc.StatusCode.INTERNAL)
             with self._lock:
-                self._error = self._error or e
-            self._close(e)
+                self._error = self._error or err
+            self._close(err)
 
     def wait(self) -> None:
         """Block until every group was sent (or the write closed early), every transfer settled and the span is

@@ -36,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 import torch
@@ -162,16 +163,22 @@ class _Staged:
             export.wait()
 
 
+class PageExporter(Protocol):
+    def __call__(self, block_ids: list[int], codec: str | None, out: torch.Tensor,
+                 layers: tuple[int, int] | None = None) -> PageExport:
+        """The engine's page export (kv_pages.KVPages.export) into ``out``; ``layers``: only that layer range."""
+
+
 class StagedWriter(PageWriter):
     """Prefill side, one request: pages -> staging span (export API) -> decode's landing area (TE write).
 
-    ``export(block_ids, codec, out)`` is the engine's page export into ``out`` (a staging view)."""
+    ``export(block_ids, codec, out[, layers])`` is the engine's page export into ``out`` (a staging view)."""
 
     transport = "mooncake"
     overlaps_compute = True
 
     def __init__(self, engine: MooncakeEngine, ring: StagingRing, page_shape: tuple[int, ...], dtype: torch.dtype,
-                 export: Callable[[list[int], str | None, torch.Tensor], PageExport], dest: decode_pb2.KVDestination,
+                 export: PageExporter, dest: decode_pb2.KVDestination,
                  dest_blocks: list[int]) -> None:
         pool = dest.mooncake
         self.engine, self.ring, self.export = engine, ring, export
@@ -255,9 +262,14 @@ class StagedWriter(PageWriter):
         nbytes = n * self.page_bytes
         off = self.ring.take(nbytes, self._broken)
         w = _Staged(off, nbytes, [], [], [], [], _State.SENDING)
-        with self._lock:
-            self._writes.append(w)
-            self._sending += 1
+        with self._lock:  # quiesce closes under the lock: a write it did not see is never started
+            closed = self._closed
+            if not closed:
+                self._writes.append(w)
+                self._sending += 1
+        if closed:
+            self.ring.give(off, nbytes)
+            raise TransferError("KV stream to decode ended: chunk not sent", grpc.StatusCode.CANCELLED)
         w.group = GroupWrite(self, w, first_block, src_blocks, ENTRY_BYTES, cleared, clear_wait_s)
         return w.group
 
