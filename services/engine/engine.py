@@ -17,6 +17,7 @@ from services.engine.block_manager import BlockManager, NoFreeBlocksError
 from services.engine.config import EngineConfig
 from services.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from services.engine.kv_layout import FP8_CODEC, PageLayout
+from services.engine.kv_pages import pages_of
 from services.engine.layer_groups import LayerListener, plan
 from services.engine.model_loader import LoadedModel, load_model
 from services.engine.model_runner import ModelRunner
@@ -117,9 +118,10 @@ class LLMEngine:
         self.last_step_start = 0.0
         """monotonic time the current/last step's model call began (chunk listeners read it)."""
         self.layer_group = config.kv_export_layer_group if (
-            self.runner.device.type == "cuda" or config.kv_export_layer_group_cpu) and self.ranks is None and \
-            self.runner.spec is None else 0
-        """Layers per export group of a layer listener's chunk (0: no layer listener is asked)."""
+            self.runner.device.type == "cuda" or config.kv_export_layer_group_cpu) and \
+            pages_of(self).exports_layers else 0
+        """Layers per export group of a layer listener's chunk (0: no layer listener is asked; also when the page
+        API cannot export a layer range: tensor-parallel ranks, a draft region)."""
         self.vocab_size = self.loaded.arch.vocab_size
         arch = self.loaded.arch
         self.layout = PageLayout.for_model(self.loaded.model_id, arch.num_layers, arch.num_kv_heads, arch.head_dim,
