@@ -215,7 +215,7 @@ SPECS: tuple[MetricSpec, ...] = (
        "1, labelled with the engine's resolved dtype and why, device, CPU model and torch threads."),
     _s(PREFILL_REQUESTS_ABORTED_TOTAL, "counter", ["reason"], "prefill",
        "Prefill requests that ended without a first token, by reason (overloaded, invalid, deadline, "
-       "cancelled, kv_handoff, permission)."),
+       "cancelled, kv_handoff, attach_timeout, permission, internal)."),
     _s(PREFILL_KVSTORE_ERRORS_TOTAL, "counter", ["reason"], "prefill",
        "kvstore calls that failed or were skipped (the request went on without reuse), by reason "
        "(lookup, get, put, bad_page, down, write_back_dropped)."),

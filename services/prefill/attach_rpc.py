@@ -20,7 +20,7 @@ from services.prefill.attach import Attachments, AttachRefused, Waiting, ended, 
 from services.prefill.config import PrefillConfig
 from services.prefill.direct_write import DirectWrites, InvalidDestinationError
 from services.prefill.kv_stream import AttachTimeout, RequestKVStream
-from services.prefill.request_checks import MAX_ID_CHARS, reservation_problem
+from services.prefill.request_checks import ids_problem, layout_mismatch, reservation_problem
 
 SIDE = "prefill"
 
@@ -59,7 +59,8 @@ class EarlyAttach:
                             ) -> tuple[prefill_pb2.PrefillRequest, PageWriter | None]:
         """The early request with its reservation, and its writer (None: bytes in the stream). Offers whose
         destination does not fit are refused back to their attach call and the wait goes on; past
-        ``claim_wait_s`` from the prompt being computed: AttachTimeout (retryable, nothing written)."""
+        ``claim_wait_s`` from the prompt being computed (refused offers do not extend it): AttachTimeout
+        (retryable, nothing written). Every offer taken off the queue is answered, whatever ends the wait."""
         computed = asyncio.ensure_future(stream.computed.wait())
         get = asyncio.ensure_future(waiting.offers.get())
         try:
@@ -68,7 +69,8 @@ class EarlyAttach:
                 if not get.done():
                     if stream.last_computed is None:  # the stream failed before its last chunk: its error
                         raise await stream.queue.get()  # type: ignore[misc]
-                    await asyncio.wait({get}, timeout=self.config.claim_wait_s)
+                    left_s = stream.last_computed + self.config.claim_wait_s - time.monotonic()
+                    await asyncio.wait({get}, timeout=max(0.0, left_s))
                     if not get.done():
                         raise AttachTimeout(f"no AttachReservation within {self.config.claim_wait_s:g} s "
                                             "(--claim-wait-s) of the prompt being computed; no page was written",
@@ -82,15 +84,14 @@ class EarlyAttach:
                     offer.reply(AttachRefused("dest_block_ids", f"dest_block_ids: {e}"))
                     get = asyncio.ensure_future(waiting.offers.get())
                     continue
-                except BaseException:  # the request is ending (cancelled, deadline): its attach call is answered
-                    offer.reply(ended())
-                    raise
                 offer.reply()
                 self._phase("attached", time.monotonic() - stream.arrival)
                 return offer.request, writer
         finally:
             computed.cancel()
             get.cancel()
+            if get.done() and not get.cancelled():  # taken, and the request is ending (cancelled, deadline,
+                get.result().reply(ended())  # failed): its attach call is answered (a no-op once it was)
 
     async def AttachReservation(self, request: prefill_pb2.AttachReservationRequest,
                                 context: grpc.aio.ServicerContext) -> prefill_pb2.AttachReservationResponse:
@@ -98,11 +99,10 @@ class EarlyAttach:
             await abort(context, grpc.StatusCode.PERMISSION_DENIED, "AttachReservation: only the router (client "
                         "certificate role 'router') may call it", error_detail(Reason.ERROR_REASON_PERMISSION,
                                                                                side=SIDE))
-        for name in ("request_id", "attach_id"):
-            value = getattr(request, name)
-            if not value or len(value) > MAX_ID_CHARS:
-                await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{name}: must hold 1 to {MAX_ID_CHARS} "
-                            "characters", error_detail(Reason.ERROR_REASON_INVALID_INPUT, side=SIDE, field=name))
+        bad = ids_problem(request, ("request_id", "attach_id"))
+        if bad is not None:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{bad[0]}: {bad[1]}",
+                        error_detail(Reason.ERROR_REASON_INVALID_INPUT, side=SIDE, field=bad[0]))
         waiting = await self.attachments.find(request.attach_id)
         if waiting is None or waiting.request.request_id != request.request_id:
             await abort(context, grpc.StatusCode.FAILED_PRECONDITION,
@@ -111,14 +111,12 @@ class EarlyAttach:
                                                                     field="attach_id"))
         full = merged(waiting.request, request)
         bad = reservation_problem(full, self.layout.block_size)
-        fp = self.layout.fingerprint
+        mismatch = layout_mismatch(full, self.layout)
         try:
             if bad is not None:
                 raise AttachRefused(bad[0], f"{bad[0]}: {bad[1]}")
-            if full.expected_layout_fingerprint and full.expected_layout_fingerprint != fp:
-                raise AttachRefused("expected_layout_fingerprint",
-                                    f"KV layout fingerprint mismatch: decode expects {full.expected_layout_fingerprint}"
-                                    f", this prefill produces {fp} ({self.layout.describe()})")
+            if mismatch is not None:
+                raise AttachRefused("expected_layout_fingerprint", mismatch)
             await self.attachments.offer(waiting, full)
         except AttachRefused as e:
             code, reason = grpc.StatusCode.INVALID_ARGUMENT, Reason.ERROR_REASON_INVALID_INPUT

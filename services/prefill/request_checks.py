@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import math
 import time
+from typing import TYPE_CHECKING
 
 from services.common.pb import prefill_pb2
 from services.prefill.attach import early_problem
+
+if TYPE_CHECKING:
+    from services.engine.kv_layout import PageLayout
 
 MAX_ID_CHARS = 256
 """Longest request_id / attach_id / reservation_id / decode_address accepted (characters)."""
@@ -19,7 +23,7 @@ def problem(request: prefill_pb2.PrefillRequest, *, vocab_size: int, max_model_l
             ) -> tuple[str, str] | None:
     """Every field of a Prefill call; an early one (attach_id set) carries no reservation field."""
     early = bool(request.attach_id)
-    bad = _ids(request, ("request_id", "attach_id") if early else ("request_id",))
+    bad = ids_problem(request, ("request_id", "attach_id") if early else ("request_id",))
     if bad is not None:
         return bad
     if early:
@@ -46,7 +50,7 @@ def problem(request: prefill_pb2.PrefillRequest, *, vocab_size: int, max_model_l
 
 def reservation_problem(request: prefill_pb2.PrefillRequest, block_size: int) -> tuple[str, str] | None:
     """The reservation fields of a full PrefillRequest (an early one's once its attach is merged in)."""
-    bad = _ids(request, ("decode_address", "reservation_id"))
+    bad = ids_problem(request, ("decode_address", "reservation_id"))
     if bad is not None:
         return bad
     if not request.reservation_token:
@@ -62,7 +66,9 @@ def reservation_problem(request: prefill_pb2.PrefillRequest, block_size: int) ->
     return None
 
 
-def _ids(request: prefill_pb2.PrefillRequest, names: tuple[str, ...]) -> tuple[str, str] | None:
+def ids_problem(request: prefill_pb2.PrefillRequest | prefill_pb2.AttachReservationRequest, names: tuple[str, ...]
+                ) -> tuple[str, str] | None:
+    """Each of ``names`` holds 1 to MAX_ID_CHARS characters."""
     for name in names:
         value = getattr(request, name)
         if not value:
@@ -70,6 +76,16 @@ def _ids(request: prefill_pb2.PrefillRequest, names: tuple[str, ...]) -> tuple[s
         if len(value) > MAX_ID_CHARS:
             return name, f"{len(value)} characters; at most {MAX_ID_CHARS}"
     return None
+
+
+def layout_mismatch(request: prefill_pb2.PrefillRequest, layout: PageLayout) -> str | None:
+    """Why decode's expected KV layout (``expected_layout_fingerprint``, empty: any) is not ``layout``'s, for
+    FAILED_PRECONDITION with reason LAYOUT_MISMATCH; None when it matches."""
+    want = request.expected_layout_fingerprint
+    if not want or want == layout.fingerprint:
+        return None
+    return (f"KV layout fingerprint mismatch: decode expects {want}, this prefill produces {layout.fingerprint} "
+            f"({layout.describe()})")
 
 
 def deadline_monotonic(deadline_unix: float, grpc_remaining_s: float | None) -> float | None:

@@ -11,6 +11,7 @@ KV_HANDOFF_FAILED when the handoff to decode failed).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -35,10 +36,10 @@ from services.prefill.attach import Attachments, Waiting
 from services.prefill.attach_rpc import EarlyAttach
 from services.prefill.config import PrefillConfig
 from services.prefill.direct_write import DirectWrites, InvalidDestinationError
-from services.prefill.kv_stream import RequestKVStream, claim_message, pump
+from services.prefill.kv_stream import AttachTimeout, RequestKVStream, claim_message, pump
 from services.prefill.kvstore_prefix import KVStorePrefix
 from services.prefill.outcome import handoff_detail, refusal, stream_times
-from services.prefill.request_checks import deadline_monotonic, problem
+from services.prefill.request_checks import deadline_monotonic, layout_mismatch, problem
 
 log = logging.getLogger(__name__)
 
@@ -132,11 +133,9 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
         if bad is not None:
             await self._refuse(context, "invalid", grpc.StatusCode.INVALID_ARGUMENT, f"{bad[0]}: {bad[1]}",
                                Reason.ERROR_REASON_INVALID_INPUT, field=bad[0])
-        fp = self.layout.fingerprint
-        if request.expected_layout_fingerprint and request.expected_layout_fingerprint != fp:
-            await self._refuse(context, "invalid", grpc.StatusCode.FAILED_PRECONDITION,
-                               f"KV layout fingerprint mismatch: decode expects {request.expected_layout_fingerprint}, "
-                               f"this prefill produces {fp} ({self.layout.describe()})",
+        mismatch = layout_mismatch(request, self.layout)
+        if mismatch is not None:
+            await self._refuse(context, "invalid", grpc.StatusCode.FAILED_PRECONDITION, mismatch,
                                Reason.ERROR_REASON_LAYOUT_MISMATCH, field="expected_layout_fingerprint")
         try:
             params = params_from_pb(request.params)
@@ -209,6 +208,7 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
         transport = writer.transport if writer is not None else self.transport.name
         sender: KVSender | None = None
         claim: asyncio.Future[None] | None = None
+        attach: asyncio.Future[tuple[prefill_pb2.PrefillRequest, PageWriter | None]] | None = None
         with tracing.span_from_metadata("prefill.request", context.invocation_metadata(),
                                         request_id=request.request_id, prompt_tokens=len(ids)) as sp:
             try:
@@ -217,21 +217,21 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
                                                  metadata=tuple(tracing.inject_metadata()))
                     claim = await self._claim(request, stream, sender, writer)
                 self.streams[rid] = stream
-                attached = False
                 if waiting is not None and self._attach_before_compute(ids):
                     request, writer = await self._await_attach_first(waiting, stream)
                     wire, export, transport, sender, claim = await self._attached(request, writer, rid, stream)
-                    attached = True
+                elif waiting is not None:  # answered while admission runs (kvstore fetch, engine-thread calls)
+                    attach = asyncio.ensure_future(self._await_attach(waiting, stream))
                 try:
-                    loaded = await self._admit(rid, ids, first_params, stream)
+                    loaded = await self._admit(rid, ids, first_params, stream, attach)
                     self._phase("admitted", time.monotonic() - stream.arrival)
                 except ValueError as e:  # InvalidRequestError, or a prompt this pool can never hold
                     await self._cleanup(rid, sender, "refused", writer, stream)
                     await self._refuse(context, "invalid", grpc.StatusCode.INVALID_ARGUMENT, str(e),
                                        Reason.ERROR_REASON_INVALID_INPUT,
                                        field=getattr(e, "field", "") or "token_ids")
-                if waiting is not None and not attached:  # computing already; nothing is written before the ack
-                    request, writer = await self._await_attach(waiting, stream)
+                if attach is not None:  # computing already; nothing is written before the ack
+                    request, writer = await attach
                     wire, export, transport, sender, claim = await self._attached(request, writer, rid, stream)
                 last, page_bytes = await pump(stream, sender, request.request_id, request.reservation_id,
                                               request.reservation_token, wire,
@@ -247,6 +247,10 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
                 self._since_computed("finish", stream)
                 if last.writeback is not None and self.kvstore is not None:
                     self.kvstore.write_back(stream.hashes, *last.writeback)
+            except AttachTimeout as e:  # no reservation came: decode was never contacted, nothing was written
+                await self._cleanup(rid, sender, str(e), writer, stream)
+                self.metrics.requests_aborted_total.labels("attach_timeout").inc()
+                await abort(context, e.code, f"KV handoff to decode (none attached) failed: {e}", handoff_detail(e))
             except TransferError as err:
                 e = refusal(claim) or err  # decode's own answer to the claim, not the broken stream it left
                 self.metrics.kv_transfer_failures_total.labels(transport, e.code.name.lower()).inc()
@@ -269,6 +273,9 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
                 self.streams.pop(rid, None)
                 if waiting is not None:
                     self.attachments.remove(waiting)
+                if attach is not None:  # ended (or cancelled here): an attach it had taken is answered
+                    attach.cancel()
+                    await asyncio.gather(attach, return_exceptions=True)
                 if claim is not None:  # ended (or cancelled here); its outcome was read above or no longer matters
                     claim.cancel()
                     await asyncio.gather(claim, return_exceptions=True)
@@ -325,9 +332,12 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
             return fp8, lambda block_ids: self.pages.export(block_ids, FP8_CODEC)
         return self.layout, self.pages.export
 
-    async def _admit(self, rid: str, ids: list[int], params, stream: RequestKVStream) -> int:
+    async def _admit(self, rid: str, ids: list[int], params, stream: RequestKVStream,
+                     attach: asyncio.Future[tuple[prefill_pb2.PrefillRequest, PageWriter | None]] | None = None
+                     ) -> int:
         """Load what the kvstore has beyond the local prefix, then admit the request (one engine-thread
-        step, so the loaded pages cannot be evicted in between). Returns the blocks loaded."""
+        step, so the loaded pages cannot be evicted in between). Returns the blocks loaded. ``attach``: an
+        early request's wait for its reservation (its writer decides tail splitting once it is known)."""
         eng = self.engine.engine
         pages = None
         first = 0
@@ -339,12 +349,18 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
                 stream.writeback_from = max(present, 0)
                 stream.hashes = hashes
 
+        writer = stream.writer
+        if attach is not None and attach.done() and not attach.cancelled() and attach.exception() is None:
+            writer = attach.result()[1]  # attached already: None is bytes in the stream, no overlap
+            overlaps = writer is not None and writer.overlaps_compute
+        elif writer is not None:
+            overlaps = writer.overlaps_compute
+        else:  # an early request's writer is not known yet: its transport's (mooncake writers overlap compute)
+            overlaps = stream.pending and self.direct.mode == "mooncake"
+        tail = stream.chunked and overlaps
+
         def admit() -> int:
             loaded = eng.import_prefix_pages(ids, first, pages) if pages is not None else 0
-            # an early request's writer is not known yet: its transport's (mooncake writers overlap compute)
-            overlaps = stream.writer.overlaps_compute if stream.writer is not None else (
-                stream.pending and self.direct.mode == "mooncake")
-            tail = stream.chunked and overlaps
             eng.add_request(rid, ids, params, False, stream_kv=tail)
             return loaded
 
@@ -355,8 +371,16 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
         """Abort the request in the engine (frees its blocks; a no-op when it never got there: an admit
         still queued runs first, so it cannot slip past) and the KV stream to decode. A side transport's
         writes in flight land first: decode frees the blocks they target once the stream ends. Runs to
-        its end in that order even when the request's task is cancelled again meanwhile."""
-        await asyncio.shield(self._cleanup_now(rid, sender, reason, writer, stream))
+        its end in that order even when the request's task is cancelled again meanwhile: the call returns
+        (and the request stops counting in flight, which drain() waits on) only once it is done."""
+        task = asyncio.ensure_future(self._cleanup_now(rid, sender, reason, writer, stream))
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            while not task.done():  # cancelled again: the cleanup still ends before this call does
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(task)
+            raise
 
     async def _cleanup_now(self, rid: str, sender: KVSender | None, reason: str, writer: PageWriter | None,
                            stream: RequestKVStream | None) -> None:

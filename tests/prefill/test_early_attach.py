@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 from pathlib import Path
 
 import grpc
@@ -17,6 +18,7 @@ import pytest
 from services.common.grpc_util import Reason, create_channel, detail_of
 from services.common.pb import decode_pb2, prefill_pb2, prefill_pb2_grpc
 from services.common.tls import TLSConfig, make_certs
+from services.prefill.attach import AttachRefused, Offer, merged
 from services.prefill.config import PrefillConfig
 from tests.prefill.conftest import TOKEN, prefill_request
 from tests.prefill.test_claim_overlap import HANG_GUARD, _computed, _prompt_done, _want
@@ -151,6 +153,11 @@ async def test_no_attach_within_claim_wait_s_fails_retryable_and_frees_everythin
     assert err.code() == grpc.StatusCode.UNAVAILABLE and d.retryable
     assert d.reason != Reason.ERROR_REASON_KV_HANDOFF_FAILED  # the router retries it on another prefill
     assert "no AttachReservation" in err.details()
+    aborted = "pdserve_prefill_requests_aborted_total"
+    assert p.metric(aborted, reason="attach_timeout") == 1 and p.metric(aborted, reason="kv_handoff") == 0
+    failures = [s for mf in p.registry.collect() for s in mf.samples
+                if s.name == "pdserve_prefill_kv_transfer_failures_total" and s.value]
+    assert not failures, failures  # decode was never contacted
     assert not p.prefill.attachments.waiting and not p.prefill.streams
     await _assert_freed(p.prefill.engine)  # held blocks of the computed prompt too
 
@@ -224,5 +231,49 @@ async def test_an_attach_taken_by_a_request_that_then_ends_is_answered(pair) -> 
     call.cancel()
     err = await _refused(attach)  # at once, not after the attach's 30 s deadline
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "ended before" in err.details()
+    await _assert_freed(p.prefill.engine)
+    assert not p.prefill.attachments.waiting
+
+
+async def test_an_attach_is_answered_while_the_engine_thread_is_busy(pair) -> None:  # noqa: F811
+    p = await pair("shm")
+    ids = PROMPTS[0]
+    release = threading.Event()
+    busy = asyncio.ensure_future(p.prefill.engine.call(release.wait))  # the current step: admission queues
+    try:
+        call = p.pstub.Prefill(_early(p, ids))
+        resv = await _reserve(p, ids)
+        consume = asyncio.create_task(_generate(p, resv))
+        await asyncio.wait_for(p.pstub.AttachReservation(_attach(p, resv, ids)), HANG_GUARD / 1000)
+        assert not call.done()  # not admitted yet: the attach did not wait for that
+    finally:
+        release.set()
+        await busy
+    await call
+    assert await consume == _want(ids)
+    await _assert_freed(p.decode.engine, p.prefill.engine)
+
+
+def _attach_task(name: str = "_await_attach") -> asyncio.Task:
+    (task,) = [t for t in asyncio.all_tasks() if t.get_coro().__qualname__.endswith(name)]
+    return task
+
+
+async def test_an_attach_taken_off_the_queue_as_the_wait_is_cancelled_is_answered(pair) -> None:  # noqa: F811
+    p = await pair("grpc")
+    ids = PROMPTS[0]
+    call = p.pstub.Prefill(_early(p, ids))
+    await _until(lambda: ATTACH_ID in p.prefill.attachments.waiting)
+    await _until(lambda: any(t.get_coro().__qualname__.endswith("_await_attach") for t in asyncio.all_tasks()))
+    waiting, wait = p.prefill.attachments.waiting[ATTACH_ID], _attach_task()
+    resv = await _reserve(p, ids)
+    offer = Offer(merged(waiting.request, _attach(p, resv, ids)), asyncio.get_running_loop().create_future())
+    waiting.offers.put_nowait(offer)
+    while not waiting.offers.empty():  # noqa: ASYNC110 (the wait's get took it; the wait has not resumed yet)
+        await asyncio.sleep(0)
+    wait.cancel()
+    with pytest.raises(AttachRefused, match="ended before"):
+        await asyncio.wait_for(offer.answer, HANG_GUARD / 1000)
+    call.cancel()  # the handler ended cancelled (its wait was): gRPC has no status for it
     await _assert_freed(p.prefill.engine)
     assert not p.prefill.attachments.waiting
