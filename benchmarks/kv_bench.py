@@ -42,6 +42,7 @@ import torch
 
 from benchmarks.kv_bench_grpc import MAX_MESSAGE_BYTES, DecodePeer, GrpcPaths, bare_handler
 from services.common.grpc_util import server_options
+from services.common.malloc_tuning import tune_malloc
 from services.common.pb import decode_pb2
 from services.engine.cpu_features import host_cpu
 from services.engine.kv_transport import KVPoll
@@ -92,6 +93,7 @@ def _receiver(conn, nbytes: int, want_mooncake: int, threads: int) -> None:
     import warnings
 
     torch.set_num_threads(threads)
+    tune_malloc()  # as in every service (run_main): the bare sink stands for decode's receiving side
 
     warnings.simplefilter("ignore", UserWarning)  # frombuffer of read-only message bytes (only read)
     sock = socket.socket()
@@ -293,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="grpc: the decode service's model (random weights; its pages must be --page-shape's).")
     p.add_argument("--json", default="", help="Also write the results to this file.")
     args = p.parse_args(argv)
+    tune_malloc()  # this process is prefill's sending side; services tune malloc in run_main
     r = run(args)
     if args.json:
         with open(args.json, "w") as f:

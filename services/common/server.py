@@ -38,6 +38,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common.config import opt, require
 from services.common.grpc_util import DEFAULT_MAX_MESSAGE_BYTES, server_options
+from services.common.malloc_tuning import tune_malloc
 from services.common.parent_watch import wait_for_parent_exit
 from services.common.tls import TLSConfig
 
@@ -144,7 +145,9 @@ def one_line(e: BaseException) -> str:
 def run_main(name: str, main: Coroutine[object, object, None], *,
              exit_codes: Mapping[type[BaseException], int] | None = None) -> int:
     """``asyncio.run(main)``; a failure is one line on stderr (``pdserve NAME: error: ...``) and exit 1 (or
-    ``exit_codes[type]``), its traceback only when the root logger is at DEBUG."""
+    ``exit_codes[type]``), its traceback only when the root logger is at DEBUG. glibc's malloc is tuned
+    for a server's large buffers first (:mod:`services.common.malloc_tuning`)."""
+    tune_malloc()
     try:
         asyncio.run(main)
         return 0
