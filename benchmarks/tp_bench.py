@@ -28,6 +28,7 @@ engine adds is that minus decode_step_s (use a tiny model: every rank draws a ra
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -45,6 +46,7 @@ from services.engine.engine import LLMEngine
 from services.engine.model_loader import LoadedModel, build_empty_model
 from services.engine.model_runner import ModelRunner, prepare_rows
 from services.engine.model_source import resolve
+from services.engine.models.config import ModelArchConfig
 from services.engine.parallel.fast_allreduce import forbid_multicast
 from services.engine.parallel.group import TPGroup, building, connect, open_store
 from services.engine.parallel.worker import rank_device
@@ -53,8 +55,15 @@ from services.engine.tokenizer import Tokenizer
 from services.engine.weights.random_weights import BYTE_EOS_ID, init_random_, random_arch
 
 
-def _runner(args: argparse.Namespace, group) -> ModelRunner:
-    arch = random_arch(resolve(args.model).shape)
+def _shard_arch(arch: ModelArchConfig, n: int) -> ModelArchConfig:
+    """One rank's share of ``arch`` at TP=n as a whole model: heads, KV heads (at least one: replicated
+    below n), MLP width and vocabulary divided by n; the hidden size and the layers unchanged."""
+    return dataclasses.replace(arch, num_heads=arch.num_heads // n, num_kv_heads=max(1, arch.num_kv_heads // n),
+                               intermediate_size=arch.intermediate_size // n, vocab_size=arch.vocab_size // n)
+
+
+def _runner(args: argparse.Namespace, group, arch: ModelArchConfig | None = None) -> ModelRunner:
+    arch = arch or random_arch(resolve(args.model).shape)
     device = rank_device(args.device, group.rank if group else 0)
     # Graphs: one bucket per batch size up to decode_batch; the decode kernel is captured for contexts up to
     # max_model_len, so that is --context (what the eager step reads too); prefill's rotary table is grown apart.
@@ -88,9 +97,23 @@ def _time(fn, device: torch.device, warmup: int, iters: int) -> float:
     return statistics.median(times)
 
 
+def _kernel_table(fn, steps: int) -> list[tuple[str, float, int]]:
+    """(kernel name, device us per call of ``fn``, launches per call) of ``steps`` calls, most time first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / steps, e.count // steps) for e in prof.key_averages()
+            if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[1])
+
+
 @torch.inference_mode()
-def _measure(args: argparse.Namespace, group) -> dict[str, float]:
-    r = _runner(args, group)
+def _measure(args: argparse.Namespace, group, arch: ModelArchConfig | None = None) -> dict[str, float]:
+    r = _runner(args, group, arch)
     bs, ctx, b = 16, args.context, args.decode_batch
     per_seq = -(-ctx // bs)
     dec_rows = [([7], ctx - 1, list(range(i * per_seq, (i + 1) * per_seq))) for i in range(b)]
@@ -117,6 +140,11 @@ def _measure(args: argparse.Namespace, group) -> dict[str, float]:
            "decode_graph_bucket": bucket or 0}
     if group is not None and args.allreduce_sweep and r.device.type == "cuda":
         out["allreduce_us"] = _sweep(group, r.dtype)
+    if args.profile_steps and r.device.type == "cuda" and (group is None or group.rank == 0):
+        table = _kernel_table(decode, args.profile_steps)
+        out["decode_kernels_us"] = [[name[:90], round(us, 1), n] for name, us, n in table[:args.profile_top]]
+        out["decode_kernels_total_us"] = round(sum(us for _, us, _ in table), 1)
+    r.release()
     return out
 
 
@@ -221,6 +249,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--allreduce-sweep", action="store_true", help="per-size all-reduce device times (CUDA)")
     p.add_argument("--engine-steps", type=int, default=0, help="also time K LLMEngine decode steps per degree")
     p.add_argument("--engine-prompt", type=int, default=16, help="prompt tokens of the engine-step requests")
+    p.add_argument("--shard-of", type=int, default=0,
+                   help="one device, no collectives: TP=1 against one rank's share of the model at TP=N run whole "
+                        "(heads, KV heads, MLP width, vocabulary / N): the per-rank compute of TP=N alone")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="CUDA: also profile K decode steps and print their kernels (device us per step)")
+    p.add_argument("--profile-top", type=int, default=25, help="kernels listed per profile")
     args = p.parse_args(argv)
     torch.set_num_threads(args.cpu_threads)
     cuda = args.device.startswith("cuda")
@@ -228,6 +262,17 @@ def main(argv: list[str] | None = None) -> int:
         forbid_multicast()
     base = _measure(args, None)
     print(json.dumps({"tp": 1, **base}), flush=True)
+    if args.shard_of:
+        if cuda:
+            torch.cuda.empty_cache()
+        shard = _measure(args, None, _shard_arch(random_arch(resolve(args.model).shape), args.shard_of))
+        print(json.dumps({"shard_of": args.shard_of, **shard}), flush=True)
+        print(json.dumps({"ratio_shard_over_tp1": {k: round(shard[k] / base[k], 3)
+                                                   for k in ("decode_step_s", "prefill_s")},
+                          "shard_of": args.shard_of, "graphs": args.graphs, "model": args.model,
+                          "device": args.device, "dtype": args.dtype, "decode_batch": args.decode_batch,
+                          "context": args.context, "prefill_tokens": args.prefill_tokens}), flush=True)
+        return 0
     if cuda:
         torch.cuda.empty_cache()  # TP=1's weights and pool are freed; rank 0 shares cuda:0
     modes = {"oneshot": [True], "nccl": [False], "both": [True, False]}[args.allreduce] if cuda else [False]
