@@ -27,6 +27,7 @@ engine's KV pool; compiling and checking use the scratch pool.
 from __future__ import annotations
 
 import logging
+import math
 import time
 import types
 from collections.abc import Callable
@@ -36,6 +37,7 @@ import torch._dynamo.exc
 import torch._inductor.exc
 import torch.nn.functional as F
 
+from services.engine.attention import VIEWS_MIN_KEYS_BATCHED, consecutive_starts
 from services.engine.models.rope import rotate_half
 from services.engine.scheduler import ScheduledChunk
 
@@ -79,6 +81,11 @@ class CompiledDecode:
         mutated: one reference read). Dynamo guards on the thread count (its global state guard), so each
         variant is compiled at a count (the code object holds one cache entry per count compiled) and a step
         at a count without a variant of its size runs eager."""
+        self.max_keys: dict[tuple[int, int], float] = {}
+        """(batch size, torch threads) -> the longest context (keys) at which that variant is preferred to an eager
+        step that reads its keys as views of the pool (every sequence's blocks consecutive): past it, the compiled
+        step's gather of the keys costs more than its fused ops save. Measured per variant by the decode compiler
+        (decode_compiler.crossover_keys); a variant without an entry runs at any context. Replaced whole."""
         self.threads = torch.get_num_threads()
         """The engine's own share of torch threads (``active`` counts the sizes switched on at it)."""
         self.steps_by_threads: dict[int, int] = {}
@@ -132,14 +139,33 @@ class CompiledDecode:
 
     def accepts(self, chunks: list[ScheduledChunk]) -> bool:
         """A pure-decode step of a batch size whose variant is switched on at the calling thread's torch
-        thread count (engine thread, once per step)."""
-        return ((len(chunks), torch.get_num_threads()) in self.on
-                and all(c.num_new_tokens == 1 and not c.spec_tokens for c in chunks))
+        thread count (engine thread, once per step), unless its context is past the variant's ``max_keys``
+        and the eager step would read the keys as views."""
+        key = (len(chunks), torch.get_num_threads())
+        if key not in self.on or not all(c.num_new_tokens == 1 and not c.spec_tokens for c in chunks):
+            return False
+        limit = self.max_keys.get(key)
+        if limit is None:
+            return True
+        keys = max(c.seq.num_computed_tokens + 1 for c in chunks)
+        return keys <= limit or not self._eager_reads_views(chunks, keys)
 
-    def activate(self, batch: int, threads: int | None = None) -> None:
+    def _eager_reads_views(self, chunks: list[ScheduledChunk], keys: int) -> bool:
+        """Whether the eager step (TorchPagedAttention's decode plan) reads these sequences' keys as views."""
+        if len(chunks) > 1 and keys < VIEWS_MIN_KEYS_BATCHED:
+            return False
+        bs = self.block_size
+        tables = [c.seq.block_table[: (c.seq.num_computed_tokens + bs) // bs] for c in chunks]
+        return consecutive_starts(tables, bs) is not None
+
+    def activate(self, batch: int, threads: int | None = None, max_keys: float = math.inf) -> None:
         """Switch variant ``batch`` compiled at ``threads`` (default: the engine's share) on: the engine
-        thread's next step of that size at that thread count runs it."""
-        self.on = self.on | {(batch, self.threads if threads is None else threads)}
+        thread's next step of that size at that thread count runs it (up to ``max_keys`` keys where the eager
+        step reads views)."""
+        key = (batch, self.threads if threads is None else threads)
+        if max_keys != math.inf:
+            self.max_keys = {**self.max_keys, key: max_keys}  # before ``on``: the engine thread reads on first
+        self.on = self.on | {key}
 
     def compile(self, batch: int, kv: torch.Tensor) -> float:
         """Trace and compile variant ``batch`` now, running it once on ``kv`` (a scratch pool of the
@@ -208,16 +234,18 @@ class CompiledDecode:
         with torch.inference_mode(self.kv_cache.is_inference()):
             return torch.zeros(shape, dtype=self.kv_cache.dtype, device=self.kv_cache.device)
 
-    def serves_engine_pool(self, batch: int, rows: list[tuple[int, int, list[int]]]) -> bool | None:
-        """Whether variant ``batch`` would run compiled on the engine's pool with inputs like ``rows``': its
-        guards are evaluated on the pool's metadata (no tensor data is read, nothing runs). None when this
-        torch does not expose its guards (then the check is skipped)."""
+    def serves_engine_pool(self, batch: int, rows: list[tuple[int, int, list[int]]],
+                           kv: torch.Tensor | None = None) -> bool | None:
+        """Whether variant ``batch`` would run compiled on the engine's pool (or ``kv``) with inputs like
+        ``rows``': its guards are evaluated on the pool's metadata (no tensor data is read, nothing runs). None
+        when this torch does not expose its guards (then the check is skipped)."""
         try:
             from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
             entries = _debug_get_cache_entry_list(self._codes[batch])
             ids, pos, _, gather, mask = self.inputs(rows)
-            local = {"self": self, "ids": ids, "pos": pos, "kv": self.kv_cache, "gather": gather, "mask": mask}
+            local = {"self": self, "ids": ids, "pos": pos, "kv": self.kv_cache if kv is None else kv, "gather": gather,
+                     "mask": mask}
             return any(e.guard_manager.check(local) for e in entries)
         except (ImportError, AttributeError, TypeError):
             return None

@@ -36,6 +36,7 @@ import contextlib
 import copy
 import ctypes
 import logging
+import math
 import os
 import statistics
 import sys
@@ -60,6 +61,18 @@ CONTEXT_TOKENS = 96
 """Prompt tokens of each scratch sequence the checks and timings decode after (6 pages of 16)."""
 TIMED_PAIRS = 8
 """Eager/compiled step pairs timed per variant (order alternating; the first pair warms up, not kept)."""
+LONG_CONTEXT_TOKENS = 2048
+"""Context of the second timing of a switched-on variant (keys per sequence; less where the model's context
+or LONG_TOTAL_KEYS is shorter). The compiled step gathers every key while an eager step over consecutive
+blocks reads them in place, so past some context the eager step wins: the two timings place that crossover
+(CompiledDecode.max_keys). Measured on the 2-core Xeon at 2 threads, batch 1 (SmolLM2-135M, bf16):
+compiled 12.1 / eager 14.0 ms at 322 keys, 25.8 / 22.8 ms at 2600 keys."""
+LONG_TOTAL_KEYS = 8192
+"""Keys of all sequences of the long timing together at most (bounds its scratch pool)."""
+LONG_PAIRS = 4
+"""Eager/compiled step pairs of the long timing (alternating; the first pair warms up, not kept)."""
+LONG_MIN_KEYS = 4 * CONTEXT_TOKENS
+"""A model whose context cannot reach this many keys gets no long timing (its variants run at any context)."""
 MIN_SPEEDUP = 1.0
 """A variant is switched on when eager ms / compiled ms (medians) exceeds this."""
 SWITCH_INTERVAL_S = 0.0005
@@ -104,6 +117,12 @@ class VariantReport:
     same_argmax: bool = False
     eager_ms: float = 0.0
     compiled_ms: float = 0.0
+    long_keys: int = 0
+    """Keys per sequence of the long timing (0: not timed)."""
+    long_eager_ms: float = 0.0
+    long_compiled_ms: float = 0.0
+    max_keys: float = math.inf
+    """Longest context at which the variant runs where the eager step reads views (crossover_keys)."""
     active: bool = False
     decided: float = 0.0
     """monotonic time the check and timing ended (the switch, when ``active``)."""
@@ -337,12 +356,17 @@ class DecodeCompiler:
                 log.warning("engine: compiled decode step of %d sequences: its guards refuse the engine's KV pool "
                             "(it would run uncompiled there): stays eager", b)
                 v.active = False
+            if v.active:
+                self._time_long(v)
             v.decided = time.monotonic()
             if v.active:
-                cd.activate(b, t)
+                cd.activate(b, t, v.max_keys)
+            long = (f"; at {v.long_keys} keys {v.long_compiled_ms:.2f} ms vs eager {v.long_eager_ms:.2f} ms, "
+                    + ("used at any context" if v.max_keys == math.inf else
+                       f"used up to {v.max_keys:.0f} keys where the eager step reads views")) if v.long_keys else ""
             log.info("engine: compiled decode step of %d sequences at %d threads: %.1f s in the compile child, "
-                     "%.1f s here, max |logit diff| %.2g, same argmax %s, %.2f ms vs eager %.2f ms per step: %s",
-                     b, t, v.child_s, v.compile_s, v.max_logit_diff, v.same_argmax, v.compiled_ms, v.eager_ms,
+                     "%.1f s here, max |logit diff| %.2g, same argmax %s, %.2f ms vs eager %.2f ms per step%s: %s",
+                     b, t, v.child_s, v.compile_s, v.max_logit_diff, v.same_argmax, v.compiled_ms, v.eager_ms, long,
                      "switched on" if v.active else "stays eager")
 
     def _gate_main(self, stop: threading.Event) -> None:
@@ -392,6 +416,62 @@ class DecodeCompiler:
                     times[name].append((time.perf_counter() - t0) * 1e3)
         v.eager_ms, v.compiled_ms = statistics.median(times["eager"]), statistics.median(times["compiled"])
         v.active = v.eager_ms > MIN_SPEEDUP * v.compiled_ms
+
+
+    def long_keys(self, batch: int) -> int:
+        """Keys per sequence of variant ``batch``'s long timing (0: too short a context to be worth one)."""
+        cd = self.compiled
+        limit = cd.model.rotary.cos_cache.shape[0]
+        if self.config is not None and self.config.max_model_len:  # 0: the model's own context
+            limit = min(limit, self.config.max_model_len)
+        keys = min(LONG_CONTEXT_TOKENS, LONG_TOTAL_KEYS // batch, limit - 1)
+        return keys if keys >= LONG_MIN_KEYS else 0
+
+    def _time_long(self, v: VariantReport) -> None:
+        """Variant ``v`` and the eager step at ``long_keys`` keys per sequence, every sequence's blocks
+        consecutive (what the block manager gives a sequence): sets ``v.max_keys``."""
+        cd = self.compiled
+        keys = self.long_keys(v.batch)
+        if not keys:
+            return
+        bs = cd.block_size
+        per_seq = keys // bs + 2
+        pool = cd.scratch_pool(v.batch * per_seq)
+        pool.fill_(0.01)  # touched, not calloc's shared zero page: the timings read memory like the engine's pool
+        tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(v.batch)]
+        rows = [(5 + i, keys - 1, tables[i]) for i in range(v.batch)]
+        if cd.serves_engine_pool(v.batch, rows, pool) is False:
+            return
+        eager = _EagerStep(cd.model, pool, bs)
+        times: dict[str, list[float]] = {"eager": [], "compiled": []}
+        for i in range(LONG_PAIRS + 1):
+            for name in (("eager", "compiled") if i % 2 else ("compiled", "eager")):
+                self._stopping()
+                t0 = time.perf_counter()
+                if name == "eager":
+                    eager.decode(rows)
+                else:
+                    cd.forward(rows, pool)
+                if i:
+                    times[name].append((time.perf_counter() - t0) * 1e3)
+        v.long_keys = keys
+        v.long_eager_ms, v.long_compiled_ms = statistics.median(times["eager"]), statistics.median(times["compiled"])
+        v.max_keys = crossover_keys(CONTEXT_TOKENS, v.eager_ms, v.compiled_ms, keys, v.long_eager_ms,
+                                    v.long_compiled_ms)
+
+
+def crossover_keys(short_keys: int, short_eager_ms: float, short_compiled_ms: float, long_keys: int,
+                   long_eager_ms: float, long_compiled_ms: float) -> float:
+    """The context (keys) past which the eager step beats the compiled one, each step's time taken as linear in
+    the context through its two timings; inf when the compiled step is no slower at ``long_keys`` (or its
+    lead does not shrink)."""
+    lead_short = short_eager_ms - short_compiled_ms
+    lead_long = long_eager_ms - long_compiled_ms
+    if lead_long >= 0 or lead_short <= lead_long:
+        return math.inf
+    if lead_short <= 0:
+        return float(short_keys)
+    return short_keys + (long_keys - short_keys) * lead_short / (lead_short - lead_long)
 
 
 class _EagerStep:

@@ -5,6 +5,7 @@ failed compile that leaves the engine eager; the setting's bounds."""
 
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 
@@ -72,6 +73,44 @@ def test_compiled_decode_takes_only_small_pure_decode_steps_of_active_sizes(tiny
         torch.set_num_threads(n)
 
 
+@torch.inference_mode()
+def test_a_variant_past_its_crossover_gives_way_to_eager_views(tiny_llama3_dir: Path) -> None:
+    """max_keys: past it, a step whose keys the eager path reads in place (consecutive blocks) runs eager; a
+    step the eager path would gather anyway, or a shorter one, stays compiled."""
+    model = load_model(str(tiny_llama3_dir), torch.float32).model
+    compiled = CompiledDecode(model, PagedHarness(model, num_seqs=1).kv, max_batch=2)
+    bs = compiled.block_size
+
+    class _Seq:
+        def __init__(self, computed: int, first_block: int, gap: bool = False) -> None:
+            n = (computed + bs) // bs
+            self.num_computed_tokens = computed
+            self.block_table = [first_block + i + (i >= n // 2 and gap) for i in range(n)]
+
+    class _Chunk:
+        def __init__(self, seq: _Seq) -> None:
+            self.seq, self.num_new_tokens, self.spec_tokens = seq, 1, 0
+
+    compiled.activate(1, max_keys=100)
+    compiled.activate(2, max_keys=100)
+    assert compiled.accepts([_Chunk(_Seq(99, 0))])  # 100 keys: at the limit
+    assert not compiled.accepts([_Chunk(_Seq(100, 0))])  # 101 keys, consecutive blocks: eager reads views
+    assert compiled.accepts([_Chunk(_Seq(300, 0, gap=True))])  # eager would gather too: compiled
+    assert compiled.accepts([_Chunk(_Seq(300, 0)), _Chunk(_Seq(200, 40))])  # batched, < 512 keys: eager gathers
+    assert not compiled.accepts([_Chunk(_Seq(600, 0)), _Chunk(_Seq(200, 100))])
+    assert compiled.accepts([_Chunk(_Seq(600, 0)), _Chunk(_Seq(200, 100, gap=True))])
+    compiled.activate(1)  # no limit given: the earlier one stays
+    assert compiled.max_keys[(1, torch.get_num_threads())] == 100
+
+
+def test_crossover_keys() -> None:
+    # Compiled 2 ms ahead at 100 keys, 1 ms behind at 1000: linear, they cross at 700 keys.
+    assert decode_compiler.crossover_keys(100, 12.0, 10.0, 1000, 21.0, 22.0) == pytest.approx(700.0)
+    assert decode_compiler.crossover_keys(100, 12.0, 10.0, 1000, 21.0, 20.5) == math.inf  # still ahead
+    assert decode_compiler.crossover_keys(100, 12.0, 10.0, 1000, 21.0, 21.0) == math.inf  # level: no switch
+    assert decode_compiler.crossover_keys(100, 10.0, 10.5, 1000, 21.0, 22.0) == 100.0  # never ahead
+
+
 def test_setting_is_off_by_default_and_bounded() -> None:
     assert EngineConfig().cpu_compile_decode == 0  # opt-in: a cold compile on a busy 2-core host took ~10 min
     assert EngineConfig(cpu_compile_decode=2).cpu_compile_decode == 2
@@ -108,6 +147,7 @@ def test_engine_serves_eager_until_the_switch_then_the_same_tokens(tiny_llama3_d
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Batch 3 (above N: eager) shrinking to 2 and 1 as requests end; the compile held back, then let go."""
     monkeypatch.setattr(decode_compiler, "MIN_SPEEDUP", 0.0)  # switch on whatever the timings on this box say
+    monkeypatch.setattr(decode_compiler, "LONG_MIN_KEYS", 200)  # the tiny model's context is 256 positions
     eager = LLMEngine(_config(tiny_llama3_dir, 0))
     assert eager.runner.compiled_decode is None and eager.runner.decode_compiler is None
     want = _generate(eager, PROMPTS, LENS)
@@ -122,6 +162,9 @@ def test_engine_serves_eager_until_the_switch_then_the_same_tokens(tiny_llama3_d
     assert r.status == "done", r
     assert [v.batch for v in r.variants] == [1, 2] and all(v.same_argmax and v.active for v in r.variants), r
     assert all(v.max_logit_diff < 1e-3 for v in r.variants), r
+    # Each switched-on variant was also timed against the eager step at a long context (its crossover).
+    assert all(v.long_keys == 255 and v.long_eager_ms > 0 and v.long_compiled_ms > 0 for v in r.variants), r
+    assert {(v.batch, v.threads) for v in r.variants if v.max_keys != math.inf} == set(cd.max_keys), r
     # The child compiled them into the cache directory; this process built them from it.
     assert all(v.child_s > 0 and v.cache_misses == 0 for v in r.variants), r
     assert any((tiny_llama3_dir.parent / "compile-cache" / "fxgraph").iterdir())
