@@ -69,6 +69,8 @@ blocks reads them in place, so past some context the eager step wins: the two ti
 compiled 12.1 / eager 14.0 ms at 322 keys, 25.8 / 22.8 ms at 2600 keys."""
 LONG_TOTAL_KEYS = 8192
 """Keys of all sequences of the long timing together at most (bounds its scratch pool)."""
+LONG_POOL_MAX_BYTES = 256 << 20
+"""Bytes of the long timing's scratch pool at most (a wide model gets fewer keys; freed after the timing)."""
 LONG_PAIRS = 4
 """Eager/compiled step pairs of the long timing (alternating; the first pair warms up, not kept)."""
 LONG_MIN_KEYS = 4 * CONTEXT_TOKENS
@@ -424,7 +426,10 @@ class DecodeCompiler:
         limit = cd.model.rotary.cos_cache.shape[0]
         if self.config is not None and self.config.max_model_len:  # 0: the model's own context
             limit = min(limit, self.config.max_model_len)
-        keys = min(LONG_CONTEXT_TOKENS, LONG_TOTAL_KEYS // batch, limit - 1)
+        kv = cd.kv_cache
+        token_bytes = kv[:, :, 0].numel() * kv.element_size() // cd.block_size  # every layer's K and V
+        total = min(LONG_TOTAL_KEYS, LONG_POOL_MAX_BYTES // max(1, token_bytes))
+        keys = min(LONG_CONTEXT_TOKENS, total // batch - 2 * cd.block_size, limit - 1)
         return keys if keys >= LONG_MIN_KEYS else 0
 
     def _time_long(self, v: VariantReport) -> None:
