@@ -405,20 +405,27 @@ class DecodeCompiler:
                         "diff| %.3g, limit %.3g, same argmax %s): dropped", v.batch, v.max_logit_diff, limit,
                         v.same_argmax)
             return
+        v.eager_ms, v.compiled_ms = self._timed_pairs(TIMED_PAIRS, rows, eager, scratch)
+        v.active = v.eager_ms > MIN_SPEEDUP * v.compiled_ms
+
+
+    def _timed_pairs(self, pairs: int, rows: list[tuple[int, int, list[int]]], eager: _EagerStep,
+                     pool: torch.Tensor) -> tuple[float, float]:
+        """(eager ms, compiled ms): medians of ``pairs`` steps of each on ``pool``, in alternating order after
+        one warm-up pair (not kept)."""
+        cd = self.compiled
         times: dict[str, list[float]] = {"eager": [], "compiled": []}
-        for i in range(TIMED_PAIRS + 1):
+        for i in range(pairs + 1):
             for name in (("eager", "compiled") if i % 2 else ("compiled", "eager")):
                 self._stopping()
                 t0 = time.perf_counter()
                 if name == "eager":
                     eager.decode(rows)
                 else:
-                    cd.forward(rows, scratch)
+                    cd.forward(rows, pool)
                 if i:
                     times[name].append((time.perf_counter() - t0) * 1e3)
-        v.eager_ms, v.compiled_ms = statistics.median(times["eager"]), statistics.median(times["compiled"])
-        v.active = v.eager_ms > MIN_SPEEDUP * v.compiled_ms
-
+        return statistics.median(times["eager"]), statistics.median(times["compiled"])
 
     def long_keys(self, batch: int) -> int:
         """Keys per sequence of variant ``batch``'s long timing (0: too short a context to be worth one)."""
@@ -448,19 +455,8 @@ class DecodeCompiler:
         if cd.serves_engine_pool(v.batch, rows, pool) is False:
             return
         eager = _EagerStep(cd.model, pool, bs)
-        times: dict[str, list[float]] = {"eager": [], "compiled": []}
-        for i in range(LONG_PAIRS + 1):
-            for name in (("eager", "compiled") if i % 2 else ("compiled", "eager")):
-                self._stopping()
-                t0 = time.perf_counter()
-                if name == "eager":
-                    eager.decode(rows)
-                else:
-                    cd.forward(rows, pool)
-                if i:
-                    times[name].append((time.perf_counter() - t0) * 1e3)
+        v.long_eager_ms, v.long_compiled_ms = self._timed_pairs(LONG_PAIRS, rows, eager, pool)
         v.long_keys = keys
-        v.long_eager_ms, v.long_compiled_ms = statistics.median(times["eager"]), statistics.median(times["compiled"])
         v.max_keys = crossover_keys(CONTEXT_TOKENS, v.eager_ms, v.compiled_ms, keys, v.long_eager_ms,
                                     v.long_compiled_ms)
 
