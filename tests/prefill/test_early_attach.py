@@ -232,6 +232,8 @@ async def test_an_attach_taken_by_a_request_that_then_ends_is_answered(pair) -> 
     err = await _refused(attach)  # at once, not after the attach's 30 s deadline
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "ended before" in err.details()
     await _assert_freed(p.prefill.engine)
+    # The cancelled handler drops its entry in its finally, after its cleanup freed the blocks: moments later.
+    await _until(lambda: not p.prefill.attachments.waiting)
     assert not p.prefill.attachments.waiting
 
 
@@ -276,4 +278,5 @@ async def test_an_attach_taken_off_the_queue_as_the_wait_is_cancelled_is_answere
         await asyncio.wait_for(offer.answer, HANG_GUARD / 1000)
     call.cancel()  # the handler ended cancelled (its wait was): gRPC has no status for it
     await _assert_freed(p.prefill.engine)
+    await _until(lambda: not p.prefill.attachments.waiting)  # its finally runs after the cleanup (see above)
     assert not p.prefill.attachments.waiting
