@@ -23,7 +23,7 @@ from services.launcher import LocalCluster, RestartPolicy, pick_port, served_mod
 from services.process import ServiceProc, exit_text, parse_ready
 from services.up import UpConfig
 from tests.e2e.cluster_util import metric_sum, post_json
-from tests.process_util import alive
+from tests.process_util import alive, live_processes
 
 KV = ["--kv-cache-bytes", str(96 << 20)]
 # 127.0.0.1 in /proc/net/tcp, and as an IPv4-mapped address in /proc/net/tcp6 (gRPC's dual-stack sockets).
@@ -39,16 +39,7 @@ def _wait_for(what: str, cond, timeout: float) -> None:
 
 def _sessions_alive(sids: set[int]) -> list[int]:
     """pids of live processes in any of the sessions ``sids`` (each service runs in its own)."""
-    found = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            if int(fields[3]) in sids and fields[0] != "Z":  # fields[3]: session id
-                found.append(int(d.name))
-    return found
+    return [pid for pid, fields in live_processes() if int(fields[3]) in sids]  # fields[3]: session id
 
 
 # --- fast: policy and process handling -------------------------------------------------------------

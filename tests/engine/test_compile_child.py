@@ -22,6 +22,7 @@ from services.engine.config import EngineConfig
 from services.engine.cpu_features import available_cpus
 from services.engine.engine import LLMEngine
 from services.engine.sampling_params import SamplingParams
+from tests.process_util import live_processes
 
 WAIT_S = 300.0
 """Bound on a background compile in these tests (a cold tiny-model compile takes ~10-40 s on 2 cores)."""
@@ -128,16 +129,7 @@ time.sleep(120)
 
 def _group_states(pgid: int) -> list[str]:
     """States (R, S, T, ...) of the live processes of process group ``pgid``."""
-    states = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":  # fields[2]: process group id
-                states.append(fields[0])
-    return states
+    return [fields[0] for _, fields in live_processes() if int(fields[2]) == pgid]  # fields[2]: process group
 
 
 def test_a_server_killed_while_the_child_is_stopped_leaves_no_stopped_process() -> None:

@@ -22,6 +22,7 @@ from tests.prefill.test_transports import (  # noqa: F401 (pair: the fixture)
     Pair,
     _assert_freed,
     _generate,
+    _refused_unclaimed,
     _request,
     _reserve,
     _until,
@@ -173,12 +174,7 @@ async def test_a_claim_unanswered_within_claim_wait_s_is_retryable_with_the_same
     gate, states = _hold_claims(p), _spy_writes(p)
     ids = PROMPTS[0]
     resv = await _reserve(p, ids)
-    with pytest.raises(grpc.aio.AioRpcError) as e:
-        await p.pstub.Prefill(_request(p, resv, ids))
-    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-    detail = detail_of(e.value)
-    assert detail.retryable and detail.reason != Reason.ERROR_REASON_KV_HANDOFF_FAILED  # the router retries it
-    assert "did not acknowledge the KV claim" in e.value.details()
+    await _refused_unclaimed(p, resv, ids)
     assert states == []
     await _assert_freed(p.prefill.engine)  # the held blocks too
     gate.set()

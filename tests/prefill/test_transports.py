@@ -131,6 +131,18 @@ async def _assert_freed(*engines: AsyncEngine) -> None:
         assert s["free_blocks"] == s["total_blocks"]
 
 
+async def _refused_unclaimed(p: Pair, resv: decode_pb2.ReserveResponse, ids: list[int]) -> grpc.aio.AioRpcError:
+    """Prefill of ``resv`` whose KV claim decode does not acknowledge within ``claim_wait_s``: refused
+    UNAVAILABLE, retryable, not a failed handoff (the router retries it with the same reservation)."""
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await p.pstub.Prefill(_request(p, resv, ids))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    detail = detail_of(e.value)
+    assert detail.retryable and detail.reason != Reason.ERROR_REASON_KV_HANDOFF_FAILED  # the router retries it
+    assert "did not acknowledge the KV claim" in e.value.details()
+    return e.value
+
+
 async def _until(cond, tries: int = 200) -> None:
     """Poll ``cond()`` every 20 ms until true, ``tries`` times at most (the caller asserts the outcome)."""
     for _ in range(tries):
