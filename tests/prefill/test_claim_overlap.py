@@ -24,6 +24,7 @@ from tests.prefill.test_transports import (  # noqa: F401 (pair: the fixture)
     _generate,
     _refused_unclaimed,
     _request,
+    _request_into_other_blocks,
     _reserve,
     _until,
     pair,
@@ -146,11 +147,7 @@ async def test_a_refused_claim_ends_with_decodes_status(pair, when: str) -> None
     p = await pair("shm", slowdown_ms=40 if when == "computing" else 0)
     gate, states = _hold_claims(p), _spy_writes(p)
     ids, other_ids = PROMPTS
-    resv = await _reserve(p, ids)
-    other = await _reserve(p, other_ids[:len(ids)])
-    req = _request(p, resv, ids)
-    del req.dest_block_ids[:]
-    req.dest_block_ids.extend(other.block_ids)  # another reservation's blocks: decode refuses the claim
+    resv, other, req = await _request_into_other_blocks(p, ids, other_ids)  # decode refuses the claim
     call = asyncio.ensure_future(p.pstub.Prefill(req))
     done = (lambda: _computed(p) >= 1) if when == "computing" else (lambda: _prompt_done(p))
     await _until(done, HANG_GUARD)

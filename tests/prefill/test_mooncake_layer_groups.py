@@ -32,6 +32,7 @@ from tests.prefill.test_transports import (
     _idle,
     _refused_unclaimed,
     _request,
+    _request_into_other_blocks,
     _reserve,
     _until,
     pair,
@@ -224,11 +225,7 @@ async def test_a_claim_refused_after_the_groups_were_staged_sends_none(pair, mon
     _offer_landing(p)
     gate = _hold_claims(p)
     ids, other_ids = PROMPTS
-    resv = await _reserve(p, ids)
-    other = await _reserve(p, other_ids[:len(ids)])
-    req = _request(p, resv, ids)
-    del req.dest_block_ids[:]
-    req.dest_block_ids.extend(other.block_ids)  # another reservation's blocks: decode refuses the claim
+    resv, other, req = await _request_into_other_blocks(p, ids, other_ids)  # decode refuses the claim
     call = asyncio.ensure_future(p.pstub.Prefill(req))
     await _until(lambda: _prompt_done(p), HANG_GUARD)
     assert _prompt_done(p) and len(made) == 1  # every group staged, waiting for the answer

@@ -131,6 +131,19 @@ async def _assert_freed(*engines: AsyncEngine) -> None:
         assert s["free_blocks"] == s["total_blocks"]
 
 
+async def _request_into_other_blocks(p: Pair, ids: list[int], other_ids: list[int]
+                                     ) -> tuple[decode_pb2.ReserveResponse, decode_pb2.ReserveResponse,
+                                                prefill_pb2.PrefillRequest]:
+    """(reservation of ``ids``, another reservation, a Prefill request for the first whose dest_block_ids are
+    the other's blocks): decode refuses its claim."""
+    resv = await _reserve(p, ids)
+    other = await _reserve(p, other_ids[:len(ids)])
+    req = _request(p, resv, ids)
+    del req.dest_block_ids[:]
+    req.dest_block_ids.extend(other.block_ids)
+    return resv, other, req
+
+
 async def _refused_unclaimed(p: Pair, resv: decode_pb2.ReserveResponse, ids: list[int]) -> grpc.aio.AioRpcError:
     """Prefill of ``resv`` whose KV claim decode does not acknowledge within ``claim_wait_s``: refused
     UNAVAILABLE, retryable, not a failed handoff (the router retries it with the same reservation)."""
