@@ -8,9 +8,9 @@ Every transport moves the same ``--mib`` of pages, chunk by chunk (``--chunk-pag
   memcpy    one torch copy of the pool's bytes (in-process)                      the shm ceiling
   socket    the bytes over a loopback TCP socket to another process              the network ceiling
   shm       copy_pages into a /dev/shm pool, run by run (what the shm transport does)
-  grpc      prefill's real sender into a real decode service: the pages gathered, checksummed, sent as
-            PushKV messages (one copy into gRPC), parsed header-only by decode, checked and copied into
-            its KV pool (see kv_bench_grpc)
+  grpc      prefill's real sender into a real decode service: the pages gathered straight into PushKV
+            messages, checksummed, sent (gRPC copies them once), parsed header-only by decode, checked and
+            copied into its KV pool (see kv_bench_grpc)
   grpc-bare the same message sizes as bare gRPC bytes to a sink that only counts them: the ceiling of
             Python gRPC on this box, measured in the same run
   mooncake  the Mooncake Transfer Engine over loopback TCP writing each chunk's (layer, K|V) runs from

@@ -1,7 +1,7 @@
 """``pdserve bench kv``'s gRPC paths.
 
-  grpc       what users get: prefill's sender (kv_stream.pump over the grpc transport: CRC in a worker,
-             the header plus one copy of the pages into gRPC's message) into a real decode service
+  grpc       what users get: prefill's sender (kv_stream.pump over the grpc transport: the pages gathered
+             straight into each message, CRC in a worker, the header written in front of them) into a real decode service
              (``python -m services.decode``, random weights of the pool's model shape): PushKV parsed
              header-only, every chunk checked, CRC, the pages copied from gRPC's bytes into its KV pool.
              Each run is one reservation per stream (Reserve before the clock starts, Generate of the
@@ -26,9 +26,10 @@ import torch
 from services.common.grpc_util import create_channel, payload_budget
 from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc
 from services.engine.convert import layout_from_pb
-from services.engine.kv_pages import PageExport
+from services.engine.kv_layout import PageLayout
+from services.engine.kv_pages import MessageExport, gather_messages
 from services.engine.kv_transport.grpc_stream import GrpcStreamTransport
-from services.prefill.kv_stream import PagesReady, RequestKVStream, pump
+from services.prefill.kv_stream import PagesReady, RequestKVStream, header_room, pages_per_message, pump
 from services.process import ServiceProc
 
 MAX_MESSAGE_BYTES = 64 << 20
@@ -59,11 +60,14 @@ class DecodePeer:
         self.proc.terminate(10)
 
 
-def _export(src: torch.Tensor) -> Callable[[list[int]], PageExport]:
-    """KVPages.export on CPU for the pool ``src``: the pages gathered into a fresh host tensor."""
+def _export(src: torch.Tensor, layout: PageLayout, room: int) -> Callable[[list[int]], MessageExport]:
+    """KVPages.export_messages on CPU for the pool ``src``: each message's pages gathered straight into it."""
     from kernels import pack_pages
 
-    return lambda ids: PageExport(pack_pages(src, torch.tensor(ids, dtype=torch.int64)))
+    per = pages_per_message(payload_budget(MAX_MESSAGE_BYTES), layout.page_bytes)
+    return lambda ids: gather_messages(
+        lambda part, out: pack_pages(src, torch.tensor(part, dtype=torch.int64), out), ids, per, room,
+        layout.page_bytes, (src.shape[0], 2, *src.shape[3:]), src.dtype)
 
 
 def _producer(loop: asyncio.AbstractEventLoop, stream: RequestKVStream, chunks: list[list[int]],
@@ -98,7 +102,8 @@ async def _one_request(stub: decode_pb2_grpc.DecodeStub, transport: GrpcStreamTr
     if layout.page_bytes != src[:, :, 0].numel() * src.element_size():
         raise RuntimeError(f"decode's pages are {layout.page_bytes} bytes ({layout.describe()}); the bench's pool "
                            f"{list(src.shape)} {src.dtype} has other pages: pick --page-shape of the decode model")
-    stream = RequestKVStream(loop, _export(src), block_size, 0, True, time.monotonic())
+    room = header_room(rid, resv.reservation_id, resv.reservation_token, layout, "grpc", 0)
+    stream = RequestKVStream(loop, _export(src, layout, room), block_size, 0, True, time.monotonic())
     await start.wait()
     t0 = time.perf_counter()
     thread = threading.Thread(target=_producer, args=(loop, stream, chunks, 7), daemon=True)

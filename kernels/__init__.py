@@ -43,13 +43,17 @@ def _on_triton(t: torch.Tensor) -> bool:
     return t.is_cuda and HAS_TRITON
 
 
-def pack_pages(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """[P, L, 2, bs, kvh, hd] pages of block_ids (see kernels.page_pack); Triton on CUDA, torch elsewhere."""
+def pack_pages(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[P, L, 2, bs, kvh, hd] pages of block_ids (see kernels.page_pack); Triton on CUDA, torch elsewhere.
+    ``out``: a contiguous tensor of the pages' size and the cache's dtype to gather into (CPU)."""
     if _on_triton(kv_cache):
         from kernels.page_pack import pack_pages as impl
-    else:
-        from kernels.reference import ref_pack_pages as impl
-    return impl(kv_cache, block_ids)
+
+        pages = impl(kv_cache, block_ids)
+        return pages if out is None else out.view(pages.shape).copy_(pages)
+    from kernels.reference import ref_pack_pages
+
+    return ref_pack_pages(kv_cache, block_ids, out)
 
 
 def unpack_pages(buffer: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:

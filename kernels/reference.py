@@ -14,6 +14,8 @@ Layouts (shared with the kernels):
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -123,11 +125,18 @@ def _block_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-def ref_pack_pages(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """buffer[p, l, kv] = kv_cache[l, kv, block_ids[p]] -> [P, L, 2, bs, kvh, hd], contiguous."""
+def ref_pack_pages(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """buffer[p, l, kv] = kv_cache[l, kv, block_ids[p]] -> [P, L, 2, bs, kvh, hd], contiguous; into ``out``
+    (contiguous, that many elements of the cache's dtype) when given."""
     num_layers, _, num_blocks = kv_cache.shape[:3]
     rows = kv_cache.reshape(num_layers * 2, num_blocks, -1)  # each row: one layer's K or V of one block
-    out = torch.empty(len(block_ids), num_layers * 2, rows.shape[2], dtype=kv_cache.dtype, device=kv_cache.device)
+    shape = (len(block_ids), num_layers * 2, rows.shape[2])
+    if out is None:
+        out = torch.empty(shape, dtype=kv_cache.dtype, device=kv_cache.device)
+    else:
+        assert out.is_contiguous() and out.dtype == kv_cache.dtype and out.numel() == math.prod(shape), \
+            f"out {tuple(out.shape)} {out.dtype} cannot hold pages {shape} {kv_cache.dtype}"
+        out = out.view(shape)
     if kv_cache.device.type == "cpu":  # one strided copy per run of consecutive blocks: no gathered temporary
         for p, b, n in _block_runs(block_ids.tolist()):
             out[p:p + n].copy_(rows[:, b:b + n].transpose(0, 1))

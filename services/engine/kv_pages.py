@@ -23,6 +23,7 @@ import torch
 
 from services.common.pb import decode_pb2
 from services.engine.kv_layout import FP8_CODEC
+from services.engine.kv_transport.grpc_wire import IN_PLACE, MessageBuffer
 
 
 @dataclass
@@ -39,6 +40,27 @@ class PageExport:
         if self.done is not None:
             self.done.synchronize()
         return self.host
+
+
+@dataclass
+class MessageExport:
+    """Pages of a chunk already inside the PushKV messages that carry them (CPU, KVPages.export_messages):
+    (pages, message) in order."""
+
+    pieces: list[tuple[int, MessageBuffer]]
+
+
+def gather_messages(export, block_ids: list[int], pages_per_message: int, room: int, page_nbytes: int,
+                    page_shape: tuple[int, ...], dtype: torch.dtype) -> MessageExport:
+    """``export(ids, out)`` of each run of ``pages_per_message`` pages into a fresh MessageBuffer's payload
+    ([pages, *page_shape] of ``dtype``, ``page_nbytes`` per page)."""
+    pieces = []
+    for first in range(0, len(block_ids), pages_per_message):
+        ids = block_ids[first:first + pages_per_message]
+        buf = MessageBuffer(len(ids) * page_nbytes, room)
+        export(ids, torch.frombuffer(buf.writable, dtype=dtype, offset=room).view(len(ids), *page_shape))
+        pieces.append((len(ids), buf))
+    return MessageExport(pieces)
 
 
 class KVPages:
@@ -120,7 +142,10 @@ class KVPages:
         pack = pack_pages_fp8 if codec == FP8_CODEC else pack_pages
         cache = self._runner.kv_cache if layers is None else self._runner.kv_cache[layers[0]:layers[1]]  # contiguous
         if not cache.is_cuda:
-            pages = pack(cache, torch.tensor(block_ids, dtype=torch.int64))
+            idx = torch.tensor(block_ids, dtype=torch.int64)
+            if codec != FP8_CODEC:  # gathered straight into ``out`` when given
+                return PageExport(pack(cache, idx, out).view(out.shape) if out is not None else pack(cache, idx))
+            pages = pack(cache, idx)
             return PageExport(pages if out is None else out.copy_(pages))
         if self._side is None:
             self._side = (torch.cuda.Stream(device=cache.device), torch.cuda.Stream(device=cache.device))
@@ -143,6 +168,21 @@ class KVPages:
         staged.record_stream(copy)
         idx.record_stream(gather)
         return PageExport(host, done)
+
+    @property
+    def exports_messages(self) -> bool:
+        """``export_messages`` applies: CPU pages of an unsharded pool without a draft region, on CPython."""
+        return IN_PLACE and self.device.type == "cpu" and not self.sharded and not self.has_draft
+
+    def export_messages(self, block_ids: list[int], codec: str | None, pages_per_message: int, room: int,
+                        page_nbytes: int) -> MessageExport:
+        """Engine thread (CPU, ``exports_messages``): the pages of ``block_ids`` gathered straight into the
+        PushKV messages that will carry them, ``pages_per_message`` pages of ``page_nbytes`` bytes each, after
+        ``room`` bytes for each header (grpc_wire.MessageBuffer): no copy between the pool and gRPC's."""
+        fp8 = codec == FP8_CODEC
+        return gather_messages(lambda ids, out: self.export(ids, codec, out), block_ids, pages_per_message, room,
+                               page_nbytes, (page_nbytes,) if fp8 else self.page_shape,
+                               torch.uint8 if fp8 else self.dtype)
 
     def import_pages(self, block_ids: list[int], pages: torch.Tensor, codec: str | None = None) -> None:
         """Write pages (the layout ``export`` produces) into reserved blocks (any thread; see above)."""

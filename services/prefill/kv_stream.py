@@ -8,9 +8,11 @@ request's blocks are held past its end (``LLMEngine.hold_blocks``) and its unwri
 sender as a deferred write, issued on the engine thread once the claim is acknowledged.
 
 Sender task (``pump``): waits for the write or the export in a worker thread, checksums the bytes
-there, and sends one message per piece; the page bytes go from the page tensor to gRPC with one copy
-(a memoryview, see grpc_stream.serialize), and the next piece is prepared while the previous one is
-on the wire.
+there, and sends one message per piece, and the next piece is prepared while the previous one is on the
+wire. On CPU the export gathers the pages straight into the messages' bytes (``message_export``,
+grpc_wire.MessageBuffer) and the pump writes each header in front of them: gRPC gets the pool's pages
+after that one copy. Host pages of a GPU export are copied once more, into each message (a memoryview,
+see grpc_wire.serialize).
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ from services.common.pb import common_pb2
 from services.engine.async_engine import AsyncEngine
 from services.engine.convert import top_to_pb
 from services.engine.kv_layout import FP8_CODEC, PageLayout, checksum
-from services.engine.kv_pages import PageExport
+from services.engine.kv_pages import KVPages, MessageExport, PageExport
 from services.engine.kv_transport import KVSender, TransferError
 from services.engine.kv_transport.base import PageWriter
+from services.engine.kv_transport.grpc_wire import MessageBuffer
 from services.engine.sampling_params import Sampled, TopLogprobs
 from services.engine.scheduler import ScheduledChunk
 from services.prefill.layer_export import armed, watch
@@ -58,9 +61,10 @@ class PagesReady:
     first_block: int
     token_start: int
     token_end: int
-    pages: PageExport | None
-    """The chunk's pages on their way to the host; None when no page is due or when a side transport
-    writes them (then num_pages says how many and ``write`` is its handle)."""
+    pages: PageExport | MessageExport | None
+    """The chunk's pages on their way to the host (or, on CPU, already inside their messages); None when no
+    page is due or when a side transport writes them (then num_pages says how many and ``write`` is its
+    handle)."""
     num_pages: int = 0
     write: object = None
     deferred: list[int] | None = None
@@ -298,7 +302,7 @@ async def pump(stream: RequestKVStream, sender: KVSender, request_id: str, reser
     """Send the stream's pages until the last chunk; returns the last item (first token) and the
     page bytes handed over (in messages or written directly). Every message carries the reservation's
     decode-issued token and the codec of its pages."""
-    pages_per_msg = max(1, min(max_payload_bytes, MESSAGE_PAYLOAD_BYTES) // layout.page_bytes)
+    pages_per_msg = pages_per_message(max_payload_bytes, layout.page_bytes)
     codec = codec_pb(layout.target_codec)
     page_bytes = 0
     index = 0
@@ -313,7 +317,10 @@ async def pump(stream: RequestKVStream, sender: KVSender, request_id: str, reser
         n = item.num_pages
         page_bytes += n * layout.page_bytes
         data = memoryview(b"")
-        if item.pages is not None:
+        messages: list[tuple[int, MessageBuffer]] | None = None
+        if isinstance(item.pages, MessageExport):  # gathered into the messages that carry them
+            messages = item.pages.pieces
+        elif item.pages is not None:
             data = _bytes_view(await _landed(item.pages))
         elif n and stream.writer is not None:  # written by a side transport: one descriptor once it landed
             if item.write is not None:
@@ -322,9 +329,16 @@ async def pump(stream: RequestKVStream, sender: KVSender, request_id: str, reser
         if item.deferred is not None:
             await stream.release_held()
         bs = layout.block_size
-        pieces = [(o, min(pages_per_msg, n - o)) for o in range(0, n, pages_per_msg)] or [(0, 0)]
-        for k, (off, cnt) in enumerate(pieces):
-            payload = data[off * layout.page_bytes:(off + cnt) * layout.page_bytes] if len(data) else data
+        if messages is not None:
+            offsets = [sum(cnt for cnt, _ in messages[:k]) for k in range(len(messages))]
+            pieces = [(o, cnt, buf) for o, (cnt, buf) in zip(offsets, messages, strict=True)]
+        else:
+            pieces = [(o, min(pages_per_msg, n - o), None) for o in range(0, n, pages_per_msg)] or [(0, 0, None)]
+        for k, (off, cnt, buf) in enumerate(pieces):
+            if buf is not None:
+                payload = buf.payload
+            else:
+                payload = data[off * layout.page_bytes:(off + cnt) * layout.page_bytes] if len(data) else data
             first_block = item.first_block + off
             msg = common_pb2.KVChunk(
                 request_id=request_id, reservation_id=reservation_id, chunk_index=index,
@@ -341,10 +355,43 @@ async def pump(stream: RequestKVStream, sender: KVSender, request_id: str, reser
                     msg.first_top_logprobs.CopyFrom(top_to_pb(item.first_top))
                 msg.prefill_done_unix = item.prefill_done_unix
                 msg.total_chunks = index + 1
-            await sender.send(msg, payload)
+            await sender.send(msg, payload, buf.seal(msg) if buf is not None else None)
             index += 1
         if item.last:
             return item, page_bytes
+
+
+def pages_per_message(max_payload_bytes: int, page_bytes: int) -> int:
+    """Pages one grpc message carries (at least one)."""
+    return max(1, min(max_payload_bytes, MESSAGE_PAYLOAD_BYTES) // page_bytes)
+
+
+HEADER_ROOM_LIMIT = 32 << 10
+"""Most bytes left in front of a message's pages for its header (payload_budget leaves 64 KiB)."""
+
+
+def header_room(request_id: str, reservation_id: str, reservation_token: bytes, layout: PageLayout,
+                transport: str, top_logprobs: int) -> int:
+    """Bytes any KVChunk header of this request fits in: every field set, each number at its longest
+    encoding, ``top_logprobs`` alternatives, plus the payload field's tag and length and the shortest padding;
+    rounded up to 64 (the pages start aligned within the message)."""
+    k = max(0, top_logprobs)
+    worst = common_pb2.KVChunk(
+        request_id=request_id, reservation_id=reservation_id, chunk_index=0xFFFFFFFF, token_start=0xFFFFFFFF,
+        token_end=0xFFFFFFFF, first_block=0xFFFFFFFF, num_pages=0xFFFFFFFF, layout_fingerprint=layout.fingerprint,
+        checksum=0xFFFFFFFF, transport=transport, is_last=True, first_token=-1, first_logprob=-1.0,
+        prefill_done_unix=-1.0, total_chunks=0xFFFFFFFF, reservation_token=reservation_token,
+        codec=max(common_pb2.KVCodec.values()),
+        first_top_logprobs=common_pb2.TopLogprobs(token_ids=[-1] * k, logprobs=[-1.0] * k))
+    return min(HEADER_ROOM_LIMIT, -(-(worst.ByteSize() + 16) // 64) * 64)
+
+
+def message_export(pages: KVPages, layout: PageLayout, codec: str | None, max_payload_bytes: int, room: int
+                   ) -> Callable[[list[int]], MessageExport]:
+    """The grpc byte stream's export on CPU (``pages.exports_messages``): each piece of a chunk gathered
+    straight into its own message (KVPages.export_messages), cut as ``pump`` cuts them."""
+    per = pages_per_message(max_payload_bytes, layout.page_bytes)
+    return lambda block_ids: pages.export_messages(block_ids, codec, per, room, layout.page_bytes)
 
 
 def codec_pb(codec: str) -> int:

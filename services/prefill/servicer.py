@@ -36,7 +36,14 @@ from services.prefill.attach import Attachments, Waiting
 from services.prefill.attach_rpc import EarlyAttach
 from services.prefill.config import PrefillConfig
 from services.prefill.direct_write import DirectWrites, InvalidDestinationError
-from services.prefill.kv_stream import AttachTimeout, RequestKVStream, claim_message, pump
+from services.prefill.kv_stream import (
+    AttachTimeout,
+    RequestKVStream,
+    claim_message,
+    header_room,
+    message_export,
+    pump,
+)
 from services.prefill.kvstore_prefix import KVStorePrefix
 from services.prefill.outcome import handoff_detail, refusal, stream_times
 from services.prefill.request_checks import deadline_monotonic, layout_mismatch, problem
@@ -328,6 +335,12 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
         fp8 = self._fp8_agreed(request)
         if writer is not None and writer.splits is not None:  # head shards: the layout names both splits
             return self.layout.with_splits(*writer.splits), self.pages.export
+        if writer is None and self.pages.exports_messages:  # CPU byte stream: pages gathered into the messages
+            layout = fp8 or self.layout
+            room = header_room(request.request_id, request.reservation_id, request.reservation_token, layout,
+                               self.transport.name, request.params.top_logprobs)
+            return layout, message_export(self.pages, layout, FP8_CODEC if fp8 is not None else None,
+                                          payload_budget(self.config.max_message_bytes), room)
         if fp8 is not None and (writer is None or writer.carry(fp8)):
             return fp8, lambda block_ids: self.pages.export(block_ids, FP8_CODEC)
         return self.layout, self.pages.export

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from services.common.pb import common_pb2
 from services.engine.kv_pages import KVPages
 
 SHAPE = (3, 2, 12, 4, 2, 8)  # [layers, 2, blocks, block_size, kv_heads, head_dim]
@@ -76,3 +77,89 @@ def test_gpu_back_to_back_exports_into_one_staging_buffer_each_get_their_pages()
     cache[:, :, first + second] = 0
     assert torch.equal(b.wait(), want_second) and torch.equal(a.wait(), want_first)
     assert out[:5].data_ptr() == a.host.data_ptr()  # written in place: the staging view, no copy of it
+
+
+class _Recorder:
+    """A KVSender stand-in that keeps what pump hands it."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[object, bytes, bytes | None]] = []
+
+    async def send(self, chunk, payload=b"", wire=None) -> None:  # type: ignore[no-untyped-def]
+        self.sent.append((chunk, bytes(payload), wire))
+
+
+@pytest.mark.parametrize("codec", [None, "fp8-e4m3"])
+def test_export_messages_gathers_each_piece_straight_into_the_message_that_carries_it(codec: str | None) -> None:
+    from services.engine.kv_layout import FP8_CODEC
+    from services.engine.kv_transport.grpc_wire import parse_chunk
+
+    codec = FP8_CODEC if codec else None
+    cache = torch.randn(SHAPE)
+    pages = KVPages(_runner(cache))
+    assert pages.exports_messages
+    ids = [5, 6, 7, 1, 9]
+    want = pages.export(ids, codec).wait().contiguous().view(torch.uint8).view(len(ids), -1)
+    page_nbytes = want.shape[1]
+    got = pages.export_messages(ids, codec, 2, 128, page_nbytes)
+    assert [n for n, _ in got.pieces] == [2, 2, 1]
+    first = 0
+    for k, (n, buf) in enumerate(got.pieces):
+        assert bytes(buf.payload) == want[first:first + n].numpy().tobytes()
+        header = common_pb2.KVChunk(request_id="r", chunk_index=k, num_pages=n, first_block=first)
+        wire = buf.seal(header)
+        assert type(wire) is bytes and len(wire) == 128 + n * page_nbytes
+        parsed = parse_chunk(wire)
+        assert not parsed.error and parsed.header.num_pages == n and parsed.header.first_block == first
+        assert bytes(parsed.payload) == want[first:first + n].numpy().tobytes()
+        first += n
+
+
+def test_pump_sends_cpu_pages_inside_the_messages_they_were_gathered_into() -> None:
+    """The servicer's CPU byte-stream export: every page-carrying message reaches the sender already laid out
+    (``wire``), with the header pump built (checksum included) and the pool's pages; nothing else is copied."""
+    import asyncio
+    from types import SimpleNamespace as NS
+
+    from services.engine.kv_layout import PageLayout, checksum
+    from services.engine.kv_transport.grpc_wire import parse_chunk
+    from services.prefill.kv_stream import RequestKVStream, header_room, message_export, pump
+
+    cache = torch.randn(SHAPE)
+    pages = KVPages(_runner(cache))
+    layout = PageLayout.for_model("m", SHAPE[0], SHAPE[4], SHAPE[5], SHAPE[3], "fp32")
+    room = header_room("req-1", "rsv-1", b"t" * 32, layout, "grpc", 5)
+    blocks = [3, 4, 5, 8, 9, 10, 11]
+    page_nbytes = layout.page_bytes
+
+    async def go() -> list[tuple[object, bytes, bytes | None]]:
+        stream = RequestKVStream(asyncio.get_running_loop(), message_export(pages, layout, None, 2 * page_nbytes, room),
+                                 SHAPE[3], 0, True, 0.0)
+        seq = NS(num_computed_tokens=0, num_cached_tokens=0, block_table=blocks, request_id="req-1/x")
+        top = NS(token_ids=[1, 2, 3, 4, 5], logprobs=[-0.1, -0.2, -0.3, -0.4, -0.5])
+
+        def engine_thread() -> None:
+            stream.on_chunk(NS(seq=seq, num_new_tokens=3 * SHAPE[3], sample=False), None, 0.0)
+            seq.num_computed_tokens = 3 * SHAPE[3]
+            stream.on_chunk(NS(seq=seq, num_new_tokens=4 * SHAPE[3] - 1, sample=True),
+                            NS(token=7, logprob=-0.5, top=top), 0.0)
+
+        rec = _Recorder()
+        await asyncio.to_thread(engine_thread)
+        await pump(stream, rec, "req-1", "rsv-1", b"t" * 32, layout, 2 * page_nbytes, "grpc")  # type: ignore[arg-type]
+        return rec.sent
+
+    sent = asyncio.run(go())
+    assert [c.num_pages for c, _, _ in sent] == [2, 1, 2, 2]  # a chunk's pages in messages of at most 2
+    for chunk, payload, wire in sent:
+        assert wire is not None and len(wire) == room + len(payload)
+        parsed = parse_chunk(wire)
+        assert not parsed.error and bytes(parsed.payload) == payload
+        assert parsed.header.checksum == checksum(payload) != 0
+        assert not any(parsed.header.padding)
+        parsed.header.ClearField("padding")
+        assert parsed.header == chunk  # the header pump built, as decode parses it
+        ids = blocks[chunk.first_block:chunk.first_block + chunk.num_pages]
+        assert payload == _expected(cache, ids).numpy().tobytes()
+    last = parse_chunk(sent[-1][2]).header
+    assert last.is_last and last.first_token == 7 and list(last.first_top_logprobs.token_ids) == [1, 2, 3, 4, 5]

@@ -65,3 +65,57 @@ def test_mooncake_descriptors_that_fail_a_check_are_refused(overrides: dict, add
     with pytest.raises(SharedKVAttachError) as e:
         check_pool(_mooncake(**overrides), address)
     assert e.value.reason == reason
+
+
+def test_padding_fills_every_room_but_one_or_two_bytes_and_parses_as_padding_only() -> None:
+    from services.engine.kv_transport.grpc_wire import padding
+
+    for room in range(0, 20000):
+        pad = padding(room)
+        if room in (1, 2):
+            assert pad is None
+            continue
+        assert pad is not None and len(pad) == room, room
+        parsed = common_pb2.KVChunk.FromString(pad)
+        assert not any(parsed.padding) and parsed.ByteSize() <= room
+        parsed.ClearField("padding")
+        assert parsed == common_pb2.KVChunk()
+
+
+def test_a_header_too_large_for_its_room_leaves_the_message_unsealed_for_the_copying_path() -> None:
+    from services.engine.kv_transport.grpc_wire import MessageBuffer, parse_chunk
+
+    buf = MessageBuffer(1000, 64)
+    memoryview(buf.writable).cast("B")[64:] = bytes(range(200)) * 5
+    big = common_pb2.KVChunk(request_id="x" * 100, num_pages=1)
+    assert buf.seal(big) is None
+    assert bytes(buf.payload) == bytes(range(200)) * 5  # still whole: sent through serialize instead
+    wire = serialize((big, buf.payload))
+    assert bytes(parse_chunk(wire).payload) == bytes(range(200)) * 5
+    small = common_pb2.KVChunk(request_id="x", num_pages=1)
+    sealed = buf.seal(small)
+    assert sealed is not None and bytes(parse_chunk(sealed).payload) == bytes(range(200)) * 5
+
+
+@pytest.mark.parametrize("top_k", [0, 1, 20])
+def test_header_room_holds_the_largest_header_of_the_request(top_k: int) -> None:
+    """Every number at its longest encoding, the last message's alternatives: the header still fits, so no
+    message of the request falls back to the copying path."""
+    from services.engine.kv_layout import PageLayout
+    from services.engine.kv_transport.grpc_wire import MessageBuffer, parse_chunk
+    from services.prefill.kv_stream import header_room
+
+    layout = PageLayout.for_model("some/model", 30, 3, 64, 16, "bf16")
+    room = header_room("r" * 70, "rsv-" + "9" * 32, bytes(32), layout, "grpc", top_k)
+    assert room % 64 == 0
+    for payload_nbytes in (1, 127, 128, 1 << 21, (8 << 20) + 7):
+        header = common_pb2.KVChunk(
+            request_id="r" * 70, reservation_id="rsv-" + "9" * 32, chunk_index=0xFFFFFFFF, token_start=0xFFFFFFFF,
+            token_end=0xFFFFFFFF, first_block=0xFFFFFFFF, num_pages=0xFFFFFFFF, layout_fingerprint=layout.fingerprint,
+            checksum=0xFFFFFFFF, transport="grpc", is_last=True, first_token=-(1 << 31), first_logprob=-1e30,
+            prefill_done_unix=1.7e9, total_chunks=0xFFFFFFFF, reservation_token=bytes(32),
+            codec=common_pb2.KV_CODEC_FP8_E4M3,
+            first_top_logprobs=common_pb2.TopLogprobs(token_ids=[-(1 << 31)] * top_k, logprobs=[-1e30] * top_k))
+        wire = MessageBuffer(payload_nbytes, room).seal(header)
+        assert wire is not None and len(wire) == room + payload_nbytes
+        assert parse_chunk(wire).header.first_top_logprobs == header.first_top_logprobs

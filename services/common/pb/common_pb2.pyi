@@ -119,7 +119,7 @@ class PageLayout(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., page_bytes: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("request_id", "reservation_id", "chunk_index", "token_start", "token_end", "first_block", "num_pages", "layout_fingerprint", "checksum", "payload", "transport", "is_last", "first_token", "first_logprob", "prefill_done_unix", "total_chunks", "transport_meta", "reservation_token", "claim", "codec", "first_top_logprobs")
+    __slots__ = ("request_id", "reservation_id", "chunk_index", "token_start", "token_end", "first_block", "num_pages", "layout_fingerprint", "checksum", "payload", "transport", "is_last", "first_token", "first_logprob", "prefill_done_unix", "total_chunks", "transport_meta", "reservation_token", "claim", "codec", "first_top_logprobs", "padding")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +141,7 @@ class KVChunk(_message.Message):
     CLAIM_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PADDING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     reservation_id: str
     chunk_index: int
@@ -162,7 +163,8 @@ class KVChunk(_message.Message):
     claim: KVClaim
     codec: KVCodec
     first_top_logprobs: TopLogprobs
-    def __init__(self, request_id: _Optional[str] = ..., reservation_id: _Optional[str] = ..., chunk_index: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., first_block: _Optional[int] = ..., num_pages: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., checksum: _Optional[int] = ..., payload: _Optional[bytes] = ..., transport: _Optional[str] = ..., is_last: _Optional[bool] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., prefill_done_unix: _Optional[float] = ..., total_chunks: _Optional[int] = ..., transport_meta: _Optional[bytes] = ..., reservation_token: _Optional[bytes] = ..., claim: _Optional[_Union[KVClaim, _Mapping]] = ..., codec: _Optional[_Union[KVCodec, str]] = ..., first_top_logprobs: _Optional[_Union[TopLogprobs, _Mapping]] = ...) -> None: ...
+    padding: bytes
+    def __init__(self, request_id: _Optional[str] = ..., reservation_id: _Optional[str] = ..., chunk_index: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., first_block: _Optional[int] = ..., num_pages: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., checksum: _Optional[int] = ..., payload: _Optional[bytes] = ..., transport: _Optional[str] = ..., is_last: _Optional[bool] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., prefill_done_unix: _Optional[float] = ..., total_chunks: _Optional[int] = ..., transport_meta: _Optional[bytes] = ..., reservation_token: _Optional[bytes] = ..., claim: _Optional[_Union[KVClaim, _Mapping]] = ..., codec: _Optional[_Union[KVCodec, str]] = ..., first_top_logprobs: _Optional[_Union[TopLogprobs, _Mapping]] = ..., padding: _Optional[bytes] = ...) -> None: ...
 
 class KVClaim(_message.Message):
     __slots__ = ("transport", "dest_block_ids", "pool_id", "codec", "writer_split", "pool_split")

@@ -95,9 +95,12 @@ class KVSender(abc.ABC):
         once decode acknowledged it; raise TransferError if decode refused or went away."""
 
     @abc.abstractmethod
-    async def send(self, chunk: common_pb2.KVChunk, payload: memoryview | bytes = b"") -> None:
+    async def send(self, chunk: common_pb2.KVChunk, payload: memoryview | bytes = b"", wire: bytes | None = None
+                   ) -> None:
         """Queue one message; ``payload`` (the page bytes, when they ride in the stream) is attached
-        as the message's payload field without an intermediate copy."""
+        as the message's payload field without an intermediate copy. ``wire``: the whole message, already
+        laid out around ``payload`` (grpc_wire.MessageBuffer.seal); a stream of serialized messages sends it
+        as it is."""
 
     @abc.abstractmethod
     async def finish(self) -> decode_pb2.PushKVResponse:

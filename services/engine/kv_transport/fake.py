@@ -69,7 +69,8 @@ class _FakeSender(KVSender):
             await self._raise()
         self.state = KVPoll.WAITING_FOR_INPUT
 
-    async def send(self, chunk: common_pb2.KVChunk, payload: memoryview | bytes = b"") -> None:
+    async def send(self, chunk: common_pb2.KVChunk, payload: memoryview | bytes = b"", wire: bytes | None = None
+                   ) -> None:
         f = self._faults
         if f.delay_s:
             await asyncio.sleep(f.delay_s)

@@ -3,9 +3,11 @@
 It is also the descriptor stream of every side transport (shm, cuda-ipc, mooncake): a claim first,
 then one descriptor per chunk, no payload.
 
-Page bytes are copied once between the page tensor and gRPC's message bytes, in a worker thread: a
-message is serialized as its header (every field but ``payload``) followed by the payload field written
-by hand from a memoryview of the pages (grpc_wire.serialize). Several messages are in flight: gRPC
+Page bytes reach gRPC's message bytes with one copy. On CPU that copy is the export's gather: the pages
+are gathered straight into the message, and its header written in front of them (``wire``,
+grpc_wire.MessageBuffer). Host pages of a GPU export are copied in a worker thread: a message is
+serialized as its header (every field but ``payload``) followed by the payload field written by hand from
+a memoryview of the pages (grpc_wire.serialize). Several messages are in flight: gRPC
 pulls them from a bounded queue (a request iterator: several times faster than call.write) while the
 next chunk is packed, checksummed and serialized. (gRPC Python 1.85 then copies each message once more
 into its own buffer, on the event loop; decode parses the header only, see grpc_wire.parse_chunk.)
@@ -103,11 +105,12 @@ class _GrpcSender(KVSender):
             await self._raise_from_call()
         self.state = KVPoll.WAITING_FOR_INPUT
 
-    async def send(self, chunk: common_pb2.KVChunk, payload: memoryview | bytes = b"") -> None:
+    async def send(self, chunk: common_pb2.KVChunk, payload: memoryview | bytes = b"", wire: bytes | None = None
+                   ) -> None:
         if self.state is KVPoll.FAILED or self._watcher.done():
             await self._raise_from_call()
-        msg: common_pb2.KVChunk | bytes = chunk
-        if len(payload):
+        msg: common_pb2.KVChunk | bytes = chunk if wire is None else wire
+        if wire is None and len(payload):
             # The one copy of the pages into the message, in a worker: the event loop (where gRPC copies the
             # previous message into its own buffer) keeps running meanwhile.
             msg = await asyncio.to_thread(serialize, (chunk, payload))

@@ -18,6 +18,8 @@ never an exception: the receiver answers it with INVALID_ARGUMENT like any other
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
@@ -57,6 +59,73 @@ def serialize(msg: common_pb2.KVChunk | tuple[common_pb2.KVChunk, memoryview | b
     if not len(payload):
         return header.SerializeToString()
     return b"".join((header.SerializeToString(), PAYLOAD_TAG, varint(len(payload)), payload))
+
+
+PADDING_FIELD = 22
+PADDING_TAG = varint((PADDING_FIELD << 3) | 2)
+"""KVChunk.padding: field 22, wire type 2 (two bytes)."""
+
+if sys.implementation.name == "cpython":
+    # The C API's way to build a bytes object in place: allocate it uninitialized, fill it, then share it.
+    _new_bytes = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_char_p, ctypes.c_ssize_t)(
+        ("PyBytes_FromStringAndSize", ctypes.pythonapi))
+    _bytes_address = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object)(("PyBytes_AsString", ctypes.pythonapi))
+else:  # pragma: no cover - other interpreters keep the joined copy (serialize)
+    _new_bytes = _bytes_address = None
+
+IN_PLACE = _new_bytes is not None
+"""Messages can be built around their pages (MessageBuffer): CPython only."""
+
+
+def padding(room: int) -> bytes | None:
+    """KVChunk.padding fields of exactly ``room`` bytes (b"" for 0); None for 1 or 2 bytes (no field is that
+    short). One field, or, where no length fits exactly (e.g. 131), an empty field and then one that does."""
+    out = b""
+    while room:
+        for vlen in (1, 2, 3):
+            n = room - len(PADDING_TAG) - vlen
+            if n >= 0 and len(varint(n)) == vlen:
+                return out + PADDING_TAG + varint(n) + bytes(n)
+        if room < len(PADDING_TAG) + 1:
+            return None
+        out += PADDING_TAG + b"\x00"
+        room -= len(PADDING_TAG) + 1
+    return out
+
+
+class MessageBuffer:
+    """One PushKV message's bytes, made before its header is known so that the pages are gathered straight
+    into them: ``room`` bytes for the header, then ``payload_nbytes`` of payload. The export fills the payload
+    (``writable``, from ``room`` on); ``seal`` then writes the header, KVChunk.padding over what it leaves
+    of the room, and the payload field's tag and length, and hands the bytes over. Nothing else holds the
+    bytes object until then (CPython's contract for a bytes built in place)."""
+
+    def __init__(self, payload_nbytes: int, room: int) -> None:
+        assert IN_PLACE, "MessageBuffer needs CPython"
+        self.room = room
+        self.payload_nbytes = payload_nbytes
+        self._data: bytes | None = _new_bytes(None, room + payload_nbytes)
+        self.writable = (ctypes.c_char * (room + payload_nbytes)).from_address(_bytes_address(self._data))
+        """The message's memory, writable (a ctypes array; use while ``_data`` is alive and unsealed)."""
+
+    @property
+    def payload(self) -> memoryview:
+        """The payload region, read-only (the view keeps the bytes alive)."""
+        assert self._data is not None, "sealed"
+        return memoryview(self._data)[self.room:]
+
+    def seal(self, header: common_pb2.KVChunk) -> bytes | None:
+        """The whole message (header, padding, payload), or None when the header does not fit the room:
+        then the caller sends ``payload`` the usual way (serialize: one more copy)."""
+        assert self._data is not None, "sealed twice"
+        head = header.SerializeToString()
+        tail = PAYLOAD_TAG + varint(self.payload_nbytes)
+        pad = padding(self.room - len(head) - len(tail)) if len(head) + len(tail) <= self.room else None
+        if pad is None:
+            return None
+        memoryview(self.writable).cast("B")[:self.room] = head + pad + tail
+        data, self._data = self._data, None
+        return data
 
 
 @dataclass(frozen=True)
