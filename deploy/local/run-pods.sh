@@ -40,6 +40,9 @@ build() {
   $CLI build "${extra[@]}" --network=none -f deploy/Dockerfile -t "$IMAGE" \
     --build-arg BASE_IMAGE="$BASE" --build-arg OFFLINE_WHEELS=1 \
     ${TORCH_VERSION:+--build-arg TORCH_VERSION="$TORCH_VERSION"} .
+  # What a rebuild leaves untagged (the build stage, the image the tag pointed at before) is ~6 GB a time:
+  # pruned here, only images of deploy/Dockerfile's label, only untagged ones.
+  $CLI image prune -f --filter label=io.pdserve.image=1 >/dev/null
   echo "image $IMAGE built in $(( $(date +%s) - t1 )) s (with base image and wheelhouse: $(( $(date +%s) - t0 )) s)"
 }
 

@@ -195,6 +195,15 @@ def probe_all(state: dict[str, Any]) -> list[dict[str, Any]]:
     return results
 
 
+def test_the_build_leaves_no_untagged_image_behind(image: str) -> None:
+    """A rebuild untags the image the tag pointed at, and a multi-stage build keeps its build stage (~6 GB
+    a time together): run-pods.sh prunes the untagged ones of deploy/Dockerfile's label after building."""
+    assert CLI is not None
+    left = sh(CLI, "images", "-q", "--filter", "dangling=true", "--filter", "label=io.pdserve.image=1", timeout=60)
+    assert left.stdout.split() == [], f"untagged pdserve images left after the build: {left.stdout.split()}"
+    assert sh(CLI, "image", "inspect", image, timeout=60).returncode == 0
+
+
 class TestCpuLocal:
     def test_every_declared_probe_passes_against_the_running_pods(self, pods: dict[str, Any]) -> None:
         for r in probe_all(pods):

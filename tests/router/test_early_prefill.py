@@ -38,8 +38,10 @@ async def test_prefill_is_sent_before_reserve_answers_and_attached_after(cluster
         at = {p: r.registry.get_sample_value(f"{PHASE}_sum", {"phase": p})
               for p in ("prefill_sent", "reserve", "attached", "first_token")}
     assert tokens(events) == reference(PROMPT, 4)
-    # times since the request began: Prefill went out before Reserve answered, the attach after it
-    assert at["prefill_sent"] < at["reserve"] <= at["attached"] <= at["first_token"], at
+    # times since the request began: Prefill went out before Reserve answered, the attach after it. The
+    # first token comes after Reserve too; it may land before AttachReservation's answer is read (two calls).
+    assert at["prefill_sent"] < at["reserve"] <= at["attached"], at
+    assert at["reserve"] <= at["first_token"], at
     assert at["reserve"] >= 0.2, at
     (prefill,) = c.prefill(0).requests  # as it ended up: the early call with the attached reservation
     (attach_id,) = c.prefill(0).attaches
