@@ -21,6 +21,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 
 import grpc
 import torch
@@ -330,8 +331,8 @@ async def pump(stream: RequestKVStream, sender: KVSender, request_id: str, reser
             await stream.release_held()
         bs = layout.block_size
         if messages is not None:
-            offsets = [sum(cnt for cnt, _ in messages[:k]) for k in range(len(messages))]
-            pieces = [(o, cnt, buf) for o, (cnt, buf) in zip(offsets, messages, strict=True)]
+            offsets = accumulate((cnt for cnt, _ in messages), initial=0)  # one more than messages
+            pieces = [(o, cnt, buf) for o, (cnt, buf) in zip(offsets, messages, strict=False)] or [(0, 0, None)]
         else:
             pieces = [(o, min(pages_per_msg, n - o), None) for o in range(0, n, pages_per_msg)] or [(0, 0, None)]
         for k, (off, cnt, buf) in enumerate(pieces):
