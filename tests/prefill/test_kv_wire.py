@@ -119,3 +119,12 @@ def test_header_room_holds_the_largest_header_of_the_request(top_k: int) -> None
         wire = MessageBuffer(payload_nbytes, room).seal(header)
         assert wire is not None and len(wire) == room + payload_nbytes
         assert parse_chunk(wire).header.first_top_logprobs == header.first_top_logprobs
+
+
+def test_a_message_too_short_to_be_its_own_object_is_never_built_in_place() -> None:
+    from services.engine.kv_transport.grpc_wire import MessageBuffer
+
+    for room, size in ((0, 0), (0, 1), (1, 0)):
+        with pytest.raises(ValueError, match="too short"):
+            MessageBuffer(size, room)
+    assert b"" == bytes(0) and bytes(1) == b"\x00"  # the shared objects are untouched

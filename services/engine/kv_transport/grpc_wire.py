@@ -102,6 +102,8 @@ class MessageBuffer:
 
     def __init__(self, payload_nbytes: int, room: int) -> None:
         assert IN_PLACE, "MessageBuffer needs CPython"
+        if room + payload_nbytes < 2:  # CPython shares its 0- and 1-byte bytes objects: never write into those
+            raise ValueError(f"a message of {room + payload_nbytes} bytes is too short to build in place")
         self.room = room
         self.payload_nbytes = payload_nbytes
         self._data: bytes | None = _new_bytes(None, room + payload_nbytes)
