@@ -19,7 +19,8 @@ Every transport moves the same ``--mib`` of pages, chunk by chunk (``--chunk-pag
 
 Goals (issue 10, on a CPU box): grpc >= 0.5x socket, mooncake >= 0.7x socket, shm >= 0.5x memcpy.
 The receiving side runs in a child process (no shared GIL); the grpc path's decode in a service process
-of its own. Prints the CPU model and flags.
+of its own. Prints the CPU model and flags, and for grpc and grpc-bare the CPU-bound limit: this box's
+cores over the CPU seconds per GB both processes spent, the most GB/s no pipelining could beat.
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ class Results:
     best_gbps: dict[str, float] = field(default_factory=dict)
     ratios: dict[str, float] = field(default_factory=dict)
     """Of the medians: each goal's path against its baseline, and grpc-bare/socket, grpc/grpc-bare."""
+    cpu_limit_gbps: dict[str, float] = field(default_factory=dict)
+    """grpc and grpc-bare: the most GB/s their two processes' CPU cost allows on this box's cores
+    (``cpu_bound_gbps``): what no pipelining could beat."""
     cpu_s_per_gb: dict[str, list[float]] = field(default_factory=dict)
     """[sending process, receiving process] CPU seconds per GB moved (every thread; the load of other
     processes on the box does not count here, unlike in the wall-clock rates)."""
@@ -271,7 +275,21 @@ def run(args: argparse.Namespace) -> Results:
         if name in r.gbps and base_name in r.gbps:
             r.ratios[f"{name}/{base_name}"] = r.gbps[name] / r.gbps[base_name]
             print(f"{name} / {base_name} = {r.gbps[name] / r.gbps[base_name]:.2f}x median")
+    cores = len(os.sched_getaffinity(0))
+    for name in ("grpc", "grpc-bare"):
+        if name in r.cpu_s_per_gb and "socket" in r.gbps:
+            send, recv = r.cpu_s_per_gb[name]
+            r.cpu_limit_gbps[name] = limit = cpu_bound_gbps(send, recv, cores)
+            print(f"{name} CPU-bound limit: {cores} cores / ({send:.2f} + {recv:.2f}) CPU s/GB = {limit:.2f} GB/s "
+                  f"= {limit / r.gbps['socket']:.2f}x socket")
     return r
+
+
+def cpu_bound_gbps(send_cpu_s_per_gb: float, recv_cpu_s_per_gb: float, cores: int) -> float:
+    """GB/s a path cannot exceed when its two processes share ``cores`` and spend these CPU seconds per GB
+    between them: every core busy the whole time, nothing else running."""
+    total = send_cpu_s_per_gb + recv_cpu_s_per_gb
+    return cores / total if total > 0 else float("inf")
 
 
 def main(argv: list[str] | None = None) -> int:
