@@ -144,7 +144,8 @@ class KVPages:
         if not cache.is_cuda:
             idx = torch.tensor(block_ids, dtype=torch.int64)
             if codec != FP8_CODEC:  # gathered straight into ``out`` when given
-                return PageExport(pack(cache, idx, out).view(out.shape) if out is not None else pack(cache, idx))
+                pages = pack(cache, idx, out)
+                return PageExport(pages if out is None else out)
             pages = pack(cache, idx)
             return PageExport(pages if out is None else out.copy_(pages))
         if self._side is None:
