@@ -4,6 +4,12 @@
         prom.wait_for_scrapes(2)
         result = prom.query('sum(rate(pdserve_router_requests_total{namespace="pdserve-test"}[15s]))')
 
+Or, for series with known values at known times, start it on a TSDB backfilled from OpenMetrics text
+(`promtool tsdb create-blocks-from openmetrics`) and query at those times:
+
+    with PrometheusHarness([], backfill=openmetrics_text) as prom:
+        prom.query("sum(rate(pdserve_router_requests_total[1m]))", at=last_sample_time)
+
 Targets get `job="pdserve"`, `namespace="pdserve-test"` (so dashboards' `$namespace` filter matches)
 and the usual `instance="host:port"`. Storage lives in a temp dir removed on exit; the process is
 always stopped. Tests skip with `require_prometheus()` where no binary is installed.
@@ -34,6 +40,15 @@ JOB = "pdserve"
 def prometheus_binary() -> str | None:
     """Path of the Prometheus server binary ($PDSERVE_TEST_PROMETHEUS, /usr/bin/prometheus, $PATH)."""
     for candidate in (os.environ.get("PDSERVE_TEST_PROMETHEUS"), DEFAULT_BINARY, shutil.which("prometheus")):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def promtool_binary() -> str | None:
+    """Path of promtool (next to the server binary, or on $PATH)."""
+    binary = prometheus_binary()
+    for candidate in (binary and str(Path(binary).with_name("promtool")), shutil.which("promtool")):
         if candidate and os.access(candidate, os.X_OK):
             return candidate
     return None
@@ -72,6 +87,7 @@ class PrometheusHarness:
         metrics_path: str = "/metrics",
         binary: str | None = None,
         ready_timeout_s: float = 20.0,
+        backfill: str | None = None,
     ) -> None:
         self.targets = list(targets)
         self.labels = {"namespace": namespace, **(labels or {})}
@@ -79,6 +95,8 @@ class PrometheusHarness:
         self.metrics_path = metrics_path
         self.binary = binary or prometheus_binary()
         self.ready_timeout_s = ready_timeout_s
+        self.backfill = backfill
+        """OpenMetrics text (ending in `# EOF`, sample timestamps in seconds) loaded into the TSDB before start."""
         self.port = 0
         self._proc: subprocess.Popen[bytes] | None = None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -120,6 +138,8 @@ class PrometheusHarness:
         (tmp / "prometheus.yml").write_text(self.config_yaml())
         last_error = ""
         try:
+            if self.backfill is not None:
+                self._create_blocks(tmp)
             for _ in range(3):  # the free port can be taken between probing and binding: retry
                 self.port = free_port()
                 self._log = open(tmp / "prometheus.log", "wb")  # closed in _kill()
@@ -138,6 +158,17 @@ class PrometheusHarness:
         except BaseException:
             self.stop()
             raise
+
+    def _create_blocks(self, tmp: Path) -> None:
+        promtool = promtool_binary()
+        if promtool is None:
+            raise PrometheusError("no promtool found to backfill the TSDB (apt-get install prometheus)")
+        source = tmp / "backfill.om"
+        source.write_text(self.backfill or "")
+        proc = subprocess.run([promtool, "tsdb", "create-blocks-from", "openmetrics", str(source), str(tmp / "data")],
+                              capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            raise PrometheusError(f"promtool could not backfill:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
 
     def stop(self) -> None:
         self._kill()

@@ -104,7 +104,8 @@ def overview_rows() -> list[Row]:
             Panel("Request rate by status", [Target(sum_rate(m.ROUTER_REQUESTS_TOTAL, "status"), "{{status}}")],
                   unit="reqps", description="Finished client requests per second at the router."),
             Panel("Error rate", [Target(
-                f"{or_zero(f'sum ({rate(m.ROUTER_ERRORS_TOTAL)})')} / sum ({rate(m.ROUTER_REQUESTS_TOTAL)})",
+                # `/` binds tighter than `or`: the zero-filled numerator needs its own parentheses.
+                f"({or_zero(f'sum ({rate(m.ROUTER_ERRORS_TOTAL)})')}) / sum ({rate(m.ROUTER_REQUESTS_TOTAL)})",
                 "errors / requests")],
                   unit="percentunit", description="Share of client requests that failed."),
             Panel("Errors by code", [Target(or_zero(sum_rate(m.ROUTER_ERRORS_TOTAL, "code")), "{{code}}")],
