@@ -6,6 +6,7 @@ Inputs are exact by construction: a counter with rate r/s is `r * t` at every sa
 `rate()` over any window is r; a histogram observes one value v at r/s, so its mean is v and
 `histogram_quantile(q)` interpolates to `lo + q * (hi - lo)` inside the bucket (lo, hi] holding v.
 The same series, 1000 times larger, sit in another namespace, which the dashboards' filter must drop.
+Series carry `pod` as the Kubernetes scrape configs set it (tests/deploy/test_k8s_autoscaling.py reads it).
 """
 
 from __future__ import annotations
@@ -223,7 +224,8 @@ OLD_ERROR_RATE = ("(sum (rate(pdserve_router_errors_total{$sel}[$__rate_interval
 def _labels(s: Series, namespace: str, extra: dict[str, str] | None = None) -> str:
     spec = m.SPECS_BY_NAME[s.metric]
     assert set(s.labels) <= set(spec.labels), f"{s.metric}: labels {set(s.labels) - set(spec.labels)} not exported"
-    labels = {"namespace": namespace, "instance": s.instance, "job": "pdserve", **s.labels, **(extra or {})}
+    labels = {"namespace": namespace, "instance": s.instance, "pod": s.instance.split(":")[0], "job": "pdserve",
+              **s.labels, **(extra or {})}
     return "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}"
 
 

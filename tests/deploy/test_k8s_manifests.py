@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
@@ -28,12 +29,17 @@ from services.common.config import add_dataclass_args, env_name, from_args
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
-KUSTOMIZATIONS = ("base", "overlays/cpu-local", "overlays/gpu", "overlays/mooncake", "overlays/mtls")
+KUSTOMIZATIONS = ("base", "overlays/cpu-local", "overlays/gpu", "overlays/mooncake", "overlays/mtls",
+                  "overlays/monitoring", "overlays/autoscaling", "overlays/network-policy")
 OVERLAYS = tuple(k for k in KUSTOMIZATIONS if k != "base")
 COMPONENTS = ("router", "prefill", "decode", "kvstore")
 # kubernetes-validate ships schemas up to its own release; 1.33 is what current kind/minikube/EKS/GKE run
 # (native grpc probes are GA since 1.27, the preStop sleep action since 1.30 on by default).
 K8S_VERSION = "1.33.0"
+# Custom resources kubernetes-validate has no schema for: JSON schemas committed next to these tests,
+# written from the CRDs' published structure (strict: unknown fields are errors).
+CRD_SCHEMAS = {("monitoring.coreos.com/v1", "PodMonitor"): "podmonitor.monitoring.coreos.com_v1.json"}
+SCHEMAS = Path(__file__).resolve().parent / "schemas"
 
 pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None,
                                 reason="kubectl not on PATH: `kubectl kustomize` is needed to render deploy/k8s")
@@ -44,14 +50,15 @@ pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None,
 @functools.cache
 def render(kustomization: str) -> tuple[dict[str, Any], ...]:
     """Render deploy/k8s/<kustomization>, or a combination "overlays/gpu+mtls+mooncake": the overlay with
-    those components added (a kustomization written to a temporary directory)."""
+    those components added (a kustomization written to a temporary directory, in the overlays' namespace
+    as an overlay adding them would be, so that objects the components add land there too)."""
     if "+" not in kustomization:
         return _render_dir(K8S / kustomization)
     overlay, *components = kustomization.split("+")
     with tempfile.TemporaryDirectory() as d:
         rel = Path(os.path.relpath(K8S, d))
         (Path(d) / "kustomization.yaml").write_text(yaml.safe_dump({
-            "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+            "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": "pdserve",
             "resources": [str(rel / overlay)], "components": [str(rel / "components" / c) for c in components]}))
         return _render_dir(Path(d))
 
@@ -240,16 +247,44 @@ def test_renders_with_every_component(kustomization: str) -> None:
             o["kind"] == "Namespace", f"{o['kind']}/{o['metadata']['name']}: label app.kubernetes.io/part-of"
 
 
-@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
-def test_every_object_validates_strictly(kustomization: str) -> None:
+@functools.cache
+def _crd_validator(api_version: str, kind: str) -> jsonschema.Draft7Validator:
+    schema = yaml.safe_load((SCHEMAS / CRD_SCHEMAS[(api_version, kind)]).read_text())
+    jsonschema.Draft7Validator.check_schema(schema)
+    return jsonschema.Draft7Validator(schema)
+
+
+def validation_errors(objs: tuple[dict[str, Any], ...]) -> list[str]:
+    """Every object against the Kubernetes OpenAPI schema (strict), custom resources against CRD_SCHEMAS."""
     errors = []
-    for o in render(kustomization):
+    for o in objs:
+        name = f"{o['kind']}/{o['metadata']['name']}"
+        if (o["apiVersion"], o["kind"]) in CRD_SCHEMAS:
+            for e in _crd_validator(o["apiVersion"], o["kind"]).iter_errors(o):
+                errors.append(f"{name} at {'/'.join(str(p) for p in e.absolute_path)}: {e.message}")
+            continue
         try:
             kubernetes_validate.validate(o, K8S_VERSION, strict=True)
         except kubernetes_validate.ValidationError as e:
-            where = "/".join(str(p) for p in e.absolute_path)
-            errors.append(f"{o['kind']}/{o['metadata']['name']} at {where}: {e.message}")
+            errors.append(f"{name} at {'/'.join(str(p) for p in e.absolute_path)}: {e.message}")
+    return errors
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_every_object_validates_strictly(kustomization: str) -> None:
+    errors = validation_errors(render(kustomization))
     assert not errors, "\n".join(errors)
+
+
+def test_the_podmonitor_schema_refuses_what_the_crd_refuses() -> None:
+    monitor = yaml.safe_load((REPO / "deploy/prometheus/podmonitor.yaml").read_text())
+    assert validation_errors((monitor,)) == []
+    bad_interval = {**monitor, "spec": {**monitor["spec"], "podMetricsEndpoints": [
+        {**monitor["spec"]["podMetricsEndpoints"][0], "interval": "15 seconds"}]}}
+    unknown_field = {**monitor, "spec": {**monitor["spec"], "podMetricsEndpoint": []}}
+    no_selector = {**monitor, "spec": {"podMetricsEndpoints": monitor["spec"]["podMetricsEndpoints"]}}
+    for bad in (bad_interval, unknown_field, no_selector):
+        assert validation_errors((bad,)) != [], bad["spec"]
 
 
 def test_base_is_namespace_agnostic_and_overlays_set_one() -> None:
@@ -437,16 +472,19 @@ def test_prefill_reaches_the_kvstore_service(kustomization: str) -> None:
     assert find(objs, "Service", sts["spec"]["serviceName"]) is not None
 
 
-@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
-def test_disruption_budgets_cover_the_workers(kustomization: str) -> None:
+@pytest.mark.parametrize("kustomization", [*KUSTOMIZATIONS, "overlays/gpu+mtls+mooncake"])
+def test_disruption_budgets_cover_every_workload(kustomization: str) -> None:
+    """Router, prefill, decode, kvstore (2 replicas with Mooncake Store) and mooncake-master: one budget
+    each, evicting one pod at a time."""
     objs = render(kustomization)
     pdbs = [o for o in objs if o["kind"] == "PodDisruptionBudget"]
-    for component in ("prefill", "decode"):
-        labels = workload_of(objs, component)["spec"]["template"]["metadata"]["labels"]
+    for w in workloads(objs):
+        labels = w["spec"]["template"]["metadata"]["labels"]
         covering = [p for p in pdbs if selects(p["spec"]["selector"]["matchLabels"], labels)]
-        assert len(covering) == 1, f"{component}: {len(covering)} PodDisruptionBudgets"
+        name = w["metadata"]["name"]
+        assert len(covering) == 1, f"{name}: {len(covering)} PodDisruptionBudgets"
         # minAvailable: 1 with one replica would block every node drain.
-        assert covering[0]["spec"].get("maxUnavailable") == 1, f"{component}: use maxUnavailable: 1"
+        assert covering[0]["spec"].get("maxUnavailable") == 1, f"{name}: use maxUnavailable: 1"
 
 
 @pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
@@ -573,12 +611,7 @@ def test_mtls_router_key_and_service_protocols(kustomization: str) -> None:
 
 def test_mtls_combines_with_the_gpu_overlay_and_mooncake() -> None:
     objs = render("overlays/gpu+mtls+mooncake")
-    errors = []
-    for o in objs:
-        try:
-            kubernetes_validate.validate(o, K8S_VERSION, strict=True)
-        except kubernetes_validate.ValidationError as e:
-            errors.append(f"{o['kind']}/{o['metadata']['name']}: {e.message}")
+    errors = validation_errors(objs)
     assert not errors, "\n".join(errors)
     for component in ("prefill", "decode"):
         startup = service_container(workload_of(objs, component))["startupProbe"]
