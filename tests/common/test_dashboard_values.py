@@ -81,6 +81,7 @@ SERIES: tuple[Series, ...] = (
     _h(m.ROUTER_HANDOFF_PHASE_SECONDS, R, 0.004, phase="claim"),
     # prefill: two instances
     _h(m.PREFILL_QUEUE_SECONDS, P0, 0.03, **MD),
+    _h(m.PREFILL_QUEUE_SECONDS, P1, 0.03, rate=0.0, **MD),  # a pod that queued nothing: its quantile is NaN
     _h(m.PREFILL_COMPUTE_SECONDS, P0, 0.12, **MD),
     _h(m.PREFILL_HANDOFF_PHASE_SECONDS, P0, 0.0004, phase="reserve"),
     _h(m.PREFILL_HANDOFF_PHASE_SECONDS, P1, 0.0004, phase="reserve", rate=5.0),

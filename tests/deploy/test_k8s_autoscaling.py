@@ -67,6 +67,7 @@ def test_every_rule_reads_an_exported_series_per_pod() -> None:
 
 EXPECTED_PER_POD = {
     "pdserve_prefill_waiting_requests": {"prefill-0": 2.0, "prefill-1": 4.0},
+    # prefill-1 queued nothing in the window: no value (a NaN would reach the HPA as a bogus quantity).
     "pdserve_prefill_queue_seconds_p90": {"prefill-0": _quantile(m.PREFILL_QUEUE_SECONDS, 0.9)},
     "pdserve_decode_running_requests": {"decode-0": 5.0, "decode-1": 7.0},
     "pdserve_decode_kv_cache_usage_ratio": {"decode-0": 0.35, "decode-1": 0.8},
