@@ -1,6 +1,6 @@
 """Generate pdserve's Grafana dashboards, their ConfigMap and the panel | metric | formula table.
 
-Dashboards are code (STYLE rule 13): metric names come from services/common/metrics.py, every query
+Dashboards are code: metric names come from services/common/metrics.py, every query
 is filtered by the `namespace` and `instance` template variables, and the datasource is a variable.
 
     python deploy/grafana/build_dashboards.py           # rewrite the committed outputs

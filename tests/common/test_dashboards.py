@@ -1,5 +1,5 @@
 """Grafana dashboards (deploy/grafana/): generated from metrics.py, filtered by namespace/instance, and every
-panel query answers on a real Prometheus scraping all of pdserve's metrics (STYLE rule 13)."""
+panel query answers on a real Prometheus scraping all of pdserve's metrics."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -234,7 +233,7 @@ def prometheus() -> Iterator[PrometheusHarness]:
 
 
 def test_every_panel_query_returns_data(prometheus: PrometheusHarness) -> None:
-    started = time.monotonic()
+    """On the real exporters' series (tests/common/test_dashboard_values.py checks the numbers)."""
     failures = []
     for where, expr in _exprs():
         result = prometheus.query(_substitute(expr))
@@ -244,7 +243,6 @@ def test_every_panel_query_returns_data(prometheus: PrometheusHarness) -> None:
         elif not any(math.isfinite(v) for v in values):
             failures.append(f"{where}: only NaN/Inf ({values}) for {expr}")
     assert not failures, "\n".join(failures)
-    assert time.monotonic() - started < 20
 
 
 def test_variable_queries_find_the_target(prometheus: PrometheusHarness) -> None:
