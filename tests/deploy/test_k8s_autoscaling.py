@@ -1,7 +1,9 @@
 """components/autoscaling and deploy/prometheus/prometheus-adapter-values.yaml: prefill and decode each scale
 on their own signals (HPA autoscaling/v2 on per-pod custom metrics), every metric an HPA asks for is served by
 an adapter rule, the targets fit the workers' configuration, and every rule's metricsQuery, expanded the way
-prometheus-adapter expands it, gives the known per-pod value on a real Prometheus."""
+prometheus-adapter expands it, gives the known per-pod value on a real Prometheus. The KEDA form
+(components/autoscaling-keda) carries the same signals, targets and behaviour, and its queries give the
+known values too."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from tests.deploy.test_k8s_manifests import effective_config, render, workload_o
 from tests.prom_harness import TEST_NAMESPACE, PrometheusHarness
 
 REPO = Path(__file__).resolve().parents[2]
+K8S = REPO / "deploy" / "k8s"
 ADAPTER_VALUES = REPO / "deploy" / "prometheus" / "prometheus-adapter-values.yaml"
 needs_kubectl = pytest.mark.skipif(shutil.which("kubectl") is None,
                                    reason="kubectl not on PATH: `kubectl kustomize` is needed to render deploy/k8s")
@@ -141,3 +144,51 @@ def test_overlays_without_the_component_keep_fixed_replicas() -> None:
         objs = render(kustomization)
         assert not _hpas(objs), kustomization
         assert workload_of(objs, "decode")["spec"]["replicas"] >= 1, kustomization
+
+
+# ---- the KEDA form ----------------------------------------------------------------------------------------
+
+KEDA = K8S / "components" / "autoscaling-keda" / "scaledobjects.yaml"
+KEDA_EXPECTED = {
+    "waiting-requests": 2.0 + 4.0,  # summed over pods; AverageValue divides by the replicas
+    "queue-wait-p90": _quantile(m.PREFILL_QUEUE_SECONDS, 0.9),  # prefill-1 queued nothing: left out of the mean
+    "running-requests": 5.0 + 7.0,
+    "kv-cache-usage": (0.35 + 0.8) / 2,
+}
+"""Each trigger's query on the known series of tests/common/test_dashboard_values.py."""
+
+
+def _scaled_objects() -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(KEDA.read_text()) if d]
+
+
+def test_every_keda_query_gives_the_known_value(known: tuple[PrometheusHarness, float]) -> None:  # noqa: F811
+    prom, at = known
+    triggers = {t["name"]: t for so in _scaled_objects() for t in so["spec"]["triggers"]}
+    assert set(triggers) == set(KEDA_EXPECTED)
+    for name, t in triggers.items():
+        assert t["type"] == "prometheus"
+        query = t["metadata"]["query"]
+        assert 'namespace="pdserve"' in query, f"{name}: the query must select pdserve's namespace"
+        (result,) = prom.query(query.replace('namespace="pdserve"', f'namespace="{TEST_NAMESPACE}"'), at=at)
+        assert float(result["value"][1]) == pytest.approx(KEDA_EXPECTED[name], rel=1e-6), name
+
+
+@needs_kubectl
+def test_keda_scales_prefill_and_decode_apart_with_the_adapter_forms_targets() -> None:
+    objs = render("overlays/autoscaling-keda")
+    assert not _hpas(objs), "KEDA owns the HPAs: none may be shipped next to its ScaledObjects"
+    sos = {o["spec"]["scaleTargetRef"]["name"]: o for o in objs if o["kind"] == "ScaledObject"}
+    assert set(sos) == {"pdserve-prefill", "pdserve-decode"}
+    hpas = _hpas(render("overlays/autoscaling"))
+    for role in ("prefill", "decode"):
+        w = workload_of(objs, role)
+        so = sos[w["metadata"]["name"]]
+        assert "replicas" not in w["spec"], role
+        for t in so["spec"]["triggers"]:
+            assert re.findall(r"\bpdserve_([a-z]+)_", t["metadata"]["query"]) == [role], f"{role}: {t['name']}"
+        hpa = hpas[w["metadata"]["name"]]["spec"]
+        assert (so["spec"]["minReplicaCount"], so["spec"]["maxReplicaCount"]) == (hpa["minReplicas"], hpa["maxReplicas"])
+        assert so["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"] == hpa["behavior"]
+        thresholds = sorted(float(t["metadata"]["threshold"]) for t in so["spec"]["triggers"])
+        assert thresholds == sorted(quantity(x["pods"]["target"]["averageValue"]) for x in hpa["metrics"]), role

@@ -30,7 +30,7 @@ from services.common.config import add_dataclass_args, env_name, from_args
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
 KUSTOMIZATIONS = ("base", "overlays/cpu-local", "overlays/gpu", "overlays/mooncake", "overlays/mtls",
-                  "overlays/monitoring", "overlays/autoscaling", "overlays/network-policy")
+                  "overlays/monitoring", "overlays/autoscaling", "overlays/autoscaling-keda", "overlays/network-policy")
 OVERLAYS = tuple(k for k in KUSTOMIZATIONS if k != "base")
 COMPONENTS = ("router", "prefill", "decode", "kvstore")
 # kubernetes-validate ships schemas up to its own release; 1.33 is what current kind/minikube/EKS/GKE run
@@ -38,7 +38,8 @@ COMPONENTS = ("router", "prefill", "decode", "kvstore")
 K8S_VERSION = "1.33.0"
 # Custom resources kubernetes-validate has no schema for: JSON schemas committed next to these tests,
 # written from the CRDs' published structure (strict: unknown fields are errors).
-CRD_SCHEMAS = {("monitoring.coreos.com/v1", "PodMonitor"): "podmonitor.monitoring.coreos.com_v1.json"}
+CRD_SCHEMAS = {("monitoring.coreos.com/v1", "PodMonitor"): "podmonitor.monitoring.coreos.com_v1.json",
+               ("keda.sh/v1alpha1", "ScaledObject"): "scaledobject.keda.sh_v1alpha1.json"}
 SCHEMAS = Path(__file__).resolve().parent / "schemas"
 
 pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None,
@@ -284,6 +285,19 @@ def test_the_podmonitor_schema_refuses_what_the_crd_refuses() -> None:
     unknown_field = {**monitor, "spec": {**monitor["spec"], "podMetricsEndpoint": []}}
     no_selector = {**monitor, "spec": {"podMetricsEndpoints": monitor["spec"]["podMetricsEndpoints"]}}
     for bad in (bad_interval, unknown_field, no_selector):
+        assert validation_errors((bad,)) != [], bad["spec"]
+
+
+def test_the_scaledobject_schema_refuses_what_the_crd_refuses() -> None:
+    path = REPO / "deploy/k8s/components/autoscaling-keda/scaledobjects.yaml"
+    so = next(d for d in yaml.safe_load_all(path.read_text()) if d)
+    assert validation_errors((so,)) == []
+    trigger = so["spec"]["triggers"][0]
+    bad_type = {**so, "spec": {**so["spec"], "triggers": [{**trigger, "metricType": "Average"}]}}
+    unknown_field = {**so, "spec": {**so["spec"], "maxReplicas": 8}}
+    no_triggers = {**so, "spec": {k: v for k, v in so["spec"].items() if k != "triggers"}}
+    number_metadata = {**so, "spec": {**so["spec"], "triggers": [{**trigger, "metadata": {"threshold": 4}}]}}
+    for bad in (bad_type, unknown_field, no_triggers, number_metadata):
         assert validation_errors((bad,)) != [], bad["spec"]
 
 

@@ -156,7 +156,7 @@ def test_what_the_mapping_cannot_reproduce_fails_loudly() -> None:
         make_plan(secret)
 
 
-@pytest.mark.parametrize("overlay", ["cpu-local", "gpu", "mooncake", "mtls", "monitoring", "autoscaling", "network-policy"])
+@pytest.mark.parametrize("overlay", ["cpu-local", "gpu", "mooncake", "mtls", "monitoring", "autoscaling", "autoscaling-keda", "network-policy"])
 def test_every_pod_of_an_overlay_runs_one_tagged_image(overlay: str) -> None:
     """Found running the mooncake overlay here: the base's `images:` did not reach the component's
     mooncake-master, which asked for `pdserve` (:latest) next to pdserve:0.1.0 everywhere else."""
