@@ -19,7 +19,7 @@ tok/s = output tokens of a round / its wall time).
 The in-process engine (LLMEngine in this process, same dtype, weight format and --cpu-compile-decode) gives
 the ceilings, one measurement per round at the first concurrency: prefill seconds of one --prompt-len
 prompt with all the cores AND with the thread share `pdserve up` gives its prefill engine (1P1D: half the
-cores), and decode tok/s at batch 1. Ratios printed (goals of issue 17):
+cores), and decode tok/s at batch 1. Ratios printed, with their goals:
   * served TTFT at c=1 / in-process prefill with all cores (goal <= 1.3), and beside it, for `pdserve up`,
     / in-process prefill at the served prefill's thread share (the serving overhead without the core split);
   * pdserve decode tok/s at batch 1 (1 / TPOT at c=1) / llama.cpp's (goal >= 1);

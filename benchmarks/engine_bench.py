@@ -16,7 +16,7 @@ AVX512-BF16, fp32 otherwise); transformers runs in the resolved dtype. The run p
 its avx2/avx512f/avx512_bf16/amx_bf16 flags, the dtype and why, and torch's thread count.
 
 Each figure is the median of ``--repeats`` timed runs after one warm-up run; engine and
-transformers runs alternate so that load from other processes hits both alike. Goals (issue 2):
+transformers runs alternate so that load from other processes hits both alike. Goals:
 prefill >= transformers; decode at 16 concurrent >= 10x transformers' batch-1 decode.
 """
 

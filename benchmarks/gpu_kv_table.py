@@ -1,4 +1,4 @@
-"""The P/D TTFT table of issue 10: client TTFT with prefill and decode as separate processes on one device,
+"""The P/D TTFT table: client TTFT with prefill and decode as separate processes on one device,
 per KV transport and with chunked transfer on and off, against a colocated worker and against the
 in-process prefill compute of the same prompt, split into prefill compute (prefill's own histogram),
 exposed transfer (decode's histogram: last chunk computed -> last chunk landed) and plumbing (the rest).

@@ -17,7 +17,7 @@ Every transport moves the same ``--mib`` of pages, chunk by chunk (``--chunk-pag
             this process's registered pool into another process's registered pool (what the mooncake
             transport does)
 
-Goals (issue 10, on a CPU box): grpc >= 0.5x socket, mooncake >= 0.7x socket, shm >= 0.5x memcpy.
+Goals (on a CPU box): grpc >= 0.5x socket, mooncake >= 0.7x socket, shm >= 0.5x memcpy.
 The receiving side runs in a child process (no shared GIL); the grpc path's decode in a service process
 of its own. Prints the CPU model and flags, and for grpc and grpc-bare the CPU-bound limit: this box's
 cores over the CPU seconds per GB both processes spent, the most GB/s no pipelining could beat.

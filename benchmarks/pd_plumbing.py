@@ -1,4 +1,4 @@
-"""Where one P/D request's TTFT goes besides compute and transfer: a measured phase timeline (issue 10).
+"""Where one P/D request's TTFT goes besides compute and transfer: a measured phase timeline.
 
     python -m benchmarks.pd_plumbing --model random:smollm2-135m --kv-transport shm,grpc --prompt-tokens 32
     python -m benchmarks.pd_plumbing --model random:llama-3-8b --device cuda --kv-transport cuda-ipc \

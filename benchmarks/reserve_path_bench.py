@@ -1,4 +1,4 @@
-"""What one decode Reserve costs as the prompt grows (issue 10: the Reserve leg of P/D TTFT).
+"""What one decode Reserve costs as the prompt grows (the Reserve leg of P/D TTFT).
 
     python -m benchmarks.reserve_path_bench --sizes 32,2000,8000 --rounds 40
 

@@ -1,4 +1,4 @@
-"""A grpc.aio server on loopback for service tests (STYLE rule 11: a real server on an ephemeral port)."""
+"""A grpc.aio server on loopback for service tests (a real server on an ephemeral port)."""
 
 from __future__ import annotations
 

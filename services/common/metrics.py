@@ -1,4 +1,4 @@
-"""Every Prometheus metric pdserve exports, named in one place (DESIGN section 4).
+"""Every Prometheus metric pdserve exports, named in one place (docs/METRICS.md).
 
 Each service builds its group against a `CollectorRegistry` it is handed, so tests and several
 in-process servers never collide on the global registry:

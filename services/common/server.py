@@ -1,4 +1,4 @@
-"""The fixed service lifecycle around grpc.aio (STYLE rule 7).
+"""The fixed service lifecycle around grpc.aio.
 
     start()        bind gRPC (port 0: ephemeral) and metrics HTTP; health NOT_SERVING for everything
     set_serving()  after the model is loaded and warmed: health SERVING, print the PDSERVE_READY line

@@ -1,4 +1,4 @@
-"""Asyncio front of the engine: the step loop runs in its own thread (STYLE rule 8).
+"""Asyncio front of the engine: the step loop runs in its own thread.
 
 Everything that touches the scheduler, block manager or KV tensors runs on the engine thread:
 callers submit closures with :meth:`AsyncEngine.call` and await their result. Outputs travel back

@@ -1,4 +1,4 @@
-"""Proto <-> engine domain conversions shared by the services (small helpers, STYLE rule 6).
+"""Proto <-> engine domain conversions shared by the services (small helpers).
 
 Torch-free (sampling params, finish reasons, page layouts): the router imports it too."""
 

@@ -1,4 +1,4 @@
-"""Core lending between the engine processes of one host (issue 17).
+"""Core lending between the engine processes of one host.
 
 ``pdserve up`` gives each engine process a share of the host's cores (cpu_features.split_cores). At low
 load the engines are rarely busy at the same time (while a prefill computes, its decode waits for the KV;

@@ -1,4 +1,4 @@
-"""KV page layouts and their fingerprints (DESIGN section 3).
+"""KV page layouts and their fingerprints (docs/ARCHITECTURE.md, "KV layout and transports").
 
 A page is the KV of ``block_size`` consecutive tokens for every layer. Its layout names the model,
 the shape and the codec of each region; the fingerprint is a stable hash of all of it and travels

@@ -1,6 +1,6 @@
 """The model runner: owns the KV tensors and device memory, prepares inputs, runs the model, samples.
 
-It is the only engine part that touches tensors (STYLE rule 3). The scheduler hands it a
+It is the only engine part that touches tensors. The scheduler hands it a
 :class:`SchedulerOutput`; it returns ``{seq_id: Sampled(token, logprob, top)}`` for the chunks that sample.
 """
 

@@ -3,7 +3,7 @@
 P/D mode runs :class:`services.router.handoff.Handoff` attempts; colocated mode (no prefill
 instances) sends the prompt to a worker that does both phases.
 
-Migration (DESIGN section 7): when the decode or worker serving a stream dies mid-generation, the
+Migration: when the decode or worker serving a stream dies mid-generation, the
 request is dispatched again to another one with prompt = original prompt + the tokens already sent
 to the client and max_tokens reduced by their count. The re-prefill's first token is the next token,
 so the client's stream continues with no duplicate and no gap (greedy output equals an uninterrupted

@@ -3,7 +3,7 @@
 Targets are ``host:port`` or ``dns:NAME:PORT``; a DNS target (a Kubernetes headless Service) is
 resolved to all its A records and refreshed, so pods that come and go are picked up.
 
-Busy is not dead (DESIGN section 7). Each instance has its own poll task (grpc.health.v1 Check, then
+Busy is not dead. Each instance has its own poll task (grpc.health.v1 Check, then
 Admin.GetLoad) and one :class:`Liveness`:
 
 - HEALTHY: its latest health answer said SERVING. Answers may be slow: a slow or timed-out answer

@@ -1,5 +1,5 @@
 """Admission and accounting of client generation requests (HTTP and gRPC alike), and the client-side
-timers: TTFT, ITL, e2e, request and token counters (DESIGN section 4).
+timers: TTFT, ITL, e2e, request and token counters (docs/METRICS.md).
 
 Every generation request opens one :class:`RequestRecord` (a context manager) and ends in exactly one
 outcome, counted once in ``requests_total{status, finish_reason}``:

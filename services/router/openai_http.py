@@ -3,7 +3,7 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE), GET /v1/models,
 GET /v1/models/{model}, GET /health, GET /ready, and GET /metrics when given a registry. Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}``.
 
-Every generation request ends in one of three ways a client can tell apart (DESIGN section 7):
+Every generation request ends in one of three ways a client can tell apart:
 
 - completed: HTTP 200, finish_reason ``stop`` or ``length``; a stream ends with ``data: [DONE]``;
 - refused or failed before the first byte: 4xx/5xx with a JSON error (429 and 503 carry Retry-After,

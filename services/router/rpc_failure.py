@@ -1,7 +1,7 @@
 """What a failed call to a prefill or decode means for dispatch, read from its typed ErrorDetail.
 
 Decisions read the status code and :func:`grpc_util.detail_of` (reason, retryable, retry-after),
-never the message text (STYLE rule 15).
+never the message text.
 """
 
 from __future__ import annotations

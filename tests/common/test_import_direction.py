@@ -1,4 +1,4 @@
-"""Dependencies point one way (STYLE rule 14, docs/ARCHITECTURE.md "Package dependencies").
+"""Dependencies point one way (docs/ARCHITECTURE.md "Package dependencies").
 
 Every module's imports are read with ``ast`` (function-level and TYPE_CHECKING imports included) and
 checked against the allowed edges between packages below; a violation fails naming the file, the

@@ -1,4 +1,4 @@
-"""The committed services/common/pb/ matches a fresh generation from protos/ (STYLE rule 9)."""
+"""The committed services/common/pb/ matches a fresh generation from protos/."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every setting is declared once (STYLE rule 4): a PDSERVE_* env var read by several config classes
+"""Every setting is declared once: a PDSERVE_* env var read by several config classes
 names one declaration (inherited, or repeated with ``reuse``), never two settings that happen to share a
 name, and a setting several services take is not written out again."""
 

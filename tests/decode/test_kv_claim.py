@@ -1,4 +1,4 @@
-"""Side-transport writers claim a reservation before writing into decode's pool (issue 10, item 0).
+"""Side-transport writers claim a reservation before writing into decode's pool.
 
 The wave-1 bug: a prefill wrote pages into decode's shm pool before its PushKV stream was open; a lease
 running out (or an Abort) meanwhile freed the blocks and handed them to another request while the

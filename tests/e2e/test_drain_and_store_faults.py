@@ -1,4 +1,4 @@
-"""Two more faults on a real local cluster (DESIGN section 7), with the kvstore on:
+"""Two more faults on a real local cluster, with the kvstore on:
 
 - SIGTERM to the decode that runs a stream: the stream finishes (tokens equal an uninterrupted greedy
   run), the decode exits 0 within its grace, and new requests go to the other decode;

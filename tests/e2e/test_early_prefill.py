@@ -1,4 +1,4 @@
-"""Early prefill (issue 10) in a real 1P2D cluster (separate processes, the real model, grpc KV): a Reserve
+"""Early prefill in a real 1P2D cluster (separate processes, the real model, grpc KV): a Reserve
 refused by a full decode and retried on the other writes only there; every decode full cancels the early
 Prefill (the client gets 429 with Retry-After) and prefill's blocks come back to baseline; an attach that
 comes long after the prompt was computed still gives the engine's tokens. A decode is made full for real:

@@ -1,4 +1,4 @@
-"""Faults on a real local cluster (processes on loopback, fp32, bounded time), DESIGN section 7:
+"""Faults on a real local cluster (processes on loopback, fp32, bounded time):
 
 - kill -9 of a decode mid-generation with 2 decodes: the stream migrates and its tokens equal an
   uninterrupted greedy run's;

@@ -1,4 +1,4 @@
-"""Observability on a real local cluster (DESIGN section 4, issue 5 "Must show").
+"""Observability on a real local cluster (docs/METRICS.md).
 
 One module-scoped cluster: kvstore (embedded), prefill-0 (normal), prefill-1 (slowed: sleeps after every
 computed chunk), one decode, the launcher's router (round-robin over both prefills) and a second router

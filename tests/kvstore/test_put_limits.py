@@ -1,5 +1,5 @@
 """kvstore Put under attack: announcements cost nothing until bytes arrive, a quota bounds all open Put
-streams together, idle streams end, and with mTLS only a prefill may write (issue 9)."""
+streams together, idle streams end, and with mTLS only a prefill may write."""
 
 from __future__ import annotations
 

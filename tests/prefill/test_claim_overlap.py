@@ -1,4 +1,4 @@
-"""A side transport's claim runs while the prompt computes (issue 10, the P/D plumbing cut): no page is
+"""A side transport's claim runs while the prompt computes (the P/D plumbing cut): no page is
 written before decode acknowledged the claim, chunks computed before that are written with a later one,
 a prompt computed before the answer never stalls the engine thread (its blocks are held past its end and
 written once decode answers, while other requests keep stepping), and a claim decode refuses (or does not

@@ -1,4 +1,4 @@
-"""Early Prefill (issue 10): a Prefill sent before decode's Reserve answered computes at once and gets its
+"""Early Prefill: a Prefill sent before decode's Reserve answered computes at once and gets its
 reservation with AttachReservation. Real prefill and decode servicers (tests/prefill/test_transports.py's
 pair): the tokens equal the engine's on every CPU transport whether the attach comes at once or after the
 prompt was computed, with decode prefix hits (num_skip_blocks); a bad, duplicate, unknown or foreign attach

@@ -1,7 +1,7 @@
 """Shared KV pools from typed descriptors: what a prefill opens, what it refuses, and that nothing in a
 descriptor is ever unpickled or used as a path.
 
-The regressions of issue 9: a pickle payload in a CUDA IPC descriptor ran code in the prefill, and an
+Security regressions: a pickle payload in a CUDA IPC descriptor ran code in the prefill, and an
 shm descriptor's path made a prefill overwrite a file the caller named."""
 
 from __future__ import annotations

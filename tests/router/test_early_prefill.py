@@ -1,4 +1,4 @@
-"""Early prefill at the router (issue 10), against fake peers at the gRPC boundary: Prefill goes out before
+"""Early prefill at the router, against fake peers at the gRPC boundary: Prefill goes out before
 Reserve answered and without a reservation, AttachReservation hands it over (naming the decode that
 finally reserved, when Reserve was retried on another); every decode full cancels the early Prefill and
 the client gets the same 429-style answer as without it; while decode answered OVERLOADED in the last

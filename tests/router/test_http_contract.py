@@ -1,4 +1,4 @@
-"""The HTTP API's failure contract over a scripted backend (DESIGN section 7): honest endings (never an
+"""The HTTP API's failure contract over a scripted backend: honest endings (never an
 empty 200, no [DONE] after an error, no "abort"), 429/503 with Retry-After, deadlines, API keys, slow
 clients, and request accounting read back from a real Prometheus registry."""
 

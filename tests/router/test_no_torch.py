@@ -1,4 +1,4 @@
-"""Processes that run no model load no torch (STYLE rule 14), and the router's torch-free tokenizer
+"""Processes that run no model load no torch, and the router's torch-free tokenizer
 path gives the same ids, chat rendering, model id and context length as before the change.
 
 Each check runs in a fresh interpreter: importing an entry point, or running it until its ready line

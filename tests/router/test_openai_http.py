@@ -242,7 +242,7 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens", ["> 0"]),
     (COMPLETIONS, {"prompt": "hi", "logprobs": 21}, 400, "logprobs", ["20"]),
     (COMPLETIONS, {"prompt": "hi", "frequency_penalty": 1.0}, 400, "frequency_penalty", ["not supported"]),
-    # Hostile input (issue #9): each of these answered a plain-text 500 once.
+    # Hostile input: each of these answered a plain-text 500 once.
     (CHAT, {"messages": USER_MSG, "top_k": 2**31}, 400, "top_k", ["top_k", str(2**31 - 1)]),
     (CHAT, {"messages": USER_MSG, "top_k": 2**70}, 400, "top_k", ["top_k"]),
     (CHAT, {"messages": USER_MSG, "seed": 2**64}, 400, "seed", ["seed"]),

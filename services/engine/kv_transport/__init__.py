@@ -1,4 +1,4 @@
-"""KV transports: how a request's KV chunks move from prefill to decode (DESIGN section 5).
+"""KV transports: how a request's KV chunks move from prefill to decode (docs/ARCHITECTURE.md, "KV layout").
 
 ``grpc`` carries page bytes in the PushKV stream; ``shm`` / ``cuda-ipc`` (same host) and ``mooncake``
 (any host) are page writers into decode's pool whose PushKV stream carries a claim and descriptors.
