@@ -4,7 +4,7 @@ rule (services/engine/prefill_tail.py), for a compute rate and a link bandwidth 
 Model: pieces are computed back to back at ``--compute-us`` per token plus ``--step-ms`` per step; each
 piece's KV (``--kb-per-token``) enters one serial link of ``--gbs`` GB/s when its compute ends. Exposed =
 the link's finish minus the last piece's compute end. Defaults: random Llama-3-8B on one H200
-(docs/PERFORMANCE.md: 248 ms of prefill compute for 8000 tokens -> 31 us/token; fp8-e4m3 KV 540.7 MB per
+(docs/reports/performance-history-2026-12-01.md: 248 ms of prefill compute for 8000 tokens -> 31 us/token; fp8-e4m3 KV 540.7 MB per
 8000 tokens -> 67.6 KB/token; bf16 131 KB/token).
 
     python -m benchmarks.prefill_tail_model --prompts 2000,8000 --gbs 1.9,3.2,6.4,12.8 --floors 0,256

@@ -62,7 +62,7 @@ ONE_THREAD_MAX_KEYS = 512
 runs on one torch thread: the gather crosses torch's parallel grain, and waking the OpenMP helper for it and SDPA
 cost more than the split saves (whole step at 512 keys on a quiet box: 17.74 -> 16.69 ms per token; at 2048 keys
 2 threads won, 25.67 vs 27.24). Views keep the step's threads (at 2048 keys 21.85 ms at 2 threads vs 25.46 at 1;
-docs/PERFORMANCE.md, "CPU decode attention")."""
+docs/reports/performance-history-2026-12-01.md, "CPU decode attention")."""
 VIEWS_MIN_KEYS_BATCHED = 512
 """A decode batch of several sequences reads views (one SDPA per sequence) when its longest context has at least
 this many keys, else one gather + one batched SDPA: at 128 keys, batches 2 and 4, the gather measured faster (the

@@ -8,7 +8,7 @@ Thread rules:
     copies it to pinned host memory asynchronously; the compute stream waits for the gather only
     (GPU-side). Gathers and copies have a stream each so that a gather never queues behind an earlier
     export's copy: with one side stream the next chunk's compute waited 13-16 ms for them at 8K tokens
-    (benchmarks/tail_probe.py on the H200, docs/PERFORMANCE.md). ``PageExport.wait`` (a worker thread) blocks
+    (benchmarks/tail_probe.py on the H200, docs/reports/performance-history-2026-12-01.md). ``PageExport.wait`` (a worker thread) blocks
     until the host bytes are ready.
   * ``import_pages`` writes into blocks a reservation owns and the engine does not read until the
     import is done (kv_import_done), so it may run in a worker thread; pages for blocks the engine

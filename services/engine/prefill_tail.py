@@ -9,7 +9,7 @@ tokens instead of up to ``max_prefill_chunk``.
 
 Why halving: piece i's transfer (t s/token * n_i) must end before piece i+1's compute (c s/token *
 n_{i+1}) does, i.e. n_{i+1} / n_i >= t / c. Halving (ratio 1/2) hides it while t <= c / 2. Figures
-(docs/PERFORMANCE.md, random Llama-3-8B on one H200): c ~ 31 us/token at 8K (248 ms / 8000 tokens);
+(docs/reports/performance-history-2026-12-01.md, random Llama-3-8B on one H200): c ~ 31 us/token at 8K (248 ms / 8000 tokens);
 fp8-e4m3 KV is 67.6 KB/token, so t <= c / 2 needs >= 4.4 GB/s (bf16, 131 KB/token: >= 8.5 GB/s). Below
 that a backlog builds up, but the same bytes start moving earlier than they would unsplit, so
 splitting exposes no more than not splitting (bar one step's overhead per extra piece). A floor of 256 tokens is 17 MB of fp8 KV (~5 ms at 3.2 GB/s, one
@@ -34,7 +34,7 @@ def tail_piece(remaining: int, floor: int, block_size: int) -> int:
 
 # Which streams get the rule: those whose writer overlaps compute (``PageWriter.overlaps_compute``: the
 # mooncake writers, the tensor-parallel rank-to-rank one over mooncake included). Measured on the H200 at 8K
-# tokens, chunked, tail 256 (docs/PERFORMANCE.md): mooncake
+# tokens, chunked, tail 256 (docs/reports/performance-history-2026-12-01.md): mooncake
 # (network, host-staged) exposed 12.0 ms instead of 41.8 (fp8); cuda-ipc already exposes ~3.5 ms without
 # it and the extra pieces only added compute (292.7 ms against 256.4, TTFT 1.20x against 1.06x
 # colocated); grpc is bound by its byte rate, where the cut changes nothing but adds pieces (compute
@@ -44,7 +44,7 @@ def tail_piece(remaining: int, floor: int, block_size: int) -> int:
 
 
 def applies(prompt_tokens: int, max_chunk: int) -> bool:
-    """The rule cuts only prompts longer than one chunk. Measured on the H200 (docs/PERFORMANCE.md,
+    """The rule cuts only prompts longer than one chunk. Measured on the H200 (docs/reports/performance-history-2026-12-01.md,
     "Tail pieces at 2K"; random Llama-3-8B, mooncake fp8, 8 engines per side): one eager step takes the
     engine thread ~14 ms to launch (~23 ms while transfer engines move KV on the same host) and a piece
     computes at ~23 us/token, so a piece under ~600-1000 tokens is bound by its launch, not by the GPU.

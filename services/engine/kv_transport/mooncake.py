@@ -136,7 +136,7 @@ POLL_S = 0.0002
 """Sleep between two status reads of a batch still in flight (seconds). The binding's own wait
 (``get_batch_transfer_status``) spins on a core, GIL released, until the batch ends: on the H200 host such
 spinners and the engines' I/O threads slowed the prefill engine thread's kernel launches ~1.6x
-(benchmarks/tail_probe.py, docs/PERFORMANCE.md); polling costs ~2 ms of CPU per 64 MiB moved."""
+(benchmarks/tail_probe.py, docs/reports/performance-history-2026-12-01.md); polling costs ~2 ms of CPU per 64 MiB moved."""
 
 
 SETTLE_BASE_S = 30.0

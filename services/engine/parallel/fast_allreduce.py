@@ -41,7 +41,7 @@ T = TypeVar("T")
 ONE_SHOT_MAX_BYTES = 4 << 20
 """Largest all-reduce (bytes) that takes the one-shot path; above it NCCL (ring/tree) wins because every
 rank reads every peer's whole tensor. 4 MiB covers the decode steps up to batch 512 of a 4096-wide model in
-bf16; a prefill chunk of 8192 x 4096 bf16 (64 MiB) stays on NCCL. Measured: docs/PERFORMANCE.md, "GPU,
+bf16; a prefill chunk of 8192 x 4096 bf16 (64 MiB) stays on NCCL. Measured: docs/reports/performance-history-2026-12-01.md, "GPU,
 TP=2 ... one-shot all-reduce" (benchmarks/tp_bench.py --allreduce-sweep)."""
 
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
