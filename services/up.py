@@ -27,6 +27,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.cli_args import ArgParser
 from services.common.config import (
     ConfigError,
     ContextConfig,
@@ -310,7 +311,7 @@ def _run(cfg: UpConfig, tls_dir: Path | None, key: str | None,
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="pdserve up", description=__doc__,
+    p = ArgParser(prog="pdserve up", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_arg(p)
     add_dataclass_args(p, UpConfig)
