@@ -205,3 +205,11 @@ def test_generate_unsupported_model_is_one_line(tmp_path: Path) -> None:
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
     assert errors == [ln for ln in errors if ln.startswith("pdserve generate: error: unknown random model "
                                                           "'random:no-such-shape'; valid specs: ")] and errors
+
+
+def test_generate_debug_log_level_adds_the_traceback() -> None:
+    out = subprocess.run([sys.executable, "-m", "services.cli", "generate", "--prompt", "hi", "--model",
+                          "random:no-such-shape", "--log-level", "debug"], capture_output=True, text=True,
+                         timeout=LIMIT_S * 3)
+    assert out.returncode == 1 and "Traceback" in out.stderr and "ModelLoadError" in out.stderr
+    assert out.stderr.rstrip().splitlines()[-1].startswith("pdserve generate: error: unknown random model")
