@@ -9,7 +9,7 @@ from collections.abc import Callable
 from services.common.cli_args import ArgParser
 from services.common.config import ConfigError, add_dataclass_args, from_args
 from services.common.errors import EXPECTED, one_line
-from services.common.logging import LoggingConfig, setup_logging
+from services.common.logging import LoggingConfig
 
 
 def _generate(argv: list[str]) -> int:
@@ -31,7 +31,6 @@ def _certs(argv: list[str]) -> int:
     from services.common.tls import ROLES, make_certs
 
     p = ArgParser(prog="pdserve certs", description=_certs.__doc__)
-    add_dataclass_args(p, LoggingConfig)
     p.add_argument("--out", required=True, help="directory to write ca.pem and <role>.pem/<role>-key.pem into "
                                                 "(created mode 0700)")
     p.add_argument("--hosts", default="localhost,127.0.0.1",
@@ -40,7 +39,6 @@ def _certs(argv: list[str]) -> int:
     p.add_argument("--force", action="store_true", help="replace an existing CA in --out")
     p.add_argument("--namespace", default="pdserve", help="namespace in the printed kubectl commands")
     args = p.parse_args(argv)
-    setup_logging("certs", from_args(LoggingConfig, args))
     out = Path(args.out)
     if (out / "ca.pem").exists() and not args.force:
         print(f"pdserve certs: {out / 'ca.pem'} exists; --force replaces the CA (and breaks every certificate "
@@ -139,7 +137,8 @@ COMMANDS = {
 
 
 def _debug(argv: list[str]) -> bool:
-    """Whether the command runs at --log-level DEBUG (its flag, else PDSERVE_LOG_LEVEL)."""
+    """Whether the command runs at --log-level DEBUG: its flag (the services, up, generate), else
+    PDSERVE_LOG_LEVEL (every command, bench, certs and trace included)."""
     p = ArgParser(add_help=False)
     add_dataclass_args(p, LoggingConfig)
     try:

@@ -32,9 +32,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from services.common.cli_args import ArgParser
-from services.common.config import add_dataclass_args, from_args
 from services.common.grpc_util import create_channel, rpc_error_summary
-from services.common.logging import LoggingConfig, setup_logging
 from services.common.pb import common_pb2, common_pb2_grpc
 
 MAX_DURATION_S = 600.0
@@ -103,7 +101,6 @@ def parser() -> ArgParser:
         description="Capture a torch-profiler trace for the same wall-clock window on every given prefill and "
                     "decode; print one line per service (service instance path); name those that failed.",
         epilog="Exit status: 0 every target wrote its trace, 1 some failed or did not answer, 2 bad arguments.")
-    add_dataclass_args(p, LoggingConfig)
     p.add_argument("--after", type=float, default=1.0, metavar="S",
                    help="start the window S seconds from now (default 1; >= 0)")
     p.add_argument("--duration", type=float, required=True, metavar="D", help="window length in seconds (0 < D <= 600)")
@@ -180,7 +177,6 @@ def _copy(path: str, out_dir: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     ns = p.parse_args(argv)
-    setup_logging("trace", from_args(LoggingConfig, ns))
     try:
         targets = validate(ns)
     except UsageError as e:
