@@ -173,7 +173,7 @@ def socket_copy_bytes_per_s(nbytes: int, repeats: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = ArgParser(prog="pdserve bench cluster", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=12)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--prompt-words", type=int, default=400, help="words per prompt (~1.3 tokens each)")

@@ -185,7 +185,7 @@ def run_setup(setup: str, args: argparse.Namespace, texts: WordText, counter: To
 
 def main(argv: list[str] | None = None) -> int:
     p = ArgParser(prog="pdserve bench pd-vs-dp", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="random:llama-3-8b")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")

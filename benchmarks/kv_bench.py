@@ -295,7 +295,7 @@ def cpu_bound_gbps(send_cpu_s_per_gb: float, recv_cpu_s_per_gb: float, cores: in
 
 def main(argv: list[str] | None = None) -> int:
     p = ArgParser(prog="pdserve bench kv", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mib", type=int, default=256, help="KV bytes each transport moves (MiB).")
     p.add_argument("--chunk-pages", type=int, default=32, help="Pages per chunk (one message / one batch).")
     p.add_argument("--page-shape", default="30,2,16,3,64",

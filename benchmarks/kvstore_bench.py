@@ -214,7 +214,7 @@ async def memory_check(tier_mib: int, quota_mib: int, total_mib: int, streams: i
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = ArgParser(prog="pdserve bench kvstore", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", default="embedded,mooncake", help="Comma-separated: embedded, mooncake.")
     p.add_argument("--sizes-mib", default="1,64", help="Page sizes (MiB), comma-separated.")
     p.add_argument("--total-mib", type=int, default=256, help="Bytes moved per (backend, size, direction) (MiB).")

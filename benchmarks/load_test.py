@@ -355,7 +355,7 @@ def print_table(cpu: dict[str, Any], results: list[dict[str, Any]]) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = ArgParser(prog="python -m benchmarks.load_test", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--setups", default="1p1d,2p2d,colocated", help=f"comma-separated, of {', '.join(SETUPS)}")
     p.add_argument("--concurrency", default="4,16,64", help="comma-separated client counts")
     p.add_argument("--prompt-tokens", type=int, default=512)

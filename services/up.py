@@ -363,7 +363,7 @@ def _run(cfg: UpConfig, tls_dir: Path | None, key: str | None,
 
 def main(argv: list[str]) -> int:
     p = ArgParser(prog="pdserve up", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_arg(p)
     add_dataclass_args(p, UpConfig)
     ns = p.parse_args(argv)

@@ -148,7 +148,7 @@ class MooncakeMaster:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = ArgParser(prog="python -m services.kvstore.mooncake_master",
-                                description="Run mooncake_master on loopback in the foreground.")
+                  description="Run mooncake_master on loopback in the foreground.")
     p.add_argument("--host", default=LOOPBACK, help="Address every master socket binds.")
     p.add_argument("--rpc-port", type=int, default=50051, help="Master RPC port (0: a free one).")
     p.add_argument("--metrics-port", type=int, default=0, help="Master metrics HTTP port (0: a free one).")
