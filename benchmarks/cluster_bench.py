@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from services.common.cli_args import ArgParser
 from services.common.grpc_util import create_channel, payload_budget
 from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc
 from services.engine.kv_transport import CLAIM_ACK
@@ -171,8 +172,8 @@ def socket_copy_bytes_per_s(nbytes: int, repeats: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="pdserve bench cluster", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgParser(prog="pdserve bench cluster", description=__doc__,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=12)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--prompt-words", type=int, default=400, help="words per prompt (~1.3 tokens each)")

@@ -24,7 +24,6 @@ box load. Then:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -37,6 +36,7 @@ import torch
 import torch._dynamo.utils
 
 from benchmarks.engine_bench import EngineBench, _machine, _prompts
+from services.common.cli_args import ArgParser
 from services.engine import compile_cache, decode_compiler
 from services.engine.attention import ForwardContext, TorchPagedAttention
 from services.engine.model_runner import prepare_rows
@@ -99,7 +99,7 @@ def check(bench: EngineBench, r: Results, prompt_len: int = 200, steps: int = 48
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.compiled_decode_bench", description=__doc__.split("\n\n")[0])
+    p = ArgParser(prog="python -m benchmarks.compiled_decode_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", default="1,2,4", help="decode batch sizes to time")
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens of each timed sequence")

@@ -8,12 +8,12 @@ median per variant is printed (us per layer call) with the CPU model, flags and 
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
 from collections.abc import Callable
 
+from services.common.cli_args import ArgParser
 from services.engine.cpu_features import QUIET_OPENMP_ENV
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
@@ -58,7 +58,7 @@ def _timed(fn: Callable[[], object], calls: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgParser(description=__doc__.splitlines()[0])
     ap.add_argument("--keys", default="128,512,2048")
     ap.add_argument("--batches", default="1,2,4")
     ap.add_argument("--rounds", type=int, default=5)

@@ -56,6 +56,7 @@ from benchmarks.cpu_serving_systems import (  # noqa: F401  (parse_histogram_sum
     text_prompts,
 )
 from benchmarks.serve.client import RequestResult, Target
+from services.common.cli_args import ArgParser
 
 TTFT_GOAL = 1.3
 """Served TTFT at concurrency 1 over the in-process prefill time of the same prompt length (at most)."""
@@ -296,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     from services.engine.model_source import load_tokenizer
     from services.engine.weights.gguf_loader import default_gguf_path
 
-    p = argparse.ArgumentParser(prog="pdserve bench cpu-serving", description=__doc__.split("\n\n")[0])
+    p = ArgParser(prog="pdserve bench cpu-serving", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="a .gguf file (default: the embedded SmolLM2-135M Q4_1 GGUF)")
     p.add_argument("--dtype", default="auto", help="pdserve --dtype (engine and pdserve up)")
     p.add_argument("--weight-format", default="auto", help="pdserve --weight-format (engine and pdserve up)")

@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from services.common.cli_args import ArgParser
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -244,7 +246,7 @@ def _params(max_tokens: int) -> SamplingParams:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", default="")
     ap.add_argument("--model", default="SmolLM2-135M-Instruct.Q4_1")
     ap.add_argument("--pid", action="append", default=[], help="NAME=PID of a served process to watch")

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from services.common.cli_args import ArgParser
 from services.engine.config import EngineConfig
 from services.engine.cpu_features import DTYPE_REASONS, host_cpu, torch_cpu_capability
 from services.engine.engine import LLMEngine
@@ -246,7 +247,7 @@ def run(args: argparse.Namespace) -> Results:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="pdserve bench engine", description=__doc__.split("\n\n")[0])
+    p = ArgParser(prog="pdserve bench engine", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="a .gguf file (default: the embedded SmolLM2-135M GGUF)")
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                    help="auto: bfloat16 where the CPU has AMX-BF16/AVX512-BF16, else float32")

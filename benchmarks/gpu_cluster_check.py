@@ -11,6 +11,7 @@ import asyncio
 import time
 import urllib.request
 
+from services.common.cli_args import ArgParser
 from services.common.grpc_util import create_channel
 from services.common.pb import common_pb2, router_pb2, router_pb2_grpc
 from services.engine.config import EngineConfig
@@ -35,7 +36,7 @@ async def _generate(addr: str, ids: list[int], n: int) -> tuple[list[int], float
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="random:smollm2-135m")
     p.add_argument("--prompt-tokens", type=int, default=1000)
     p.add_argument("--max-tokens", type=int, default=32)

@@ -39,6 +39,7 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.gpu_cluster_check import _generate
+from services.common.cli_args import ArgParser
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.sampling_params import SamplingParams
@@ -189,7 +190,7 @@ def disaggregated(args: argparse.Namespace, prompts: Prompts, dev: list[str], tr
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="random:llama-3-8b")
     p.add_argument("--prompts", default="2000,8000", help="prompt lengths (tokens), comma-separated")
     p.add_argument("--transports", default="grpc,cuda-ipc,mooncake")

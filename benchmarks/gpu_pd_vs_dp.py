@@ -37,6 +37,7 @@ from benchmarks.serve.report import summarize_run
 from benchmarks.serve.stats import SLO
 from benchmarks.serve.tokens import TokenCounter, WordText
 from benchmarks.serve.workload import RandomSpec, random_workload
+from services.common.cli_args import ArgParser
 
 PD, DP = "1P1D", "2xDP"
 PLACEMENTS = ("one-device", "two-gpus")
@@ -183,8 +184,8 @@ def run_setup(setup: str, args: argparse.Namespace, texts: WordText, counter: To
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="pdserve bench pd-vs-dp", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgParser(prog="pdserve bench pd-vs-dp", description=__doc__,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="random:llama-3-8b")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")

@@ -42,6 +42,7 @@ import grpc
 import torch
 
 from benchmarks.kv_bench_grpc import MAX_MESSAGE_BYTES, DecodePeer, GrpcPaths, bare_handler
+from services.common.cli_args import ArgParser
 from services.common.grpc_util import server_options
 from services.common.malloc_tuning import tune_malloc
 from services.common.pb import decode_pb2
@@ -293,8 +294,8 @@ def cpu_bound_gbps(send_cpu_s_per_gb: float, recv_cpu_s_per_gb: float, cores: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="pdserve bench kv", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgParser(prog="pdserve bench kv", description=__doc__,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mib", type=int, default=256, help="KV bytes each transport moves (MiB).")
     p.add_argument("--chunk-pages", type=int, default=32, help="Pages per chunk (one message / one batch).")
     p.add_argument("--page-shape", default="30,2,16,3,64",

@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from services.common.cli_args import ArgParser
+
 MiB = 1 << 20
 
 
@@ -211,8 +213,8 @@ async def memory_check(tier_mib: int, quota_mib: int, total_mib: int, streams: i
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="pdserve bench kvstore", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgParser(prog="pdserve bench kvstore", description=__doc__,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", default="embedded,mooncake", help="Comma-separated: embedded, mooncake.")
     p.add_argument("--sizes-mib", default="1,64", help="Page sizes (MiB), comma-separated.")
     p.add_argument("--total-mib", type=int, default=256, help="Bytes moved per (backend, size, direction) (MiB).")

@@ -46,6 +46,7 @@ import openai
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.common.cli_args import ArgParser
 from services.common.metrics import ROUTER_INSTANCE_HEALTHY
 from services.launcher import LocalCluster, served_model
 
@@ -353,8 +354,8 @@ def print_table(cpu: dict[str, Any], results: list[dict[str, Any]]) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.load_test", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgParser(prog="python -m benchmarks.load_test", description=__doc__,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--setups", default="1p1d,2p2d,colocated", help=f"comma-separated, of {', '.join(SETUPS)}")
     p.add_argument("--concurrency", default="4,16,64", help="comma-separated client counts")
     p.add_argument("--prompt-tokens", type=int, default=512)

@@ -27,6 +27,8 @@ import sys
 import threading
 import time
 
+from services.common.cli_args import ArgParser
+
 
 def _receiver(conn, nbytes: int, engines: int) -> None:
     import torch
@@ -100,7 +102,7 @@ def _cpu() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mib", type=int, default=256)
     p.add_argument("--entries", default="1,16,64", help="transfer-engine entries the bytes are split into")
     p.add_argument("--repeat", type=int, default=7)

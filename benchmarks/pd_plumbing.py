@@ -33,6 +33,7 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.common import metrics as m
+from services.common.cli_args import ArgParser
 from services.common.grpc_util import create_channel
 from services.common.pb import common_pb2, router_pb2, router_pb2_grpc
 from services.launcher import LocalCluster
@@ -246,7 +247,7 @@ def prompt_stream(tokens: int) -> Iterator[list[int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="random:smollm2-135m")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 
+from services.common.cli_args import ArgParser
 from services.engine.prefill_tail import prefill_pieces
 
 
@@ -27,7 +28,7 @@ def exposed_ms(pieces: list[int], compute_s: float, transfer_s: float, step_s: f
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompts", default="2000,8000", help="prompt lengths (tokens), comma-separated")
     p.add_argument("--chunk", type=int, default=2048, help="max_prefill_chunk (tokens)")
     p.add_argument("--block-size", type=int, default=16)

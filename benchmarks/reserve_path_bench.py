@@ -13,7 +13,6 @@ To compare two trees, run this file with ``PYTHONPATH`` set to each tree's root,
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 import time
@@ -22,6 +21,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from services.common.block_hash import block_hashes
+from services.common.cli_args import ArgParser
 from services.common.metrics import DecodeMetrics
 from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc
 from services.decode.config import DecodeConfig
@@ -97,7 +97,7 @@ async def run(sizes: list[int], rounds: int, warmup: int) -> dict[int, dict[str,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ArgParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="32,2000,8000", help="prompt lengths (tokens), comma-separated")
     ap.add_argument("--rounds", type=int, default=40, help="measured rounds (each calls every size once)")
     ap.add_argument("--warmup", type=int, default=5, help="rounds not measured")

@@ -11,7 +11,6 @@ router, detokenization, SSE) from the engine step.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -19,6 +18,8 @@ import statistics
 import subprocess
 import time
 import urllib.request
+
+from services.common.cli_args import ArgParser
 
 
 def thread_names(pid: int) -> dict[int, str]:
@@ -63,7 +64,7 @@ def per_token(before: dict[int, float], after: dict[int, float], names: dict[int
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", required=True)
     ap.add_argument("--model", default="SmolLM2-135M-Instruct.Q4_1")
     ap.add_argument("--worker-pid", type=int, required=True)

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from services.common.cli_args import ArgParser
 from services.engine.config import EngineConfig
 from services.engine.cpu_features import host_cpu
 from services.engine.engine import LLMEngine
@@ -202,7 +203,7 @@ def _line(m: ModeResult, plain: ModeResult) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="pdserve bench spec", description=__doc__.split("\n\n")[0])
+    p = ArgParser(prog="pdserve bench spec", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="target: .gguf, HF dir or random:NAME (default: embedded SmolLM2)")
     p.add_argument("--draft", default="layers:8", help="draft: layers:N, .gguf, HF dir or random:NAME")
     p.add_argument("--spec-tokens", type=int, default=7, help="drafts per step (K)")

@@ -8,11 +8,11 @@ A device->host read is a synchronisation on GPU; elements x 4 bytes is what an f
 
 from __future__ import annotations
 
-import argparse
 import collections
 
 import torch
 
+from services.common.cli_args import ArgParser
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.sampling_params import SamplingParams
@@ -53,7 +53,7 @@ def count(model: str, draft: str, k: int, batch: int, steps: int, synthetic: flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.spec_host_reads", description=__doc__.split("\n\n")[0])
+    p = ArgParser(prog="python -m benchmarks.spec_host_reads", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="random:tiny-llama")
     p.add_argument("--draft", default="layers:1")
     p.add_argument("--spec-tokens", type=int, default=7)

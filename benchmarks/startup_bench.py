@@ -27,6 +27,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from services.common.cli_args import ArgParser
+
 _IMPORT = """
 import json, sys, time
 t0 = time.perf_counter()
@@ -135,7 +137,7 @@ def _repo_arg(value: str) -> tuple[str, Path]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="pdserve bench startup", description=__doc__.split("\n\n")[0])
+    p = ArgParser(prog="pdserve bench startup", description=__doc__.split("\n\n")[0])
     p.add_argument("--repo", action="append", type=_repo_arg, metavar="[LABEL=]PATH",
                    help="checkout to measure (repeatable; default: this one)")
     p.add_argument("--runs", type=int, default=5, help="runs per checkout (default 5)")

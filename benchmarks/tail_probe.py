@@ -42,6 +42,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from services.common.cli_args import ArgParser
 from services.engine import scheduler as scheduler_module
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
@@ -275,7 +276,7 @@ def _median(runs: list[dict[str, object]]) -> dict[str, object]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="random:llama-3-8b")
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--dtype", default="bfloat16")

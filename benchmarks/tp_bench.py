@@ -40,6 +40,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from services.common.cli_args import ArgParser
 from services.engine.attention import ForwardContext
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
@@ -232,7 +233,7 @@ def _tp_run(args: argparse.Namespace, fast: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="tp_bench", description=__doc__.split("\n\n")[0])
+    p = ArgParser(prog="tp_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--tp", type=int, default=2, help="the TP degree compared with TP=1")
     p.add_argument("--device", default="cpu")
     p.add_argument("--model", default="random:tiny-llama", help="a random:NAME shape")

@@ -21,6 +21,7 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.common.cli_args import ArgParser
 from services.common.grpc_util import create_channel
 from services.common.metrics import (
     PREFILL_COMPUTE_SECONDS,
@@ -76,7 +77,7 @@ def run_mode(args: argparse.Namespace, chunked: bool) -> dict[str, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--transport", default="mooncake", choices=["mooncake", "shm"])
     p.add_argument("--model", default="random:tiny-qwen3")

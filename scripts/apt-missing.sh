@@ -13,8 +13,9 @@ need() {
 
 install_missing() {
   [ ${#missing[@]} -gt 0 ] || return 0
-  local apt=($SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends)
-  $SUDO apt-get update -qq
+  # -q, not -qq: apt shows each package it fetches and sets up.
+  local apt=($SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends)
+  $SUDO apt-get update -q
   "${apt[@]}" "${missing[@]}" && return 0
   [ $# -gt 0 ] || return 1
   local required=() pkg

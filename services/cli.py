@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
+import traceback
 from collections.abc import Callable
+
+from services.common.cli_args import ArgParser
+from services.common.config import ConfigError, add_dataclass_args, from_args
+from services.common.errors import EXPECTED, one_line
+from services.common.logging import LoggingConfig
 
 
 def _generate(argv: list[str]) -> int:
@@ -25,7 +30,7 @@ def _certs(argv: list[str]) -> int:
 
     from services.common.tls import ROLES, make_certs
 
-    p = argparse.ArgumentParser(prog="pdserve certs", description=_certs.__doc__)
+    p = ArgParser(prog="pdserve certs", description=_certs.__doc__)
     p.add_argument("--out", required=True, help="directory to write ca.pem and <role>.pem/<role>-key.pem into "
                                                 "(created mode 0700)")
     p.add_argument("--hosts", default="localhost,127.0.0.1",
@@ -51,12 +56,11 @@ def _certs(argv: list[str]) -> int:
     return 0
 
 
-def health_parser() -> argparse.ArgumentParser:
+def health_parser() -> ArgParser:
     """Flags of ``pdserve health`` (the deploy tests parse the probes' commands with it)."""
-    from services.common.config import add_dataclass_args
     from services.common.tls import TLSConfig
 
-    p = argparse.ArgumentParser(prog="pdserve health", description=_health.__doc__, exit_on_error=False)
+    p = ArgParser(prog="pdserve health", description=_health.__doc__, exit_on_error=False)
     p.add_argument("--address", required=True, help="host:port of the service's gRPC server")
     p.add_argument("--service", default="", help="health service name; empty: the whole server")
     p.add_argument("--timeout-s", type=float, default=3.0, help="RPC deadline (seconds)")
@@ -69,7 +73,6 @@ def _health(argv: list[str]) -> int:
     Kubernetes probe under mTLS (the kubelet's own grpc: probe speaks no TLS). Exit 0 when SERVING."""
     import asyncio
 
-    from services.common.config import ConfigError, from_args
     from services.common.grpc_util import check_health, create_channel
     from services.common.tls import TLSConfig
 
@@ -133,10 +136,24 @@ COMMANDS = {
 }
 
 
+def _debug(argv: list[str]) -> bool:
+    """Whether the command runs at --log-level DEBUG: its flag (the services, up, generate), else
+    PDSERVE_LOG_LEVEL (every command, bench, certs and trace included)."""
+    p = ArgParser(add_help=False)
+    add_dataclass_args(p, LoggingConfig)
+    try:
+        return from_args(LoggingConfig, p.parse_known_args(argv)[0]).log_level == "DEBUG"
+    except (SystemExit, ConfigError):  # a malformed --log-level: the command itself said so
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. An expected failure (bad input, a missing file or package, a busy port) is one
+    line on stderr and exit 1, its traceback only at --log-level DEBUG; anything else is a bug and keeps
+    its traceback."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        p = argparse.ArgumentParser(prog="pdserve", description="Prefill/decode-disaggregated LLM serving")
+        p = ArgParser(prog="pdserve", description="Prefill/decode-disaggregated LLM serving")
         sub = p.add_subparsers(dest="command", metavar="COMMAND")
         for name, (_, help_) in COMMANDS.items():
             sub.add_parser(name, help=help_)
@@ -144,7 +161,18 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"unknown command {argv[0]!r}")
         p.print_help()
         return 0 if argv else 2
-    return COMMANDS[argv[0]][0](argv[1:]) or 0
+    name, rest = argv[0], argv[1:]
+    try:
+        return COMMANDS[name][0](rest) or 0
+    except KeyboardInterrupt:
+        return 130
+    except EXPECTED as e:
+        debug = _debug(rest)
+        if debug:
+            traceback.print_exc()
+        hint = "" if debug else " (--log-level DEBUG shows the traceback)"
+        print(f"pdserve {name}: error: {one_line(e)}{hint}", file=sys.stderr, flush=True)
+        return 1
 
 
 if __name__ == "__main__":

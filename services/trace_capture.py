@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from services.common.cli_args import ArgParser
 from services.common.grpc_util import create_channel, rpc_error_summary
 from services.common.pb import common_pb2, common_pb2_grpc
 
@@ -94,8 +95,8 @@ def build_targets(targets: str | None, prefill: str | None, decode: str | None) 
     return out
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def parser() -> ArgParser:
+    p = ArgParser(
         prog="pdserve trace",
         description="Capture a torch-profiler trace for the same wall-clock window on every given prefill and "
                     "decode; print one line per service (service instance path); name those that failed.",
@@ -179,8 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         targets = validate(ns)
     except UsageError as e:
-        p.print_usage(sys.stderr)
-        print(f"pdserve trace: error: {e}", file=sys.stderr)
+        print(f"pdserve trace: error: {e}; --help lists the flags", file=sys.stderr)
         return 2
     out_dir = os.path.abspath(os.path.expanduser(ns.out))
     print(f"pdserve trace: {len(targets)} target(s), window of {ns.duration:g}s starting in {ns.after:g}s, "

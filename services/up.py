@@ -4,8 +4,10 @@ Starts kvstore, N prefill and M decode services, then the router pointed at them
 each on fixed ports picked up front, and prints the endpoints. A service that exits is restarted with
 the same command and ports (backoff 1 s, 2 s, 4 s ... up to --max-restart-backoff-s); one that exits
 more than --max-restarts times within --restart-window-s is given up and the cluster stops (exit 1).
-SIGTERM / Ctrl-C stops everything, router first so in-flight work drains, and exits 0 (a second one
-kills what is left).
+Before anything starts, every fixed port (router HTTP and gRPC, the metrics ports under
+--metrics-port-base) and the model spec are checked: each problem is one line naming the flag, exit 2.
+SIGTERM / Ctrl-C stops everything, router first so in-flight work drains, and exits 0; a second signal
+within a second of the first is the same request, a later one kills what is left.
 
 Everything binds --host (127.0.0.1 by default). --tls runs mTLS between all services with a fresh CA
 and per-role certificates in a private temporary directory (or --tls-dir with existing ones);
@@ -27,10 +29,12 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.cli_args import ArgParser
 from services.common.config import (
     ConfigError,
     ContextConfig,
     add_dataclass_args,
+    field_error,
     flag_name,
     from_args,
     opt,
@@ -40,7 +44,10 @@ from services.common.config import (
 from services.common.config_file import ConfigFile, add_config_arg, config_file
 from services.common.lease import LeaseConfig
 from services.common.logging import LoggingConfig
+from services.common.server import port_problem
 from services.engine.model_settings import CompileDecodeConfig, DtypeConfig, ModelConfig
+from services.engine.model_source import resolve
+from services.engine.weights.errors import ModelLoadError
 from services.kvstore.config import BACKENDS
 from services.launcher import LocalCluster, RestartPolicy, StartCancelled, dial_host, served_model
 from services.prefill.config import PrefillConfig
@@ -245,6 +252,47 @@ def check_file(file: ConfigFile) -> None:
     file.check("", [c for cls in classes.values() for c in cls], shared=True)
 
 
+SIGNAL_REPEAT_S = 1.0
+"""A stop signal this soon (seconds) after the first is the same request: GNU timeout, a terminal or a
+process manager often signals the whole group, so the launcher gets SIGINT twice microseconds apart."""
+
+
+def fixed_ports(cfg: UpConfig) -> list[tuple[int, str]]:
+    """(port, field of UpConfig that chose it) for every port the cluster binds that is not picked free at
+    start: the router's HTTP and gRPC ports, and every service's metrics port under --metrics-port-base."""
+    out = [(cfg.http_port, "http_port"), (cfg.grpc_port, "grpc_port")]
+    if cfg.metrics_port_base:
+        # The layout of LocalCluster.metrics_port: router, kvstore, mooncake master, prefills, decodes.
+        offsets = [0, *([1] if cfg.kvstore != "none" else []), *([2] if cfg.kvstore == "mooncake" else [])]
+        workers = cfg.decode + (0 if cfg.colocated else cfg.prefill)
+        offsets += [3 + i for i in range(workers)]
+        out += [(cfg.metrics_port_base + o, "metrics_port_base") for o in offsets]
+    return [(port, name) for port, name in out if port > 0]
+
+
+def startup_problems(cfg: UpConfig) -> list[str]:
+    """What would stop the cluster part-way, found before anything starts: a port that cannot be bound
+    (or is asked for twice), a model spec that names no model. One line per problem, naming the flag."""
+    problems: list[str] = []
+    seen: dict[int, str] = {}
+    for port, name in fixed_ports(cfg):
+        if port in seen:
+            if seen[port] != name:
+                problems.append(str(field_error(cfg, name, f"port {port} is also {flag_name(seen[port])}'s")))
+            continue
+        seen[port] = name
+        problem = port_problem(cfg.host, port)
+        if problem is not None:
+            problems.append(str(field_error(cfg, name, f"cannot bind {cfg.host}:{port}: {problem}; stop whatever "
+                                                       f"holds it (ss -ltnp 'sport = :{port}') or choose another "
+                                                       "port (0 picks a free one)")))
+    try:
+        resolve(cfg.model)
+    except ModelLoadError as e:
+        problems.append(str(field_error(cfg, "model", str(e))))
+    return problems
+
+
 def _run(cfg: UpConfig, tls_dir: Path | None, key: str | None,
          extra: dict[str, list[str]] | None = None) -> int:
     policy = RestartPolicy(max_restarts=cfg.max_restarts, window_s=cfg.restart_window_s,
@@ -259,10 +307,10 @@ def _run(cfg: UpConfig, tls_dir: Path | None, key: str | None,
                            metrics_port_base=cfg.metrics_port_base, extra=extra, lend_cores=cfg.lend_cores)
     stop = threading.Event()
 
-    signals: list[int] = []
+    first_signal: list[float] = []  # monotonic time of the first stop signal
 
-    def handle(signum: int, nth: int) -> None:
-        if nth > 1:  # a second signal: do not wait for draining
+    def handle(signum: int, again: bool) -> None:
+        if again:  # a later signal: do not wait for draining
             _say(f"{signal.Signals(signum).name} again: killing every service", err=True)
             cluster.kill_all()
         stop.set()
@@ -271,8 +319,12 @@ def _run(cfg: UpConfig, tls_dir: Path | None, key: str | None,
     def on_signal(signum: int, _frame: object) -> None:
         # The handler runs in the main thread between bytecodes, possibly while that thread holds the
         # lock of stop.wait()'s condition or of the output: it takes no lock itself, a thread does the work.
-        signals.append(signum)
-        threading.Thread(target=handle, args=(signum, len(signals)), name="pdserve-up-signal", daemon=True).start()
+        now = time.monotonic()
+        if first_signal and now - first_signal[0] < SIGNAL_REPEAT_S:
+            return  # the same stop request, delivered twice
+        again = bool(first_signal)
+        first_signal.append(now)
+        threading.Thread(target=handle, args=(signum, again), name="pdserve-up-signal", daemon=True).start()
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, on_signal)
@@ -310,8 +362,8 @@ def _run(cfg: UpConfig, tls_dir: Path | None, key: str | None,
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="pdserve up", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgParser(prog="pdserve up", description=__doc__,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_arg(p)
     add_dataclass_args(p, UpConfig)
     ns = p.parse_args(argv)
@@ -323,6 +375,11 @@ def main(argv: list[str]) -> int:
         key = cfg.key()
     except (ConfigError, OSError) as e:
         print(f"pdserve up: {e}", file=sys.stderr)
+        return 2
+    problems = startup_problems(cfg)
+    for problem in problems:
+        print(f"pdserve up: error: {problem}", file=sys.stderr)
+    if problems:
         return 2
     extra = _forwarded(ns, cfg, ns.config)
     _add_compile_flags(extra, cfg, file, given=ns.cpu_compile_decode is not None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,3 +27,16 @@ def live_processes() -> Iterator[tuple[int, list[str]]]:
                 continue
             if fields[0] != "Z":
                 yield int(d.name), fields
+
+
+def launched_by(pid: int) -> list[int]:
+    """pids of live services that the launcher ``pid`` started (each is told ``--parent-pid PID``)."""
+    out = []
+    for child, _ in live_processes():
+        try:
+            argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if any(a == b"--parent-pid" and b == str(pid).encode() for a, b in itertools.pairwise(argv)):
+            out.append(child)
+    return out

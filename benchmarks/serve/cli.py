@@ -25,6 +25,7 @@ from benchmarks.serve.recipes import Recipe, RecipeError, load_recipe
 from benchmarks.serve.report import client_table, host_info
 from benchmarks.serve.sweep import SweepResult, run_sweep
 from benchmarks.serve.workload import TraceError
+from services.common.cli_args import ArgParser
 from services.common.config import ConfigError, add_dataclass_args, config_dict, from_args
 
 START_TIMEOUT_S = 600.0  # a busy CPU host loads several engines at once
@@ -45,7 +46,7 @@ def _failed(prog: str, e: Exception) -> int:
 
 
 def _parser(prog: str, ab: bool) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     if ab:
         p.add_argument("recipe_a", help="YAML recipe of server A (its workload, load and report sections are used)")
         p.add_argument("recipe_b", help="YAML recipe of server B (only its deployment is used)")

@@ -38,6 +38,8 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from services.common.cli_args import ArgParser
+
 if TYPE_CHECKING:
     from services.common.config_file import ConfigFile
 
@@ -389,7 +391,7 @@ class ContextConfig:
 def parse_config(cls: type[T], argv: Sequence[str] | None = None, *, prog: str | None = None,
                  description: str | None = None) -> T:
     """One-config convenience: build a parser for ``cls``, parse ``argv`` and return the config."""
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser = ArgParser(prog=prog, description=description)
     add_dataclass_args(parser, cls)
     return from_args(cls, parser.parse_args(argv))
 

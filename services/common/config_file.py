@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from services.common.cli_args import ArgParser
 from services.common.config import ConfigError, _config_fields, add_dataclass_args, env_value, from_args
 
 CONFIG_ENV = "PDSERVE_CONFIG"
@@ -128,7 +129,7 @@ def parse_settings(classes: Sequence[type], argv: Sequence[str] | None, *, prog:
     """A service's settings: one flag group per class plus ``--config``; each class built from flags,
     env, the config file's top level and ``section``, defaults. A key in the file's own section that
     names no setting here is an error. Raises ConfigError (argparse exits on malformed flags)."""
-    p = parser or argparse.ArgumentParser(prog=prog, description=description)
+    p = parser or ArgParser(prog=prog, description=description)
     add_config_arg(p)
     for cls in classes:
         add_dataclass_args(p, cls)

@@ -37,6 +37,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common.config import opt, require
+from services.common.errors import OperatorError, one_line
 from services.common.grpc_util import DEFAULT_MAX_MESSAGE_BYTES, server_options
 from services.common.malloc_tuning import tune_malloc
 from services.common.parent_watch import wait_for_parent_exit
@@ -84,7 +85,7 @@ class ServerConfig(TLSConfig):
         require(self.parent_pid >= 0, self, "parent_pid", f"must be >= 0, got {self.parent_pid}")
 
 
-class StartupError(RuntimeError):
+class StartupError(OperatorError, RuntimeError):
     """Start-up cannot go on; the message is one actionable line: what, which setting, what to do."""
 
 
@@ -125,21 +126,6 @@ def server_ports(cfg: ServerConfig) -> list[tuple[str, int, str]]:
     if cfg.metrics_port > 0:
         out.append((cfg.metrics_host, cfg.metrics_port, "--metrics-port / PDSERVE_METRICS_PORT"))
     return out
-
-
-def one_line(e: BaseException) -> str:
-    """A start-up failure as one line: the first line of its message, with what to do for the usual
-    suspects (a missing package, a busy port)."""
-    if isinstance(e, ModuleNotFoundError) and e.name:
-        top = e.name.split(".")[0]
-        return (f"the Python package {top!r} is not installed (needed by {e.name}); install it "
-                f"(pip install {top.replace('_', '-')}) or the pdserve extra that brings it")
-    if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:
-        return f"{e.strerror or e}: another process holds the port; choose another (0 picks a free one)"
-    text = (str(e).strip().splitlines() or [""])[0]
-    if isinstance(e, (StartupError, ValueError, OSError)) and text:
-        return text
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def run_main(name: str, main: Coroutine[object, object, None], *,

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
+from services.common.cli_args import ArgParser
+from services.common.config import add_dataclass_args, from_args
+from services.common.logging import LoggingConfig, setup_logging
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.sampling_params import InvalidRequestError, SamplingParams
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="pdserve generate")
+    p = ArgParser(prog="pdserve generate")
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--model", default=None, help="a .gguf, a HF directory or random:NAME (default: embedded)")
@@ -25,7 +27,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[])
+    add_dataclass_args(p, LoggingConfig)
     args = p.parse_args(argv)
+    setup_logging("generate", from_args(LoggingConfig, args))
 
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                                     kv_cache_bytes=256 << 20))
@@ -37,7 +41,7 @@ def main(argv: list[str]) -> int:
     try:
         engine.add_request("cli", ids, params)
     except InvalidRequestError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"pdserve generate: error: {e}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     n = 0

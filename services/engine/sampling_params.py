@@ -31,9 +31,11 @@ class Sampled(NamedTuple):
 class InvalidRequestError(ValueError):
     """A request field is out of range or malformed. The message names the field."""
 
-    def __init__(self, field_name: str, message: str) -> None:
+    def __init__(self, field_name: str, message: str, code: str = "invalid_value") -> None:
         super().__init__(f"{field_name}: {message}")
         self.field = field_name
+        self.code = code
+        """OpenAI's error code: invalid_value, or context_length_exceeded for a request past the context."""
 
 
 @dataclass

@@ -11,7 +11,6 @@ off, so nothing else listens. Clients use ``metadata_server="P2PHANDSHAKE"``: no
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import shutil
@@ -24,6 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO
+
+from services.common.cli_args import ArgParser
 
 LOOPBACK = "127.0.0.1"
 
@@ -146,8 +147,8 @@ class MooncakeMaster:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m services.kvstore.mooncake_master",
-                                description="Run mooncake_master on loopback in the foreground.")
+    p = ArgParser(prog="python -m services.kvstore.mooncake_master",
+                  description="Run mooncake_master on loopback in the foreground.")
     p.add_argument("--host", default=LOOPBACK, help="Address every master socket binds.")
     p.add_argument("--rpc-port", type=int, default=50051, help="Master RPC port (0: a free one).")
     p.add_argument("--metrics-port", type=int, default=0, help="Master metrics HTTP port (0: a free one).")

@@ -37,7 +37,14 @@ from services.engine.sampling_params import InvalidRequestError, TopLogprobs
 from services.router.auth import APIKeys
 from services.router.metering import RequestMeter, RequestRecord, code_for_http_status
 from services.router.openai_format import Formatter
-from services.router.openai_schema import APIError, GenerateRequest, load_json, parse_request
+from services.router.openai_schema import (
+    CONTEXT_LENGTH_EXCEEDED,
+    INVALID_VALUE,
+    APIError,
+    GenerateRequest,
+    load_json,
+    parse_request,
+)
 from services.router.pipeline import DEFAULT_RETRY_AFTER_S, BackendError, TextDelta, TextPipeline
 
 log = logging.getLogger(__name__)
@@ -94,7 +101,7 @@ def _api_error(e: Exception) -> APIError:
     if isinstance(e, BackendError):
         return backend_api_error(e)
     if isinstance(e, InvalidRequestError):
-        return APIError(400, str(e), param=e.field)
+        return APIError(400, str(e), param=e.field, code=e.code)
     return APIError(500, f"internal error: {type(e).__name__}", code="internal", type="internal_server_error")
 
 
@@ -265,7 +272,7 @@ def _timeout_s(request: web.Request, cap_s: float) -> float:
         value = math.nan
     if not math.isfinite(value) or value <= 0:
         raise APIError(400, f"{TIMEOUT_HEADER}: must be a positive number of seconds, got {raw[:40]!r}",
-                       param=TIMEOUT_HEADER)
+                       param=TIMEOUT_HEADER, code=INVALID_VALUE)
     return min(value, cap_s)
 
 
@@ -300,7 +307,14 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
         raise APIError(404, f"model {req.model!r} does not exist; this server serves {served!r}",
                        param="model", code="model_not_found")
     prompt_ids = await asyncio.to_thread(_prompt_ids, pipeline, req)
-    pipeline.check(prompt_ids, req.params, max_tokens=req.max_tokens, prompt_field=req.prompt_field)
+    try:
+        pipeline.check(prompt_ids, req.params, max_tokens=req.max_tokens, prompt_field=req.prompt_field)
+    except InvalidRequestError as e:
+        if e.code != CONTEXT_LENGTH_EXCEEDED:
+            raise
+        # OpenAI names the prompt (messages / prompt) even when max_tokens tipped it over: the prompt
+        # is what a client shortens.
+        raise APIError(400, str(e), param=req.prompt_field, code=e.code) from None
     fmt = Formatter(pipeline, req, served)
     rec.request_id, rec.prompt_tokens = fmt.id, len(prompt_ids)
     inner = pipeline.generate(fmt.id, prompt_ids, req.params, deadline=deadline)

@@ -44,8 +44,24 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def invalid(param: str, message: str, code: str | None = None) -> APIError:
+INVALID_VALUE, INVALID_TYPE, MISSING = "invalid_value", "invalid_type", "missing_required_parameter"
+"""OpenAI's ``error.code`` for a field out of range, a field of the wrong JSON type, a required field absent."""
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+"""OpenAI's ``error.code`` for a prompt (plus max_tokens) longer than the context."""
+TEMPERATURE_MAX = 2.0
+"""OpenAI's temperature range is [0, 2]."""
+
+
+def invalid(param: str, message: str, code: str | None = INVALID_VALUE) -> APIError:
     return APIError(400, f"{param}: {message}", param=param, code=code)
+
+
+def wrong_type(param: str, message: str) -> APIError:
+    return invalid(param, message, code=INVALID_TYPE)
+
+
+def missing(param: str) -> APIError:
+    return invalid(param, "is required", code=MISSING)
 
 
 def load_json(raw: bytes) -> Any:
@@ -127,7 +143,7 @@ def _int(body: dict[str, Any], name: str, default: int | None = None, *, lo: int
     if isinstance(v, float) and v.is_integer():
         v = int(v)
     if not _is_int(v):
-        raise invalid(param, f"must be an integer, got {_show(v)}")
+        raise wrong_type(param, f"must be an integer, got {_show(v)}")
     if not lo <= v <= hi:
         raise invalid(param, f"must be in [{lo}, {hi}], got {_show(v)}")
     return v
@@ -144,7 +160,7 @@ def _float(body: dict[str, Any], name: str, default: float) -> float:
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise invalid(name, f"must be a finite number, got {_show(v)}")
+        raise wrong_type(name, f"must be a finite number, got {_show(v)}")
     try:
         f = float(v)
     except OverflowError:  # an integer past float range
@@ -159,7 +175,7 @@ def _bool(body: dict[str, Any], name: str, default: bool = False, *, param: str 
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise invalid(param or name, f"must be a boolean, got {_show(v)}")
+        raise wrong_type(param or name, f"must be a boolean, got {_show(v)}")
     return v
 
 
@@ -169,7 +185,7 @@ def _stop(body: dict[str, Any]) -> list[str]:
         return []
     stops = [v] if isinstance(v, str) else v
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise invalid("stop", f"must be a string or a list of strings, got {_show(v)}")
+        raise wrong_type("stop", f"must be a string or a list of strings, got {_show(v)}")
     if len(stops) > MAX_STOP_STRINGS:
         raise invalid("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
     if any(not s for s in stops):
@@ -197,7 +213,7 @@ UNSUPPORTED_PARAMS: dict[str, tuple[str, str]] = {
     "logit_bias": ("an empty map", "the sampler does not bias logits"),
     "echo": ("false", "the prompt is not returned in the output"),
     "suffix": ("an empty string", "no fill-in-the-middle"),
-    "tools": ("an empty list", "no tool calling"),
+    "tools": ("an empty list or tool_choice 'none' (the tools are then ignored)", "no tool calling"),
     "tool_choice": ("'none'", "no tool calling"),
     "functions": ("an empty list", "no function calling"),
     "function_call": ("'none'", "no function calling"),
@@ -225,12 +241,16 @@ def _reject_unsupported(body: dict[str, Any]) -> None:
     best_of = body.get("best_of")
     if best_of is not None and best_of != 1:
         raise _unsupported("best_of")
-    for name in ("logit_bias", "echo", "suffix", "tools", "functions"):
+    for name in ("logit_bias", "echo", "suffix", "functions"):
         if body.get(name):
             raise _unsupported(name)
     for name in ("tool_choice", "function_call"):
         if body.get(name) not in (None, "none"):
             raise _unsupported(name)
+    # tool_choice "none" forbids calling any tool: the tools are then only a description the model may
+    # ignore, so they are (OpenAI's default with tools is "auto", which needs tool calling).
+    if body.get("tools") and body.get("tool_choice") != "none":
+        raise _unsupported("tools")
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
         raise _unsupported("response_format")
@@ -254,8 +274,8 @@ def _sampling(body: dict[str, Any], req: GenerateRequest) -> None:
     if max_tokens is not None and max_tokens <= 0:
         raise invalid(name, f"must be > 0, got {max_tokens}")
     temperature = _float(body, "temperature", 1.0)
-    if temperature < 0:
-        raise invalid("temperature", f"must be >= 0, got {temperature}")
+    if not 0 <= temperature <= TEMPERATURE_MAX:
+        raise invalid("temperature", f"must be in [0, {TEMPERATURE_MAX:g}], got {temperature:g}")
     top_p = _float(body, "top_p", 1.0)
     if not 0.0 < top_p <= 1.0:
         raise invalid("top_p", f"must be in (0, 1], got {top_p}")
@@ -267,7 +287,7 @@ def _sampling(body: dict[str, Any], req: GenerateRequest) -> None:
     opts = body.get("stream_options")
     if opts is not None:
         if not isinstance(opts, dict):
-            raise invalid("stream_options", f"must be an object, got {opts!r}")
+            raise wrong_type("stream_options", f"must be an object, got {_show(opts)}")
         if not req.stream:
             raise invalid("stream_options", "is only allowed when stream is true")
         req.include_usage = _bool(opts, "include_usage", param="stream_options.include_usage")
@@ -281,14 +301,14 @@ def _sampling(body: dict[str, Any], req: GenerateRequest) -> None:
 def _message(i: int, m: Any) -> dict[str, str]:
     where = f"messages[{i}]"
     if not isinstance(m, dict):
-        raise invalid(where, f"must be an object with role and content, got {type(m).__name__}")
+        raise wrong_type(where, f"must be an object with role and content, got {type(m).__name__}")
     role = m.get("role")
     if role is None:
-        raise invalid(f"{where}.role", "is required")
+        raise missing(f"{where}.role")
     if not isinstance(role, str) or role not in CHAT_ROLES:
         raise invalid(f"{where}.role", f"must be one of {', '.join(CHAT_ROLES)}, got {_show(role)}")
     if "content" not in m:
-        raise invalid(f"{where}.content", "is required")
+        raise missing(f"{where}.content")
     content = m["content"]
     if content is None and role == "assistant":
         content = ""
@@ -300,13 +320,13 @@ def _message(i: int, m: Any) -> dict[str, str]:
             parts.append(p["text"])
         content = "".join(parts)
     if not isinstance(content, str):
-        raise invalid(f"{where}.content", f"must be a string or a list of text parts, got {_show(content)}")
+        raise wrong_type(f"{where}.content", f"must be a string or a list of text parts, got {_show(content)}")
     return {"role": role, "content": content}
 
 
 def _prompt(body: dict[str, Any], req: GenerateRequest) -> None:
     if "prompt" not in body or body["prompt"] is None:
-        raise invalid("prompt", "is required")
+        raise missing("prompt")
     p = body["prompt"]
     if isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
         raise invalid("prompt", f"got {len(p)} prompts; send one prompt per request (batched prompts are "
@@ -320,23 +340,23 @@ def _prompt(body: dict[str, Any], req: GenerateRequest) -> None:
             raise invalid("prompt", f"token ids must be non-negative integers up to {INT32_MAX}")
         req.prompt_ids = list(p)
     else:
-        raise invalid("prompt", "must be a string, a list of token ids, or a list holding one of those")
+        raise wrong_type("prompt", "must be a string, a list of token ids, or a list holding one of those")
 
 
 def parse_request(body: Any, *, chat: bool) -> GenerateRequest:
     """Validate a /v1/completions (``chat=False``) or /v1/chat/completions body."""
     if not isinstance(body, dict):
-        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}", code=INVALID_TYPE)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise invalid("model", f"must be a string, got {_show(model)}")
+        raise wrong_type("model", f"must be a string, got {_show(model)}")
     req = GenerateRequest(chat=chat, model=model)
     if chat:
         msgs = body.get("messages")
         if msgs is None:
-            raise invalid("messages", "is required")
+            raise missing("messages")
         if not isinstance(msgs, list):
-            raise invalid("messages", f"must be a list of messages, got {type(msgs).__name__}")
+            raise wrong_type("messages", f"must be a list of messages, got {type(msgs).__name__}")
         if not msgs:
             raise invalid("messages", "must contain at least one message")
         req.messages = [_message(i, m) for i, m in enumerate(msgs)]
@@ -353,6 +373,8 @@ def parse_request(body: Any, *, chat: bool) -> GenerateRequest:
         req.top_logprobs = lp or 0
     user = body.get("user")
     if user is not None and not isinstance(user, str):
-        raise invalid("user", f"must be a string, got {_show(user)}")
+        raise wrong_type("user", f"must be a string, got {_show(user)}")
     _sampling(body, req)
+    if model is None:  # checked last: a body with other faults is told about those first
+        raise missing("model")
     return req

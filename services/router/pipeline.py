@@ -18,6 +18,7 @@ from typing import Protocol
 from services.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from services.engine.sampling_params import InvalidRequestError, SamplingParams, TopLogprobs
 from services.engine.tokenizer import Tokenizer
+from services.router.openai_schema import CONTEXT_LENGTH_EXCEEDED
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,8 @@ class TextPipeline:
         if n_chars > self.max_prompt_chars:
             raise InvalidRequestError(
                 field_name, f"the prompt has {n_chars} characters; at most {self.max_prompt_chars} are accepted "
-                            f"({MAX_CHARS_PER_TOKEN} per token of the model's {self.max_model_len}-token context)")
+                            f"({MAX_CHARS_PER_TOKEN} per token of the model's {self.max_model_len}-token context)",
+                code=CONTEXT_LENGTH_EXCEEDED)
 
     def encode_text(self, text: str, field_name: str = "prompt") -> list[int]:
         """Plain-text prompt: special tokens (BOS) as the tokenizer adds them by default."""
@@ -163,7 +165,8 @@ class TextPipeline:
         if n >= self.max_model_len:
             raise InvalidRequestError(
                 prompt_field, f"the prompt has {n} tokens but the model's context is {self.max_model_len} "
-                              f"tokens (at most {self.max_model_len - 1} prompt tokens leave room for one output token)")
+                              f"tokens (at most {self.max_model_len - 1} prompt tokens leave room for one output token)",
+                code=CONTEXT_LENGTH_EXCEEDED)
         vocab = self.tokenizer.vocab_size
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
@@ -179,7 +182,8 @@ class TextPipeline:
             if n + max_tokens > self.max_model_len:
                 raise InvalidRequestError(
                     "max_tokens", f"the prompt has {n} tokens and max_tokens is {max_tokens}: {n + max_tokens} "
-                                  f"tokens exceed the model's context of {self.max_model_len} tokens")
+                                  f"tokens exceed the model's context of {self.max_model_len} tokens",
+                    code=CONTEXT_LENGTH_EXCEEDED)
         return params.validate()
 
     def token_text(self, token_id: int) -> str:

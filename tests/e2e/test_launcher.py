@@ -23,7 +23,7 @@ from services.launcher import LocalCluster, RestartPolicy, pick_port, served_mod
 from services.process import ServiceProc, exit_text, parse_ready
 from services.up import UpConfig
 from tests.e2e.cluster_util import metric_sum, post_json
-from tests.process_util import alive, live_processes
+from tests.process_util import alive, launched_by, live_processes
 
 KV = ["--kv-cache-bytes", str(96 << 20)]
 # 127.0.0.1 in /proc/net/tcp, and as an IPv4-mapped address in /proc/net/tcp6 (gRPC's dual-stack sockets).
@@ -221,6 +221,52 @@ def test_pdserve_up_binds_loopback_and_sigterm_stops_everything() -> None:
         assert _sessions_alive(pids) == []  # nothing the services started either
     finally:
         for pid in [proc.pid, *pids]:  # a failed run leaves nothing behind either
+            if alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_pdserve_up_two_sigints_at_once_drain_like_one() -> None:
+    """GNU timeout and terminals signal the whole process group: up gets SIGINT twice within
+    microseconds. That is one stop request: the services drain (no kill), nothing is left running."""
+    env = {**os.environ, "PDSERVE_KV_CACHE_BYTES": str(96 << 20), "PDSERVE_CPU_COMPILE_DECODE": "0"}
+    # A tiny random model: this test is about stopping, and loads in seconds even on a busy host.
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--kvstore", "none", "--kv-transport",
+                             "grpc", "--http-port", "0", "--grpc-port", "0", "--model", "random:tiny-llama"],
+                            stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, env=env,
+                            start_new_session=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=_read_lines, args=(proc.stdout, lines), daemon=True).start()
+    seen: list[str] = []
+    pids: set[int] = set()
+    try:
+        deadline = time.monotonic() + 400  # imports alone take minutes on a loaded 2-core host
+        while not any("pdserve up: serving." in ln for ln in seen):
+            assert proc.poll() is None, "\n".join(seen[-40:])
+            assert time.monotonic() < deadline, "\n".join(seen[-40:])
+            with contextlib.suppress(queue.Empty):
+                seen.append(lines.get(timeout=1))
+        pids = {int(m) for ln in seen if re.match(r"  \S+ +grpc=", ln) for m in re.findall(r"pid=(\d+)", ln)}
+        assert len(pids) == 3 and all(alive(p) for p in pids)
+
+        os.killpg(proc.pid, signal.SIGINT)  # the group, twice, as timeout does
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(90) == 0, "\n".join(seen[-40:])
+        while True:
+            try:
+                seen.append(lines.get(timeout=5))
+            except queue.Empty:
+                break
+        assert not any("killing every service" in ln for ln in seen), "\n".join(seen[-40:])
+        assert any("pdserve up: stopped" in ln for ln in seen), "\n".join(seen[-40:])
+        assert [p for p in pids if alive(p)] == []
+        assert _sessions_alive(pids) == [] and launched_by(proc.pid) == []
+    finally:
+        for pid in [proc.pid, *pids]:
             if alive(pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pid, signal.SIGKILL)

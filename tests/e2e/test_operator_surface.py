@@ -23,6 +23,8 @@ from tests.e2e.cluster_util import metric_sum, metrics_text
 from tests.prom_harness import PrometheusHarness, require_prometheus
 
 SERVED = "smol"
+ACCESS_LOG_WAIT_S = 30.0
+"""Longest wait for a request's access-log line to reach the captured router output (seconds)."""
 LONG = ("The observatory on the hill kept careful records of every storm that crossed the valley, noting the "
         "hour, the wind, the colour of the sky and the height of the river. ") * 3
 CONFIG = f"""\
@@ -144,7 +146,16 @@ def test_router_admin_metrics_on_http_models_and_access_log(cluster: LocalCluste
         load, trace = asyncio.run(admin(cluster.get(name).ready["grpc"]))
         assert load.published_unix > 0 and trace.service == service
         assert Path(trace.path).is_file() and '"traceEvents"' in Path(trace.path).read_text()[:200]
-    lines = [ln for ln in cluster.get("router").lines if "pdserve.access" in ln and " request " in ln]
+    done = _client(cluster).completions.create(model=SERVED, prompt="Hello", max_tokens=2, temperature=0)
+    # The router writes its access line after the last byte, and its output reaches us through a pipe
+    # and a reader thread: wait for the line (bounded) instead of reading once.
+    deadline = time.monotonic() + ACCESS_LOG_WAIT_S
+    while True:
+        lines = [ln for ln in cluster.get("router").lines
+                 if "pdserve.access" in ln and " request " in ln and f"id={done.id}" in ln]
+        if lines or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert lines, cluster.get("router").tail(40)
     last = lines[-1]
     for key in ("id=cmpl", "api=http", "wire=200", "status=ok", "prompt_tokens=", "completion_tokens=",

@@ -17,7 +17,7 @@ from tests.router.harness import FakeBackend, fake_pipeline
 async def _post(backend: FakeBackend, body: dict, *, access_log: bool = True) -> int:
     app = make_app(fake_pipeline(backend), meter=RequestMeter(None, "fake", access_log=access_log))
     async with TestClient(TestServer(app, host="127.0.0.1")) as client:
-        r = await client.post("/v1/completions", json=body)
+        r = await client.post("/v1/completions", json={"model": "fake", **body})
         await r.read()
         return r.status
 

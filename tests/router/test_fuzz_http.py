@@ -2,9 +2,10 @@
 real aiohttp app over an in-process fake backend.
 
 Stated size: 300 examples per route (FUZZ_EXAMPLES), plus 150 raw byte bodies, deadline disabled.
-Every answer must be 200/400/404/413/422/429, a JSON error body whenever it is not 200, a completed
-generation whenever it is 200 (never a 500, never an empty success), within CALL_TIMEOUT_S (never a
-hang); afterwards the fake backend holds no open request and the router no in-flight slot (no leak).
+Every answer must be 200/400/404/413/422, or one of the designed outcomes of load (429 and 503 with
+Retry-After, 504 deadline_exceeded when a short X-Request-Timeout runs out on a busy host), a JSON error
+body whenever it is not 200, a completed generation whenever it is 200 (never a 500, never an empty
+success), within CALL_TIMEOUT_S (never a hang); afterwards the fake backend holds no open request and the router no in-flight slot (no leak).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from services.router.metering import RequestMeter
 from services.router.openai_http import TIMEOUT_HEADER, make_app
 from tests.router.harness import CALL_TIMEOUT_S, FUZZ, FakeBackend, LoopThread, fake_pipeline, sse_events
 
-ALLOWED = {200, 400, 404, 413, 422, 429}
+ALLOWED = {200, 400, 404, 413, 422, 429, 503, 504}
+RETRY_AFTER = {429, 503}
+"""Statuses that tell the client when to come back (Retry-After, whole seconds)."""
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 
@@ -40,10 +43,11 @@ class Target:
     session: aiohttp.ClientSession
     statuses: Counter[int] = field(default_factory=Counter)
 
-    def call(self, path: str, data: bytes, headers: dict[str, str]) -> tuple[int, str, str]:
-        async def go() -> tuple[int, str, str]:
+    def call(self, path: str, data: bytes, headers: dict[str, str]) -> tuple[int, str, str, str | None]:
+        """(status, Content-Type, body, Retry-After)."""
+        async def go() -> tuple[int, str, str, str | None]:
             async with self.session.post(f"{self.base}{path}", data=data, headers=headers) as r:
-                return r.status, r.headers.get("Content-Type", ""), await r.text()
+                return r.status, r.headers.get("Content-Type", ""), await r.text(), r.headers.get("Retry-After")
         return self.loop.run(go(), timeout=CALL_TIMEOUT_S + 5)
 
 
@@ -135,11 +139,11 @@ VALID = {
     "max_tokens": st.integers(1, 20), "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1),
     "top_k": st.integers(-1, 50), "seed": st.integers(-(2**63), 2**63 - 1), "stream": st.booleans(),
     "ignore_eos": st.booleans(), "user": clean_text, "stop": st.lists(clean_text, max_size=3),
-    "stop_token_ids": st.lists(st.integers(0, 256), max_size=3), "model": st.just("fake"), "n": st.just(1),
+    "stop_token_ids": st.lists(st.integers(0, 256), max_size=3), "n": st.just(1),
 }
-valid_completion = st.fixed_dictionaries({"prompt": clean_text | st.lists(st.integers(0, 255), min_size=1,
-                                                                             max_size=30)}, optional=VALID)
-valid_chat = st.fixed_dictionaries({"messages": st.lists(st.fixed_dictionaries({
+valid_completion = st.fixed_dictionaries({"model": st.just("fake"), "prompt": clean_text | st.lists(
+    st.integers(0, 255), min_size=1, max_size=30)}, optional=VALID)
+valid_chat = st.fixed_dictionaries({"model": st.just("fake"), "messages": st.lists(st.fixed_dictionaries({
     "role": st.sampled_from(["system", "user", "assistant"]), "content": clean_text}), min_size=1, max_size=2)},
     optional=VALID)
 
@@ -159,12 +163,16 @@ def encode(body: Any) -> bytes:
     return json.dumps(body).encode()
 
 
-def check_answer(status: int, content_type: str, text: str) -> None:
+def check_answer(status: int, content_type: str, text: str, retry_after: str | None = None) -> None:
     assert status in ALLOWED, (status, text[:300])
     if status != 200:
         err = json.loads(text)["error"]
         assert isinstance(err["message"], str) and err["message"]
         assert set(err) == {"message", "type", "param", "code"}
+        if status == 504:
+            assert (err["code"], err["type"]) == ("deadline_exceeded", "timeout_error"), err
+        if status in RETRY_AFTER:
+            assert retry_after is not None and retry_after.isdigit() and int(retry_after) >= 1, (status, err)
         return
     if content_type.startswith("text/event-stream"):
         events = sse_events(text)
@@ -183,10 +191,10 @@ def exchange(target: Target, path: str, data: bytes, timeout: str | None) -> Non
     if timeout is not None:
         headers[TIMEOUT_HEADER] = timeout
     t0 = time.monotonic()
-    status, content_type, text = target.call(path, data, headers)
+    status, content_type, text, retry_after = target.call(path, data, headers)
     target.statuses[status] += 1
     assert time.monotonic() - t0 < CALL_TIMEOUT_S
-    check_answer(status, content_type, text)
+    check_answer(status, content_type, text, retry_after)
 
 
 @FUZZ

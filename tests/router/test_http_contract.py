@@ -81,7 +81,7 @@ async def until(check: Callable[[], bool], wait_s: float = 5.0) -> None:
 
 
 def body(chat: bool, stream: bool, **extra: Any) -> dict[str, Any]:
-    base: dict[str, Any] = {"messages": USER_MSG} if chat else {"prompt": "hi"}
+    base: dict[str, Any] = {"model": "fake", **({"messages": USER_MSG} if chat else {"prompt": "hi"})}
     return {**base, "stream": stream, "max_tokens": 3, **extra}
 
 

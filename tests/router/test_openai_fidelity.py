@@ -235,4 +235,4 @@ def test_refusals_reach_the_async_client_too(served: Served) -> None:
         return out
 
     assert asyncio.run(run()) == [(400, "n", "unsupported_parameter"), (400, "logit_bias", "unsupported_parameter"),
-                                  (400, "top_logprobs", None)]
+                                  (400, "top_logprobs", "invalid_value")]

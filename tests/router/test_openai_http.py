@@ -222,7 +222,10 @@ BAD_REQUESTS = [
     (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", ["content"]),
     (CHAT, {"messages": USER_MSG, "max_tokens": 0}, 400, "max_tokens", ["max_tokens", "> 0"]),
     (CHAT, {"messages": USER_MSG, "max_completion_tokens": -3}, 400, "max_completion_tokens", ["> 0"]),
-    (CHAT, {"messages": USER_MSG, "temperature": -0.5}, 400, "temperature", [">= 0"]),
+    (CHAT, {"messages": USER_MSG, "temperature": -0.5}, 400, "temperature", ["[0, 2]"]),
+    (CHAT, {"messages": USER_MSG, "temperature": 2.5}, 400, "temperature", ["[0, 2]"]),
+    (CHAT, {"messages": USER_MSG, "model": None}, 400, "model", ["required"]),
+    (COMPLETIONS, {"prompt": "hi", "model": None}, 400, "model", ["required"]),
     (CHAT, {"messages": USER_MSG, "top_p": 0}, 400, "top_p", ["(0, 1]"]),
     (CHAT, {"messages": USER_MSG, "top_p": 1.5}, 400, "top_p", ["(0, 1]"]),
     (CHAT, {"messages": USER_MSG, "top_k": -2}, 400, "top_k", ["top_k"]),
@@ -232,7 +235,7 @@ BAD_REQUESTS = [
     (CHAT, {"messages": USER_MSG, "logprobs": "yes"}, 400, "logprobs", ["logprobs"]),
     (CHAT, {"messages": USER_MSG, "stream_options": {"include_usage": True}}, 400, "stream_options", ["stream"]),
     (CHAT, {"messages": USER_MSG, "model": "gpt-4"}, 404, "model", ["gpt-4"]),
-    (CHAT, {"messages": USER_MSG, "max_tokens": 100_000}, 400, "max_tokens", ["100000", "8192"]),
+    (CHAT, {"messages": USER_MSG, "max_tokens": 100_000}, 400, "messages", ["100000", "8192"]),
     (COMPLETIONS, {"prompt": ["a", "b"]}, 400, "prompt", ["2 prompts"]),
     (COMPLETIONS, {"prompt": ""}, 400, "prompt", ["empty"]),
     (COMPLETIONS, {}, 400, "prompt", ["required"]),
@@ -285,11 +288,12 @@ BAD_REQUESTS = [
                          ids=[f"{r.rsplit('/', 1)[-1]}-{p}-{i}" for i, (r, _, _, p, _) in enumerate(BAD_REQUESTS)])
 def test_bad_request(served: Served, route: str, body: dict[str, Any], status: int, param: str,
                      words: list[str]) -> None:
-    r = http(served.base, "POST", route, body)
+    body = {"model": served.model, **body}  # model is required; a case may replace or remove it
+    r = http(served.base, "POST", route, {k: v for k, v in body.items() if v is not None})
     assert r.status == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
-    assert err["type"] == "invalid_request_error"
+    assert err["type"] == "invalid_request_error" and err["code"], err
     assert err["param"] == param
     for w in words:
         assert w in err["message"], (w, err["message"])
@@ -323,10 +327,11 @@ def test_unknown_model_names_both(served: Served) -> None:
 def test_oversize_prompt_names_token_counts(served: Served) -> None:
     prompt = "hello " * 9000
     n = len(served.engine.tokenizer.encode(prompt))
-    r = http(served.base, "POST", COMPLETIONS, {"prompt": prompt, "max_tokens": 1})
+    r = http(served.base, "POST", COMPLETIONS, {"model": served.model, "prompt": prompt, "max_tokens": 1})
     assert r.status == 400
     err = r.json()["error"]
     assert err["param"] == "prompt" and str(n) in err["message"] and "8192" in err["message"]
+    assert err["code"] == "context_length_exceeded"
 
 
 def test_malformed_json_wrong_body_type_and_oversize_body(served: Served) -> None:

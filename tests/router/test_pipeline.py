@@ -255,9 +255,11 @@ def test_check_prompt_limits(tokenizer: Tokenizer) -> None:
     with pytest.raises(InvalidRequestError) as ei:
         p.check(list(range(16)), SamplingParams(), max_tokens=None)
     assert ei.value.field == "prompt" and "16 tokens" in str(ei.value)
+    assert ei.value.code == "context_length_exceeded"
     with pytest.raises(InvalidRequestError) as ei:
         p.check(list(range(10)), SamplingParams(), max_tokens=7)
     assert ei.value.field == "max_tokens" and "17" in str(ei.value) and "16" in str(ei.value)
+    assert ei.value.code == "context_length_exceeded"
     assert p.check(list(range(10)), SamplingParams(), max_tokens=None).max_tokens == 6
     assert p.check(list(range(10)), SamplingParams(), max_tokens=6).max_tokens == 6
     with pytest.raises(InvalidRequestError) as ei:
