@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.fp8_layout import FP8_E4M3_MAX, fp8_page_regions
+from kernels.moe_args import check_moe_args
 
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -242,3 +243,53 @@ def ref_apply_rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         xf = x.float()
         rot = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
         x.copy_(xf * cos + rot * sin)
+
+
+def _moe_activation(gate: torch.Tensor, up: torch.Tensor, activation: str, swiglu_alpha: float | None,
+                    swiglu_limit: float | None) -> torch.Tensor:
+    """fp32 act(gate, up) of fused_moe (names checked by check_moe_args)."""
+    if activation == "silu":
+        return F.silu(gate) * up
+    if activation == "gelu":
+        return F.gelu(gate, approximate="tanh") * up
+    assert swiglu_alpha is not None and swiglu_limit is not None
+    gate = gate.clamp(max=swiglu_limit)
+    up = up.clamp(-swiglu_limit, swiglu_limit)
+    return gate * torch.sigmoid(swiglu_alpha * gate) * (up + 1)
+
+
+def fused_moe_ref(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    activation: str = "silu",
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    swiglu_alpha: float | None = None,
+    swiglu_limit: float | None = None,
+) -> torch.Tensor:
+    """out[t] = sum_k topk_weights[t, k] * (w2[e] @ act(w13[e] @ x[t] + b13[e]) + b2[e]), e = topk_ids[t, k].
+
+    A loop over the experts hit (one host sync for the list), fp32 math, the intermediate rounded to
+    x's dtype as the kernel does; returns [T, H] in x's dtype. w13 rows 0..I-1 are gate, I..2I-1 up.
+    """
+    check_moe_args(x, w13, w2, topk_ids, topk_weights, activation, w13_bias, w2_bias, swiglu_alpha, swiglu_limit)
+    inter = w13.shape[1] // 2
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    flat = topk_ids.reshape(-1).long()
+    weights = topk_weights.reshape(-1)
+    for e in torch.unique(flat).tolist():
+        pair = torch.nonzero(flat == e).squeeze(1)
+        tok = pair // topk_ids.shape[1]
+        h = x[tok].float() @ w13[e].float().T
+        if w13_bias is not None:
+            h = h + w13_bias[e].float()
+        act = _moe_activation(h[:, :inter], h[:, inter:], activation, swiglu_alpha, swiglu_limit)
+        y = act.to(x.dtype).float() @ w2[e].float().T
+        if w2_bias is not None:
+            y = y + w2_bias[e].float()
+        out.index_add_(0, tok, y * weights[pair, None])
+    return out.to(x.dtype)
