@@ -123,9 +123,18 @@ def loop_bf16(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.T
     return out
 
 
+def sweep_configs(default: Any) -> list[Any]:
+    """Tile configs tried beside the default with --sweep: the default's block_m, other N/K tiles,
+    warps and stages (a MoETileConfig list; 18 configs)."""
+    from kernels.fused_moe import MoETileConfig  # after main() chose the interpreter or the GPU
+
+    return [MoETileConfig(default.block_m, bn, bk, warps, stages)
+            for bn in (32, 64, 128) for bk in (64, 128) for warps, stages in ((4, 3), (4, 4), (8, 3))]
+
+
 def case(shape: MoEShape, tokens: int, phase: str, device: torch.device, ceil: dict[str, float],
-         with_ref: bool = True) -> Row:
-    from kernels.fused_moe import fused_moe  # after main() chose the interpreter or the GPU
+         with_ref: bool = True, sweep: bool = False) -> Row:
+    from kernels.fused_moe import fused_moe, tile_config  # after main() chose the interpreter or the GPU
 
     row = Row(shape.name, tokens, phase)
     dtype = torch.bfloat16
@@ -140,6 +149,15 @@ def case(shape: MoEShape, tokens: int, phase: str, device: torch.device, ceil: d
     row.max_abs_err = float((out.float() - expected.float()).abs().max())
     row.extra["ref_abs_max"] = float(expected.float().abs().max())
     row.triton_us = bench_us(lambda: fused_moe(x, w13, w2, ids, weights), device)
+    default = tile_config(tokens, k, e, dtype)
+    row.extra["config"] = asdict(default)
+    if sweep:
+        times = {}
+        for cfg in sweep_configs(default):
+            times[f"bm{cfg.block_m} bn{cfg.block_n} bk{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"] = bench_us(
+                lambda cfg=cfg: fused_moe(x, w13, w2, ids, weights, config=cfg), device, rep_ms=25)
+        best = min(times, key=times.__getitem__)
+        row.extra |= {"sweep_us": times, "best_config": best, "best_us": times[best]}
     if with_ref:
         row.ref_us = bench_us(lambda: fused_moe_ref(x, w13, w2, ids, weights), device, rep_ms=50)
         row.loop_bf16_us = bench_us(lambda: loop_bf16(x, w13, w2, ids, weights), device, rep_ms=50)
@@ -188,6 +206,10 @@ def print_table(rows: list[Row], ceil: dict[str, float]) -> None:
               f"{_fmt(r.bytes_read / 1e6 if r.bytes_read else None, '9.1f')}{_fmt(tflops, '9.1f')}"
               f"{_fmt(r.fraction_of_ceiling, '8.2f')}{_fmt(goal, '6.1f')}{_fmt(r.max_abs_err, '9.1e')}")
     print("of ceil: decode = bytes read / time / copy GB/s; prefill = active FLOPs / time / matmul TFLOP/s")
+    for r in rows:
+        if "best_config" in r.extra:
+            print(f"sweep {r.shape} {r.phase} T={r.tokens}: default {r.extra['config']} {r.triton_us:.1f} us, "
+                  f"best {r.extra['best_config']} {r.extra['best_us']:.1f} us")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="cuda: real shapes; cpu: tiny shapes under the Triton interpreter (plumbing check)")
     parser.add_argument("--skip-engine", action="store_true", help="skip the engine decode/prefill section")
     parser.add_argument("--skip-ref", action="store_true", help="skip the torch baselines (faster)")
+    parser.add_argument("--sweep", action="store_true", help="also time 18 other tile configs per case")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("pdserve bench moe: no CUDA device here (use --device cpu for the plumbing check)", file=sys.stderr)
@@ -219,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         for tokens, phase in [*((t, "decode") for t in decode_t), (prefill_t, "prefill")]:
             print(f"running {shape.name} {phase} T={tokens} ...", flush=True)
             try:
-                rows.append(case(shape, tokens, phase, device, ceil, with_ref=not args.skip_ref))
+                rows.append(case(shape, tokens, phase, device, ceil, with_ref=not args.skip_ref, sweep=args.sweep))
             except Exception:
                 err = traceback.format_exc()
                 print(err, file=sys.stderr)
