@@ -119,3 +119,14 @@ def test_decode_gpu_llama_shapes(dtype: torch.dtype, batch: int) -> None:
     contexts = torch.randint(1, 2049, (batch,), generator=gen).tolist()
     contexts[0] = 2048
     _run(torch.device("cuda"), dtype, 32, 8, 128, 16, contexts)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("batch", [1, 64])
+def test_decode_gpu_gpt_oss_window_and_sinks(batch: int) -> None:
+    # gpt-oss-20b's sliding layers: 64 query heads over 8 kv heads, head_dim 64, window 128, sinks.
+    gen = torch.Generator().manual_seed(batch)
+    contexts = torch.randint(1, 4097, (batch,), generator=gen).tolist()
+    contexts[0] = 4096
+    _run(torch.device("cuda"), torch.bfloat16, 64, 8, 64, 16, contexts, window=128, with_sinks=True)

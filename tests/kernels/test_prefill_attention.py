@@ -113,3 +113,10 @@ def test_prefill_empty_sequence_in_batch(device: torch.device) -> None:
 def test_prefill_gpu_llama_shapes(dtype: torch.dtype) -> None:
     seqs = [(2048, 2048), (3000, 1000), (517, 517), (1, 1)]
     _run(torch.device("cuda"), dtype, 32, 8, 128, 16, seqs)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_prefill_gpu_gpt_oss_window_and_sinks() -> None:
+    seqs = [(2048, 2048), (3000, 1000), (517, 517), (1, 1)]
+    _run(torch.device("cuda"), torch.bfloat16, 64, 8, 64, 16, seqs, window=128, with_sinks=True)
