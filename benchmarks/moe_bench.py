@@ -128,7 +128,7 @@ def sweep_configs(default: Any) -> list[Any]:
     warps and stages (a MoETileConfig list; 18 configs)."""
     from kernels.fused_moe import MoETileConfig  # after main() chose the interpreter or the GPU
 
-    return [MoETileConfig(default.block_m, bn, bk, warps, stages)
+    return [MoETileConfig(default.block_m, bn, bk, warps, stages, default.group_m)
             for bn in (32, 64, 128) for bk in (64, 128) for warps, stages in ((4, 3), (4, 4), (8, 3))]
 
 
@@ -154,7 +154,7 @@ def case(shape: MoEShape, tokens: int, phase: str, device: torch.device, ceil: d
     if sweep:
         times = {}
         for cfg in sweep_configs(default):
-            times[f"bm{cfg.block_m} bn{cfg.block_n} bk{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"] = bench_us(
+            times[f"bm{cfg.block_m} bn{cfg.block_n} bk{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} g{cfg.group_m}"] = bench_us(
                 lambda cfg=cfg: fused_moe(x, w13, w2, ids, weights, config=cfg), device, rep_ms=25)
         best = min(times, key=times.__getitem__)
         row.extra |= {"sweep_us": times, "best_config": best, "best_us": times[best]}

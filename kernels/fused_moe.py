@@ -34,6 +34,7 @@ class MoETileConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    group_m: int = 1  # consecutive programs cover group_m blocks x every N tile (L2 reuse of x and weights)
 
 
 def tile_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype) -> MoETileConfig:
@@ -42,13 +43,13 @@ def tile_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtyp
     per_expert = num_tokens * top_k / max(1, num_experts)
     if dtype == torch.float32:
         return MoETileConfig(16 if per_expert <= 16 else 32, 32, 32, 4, 2)
-    if per_expert <= 16:
-        return MoETileConfig(16, 64, 128, 4, 4)
+    if per_expert <= 16:  # narrow N tiles: enough programs to keep every SM streaming weights
+        return MoETileConfig(16, 32, 128, 4, 4)
     if per_expert <= 64:
         return MoETileConfig(32, 64, 128, 4, 4)
     if per_expert <= 256:
-        return MoETileConfig(64, 64, 64, 4, 4)
-    return MoETileConfig(128, 64, 64, 8, 3)
+        return MoETileConfig(64, 64, 64, 4, 4, group_m=4)
+    return MoETileConfig(128, 64, 64, 8, 3, group_m=8)
 
 
 @dataclass
@@ -103,6 +104,18 @@ def _activate(gate, up, swiglu_alpha, swiglu_limit, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
+def _tile_ids(max_blocks, n, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of this program in a 1-D grid of max_blocks x cdiv(n, BLOCK_N): groups of GROUP_M
+    blocks, each group's programs walking every N tile with the block index fastest."""
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(n, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(max_blocks - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_size, (pid % per_group) // group_size
+
+
+@triton.jit
 def _moe_gate_up_kernel(
     X_ptr,
     W_ptr,
@@ -117,6 +130,7 @@ def _moe_gate_up_kernel(
     stride_be,
     stride_at,
     num_pairs,
+    max_blocks,
     hidden,
     inter,
     swiglu_alpha,
@@ -127,6 +141,7 @@ def _moe_gate_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -136,8 +151,7 @@ def _moe_gate_up_kernel(
 
     with fp32 accumulation over BLOCK_K slices of the hidden dim; A is stored in A's dtype.
     """
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = _tile_ids(max_blocks, inter, BLOCK_N, GROUP_M)
     if pid_m >= tl.load(NumBlocks_ptr):
         return
     expert = tl.load(BlockExperts_ptr + pid_m).to(tl.int64)
@@ -190,12 +204,14 @@ def _moe_down_kernel(
     stride_be,
     stride_yt,
     num_pairs,
+    max_blocks,
     hidden,
     inter,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -205,8 +221,7 @@ def _moe_down_kernel(
 
     with fp32 accumulation over BLOCK_K slices of the intermediate dim; Y is stored in Y's dtype.
     """
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = _tile_ids(max_blocks, hidden, BLOCK_N, GROUP_M)
     if pid_m >= tl.load(NumBlocks_ptr):
         return
     expert = tl.load(BlockExperts_ptr + pid_m).to(tl.int64)
@@ -276,24 +291,25 @@ def fused_moe(
     act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     upcast, dot_precision = dot_flags(x.dtype)
     b13 = w13_bias if w13_bias is not None else w13  # placeholder when HAS_BIAS is false
-    _moe_gate_up_kernel[(align.max_blocks, triton.cdiv(inter, cfg.block_n))](
+    _moe_gate_up_kernel[(align.max_blocks * triton.cdiv(inter, cfg.block_n),)](
         x, w13, b13, act, align.sorted_pair_ids, align.block_experts, align.num_blocks,
         x.stride(0), w13.stride(0), w13.stride(1),
         w13_bias.stride(0) if w13_bias is not None else 0, act.stride(0),
-        num_pairs, hidden, inter,
+        num_pairs, align.max_blocks, hidden, inter,
         float(swiglu_alpha or 0.0), float(swiglu_limit or 0.0),
         TOP_K=top_k, ACTIVATION=ACTIVATIONS[activation], HAS_BIAS=w13_bias is not None,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         UPCAST=upcast, DOT_PRECISION=dot_precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
     b2 = w2_bias if w2_bias is not None else w2
-    _moe_down_kernel[(align.max_blocks, triton.cdiv(hidden, cfg.block_n))](
+    _moe_down_kernel[(align.max_blocks * triton.cdiv(hidden, cfg.block_n),)](
         act, w2, b2, weights, y, align.sorted_pair_ids, align.block_experts, align.num_blocks,
         act.stride(0), w2.stride(0), w2.stride(1),
         w2_bias.stride(0) if w2_bias is not None else 0, y.stride(0),
-        num_pairs, hidden, inter,
+        num_pairs, align.max_blocks, hidden, inter,
         HAS_BIAS=w2_bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
         UPCAST=upcast, DOT_PRECISION=dot_precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if top_k == 1:

@@ -14,6 +14,8 @@ from kernels.reference import fused_moe_ref
 
 #: Tiles small enough for the interpreter; block_k < H and block_n < I so the K and N loops run twice+.
 SMALL = MoETileConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2)
+#: Grouped program order: 3 blocks per group, so the last group is partial for most block counts.
+GROUPED = MoETileConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2, group_m=3)
 
 
 def _case(t: int, h: int, inter: int, e: int, k: int, dtype: torch.dtype, device: torch.device,
@@ -65,6 +67,11 @@ def test_fused_moe_matches_reference(device: torch.device, dtype: torch.dtype, t
 def test_fused_moe_odd_dims_and_bias(device: torch.device, dtype: torch.dtype) -> None:
     # H and I not multiples of the tiles (I an odd multiple of 8), biases on both GEMMs.
     _check(_case(7, 40, 24, 3, 2, dtype, device, bias=True), dtype)
+
+
+@pytest.mark.parametrize(("t", "e", "k"), [(19, 5, 4), (40, 3, 2)])
+def test_fused_moe_grouped_program_order(device: torch.device, t: int, e: int, k: int) -> None:
+    _check(_case(t, 32, 48, e, k, torch.float32, device), torch.float32, config=GROUPED)
 
 
 @pytest.mark.parametrize("activation", ["gelu", "gpt_oss"])
