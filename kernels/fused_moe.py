@@ -6,7 +6,8 @@ allocation, so the whole layer can be captured in a CUDA graph):
 1. align: the T*K (token, slot) pairs are sorted by expert with torch ops; each expert's run is padded
    to a multiple of BLOCK_M with a sentinel pair id (T*K), so every BLOCK_M block of the sorted list
    belongs to one expert. At most cdiv(T*K, BLOCK_M) + min(E, T*K) blocks exist; the grid covers that
-   bound and programs past the real block count return at once.
+   bound and programs past the real block count return at once. Both GEMMs run on a 1-D grid walked in
+   groups of group_m blocks x every N tile, so a group's x rows and expert weights stay in L2.
 2. `_moe_gate_up_kernel`: per block, act(x @ w13[e, :I]^T + b, x @ w13[e, I:]^T + b) in one pass over
    x (gate and up accumulate side by side), written as [T*K, I] rows indexed by pair id.
 3. `_moe_down_kernel`: per block, topk_weight * (act @ w2[e]^T + b2[e]) into [T*K, H] rows, then the
