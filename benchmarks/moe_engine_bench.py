@@ -92,13 +92,17 @@ def bench_decode(loaded: LoadedModel, spec: str, batch: int, ceil: dict[str, flo
         started.update(o.request_id for o in eng.step())
     for _ in range(3):
         eng.step()
+    def mean_context() -> float:
+        return statistics.mean(eng.scheduler.running[i].num_computed_tokens for i in range(batch))
+
+    ctx0 = mean_context()
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(steps):
         assert len(eng.step()) == batch
     torch.cuda.synchronize()
     step_ms = (time.perf_counter() - t) / steps * 1e3
-    avg_ctx = statistics.mean(eng.scheduler.running[i].num_computed_tokens for i in range(batch))
+    avg_ctx = (ctx0 + mean_context()) / 2  # keys read per sequence, averaged over the timed steps
     calls = MoECalls()
     graphs, eng.runner.graphs = eng.runner.graphs, None  # an eager step, so the Python MoE calls run
     with calls.record():
