@@ -17,6 +17,8 @@ BENCHES = {
     "cluster": ("benchmarks.cluster_bench", "local P/D cluster: TTFT, ITL and throughput through the router"),
     "kvstore": ("benchmarks.kvstore_bench", "kvstore put/get bandwidth and latency"),
     "kernels": ("benchmarks.kernels_bench", "Triton kernels vs their torch references"),
+    "moe": ("benchmarks.moe_bench", "fused MoE at qwen3-30b-a3b / mixtral-8x7b shapes vs copy and matmul "
+                                    "ceilings, torch loops, and the engine's MoE decode/prefill"),
     "kv": ("benchmarks.kv_bench", "KV transports (grpc, shm, mooncake) vs a loopback socket and a memcpy"),
     "spec": ("benchmarks.spec_bench", "speculative decoding: decode tokens/s plain vs real vs synthetic acceptance"),
     "startup": ("benchmarks.startup_bench", "router start-up: entry-point import and exec -> ready, per checkout"),

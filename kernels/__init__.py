@@ -2,8 +2,8 @@
 
 `kernels.reference` and `kernels.fp8_layout` are importable everywhere (torch only), and so are the
 device-dispatching page/fp8 helpers below (Triton for CUDA tensors, the torch reference otherwise). The Triton
-kernel modules (`paged_decode_attention`, `prefill_attention`, `store_kv`, `page_pack`, `fp8_kv`)
-need triton; import them only when `HAS_TRITON` is true. On a machine without CUDA they run under the
+kernel modules (`paged_decode_attention`, `prefill_attention`, `store_kv`, `page_pack`, `fp8_kv`,
+`fused_moe`) need triton; import them only when `HAS_TRITON` is true. On a machine without CUDA they run under the
 Triton interpreter when `TRITON_INTERPRET=1` is set before those modules are first imported.
 """
 
@@ -101,6 +101,24 @@ def fp8_dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) ->
     return impl(q.contiguous(), scales.contiguous(), dtype)
 
 
+def moe_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    **options: object,
+) -> torch.Tensor:
+    """The routed experts of an MoE layer (see kernels.fused_moe.fused_moe for the formula and options);
+    Triton on CUDA, the per-expert torch reference elsewhere. Named apart from the `fused_moe` module so
+    that importing the module never shadows this function on the package."""
+    if _on_triton(x):
+        from kernels.fused_moe import fused_moe as impl
+    else:
+        from kernels.reference import fused_moe_ref as impl
+    return impl(x, w13, w2, topk_ids, topk_weights, **options)
+
+
 __all__ = [
     "FP8_E4M3_MAX",
     "HAS_TRITON",
@@ -110,6 +128,7 @@ __all__ = [
     "fp8_page_regions",
     "fp8_quantize",
     "has_cuda",
+    "moe_experts",
     "pack_pages",
     "pack_pages_fp8",
     "plain_page_nbytes",

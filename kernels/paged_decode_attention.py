@@ -3,6 +3,10 @@
 Each program owns one (sequence, kv head, context partition) and all G = num_heads / num_kv_heads
 query heads of that kv head, so every K/V tile is read once per group. Partitions (flash-decoding)
 are used when batch * kv_heads alone would leave most SMs idle; a reduce kernel merges them.
+
+A sliding window (the query at position ctx - 1 sees keys k > ctx - 1 - window) starts the key range
+at ctx - window: blocks wholly before it are never read, and partitions cover only the window.
+Attention sinks add a virtual key per head with logit sink_h and a zero value to the softmax.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ def _paged_decode_attention_kernel(
     Mpart_ptr,
     Lpart_ptr,
     Apart_ptr,
+    Sinks_ptr,
     stride_qb,
     stride_qh,
     stride_kb,
@@ -48,21 +53,25 @@ def _paged_decode_attention_kernel(
     qk_scale_log2,
     block_size,
     partition_size,
+    window,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK: tl.constexpr,
     SPLIT: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """For heads h = kvh * G + g, keys n in [part * P, min(ctx, (part + 1) * P)):
+    """For heads h = kvh * G + g, keys n in [lo + part * P, min(ctx, lo + (part + 1) * P)), where
+    lo = max(0, ctx - window) with a window (window > 0), else 0:
 
         s[g, n] = scale * q[b, h] . K[page(b, n), n % bs, kvh]          page(b, n) = BT[b, n // bs]
         m = max_n s,  l = sum_n 2^(log2e * (s - m)),  acc = sum_n 2^(log2e * (s - m)) V[page, n % bs, kvh]
 
-    computed with an online softmax over BLOCK-token tiles. Without SPLIT: O = acc / l. With SPLIT:
+    computed with an online softmax over BLOCK-token tiles. Without SPLIT: O = acc / l, where with
+    HAS_SINKS l also counts 2^(log2e * sink_h - m) (m rebased to cover the sink). With SPLIT:
     (m in log2 units, l, acc) are written per partition for `_paged_decode_reduce_kernel`.
     """
     b = tl.program_id(0)
@@ -70,7 +79,8 @@ def _paged_decode_attention_kernel(
     part = tl.program_id(2)
 
     ctx = tl.load(CL_ptr + b)
-    start = part * partition_size
+    lo = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)
+    start = lo + part * partition_size
     end = tl.minimum(ctx, start + partition_size)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -123,6 +133,12 @@ def _paged_decode_attention_kernel(
         )
         tl.store(a_ptrs, acc, mask=mask_g[:, None] & mask_d[None, :])
     else:
+        if HAS_SINKS:
+            sink = tl.load(Sinks_ptr + heads, mask=mask_g, other=0.0) * 1.4426950408889634
+            m_fin = tl.maximum(m_i, sink)
+            rescale = tl.exp2(m_i - m_fin)
+            l_i = l_i * rescale + tl.exp2(sink - m_fin)
+            acc = acc * rescale[:, None]
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         out = acc / l_safe[:, None]
         o_ptrs = O_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
@@ -136,6 +152,7 @@ def _paged_decode_reduce_kernel(
     Lpart_ptr,
     Apart_ptr,
     CL_ptr,
+    Sinks_ptr,
     stride_ob,
     stride_oh,
     stride_mb,
@@ -144,18 +161,22 @@ def _paged_decode_reduce_kernel(
     stride_ah,
     stride_ap,
     partition_size,
+    window,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
-    """Merge partitions j < cdiv(ctx, P) of one (b, h):
+    """Merge partitions j < cdiv(ctx - lo, P) of one (b, h) (lo as in the attention kernel):
 
-    M = max_j m_j,  w_j = 2^(m_j - M),  O = sum_j w_j acc_j / sum_j w_j l_j
+    M = max_j m_j (and log2e * sink_h with HAS_SINKS),  w_j = 2^(m_j - M),
+    O = sum_j w_j acc_j / (sum_j w_j l_j + [HAS_SINKS] 2^(log2e * sink_h - M))
     """
     b = tl.program_id(0)
     h = tl.program_id(1)
     ctx = tl.load(CL_ptr + b)
-    num_parts = tl.cdiv(ctx, partition_size)
+    lo = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)
+    num_parts = tl.cdiv(ctx - lo, partition_size)
 
     offs_p = tl.arange(0, BLOCK)
     offs_d = tl.arange(0, BLOCK_D)
@@ -164,9 +185,14 @@ def _paged_decode_reduce_kernel(
     ml_off = b.to(tl.int64) * stride_mb + h * stride_mh + offs_p
     m = tl.load(Mpart_ptr + ml_off, mask=mask_p, other=float("-inf"))
     m_max = tl.max(m, 0)
+    if HAS_SINKS:
+        sink = tl.load(Sinks_ptr + h) * 1.4426950408889634
+        m_max = tl.maximum(m_max, sink)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.where(mask_p, tl.exp2(m - m_max), 0.0)
     lsum = tl.sum(w * tl.load(Lpart_ptr + ml_off, mask=mask_p, other=0.0), 0)
+    if HAS_SINKS:
+        lsum += tl.exp2(sink - m_max)
     a_ptrs = (
         Apart_ptr + b.to(tl.int64) * stride_ab + h * stride_ah + offs_p[:, None] * stride_ap + offs_d[None, :]
     )
@@ -204,11 +230,16 @@ def paged_decode_attention(
     max_context_len: int | None = None,
     partition_size: int | None = None,
     block_n: int | None = None,
+    *,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention for q [B, num_heads, hd] over paged K/V -> out [B, num_heads, hd] (q's dtype).
 
     max_context_len: an upper bound on context_lens (host int, avoids a device sync); defaults to the
     block table capacity. partition_size / block_n override the split-K and tile choices (tests).
+    window: 0 for full attention, else the query at position p sees key k iff 0 <= p - k < window.
+    sinks: fp32 [num_heads] logits of a virtual zero-value key per head, or None.
     """
     assert q.dim() == 3 and k_cache.dim() == 4 and v_cache.shape == k_cache.shape
     bsz, num_heads, head_dim = q.shape
@@ -222,12 +253,18 @@ def paged_decode_attention(
     assert block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.shape[0] == bsz
     assert block_tables.stride(-1) == 1
     assert context_lens.dtype == torch.int32 and context_lens.shape == (bsz,) and context_lens.is_contiguous()
+    assert window >= 0, f"window must be >= 0 (0 = full attention), got {window}"
+    if sinks is not None:
+        assert sinks.dtype == torch.float32 and sinks.shape == (num_heads,) and sinks.is_contiguous(), (
+            f"sinks must be contiguous float32 [{num_heads}], got {sinks.dtype} {tuple(sinks.shape)}"
+        )
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if bsz == 0:
         return out
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * block_size
     max_context_len = max(1, max_context_len)
+    span = min(max_context_len, window) if window > 0 else max_context_len  # keys one query can see
 
     group = num_heads // num_kv_heads
     block_g = max(16, triton.next_power_of_2(group))
@@ -235,9 +272,9 @@ def paged_decode_attention(
     if block_n is None:
         block_n = 64 if q.dtype != torch.float32 else 32
     if partition_size is None:
-        partition_size = _choose_partition(bsz, num_kv_heads, max_context_len, block_n, q.device)
+        partition_size = _choose_partition(bsz, num_kv_heads, span, block_n, q.device)
     assert partition_size % block_n == 0, "partition_size must be a multiple of block_n"
-    num_parts = triton.cdiv(max_context_len, partition_size)
+    num_parts = triton.cdiv(span, partition_size)
     split = num_parts > 1
     upcast, dot_precision = dot_flags(q.dtype)
     num_warps = 4
@@ -248,6 +285,7 @@ def paged_decode_attention(
         a_part = torch.empty((bsz, num_heads, num_parts, head_dim), dtype=torch.float32, device=q.device)
     else:
         m_part = l_part = a_part = out  # unused placeholders
+    sinks_arg = sinks if sinks is not None else out  # placeholder when HAS_SINKS is false
     grid = (bsz, num_kv_heads, num_parts)
     _paged_decode_attention_kernel[grid](
         q,
@@ -259,6 +297,7 @@ def paged_decode_attention(
         m_part,
         l_part,
         a_part,
+        sinks_arg,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -278,12 +317,14 @@ def paged_decode_attention(
         scale * LOG2E,
         block_size,
         partition_size,
+        window,
         GROUP=group,
         BLOCK_G=block_g,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK=block_n,
         SPLIT=split,
+        HAS_SINKS=sinks is not None,
         UPCAST=upcast,
         DOT_PRECISION=dot_precision,
         num_warps=num_warps,
@@ -296,6 +337,7 @@ def paged_decode_attention(
             l_part,
             a_part,
             context_lens,
+            sinks_arg,
             out.stride(0),
             out.stride(1),
             m_part.stride(0),
@@ -304,9 +346,11 @@ def paged_decode_attention(
             a_part.stride(1),
             a_part.stride(2),
             partition_size,
+            window,
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             BLOCK=max(2, triton.next_power_of_2(num_parts)),
+            HAS_SINKS=sinks is not None,
             num_warps=4,
         )
     return out

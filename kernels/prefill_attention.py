@@ -2,7 +2,9 @@
 
 The new tokens' K/V are already in the pages (store_kv runs first), so every key is read from the
 paged cache. One program per (BLOCK_M query tile, query head, sequence); key tiles strictly below
-the tile's first query position need no mask and run in a separate, mask-free loop.
+the tile's first query position (and, with a sliding window, inside every row's window) need no mask
+and run in a separate, mask-free loop. With a window, key tiles before the first row's window are
+never read. Attention sinks add a virtual key per head with logit sink_h and a zero value.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import triton.language as tl
 from kernels._triton_utils import _mma, dot_flags
 
 LOG2E = 1.4426950408889634
+#: Window passed for full attention: larger than any context, so the window masks never bite.
+_FULL_WINDOW = 1 << 30
 
 
 @triton.jit
@@ -25,6 +29,7 @@ def _attend_tile(
     n0,
     offs_pos,
     ctx,
+    window,
     bt_row,
     K_ptr,
     V_ptr,
@@ -43,7 +48,8 @@ def _attend_tile(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One BLOCK_N key tile of the online softmax; MASKED adds the causal and context-end masks."""
+    """One BLOCK_N key tile of the online softmax; MASKED adds the causal, window and context-end masks
+    (a row may see no key of a masked tile: its max stays -inf and the tile adds nothing)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     tok = offs_n % block_size
     if MASKED:
@@ -60,9 +66,12 @@ def _attend_tile(
     )
     s = _mma(q, tl.trans(k), UPCAST, DOT_PRECISION) * qk_scale_log2
     if MASKED:
-        visible = (offs_n[None, :] <= offs_pos[:, None]) & mask_n[None, :]
+        dist = offs_pos[:, None] - offs_n[None, :]
+        visible = (dist >= 0) & (dist < window) & mask_n[None, :]
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASKED:
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: keep exp2 finite (0, not NaN)
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -84,6 +93,7 @@ def _prefill_attention_kernel(
     BT_ptr,
     CU_ptr,
     CL_ptr,
+    Sinks_ptr,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -97,11 +107,13 @@ def _prefill_attention_kernel(
     stride_oh,
     qk_scale_log2,
     block_size,
+    window,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -109,7 +121,9 @@ def _prefill_attention_kernel(
 
         O[cu_b + i, h] = sum_{n <= p_i} softmax_n(scale * q . K[page(b, n), n % bs, h // G]) V[page(b, n), n % bs, h // G]
 
-    with page(b, n) = BT[b, n // bs], an online softmax over BLOCK_N key tiles and fp32 accumulation.
+    with page(b, n) = BT[b, n // bs], an online softmax over BLOCK_N key tiles and fp32 accumulation;
+    the sum runs over p_i - window < n <= p_i (window: the launcher passes 2^30 for full attention), and
+    with HAS_SINKS the softmax denominator also counts exp(sink_h - max).
     """
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
@@ -143,22 +157,42 @@ def _prefill_attention_kernel(
     kvh = h // GROUP
     k_off = kvh * stride_kh
     v_off = kvh * stride_vh
-    # Keys below the tile's first query position are visible to every row of the tile.
-    full_end = tl.where(tile_valid, (prefix + tile_start) // BLOCK_N * BLOCK_N, 0)
-    causal_end = tl.where(tile_valid, tl.minimum(ctx, prefix + tile_start + BLOCK_M), 0)
-    for n0 in range(0, full_end, BLOCK_N):
+    # Keys in [mid_lo, full_end) are visible to every row of the tile: below its first query position
+    # and inside its last row's window. Keys in [win_lo, mid_lo) are inside only some rows' windows;
+    # keys before win_lo are outside every row's window and never read.
+    first_pos = prefix + tile_start
+    last_pos = first_pos + BLOCK_M - 1
+    full_end = tl.where(tile_valid, first_pos // BLOCK_N * BLOCK_N, 0)
+    causal_end = tl.where(tile_valid, tl.minimum(ctx, first_pos + BLOCK_M), 0)
+    win_lo = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+    mid_lo = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N) * BLOCK_N, win_lo),
+                        full_end)
+    win_lo = tl.minimum(win_lo, mid_lo)
+    for n0 in range(win_lo, mid_lo, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, n0, offs_pos, ctx, bt_row, K_ptr, V_ptr, k_off, v_off, stride_kb, stride_kt,
-            stride_vb, stride_vt, qk_scale_log2, block_size, offs_d, mask_d,
+            q, acc, m_i, l_i, n0, offs_pos, ctx, window, bt_row, K_ptr, V_ptr, k_off, v_off, stride_kb,
+            stride_kt, stride_vb, stride_vt, qk_scale_log2, block_size, offs_d, mask_d,
+            True, BLOCK_N, UPCAST, DOT_PRECISION,
+        )  # fmt: skip
+    for n0 in range(mid_lo, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, n0, offs_pos, ctx, window, bt_row, K_ptr, V_ptr, k_off, v_off, stride_kb,
+            stride_kt, stride_vb, stride_vt, qk_scale_log2, block_size, offs_d, mask_d,
             False, BLOCK_N, UPCAST, DOT_PRECISION,
         )  # fmt: skip
     for n0 in range(full_end, causal_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, n0, offs_pos, ctx, bt_row, K_ptr, V_ptr, k_off, v_off, stride_kb, stride_kt,
-            stride_vb, stride_vt, qk_scale_log2, block_size, offs_d, mask_d,
+            q, acc, m_i, l_i, n0, offs_pos, ctx, window, bt_row, K_ptr, V_ptr, k_off, v_off, stride_kb,
+            stride_kt, stride_vb, stride_vt, qk_scale_log2, block_size, offs_d, mask_d,
             True, BLOCK_N, UPCAST, DOT_PRECISION,
         )  # fmt: skip
 
+    if HAS_SINKS:
+        sink = tl.load(Sinks_ptr + h) * 1.4426950408889634
+        m_fin = tl.maximum(m_i, sink)
+        rescale = tl.exp2(m_i - m_fin)
+        l_i = l_i * rescale + tl.exp2(sink - m_fin)
+        acc = acc * rescale[:, None]
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
     o_ptrs = O_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
@@ -185,12 +219,17 @@ def prefill_attention(
     max_seqlen_q: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    *,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Extend attention for q [total_new_tokens, num_heads, hd] -> out of the same shape and dtype.
 
     cu_seqlens_q int32 [B+1] delimits each sequence's new tokens; context_lens int32 [B] counts all its
     tokens (prefix + new), all already in the paged cache. max_seqlen_q (host int) avoids a device sync.
     block_m / block_n override the tile sizes (tests).
+    window: 0 for full attention, else the query at position p sees key k iff 0 <= p - k < window.
+    sinks: fp32 [num_heads] logits of a virtual zero-value key per head, or None.
     """
     assert q.dim() == 3 and k_cache.dim() == 4 and v_cache.shape == k_cache.shape
     total, num_heads, head_dim = q.shape
@@ -206,6 +245,11 @@ def prefill_attention(
     assert context_lens.dtype == torch.int32 and context_lens.shape == (bsz,) and context_lens.is_contiguous()
     assert block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.shape[0] == bsz
     assert block_tables.stride(-1) == 1
+    assert window >= 0, f"window must be >= 0 (0 = full attention), got {window}"
+    if sinks is not None:
+        assert sinks.dtype == torch.float32 and sinks.shape == (num_heads,) and sinks.is_contiguous(), (
+            f"sinks must be contiguous float32 [{num_heads}], got {sinks.dtype} {tuple(sinks.shape)}"
+        )
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if total == 0 or bsz == 0:
         return out
@@ -225,6 +269,7 @@ def prefill_attention(
         block_tables,
         cu_seqlens_q,
         context_lens,
+        sinks if sinks is not None else out,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -238,11 +283,13 @@ def prefill_attention(
         out.stride(1),
         scale * LOG2E,
         block_size,
+        window if window > 0 else _FULL_WINDOW,
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        HAS_SINKS=sinks is not None,
         UPCAST=upcast,
         DOT_PRECISION=dot_precision,
         num_warps=num_warps,

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.fp8_layout import FP8_E4M3_MAX, fp8_page_regions
+from kernels.moe_args import check_moe_args
 
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -32,6 +33,23 @@ def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks_neede
     return g.reshape(b, nblk * bs, kvh, hd)
 
 
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+               sinks: torch.Tensor | None) -> torch.Tensor:
+    """SDPA of q [..., nh, n, hd] over k/v [..., kvh, S, hd] (GQA by repetition) with a boolean mask
+    broadcast to [..., nh, n, S]; sinks fp32 [nh]: one more softmax column per head with logit sink_h
+    and a zero value."""
+    nh, kvh = q.shape[-3], k.shape[-3]
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=nh != kvh)
+    k = k.repeat_interleave(nh // kvh, dim=-3)
+    v = v.repeat_interleave(nh // kvh, dim=-3)
+    s = (q.float() @ k.float().transpose(-1, -2)) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(nh, 1, 1).expand(*s.shape[:-1], 1)
+    p = torch.softmax(torch.cat((s, sink), dim=-1), dim=-1)[..., :-1]
+    return (p @ v.float()).to(q.dtype)
+
+
 def ref_paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -40,20 +58,28 @@ def ref_paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     max_context_len: int | None = None,
+    *,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """out[b, h] = softmax(scale * q[b, h] . K[b, :ctx_b, h // G]^T) @ V[b, :ctx_b, h // G]; G = nh / kvh."""
-    bsz, nh, _ = q.shape
-    block_size, kvh = k_cache.shape[1], k_cache.shape[2]
+    """out[b, h] = softmax(scale * q[b, h] . K[b, lo:ctx_b, h // G]^T) @ V[b, lo:ctx_b, h // G]; G = nh / kvh.
+
+    lo = max(0, ctx_b - window) with a window (window > 0: the query at p = ctx_b - 1 sees key k iff
+    0 <= p - k < window), else 0. sinks fp32 [nh]: a virtual key per head with logit sink_h and value 0.
+    """
+    bsz = q.shape[0]
+    block_size = k_cache.shape[1]
     if max_context_len is None:
         max_context_len = int(context_lens.max().item()) if bsz > 0 else 0
     nblk = max(1, -(-max_context_len // block_size))
     k = _gather_kv(k_cache, block_tables, nblk).transpose(1, 2)  # [B, kvh, S, hd]
     v = _gather_kv(v_cache, block_tables, nblk).transpose(1, 2)
     pos = torch.arange(nblk * block_size, device=q.device)
-    mask = (pos[None, :] < context_lens[:, None].to(pos.dtype))[:, None, None, :]  # [B, 1, 1, S]
-    out = F.scaled_dot_product_attention(
-        q[:, :, None, :], k, v, attn_mask=mask, scale=scale, enable_gqa=nh != kvh
-    )
+    ctx = context_lens[:, None].to(pos.dtype)
+    mask = pos[None, :] < ctx
+    if window > 0:
+        mask &= pos[None, :] >= ctx - window
+    out = _attention(q[:, :, None, :], k, v, mask[:, None, None, :], scale, sinks)  # mask [B, 1, 1, S]
     return out[:, :, 0, :]
 
 
@@ -66,15 +92,19 @@ def ref_prefill_attention(
     context_lens: torch.Tensor,
     scale: float,
     max_seqlen_q: int | None = None,
+    *,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal extend attention over paged KV.
 
     Query i of sequence b (q_len_b = cu[b+1] - cu[b]) sits at position p = ctx_b - q_len_b + i and
-    attends to keys 0..p of that sequence: out = softmax(scale * q K[:p+1]^T) V[:p+1].
+    attends to keys 0..p of that sequence: out = softmax(scale * q K[:p+1]^T) V[:p+1]; with a window
+    (window > 0) only to keys k with 0 <= p - k < window. sinks fp32 [nh]: a virtual key per head with
+    logit sink_h and value 0.
     """
     del max_seqlen_q
-    nh = q.shape[1]
-    block_size, kvh = k_cache.shape[1], k_cache.shape[2]
+    block_size = k_cache.shape[1]
     out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
     ctxs = context_lens.tolist()
@@ -88,10 +118,9 @@ def ref_prefill_attention(
         v = _gather_kv(v_cache, block_tables[b : b + 1], nblk)[0, :ctx].transpose(0, 1)
         qpos = torch.arange(ctx - q_len, ctx, device=q.device)
         kpos = torch.arange(ctx, device=q.device)
-        mask = kpos[None, :] <= qpos[:, None]  # [q_len, ctx]
-        o = F.scaled_dot_product_attention(
-            q[q0:q1].transpose(0, 1), k, v, attn_mask=mask, scale=scale, enable_gqa=nh != kvh
-        )
+        dist = qpos[:, None] - kpos[None, :]
+        mask = (dist >= 0) & (dist < window) if window > 0 else dist >= 0  # [q_len, ctx]
+        o = _attention(q[q0:q1].transpose(0, 1), k, v, mask, scale, sinks)
         out[q0:q1] = o.transpose(0, 1)
     return out
 
@@ -242,3 +271,53 @@ def ref_apply_rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         xf = x.float()
         rot = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
         x.copy_(xf * cos + rot * sin)
+
+
+def _moe_activation(gate: torch.Tensor, up: torch.Tensor, activation: str, swiglu_alpha: float | None,
+                    swiglu_limit: float | None) -> torch.Tensor:
+    """fp32 act(gate, up) of fused_moe (names checked by check_moe_args)."""
+    if activation == "silu":
+        return F.silu(gate) * up
+    if activation == "gelu":
+        return F.gelu(gate, approximate="tanh") * up
+    assert swiglu_alpha is not None and swiglu_limit is not None
+    gate = gate.clamp(max=swiglu_limit)
+    up = up.clamp(-swiglu_limit, swiglu_limit)
+    return gate * torch.sigmoid(swiglu_alpha * gate) * (up + 1)
+
+
+def fused_moe_ref(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    activation: str = "silu",
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    swiglu_alpha: float | None = None,
+    swiglu_limit: float | None = None,
+) -> torch.Tensor:
+    """out[t] = sum_k topk_weights[t, k] * (w2[e] @ act(w13[e] @ x[t] + b13[e]) + b2[e]), e = topk_ids[t, k].
+
+    A loop over the experts hit (one host sync for the list), fp32 math, the intermediate rounded to
+    x's dtype as the kernel does; returns [T, H] in x's dtype. w13 rows 0..I-1 are gate, I..2I-1 up.
+    """
+    check_moe_args(x, w13, w2, topk_ids, topk_weights, activation, w13_bias, w2_bias, swiglu_alpha, swiglu_limit)
+    inter = w13.shape[1] // 2
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    flat = topk_ids.reshape(-1).long()
+    weights = topk_weights.reshape(-1)
+    for e in torch.unique(flat).tolist():
+        pair = torch.nonzero(flat == e).squeeze(1)
+        tok = pair // topk_ids.shape[1]
+        h = x[tok].float() @ w13[e].float().T
+        if w13_bias is not None:
+            h = h + w13_bias[e].float()
+        act = _moe_activation(h[:, :inter], h[:, inter:], activation, swiglu_alpha, swiglu_limit)
+        y = act.to(x.dtype).float() @ w2[e].float().T
+        if w2_bias is not None:
+            y = y + w2_bias[e].float()
+        out.index_add_(0, tok, y * weights[pair, None])
+    return out.to(x.dtype)

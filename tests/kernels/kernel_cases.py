@@ -104,15 +104,22 @@ def make_paged_kv(
 
 
 def plain_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int, window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """SDPA on contiguous K/V of one sequence: q [n, nh, hd], k/v [ctx, kvh, hd]; query i at q_offset + i."""
+    """Softmax attention on contiguous K/V of one sequence, written out by hand: q [n, nh, hd], k/v
+    [ctx, kvh, hd]; query i at q_offset + i sees key j iff 0 <= q_offset + i - j (< window if window);
+    sinks [nh]: one more logit per head whose value is zero."""
     group = q.shape[1] // k.shape[1]
-    kk = k.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    kk = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [nh, ctx, hd]
     vv = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
     qpos = torch.arange(q.shape[0], device=q.device) + q_offset
-    mask = torch.arange(k.shape[0], device=q.device)[None, :] <= qpos[:, None]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.float().transpose(0, 1), kk, vv, attn_mask=mask, scale=scale
-    )
-    return out.transpose(0, 1)
+    dist = qpos[:, None] - torch.arange(k.shape[0], device=q.device)[None, :]
+    mask = (dist >= 0) & ((dist < window) if window else True)
+    logits = (q.float().transpose(0, 1) @ kk.transpose(1, 2)) * scale  # [nh, n, ctx]
+    logits = logits.masked_fill(~mask, float("-inf"))
+    weights = logits.exp()
+    denom = weights.sum(-1, keepdim=True)
+    if sinks is not None:
+        denom = denom + sinks.float().exp()[:, None, None]
+    return ((weights / denom) @ vv).transpose(0, 1)

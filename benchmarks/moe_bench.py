@@ -1,0 +1,279 @@
+"""Fused MoE benchmark: the Triton layer at real expert shapes against its ceilings, in one run.
+
+    pdserve bench moe --out results/moe.json                  (CUDA: the figures)
+    pdserve bench moe --device cpu --out /tmp/moe.json       (CPU: tiny shapes, the Triton interpreter;
+                                                               checks the plumbing, not the speed)
+
+Ceilings, measured first in the same process: device-to-device copy bandwidth (clone of 1 GiB, read +
+write) and sustained bf16 matmul (8192^3). Then per model shape (qwen3-30b-a3b: E=128 K=8 H=2048 I=768;
+mixtral-8x7b: E=8 K=2 H=4096 I=14336), random routing (K distinct experts per token, uniform):
+  decode T = 1, 16, 64, 256: time, the bytes the call must read (the distinct experts hit + x + out)
+    and their ratio to the copy ceiling;
+  prefill T = 8192: active FLOPs (6 T K H I) / time against the matmul ceiling;
+  both: the torch reference (per-expert loop, fp32 math) and a bf16 per-expert loop, and the speed-up.
+Then, when the engine knows the shape (`random:qwen3-30b-a3b`, `random:mixtral-8x7b`), its decode step
+at batch 1/16/64/256 against the bandwidth limit of the bytes that step reads, and an 8K-token prefill
+against the matmul limit of its active FLOPs (see benchmarks/moe_engine_bench.py). Each case fails
+soft: its error is printed and recorded, and the run continues.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels.reference import fused_moe_ref
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    name: str
+    num_experts: int
+    top_k: int
+    hidden: int
+    inter: int
+
+
+SHAPES = (MoEShape("qwen3-30b-a3b", 128, 8, 2048, 768), MoEShape("mixtral-8x7b", 8, 2, 4096, 14336))
+TINY = (MoEShape("tiny-moe", 6, 2, 32, 48),)
+DECODE_T, PREFILL_T = (1, 16, 64, 256), 8192
+#: (what, goal as a fraction of its ceiling), printed beside the figures.
+GOALS = {"decode T=1": 0.6, "decode T=64": 0.7, "prefill": 0.5}
+
+
+@dataclass
+class Row:
+    shape: str
+    tokens: int
+    phase: str  # "decode" (bandwidth-bound) or "prefill" (matmul-bound)
+    triton_us: float | None = None
+    ref_us: float | None = None
+    loop_bf16_us: float | None = None
+    bytes_read: int | None = None
+    flops: float | None = None
+    experts_hit: int | None = None
+    max_abs_err: float | None = None
+    fraction_of_ceiling: float | None = None
+    error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def bench_us(fn: Callable[[], Any], device: torch.device, rep_ms: int = 100) -> float:
+    """Median microseconds of fn(): triton.testing.do_bench on CUDA (L2 flushed between runs), wall clock
+    medians of a few calls on CPU."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median")) * 1e3
+    fn()
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e6
+
+
+def ceilings(device: torch.device) -> dict[str, float]:
+    """copy_gbps (read + write of a device-to-device clone) and matmul_tflops (bf16 on CUDA, fp32 on CPU)."""
+    n_bytes, n = (1 << 30, 8192) if device.type == "cuda" else (1 << 26, 512)
+    x = torch.empty(n_bytes, dtype=torch.uint8, device=device)
+    us = bench_us(lambda: x.clone(), device, rep_ms=200)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn((n, n), dtype=dtype, device=device)
+    b = torch.randn((n, n), dtype=dtype, device=device)
+    mm_us = bench_us(lambda: a @ b, device, rep_ms=200)
+    return {"copy_gbps": 2 * n_bytes / (us * 1e-6) / 1e9, "matmul_tflops": 2 * n**3 / (mm_us * 1e-6) / 1e12}
+
+
+def random_routing(tokens: int, shape: MoEShape, device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_ids int32 [T, K], topk_weights fp32 [T, K]): K distinct uniform experts per token, softmax weights."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    scores = torch.rand((tokens, shape.num_experts), generator=gen, device=device)
+    ids = torch.topk(scores, shape.top_k, dim=1).indices.to(torch.int32)
+    weights = torch.softmax(torch.randn((tokens, shape.top_k), generator=gen, device=device), dim=1)
+    return ids, weights
+
+
+def loop_bf16(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+              ) -> torch.Tensor:
+    """The plain torch layer in the weights' dtype: a loop over the experts hit, index_add of the rows."""
+    inter = w13.shape[1] // 2
+    out = torch.zeros_like(x)
+    flat = ids.reshape(-1).long()
+    for e in torch.unique(flat).tolist():
+        pair = torch.nonzero(flat == e).squeeze(1)
+        tok = pair // ids.shape[1]
+        h = x[tok] @ w13[e].T
+        y = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]) @ w2[e].T
+        out.index_add_(0, tok, y * weights.reshape(-1)[pair, None].to(x.dtype))
+    return out
+
+
+def sweep_configs(default: Any) -> list[Any]:
+    """Tile configs tried beside the default with --sweep: the default's block_m, other N/K tiles,
+    warps and stages (a MoETileConfig list; 18 configs)."""
+    from kernels.fused_moe import MoETileConfig  # after main() chose the interpreter or the GPU
+
+    return [MoETileConfig(default.block_m, bn, bk, warps, stages, default.group_m)
+            for bn in (32, 64, 128) for bk in (64, 128) for warps, stages in ((4, 3), (4, 4), (8, 3))]
+
+
+def case(shape: MoEShape, tokens: int, phase: str, device: torch.device, ceil: dict[str, float],
+         with_ref: bool = True, sweep: bool = False) -> Row:
+    from kernels.fused_moe import fused_moe, tile_config  # after main() chose the interpreter or the GPU
+
+    row = Row(shape.name, tokens, phase)
+    dtype = torch.bfloat16
+    e, k, h, i = shape.num_experts, shape.top_k, shape.hidden, shape.inter
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn((tokens, h), generator=gen, device=device).to(dtype)
+    w13 = (torch.randn((e, 2 * i, h), generator=gen, device=device) * h**-0.5).to(dtype)
+    w2 = (torch.randn((e, h, i), generator=gen, device=device) * i**-0.5).to(dtype)
+    ids, weights = random_routing(tokens, shape, device, seed=tokens)
+    out = fused_moe(x, w13, w2, ids, weights)
+    expected = fused_moe_ref(x, w13, w2, ids, weights)
+    row.max_abs_err = float((out.float() - expected.float()).abs().max())
+    row.extra["ref_abs_max"] = float(expected.float().abs().max())
+    row.triton_us = bench_us(lambda: fused_moe(x, w13, w2, ids, weights), device)
+    default = tile_config(tokens, k, e, dtype)
+    row.extra["config"] = asdict(default)
+    if sweep:
+        times = {}
+        for cfg in sweep_configs(default):
+            times[f"bm{cfg.block_m} bn{cfg.block_n} bk{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} g{cfg.group_m}"] = bench_us(
+                lambda cfg=cfg: fused_moe(x, w13, w2, ids, weights, config=cfg), device, rep_ms=25)
+        best = min(times, key=times.__getitem__)
+        row.extra |= {"sweep_us": times, "best_config": best, "best_us": times[best]}
+    if with_ref:
+        row.ref_us = bench_us(lambda: fused_moe_ref(x, w13, w2, ids, weights), device, rep_ms=50)
+        row.loop_bf16_us = bench_us(lambda: loop_bf16(x, w13, w2, ids, weights), device, rep_ms=50)
+    row.experts_hit = int(torch.unique(ids).numel())
+    expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+    row.bytes_read = row.experts_hit * expert_bytes + 2 * x.numel() * x.element_size() + ids.numel() * 8
+    row.flops = 6.0 * tokens * k * h * i
+    if phase == "decode":
+        row.fraction_of_ceiling = row.bytes_read / (row.triton_us * 1e-6) / 1e9 / ceil["copy_gbps"]
+    else:
+        row.fraction_of_ceiling = row.flops / (row.triton_us * 1e-6) / 1e12 / ceil["matmul_tflops"]
+    return row
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    """v formatted by spec, or "-" right-aligned to the spec's width."""
+    if v is None:
+        width = spec.split(".")[0].rstrip("df")
+        return "-".rjust(int(width) if width.isdigit() else 1)
+    return format(v, spec)
+
+
+def _goal(row: Row) -> float | None:
+    if row.phase == "prefill":
+        return GOALS["prefill"]
+    return GOALS.get(f"decode T={row.tokens}")
+
+
+def print_table(rows: list[Row], ceil: dict[str, float]) -> None:
+    print(f"\nceilings: copy {_fmt(ceil.get('copy_gbps'), '.1f')} GB/s, matmul "
+          f"{_fmt(ceil.get('matmul_tflops'), '.3f')} TFLOP/s")
+    hdr = (f"{'shape':<15}{'phase':<8}{'T':>6}{'hit':>5}{'triton us':>11}{'ref us':>11}{'bf16 loop':>11}"
+           f"{'x ref':>7}{'x loop':>7}{'MB read':>9}{'TFLOP/s':>9}{'of ceil':>8}{'goal':>6}{'err':>9}")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        if r.error:
+            print(f"{r.shape:<15}{r.phase:<8}{r.tokens:>6}  ERROR: {r.error.strip().splitlines()[-1][:90]}")
+            continue
+        tflops = r.flops / (r.triton_us * 1e-6) / 1e12 if r.flops and r.triton_us else None
+        x_ref = r.ref_us / r.triton_us if r.ref_us and r.triton_us else None
+        x_loop = r.loop_bf16_us / r.triton_us if r.loop_bf16_us and r.triton_us else None
+        goal = _goal(r)
+        print(f"{r.shape:<15}{r.phase:<8}{r.tokens:>6}{_fmt(r.experts_hit, '5d')}{_fmt(r.triton_us, '11.1f')}"
+              f"{_fmt(r.ref_us, '11.1f')}{_fmt(r.loop_bf16_us, '11.1f')}{_fmt(x_ref, '7.1f')}{_fmt(x_loop, '7.1f')}"
+              f"{_fmt(r.bytes_read / 1e6 if r.bytes_read else None, '9.1f')}{_fmt(tflops, '9.1f')}"
+              f"{_fmt(r.fraction_of_ceiling, '8.2f')}{_fmt(goal, '6.1f')}{_fmt(r.max_abs_err, '9.1e')}")
+    print("of ceil: decode = bytes read / time / copy GB/s; prefill = active FLOPs / time / matmul TFLOP/s")
+    for r in rows:
+        if "best_config" in r.extra:
+            print(f"sweep {r.shape} {r.phase} T={r.tokens}: default {r.extra['config']} {r.triton_us:.1f} us, "
+                  f"best {r.extra['best_config']} {r.extra['best_us']:.1f} us")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve bench moe", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("moe_bench.json"), help="JSON results path")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cuda: real shapes; cpu: tiny shapes under the Triton interpreter (plumbing check)")
+    parser.add_argument("--skip-engine", action="store_true", help="skip the engine decode/prefill section")
+    parser.add_argument("--skip-ref", action="store_true", help="skip the torch baselines (faster)")
+    parser.add_argument("--sweep", action="store_true", help="also time 18 other tile configs per case")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("pdserve bench moe: no CUDA device here (use --device cpu for the plumbing check)", file=sys.stderr)
+        return 2
+    if args.device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # read when kernels.fused_moe is first imported (in case())
+    device = torch.device(args.device)
+    torch.set_grad_enabled(False)
+
+    ceil: dict[str, float] = {}
+    try:
+        ceil = ceilings(device)
+    except Exception:
+        traceback.print_exc()
+    shapes = SHAPES if device.type == "cuda" else TINY
+    decode_t, prefill_t = (DECODE_T, PREFILL_T) if device.type == "cuda" else ((1, 5), 40)
+    rows: list[Row] = []
+    for shape in shapes:
+        for tokens, phase in [*((t, "decode") for t in decode_t), (prefill_t, "prefill")]:
+            print(f"running {shape.name} {phase} T={tokens} ...", flush=True)
+            try:
+                rows.append(case(shape, tokens, phase, device, ceil, with_ref=not args.skip_ref, sweep=args.sweep))
+            except Exception:
+                err = traceback.format_exc()
+                print(err, file=sys.stderr)
+                rows.append(Row(shape.name, tokens, phase, error=err))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    print_table(rows, ceil)
+
+    # Imported here, not at the top: it loads the engine and the Triton kernel modules, which must come
+    # after TRITON_INTERPRET is settled above.
+    from benchmarks.moe_engine_bench import ENGINE_GOALS, engine_cases
+
+    engine: list[dict[str, Any]] = []
+    if not args.skip_engine and device.type == "cuda" and ceil:
+        engine = engine_cases(ceil)
+    elif not args.skip_engine:
+        print("engine section: needs CUDA and the ceilings; skipped")
+    result = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "ceilings": ceil,
+        "goals": {**GOALS, **ENGINE_GOALS},
+        "rows": [asdict(r) for r in rows],
+        "engine": engine,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+    failed = any(r.error for r in rows) or any(e.get("error") for e in engine)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,318 @@
+"""Fused mixture-of-experts MLP: tokens sorted by expert, grouped GEMMs over the experts' weights.
+
+Three steps, all on the device with fixed-size buffers sized from T*K (no host sync, no data-dependent
+allocation, so the whole layer can be captured in a CUDA graph):
+
+1. align: the T*K (token, slot) pairs are sorted by expert with torch ops; each expert's run is padded
+   to a multiple of BLOCK_M with a sentinel pair id (T*K), so every BLOCK_M block of the sorted list
+   belongs to one expert. At most cdiv(T*K, BLOCK_M) + min(E, T*K) blocks exist; the grid covers that
+   bound and programs past the real block count return at once. Both GEMMs run on a 1-D grid walked in
+   groups of group_m blocks x every N tile, so a group's x rows and expert weights stay in L2.
+2. `_moe_gate_up_kernel`: per block, act(x @ w13[e, :I]^T + b, x @ w13[e, I:]^T + b) in one pass over
+   x (gate and up accumulate side by side), written as [T*K, I] rows indexed by pair id.
+3. `_moe_down_kernel`: per block, topk_weight * (act @ w2[e]^T + b2[e]) into [T*K, H] rows, then the
+   K rows of each token are summed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._triton_utils import _mma, dot_flags
+from kernels.moe_args import ACTIVATIONS, check_moe_args
+
+
+@dataclass(frozen=True)
+class MoETileConfig:
+    """Tile sizes of both grouped GEMMs (tokens per block = block_m)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 1  # consecutive programs cover group_m blocks x every N tile (L2 reuse of x and weights)
+
+
+def tile_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype) -> MoETileConfig:
+    """Tiles by the mean number of pairs per expert: small blocks for decode (a few tokens per expert,
+    the weights dominate and must stream), large ones for prefill (many tokens per expert, compute-bound)."""
+    per_expert = num_tokens * top_k / max(1, num_experts)
+    if dtype == torch.float32:
+        return MoETileConfig(16 if per_expert <= 16 else 32, 32, 32, 4, 2)
+    if per_expert <= 16:  # narrow N tiles: enough programs to keep every SM streaming weights
+        return MoETileConfig(16, 32, 128, 4, 4)
+    if per_expert <= 64:
+        return MoETileConfig(32, 64, 128, 4, 4)
+    if per_expert <= 256:
+        return MoETileConfig(64, 64, 64, 4, 4, group_m=4)
+    return MoETileConfig(128, 64, 64, 8, 3, group_m=8)
+
+
+@dataclass
+class MoEAlignment:
+    """Pairs sorted by expert, padded per expert to block_m (all device tensors, fixed sizes)."""
+
+    sorted_pair_ids: torch.Tensor  # int32 [max_blocks * block_m]; pair id t*K + k, or T*K for padding
+    block_experts: torch.Tensor  # int32 [max_blocks]; the expert of each block (clamped past the end)
+    num_blocks: torch.Tensor  # int32 [1]; blocks in use (<= max_blocks)
+    max_blocks: int
+
+
+def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
+    """Sort the T*K pairs of topk_ids [T, K] by expert, each expert's run padded to block_m rows.
+
+    Stable sort, so within an expert pairs keep token order. Uses only device ops of fixed output size.
+    """
+    pairs = topk_ids.numel()
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    blocks = (counts + block_m - 1) // block_m
+    cum_blocks = torch.cumsum(blocks, 0)
+    start_row = (cum_blocks - blocks) * block_m  # first padded row of each expert
+    first_pair = torch.cumsum(counts, 0) - counts  # rank of each expert's first pair in the sorted order
+    sorted_experts, order = torch.sort(flat, stable=True)
+    rank = torch.arange(pairs, device=device) - first_pair[sorted_experts]
+    max_blocks = triton.cdiv(pairs, block_m) + min(num_experts, pairs)
+    sorted_pair_ids = torch.full((max_blocks * block_m,), pairs, dtype=torch.int32, device=device)
+    sorted_pair_ids[start_row[sorted_experts] + rank] = order.to(torch.int32)
+    block_idx = torch.arange(max_blocks, dtype=torch.int64, device=device)
+    block_experts = torch.searchsorted(cum_blocks, block_idx, right=True).clamp_(max=num_experts - 1)
+    return MoEAlignment(
+        sorted_pair_ids, block_experts.to(torch.int32), cum_blocks[-1:].to(torch.int32), max_blocks
+    )
+
+
+@triton.jit
+def _activate(gate, up, swiglu_alpha, swiglu_limit, ACTIVATION: tl.constexpr):
+    """fp32 act(gate, up): silu(g) * u | gelu_tanh(g) * u | gpt-oss clamped glu * (u + 1)."""
+    if ACTIVATION == 0:
+        return gate * tl.sigmoid(gate) * up
+    elif ACTIVATION == 1:
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        tanh = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
+        return 0.5 * gate * (1.0 + tanh) * up
+    else:
+        g = tl.minimum(gate, swiglu_limit)
+        u = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
+        return g * tl.sigmoid(swiglu_alpha * g) * (u + 1.0)
+
+
+@triton.jit
+def _tile_ids(max_blocks, n, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of this program in a 1-D grid of max_blocks x cdiv(n, BLOCK_N): groups of GROUP_M
+    blocks, each group's programs walking every N tile with the block index fastest."""
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(n, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(max_blocks - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_size, (pid % per_group) // group_size
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    X_ptr,
+    W_ptr,
+    B_ptr,
+    A_ptr,
+    SortedIds_ptr,
+    BlockExperts_ptr,
+    NumBlocks_ptr,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_be,
+    stride_at,
+    num_pairs,
+    max_blocks,
+    hidden,
+    inter,
+    swiglu_alpha,
+    swiglu_limit,
+    TOP_K: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """For the pairs p (token t = p // K) of block pid_m, expert e, and columns n of tile pid_n:
+
+        g = x[t] . W[e, n] + b[e, n],  u = x[t] . W[e, I + n] + b[e, I + n],  A[p, n] = act(g, u)
+
+    with fp32 accumulation over BLOCK_K slices of the hidden dim; A is stored in A's dtype.
+    """
+    pid_m, pid_n = _tile_ids(max_blocks, inter, BLOCK_N, GROUP_M)
+    if pid_m >= tl.load(NumBlocks_ptr):
+        return
+    expert = tl.load(BlockExperts_ptr + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(SortedIds_ptr + offs_m)
+    mask_m = pair < num_pairs
+    token = (pair // TOP_K).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < inter
+    offs_k = tl.arange(0, BLOCK_K)
+
+    x_ptrs = X_ptr + token[:, None] * stride_xt + offs_k[None, :]
+    w_base = W_ptr + expert * stride_we
+    wg_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+    wu_ptrs = wg_ptrs + inter * stride_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        mask_k = offs_k < hidden - k0
+        a = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        wg = tl.load(wg_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        wu = tl.load(wu_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc_g += _mma(a, wg, UPCAST, DOT_PRECISION)
+        acc_u += _mma(a, wu, UPCAST, DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        wg_ptrs += BLOCK_K
+        wu_ptrs += BLOCK_K
+    if HAS_BIAS:
+        b_base = B_ptr + expert * stride_be
+        acc_g += tl.load(b_base + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(b_base + inter + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    act = _activate(acc_g, acc_u, swiglu_alpha, swiglu_limit, ACTIVATION)
+    a_ptrs = A_ptr + pair[:, None].to(tl.int64) * stride_at + offs_n[None, :]
+    tl.store(a_ptrs, act.to(A_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(
+    A_ptr,
+    W_ptr,
+    B_ptr,
+    TW_ptr,
+    Y_ptr,
+    SortedIds_ptr,
+    BlockExperts_ptr,
+    NumBlocks_ptr,
+    stride_at,
+    stride_we,
+    stride_wn,
+    stride_be,
+    stride_yt,
+    num_pairs,
+    max_blocks,
+    hidden,
+    inter,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """For the pairs p of block pid_m, expert e, and hidden columns n of tile pid_n:
+
+        Y[p, n] = topk_weight[p] * (A[p] . W2[e, n] + b2[e, n])
+
+    with fp32 accumulation over BLOCK_K slices of the intermediate dim; Y is stored in Y's dtype.
+    """
+    pid_m, pid_n = _tile_ids(max_blocks, hidden, BLOCK_N, GROUP_M)
+    if pid_m >= tl.load(NumBlocks_ptr):
+        return
+    expert = tl.load(BlockExperts_ptr + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(SortedIds_ptr + offs_m)
+    mask_m = pair < num_pairs
+    rows = pair.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = A_ptr + rows[:, None] * stride_at + offs_k[None, :]
+    w_ptrs = W_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        mask_k = offs_k < inter - k0
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc += _mma(a, w, UPCAST, DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(B_ptr + expert * stride_be + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    weight = tl.load(TW_ptr + rows, mask=mask_m, other=0.0)
+    acc = acc * weight[:, None]
+    y_ptrs = Y_ptr + rows[:, None] * stride_yt + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(Y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    activation: str = "silu",
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    swiglu_alpha: float | None = None,
+    swiglu_limit: float | None = None,
+    config: MoETileConfig | None = None,
+) -> torch.Tensor:
+    """out[t] = sum_k topk_weights[t, k] * (w2[e] @ act(w13[e] @ x[t] + b13[e]) + b2[e]), e = topk_ids[t, k].
+
+    x [T, H]; w13 [E, 2I, H] (rows 0..I-1 gate, I..2I-1 up); w2 [E, H, I]; topk_ids int32 [T, K] with
+    values in [0, E) (not checked on the device: that would need a host sync); topk_weights fp32 [T, K].
+    Returns [T, H] in x's dtype. The intermediate act(...) is rounded to x's dtype. config overrides
+    the tile choice (tests, benchmarks).
+    """
+    check_moe_args(x, w13, w2, topk_ids, topk_weights, activation, w13_bias, w2_bias, swiglu_alpha, swiglu_limit)
+    for name, w in (("w13", w13), ("w2", w2)):
+        assert w.stride(-1) == 1, f"{name}: the last dim must be contiguous"
+    t, hidden = x.shape
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    top_k = topk_ids.shape[1]
+    out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
+    if t == 0 or top_k == 0:
+        return out.zero_()
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    w13_bias = None if w13_bias is None else w13_bias.contiguous()
+    w2_bias = None if w2_bias is None else w2_bias.contiguous()
+    cfg = config or tile_config(t, top_k, num_experts, x.dtype)
+    align = align_pairs(topk_ids, num_experts, cfg.block_m)
+    num_pairs = t * top_k
+    weights = topk_weights.contiguous().view(-1)
+    act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
+    upcast, dot_precision = dot_flags(x.dtype)
+    b13 = w13_bias if w13_bias is not None else w13  # placeholder when HAS_BIAS is false
+    _moe_gate_up_kernel[(align.max_blocks * triton.cdiv(inter, cfg.block_n),)](
+        x, w13, b13, act, align.sorted_pair_ids, align.block_experts, align.num_blocks,
+        x.stride(0), w13.stride(0), w13.stride(1),
+        w13_bias.stride(0) if w13_bias is not None else 0, act.stride(0),
+        num_pairs, align.max_blocks, hidden, inter,
+        float(swiglu_alpha or 0.0), float(swiglu_limit or 0.0),
+        TOP_K=top_k, ACTIVATION=ACTIVATIONS[activation], HAS_BIAS=w13_bias is not None,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        UPCAST=upcast, DOT_PRECISION=dot_precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
+    b2 = w2_bias if w2_bias is not None else w2
+    _moe_down_kernel[(align.max_blocks * triton.cdiv(hidden, cfg.block_n),)](
+        act, w2, b2, weights, y, align.sorted_pair_ids, align.block_experts, align.num_blocks,
+        act.stride(0), w2.stride(0), w2.stride(1),
+        w2_bias.stride(0) if w2_bias is not None else 0, y.stride(0),
+        num_pairs, align.max_blocks, hidden, inter,
+        HAS_BIAS=w2_bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        UPCAST=upcast, DOT_PRECISION=dot_precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if top_k == 1:
+        return out.copy_(y)
+    return torch.sum(y.view(t, top_k, hidden), dim=1, out=out)

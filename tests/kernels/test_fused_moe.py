@@ -1,0 +1,133 @@
+"""Fused MoE kernel against the per-expert torch reference (GPU, or the Triton interpreter on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.kernel_cases import assert_close, requires_cuda
+
+pytest.importorskip("triton")
+
+from kernels.fused_moe import MoETileConfig, align_pairs, fused_moe
+from kernels.reference import fused_moe_ref
+
+#: Tiles small enough for the interpreter; block_k < H and block_n < I so the K and N loops run twice+.
+SMALL = MoETileConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2)
+#: Grouped program order: 3 blocks per group, so the last group is partial for most block counts.
+GROUPED = MoETileConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2, group_m=3)
+
+
+def _case(t: int, h: int, inter: int, e: int, k: int, dtype: torch.dtype, device: torch.device,
+          bias: bool = False, seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn((t, h), generator=gen)
+    w13 = torch.randn((e, 2 * inter, h), generator=gen) / h**0.5
+    w2 = torch.randn((e, h, inter), generator=gen) / inter**0.5
+    # k distinct experts per token, as a router's top-k gives.
+    ids = torch.argsort(torch.rand((t, e), generator=gen), dim=1)[:, :k].to(torch.int32)
+    weights = torch.softmax(torch.randn((t, k), generator=gen), dim=1)
+    args = {
+        "x": x.to(dtype).to(device), "w13": w13.to(dtype).to(device), "w2": w2.to(dtype).to(device),
+        "topk_ids": ids.to(device), "topk_weights": weights.to(device),
+    }
+    if bias:
+        args["w13_bias"] = (0.1 * torch.randn((e, 2 * inter), generator=gen)).to(dtype).to(device)
+        args["w2_bias"] = (0.1 * torch.randn((e, h), generator=gen)).to(dtype).to(device)
+    return args
+
+
+def _check(args: dict, dtype: torch.dtype, config: MoETileConfig | None = SMALL, **kw: object) -> None:
+    out = fused_moe(**args, config=config, **kw)
+    assert out.shape == args["x"].shape and out.dtype == dtype
+    ref = fused_moe_ref(**args, **kw)
+    assert_close(out, ref, dtype)
+    # The reference itself against a dense formula over every (token, slot).
+    if dtype == torch.float32 and not kw:
+        x, w13, w2 = args["x"], args["w13"], args["w2"]
+        inter = w13.shape[1] // 2
+        dense = torch.zeros_like(x)
+        for t in range(x.shape[0]):
+            for j in range(args["topk_ids"].shape[1]):
+                e = int(args["topk_ids"][t, j])
+                g = w13[e] @ x[t] + (args["w13_bias"][e] if "w13_bias" in args else 0)
+                a = torch.nn.functional.silu(g[:inter]) * g[inter:]
+                y = w2[e] @ a + (args["w2_bias"][e] if "w2_bias" in args else 0)
+                dense[t] += args["topk_weights"][t, j] * y
+        torch.testing.assert_close(ref, dense, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("t", "e", "k"), [(1, 4, 1), (5, 6, 2), (19, 5, 4), (33, 12, 8)])
+def test_fused_moe_matches_reference(device: torch.device, dtype: torch.dtype, t: int, e: int, k: int) -> None:
+    _check(_case(t, 32, 48, e, k, dtype, device), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_odd_dims_and_bias(device: torch.device, dtype: torch.dtype) -> None:
+    # H and I not multiples of the tiles (I an odd multiple of 8), biases on both GEMMs.
+    _check(_case(7, 40, 24, 3, 2, dtype, device, bias=True), dtype)
+
+
+@pytest.mark.parametrize(("t", "e", "k"), [(19, 5, 4), (40, 3, 2)])
+def test_fused_moe_grouped_program_order(device: torch.device, t: int, e: int, k: int) -> None:
+    _check(_case(t, 32, 48, e, k, torch.float32, device), torch.float32, config=GROUPED)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gpt_oss"])
+def test_fused_moe_activations(device: torch.device, activation: str) -> None:
+    kw: dict = {"activation": activation}
+    if activation == "gpt_oss":
+        kw |= {"swiglu_alpha": 1.702, "swiglu_limit": 0.5}  # a low limit so the clamps bite
+    args = _case(9, 32, 16, 5, 2, torch.float32, device, bias=True)
+    _check(args, torch.float32, **kw)
+    assert not torch.allclose(fused_moe(**args, config=SMALL, **kw), fused_moe(**args, config=SMALL))
+
+
+def test_fused_moe_default_tiles(device: torch.device) -> None:
+    _check(_case(3, 64, 32, 4, 2, torch.bfloat16, device), torch.bfloat16, config=None)
+
+
+def test_fused_moe_all_tokens_one_expert_and_skew(device: torch.device) -> None:
+    # Every token on expert 2 (several blocks of one expert), the other experts idle.
+    args = _case(37, 32, 16, 4, 1, torch.float32, device)
+    args["topk_ids"] = torch.full_like(args["topk_ids"], 2)
+    args["topk_weights"] = torch.ones_like(args["topk_weights"])
+    _check(args, torch.float32)
+
+
+def test_align_pairs_layout(device: torch.device) -> None:
+    ids = torch.tensor([[2, 0], [2, 1], [0, 2]], dtype=torch.int32, device=device)
+    a = align_pairs(ids, num_experts=4, block_m=2)
+    # expert 0: pairs 1, 4 | expert 1: pair 3 + pad | expert 2: pairs 0, 2, 5 + pad | expert 3: none
+    pad = ids.numel()
+    assert int(a.num_blocks) == 4
+    assert a.sorted_pair_ids[:8].tolist() == [1, 4, 3, pad, 0, 2, 5, pad]
+    assert a.block_experts[:4].tolist() == [0, 1, 2, 2]
+    assert a.max_blocks == 3 + 4 and a.sorted_pair_ids[8:].eq(pad).all()
+
+
+def test_fused_moe_empty_and_bad_args(device: torch.device) -> None:
+    args = _case(2, 16, 16, 3, 2, torch.float32, device)
+    empty = {**args, "x": args["x"][:0], "topk_ids": args["topk_ids"][:0], "topk_weights": args["topk_weights"][:0]}
+    assert fused_moe(**empty).shape == (0, 16)
+    with pytest.raises(ValueError, match="activation"):
+        fused_moe(**args, activation="relu")
+    with pytest.raises(ValueError, match="swiglu_alpha"):
+        fused_moe(**args, activation="gpt_oss")
+    with pytest.raises(ValueError, match="only to 'gpt_oss'"):
+        fused_moe(**args, swiglu_limit=7.0)
+    with pytest.raises(ValueError, match="int32"):
+        fused_moe(**{**args, "topk_ids": args["topk_ids"].long()})
+    with pytest.raises(ValueError, match="w2_bias"):
+        fused_moe(**args, w2_bias=torch.zeros((3, 15), device=device))
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize(("t", "e", "k", "h", "inter"), [
+    (1, 128, 8, 2048, 768), (64, 128, 8, 2048, 768), (333, 128, 8, 2048, 768),
+    (2048, 128, 8, 2048, 768), (16, 8, 2, 4096, 1792), (700, 8, 2, 4096, 1792),
+])
+def test_fused_moe_gpu_real_shapes(t: int, e: int, k: int, h: int, inter: int) -> None:
+    _check(_case(t, h, inter, e, k, torch.bfloat16, torch.device("cuda")), torch.bfloat16, config=None)
