@@ -259,3 +259,24 @@ def test_gpt_oss_matches_transformers(tmp_path: Path, greedy: Any) -> None:
     compared = [assert_tokens_match_until_near_tie(toks, lg, _ref_logits(ref, p, toks), f"gpt_oss prompt {i}")
                 for i, (p, toks, lg) in enumerate(zip(prompts, gen, logits, strict=True))]
     assert sum(compared) >= 36, f"gpt_oss: only {compared} steps before a near-tie"
+
+
+@pytest.mark.parametrize("params", [
+    {"factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+    {"factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096},
+    {"factor": 4.0, "original_max_position_embeddings": 32768, "attention_factor": 1.25},
+])
+def test_yarn_rope_equals_transformers(params: dict[str, Any]) -> None:
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from services.engine.models.rope import RotaryEmbedding, attention_factor, compute_inv_freq
+
+    cfg = LlamaConfig(hidden_size=4096, num_attention_heads=64, max_position_embeddings=131072,
+                      rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, **params})
+    ref, ref_factor = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
+    scaling = {"rope_type": "yarn", **params}
+    assert torch.equal(compute_inv_freq(64, 150000.0, scaling), ref)
+    assert attention_factor(scaling) == pytest.approx(ref_factor, rel=1e-12)
+    rope = RotaryEmbedding(64, 150000.0, scaling, 16)
+    assert torch.allclose(rope.cos_cache[0], torch.full((64,), ref_factor))  # cos(0) * factor

@@ -46,7 +46,9 @@ class ModelArchConfig:
     """RoPE base."""
     rope_scaling: dict[str, Any] | None = None
     """None, {"rope_type": "llama3", factor, low_freq_factor, high_freq_factor,
-    original_max_position_embeddings} or {"rope_type": "linear", factor}."""
+    original_max_position_embeddings}, {"rope_type": "linear", factor} or {"rope_type": "yarn", factor,
+    original_max_position_embeddings, optional beta_fast, beta_slow, truncate, attention_factor, mscale,
+    mscale_all_dim}."""
     max_position_embeddings: int = 2048
     """Longest context the model was trained for (tokens)."""
     tie_word_embeddings: bool = False
@@ -90,9 +92,10 @@ class ModelArchConfig:
             kind = self.rope_scaling.get("rope_type")
             need = {"llama3": ("factor", "low_freq_factor", "high_freq_factor",
                                "original_max_position_embeddings"),
-                    "linear": ("factor",)}.get(kind)  # type: ignore[arg-type]
+                    "linear": ("factor",),
+                    "yarn": ("factor", "original_max_position_embeddings")}.get(kind)  # type: ignore[arg-type]
             if need is None:
-                raise ModelConfigError(f"rope_scaling.rope_type={kind!r}: supported are 'llama3', 'linear'")
+                raise ModelConfigError(f"rope_scaling.rope_type={kind!r}: supported are 'llama3', 'linear', 'yarn'")
             missing = [k for k in need if k not in self.rope_scaling]
             if missing:
                 raise ModelConfigError(f"rope_scaling ({kind}) lacks {missing}")

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from services.engine.attention import ForwardContext
-from services.engine.models.config import ModelArchConfig
+from services.engine.models.config import ModelArchConfig, ModelConfigError
 from services.engine.models.llama import Attention
 from services.engine.models.moe_model import MoEForCausalLM, Piece
 from services.engine.models.rope import RotaryEmbedding
@@ -44,8 +44,11 @@ class GptOssForCausalLM(MoEForCausalLM):
     def __init__(self, arch: ModelArchConfig) -> None:
         if not arch.attention_bias or arch.qk_norm:
             raise ValueError("gpt-oss needs attention_bias=True and qk_norm=False")
-        if not arch.attention_sinks:
-            raise ValueError("gpt-oss needs attention_sinks=True")
+        # The sink and sliding-window fields come with the attention that runs them; an engine without them
+        # refuses gpt-oss here rather than run its attention without sinks.
+        if not getattr(arch, "attention_sinks", False):
+            raise ModelConfigError("gpt_oss: attention sinks (ModelArchConfig.attention_sinks) are not "
+                                   "supported by this engine's attention")
         super().__init__(arch)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn = GptOssAttention(arch, i)
