@@ -6,6 +6,7 @@ for the model types in :data:`MOE_MODEL_TYPES`; GGUF metadata builds it in the G
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,3 +133,37 @@ def moe_from_hf_config(cfg: dict[str, Any]) -> MoEConfig | None:
                      shared_expert_intermediate_size=shared, shared_expert_gate=shared > 0,
                      decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
                      mlp_only_layers=[int(i) for i in cfg.get("mlp_only_layers") or []])
+
+
+_GGUF_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True}
+"""llama.cpp's renormalisation of the top-k weights per architecture when the file has no expert_weights_norm."""
+
+
+def moe_from_gguf(arch: str, get: Callable[[str], Any], shapes: dict[str, tuple[int, ...]]) -> MoEConfig | None:
+    """The MoE part of a GGUF file (``get(key)`` reads ``{arch}.key``, ``shapes`` are the tensors' GGUF dims,
+    innermost first); None without experts.
+
+    A layer routes iff it has ``blk.N.ffn_gate_inp.weight``; the others are mlp_only_layers."""
+    count = get("expert_count")
+    if not count:
+        return None
+    if arch not in _GGUF_NORM_TOPK:
+        raise MoEConfigError(f"GGUF architecture {arch!r} with experts is not supported")
+    gating = get("expert_gating_func")
+    if gating not in (None, 1):  # llama.cpp LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX = 1
+        raise MoEConfigError(f"{arch}.expert_gating_func={gating!r}: supported is 1 (softmax)")
+    scale = get("expert_weights_scale")
+    if scale not in (None, 0.0, 1.0):
+        raise MoEConfigError(f"{arch}.expert_weights_scale={scale!r}: supported is 1")
+    layers = int(get("block_count") or 0)
+    ffn = get("expert_feed_forward_length") or get("feed_forward_length")
+    if ffn is None:
+        raise MoEConfigError(f"{arch}.expert_feed_forward_length is missing")
+    shexp = shapes.get("blk.0.ffn_gate_shexp.weight")
+    shared = int(get("expert_shared_feed_forward_length") or (shexp[1] if shexp else 0))
+    norm = get("expert_weights_norm")
+    return MoEConfig(num_experts=int(count), top_k=int(get("expert_used_count")), intermediate_size=int(ffn),
+                     scoring="softmax", norm_topk_prob=_GGUF_NORM_TOPK[arch] if norm is None else bool(norm),
+                     shared_expert_intermediate_size=shared,
+                     shared_expert_gate=shared > 0 and "blk.0.ffn_gate_inp_shexp.weight" in shapes,
+                     mlp_only_layers=[i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in shapes])

@@ -9,6 +9,8 @@ Loading: HF names of expert tensors are read in every layout checkpoints use and
 - one tensor per expert: Mixtral ``block_sparse_moe.experts.E.w1/w3/w2`` (gate/up/down),
   Qwen ``mlp.experts.E.gate_proj/up_proj/down_proj``;
 - stacked (transformers 5): ``mlp.experts.gate_up_proj`` [E, 2I, H] (gate then up) and ``down_proj`` [E, H, I];
+- stacked apart (the GGUF loader's names for ``ffn_{gate,up,down}_exps``): ``mlp.experts.gate_proj`` and
+  ``up_proj`` [E, I, H], ``down_proj`` [E, H, I];
 - gpt-oss (``_GATE_UP_INTERLEAVED``): ``gate_up_proj`` [E, H, 2I] with gate/up columns interleaved,
   ``down_proj`` [E, I, H], their biases, or the MXFP4 ``*_blocks`` + ``*_scales`` pairs.
 Routers (``gate`` or ``router``) become ``mlp.gate``; the shared expert fills ``mlp.shared_expert``.
@@ -71,8 +73,8 @@ class MoEForCausalLM(LlamaForCausalLM):
         mlp, rest = f"{m.group(1)}.mlp", m.group(2)
         if rest.startswith(("gate.", "router.")):
             return [Piece(f"{mlp}.gate.{rest.split('.', 1)[1]}", -1, -1, t)]
-        if rest == "shared_expert_gate.weight":
-            return [Piece(f"{mlp}.shared_expert_gate.weight", -1, -1, t)]
+        if rest == "shared_expert_gate.weight":  # GGUF stores it as a vector [H]
+            return [Piece(f"{mlp}.shared_expert_gate.weight", -1, -1, t.reshape(1, -1) if t.dim() == 1 else t)]
         if rest.startswith("shared_expert."):
             kind = rest.split(".")[1]
             if kind not in _SHARED_PART or not rest.endswith(".weight"):
@@ -90,6 +92,9 @@ class MoEForCausalLM(LlamaForCausalLM):
             if self._GATE_UP_INTERLEAVED:
                 return self._gate_up(f"{mlp}.experts.w13", t.transpose(1, 2), interleaved=True)
             return self._gate_up(f"{mlp}.experts.w13", t, interleaved=False)
+        if rest in ("experts.gate_proj", "experts.up_proj"):  # GGUF: gate and up stacked apart, [E, I, H]
+            half = 0 if rest == "experts.gate_proj" else 1
+            return [Piece(f"{mlp}.experts.w13", e, half, t[e]) for e in range(t.shape[0])]
         if rest == "experts.down_proj":
             w = t.transpose(1, 2) if self._GATE_UP_INTERLEAVED else t
             return [Piece(f"{mlp}.experts.w2", e, -1, w[e]) for e in range(w.shape[0])]
