@@ -13,6 +13,7 @@ Loading: HF names of expert tensors are read in every layout checkpoints use and
   ``up_proj`` [E, I, H], ``down_proj`` [E, H, I];
 - gpt-oss (``_GATE_UP_INTERLEAVED``): ``gate_up_proj`` [E, H, 2I] with gate/up columns interleaved,
   ``down_proj`` [E, I, H], their biases, or the MXFP4 ``*_blocks`` + ``*_scales`` pairs.
+- ours (``w13``, ``w2`` and biases, as a TP=1 model's parameters: random models sharded for tensor parallelism).
 Routers (``gate`` or ``router``) become ``mlp.gate``; the shared expert fills ``mlp.shared_expert``.
 Under tensor parallelism each piece is cut to this rank's intermediate slice (see moe.py).
 """
@@ -92,6 +93,10 @@ class MoEForCausalLM(LlamaForCausalLM):
             if self._GATE_UP_INTERLEAVED:
                 return self._gate_up(f"{mlp}.experts.w13", t.transpose(1, 2), interleaved=True)
             return self._gate_up(f"{mlp}.experts.w13", t, interleaved=False)
+        if rest in ("experts.w13", "experts.w13_bias"):  # our own stacked layout (a TP=1 model's tensors)
+            return self._gate_up(f"{mlp}.{rest}", t, interleaved=False)
+        if rest in ("experts.w2", "experts.w2_bias"):
+            return [Piece(f"{mlp}.{rest}", e, -1, t[e]) for e in range(t.shape[0])]
         if rest in ("experts.gate_proj", "experts.up_proj"):  # GGUF: gate and up stacked apart, [E, I, H]
             half = 0 if rest == "experts.gate_proj" else 1
             return [Piece(f"{mlp}.experts.w13", e, half, t[e]) for e in range(t.shape[0])]
