@@ -16,7 +16,7 @@ import torch
 from services.engine.model_loader import load_model
 from services.engine.models.config import ModelArchConfig, ModelConfigError
 from services.engine.models.moe import SparseMoeBlock, grouped_experts, route
-from services.engine.models.moe_config import MoEConfig, MoEConfigError, moe_from_hf_config
+from services.engine.models.moe_config import MOE_HF_READS, MoEConfig, MoEConfigError, moe_from_hf_config
 from services.engine.models.moe_model import MoEForCausalLM
 from services.engine.weights.errors import ModelLoadError
 from services.engine.weights.mxfp4 import dequantize_mxfp4
@@ -280,3 +280,25 @@ def test_yarn_rope_equals_transformers(params: dict[str, Any]) -> None:
     assert attention_factor(scaling) == pytest.approx(ref_factor, rel=1e-12)
     rope = RotaryEmbedding(64, 150000.0, scaling, 16)
     assert torch.allclose(rope.cos_cache[0], torch.full((64,), ref_factor))  # cos(0) * factor
+
+
+_ATTENTION_KEYS = {"sliding_window", "use_sliding_window", "max_window_layers", "layer_types"}
+"""Keys of the attention's window/sink configuration, read (or refused) with the attention, not the experts."""
+
+
+@pytest.mark.parametrize("model_type", sorted(MOE_HF_READS))
+def test_every_moe_key_of_the_config_is_read(model_type: str) -> None:
+    from transformers import AutoConfig
+
+    llama = set(AutoConfig.for_model("llama").to_dict())
+    keys = set(AutoConfig.for_model(model_type).to_dict()) - llama - _ATTENTION_KEYS
+    assert keys <= MOE_HF_READS[model_type], sorted(keys - MOE_HF_READS[model_type])
+
+
+def test_gpt_oss_refuses_a_quantization_it_does_not_read() -> None:
+    cfg = hf_config("gpt_oss").to_dict()
+    cfg["quantization_config"] = {"quant_method": "fp8"}
+    with pytest.raises(ModelConfigError, match=r"^quantization_config.quant_method='fp8': gpt_oss supports"):
+        ModelArchConfig.from_hf_config(cfg)
+    cfg["quantization_config"] = {"quant_method": "mxfp4"}
+    assert ModelArchConfig.from_hf_config(cfg).moe is not None

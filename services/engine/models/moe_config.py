@@ -27,15 +27,17 @@ MOE_HF_READS: dict[str, frozenset[str]] = {
                           "router_jitter_noise", "output_router_logits", "router_aux_loss_coef"}),
     "qwen2_moe": frozenset({"num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                             "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers",
-                            "hidden_act", "output_router_logits", "router_aux_loss_coef"}),
+                            "hidden_act", "output_router_logits", "router_aux_loss_coef", "qkv_bias"}),
     "qwen3_moe": frozenset({"num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
                             "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "hidden_act",
                             "output_router_logits", "router_aux_loss_coef"}),
     "gpt_oss": frozenset({"num_local_experts", "num_experts_per_tok", "intermediate_size", "swiglu_alpha",
-                          "swiglu_limit", "hidden_act", "output_router_logits", "router_aux_loss_coef"}),
+                          "swiglu_limit", "hidden_act", "output_router_logits", "router_aux_loss_coef",
+                          "quantization_config"}),
 }
-"""The config.json keys of each MoE model type that :func:`moe_from_hf_config` reads (training-only keys
-such as router_aux_loss_coef count as read: they change no inference math)."""
+"""The config.json keys of each MoE model type that :func:`moe_from_hf_config` (and, for qkv_bias,
+``ModelArchConfig.from_hf_config``) reads, beyond a Llama config's; training-only keys such as
+router_aux_loss_coef count as read: they change no inference math."""
 
 
 class MoEConfigError(ValueError):
@@ -121,6 +123,9 @@ def moe_from_hf_config(cfg: dict[str, Any]) -> MoEConfig | None:
                          intermediate_size=int(_need(cfg, "intermediate_size")), scoring="softmax",
                          norm_topk_prob=True)
     if kind == "gpt_oss":
+        quant = (cfg.get("quantization_config") or {}).get("quant_method")
+        if quant not in (None, "mxfp4"):  # MXFP4 experts are dequantized at load; nothing else is read
+            raise MoEConfigError(f"quantization_config.quant_method={quant!r}: gpt_oss supports 'mxfp4'")
         return MoEConfig(num_experts=int(_need(cfg, "num_local_experts")), top_k=top_k,
                          intermediate_size=int(_need(cfg, "intermediate_size")), scoring="softmax_topk",
                          norm_topk_prob=False, activation="gpt_oss",
