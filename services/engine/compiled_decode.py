@@ -95,9 +95,12 @@ class CompiledDecode:
 
     @staticmethod
     def supported(model: torch.nn.Module) -> bool:
-        """Llama-family decoder at TP=1 with the plain (non-Triton) forward."""
+        """Llama-family decoder at TP=1 with the plain (non-Triton) forward and dense MLPs (an MoE layer's
+        experts depend on the routing, which one full graph cannot hold)."""
         split = getattr(model, "tp_split", None)
+        arch = getattr(model, "arch", None)
         return (split is not None and split.tp_size == 1 and hasattr(model, "rotary")
+                and getattr(arch, "moe", None) is None
                 and hasattr(getattr(model, "model", None), "layers"))
 
     def _eager_forward(self, ids: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor, gather: torch.Tensor,

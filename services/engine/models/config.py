@@ -5,12 +5,16 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+from services.engine.models.moe_config import MOE_MODEL_TYPES, MoEConfig, MoEConfigError, moe_from_hf_config
+
+MOE_ARCHITECTURES = tuple(MOE_MODEL_TYPES.values())
+"""Families whose layers route tokens through experts (ModelArchConfig.moe is set)."""
+ARCHITECTURES = ("llama", "qwen2", "qwen3", *MOE_ARCHITECTURES)
 
 # HF `model_type` / GGUF `general.architecture` -> our architecture family.
 _ARCH_ALIASES = {
     "llama": "llama", "mistral": "llama", "smollm": "llama",
-    "qwen2": "qwen2", "qwen3": "qwen3",
+    "qwen2": "qwen2", "qwen3": "qwen3", **MOE_MODEL_TYPES,
 }
 
 
@@ -21,13 +25,13 @@ class ModelConfigError(ValueError):
 @dataclass
 class ModelArchConfig:
     architecture: str
-    """Model family: "llama" | "qwen2" | "qwen3"."""
+    """Model family: one of ARCHITECTURES."""
     vocab_size: int
     """Rows of the embedding and of the LM head."""
     hidden_size: int
     """Residual stream width."""
     intermediate_size: int
-    """SwiGLU inner width."""
+    """SwiGLU inner width of a dense MLP (a MoE model's experts have moe.intermediate_size)."""
     num_layers: int
     """Decoder layers."""
     num_heads: int
@@ -42,7 +46,9 @@ class ModelArchConfig:
     """RoPE base."""
     rope_scaling: dict[str, Any] | None = None
     """None, {"rope_type": "llama3", factor, low_freq_factor, high_freq_factor,
-    original_max_position_embeddings} or {"rope_type": "linear", factor}."""
+    original_max_position_embeddings}, {"rope_type": "linear", factor} or {"rope_type": "yarn", factor,
+    original_max_position_embeddings, optional beta_fast, beta_slow, truncate, attention_factor, mscale,
+    mscale_all_dim}."""
     max_position_embeddings: int = 2048
     """Longest context the model was trained for (tokens)."""
     tie_word_embeddings: bool = False
@@ -55,6 +61,8 @@ class ModelArchConfig:
     """Beginning-of-sequence id, if any."""
     eos_token_ids: list[int] = field(default_factory=list)
     """Ids that end generation."""
+    moe: MoEConfig | None = None
+    """Mixture-of-experts routing and expert shapes; set exactly for the MOE_ARCHITECTURES."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -67,6 +75,11 @@ class ModelArchConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ModelConfigError(f"{name}={value!r}: must be a positive integer")
+        if isinstance(self.moe, dict):  # from to_dict()
+            self.moe = MoEConfig(**self.moe)
+        if (self.moe is not None) != (self.architecture in MOE_ARCHITECTURES):
+            raise ModelConfigError(f"architecture={self.architecture!r} with moe={self.moe!r}: experts are set "
+                                   f"exactly for {MOE_ARCHITECTURES}")
         if self.num_heads % self.num_kv_heads:
             raise ModelConfigError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
@@ -79,9 +92,10 @@ class ModelArchConfig:
             kind = self.rope_scaling.get("rope_type")
             need = {"llama3": ("factor", "low_freq_factor", "high_freq_factor",
                                "original_max_position_embeddings"),
-                    "linear": ("factor",)}.get(kind)  # type: ignore[arg-type]
+                    "linear": ("factor",),
+                    "yarn": ("factor", "original_max_position_embeddings")}.get(kind)  # type: ignore[arg-type]
             if need is None:
-                raise ModelConfigError(f"rope_scaling.rope_type={kind!r}: supported are 'llama3', 'linear'")
+                raise ModelConfigError(f"rope_scaling.rope_type={kind!r}: supported are 'llama3', 'linear', 'yarn'")
             missing = [k for k in need if k not in self.rope_scaling]
             if missing:
                 raise ModelConfigError(f"rope_scaling ({kind}) lacks {missing}")
@@ -111,6 +125,10 @@ class ModelArchConfig:
         kind = scaling.pop("rope_type", None) or scaling.pop("type", None)
         scaling.pop("rope_theta", None)
         rope_scaling = None if kind in (None, "default") else {"rope_type": kind, **scaling}
+        try:
+            moe = moe_from_hf_config(cfg)
+        except MoEConfigError as e:
+            raise ModelConfigError(str(e)) from e
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
         return cls(
@@ -127,8 +145,9 @@ class ModelArchConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
-            qk_norm=arch == "qwen3",
+            attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", arch in ("qwen2", "qwen2_moe")))),
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            moe=moe,
         )

@@ -179,6 +179,10 @@ class LlamaForCausalLM(nn.Module):
         #: services/engine/layer_groups.py (a chunk's KV leaving group by group), None otherwise.
         self.layer_hook: Callable[[int], None] | None = None
 
+    #: Parameter-name fragments a subclass loads itself (its load_weights takes those tensors out of the
+    #: stream before this one runs and checks them itself).
+    _self_loaded: tuple[str, ...] = ()
+
     def _use_fused(self, h: torch.Tensor) -> bool:
         if self.fused_kernels is not None:
             return self.fused_kernels
@@ -244,6 +248,8 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         expected: set[tuple[str, int]] = set()
         for name in params:
+            if any(f in name for f in self._self_loaded):
+                continue
             frag = next((f for f, _ in _STACKED.values() if f in name), None)
             shards = 3 if frag == ".qkv_proj." else 2 if frag else 1
             expected.update((name, s) for s in range(shards))

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 from services.engine.models.config import ModelConfigError
+from services.engine.models.gpt_oss import GptOssForCausalLM
 from services.engine.models.llama import LlamaForCausalLM
+from services.engine.models.moe_model import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from services.engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
 _REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "llama": LlamaForCausalLM,
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
+    "mixtral": MixtralForCausalLM,
+    "qwen2_moe": Qwen2MoeForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
 }
 
 

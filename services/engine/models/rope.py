@@ -1,4 +1,4 @@
-"""Rotary position embedding (neox / HF "rotate_half" style) with plain, llama3 and linear scaling."""
+"""Rotary position embedding (neox / HF "rotate_half" style) with plain, llama3, linear and YaRN scaling."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None
     factor = float(scaling["factor"])
     if kind == "linear":
         return inv_freq / factor
+    if kind == "yarn":
+        return _yarn_inv_freq(head_dim, theta, factor, scaling)
     if kind != "llama3":
         raise ValueError(f"rope_scaling.rope_type={kind!r} is not supported")
     low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
@@ -31,6 +33,44 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(dim: int, theta: float, factor: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN: frequencies rotating fewer than beta_slow times over the original context are interpolated
+    (divided by factor), those rotating more than beta_fast times kept, a linear ramp between (in dims)."""
+    beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+    old_ctx = scaling["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(old_ctx / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    pos_freqs = theta ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def attention_factor(scaling: dict[str, Any] | None) -> float:
+    """Scale of the cos/sin tables: 1 except for YaRN (its attention_factor, else 0.1 ln(factor) + 1, or the
+    mscale / mscale_all_dim ratio of that form when both are given)."""
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(float(scaling["mscale"])) / mscale(float(scaling["mscale_all_dim"]))
+    return mscale(1.0)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -50,6 +90,7 @@ class RotaryEmbedding(nn.Module):
                  max_positions: int) -> None:
         super().__init__()
         self.head_dim = head_dim
+        self.attention_factor = attention_factor(scaling)
         self.register_buffer("inv_freq", compute_inv_freq(head_dim, theta, scaling), persistent=False)
         self.register_buffer("cos_cache", torch.empty(0), persistent=False)
         self.register_buffer("sin_cache", torch.empty(0), persistent=False)
@@ -61,8 +102,8 @@ class RotaryEmbedding(nn.Module):
             # Outer product in fp32, matching transformers' `inv_freq @ position_ids` under autocast off.
             freqs = pos[:, None] * self.inv_freq.float()[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos_cache = emb.cos()
-        self.sin_cache = emb.sin()
+        self.cos_cache = emb.cos() * self.attention_factor if self.attention_factor != 1.0 else emb.cos()
+        self.sin_cache = emb.sin() * self.attention_factor if self.attention_factor != 1.0 else emb.sin()
 
     def ensure(self, max_positions: int) -> None:
         """Grow the cache to cover positions [0, max_positions)."""

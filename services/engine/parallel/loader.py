@@ -31,9 +31,13 @@ def check_split(spec: str | None, size: int) -> None:
     arch = model_arch(spec)
     try:
         HeadSplit(arch.num_heads, arch.num_kv_heads, size)
-        if arch.intermediate_size % size:
-            raise TensorParallelError(f"tensor-parallel size {size} does not divide intermediate_size "
-                                      f"{arch.intermediate_size}")
+        widths = {"intermediate_size": arch.intermediate_size}
+        if arch.moe is not None:  # every expert is split along its intermediate dimension (models/moe.py)
+            widths["moe.intermediate_size"] = arch.moe.intermediate_size
+            widths["moe.shared_expert_intermediate_size"] = arch.moe.shared_expert_intermediate_size
+        for name, width in widths.items():
+            if width % size:
+                raise TensorParallelError(f"tensor-parallel size {size} does not divide {name} {width}")
     except TensorParallelError as e:
         raise TensorParallelError(f"--tensor-parallel-size / PDSERVE_TENSOR_PARALLEL_SIZE {size} cannot run "
                                   f"{resolve(spec).model_id}: {e}") from None

@@ -21,10 +21,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from services.engine.models.config import ModelArchConfig, ModelConfigError
+from services.engine.models.moe_config import MoEConfigError, moe_from_gguf
 from services.engine.weights.errors import ModelLoadError
 
 if TYPE_CHECKING:
     import torch
+
+_GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
+"""general.architecture values we load ("llama" with expert tensors is Mixtral)."""
 
 # llama.cpp stores the q/k rows of these architectures permuted for its interleaved RoPE.
 _PERMUTED_QK_ARCHS = {"llama"}
@@ -44,6 +48,15 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # Mixture of experts (llama with experts = Mixtral, qwen2moe, qwen3moe): the experts stacked [E, ...].
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj",
+    "ffn_up_exps.weight": "mlp.experts.up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -111,9 +124,9 @@ class GGUFFile:
     def _arch_config(self) -> ModelArchConfig:
         md = self.metadata
         arch = md.get("general.architecture")
-        if arch not in ("llama", "qwen2", "qwen3"):
+        if arch not in _GGUF_ARCHS:
             raise ModelLoadError(f"{self.path}: general.architecture={arch!r} is not supported "
-                                 "(llama, qwen2, qwen3)")
+                                 f"({', '.join(_GGUF_ARCHS)})")
         names = {t.name for t in self._reader.tensors}
         if "rope_freqs.weight" in names:  # llama.cpp's encoding of llama3-style RoPE scaling
             raise ModelLoadError(f"{self.path}: per-frequency RoPE factors (rope_freqs.weight, Llama-3.1 "
@@ -128,11 +141,18 @@ class GGUFFile:
             if self._get("rope.scaling.type") == "linear":
                 scaling = {"rope_type": "linear", "factor": float(self._req("rope.scaling.factor"))}
             eos = md.get("tokenizer.ggml.eos_token_id")
+            moe = moe_from_gguf(arch, self._get, {t.name: tuple(int(d) for d in t.shape) for t in self._reader.tensors})
+            family = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}.get(arch, arch)
+            if family == "llama" and moe is not None:
+                family = "mixtral"
+            inter = self._get("feed_forward_length") or (moe.intermediate_size if moe else None)
+            if inter is None:
+                inter = self._req("feed_forward_length")
             return ModelArchConfig(
-                architecture=arch,
+                architecture=family,
                 vocab_size=vocab,
                 hidden_size=hidden,
-                intermediate_size=int(self._req("feed_forward_length")),
+                intermediate_size=int(inter),
                 num_layers=int(self._req("block_count")),
                 num_heads=heads,
                 num_kv_heads=int(self._get("attention.head_count_kv") or heads),
@@ -146,8 +166,9 @@ class GGUFFile:
                 qk_norm="blk.0.attn_q_norm.weight" in names,
                 bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
                 eos_token_ids=[] if eos is None else [int(eos)],
+                moe=moe,
             )
-        except ModelConfigError as e:
+        except (ModelConfigError, MoEConfigError) as e:
             raise ModelLoadError(f"{self.path}: {e}") from e
 
     def _req(self, key: str) -> Any:
@@ -213,6 +234,8 @@ class GGUFFile:
         for t in self._reader.tensors:
             hf = gguf_to_hf_name(t.name)
             if hf is None or t.tensor_type != GGMLQuantizationType.Q4_1:
+                continue
+            if len(t.shape) != 2:  # stacked experts: no linear reads them packed
                 continue
             rows = int(t.shape[1])
             b = _q4_1_blocks(t.data, rows)

@@ -7,9 +7,12 @@ vocab covers at least 257 ids. The shapes are readable without torch (the router
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from services.engine.models.config import ModelArchConfig
+from services.engine.models.moe_config import MoEConfig
+from services.engine.weights.errors import ModelLoadError
 
 if TYPE_CHECKING:
     from torch import nn
@@ -33,6 +36,30 @@ RANDOM_SHAPES: dict[str, dict[str, object]] = {
     "qwen3-8b": dict(architecture="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                      num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
                      rope_theta=1e6, max_position_embeddings=40960, qk_norm=True),
+    # Mixture of experts at their real sizes (config.json of Qwen/Qwen3-30B-A3B, mistralai/Mixtral-8x7B-v0.1,
+    # openai/gpt-oss-20b).
+    "qwen3-30b-a3b": dict(architecture="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6,
+                          rope_theta=1e6, max_position_embeddings=40960, qk_norm=True,
+                          moe=MoEConfig(num_experts=128, top_k=8, intermediate_size=768, norm_topk_prob=True)),
+    "mixtral-8x7b": dict(architecture="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                         num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                         rope_theta=1e6, max_position_embeddings=32768,
+                         moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=14336, norm_topk_prob=True)),
+    "gpt-oss-20b": dict(architecture="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                        num_layers=24, num_heads=64, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5,
+                        rope_theta=150000.0, max_position_embeddings=131072, attention_bias=True,
+                        rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                      "truncate": False, "original_max_position_embeddings": 4096},
+                        sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 12,
+                        attention_sinks=True,
+                        moe=MoEConfig(num_experts=32, top_k=4, intermediate_size=2880, scoring="softmax_topk",
+                                      norm_topk_prob=False, activation="gpt_oss", swiglu_alpha=1.702,
+                                      swiglu_limit=7.0, router_bias=True, expert_bias=True)),
+    "tiny-mixtral": dict(architecture="mixtral", vocab_size=512, hidden_size=64, intermediate_size=96,
+                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                         rope_theta=1e6, max_position_embeddings=1024,
+                         moe=MoEConfig(num_experts=4, top_k=2, intermediate_size=48)),
     "tiny-llama": dict(architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
                        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
                        rope_theta=500000.0, max_position_embeddings=1024,
@@ -44,8 +71,15 @@ RANDOM_SHAPES: dict[str, dict[str, object]] = {
 
 
 def random_arch(name: str) -> ModelArchConfig:
-    """ModelArchConfig of shape `name` (a key of RANDOM_SHAPES); KeyError if unknown."""
-    return ModelArchConfig(**RANDOM_SHAPES[name], eos_token_ids=[BYTE_EOS_ID])  # type: ignore[arg-type]
+    """ModelArchConfig of shape `name` (a key of RANDOM_SHAPES); KeyError if unknown; ModelLoadError naming
+    the fields when the shape needs architecture fields this engine does not have."""
+    shape = dict(RANDOM_SHAPES[name])
+    unknown = sorted(set(shape) - {f.name for f in dataclasses.fields(ModelArchConfig)})
+    if unknown:
+        raise ModelLoadError(f"random:{name} needs {unknown}, which this engine does not support")
+    if isinstance(shape.get("moe"), MoEConfig):  # each model its own copy
+        shape["moe"] = dataclasses.replace(shape["moe"])
+    return ModelArchConfig(**shape, eos_token_ids=[BYTE_EOS_ID])  # type: ignore[arg-type]
 
 
 def init_random_(model: nn.Module, seed: int = 0) -> None:
