@@ -83,7 +83,15 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: 
                 swiglu_limit: float | None = None) -> torch.Tensor:
     """x [T, H] through the experts each token chose -> [T, H] (the dispatch point for CUDA kernels).
 
-    topk_ids int32 [T, K], topk_weights fp32 [T, K]. The signature is the Triton fused MoE's."""
+    topk_ids int32 [T, K], topk_weights fp32 [T, K]. The signature is the Triton fused MoE's: CUDA tensors run
+    it (no host sync, so the layer lives inside the decode CUDA graphs); CPU tensors run the grouped torch path."""
+    if x.is_cuda:
+        # kernels.fused_moe imports triton: only a CUDA engine loads it (as the other GPU kernels in llama.py).
+        from kernels.fused_moe import fused_moe
+
+        return fused_moe(x, w13, w2, topk_ids.to(torch.int32), topk_weights.float(), activation=activation,
+                         w13_bias=w13_bias, w2_bias=w2_bias, swiglu_alpha=swiglu_alpha,
+                         swiglu_limit=swiglu_limit)
     return grouped_experts(x, w13, w2, topk_ids, topk_weights, activation=activation, w13_bias=w13_bias,
                            w2_bias=w2_bias, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
 
