@@ -20,7 +20,7 @@ from services.common.grpc_util import Reason, abort, abort_if_draining, abort_in
 from services.common.kvstore_pages import DEFAULT_PIECE_BYTES, PageAssembler, PageStreamError, split_page
 from services.common.pb import kvstore_pb2 as pb
 from services.common.pb import kvstore_pb2_grpc as pb_grpc
-from services.common.tls import peer_may_write_kv, peer_role
+from services.common.tls import peer_identity, peer_may_write_kv, peer_role
 from services.kvstore.backend import (
     ChecksumMismatchError,
     InvalidKeyError,
@@ -75,18 +75,6 @@ class PutQuota:
             self.held[peer] = left
         else:
             del self.held[peer]
-
-
-def peer_identity(context: grpc.aio.ServicerContext) -> str:
-    """Who a quota charges: the certificate's Common Name under mTLS, else the peer's IP address (every
-    connection of one host is one identity: opening more connections buys no more quota)."""
-    auth = context.auth_context() or {}
-    for cn in auth.get("x509_common_name", []):
-        return "cn:" + (cn.decode() if isinstance(cn, bytes) else cn)
-    peer = context.peer() or ""  # "ipv4:127.0.0.1:5555", "ipv6:[::1]:5555", "unix:..."
-    kind, _, rest = peer.partition(":")
-    host = rest.rsplit(":", 1)[0] if kind in ("ipv4", "ipv6") else rest
-    return f"{kind}:{host}"
 
 
 class KVStoreServicer(pb_grpc.KVStoreServicer):
