@@ -151,8 +151,9 @@ class ReservationTable:
 
 
 def caller_share(total_blocks: int, holders: dict[str, int], caller: str) -> int:
-    """Blocks ``caller``'s reservations awaiting KV may hold together: ``total_blocks // max(2, n)``, n the
-    callers holding such blocks with ``caller`` counted. One caller never holds more than half the pool
-    waiting for KV, so another caller always finds room; with more callers each gets an equal share."""
+    """Blocks ``caller``'s reservations awaiting KV may hold together: the whole pool while it is the only
+    caller holding such blocks, else ``total_blocks // n`` with n the callers holding them (``caller``
+    counted). So one caller cannot hold more than an equal share while others wait for their KV, and a
+    lone router is not held back (its own reservations waiting for a busy prefill may fill the pool)."""
     n = len(holders) + (caller not in holders)
-    return total_blocks // max(2, n)
+    return total_blocks if n == 1 else total_blocks // n

@@ -224,7 +224,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def _within_share(self, context: grpc.aio.ServicerContext, caller: str, prompt_len: int) -> None:
         """Refuse a Reserve that would take ``caller``'s reservations awaiting KV past its share of the pool
         (reservations.caller_share), counting every block the prompt may need (cached ones included). A caller
-        with nothing waiting is always let through (a prompt longer than a share still gets served)."""
+        with nothing waiting is always let through (a prompt longer than a share still gets served); the
+        engine still refuses it when no block is free."""
         total = int(self.engine.published_stats().get("total_blocks", 0))
         if total <= 0:
             return

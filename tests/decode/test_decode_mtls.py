@@ -83,9 +83,10 @@ async def test_only_the_router_certificate_may_reserve_generate_or_abort(tls_dec
 
 
 async def test_a_flood_of_maximal_leases_from_one_caller_leaves_room_for_another(tmp_path: Path):
-    """Caller identity is the certificate's CN: router-a floods Reserve with the largest lease and never
-    sends KV; it is stopped at its share (half the pool), router-b still reserves, and router-a's leases
-    are the server's --lease-ms (not --max-lease-ms) because no KV arrived."""
+    """Caller identity is the certificate's CN: while router-b waits for the KV of one reservation,
+    router-a floods Reserve with the largest lease and never sends KV; it is stopped at its share (half
+    the pool), router-b still reserves, and router-a's leases are the server's --lease-ms (not
+    --max-lease-ms) because no KV arrived."""
     certs = make_certs(tmp_path / "ids", roles=("decode", "router-a", "router-b"))
     cfg = DecodeConfig(host="127.0.0.1", port=0, metrics_port=-1, lease_ms=30_000, max_lease_ms=300_000,
                        tls_cert=str(certs / "decode.pem"), tls_key=str(certs / "decode-key.pem"),
@@ -101,6 +102,7 @@ async def test_a_flood_of_maximal_leases_from_one_caller_leaves_room_for_another
         total = base["total_blocks"]
         async with create_channel(addr, tls=_tls(certs, "router-a")) as a, \
                 create_channel(addr, tls=_tls(certs, "router-b")) as b:
+            waiting = await reserve(decode_pb2_grpc.DecodeStub(b), prompt(9_999, 40), request_id="waiting")
             flood, refused_n = [], 0
             for i in range(total):  # far more than the pool holds
                 try:
@@ -114,8 +116,8 @@ async def test_a_flood_of_maximal_leases_from_one_caller_leaves_room_for_another
             assert all(r.lease_expires_unix <= time.time() + 30.0 for r in flood)  # not the 300 s maximum
             other = await reserve(decode_pb2_grpc.DecodeStub(b), prompt(10_000, 40), request_id="victim")
             assert len(other.block_ids) == 3
-            for r in [*flood, other]:
-                await decode_pb2_grpc.DecodeStub(a if r is not other else b).Abort(
+            for r in [*flood, other, waiting]:
+                await decode_pb2_grpc.DecodeStub(a if r in flood else b).Abort(
                     common_pb2.AbortRequest(request_id=r.reservation_id))
         assert (await idle(servicer.engine))["free_blocks"] == base["free_blocks"]
     finally:

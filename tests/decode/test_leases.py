@@ -42,20 +42,18 @@ async def test_a_huge_lease_is_capped_by_the_server_and_by_the_deadline(decode_r
 async def test_huge_leases_cannot_starve_others_after_expiry(decode_rig):
     rig = await decode_rig(lease_ms=2_000, max_lease_ms=4_000)
     base = await idle(rig.engine)
-    # One caller's reservations waiting for KV hold at most half the 64 blocks: 6 prompts of 5 pages
-    # (30 blocks) fit, the 7th is refused for the caller's share (the pool still has 34 free blocks).
-    held = [await reserve(rig.stub, prompt(i, 80), lease_ms=HUGE) for i in range(6)]
+    # 12 prompts of 5 distinct pages each take 60 of the 64 blocks (one caller alone may fill the pool).
+    held = [await reserve(rig.stub, prompt(i, 80), lease_ms=HUGE) for i in range(12)]
     assert all(len(r.block_ids) == 5 for r in held)
     out = await refused(reserve(rig.stub, prompt(99, 80)))
     assert out.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert out.detail.reason == Reason.ERROR_REASON_OVERLOADED and out.detail.retryable
-    assert out.detail.retry_after_ms > 0 and "share" in out.details
-    assert rig.metric("pdserve_decode_requests_refused_total", reason="caller_share") == 1
+    assert out.detail.retry_after_ms > 0
     # Without KV the lease is --lease-ms (2 s), not the huge ask nor --max-lease-ms: all are freed.
     assert all(r.lease_expires_unix <= time.time() + 2.0 for r in held)
     s = await idle(rig.engine, timeout_s=15.0)
     assert s["free_blocks"] == base["free_blocks"] and len(rig.servicer.table) == 0
-    assert rig.metric("pdserve_decode_reservations_expired_total", model=rig.servicer.model) == 6
+    assert rig.metric("pdserve_decode_reservations_expired_total", model=rig.servicer.model) == 12
     resv = await reserve(rig.stub, prompt(99, 80))
     await rig.stub.Abort(common_pb2.AbortRequest(request_id=resv.reservation_id))
     assert (await idle(rig.engine))["free_blocks"] == base["free_blocks"]
