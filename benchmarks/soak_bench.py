@@ -91,6 +91,7 @@ async def _one(session: aiohttp.ClientSession, url: str, model: str, rng: random
                 text = await r.text()
                 if r.status in DESIGNED_STATUS and r.headers.get("Retry-After") and _json_error(text):
                     tally.outcomes[f"http_{r.status}"] += 1
+                    await asyncio.sleep(min(5.0, float(r.headers["Retry-After"])))  # as told
                 else:
                     tally.bad(f"HTTP {r.status} Retry-After={r.headers.get('Retry-After')!r}: {text[:200]}")
                 return
@@ -131,6 +132,7 @@ async def _one(session: aiohttp.ClientSession, url: str, model: str, rng: random
                 tally.bad(f"stream ended without a completion (text {text!r}, finish {finish!r})")
     except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError) as e:
         tally.outcomes[f"no_answer_{type(e).__name__}"] += 1
+        await asyncio.sleep(1.0)  # the router is down (restarting): back off as a client would
     except TimeoutError:
         tally.bad("no answer within the client's 300 s timeout")
 

@@ -112,7 +112,7 @@ class UpConfig:
     insecure_internal: bool = opt(False, "Plaintext internal RPCs (Prefill, Reserve, PushKV, kvstore Put/Get): any "
                                          "local process can call them. Default: mTLS with a fresh CA and per-role "
                                          "certificates made at start in a private directory removed at exit.",
-                                  env=_env("insecure_internal"), group=_SECURITY)
+                                  env="PDSERVE_INSECURE_INTERNAL", group=_SECURITY)
     tls_dir: str = opt("", "mTLS with existing certificates: DIR holds ca.pem and <role>.pem/<role>-key.pem "
                            "for router, prefill, decode, kvstore (pdserve certs --out DIR).", env=_env("tls_dir"),
                        group=_SECURITY)
