@@ -13,6 +13,8 @@ Every transport moves the same ``--mib`` of pages, chunk by chunk (``--chunk-pag
             copied into its KV pool (see kv_bench_grpc)
   grpc-bare the same message sizes as bare gRPC bytes to a sink that only counts them: the ceiling of
             Python gRPC on this box, measured in the same run
+  grpc-tls  (--tls) grpc into a second decode service that runs mTLS, as `pdserve up` does by default:
+            the TLS cost of the grpc path is grpc-tls / grpc, printed
   mooncake  the Mooncake Transfer Engine over loopback TCP writing each chunk's (layer, K|V) runs from
             this process's registered pool into another process's registered pool (what the mooncake
             transport does)
@@ -31,8 +33,10 @@ import json
 import math
 import multiprocessing as mp
 import os
+import shutil
 import socket
 import statistics
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -46,6 +50,7 @@ from services.common.cli_args import ArgParser
 from services.common.grpc_util import server_options
 from services.common.malloc_tuning import tune_malloc
 from services.common.pb import decode_pb2
+from services.common.tls import make_certs
 from services.engine.cpu_features import host_cpu
 from services.engine.kv_transport import KVPoll
 
@@ -210,9 +215,15 @@ def run(args: argparse.Namespace) -> Results:
     info = parent.recv()
     decode: DecodePeer | None = None
     grpc_paths: GrpcPaths | None = None
+    decode_tls: DecodePeer | None = None
+    tls_paths: GrpcPaths | None = None
+    certs_dir = tempfile.mkdtemp(prefix="pdserve-bench-tls-") if args.tls and not args.no_decode else None
     try:
         if not args.no_decode:
             decode = DecodePeer(args.decode_model, args.dtype, nblocks + 8, args.threads)
+        if certs_dir is not None:
+            certs = make_certs(certs_dir)
+            decode_tls = DecodePeer(args.decode_model, args.dtype, nblocks + 8, args.threads, certs=certs)
         flat = src.view(-1).view(torch.uint8)
         dst = torch.empty_like(flat)
         paths: dict[str, Callable[[], object]] = {
@@ -230,6 +241,9 @@ def run(args: argparse.Namespace) -> Results:
             paths["grpc"] = lambda: grpc_paths.decode(src, chunks)
             sizes = [len(c) * page_bytes for c in chunks]
             paths["grpc-bare"] = lambda: grpc_paths.bare_bytes(sizes)
+        if decode_tls is not None:
+            tls_paths = GrpcPaths(decode_tls.address, f"127.0.0.1:{info['grpc']}", args.streams, certs=certs)
+            paths["grpc-tls"] = lambda: tls_paths.decode(src, chunks)
         if want_mc:
             from services.engine.kv_transport.mooncake import MooncakeEngine, MooncakeWriter
 
@@ -250,6 +264,8 @@ def run(args: argparse.Namespace) -> Results:
         peers = {"socket": proc.pid, "grpc-bare": proc.pid, "mooncake": proc.pid}
         if decode is not None:
             peers["grpc"] = decode.pid
+        if decode_tls is not None:
+            peers["grpc-tls"] = decode_tls.pid
         times, cpu = _time_all(paths, args.repeat, peers)
         for name, secs in times.items():
             r.gbps[name] = nbytes / statistics.median(secs) / 1e9
@@ -260,10 +276,14 @@ def run(args: argparse.Namespace) -> Results:
                   f"{r.cpu_s_per_gb[name][0]:.2f}, receiving {r.cpu_s_per_gb[name][1]:.2f}", flush=True)
         os.unlink(path)
     finally:
-        if grpc_paths is not None:
-            grpc_paths.close()
-        if decode is not None:
-            decode.close()
+        for paths_ in (grpc_paths, tls_paths):
+            if paths_ is not None:
+                paths_.close()
+        for peer in (decode, decode_tls):
+            if peer is not None:
+                peer.close()
+        if certs_dir is not None:
+            shutil.rmtree(certs_dir, ignore_errors=True)
         parent.send("stop")
         proc.join(10)
     for name, (base_name, goal) in GOALS.items():
@@ -272,12 +292,12 @@ def run(args: argparse.Namespace) -> Results:
             ok = "meets" if r.ratios[name] >= goal else "MISSES"
             print(f"{name} / {base_name} = {r.ratios[name]:.2f}x median ({ok} the >= {goal}x goal), "
                   f"{r.best_gbps[name] / r.best_gbps[base_name]:.2f}x best")
-    for name, base_name in (("grpc-bare", "socket"), ("grpc", "grpc-bare")):
+    for name, base_name in (("grpc-bare", "socket"), ("grpc", "grpc-bare"), ("grpc-tls", "grpc")):
         if name in r.gbps and base_name in r.gbps:
             r.ratios[f"{name}/{base_name}"] = r.gbps[name] / r.gbps[base_name]
             print(f"{name} / {base_name} = {r.gbps[name] / r.gbps[base_name]:.2f}x median")
     cores = len(os.sched_getaffinity(0))
-    for name in ("grpc", "grpc-bare"):
+    for name in ("grpc", "grpc-tls", "grpc-bare"):
         if name in r.cpu_s_per_gb and "socket" in r.gbps:
             send, recv = r.cpu_s_per_gb[name]
             r.cpu_limit_gbps[name] = limit = cpu_bound_gbps(send, recv, cores)
@@ -312,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-decode", action="store_true", help="Skip the grpc paths (no decode service).")
     p.add_argument("--decode-model", default="random:smollm2-135m",
                    help="grpc: the decode service's model (random weights; its pages must be --page-shape's).")
+    p.add_argument("--tls", action="store_true",
+                   help="Also time grpc-tls: the grpc path into a second decode service running mTLS (what "
+                        "`pdserve up` runs by default), and print grpc-tls / grpc.")
     p.add_argument("--json", default="", help="Also write the results to this file.")
     args = p.parse_args(argv)
     tune_malloc()  # this process is prefill's sending side; services tune malloc in run_main

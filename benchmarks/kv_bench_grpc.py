@@ -8,6 +8,8 @@
              single token after it stops); the clock covers the pages' gather, send and landing.
   grpc-bare  the same message sizes as bare bytes (no protobuf, no CRC, no landing) to a sink that only
              counts them: what Python gRPC itself moves on this box, the ceiling of ``grpc``.
+  grpc-tls   (``--tls``) ``grpc`` into a second decode service that runs mTLS, as `pdserve up` does by
+             default: fresh certificates, the sender presenting a prefill's, Reserve/Generate a router's.
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 import torch
 
 from services.common.grpc_util import create_channel, payload_budget
 from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc
+from services.common.tls import TLSConfig
 from services.engine.convert import layout_from_pb
 from services.engine.kv_layout import PageLayout
 from services.engine.kv_pages import MessageExport, gather_messages
@@ -43,10 +47,14 @@ def _identity(b: bytes) -> bytes:
 class DecodePeer:
     """A decode service process whose KV pool holds ``num_blocks`` pages of ``model``'s shape."""
 
-    def __init__(self, model: str, dtype: str, num_blocks: int, threads: int) -> None:
+    def __init__(self, model: str, dtype: str, num_blocks: int, threads: int, certs: Path | None = None) -> None:
+        """``certs``: run mTLS with the decode certificate from this ``make_certs`` directory."""
         cmd = [sys.executable, "-m", "services.decode", "--port", "0", "--metrics-port", "0", "--model", model,
                "--dtype", dtype, "--num-kv-blocks", str(num_blocks), "--cpu-threads", str(threads),
                "--max-message-bytes", str(MAX_MESSAGE_BYTES), "--log-level", "WARNING"]
+        if certs is not None:
+            cmd += ["--tls-cert", str(certs / "decode.pem"), "--tls-key", str(certs / "decode-key.pem"),
+                    "--tls-ca", str(certs / "ca.pem")]
         self.proc = ServiceProc("decode", "services.decode", cmd, dict(os.environ), echo=False)
         self.proc.launch()
         if not self.proc.wait_ready(300):
@@ -125,8 +133,13 @@ async def _one_request(stub: decode_pb2_grpc.DecodeStub, transport: GrpcStreamTr
 class GrpcPaths:
     """The two gRPC paths' clients, on one event loop of their own (a thread), reused across runs."""
 
-    def __init__(self, decode_address: str, bare_address: str, streams: int) -> None:
+    def __init__(self, decode_address: str, bare_address: str, streams: int, certs: Path | None = None) -> None:
+        """``certs``: mTLS to the decode (a prefill's certificate on PushKV, a router's on Reserve/Generate)."""
         self.streams = streams
+        push_tls = control_tls = None
+        if certs is not None:
+            push_tls, control_tls = (TLSConfig(tls_cert=str(certs / f"{r}.pem"), tls_key=str(certs / f"{r}-key.pem"),
+                                               tls_ca=str(certs / "ca.pem")) for r in ("prefill", "router"))
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
@@ -135,8 +148,9 @@ class GrpcPaths:
         self._seed = 0
 
         async def make() -> None:
-            self.transport = GrpcStreamTransport(max_message_bytes=MAX_MESSAGE_BYTES, channels_per_peer=streams)
-            self.control = create_channel(decode_address)
+            self.transport = GrpcStreamTransport(max_message_bytes=MAX_MESSAGE_BYTES, channels_per_peer=streams,
+                                                 tls=push_tls)
+            self.control = create_channel(decode_address, tls=control_tls)
             self.stub = decode_pb2_grpc.DecodeStub(self.control)
             self.bare = [create_channel(bare_address, max_message_bytes=MAX_MESSAGE_BYTES,
                                         options=(("grpc.channel_id", k),)) for k in range(streams)]

@@ -9,8 +9,9 @@ Before anything starts, every fixed port (router HTTP and gRPC, the metrics port
 SIGTERM / Ctrl-C stops everything, router first so in-flight work drains, and exits 0; a second signal
 within a second of the first is the same request, a later one kills what is left.
 
-Everything binds --host (127.0.0.1 by default). --tls runs mTLS between all services with a fresh CA
-and per-role certificates in a private temporary directory (or --tls-dir with existing ones);
+Everything binds --host (127.0.0.1 by default). Every internal RPC runs over mTLS: a fresh CA and
+per-role certificates are made at start in a private temporary directory (mode 0700, removed at exit),
+or --tls-dir names existing ones; --insecure-internal runs them plaintext (and warns at start);
 --api-key (or PDSERVE_API_KEY) makes the router's public API require ``Authorization: Bearer KEY``.
 docs/SECURITY.md says what each mode trusts.
 """
@@ -45,6 +46,7 @@ from services.common.config_file import ConfigFile, add_config_arg, config_file
 from services.common.lease import LeaseConfig
 from services.common.logging import LoggingConfig
 from services.common.server import port_problem
+from services.common.tls import make_certs
 from services.engine.model_settings import CompileDecodeConfig, DtypeConfig, ModelConfig
 from services.engine.model_source import resolve
 from services.engine.weights.errors import ModelLoadError
@@ -103,7 +105,8 @@ class UpConfig:
     access_log: bool = reuse(RouterConfig, "access_log", group=_SERVING)
     log_level: str = reuse(LoggingConfig, "log_level", group=_SERVING)
     host: str = opt("127.0.0.1", "Address every service binds (gRPC, metrics, the router's HTTP); 0.0.0.0 "
-                                 "exposes internal RPCs to the network: use --tls then.", env=_env("host"), group=_NET)
+                                 "exposes internal RPCs to the network (mTLS guards them unless --insecure-internal).",
+                  env=_env("host"), group=_NET)
     http_port: int = reuse(RouterConfig, "http_port", group=_NET)
     grpc_port: int = opt(50051, "Router gRPC port; 0 picks a free one.", env=_env("grpc_port"), group=_NET)
     metrics_port_base: int = opt(0, "Fixed metrics ports: router BASE, kvstore BASE+1, mooncake master BASE+2, "
@@ -113,8 +116,10 @@ class UpConfig:
     prometheus_sd: str = opt("", "Write the services' metrics addresses here as a Prometheus file_sd target "
                                  "list (deploy/prometheus/prometheus-local.yml reads targets/*.json).",
                              env=_env("prometheus_sd"), group=_NET)
-    tls: bool = opt(False, "mTLS between all services, with a fresh CA and per-role certificates in a "
-                           "private temporary directory (removed at exit).", env=_env("tls"), group=_SECURITY)
+    insecure_internal: bool = opt(False, "Plaintext internal RPCs (Prefill, Reserve, PushKV, kvstore Put/Get): any "
+                                         "local process can call them. Default: mTLS with a fresh CA and per-role "
+                                         "certificates made at start in a private directory removed at exit.",
+                                  env="PDSERVE_INSECURE_INTERNAL", group=_SECURITY)
     tls_dir: str = opt("", "mTLS with existing certificates: DIR holds ca.pem and <role>.pem/<role>-key.pem "
                            "for router, prefill, decode, kvstore (pdserve certs --out DIR).", env=_env("tls_dir"),
                        group=_SECURITY)
@@ -137,7 +142,8 @@ class UpConfig:
     def __post_init__(self) -> None:
         require(self.prefill >= (0 if self.colocated else 1), self, "prefill", f"must be >= 1, got {self.prefill}")
         require(self.decode >= 1, self, "decode", f"must be >= 1, got {self.decode}")
-        require(not (self.tls and self.tls_dir), self, "tls", "give --tls or --tls-dir, not both")
+        require(not (self.insecure_internal and self.tls_dir), self, "insecure_internal",
+                "give --insecure-internal or --tls-dir, not both")
         require(not self.tls_dir or Path(self.tls_dir).is_dir(), self, "tls_dir", f"no such directory: {self.tls_dir}")
         require(not (self.api_key and self.api_key_file), self, "api_key", "give --api-key or --api-key-file, not both")
         require(not self.api_key_file or Path(self.api_key_file).is_file(), self, "api_key_file",
@@ -194,9 +200,6 @@ def _print_endpoints(cfg: UpConfig, cluster: LocalCluster, tls_dir: Path | None,
     if dial_host(cfg.host) != cfg.host:
         _say(f"every port above is bound on {cfg.host or 'every interface'}: other hosts reach them at this "
              "host's addresses")
-    if tls_dir is None and dial_host(cfg.host) not in ("127.0.0.1", "localhost", "::1"):
-        _say("WARNING: internal RPCs (Reserve, PushKV, Prefill, kvstore Put) are reachable from the network "
-             "without authentication; use --tls (docs/SECURITY.md)", err=True)
     if tls_dir is not None:
         _say(f"mTLS between all services; certificates in {tls_dir} (gRPC clients of the router present "
              "client.pem/client-key.pem and trust ca.pem)")
@@ -328,6 +331,11 @@ def _run(cfg: UpConfig, tls_dir: Path | None, key: str | None,
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, on_signal)
+    if tls_dir is None:  # only --insecure-internal gets here
+        where = "from the network" if dial_host(cfg.host) not in ("127.0.0.1", "localhost", "::1") else \
+            "by every local process"
+        _say(f"WARNING: --insecure-internal: internal RPCs (Prefill, Reserve, PushKV, kvstore Put/Get) are "
+             f"plaintext and answer anyone {where} (docs/SECURITY.md)", err=True)
     _say("starting ...")
     try:
         cluster.start(cfg.start_timeout_s)
@@ -385,9 +393,7 @@ def main(argv: list[str]) -> int:
     _add_compile_flags(extra, cfg, file, given=ns.cpu_compile_decode is not None)
     tls_dir: Path | None = Path(cfg.tls_dir) if cfg.tls_dir else None
     tmp: str | None = None
-    if cfg.tls:
-        from services.common.tls import make_certs
-
+    if tls_dir is None and not cfg.insecure_internal:
         tmp = tempfile.mkdtemp(prefix="pdserve-tls-")  # mode 0700: only this user reads the keys
         tls_dir = make_certs(tmp, hosts=tuple(dict.fromkeys(("localhost", "127.0.0.1", dial_host(cfg.host)))))
     try:

@@ -74,6 +74,7 @@ ROUTER_DISPATCH_RETRIES_TOTAL = "pdserve_router_dispatch_retries_total"
 ROUTER_INFLIGHT_REQUESTS = "pdserve_router_inflight_requests"
 ROUTER_INSTANCE_HEALTHY = "pdserve_router_instance_healthy"
 ROUTER_MIGRATIONS_TOTAL = "pdserve_router_migrations_total"
+ROUTER_INSTANCE_WAITS_TOTAL = "pdserve_router_instance_waits_total"
 ROUTER_HANDOFF_PHASE_SECONDS = "pdserve_router_handoff_phase_seconds"
 
 # --- prefill ------------------------------------------------------------------------------------
@@ -181,6 +182,10 @@ SPECS: tuple[MetricSpec, ...] = (
        "1 if the router sees the backend instance as SERVING, else 0."),
     _s(ROUTER_MIGRATIONS_TOTAL, "counter", ["outcome"], "router",
        "Streams moved to another decode after theirs died mid-generation, by outcome (ok, failed)."),
+    _s(ROUTER_INSTANCE_WAITS_TOTAL, "counter", ["role", "outcome"], "router",
+       "Dispatch steps that found no live instance of a role and waited for one to come back (a restart) "
+       "within the request's deadline, by outcome (back: one answered SERVING and took the step; "
+       "gave_up: the deadline or --restart-wait-s passed first)."),
     _s(ROUTER_HANDOFF_PHASE_SECONDS, "histogram", ["phase"], "router",
        "Time from a P/D request's arrival at the router to a point of its handoff (seconds): reserve (decode's "
        "Reserve answered), prefill_sent (Prefill call made), attached (an early Prefill's AttachReservation "
@@ -272,7 +277,7 @@ SPECS: tuple[MetricSpec, ...] = (
        "PushKV streams that broke before their last chunk (peer gone); the reservation was kept for a retry."),
     _s(DECODE_REQUESTS_REFUSED_TOTAL, "counter", ["reason"], "decode",
        "Reserve/Generate/PushKV/RenewLease calls refused before any work, by reason "
-       "(overloaded, draining, deadline, permission)."),
+       "(overloaded, draining, deadline, permission, caller_share)."),
     _s(DECODE_ENGINE_INFO, "gauge", ENGINE_INFO_LABELS, "decode",
        "1, labelled with the engine's resolved dtype and why, device, CPU model and torch threads."),
     _s(DECODE_SPEC_DRAFT_TOKENS_TOTAL, "counter", ["model", "acceptance"], "decode",

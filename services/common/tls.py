@@ -85,6 +85,18 @@ def peer_role(context: grpc.aio.ServicerContext) -> str | None:
     return None
 
 
+def peer_identity(context: grpc.aio.ServicerContext) -> str:
+    """Who a quota charges: the certificate's Common Name under mTLS, else the peer's IP address (every
+    connection of one host is one identity: opening more connections buys no more quota)."""
+    auth = context.auth_context() or {}
+    for cn in auth.get("x509_common_name", []):
+        return "cn:" + (cn.decode() if isinstance(cn, bytes) else cn)
+    peer = context.peer() or ""  # "ipv4:127.0.0.1:5555", "ipv6:[::1]:5555", "unix:..."
+    kind, _, rest = peer.partition(":")
+    host = rest.rsplit(":", 1)[0] if kind in ("ipv4", "ipv6") else rest
+    return f"{kind}:{host}"
+
+
 def peer_may_write_kv(context: grpc.aio.ServicerContext, tls_on: bool) -> bool:
     """Whether this peer may write KV pages into a shared cache: any local peer without mTLS (loopback
     trust, see docs/SECURITY.md), only a certificate with role ``prefill`` with it."""

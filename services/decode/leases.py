@@ -1,8 +1,10 @@
 """Lease and deadline timers of decode reservations.
 
 A lease bounds how long a reservation waits for its KV: Reserve's ``lease_ms`` (0: the server
-default) capped at ``--max-lease-ms`` and never past the request's ``deadline_unix``. A huge ask
-(``lease_ms=4294967295``) is capped, not refused. RenewLease sets a fresh lease the same way. When
+default) capped and never past the request's ``deadline_unix``. The cap is ``--lease-ms`` while no KV
+has arrived (the router asks for that lease and renews it every lease/3 while its prefill runs, so a
+caller that never sends KV holds blocks one lease at most), ``--max-lease-ms`` once KV is arriving. A
+huge ask (``lease_ms=4294967295``) is capped, not refused. RenewLease sets a fresh lease the same way. When
 the lease runs out before the last KV chunk lands, the reservation is released (blocks freed). Once
 the KV has landed, a request no Generate stream has picked up gets one more lease of the same length
 to be picked up; then it is released too (nobody would ever read its tokens).
@@ -34,9 +36,11 @@ class LeaseKeeper:
         self._on_end = on_end
         self._tasks: set[asyncio.Task] = set()
 
-    def expiry(self, requested_ms: int, deadline_unix: float) -> float:
-        """Unix time a lease asked for now would end (see :func:`lease_expiry`)."""
-        return lease_expiry(time.time(), requested_ms, self.config.lease_ms, self.config.max_lease_ms, deadline_unix)
+    def expiry(self, requested_ms: int, deadline_unix: float, *, kv_started: bool = True) -> float:
+        """Unix time a lease asked for now would end (see :func:`lease_expiry`); capped at --lease-ms
+        until KV has started arriving, at --max-lease-ms after."""
+        cap = self.config.max_lease_ms if kv_started else self.config.lease_ms
+        return lease_expiry(time.time(), requested_ms, self.config.lease_ms, cap, deadline_unix)
 
     def arm(self, r: Reservation, requested_ms: int) -> None:
         """Start a new reservation's lease and, if it has a deadline, its deadline timer."""
@@ -50,7 +54,7 @@ class LeaseKeeper:
         if r.lease is not None:
             r.lease.cancel()
         r.lease_ms = requested_ms
-        r.lease_expires_unix = self.expiry(requested_ms, r.deadline_unix)
+        r.lease_expires_unix = self.expiry(requested_ms, r.deadline_unix, kv_started=r.kv_started)
         delay = max(0.0, r.lease_expires_unix - time.time())
         r.lease = asyncio.get_running_loop().call_later(delay, self._fire, r, EndCause.EXPIRED)
         return r.lease_expires_unix

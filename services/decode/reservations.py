@@ -57,6 +57,8 @@ class Reservation:
     """Leading blocks already valid here (prefix cache); the sender skips them."""
     stream: asyncio.Queue
     token: bytes = field(default_factory=new_token, repr=False)
+    caller: str = ""
+    """Who reserved it (services.common.tls.peer_identity): the per-caller share is counted on it."""
     deadline_unix: float = 0.0
     """The request's deadline (Unix seconds); 0: none."""
     reserved_at: float = field(default_factory=time.monotonic)
@@ -80,6 +82,11 @@ class Reservation:
     @property
     def complete(self) -> bool:
         return self.kv_done_at is not None
+
+    @property
+    def kv_started(self) -> bool:
+        """Some of its KV arrived (a chunk accepted, or all of it landed)."""
+        return self.next_chunk > 0 or self.complete
 
     def token_ok(self, token: bytes) -> bool:
         """Constant-time comparison with the token Reserve issued."""
@@ -133,3 +140,20 @@ class ReservationTable:
     def num_awaiting_kv(self) -> int:
         """Reservations whose KV has not fully landed yet (count)."""
         return sum(1 for r in self._by_id.values() if not r.complete)
+
+    def blocks_awaiting_kv(self) -> dict[str, int]:
+        """caller -> blocks its reservations hold while their KV has not fully landed."""
+        out: dict[str, int] = {}
+        for r in self._by_id.values():
+            if not r.complete:
+                out[r.caller] = out.get(r.caller, 0) + len(r.block_ids)
+        return out
+
+
+def caller_share(total_blocks: int, holders: dict[str, int], caller: str) -> int:
+    """Blocks ``caller``'s reservations awaiting KV may hold together: the whole pool while it is the only
+    caller holding such blocks, else ``total_blocks // n`` with n the callers holding them (``caller``
+    counted). So one caller cannot hold more than an equal share while others wait for their KV, and a
+    lone router is not held back (its own reservations waiting for a busy prefill may fill the pool)."""
+    n = len(holders) + (caller not in holders)
+    return total_blocks if n == 1 else total_blocks // n

@@ -24,12 +24,12 @@ from services.common import tracing
 from services.common.grpc_util import Reason, abort_if_draining
 from services.common.metrics import DecodeMetrics
 from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc
-from services.common.tls import peer_may_write_kv, peer_role
+from services.common.tls import peer_identity, peer_may_write_kv, peer_role
 from services.decode import errors
 from services.decode.config import DecodeConfig
 from services.decode.kv_receiver import DecodeKVReceiver, KVRejected
 from services.decode.leases import LeaseKeeper
-from services.decode.reservations import EndCause, Reservation, ReservationTable
+from services.decode.reservations import EndCause, Reservation, ReservationTable, caller_share
 from services.decode.side_pool import offered_pool
 from services.engine.async_engine import AsyncEngine, EngineDeadError
 from services.engine.block_manager import NoFreeBlocksError
@@ -204,10 +204,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if deadline and deadline <= time.time():
             await self._refuse(context, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_unix: the request's deadline "
                                "has already passed", Reason.ERROR_REASON_DEADLINE, "deadline", field="deadline_unix")
+        caller = peer_identity(context)
+        await self._within_share(context, caller, len(ids))
         rid = self.table.new_id()
         q, num_cached, block_ids = await self._engine_admit(
             context, self.engine.reserve(rid, ids, params, detokenize=bool(params.stop)), lambda: self._drop(rid))
-        r = Reservation(rid, request.request_id, len(ids), params, block_ids, num_cached, q, deadline_unix=deadline)
+        r = Reservation(rid, request.request_id, len(ids), params, block_ids, num_cached, q, deadline_unix=deadline,
+                        caller=caller)
         self.table.add(r)
         self.leases.arm(r, request.lease_ms)
         resp = decode_pb2.ReserveResponse(
@@ -217,6 +220,25 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if self.destination is not None:  # a pool prefills may write into
             resp.destination.CopyFrom(self.destination)
         return resp
+
+    async def _within_share(self, context: grpc.aio.ServicerContext, caller: str, prompt_len: int) -> None:
+        """Refuse a Reserve that would take ``caller``'s reservations awaiting KV past its share of the pool
+        (reservations.caller_share), counting every block the prompt may need (cached ones included). A caller
+        with nothing waiting is always let through (a prompt longer than a share still gets served); the
+        engine still refuses it when no block is free."""
+        total = int(self.engine.published_stats().get("total_blocks", 0))
+        if total <= 0:
+            return
+        holders = self.table.blocks_awaiting_kv()
+        share = caller_share(total, holders, caller)
+        need = -(-prompt_len // self.layout.block_size)
+        held = holders.get(caller, 0)
+        if held and held + need > share:
+            await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"decode is overloaded for this caller: its reservations waiting for KV hold {held} "
+                               f"blocks, {need} more would pass its share of {share} of {total} blocks",
+                               Reason.ERROR_REASON_OVERLOADED, "caller_share", retryable=True,
+                               retry_after_ms=self.config.overload_retry_after_ms)
 
     async def _drop(self, engine_rid: str) -> None:
         """Undo an admission whose caller went away."""

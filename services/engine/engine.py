@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from services.common.malloc_tuning import release_free_heap
 from services.engine.block_manager import BlockManager, NoFreeBlocksError
 from services.engine.config import EngineConfig
 from services.engine.detokenizer import IncrementalDetokenizer, StopChecker
@@ -136,6 +137,9 @@ class LLMEngine:
                  "(%.1f s since loading began)", self.runner.num_blocks, config.block_size,
                  self.runner.num_blocks * self.layout.page_bytes / 2**20, self.max_model_len,
                  time.monotonic() - t1, time.monotonic() - t0)
+        freed = release_free_heap()  # start-up's temporaries (dequantized tensors, probes): not kept resident
+        if freed:
+            log.info("engine: start-up freed %.0f MiB of heap, returned to the system", freed / 2**20)
 
     # --- admission ---
 

@@ -2,8 +2,10 @@
 
 Writes are guarded: with mTLS on, only a peer whose certificate says ``prefill`` may Put or Delete
 (Lookup/Get answer any authenticated peer). A Put stream never allocates what a page announces: pieces
-are kept as they arrive, and the pages all open Put streams are assembling may announce at most
-``max_inflight_put_bytes`` together (past it RESOURCE_EXHAUSTED, retryable).
+are kept as they arrive, and the quota is charged on the bytes that arrived, never on an announcement.
+The bytes of unfinished pages of all open Put streams fit in ``max_inflight_put_bytes`` together, and
+one peer identity (its certificate's CN under mTLS, else its IP address) holds at most its share of it
+(:class:`PutQuota`); past either RESOURCE_EXHAUSTED, retryable.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from services.common.grpc_util import Reason, abort, abort_if_draining, abort_in
 from services.common.kvstore_pages import DEFAULT_PIECE_BYTES, PageAssembler, PageStreamError, split_page
 from services.common.pb import kvstore_pb2 as pb
 from services.common.pb import kvstore_pb2_grpc as pb_grpc
-from services.common.tls import peer_may_write_kv, peer_role
+from services.common.tls import peer_identity, peer_may_write_kv, peer_role
 from services.kvstore.backend import (
     ChecksumMismatchError,
     InvalidKeyError,
@@ -39,21 +41,40 @@ _LOOKUP_ROLES = frozenset({"prefill", "router"})
 
 
 class PutQuota:
-    """Bytes announced by the pages open Put streams are assembling (one event loop: no lock)."""
+    """Bytes of unfinished pages that open Put streams received, per peer identity (one event loop: no lock).
+
+    A peer may hold at most ``limit // max(2, holders)`` bytes, where holders counts the peers holding
+    bytes (itself included): one caller never holds more than half, so another always finds room, and
+    with more callers each is bounded by an equal share. A peer over its share (others arrived after it
+    took it) takes nothing more until its pages land or its streams end."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.used = 0
+        self.held: dict[str, int] = {}
+        """peer identity -> bytes it holds (> 0 only)."""
 
-    def take(self, n: int) -> bool:
-        if self.used + n > self.limit:
+    def share(self, peer: str) -> int:
+        holders = len(self.held) + (peer not in self.held)
+        return self.limit // max(2, holders)
+
+    def take(self, peer: str, n: int) -> bool:
+        if self.used + n > self.limit or self.held.get(peer, 0) + n > self.share(peer):
             return False
         self.used += n
+        self.held[peer] = self.held.get(peer, 0) + n
         return True
 
-    def release(self, n: int) -> None:
+    def release(self, peer: str, n: int) -> None:
+        if n == 0:
+            return
         self.used -= n
-        assert self.used >= 0, "PutQuota released more than it took"
+        left = self.held[peer] - n
+        assert self.used >= 0 and left >= 0, "PutQuota released more than it took"
+        if left:
+            self.held[peer] = left
+        else:
+            del self.held[peer]
 
 
 class KVStoreServicer(pb_grpc.KVStoreServicer):
@@ -131,8 +152,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         await self._require_writer(context, "Put")
         backend = await self._backend(context)
         assembler = PageAssembler(self.max_page_bytes)
+        peer = peer_identity(context)
         stored = skipped = 0
-        held = 0  # quota this stream holds for the page it is assembling (bytes)
+        held = 0  # quota this stream holds for the page it is assembling: the bytes that arrived
         reason, code, message = "", grpc.StatusCode.OK, ""
         detail = None
         pieces = aiter(request_iterator)
@@ -147,16 +169,18 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                     if bad is not None:
                         reason, code, message = "invalid", grpc.StatusCode.INVALID_ARGUMENT, f"{bad[0]}: {bad[1]}"
                         break
-                    if piece.total_size <= self.max_page_bytes:  # larger: the assembler refuses it below
-                        if not self.quota.take(piece.total_size):
-                            reason, code = "quota", grpc.StatusCode.RESOURCE_EXHAUSTED
-                            message = (f"page {key_str(piece.layout_fingerprint, piece.block_hash)}: open Put "
-                                       f"streams already hold {self.quota.used} of {self.quota.limit} bytes "
-                                       f"(--max-inflight-put-bytes); {piece.total_size} more do not fit")
-                            detail = error_detail(Reason.ERROR_REASON_OVERLOADED, retryable=True, side=SERVICE,
-                                                  retry_after_ms=QUOTA_RETRY_AFTER_MS)
-                            break
-                        held = piece.total_size
+                if piece.total_size <= self.max_page_bytes:  # larger: the assembler refuses it below
+                    n = len(piece.payload)
+                    if not self.quota.take(peer, n):
+                        reason, code = "quota", grpc.StatusCode.RESOURCE_EXHAUSTED
+                        message = (f"page {key_str(piece.layout_fingerprint, piece.block_hash)}: open Put "
+                                   f"streams hold {self.quota.used} of {self.quota.limit} bytes "
+                                   f"(--max-inflight-put-bytes), this peer {self.quota.held.get(peer, 0)} of its "
+                                   f"share {self.quota.share(peer)}; {n} more do not fit")
+                        detail = error_detail(Reason.ERROR_REASON_OVERLOADED, retryable=True, side=SERVICE,
+                                              retry_after_ms=QUOTA_RETRY_AFTER_MS)
+                        break
+                    held += n
                 page = assembler.add(piece)
                 if page is None:
                     continue
@@ -165,7 +189,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                     self.put_bytes += len(page.data)
                 else:
                     skipped += 1
-                self.quota.release(held)
+                self.quota.release(peer, held)
                 held = 0
             if not reason:
                 assembler.finish()
@@ -187,7 +211,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         except InvalidKeyError as e:
             reason, code, message = "invalid", grpc.StatusCode.INVALID_ARGUMENT, f"page key: {e}"
         finally:
-            self.quota.release(held)
+            self.quota.release(peer, held)
         if reason:
             self.put_refused[reason] += 1
             await abort(context, code, f"{message} ({stored} earlier pages stored, {skipped} skipped)", detail)

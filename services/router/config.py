@@ -38,6 +38,10 @@ class RouterConfig(ServerConfig, TracingConfig, ContextConfig, ModelConfig, Leas
     dead_after_s: float = opt(10.0, "An instance is dead after this long without a SERVING health answer "
                                     "(seconds); a refused connection or NOT_SERVING is dead at once, a slow "
                                     "answer is not.")
+    restart_wait_s: float = opt(60.0, "When no instance of a role is alive (its only prefill or decode died), "
+                                      "a request waits up to this long, within its deadline, for one to come "
+                                      "back (a supervisor's restart), probing every 0.25 s, instead of failing "
+                                      "at once (seconds; 0: fail at once).")
     resolve_interval_s: float = opt(10.0, "DNS re-resolution period for dns: targets (seconds).")
     request_timeout_s: float = opt(600.0, "Longest a request may run (seconds); a client's shorter deadline "
                                           "(HTTP header X-Request-Timeout, the gRPC deadline) wins.")
@@ -65,6 +69,7 @@ class RouterConfig(ServerConfig, TracingConfig, ContextConfig, ModelConfig, Leas
                 f"must be > 0, got {self.http_read_timeout_s}")
         require(self.request_timeout_s > 0, self, "request_timeout_s", f"must be > 0, got {self.request_timeout_s}")
         require(self.dead_after_s > 0, self, "dead_after_s", f"must be > 0, got {self.dead_after_s}")
+        require(self.restart_wait_s >= 0, self, "restart_wait_s", f"must be >= 0, got {self.restart_wait_s}")
         require(self.prefix_credit >= 0, self, "prefix_credit", f"must be >= 0, got {self.prefix_credit}")
 
     @staticmethod

@@ -148,7 +148,7 @@ class DisaggregatedBackend:
         tried = set(st.lost)
         last: RpcFailure | None = None
         for _ in range(self.s.max_retries + 1):
-            worker = pick(self.decode_pool, self.s, hashes, tried, last)
+            worker = await pick(self.decode_pool, self.s, hashes, tried, last, st, self.metrics)
             st.target = (worker, st.request_id)
             started = finished = False
             try:

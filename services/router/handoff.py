@@ -41,7 +41,7 @@ from services.common.metrics import RouterMetrics
 from services.common.pb import common_pb2, decode_pb2, prefill_pb2
 from services.engine.convert import params_to_pb
 from services.engine.sampling_params import SamplingParams, TopLogprobs
-from services.router.instances import Instance, InstancePool, inflight
+from services.router.instances import Instance, InstancePool, Liveness, inflight
 from services.router.pipeline import BackendError, TokenEvent
 from services.router.policy import NoInstanceError, choose
 from services.router.request_state import (
@@ -81,13 +81,43 @@ def finish_of(msg: common_pb2.GenerateResponse, where: str) -> str | None:
     return reason
 
 
-def pick(pool: InstancePool, settings: DispatchSettings, hashes: list[bytes], exclude: set[str],
-         last: RpcFailure | None) -> Instance:
-    """An instance to try; when none is left, the error the client gets."""
+RESTART_POLL_S = 0.25
+"""How often a dispatch step with no live instance probes the dead ones while it waits (seconds)."""
+
+
+async def pick(pool: InstancePool, settings: DispatchSettings, hashes: list[bytes], exclude: set[str],
+               last: RpcFailure | None, st: RequestState, metrics: RouterMetrics) -> Instance:
+    """An instance to try; when none is left, the error the client gets.
+
+    When no instance is left to try and some are not healthy (dead, suspect, not checked yet), the step waits, up
+    to --restart-wait-s and within the request's deadline, for one to come back: the pool probes them
+    every RESTART_POLL_S, and an instance back since the wait began may be tried again even if it
+    failed this request before (a restarted process)."""
     try:
         return choose(pool, settings.policy, hashes, exclude, prefix_credit=settings.prefix_credit)
     except NoInstanceError as e:
-        raise exhausted(pool.role, last, str(e)) from e
+        why = str(e)
+    if all(i.state == Liveness.HEALTHY for i in pool.instances.values()):  # nothing to come back
+        raise exhausted(pool.role, last, why)
+    since = time.monotonic()
+    until = since + min(settings.restart_wait_s, max(0.0, st.remaining_s()))
+    while time.monotonic() < until:
+        await pool.probe_for_return(exclude)
+        back = {a for a, i in pool.instances.items() if i.back_at >= since}
+        try:
+            inst = choose(pool, settings.policy, hashes, exclude - back, prefix_credit=settings.prefix_credit)
+        except NoInstanceError as e:
+            why = str(e)
+            await asyncio.sleep(max(0.0, min(RESTART_POLL_S, until - time.monotonic())))
+            continue
+        metrics.instance_waits_total.labels(pool.role, "back").inc()
+        log.info("%s %s is back after %.1fs; request %s goes on there", pool.role, inst.address,
+                 time.monotonic() - since, st.request_id)
+        return inst
+    if until > since:
+        metrics.instance_waits_total.labels(pool.role, "gave_up").inc()
+        why += f" (waited {until - since:.1f}s for one to come back)"
+    raise exhausted(pool.role, last, why)
 
 
 def exhausted(role: str, last: RpcFailure | None, why: str) -> BackendError:
@@ -209,7 +239,7 @@ class Handoff:
         tried = set(st.lost)
         last: RpcFailure | None = None
         for _ in range(self.s.max_retries + 1):
-            decode = pick(self.decode_pool, self.s, hashes, tried, last)
+            decode = await pick(self.decode_pool, self.s, hashes, tried, last, st, self.metrics)
             try:
                 with tracing.span("router.reserve", decode=decode.address):
                     resv = await decode.decode.Reserve(decode_pb2.ReserveRequest(
@@ -268,7 +298,7 @@ class Handoff:
         last: RpcFailure | None = None
         try:
             for attempt in range(self.s.max_retries + 1):
-                prefill = pick(self.prefill_pool, self.s, hashes, tried, last)
+                prefill = await pick(self.prefill_pool, self.s, hashes, tried, last, st, self.metrics)
                 try:
                     with inflight(prefill), tracing.span("router.prefill", prefill=prefill.address,
                                                          early=early and attempt == 0):

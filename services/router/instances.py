@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import math
 import socket
 import time
 from collections import OrderedDict
@@ -75,6 +76,8 @@ class Instance:
     """time.monotonic() of the latest SERVING answer (or of creation): the dead_after_s window's start."""
     overloaded_until: float = 0.0
     """time.monotonic() until which a RESOURCE_EXHAUSTED answer keeps this instance 'full'."""
+    back_at: float = -math.inf
+    """time.monotonic() of its latest return to HEALTHY from suspect or dead (a restart, typically)."""
     prefix: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
 
     @property
@@ -148,6 +151,7 @@ class InstancePool:
     _tasks: set[asyncio.Task] = field(default_factory=set, init=False, repr=False)
     _started: bool = field(default=False, init=False, repr=False)
     _rr: int = field(default=0, init=False, repr=False)
+    _return_probe: asyncio.Task | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.dead_after_s <= 0 or self.health_interval_s <= 0:
@@ -259,6 +263,8 @@ class InstancePool:
         if state == inst.state:
             return
         was, inst.state, inst.why = inst.state, state, why
+        if state == Liveness.HEALTHY and was != Liveness.UNKNOWN:
+            inst.back_at = time.monotonic()
         if state == Liveness.HEALTHY:
             log.log(logging.INFO if was == Liveness.UNKNOWN else logging.WARNING,
                     "%s %s is healthy%s", self.role, inst.address, "" if was == Liveness.UNKNOWN else " again")
@@ -269,6 +275,18 @@ class InstancePool:
 
     async def check_now(self) -> None:
         await asyncio.gather(*(self._check(i, self.check_timeout_s) for i in list(self.instances.values())))
+
+    async def probe_for_return(self, exclude: set[str]) -> None:
+        """Probe now every instance that is not alive, or is in ``exclude`` (it failed a request: it may
+        have died and come back since), so a restarted one is HEALTHY at once instead of at the next
+        poll. One round at a time per pool: concurrent callers share it."""
+        if self._return_probe is None or self._return_probe.done():
+            todo = [i for i in self.instances.values() if not i.alive or i.address in exclude]
+            self._return_probe = self._spawn(self._probe_all(todo))
+        await asyncio.shield(self._return_probe)
+
+    async def _probe_all(self, todo: list[Instance]) -> None:
+        await asyncio.gather(*(self._check(i, PROBE_TIMEOUT_S) for i in todo))
 
     # --- what dispatch saw ---
 

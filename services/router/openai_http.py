@@ -91,7 +91,7 @@ def retry_after_header(seconds: float | None) -> dict[str, str]:
 
 def backend_api_error(e: BackendError) -> APIError:
     status = _BACKEND_STATUS.get(e.code, 500)
-    headers = retry_after_header(e.retry_after_s) if status in (429, 503) else {}
+    headers = retry_after_header(e.retry_after_s) if status in (429, 503, 504) else {}
     return APIError(status, e.message, param=e.param, code=e.code, type=_BACKEND_TYPE[status], headers=headers)
 
 

@@ -40,12 +40,14 @@ class DispatchSettings:
     with its Reserve answer and is used for that request only."""
     timeout_s: float = _router_default("request_timeout_s")
     """Deadline of a request whose client named none (seconds from arrival): --request-timeout-s."""
+    restart_wait_s: float = _router_default("restart_wait_s")
 
     @classmethod
     def from_config(cls, cfg: RouterConfig) -> DispatchSettings:
         return cls(policy=cfg.policy, prefix_credit=cfg.prefix_credit, lease_ms=cfg.lease_ms,
                    max_retries=cfg.max_retries, chunked_transfer=cfg.chunked_transfer,
-                   early_prefill=cfg.early_prefill, timeout_s=cfg.request_timeout_s)
+                   early_prefill=cfg.early_prefill, timeout_s=cfg.request_timeout_s,
+                   restart_wait_s=cfg.restart_wait_s)
 
 
 @dataclass(eq=False)

@@ -18,11 +18,14 @@ from services.router.pipeline import BackendError
 DEFAULT_RETRY_AFTER_S = 1.0
 """How long an instance that answered OVERLOADED without a retry-after counts as full (seconds)."""
 
+# A peer's status -> the client's. A peer's NOT_FOUND / ABORTED name an internal object (a reservation,
+# a KV stream), never what the client asked for: the client gets "unavailable" (503, retry after), not 404.
 _CODES = {
     grpc.StatusCode.INVALID_ARGUMENT: "invalid_argument",
     grpc.StatusCode.FAILED_PRECONDITION: "invalid_argument",
     grpc.StatusCode.OUT_OF_RANGE: "invalid_argument",
-    grpc.StatusCode.NOT_FOUND: "not_found",
+    grpc.StatusCode.NOT_FOUND: "unavailable",
+    grpc.StatusCode.ABORTED: "unavailable",
     grpc.StatusCode.RESOURCE_EXHAUSTED: "resource_exhausted",
     grpc.StatusCode.UNAVAILABLE: "unavailable",
     grpc.StatusCode.DEADLINE_EXCEEDED: "deadline_exceeded",
@@ -103,6 +106,15 @@ class RpcFailure:
         if self.overloaded:
             return BackendError("resource_exhausted", f"{self.where}: {self.message}",
                                 retry_after_s=self.retry_after_s)
-        code = "unavailable" if self.unreachable else _CODES.get(self.code, "internal")
+        if self.unreachable:
+            code = "unavailable"
+        elif self.reason == Reason.ERROR_REASON_DEADLINE:
+            code = "deadline_exceeded"
+        elif self.detail.retryable and self.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            code = "unavailable"  # whatever the peer's status: the same request may succeed again
+        else:
+            code = _CODES.get(self.code, "internal")
+        retry = self.retry_after_s if code in ("unavailable", "deadline_exceeded") else None
         return BackendError(code, f"{self.where}: {self.code.name}: {self.message}",
-                            param=(self.detail.field or None) if code == "invalid_argument" else None)
+                            param=(self.detail.field or None) if code == "invalid_argument" else None,
+                            retry_after_s=retry)

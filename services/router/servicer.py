@@ -37,7 +37,7 @@ _FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_RE
 _REASON = {"invalid_argument": (Reason.ERROR_REASON_INVALID_INPUT, False),
            "resource_exhausted": (Reason.ERROR_REASON_OVERLOADED, True),
            "unavailable": (Reason.ERROR_REASON_UNSPECIFIED, True),
-           "deadline_exceeded": (Reason.ERROR_REASON_DEADLINE, False),
+           "deadline_exceeded": (Reason.ERROR_REASON_DEADLINE, True),  # the cluster was slow: the same request may fit
            "unauthenticated": (Reason.ERROR_REASON_PERMISSION, False)}
 
 

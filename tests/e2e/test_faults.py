@@ -34,7 +34,9 @@ SHORT = "The history of the city begins with"
 def cluster():
     extra = {"prefill": ["--max-prefill-chunk", str(CHUNK), "--slowdown-ms-per-chunk", str(SLOWDOWN_MS), *KV],
              "decode": KV,
-             "router": ["--policy", "least_loaded", "--health-interval-s", "0.5", "--dead-after-s", "10"]}
+             # Nothing restarts what a scenario kills here: a request waits for a restart only briefly.
+             "router": ["--policy", "least_loaded", "--health-interval-s", "0.5", "--dead-after-s", "10",
+                        "--restart-wait-s", "3"]}
     with LocalCluster(prefill=2, decode=2, kvstore=None, dtype="float32", extra=extra, quiet=True) as c:
         yield c
 

@@ -66,8 +66,8 @@ def test_picked_ports_are_distinct_and_free() -> None:
 
 
 def test_up_config_validation(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="--tls"):
-        UpConfig(tls=True, tls_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="--insecure-internal"):
+        UpConfig(insecure_internal=True, tls_dir=str(tmp_path))
     with pytest.raises(ConfigError, match="--api-key"):
         UpConfig(api_key="a", api_key_file=str(tmp_path / "k"))
     keys = tmp_path / "keys"

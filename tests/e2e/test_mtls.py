@@ -1,5 +1,5 @@
-"""A local cluster with mTLS between every service (LocalCluster(tls_dir=...), what `pdserve up --tls`
-runs): requests flow through the router; internal RPCs refuse a caller without a certificate from the
+"""A local cluster with mTLS between every service (LocalCluster(tls_dir=...), what `pdserve up` runs by default):
+requests flow through the router; internal RPCs refuse a caller without a certificate from the
 cluster's CA; a certificate whose role is not prefill cannot write pages into the kvstore."""
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""kvstore Put under attack: announcements cost nothing until bytes arrive, a quota bounds all open Put
-streams together, idle streams end, and with mTLS only a prefill may write."""
+"""kvstore Put under attack: announcements cost nothing (the quota is charged on bytes that arrived), a
+quota bounds all open Put streams together and each peer identity to its share, idle streams end, and
+with mTLS only a prefill may write."""
 
 from __future__ import annotations
 
@@ -92,38 +93,28 @@ async def _wait_for(cond, timeout_s: float = 10.0) -> None:
     raise AssertionError("condition not reached")
 
 
-async def test_huge_announcements_cost_no_memory_and_the_quota_refuses_the_rest(store: Store) -> None:
-    """10 streams announcing 60 MiB each (the attack that cost +615 MB RSS): at most the 256 MiB quota's
-    worth is admitted (4), the other 6 get RESOURCE_EXHAUSTED at once, and RSS grows by what arrived."""
-    announced = 60 * MiB
+async def test_huge_announcements_hold_only_the_bytes_that_arrived(store: Store) -> None:
+    """10 streams announcing 60 MiB and sending 64 KiB each (the attack that once held 240 of the 256 MiB
+    quota for the idle timeout): each holds the 64 KiB it sent, RSS grows by what arrived, and a real
+    Put still lands while they are open."""
+    announced, sent = 60 * MiB, 64 * KiB
     async with create_channel(store.address) as ch:
         stub = pb_grpc.KVStoreStub(ch)
         await KVStoreClient(ch).stats()  # channel up before the RSS baseline
         rss0 = _rss_bytes()
-        puts = [OpenPut(stub, announced) for _ in range(10)]
-        await _wait_for(lambda: store.servicer.put_refused["quota"] == 6)
-        assert store.servicer.quota.used == 4 * announced
+        puts = [OpenPut(stub, announced, first=sent) for _ in range(10)]
+        await _wait_for(lambda: store.servicer.quota.used == 10 * sent)
+        assert store.servicer.put_refused["quota"] == 0
         grown = _rss_bytes() - rss0
         assert grown < 40 * MiB, f"RSS grew {grown / MiB:.1f} MiB for {10 * announced / MiB:.0f} MiB announced"
-        refused = [p for p in puts if p.call.done()]
-        assert len(refused) == 6
-        for p in refused:
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                await p.call
-            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            d = detail_of(e.value)
-            assert (d.reason, d.retryable, d.side) == (Reason.ERROR_REASON_OVERLOADED, True, "kvstore")
-            assert d.retry_after_ms > 0 and "--max-inflight-put-bytes" in e.value.details()
+        data = os.urandom(8 * MiB)  # a real page, from the same peer, meanwhile
+        resp = await KVStoreClient(ch).put(new_fp(), [(new_hash(), data, checksum(data))])
+        assert resp.stored == 1 and store.servicer.quota.used == 10 * sent
         for p in puts:
-            p.release.set()  # the admitted four end truncated
+            p.release.set()  # all ten end truncated
         outcomes = await asyncio.gather(*(p.outcome() for p in puts))
-        assert outcomes.count(grpc.StatusCode.INVALID_ARGUMENT) == 4
-        assert store.servicer.quota.used == 0
-        # The store still serves.
-        data = os.urandom(4 * KiB)
-        h = new_hash()
-        resp = await KVStoreClient(ch).put(new_fp(), [(h, data, checksum(data))])
-        assert resp.stored == 1
+        assert outcomes.count(grpc.StatusCode.INVALID_ARGUMENT) == 10
+        assert store.servicer.quota.used == 0 and store.servicer.quota.held == {}
 
 
 async def test_announcement_over_the_page_limit_is_refused_at_once(store: Store) -> None:
@@ -137,24 +128,24 @@ async def test_announcement_over_the_page_limit_is_refused_at_once(store: Store)
 
 
 @pytest.mark.parametrize("store", [dict(max_page_bytes=4 * MiB, max_inflight_put_bytes=8 * MiB)], indirect=True)
-async def test_quota_is_shared_by_concurrent_streams_and_freed_as_pages_land(store: Store) -> None:
+async def test_quota_is_charged_as_bytes_arrive_and_freed_as_pages_land(store: Store) -> None:
     async with create_channel(store.address) as ch:
         stub = pb_grpc.KVStoreStub(ch)
-        a, b = OpenPut(stub, 3 * MiB), OpenPut(stub, 3 * MiB)
-        await _wait_for(lambda: store.servicer.quota.used == 6 * MiB)
-        c = OpenPut(stub, 3 * MiB)
+        a = OpenPut(stub, 3 * MiB, first=2 * MiB)
+        await _wait_for(lambda: store.servicer.quota.used == 2 * MiB)
+        b = OpenPut(stub, 3 * MiB, first=1 * MiB)
+        await _wait_for(lambda: store.servicer.quota.used == 3 * MiB)
+        c = OpenPut(stub, 3 * MiB, first=2 * MiB)  # one peer alone holds at most half of the 8 MiB
         assert await asyncio.wait_for(c.outcome(), 10) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert store.servicer.quota.used == 3 * MiB
         a.finish_page = True
         a.release.set()
         resp = await a.outcome()
         assert isinstance(resp, pb.PutResponse) and resp.stored == 1
-        assert store.servicer.quota.used == 3 * MiB  # b still holds its page
-        d = OpenPut(stub, 3 * MiB)
-        await _wait_for(lambda: store.servicer.quota.used == 6 * MiB)  # a's share went to d
-        for p in (b, d):
-            p.finish_page = True
-            p.release.set()
-        assert [r.stored for r in await asyncio.gather(b.outcome(), d.outcome())] == [1, 1]
+        assert store.servicer.quota.used == 1 * MiB  # b still holds what it sent
+        b.finish_page = True
+        b.release.set()
+        assert (await b.outcome()).stored == 1
         assert store.servicer.quota.used == 0
         got = await KVStoreClient(ch).get(a.fp, [a.h])
         assert len(got[0].data) == 3 * MiB
@@ -227,6 +218,37 @@ async def test_with_mtls_only_a_prefill_may_put_delete_or_get(certs: Path, tmp_p
                 await KVStoreClient(ch).put(fp, [(new_hash(), data, checksum(data))])
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         assert s.servicer.put_refused["permission"] == 1
+    finally:
+        await server.stop(0)
+        await s.servicer.backend.close()
+
+
+async def test_one_peer_holds_at_most_its_share_and_another_still_puts(certs: Path) -> None:
+    """Peer identity is the certificate's CN: prefill-a floods open Puts; it is stopped at half the quota,
+    and prefill-b (another identity) still lands a page while prefill-a's streams stay open."""
+    ids = make_certs(certs.parent / "ids", roles=("kvstore", "prefill-a", "prefill-b", "prefill-c"))
+    server, s = await _serve(_tls(ids, "kvstore"), max_page_bytes=4 * MiB, max_inflight_put_bytes=8 * MiB)
+    try:
+        async with create_channel(s.address, tls=_tls(ids, "prefill-a")) as cha, \
+                create_channel(s.address, tls=_tls(ids, "prefill-b")) as chb:
+            flood = [OpenPut(pb_grpc.KVStoreStub(cha), 4 * MiB, first=1 * MiB) for _ in range(8)]
+            await _wait_for(lambda: sum(p.call.done() for p in flood) == 4)
+            assert s.servicer.quota.held == {"cn:prefill-a": 4 * MiB}
+            assert s.servicer.put_refused["quota"] == 4
+            data = os.urandom(3 * MiB)
+            assert (await KVStoreClient(chb).put(new_fp(), [(new_hash(), data, checksum(data))])).stored == 1
+            # A third identity arriving shrinks every share to 8/3 MiB: prefill-a (over it) takes nothing more.
+            async with create_channel(s.address, tls=_tls(ids, "prefill-c")) as chc:
+                held_c = OpenPut(pb_grpc.KVStoreStub(chc), 4 * MiB, first=2 * MiB)
+                await _wait_for(lambda: s.servicer.quota.held.get("cn:prefill-c") == 2 * MiB)
+                more_a = OpenPut(pb_grpc.KVStoreStub(cha), 4 * MiB, first=64 * KiB)
+                assert await asyncio.wait_for(more_a.outcome(), 10) == grpc.StatusCode.RESOURCE_EXHAUSTED
+                held_c.release.set()
+                assert await held_c.outcome() == grpc.StatusCode.INVALID_ARGUMENT
+            for p in flood:
+                p.release.set()
+            await asyncio.gather(*(p.outcome() for p in flood))
+        assert s.servicer.quota.used == 0 and s.servicer.quota.held == {}
     finally:
         await server.stop(0)
         await s.servicer.backend.close()

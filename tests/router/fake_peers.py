@@ -133,6 +133,9 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.token_delay_s = 0.005
         self.reserve_delay_s = 0.0
         """Time Reserve takes before it answers (seconds)."""
+        self.generate_error: tuple[grpc.StatusCode, int, bool] | None = None
+        """Set: Generate fails at once with (status, ErrorDetail reason, retryable), as a real decode does
+        when the reservation's lease ran out, its engine died, ..."""
 
     async def Reserve(self, request, context):
         self.reserves.append(request)
@@ -165,6 +168,10 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         return common_pb2.AbortResponse(found=self.reservations.pop(request.request_id, None) is not None)
 
     async def Generate(self, request, context) -> AsyncIterator[common_pb2.GenerateResponse]:
+        if self.generate_error is not None:
+            code, reason, retryable = self.generate_error
+            await grpc_util.abort(context, code, f"scripted {code.name}",
+                                  error_detail(reason, retryable=retryable, side="decode"))
         if request.reservation_id:
             r = self.reservations.get(request.reservation_id)
             if r is None:
@@ -215,6 +222,8 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         """Set: the server dies this long into a Prefill call (mid-transfer)."""
         self.full_retry_after_ms: int | None = None
         self.handoff_fails = False
+        self.prefill_error: tuple[grpc.StatusCode, int, bool] | None = None
+        """Set: Prefill fails at once with (status, ErrorDetail reason, retryable)."""
         self.attaches: dict[str, asyncio.Future[prefill_pb2.AttachReservationRequest]] = {}
         """Reservations of early Prefill calls by attach_id (AttachReservation sets them, once)."""
         self.early_cancelled = 0
@@ -231,6 +240,10 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
     async def Prefill(self, request, context):
         self.requests.append(request)
         await _refuse_if_full(context, "prefill", self.full_retry_after_ms)
+        if self.prefill_error is not None:
+            code, reason, retryable = self.prefill_error
+            await grpc_util.abort(context, code, f"scripted {code.name}",
+                                  error_detail(reason, retryable=retryable, side="prefill"))
         if request.attach_id:  # early: the reservation comes with AttachReservation (the request as it ends up)
             fut = self.attaches.setdefault(request.attach_id, asyncio.get_running_loop().create_future())
             try:

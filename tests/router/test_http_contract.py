@@ -90,7 +90,7 @@ def body(chat: bool, stream: bool, **extra: Any) -> dict[str, Any]:
 
 @pytest.mark.parametrize(("code", "status", "retry_after"), [
     ("unavailable", 503, "1"), ("resource_exhausted", 429, "1"), ("internal", 500, None),
-    ("invalid_argument", 400, None), ("not_found", 404, None), ("deadline_exceeded", 504, None)])
+    ("invalid_argument", 400, None), ("not_found", 404, None), ("deadline_exceeded", 504, "1")])
 @pytest.mark.parametrize("stream", [False, True])
 async def test_failure_before_first_byte_is_an_http_error(code: str, status: int, retry_after: str | None,
                                                           stream: bool) -> None:

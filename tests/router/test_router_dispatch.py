@@ -13,12 +13,18 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from services.common.block_hash import block_hashes
-from services.common.metrics import ROUTER_DISPATCH_RETRIES_TOTAL, ROUTER_MIGRATIONS_TOTAL, RouterMetrics
+from services.common.metrics import (
+    ROUTER_DISPATCH_RETRIES_TOTAL,
+    ROUTER_INSTANCE_WAITS_TOTAL,
+    ROUTER_MIGRATIONS_TOTAL,
+    RouterMetrics,
+)
+from services.common.pb import decode_pb2_grpc, prefill_pb2_grpc
 from services.engine.sampling_params import SamplingParams
 from services.router.dispatch import DisaggregatedBackend, DispatchSettings
 from services.router.instances import InstancePool, Liveness
 from services.router.pipeline import BackendError, TokenEvent
-from tests.router.fake_peers import BLOCK, FINGERPRINT, FakeCluster, reference
+from tests.router.fake_peers import BLOCK, FINGERPRINT, FakeCluster, reference, serve
 
 PROMPT = list(range(100, 140))  # 40 tokens: 2 full blocks
 
@@ -183,11 +189,43 @@ async def test_prefill_death_retries_on_another_with_the_same_reservation_and_re
 async def test_no_prefill_left_fails_unavailable_and_aborts_the_reservation(cluster_factory):
     c = await cluster_factory(1, 1)
     c.prefill(0).die_after_s = 0.2
-    async with router(c, lease_ms=300) as r:
+    async with router(c, lease_ms=300, restart_wait_s=0.6) as r:  # it never comes back
         assert (await failure(r, 6)).code == "unavailable"
+        assert r.metric(ROUTER_INSTANCE_WAITS_TOTAL, role="prefill", outcome="gave_up") == 1
         rid = c.decode(0).reserves and next(iter(c.prefill(0).requests)).reservation_id
         await eventually(lambda: rid in c.decode(0).aborts)
         assert rid not in c.decode(0).reservations  # freed
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+async def test_the_only_instance_restarting_is_waited_for_within_the_deadline(cluster_factory, role):
+    """The only prefill dies mid-call (or the only decode is dead at Reserve) and comes back on the same
+    address 1 s later, as a supervisor restarts it: the request waits, completes with the exact tokens,
+    and the wait is counted."""
+    c = await cluster_factory(1, 1)
+    async with router(c, lease_ms=600, restart_wait_s=20.0) as r:
+        if role == "prefill":
+            c.prefill(0).die_after_s = 0.2
+            peer_of = c.prefills
+        else:
+            await c.decodes[0][0].die()
+            await eventually(lambda: r.decode_pool.instances[c.decode_addr(0)].state == Liveness.DEAD)
+            peer_of = c.decodes
+        task = asyncio.create_task(collect(r, 6, deadline=time.time() + 30))
+        old_peer, servicer = peer_of[0]
+        if role == "prefill":
+            await eventually(lambda: old_peer.dead)
+        await asyncio.sleep(1.0)
+        if role == "prefill":
+            servicer.die_after_s = None
+        port = int(old_peer.address.rsplit(":", 1)[1])
+        adder = (prefill_pb2_grpc.add_PrefillServicer_to_server if role == "prefill"
+                 else decode_pb2_grpc.add_DecodeServicer_to_server)
+        new_peer = await serve([(adder, servicer)], port=port)
+        servicer.peer = new_peer
+        peer_of[0] = (new_peer, servicer)
+        assert tokens(await asyncio.wait_for(task, 25)) == reference(PROMPT, 6)
+        assert r.metric(ROUTER_INSTANCE_WAITS_TOTAL, role=role, outcome="back") >= 1
 
 
 async def test_prefill_overloaded_everywhere_is_resource_exhausted_with_retry_after(cluster_factory):

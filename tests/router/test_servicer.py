@@ -68,7 +68,7 @@ async def test_backend_errors_keep_their_status(code: str, status: grpc.StatusCo
         err = await failure(r.stub.Generate(text_request()))
         assert err.code() == status and "backend says no" in (err.details() or "")
         d = detail_of(err)
-        assert d.retry_after_ms == (2000 if code in ("unavailable", "resource_exhausted") else 0)
+        assert d.retry_after_ms == (2000 if code in ("unavailable", "resource_exhausted", "deadline_exceeded") else 0)
         want = {"error/error": 1, f"error:{code}": 1}
         assert await r.settled(want) == want
 
