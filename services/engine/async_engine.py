@@ -18,6 +18,7 @@ takes health NOT_SERVING and exits non-zero).
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import queue
@@ -37,6 +38,9 @@ from services.engine.sampling_params import SamplingParams, TopLogprobs
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+STEP_RECORDS_KEPT = 65536
+"""Step records held for :meth:`AsyncEngine.take_steps` (count); older ones are dropped when nobody takes them."""
+
 IDLE_WAIT_S = 0.05
 """Longest the idle engine thread sleeps before looking at its command queue again (seconds)."""
 
@@ -53,6 +57,17 @@ class StepBatch:
     order: a request's outputs keep their order within and across batches. Plain data, no callbacks."""
 
     outputs: list[RequestOutput]
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """What one engine step did: its duration (seconds), tokens and sequences it ran (counts), and whether
+    it was replayed in a CUDA graph."""
+
+    seconds: float
+    tokens: int
+    sequences: int
+    graphed: bool
 
 
 class StepSubscriber:
@@ -151,6 +166,10 @@ class AsyncEngine:
         self._published: dict[str, float] = {}
         self._step_start = 0.0
         """monotonic time the running step began; 0.0 between steps."""
+        self._steps: collections.deque[StepRecord] = collections.deque(maxlen=STEP_RECORDS_KEPT)
+        """Steps not taken yet (appended by the engine thread, taken on the event loop)."""
+        self.busy_s = 0.0
+        """Seconds the engine thread has spent in steps since it started (written by the engine thread)."""
         self._cores = _join_share_group(config)
         self._threads = config.resolved_cpu_threads if config.device.startswith("cpu") else 0
         """torch intra-op threads now (the ``cpu_threads`` stat; 0 off CPU)."""
@@ -168,9 +187,15 @@ class AsyncEngine:
                 if eng.has_work():
                     if self._cores is not None:
                         self._threads = self._cores.busy(borrow=_may_borrow(eng), exactly=_borrow_exactly(eng))
-                    self._step_start = time.monotonic()
+                    graphed = getattr(eng.runner, "graphed_steps", 0)
+                    start = self._step_start = time.monotonic()
                     outputs = eng.step()
                     self._step_start = 0.0
+                    if eng.last_step_sequences:
+                        took = time.monotonic() - start
+                        self.busy_s += took
+                        self._steps.append(StepRecord(took, eng.last_step_tokens, eng.last_step_sequences,
+                                                      getattr(eng.runner, "graphed_steps", 0) != graphed))
                     self._deliver(outputs)
                     self._publish()
                 else:
@@ -288,6 +313,14 @@ class AsyncEngine:
         start = self._step_start
         s["step_running_s"] = max(0.0, time.monotonic() - start) if start else 0.0
         return s
+
+    def take_steps(self) -> list[StepRecord]:
+        """The steps run since the previous call (oldest first; at most STEP_RECORDS_KEPT)."""
+        steps = self._steps
+        out = []
+        for _ in range(len(steps)):
+            out.append(steps.popleft())
+        return out
 
     # --- caller side ---
 

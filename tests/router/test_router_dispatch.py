@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from services.common.block_hash import block_hashes
 from services.common.metrics import ROUTER_DISPATCH_RETRIES_TOTAL, ROUTER_MIGRATIONS_TOTAL, RouterMetrics
 from services.engine.sampling_params import SamplingParams
+from services.router.config import DECODE_STREAMS
 from services.router.dispatch import DisaggregatedBackend, DispatchSettings
 from services.router.instances import InstancePool, Liveness
 from services.router.pipeline import BackendError, TokenEvent
@@ -47,8 +48,8 @@ async def router(cluster: FakeCluster, *, colocated: bool = False, **settings) -
         await p.start()
         await p.check_now()
         assert all(i.state == Liveness.HEALTHY for i in p.instances.values())
-    backend = DisaggregatedBackend(prefill_pool, decode_pool, DispatchSettings(**{"policy": "prefix_aware",
-                                                                                   **settings}),
+    backend = DisaggregatedBackend(prefill_pool, decode_pool, DispatchSettings(**{
+                                       "policy": "prefix_aware", "decode_stream": cluster.decode_stream, **settings}),
                                    RouterMetrics(registry), "fake")
     try:
         yield Router(backend, registry, decode_pool, prefill_pool)
@@ -58,12 +59,14 @@ async def router(cluster: FakeCluster, *, colocated: bool = False, **settings) -
             await p.close()
 
 
-@pytest.fixture
-async def cluster_factory():
+@pytest.fixture(params=DECODE_STREAMS)
+async def cluster_factory(request):
+    """Fake clusters, each test run with both ways tokens come back (--decode-stream)."""
     started: list[FakeCluster] = []
 
     async def make(n_decode: int, n_prefill: int) -> FakeCluster:
         c = await FakeCluster.start(n_decode, n_prefill)
+        c.decode_stream = request.param
         started.append(c)
         return c
 
