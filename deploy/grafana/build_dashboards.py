@@ -58,6 +58,10 @@ def or_zero(expr: str) -> str:
     return f"({expr}) or on() vector(0)"
 
 
+GRAPHED = 'cuda_graph="graphed"'
+"""Label matcher of CUDA-graphed engine steps."""
+
+
 def quantile(q: float, hist: str, by: str = "") -> str:
     assert m.SPECS_BY_NAME[hist].kind == "histogram", hist
     group = "le" + (f", {by}" if by else "")
@@ -210,6 +214,32 @@ def pd_rows() -> list[Row]:
                        "tokens/step {{acceptance}}"),
             ], width=12, description="Draft tokens accepted per proposed, and tokens per verify step (accepted + 1). "
                                      "acceptance=synthetic marks benchmark runs whose acceptance was forced."),
+        ]),
+        Row("Engine steps", [
+            Panel("Step duration (p50/p99)", [
+                *p50_p99(m.PREFILL_ENGINE_STEP_SECONDS, "prefill"), *p50_p99(m.DECODE_ENGINE_STEP_SECONDS, "decode")],
+                  unit="s", description=m.SPECS_BY_NAME[m.DECODE_ENGINE_STEP_SECONDS].help),
+            Panel("Tokens and sequences per step (mean)", [
+                Target(f"sum ({rate(h + '_sum')}) / sum ({rate(h + '_count')})", label)
+                for h, label in ((m.PREFILL_ENGINE_STEP_TOKENS, "prefill tokens"),
+                                 (m.PREFILL_ENGINE_STEP_SEQUENCES, "prefill sequences"),
+                                 (m.DECODE_ENGINE_STEP_TOKENS, "decode tokens"),
+                                 (m.DECODE_ENGINE_STEP_SEQUENCES, "decode sequences"))],
+                  description="Tokens one step ran through the model and the sequences (rows) it held."),
+            Panel("Engine busy ratio and CUDA-graphed steps", [
+                Target(f"max by (instance) ({sel(m.PREFILL_ENGINE_BUSY_RATIO)})", "prefill busy {{instance}}"),
+                Target(f"max by (instance) ({sel(m.DECODE_ENGINE_BUSY_RATIO)})", "decode busy {{instance}}"),
+                Target(f"sum ({rate(m.PREFILL_ENGINE_BUSY_SECONDS_TOTAL)}) / count ({sel(m.PREFILL_ENGINE_BUSY_RATIO)})",
+                       "prefill busy (rate, mean)"),
+                Target(f"sum ({rate(m.DECODE_ENGINE_BUSY_SECONDS_TOTAL)}) / count ({sel(m.DECODE_ENGINE_BUSY_RATIO)})",
+                       "decode busy (rate, mean)"),
+                Target(f"{or_zero(sum_rate(m.DECODE_ENGINE_STEPS_TOTAL, '', GRAPHED))} / "
+                       f"sum ({rate(m.DECODE_ENGINE_STEPS_TOTAL)})", "decode graphed share"),
+                Target(f"{or_zero(sum_rate(m.PREFILL_ENGINE_STEPS_TOTAL, '', GRAPHED))} / "
+                       f"sum ({rate(m.PREFILL_ENGINE_STEPS_TOTAL)})", "prefill graphed share"),
+            ], unit="percentunit", max=1.0,
+                  description="Busy: share of wall time the engine thread spent stepping (near 1: the step loop is "
+                              "the limit, not the serving layer). Graphed share: steps replayed in a CUDA graph."),
         ]),
         Row("Prefix cache and kvstore", [
             Panel("Cached-prefix tokens skipped/s by source", [

@@ -30,6 +30,7 @@ KNOWN_VALUES: dict[str, tuple[str, ...]] = {
     "source": ("local", "kvstore"),
     "outcome": ("ok", "failed"),
     "transport": ("grpc", "shm", "cuda-ipc", "mooncake"),
+    "cuda_graph": ("graphed", "eager"),
 }
 """Closed label sets that are the same in every process; :func:`initialise` uses them."""
 

@@ -28,6 +28,7 @@ Label values (small, closed sets; never request ids or prompts):
     tier           memory | disk | mooncake
     outcome        ok | failed   (router migrations)
     phase          a point of a P/D handoff (the *_handoff_phase_seconds help lists them)
+    cuda_graph     graphed | eager   (engine steps)
     dtype, dtype_reason, device, cpu_model, cpu_threads, weight_format, weight_format_reason
                                                           (engine info gauges only: one series per process)
 """
@@ -61,6 +62,8 @@ TOKEN_BUCKETS: tuple[float, ...] = (
     0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
     0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 )
+# Tokens or sequences in one engine step: 1 .. 65536, powers of two.
+STEP_COUNT_BUCKETS: tuple[float, ...] = tuple(float(2 ** n) for n in range(17))
 
 # --- router -------------------------------------------------------------------------------------
 ROUTER_TTFT_SECONDS = "pdserve_router_time_to_first_token_seconds"
@@ -96,6 +99,12 @@ PREFILL_KVSTORE_ERRORS_TOTAL = "pdserve_prefill_kvstore_errors_total"
 PREFILL_KV_TRANSPORT_FALLBACKS_TOTAL = "pdserve_prefill_kv_transport_fallbacks_total"
 PREFILL_KV_RANK_PAGES_TOTAL = "pdserve_prefill_kv_rank_pages_total"
 PREFILL_HANDOFF_PHASE_SECONDS = "pdserve_prefill_handoff_phase_seconds"
+PREFILL_ENGINE_STEP_SECONDS = "pdserve_prefill_engine_step_seconds"
+PREFILL_ENGINE_STEP_TOKENS = "pdserve_prefill_engine_step_tokens"
+PREFILL_ENGINE_STEP_SEQUENCES = "pdserve_prefill_engine_step_sequences"
+PREFILL_ENGINE_STEPS_TOTAL = "pdserve_prefill_engine_steps_total"
+PREFILL_ENGINE_BUSY_SECONDS_TOTAL = "pdserve_prefill_engine_busy_seconds_total"
+PREFILL_ENGINE_BUSY_RATIO = "pdserve_prefill_engine_busy_ratio"
 
 # --- decode -------------------------------------------------------------------------------------
 DECODE_KV_WAIT_SECONDS = "pdserve_decode_kv_wait_seconds"
@@ -121,6 +130,12 @@ DECODE_ENGINE_INFO = "pdserve_decode_engine_info"
 DECODE_SPEC_DRAFT_TOKENS_TOTAL = "pdserve_decode_spec_draft_tokens_total"
 DECODE_SPEC_ACCEPTED_TOKENS_TOTAL = "pdserve_decode_spec_accepted_tokens_total"
 DECODE_SPEC_ACCEPTANCE_LENGTH_TOKENS = "pdserve_decode_spec_acceptance_length_tokens"
+DECODE_ENGINE_STEP_SECONDS = "pdserve_decode_engine_step_seconds"
+DECODE_ENGINE_STEP_TOKENS = "pdserve_decode_engine_step_tokens"
+DECODE_ENGINE_STEP_SEQUENCES = "pdserve_decode_engine_step_sequences"
+DECODE_ENGINE_STEPS_TOTAL = "pdserve_decode_engine_steps_total"
+DECODE_ENGINE_BUSY_SECONDS_TOTAL = "pdserve_decode_engine_busy_seconds_total"
+DECODE_ENGINE_BUSY_RATIO = "pdserve_decode_engine_busy_ratio"
 
 # --- kvstore ------------------------------------------------------------------------------------
 KVSTORE_HITS_TOTAL = "pdserve_kvstore_hits_total"
@@ -156,6 +171,24 @@ class MetricSpec:
 def _s(name: str, kind: MetricKind, labels: Sequence[str], service: str, help: str,
        buckets: tuple[float, ...] = LATENCY_BUCKETS) -> MetricSpec:
     return MetricSpec(name, kind, tuple(labels), service, help, buckets)
+
+
+def _step_specs(service: str, step_s: str, tokens: str, sequences: str, steps: str, busy_s: str,
+                busy_ratio: str) -> tuple[MetricSpec, ...]:
+    """The engine step metrics every model-running service exports (decode: colocated workers too)."""
+    return (
+        _s(step_s, "histogram", ["model"], service, "Engine step duration: one scheduler step's model run, "
+           "sampling and bookkeeping on the engine thread (seconds).", PHASE_BUCKETS),
+        _s(tokens, "histogram", ["model"], service, "Tokens one engine step ran through the model (prefill "
+           "chunk tokens plus one per decode row; count).", STEP_COUNT_BUCKETS),
+        _s(sequences, "histogram", ["model"], service, "Sequences in one engine step (count).", STEP_COUNT_BUCKETS),
+        _s(steps, "counter", ["model", "cuda_graph"], service, "Engine steps, by cuda_graph: graphed (replayed in "
+           "a captured CUDA graph) | eager; graphed / all is the share of graphed steps."),
+        _s(busy_s, "counter", ["model"], service, "Seconds the engine thread spent stepping; its rate is the "
+           "busy ratio over any window."),
+        _s(busy_ratio, "gauge", ["model"], service, "Share of wall time the engine thread spent stepping over "
+           "the last second or more (0..1)."),
+    )
 
 
 SPECS: tuple[MetricSpec, ...] = (
@@ -236,7 +269,11 @@ SPECS: tuple[MetricSpec, ...] = (
        "an early Prefill took its AttachReservation), picked (last chunk "
        "computed -> the sender task took it), last_sent (-> its last KV message handed to the sender), finish (-> decode's PushKV answer), "
        "respond (arrival -> PrefillResponse returned).", PHASE_BUCKETS),
+    *_step_specs("prefill", PREFILL_ENGINE_STEP_SECONDS, PREFILL_ENGINE_STEP_TOKENS, PREFILL_ENGINE_STEP_SEQUENCES,
+                 PREFILL_ENGINE_STEPS_TOTAL, PREFILL_ENGINE_BUSY_SECONDS_TOTAL, PREFILL_ENGINE_BUSY_RATIO),
     # decode
+    *_step_specs("decode", DECODE_ENGINE_STEP_SECONDS, DECODE_ENGINE_STEP_TOKENS, DECODE_ENGINE_STEP_SEQUENCES,
+                 DECODE_ENGINE_STEPS_TOTAL, DECODE_ENGINE_BUSY_SECONDS_TOTAL, DECODE_ENGINE_BUSY_RATIO),
     _s(DECODE_KV_WAIT_SECONDS, "histogram", ["model"], "decode",
        "Decode KV-wait: reservation -> last KV chunk landed (seconds). Includes prefill queue and "
        "compute under parallel dispatch: NOT the transfer time."),

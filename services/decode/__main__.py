@@ -13,6 +13,7 @@ from services.decode.pushkv_wire import add_decode_servicer
 from services.decode.servicer import DecodeServicer
 from services.worker.engine_service import EngineService, service_main
 from services.worker.stat_gauges import stat_gauges
+from services.worker.step_metrics import StepMetrics
 
 
 async def amain(cfg: DecodeConfig, ecfg) -> None:
@@ -20,6 +21,7 @@ async def amain(cfg: DecodeConfig, ecfg) -> None:
     service = EngineService("decode", cfg, ecfg)
     servicer = DecodeServicer(cfg, metrics, asyncio.Event())
     service.on_stats.append(stat_gauges(metrics, lambda: servicer.model))
+    service.on_stats.append(StepMetrics(metrics, lambda: service.engine, lambda: servicer.model))
     service.on_close.append(servicer.close)
     await service.run(servicer, add_decode_servicer)
 

@@ -8,6 +8,7 @@ from typing import NoReturn
 import grpc
 
 from services.common.grpc_util import Reason, abort, error_detail
+from services.common.pb import common_pb2
 from services.decode.reservations import EndCause
 
 SIDE = "decode"
@@ -46,10 +47,16 @@ async def gone(context: grpc.aio.ServicerContext, reservation_id: str, why: str 
                Reason.ERROR_REASON_RESERVATION_GONE, retryable=True)
 
 
-async def ended(context: grpc.aio.ServicerContext, reservation_id: str, cause: EndCause) -> NoReturn:
+def ended_status(reservation_id: str, cause: EndCause) -> tuple[grpc.StatusCode, str, common_pb2.ErrorDetail]:
+    """The status, message and detail a stream of a reservation that ended early ends with."""
     code, reason, retryable = END_STATUS[cause]
-    await fail(context, code, f"reservation {reservation_id} ended: {END_MESSAGE[cause]}", reason,
-               retryable=retryable)
+    return (code, f"reservation {reservation_id} ended: {END_MESSAGE[cause]}",
+            error_detail(reason, retryable=retryable, side=SIDE))
+
+
+async def ended(context: grpc.aio.ServicerContext, reservation_id: str, cause: EndCause) -> NoReturn:
+    code, message, detail = ended_status(reservation_id, cause)
+    await abort(context, code, message, detail)
 
 
 async def engine_dead(context: grpc.aio.ServicerContext, err: BaseException) -> NoReturn:

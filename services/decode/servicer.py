@@ -11,6 +11,7 @@ reservations (PushKV, Generate, RenewLease) are served while draining.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -29,11 +30,13 @@ from services.decode import errors
 from services.decode.config import DecodeConfig
 from services.decode.kv_receiver import DecodeKVReceiver, KVRejected
 from services.decode.leases import LeaseKeeper
+from services.decode.progress import TokenProgress, fill_response
 from services.decode.reservations import EndCause, Reservation, ReservationTable, caller_share
 from services.decode.side_pool import offered_pool
-from services.engine.async_engine import AsyncEngine, EngineDeadError
+from services.decode.step_stream import StepStream
+from services.engine.async_engine import AsyncEngine, EngineDeadError, StepSubscriber
 from services.engine.block_manager import NoFreeBlocksError
-from services.engine.convert import finish_to_pb, layout_to_pb, params_from_pb, top_to_pb
+from services.engine.convert import layout_to_pb, params_from_pb
 from services.engine.engine import RequestOutput
 from services.engine.kv_pages import pages_of
 from services.engine.kv_transport.base import CLAIM_ACK, KVPoll
@@ -45,19 +48,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def _response(rid: str, o: RequestOutput) -> common_pb2.GenerateResponse:
-    msg = common_pb2.GenerateResponse(request_id=rid, token_ids=o.new_token_ids,
-                                      finish_reason=finish_to_pb(o.finish_reason))
-    if any(lp is not None for lp in o.new_logprobs):
-        msg.logprobs.extend(lp or 0.0 for lp in o.new_logprobs)
-    if any(t is not None for t in o.new_top_logprobs):
-        msg.top_logprobs.extend(top_to_pb(t) for t in o.new_top_logprobs)
-    if o.finished:
-        msg.usage.CopyFrom(common_pb2.Usage(prompt_tokens=o.num_prompt_tokens, completion_tokens=o.num_output_tokens,
-                                            cached_tokens=o.num_cached_tokens))
-    return msg
-
-
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(self, config: DecodeConfig, metrics: DecodeMetrics, draining: asyncio.Event) -> None:
         self.config = config
@@ -67,7 +57,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self._bg: set[asyncio.Future] = set()
         self._admitting = 0
         """Admission calls waiting on the engine thread (count; part of the pending bound)."""
-        self._generating = 0
+        self.generating = 0
         """Open Generate streams (count; drain waits for them)."""
         self._colocated_ids: dict[str, str] = {}
         """Colocated requests: the caller's request id -> engine request id (decode picks the latter)."""
@@ -183,9 +173,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def _undo(self, fut: asyncio.Future, undo: Callable[[], Awaitable[object]]) -> None:
         if fut.cancelled() or fut.exception() is not None:
             return  # nothing was admitted
-        task = asyncio.ensure_future(undo())
-        self._bg.add(task)
-        task.add_done_callback(self._bg.discard)
+        self.background(undo())
 
     # --- Reserve / RenewLease ---
 
@@ -208,7 +196,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         await self._within_share(context, caller, len(ids))
         rid = self.table.new_id()
         q, num_cached, block_ids = await self._engine_admit(
-            context, self.engine.reserve(rid, ids, params, detokenize=bool(params.stop)), lambda: self._drop(rid))
+            context, self.engine.reserve(rid, ids, params, detokenize=bool(params.stop)), lambda: self.drop(rid))
         r = Reservation(rid, request.request_id, len(ids), params, block_ids, num_cached, q, deadline_unix=deadline,
                         caller=caller)
         self.table.add(r)
@@ -240,7 +228,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                Reason.ERROR_REASON_OVERLOADED, "caller_share", retryable=True,
                                retry_after_ms=self.config.overload_retry_after_ms)
 
-    async def _drop(self, engine_rid: str) -> None:
+    async def drop(self, engine_rid: str) -> None:
         """Undo an admission whose caller went away."""
         self.engine.close_stream(engine_rid)
         try:
@@ -309,7 +297,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.metrics.kv_received_bytes_total.labels(transport).inc(resp.bytes_received)
         return resp
 
-    # --- Generate ---
+    # --- Generate / Stream ---
 
     async def Generate(self, request: decode_pb2.DecodeGenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[common_pb2.GenerateResponse]:
@@ -318,6 +306,36 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             async for msg in self._colocated(request, context):
                 yield msg
             return
+        r = await self.attach(request, context)
+        self.generating += 1
+        finished = False
+        with tracing.span_from_metadata("decode.generate", context.invocation_metadata(),
+                                        request_id=r.request_id):
+            try:
+                async for o in self._stream(r.reservation_id, r.stream, r, abort_on_exit=False):
+                    if o.finished and o.finish_reason == FinishReason.ABORT and r.end_cause is not None:
+                        await errors.ended(context, r.reservation_id, r.end_cause)
+                    finished = o.finished
+                    yield fill_response(common_pb2.GenerateResponse(), r.request_id, o)
+            except EngineDeadError as e:
+                await errors.engine_dead(context, e)
+            finally:
+                self.generating -= 1
+                if finished:
+                    self.table.remove(r)
+                else:  # the consumer left or the stream failed: free what the request holds
+                    await self.receiver.release(r, EndCause.ABORTED)
+
+    async def Stream(self, request_iterator: AsyncIterator[decode_pb2.StreamControl],
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[decode_pb2.StreamStep]:
+        await self._router_only(context, "Stream")
+        async with contextlib.aclosing(StepStream(self, context).run(request_iterator)) as steps:
+            async for step in steps:
+                yield step
+
+    async def attach(self, request: decode_pb2.DecodeGenerateRequest, context: grpc.aio.ServicerContext
+                     ) -> Reservation:
+        """Generate's checks for a reserved request; the reservation is then marked as streamed."""
         if self.engine is None:  # (an existing reservation is served while draining)
             await errors.loading(context)
         r = self.table.get(request.reservation_id)
@@ -329,68 +347,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                               Reason.ERROR_REASON_INVALID_INPUT, field="reservation_id")
         r.streaming = True
         self.leases.picked_up(r)
-        self._generating += 1
-        finished = False
-        first_sent = False
-        with tracing.span_from_metadata("decode.generate", context.invocation_metadata(),
-                                        request_id=r.request_id):
-            try:
-                async for o in self._stream(r.reservation_id, r.stream, lambda: r.kv_done_at, abort_on_exit=False):
-                    if not first_sent:  # not observed when output 1 left before the receiver noted the landing
-                        first_sent = True
-                        if r.kv_done_at is not None:
-                            self.metrics.handoff_phase_seconds.labels("first_message").observe(
-                                max(0.0, time.monotonic() - r.kv_done_at))
-                    if o.finished and o.finish_reason == FinishReason.ABORT and r.end_cause is not None:
-                        await errors.ended(context, r.reservation_id, r.end_cause)
-                    finished = o.finished
-                    yield _response(r.request_id, o)
-            except EngineDeadError as e:
-                await errors.engine_dead(context, e)
-            finally:
-                self._generating -= 1
-                if finished:
-                    self.table.remove(r)
-                else:  # the consumer left or the stream failed: free what the request holds
-                    await self.receiver.release(r, EndCause.ABORTED)
+        return r
 
-    async def _stream(self, engine_rid: str, q: asyncio.Queue, kv_done_at, abort_on_exit: bool = True
-                      ) -> AsyncIterator[RequestOutput]:
-        """Output 1 carries prefill's token; output 2 is the first decode step (decode queue = KV
-        complete -> that step's token); later gaps are TPOT."""
-        last: float | None = None
-        index = 0
-        # Children bound once per stream: no label lookup (lock + dict) per token on the event loop.
-        tpot = self.metrics.tpot_seconds.labels(self.model)
-        generated = self.metrics.generation_tokens_total.labels(self.model)
+    async def _stream(self, engine_rid: str, q: asyncio.Queue, reservation: Reservation | None,
+                      abort_on_exit: bool = True) -> AsyncIterator[RequestOutput]:
+        progress = TokenProgress(self.metrics, self.model, reservation)
         async for o in self.engine.stream(engine_rid, q, abort_on_exit):
-            now = time.monotonic()
-            if o.new_token_ids:
-                index += 1
-                n = len(o.new_token_ids)
-                if index == 2 and kv_done_at() is not None:
-                    self.metrics.queue_seconds.labels(self.model).observe(max(0.0, now - kv_done_at()))
-                elif index > 2 and last is not None:  # a speculative step's tokens share its gap
-                    for _ in range(n):
-                        tpot.observe((now - last) / n)
-                if index > 1:
-                    generated.inc(n)
-                if o.spec_proposed:
-                    self._observe_spec(o)
-                last = now
+            progress.observe(o, time.monotonic())
             yield o
 
-    def _observe_spec(self, o) -> None:
-        """Speculative decoding counters of one verify step (acceptance label: real | synthetic)."""
-        acceptance = "synthetic" if o.spec_synthetic else "real"
-        m = self.metrics
-        m.spec_draft_tokens_total.labels(self.model, acceptance).inc(o.spec_proposed)
-        m.spec_accepted_tokens_total.labels(self.model, acceptance).inc(o.spec_accepted)
-        m.spec_acceptance_length_tokens.labels(self.model, acceptance).observe(o.spec_accepted + 1)
-
-    async def _colocated(self, request: decode_pb2.DecodeGenerateRequest, context: grpc.aio.ServicerContext
-                         ) -> AsyncIterator[common_pb2.GenerateResponse]:
-        """Colocated mode: this process runs prefill and decode for the prompt (the A/B baseline)."""
+    async def admit_colocated(self, request: decode_pb2.DecodeGenerateRequest, context: grpc.aio.ServicerContext,
+                              request_id: str, rid: str, subscriber: StepSubscriber | None) -> asyncio.Queue | None:
+        """Colocated mode: admit the prompt as engine request ``rid`` (never the caller's ``request_id``: it must
+        not collide with another request's). Its outputs go to ``subscriber``, or to the queue returned."""
         await self._admit(context, needs_blocks=False)
         if self.config.mode != "colocated":
             await errors.invalid(context, "reservation_id",
@@ -399,27 +368,45 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         ids = list(request.token_ids)
         await self._check_prompt(context, ids)
         params = await self._params(context, request.params)
-        request_id = request.request_id or uuid.uuid4().hex
-        rid = "col-" + uuid.uuid4().hex  # never the caller's id: it must not collide with another request's
-        q = self.engine.open_stream(rid)
+        q = self.engine.open_stream(rid) if subscriber is None else None
+        if subscriber is not None:
+            self.engine.route_to(rid, subscriber)
         try:
             await self._engine_admit(context, self.engine.call(self.engine.engine.add_request, rid, ids, params,
-                                                               bool(params.stop)), lambda: self._drop(rid))
+                                                               bool(params.stop)), lambda: self.drop(rid))
         except BaseException:
             self.engine.close_stream(rid)
             raise
         self._colocated_ids[request_id] = rid
-        self._generating += 1
+        return q
+
+    def forget_colocated(self, request_id: str, rid: str) -> None:
+        if self._colocated_ids.get(request_id) == rid:
+            del self._colocated_ids[request_id]
+
+    async def _colocated(self, request: decode_pb2.DecodeGenerateRequest, context: grpc.aio.ServicerContext
+                         ) -> AsyncIterator[common_pb2.GenerateResponse]:
+        """Colocated mode: this process runs prefill and decode for the prompt (the A/B baseline)."""
+        request_id = request.request_id or uuid.uuid4().hex
+        rid = "col-" + uuid.uuid4().hex
+        q = await self.admit_colocated(request, context, request_id, rid, None)
+        assert q is not None
+        self.generating += 1
         with tracing.span_from_metadata("decode.generate", context.invocation_metadata(), request_id=request_id):
             try:
-                async for o in self._stream(rid, q, lambda: None):
-                    yield _response(request_id, o)
+                async for o in self._stream(rid, q, None):
+                    yield fill_response(common_pb2.GenerateResponse(), request_id, o)
             except EngineDeadError as e:
                 await errors.engine_dead(context, e)
             finally:
-                self._generating -= 1
-                if self._colocated_ids.get(request_id) == rid:
-                    del self._colocated_ids[request_id]
+                self.generating -= 1
+                self.forget_colocated(request_id, rid)
+
+    def background(self, coro: Awaitable[object]) -> None:
+        """Run ``coro`` as a task kept until it ends (:meth:`close` waits for it)."""
+        task = asyncio.ensure_future(coro)
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
 
     # --- Abort ---
 
@@ -445,7 +432,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def drain(self) -> None:
         """Wait for open Generate streams and KV transfers in flight (the server bounds the wait)."""
         while (self.engine is not None and self.engine.dead is None  # noqa: ASYNC110 (bounded by the server)
-               and (self._generating or any(self.receiver.poll(r) in (KVPoll.WAITING_FOR_INPUT, KVPoll.TRANSFERRING)
+               and (self.generating or any(self.receiver.poll(r) in (KVPoll.WAITING_FOR_INPUT, KVPoll.TRANSFERRING)
                                             for r in self.table.values()))):
             await asyncio.sleep(0.05)
 

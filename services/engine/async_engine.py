@@ -2,7 +2,11 @@
 
 Everything that touches the scheduler, block manager or KV tensors runs on the engine thread:
 callers submit closures with :meth:`AsyncEngine.call` and await their result. Outputs travel back
-to per-request asyncio queues through ``loop.call_soon_threadsafe``, one call per step and event loop.
+through ``loop.call_soon_threadsafe``, one call per step and event loop, to each request's route: its
+own asyncio queue, or a :class:`StepSubscriber` that gets every output of its requests in a step as one
+:class:`StepBatch` (one queue item per step, however many requests). Routes are resolved on the event
+loop, so a request can move from its queue to a subscriber (:meth:`AsyncEngine.route_to`) without
+losing or reordering an output.
 
 The engine thread publishes a stats snapshot after every command, after every step and while idle
 (every ``IDLE_WAIT_S``); :meth:`AsyncEngine.stats` answers from it at once, however long a step runs,
@@ -14,6 +18,7 @@ takes health NOT_SERVING and exits non-zero).
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import queue
@@ -21,6 +26,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from services.engine.config import EngineConfig
@@ -32,6 +38,9 @@ from services.engine.sampling_params import SamplingParams, TopLogprobs
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+STEP_RECORDS_KEPT = 65536
+"""Step records held for :meth:`AsyncEngine.take_steps` (count); older ones are dropped when nobody takes them."""
+
 IDLE_WAIT_S = 0.05
 """Longest the idle engine thread sleeps before looking at its command queue again (seconds)."""
 
@@ -42,10 +51,35 @@ class EngineDeadError(RuntimeError):
     pass
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    """Event loop side of :meth:`AsyncEngine._deliver`."""
-    for q, o in items:
-        q.put_nowait(o)
+@dataclass(frozen=True, slots=True)
+class StepBatch:
+    """The outputs one engine step (or one command) produced for one subscriber's requests, in engine
+    order: a request's outputs keep their order within and across batches. Plain data, no callbacks."""
+
+    outputs: list[RequestOutput]
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """What one engine step did: its duration (seconds), tokens and sequences it ran (counts), and whether
+    it was replayed in a CUDA graph."""
+
+    seconds: float
+    tokens: int
+    sequences: int
+    graphed: bool
+
+
+class StepSubscriber:
+    """Where a group of requests' outputs go as one :class:`StepBatch` per step. ``queue`` also carries
+    whatever typed events its owner puts there itself; an exception in it means the engine loop died."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+
+
+Route = asyncio.Queue | StepSubscriber
+"""Where a request's outputs go: its own queue (one item per output) or a subscriber (one per step)."""
 
 
 def _set_torch_threads(n: int) -> None:
@@ -126,11 +160,16 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self._death_callbacks: list[DeathCallback] = []
         self._death_lock = threading.Lock()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, Route]] = {}
+        """Request id -> (its event loop, its route); the route is read and replaced on that loop only."""
         # Written by the engine thread only; readers take the whole dict (one reference read).
         self._published: dict[str, float] = {}
         self._step_start = 0.0
         """monotonic time the running step began; 0.0 between steps."""
+        self._steps: collections.deque[StepRecord] = collections.deque(maxlen=STEP_RECORDS_KEPT)
+        """Steps not taken yet (appended by the engine thread, taken on the event loop)."""
+        self.busy_s = 0.0
+        """Seconds the engine thread has spent in steps since it started (written by the engine thread)."""
         self._cores = _join_share_group(config)
         self._threads = config.resolved_cpu_threads if config.device.startswith("cpu") else 0
         """torch intra-op threads now (the ``cpu_threads`` stat; 0 off CPU)."""
@@ -148,9 +187,15 @@ class AsyncEngine:
                 if eng.has_work():
                     if self._cores is not None:
                         self._threads = self._cores.busy(borrow=_may_borrow(eng), exactly=_borrow_exactly(eng))
-                    self._step_start = time.monotonic()
+                    graphed = getattr(eng.runner, "graphed_steps", 0)
+                    start = self._step_start = time.monotonic()
                     outputs = eng.step()
                     self._step_start = 0.0
+                    if eng.last_step_sequences:
+                        took = time.monotonic() - start
+                        self.busy_s += took
+                        self._steps.append(StepRecord(took, eng.last_step_tokens, eng.last_step_sequences,
+                                                      getattr(eng.runner, "graphed_steps", 0) != graphed))
                     self._deliver(outputs)
                     self._publish()
                 else:
@@ -197,7 +242,9 @@ class AsyncEngine:
             callbacks = list(self._death_callbacks)
         self._step_start = 0.0
         self._fail_pending()
-        for loop, q in list(self._streams.values()):
+        targets = {id(route): (loop, route) for loop, route in list(self._streams.values())}
+        for loop, route in targets.values():
+            q = route.queue if isinstance(route, StepSubscriber) else route
             loop.call_soon_threadsafe(q.put_nowait, e)
         for cb in callbacks:
             try:
@@ -212,14 +259,35 @@ class AsyncEngine:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand a step's outputs over with one ``call_soon_threadsafe`` per event loop (one self-pipe
-        write and one GIL hand-off per step, not per request); each queue still gets its outputs in order."""
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        write and one GIL hand-off per step, not per request); each route still gets its outputs in order."""
+        batches: dict[asyncio.AbstractEventLoop, list[RequestOutput]] = {}
         for o in outputs:
             target = self._streams.get(o.request_id)
             if target is not None:
-                batches.setdefault(target[0], []).append((target[1], o))
+                batches.setdefault(target[0], []).append(o)
         for loop, items in batches.items():
-            loop.call_soon_threadsafe(_put_all, items)
+            loop.call_soon_threadsafe(self._put_all, items)
+
+    def _put_all(self, outputs: list[RequestOutput]) -> None:
+        """Event loop side of :meth:`_deliver`: each output to its request's route as it is now (a request
+        closed meanwhile drops it); one StepBatch per subscriber."""
+        grouped: dict[int, tuple[StepSubscriber, list[RequestOutput]]] = {}
+        streams = self._streams
+        for o in outputs:
+            target = streams.get(o.request_id)
+            if target is None:
+                continue
+            route = target[1]
+            if isinstance(route, StepSubscriber):
+                entry = grouped.get(id(route))
+                if entry is None:
+                    grouped[id(route)] = (route, [o])
+                else:
+                    entry[1].append(o)
+            else:
+                route.put_nowait(o)
+        for sub, outs in grouped.values():
+            sub.queue.put_nowait(StepBatch(outs))
 
     # --- health ---
 
@@ -246,6 +314,14 @@ class AsyncEngine:
         s["step_running_s"] = max(0.0, time.monotonic() - start) if start else 0.0
         return s
 
+    def take_steps(self) -> list[StepRecord]:
+        """The steps run since the previous call (oldest first; at most STEP_RECORDS_KEPT)."""
+        steps = self._steps
+        out = []
+        for _ in range(len(steps)):
+            out.append(steps.popleft())
+        return out
+
     # --- caller side ---
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
@@ -265,6 +341,25 @@ class AsyncEngine:
         if self._dead is not None:  # a stream opened after the loop died ends at once
             q.put_nowait(self._dead)
         return q
+
+    def route_to(self, request_id: str, subscriber: StepSubscriber) -> None:
+        """Send ``request_id``'s outputs to ``subscriber`` from now on (call on the subscriber's event loop).
+        A request that had its own queue (a reservation opened by :meth:`reserve`) moves over: what its
+        queue held goes to the subscriber first, as one batch. Raises EngineDeadError if the loop died."""
+        if self._dead is not None:
+            raise EngineDeadError(f"engine loop died: {self._dead!r}")
+        old = self._streams.get(request_id)
+        self._streams[request_id] = (asyncio.get_running_loop(), subscriber)
+        if old is None or not isinstance(old[1], asyncio.Queue):
+            return
+        held: list[RequestOutput] = []
+        while not old[1].empty():
+            item = old[1].get_nowait()
+            if isinstance(item, BaseException):
+                raise EngineDeadError(f"engine loop died: {item!r}")
+            held.append(item)
+        if held:
+            subscriber.queue.put_nowait(StepBatch(held))
 
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

@@ -117,6 +117,10 @@ class LLMEngine:
         self.layer_listeners: list[LayerListener] = []
         """Asked before each step's model call which chunks' pages leave layer group by layer group (layer_groups)."""
         self.last_step_start = 0.0
+        self.last_step_tokens = 0
+        """Tokens the latest step ran through the model (prefill chunks and decode rows; count)."""
+        self.last_step_sequences = 0
+        """Sequences in the latest step (count; 0: it scheduled nothing)."""
         """monotonic time the current/last step's model call began (chunk listeners read it)."""
         self.layer_group = config.kv_export_layer_group if (
             self.runner.device.type == "cuda" or config.kv_export_layer_group_cpu) and \
@@ -266,6 +270,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
+        self.last_step_sequences = len(out.chunks)
+        self.last_step_tokens = sum(c.num_new_tokens for c in out.chunks)
         if not out.chunks:
             return []
         self.last_step_start = time.monotonic()

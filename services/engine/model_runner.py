@@ -65,6 +65,8 @@ class ModelRunner:
             self.kv_destination = self.spec.offer(self.kv_destination)  # + the draft pool when it is shared
         self.sampler = Sampler(config.seed)
         self.graphs = None
+        self.graphed_steps = 0
+        """Steps replayed in a captured CUDA graph so far (count)."""
         if self.device.type == "cuda":
             self._init_gpu(loaded)
         self.compiled_decode = None
@@ -248,6 +250,7 @@ class ModelRunner:
         or benchmark hook) is honoured by computing the logits outside the graph from its hidden state.
         """
         assert self.graphs is not None
+        self.graphed_steps += 1
         hidden, logits, tokens = self.graphs.run_host(bucket, [ch.seq for ch in chunks])
         rows, seq_ids, keep = [], [], []
         for i, ch in enumerate(chunks):

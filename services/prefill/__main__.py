@@ -14,6 +14,7 @@ from services.prefill.config import PrefillConfig
 from services.prefill.servicer import PrefillServicer
 from services.worker.engine_service import EngineService, service_main
 from services.worker.stat_gauges import stat_gauges
+from services.worker.step_metrics import StepMetrics
 
 
 async def amain(cfg: PrefillConfig, ecfg) -> None:
@@ -23,6 +24,7 @@ async def amain(cfg: PrefillConfig, ecfg) -> None:
     service = EngineService("prefill", cfg, ecfg)
     servicer = PrefillServicer(cfg, metrics, transport, asyncio.Event())
     service.on_stats.append(stat_gauges(metrics, lambda: servicer.model))
+    service.on_stats.append(StepMetrics(metrics, lambda: service.engine, lambda: servicer.model))
     service.on_close.append(transport.close)
     service.on_close.append(servicer.close)
     await service.run(servicer, prefill_pb2_grpc.add_PrefillServicer_to_server)

@@ -11,6 +11,9 @@ from services.common.tracing import TracingConfig
 from services.engine.model_settings import ModelConfig
 from services.router.policy import DEFAULT_PREFIX_CREDIT, POLICIES
 
+DECODE_STREAMS = ("step", "per-request")
+"""Values of --decode-stream."""
+
 
 @dataclass
 class RouterConfig(ServerConfig, TracingConfig, ContextConfig, ModelConfig, LeaseConfig):
@@ -34,6 +37,10 @@ class RouterConfig(ServerConfig, TracingConfig, ContextConfig, ModelConfig, Leas
                                     "reservation, and hand it over with AttachReservation once Reserve answered "
                                     "(prefill computes meanwhile, writes nothing before). Not done while decode "
                                     "answered Reserve with OVERLOADED in the last second.")
+    decode_stream: str = opt("step", "How tokens come back from a decode or colocated worker: 'step', one long-lived "
+                                     "stream per instance carrying every request's new tokens of an engine step "
+                                     "in one message; 'per-request', one Decode.Generate stream per request.",
+                             choices=DECODE_STREAMS)
     health_interval_s: float = opt(1.0, "Health and load polling period per instance (seconds).")
     dead_after_s: float = opt(10.0, "An instance is dead after this long without a SERVING health answer "
                                     "(seconds); a refused connection or NOT_SERVING is dead at once, a slow "

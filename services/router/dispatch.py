@@ -31,7 +31,7 @@ from services.engine.sampling_params import SamplingParams
 from services.router.handoff import Handoff, abort_quietly, exhausted, finish_of, pick, top_of
 from services.router.instances import InstancePool, inflight
 from services.router.pipeline import BackendError, TokenEvent
-from services.router.request_state import DecodeLostError, DispatchSettings, RequestState
+from services.router.request_state import DecodeLostError, DispatchSettings, RequestState, token_stream
 from services.router.rpc_failure import RpcFailure
 
 __all__ = ["DisaggregatedBackend", "DispatchSettings"]
@@ -153,21 +153,22 @@ class DisaggregatedBackend:
             started = finished = False
             try:
                 with inflight(worker):
-                    call = worker.decode.Generate(decode_pb2.DecodeGenerateRequest(
-                        request_id=st.request_id, token_ids=prompt, params=params_to_pb(params)),
-                        metadata=st.metadata, timeout=st.timeout_s())
-                    async for msg in call:
-                        if not started:
-                            started = True
-                            worker.remember(hashes)
-                        reason = finish_of(msg, f"worker {worker.address}")
-                        finished = reason is not None  # before the yield: the consumer may close us there
-                        yield TokenEvent(list(msg.token_ids), list(msg.logprobs) or [None] * len(msg.token_ids),
-                                         finish_reason=reason, prompt_tokens=len(prompt),
-                                         cached_tokens=msg.usage.cached_tokens,
-                                         top_logprobs=[top_of(t) for t in msg.top_logprobs])
-                        if finished:
-                            return
+                    req = decode_pb2.DecodeGenerateRequest(request_id=st.request_id, token_ids=prompt,
+                                                           params=params_to_pb(params))
+                    async with token_stream(worker, req, self.s, metadata=st.metadata,
+                                            timeout_s=st.timeout_s()) as call:
+                        async for msg in call:
+                            if not started:
+                                started = True
+                                worker.remember(hashes)
+                            reason = finish_of(msg, f"worker {worker.address}")
+                            finished = reason is not None  # before the yield: the consumer may close us there
+                            yield TokenEvent(list(msg.token_ids), list(msg.logprobs) or [None] * len(msg.token_ids),
+                                             finish_reason=reason, prompt_tokens=len(prompt),
+                                             cached_tokens=msg.usage.cached_tokens,
+                                             top_logprobs=[top_of(t) for t in msg.top_logprobs])
+                            if finished:
+                                return
                 raise BackendError("internal", f"worker {worker.address} ended the stream without a finish reason")
             except grpc.aio.AioRpcError as e:
                 last = RpcFailure.of(f"worker {worker.address} Generate", e)

@@ -55,6 +55,7 @@ from services.router.request_state import (
     HandoffFailed,
     PrefillDone,
     RequestState,
+    token_stream,
 )
 from services.router.rpc_failure import RpcFailure
 
@@ -270,14 +271,14 @@ class Handoff:
         start = 0
         first = True
         try:
-            call = decode.decode.Generate(decode_pb2.DecodeGenerateRequest(reservation_id=resv.reservation_id),
-                                          metadata=st.metadata, timeout=st.timeout_s())
-            async for msg in call:
-                if first:
-                    first = False
-                    self._phase(st, "decode_first")
-                await events.put(DecodeTokens(start, msg))
-                start += len(msg.token_ids)
+            req = decode_pb2.DecodeGenerateRequest(reservation_id=resv.reservation_id)
+            async with token_stream(decode, req, self.s, metadata=st.metadata, timeout_s=st.timeout_s()) as call:
+                async for msg in call:
+                    if first:
+                        first = False
+                        self._phase(st, "decode_first")
+                    await events.put(DecodeTokens(start, msg))
+                    start += len(msg.token_ids)
             await events.put(Failed(BackendError("internal", f"decode {decode.address} ended the stream "
                                                              "without a finish reason"), "decode"))
         except grpc.aio.AioRpcError as e:

@@ -39,6 +39,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common.grpc_util import create_channel
 from services.common.pb import common_pb2, common_pb2_grpc, decode_pb2_grpc, prefill_pb2_grpc
 from services.common.tls import TLSConfig
+from services.router.decode_stream import DecodeStreams
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,20 @@ class Instance:
     back_at: float = -math.inf
     """time.monotonic() of its latest return to HEALTHY from suspect or dead (a restart, typically)."""
     prefix: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+    _streams: DecodeStreams | None = None
+
+    @property
+    def streams(self) -> DecodeStreams:
+        """This router's token stream to the instance (a decode or colocated worker), made on first use."""
+        if self._streams is None:
+            self._streams = DecodeStreams(self.channel, self.address)
+        return self._streams
+
+    async def close(self) -> None:
+        """End the token stream, then the channel."""
+        if self._streams is not None:
+            await self._streams.close()
+        await self.channel.close()
 
     @property
     def decode(self) -> decode_pb2_grpc.DecodeStub:
@@ -178,7 +193,7 @@ class InstancePool:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._polls.clear()
         for inst in self.instances.values():
-            await inst.channel.close()
+            await inst.close()
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
@@ -216,7 +231,7 @@ class InstancePool:
                 if poll is not None:
                     poll.cancel()
                     await asyncio.gather(poll, return_exceptions=True)
-                await inst.channel.close()
+                await inst.close()
                 log.info("%s instance removed (no longer in DNS): %s", self.role, addr)
 
     async def _resolve_loop(self) -> None:

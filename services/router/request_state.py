@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.common.pb import common_pb2, prefill_pb2
+from services.common.pb import common_pb2, decode_pb2, prefill_pb2
 from services.router.config import RouterConfig
 from services.router.instances import Instance
 from services.router.pipeline import BackendError
@@ -16,6 +18,24 @@ from services.router.rpc_failure import RpcFailure
 CONTROL_TIMEOUT_S = 30.0
 """Longest Reserve / RenewLease / Abort may take (seconds): they answer from published state, so an
 instance that needs longer is hung. Also bounded by the request's deadline."""
+
+
+@contextlib.asynccontextmanager
+async def token_stream(inst: Instance, request: decode_pb2.DecodeGenerateRequest, settings: DispatchSettings, *,
+                       metadata: tuple[tuple[str, str], ...], timeout_s: float
+                       ) -> AsyncIterator[AsyncIterator[common_pb2.GenerateResponse]]:
+    """One request's tokens from ``inst`` as --decode-stream says: over the instance's token stream ("step")
+    or a Decode.Generate call of its own ("per-request"); the same messages and errors either way. Leaving
+    the block before the last message cancels the request there at once."""
+    if settings.decode_stream == "step":
+        async with contextlib.aclosing(inst.streams.generate(request, metadata=metadata, timeout_s=timeout_s)) as g:
+            yield g
+        return
+    call = inst.decode.Generate(request, metadata=metadata, timeout=timeout_s)
+    try:
+        yield call
+    finally:
+        call.cancel()  # a no-op once the call ended
 
 
 def _router_default(name: str) -> Any:
@@ -41,13 +61,15 @@ class DispatchSettings:
     timeout_s: float = _router_default("request_timeout_s")
     """Deadline of a request whose client named none (seconds from arrival): --request-timeout-s."""
     restart_wait_s: float = _router_default("restart_wait_s")
+    decode_stream: str = _router_default("decode_stream")
 
     @classmethod
     def from_config(cls, cfg: RouterConfig) -> DispatchSettings:
         return cls(policy=cfg.policy, prefix_credit=cfg.prefix_credit, lease_ms=cfg.lease_ms,
                    max_retries=cfg.max_retries, chunked_transfer=cfg.chunked_transfer,
                    early_prefill=cfg.early_prefill, timeout_s=cfg.request_timeout_s,
-                   restart_wait_s=cfg.restart_wait_s)
+                   restart_wait_s=cfg.restart_wait_s,
+                   decode_stream=cfg.decode_stream)
 
 
 @dataclass(eq=False)

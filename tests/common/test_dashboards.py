@@ -174,6 +174,7 @@ _LABEL_VALUES: dict[str, list[str]] = {
     "transport": ["grpc", "mooncake"],
     "tier": ["memory", "disk"],
     "outcome": ["ok", "failed"],
+    "cuda_graph": ["graphed", "eager"],
     "dtype": ["bfloat16"],
     "dtype_reason": ["cpu_amx_bf16"],
     "device": ["cpu"],

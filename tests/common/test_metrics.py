@@ -36,7 +36,7 @@ def test_naming_conventions(spec: m.MetricSpec) -> None:
     else:
         assert not spec.name.endswith("_total")
     if spec.kind == "histogram":
-        assert spec.name.endswith(("_seconds", "_tokens"))  # base units: time, or a token count
+        assert spec.name.endswith(("_seconds", "_tokens", "_sequences"))  # base units: time, a token or sequence count
     if "bytes" in spec.name:
         assert spec.name.endswith(("_bytes", "_bytes_total"))
     assert "instance" not in spec.labels and "namespace" not in spec.labels, "Prometheus owns these labels"

@@ -103,10 +103,10 @@ async def test_drain_finishes_in_flight_generations_and_refuses_new_work(decode_
     disagg = asyncio.create_task(generate(svc.stub, decode_pb2.DecodeGenerateRequest(
         reservation_id=resv.reservation_id)))
     for _ in range(200):
-        if svc.servicer._generating == 2:
+        if svc.servicer.generating == 2:
             break
         await asyncio.sleep(0.02)
-    assert svc.servicer._generating == 2
+    assert svc.servicer.generating == 2
     assert svc.service.server is not None
     shutdown = asyncio.create_task(svc.service.server.shutdown("SIGTERM"))
     await asyncio.sleep(0.1)

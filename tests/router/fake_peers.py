@@ -124,6 +124,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.renewals: list[decode_pb2.RenewLeaseRequest] = []
         self.aborts: list[str] = []
         self.colocated: list[decode_pb2.DecodeGenerateRequest] = []
+        self.cancels: list[int] = []
+        """Keys cancelled on a Stream while their request ran."""
         self.full_retry_after_ms: int | None = None
         """Set: Reserve (and colocated Generate) answer RESOURCE_EXHAUSTED/OVERLOADED with this retry-after."""
         self.die_after_tokens: int | None = None
@@ -166,6 +168,10 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
     async def Abort(self, request, context):
         self.aborts.append(request.request_id)
         return common_pb2.AbortResponse(found=self.reservations.pop(request.request_id, None) is not None)
+
+    async def Stream(self, request_iterator, context) -> AsyncIterator[decode_pb2.StreamStep]:
+        async for step in _stream(self, request_iterator, context):
+            yield step
 
     async def Generate(self, request, context) -> AsyncIterator[common_pb2.GenerateResponse]:
         if self.generate_error is not None:
@@ -279,10 +285,67 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         return prefill_pb2.PrefillResponse(first_token=first, num_prompt_tokens=len(request.token_ids))
 
 
+class _Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str, detail: bytes) -> None:
+        super().__init__(message)
+        self.code, self.message, self.detail = code, message, detail
+
+
+class _RequestContext:
+    """What a Stream entry's Generate aborts through: the abort ends that request only."""
+
+    def __init__(self) -> None:
+        self._detail = b""
+
+    def set_trailing_metadata(self, md) -> None:
+        self._detail = next((v for k, v in md if k == grpc_util.ERROR_DETAIL_KEY), b"")
+
+    async def abort(self, code: grpc.StatusCode, message: str = "") -> None:
+        raise _Aborted(code, message, self._detail)
+
+
+async def _stream(decode: FakeDecode, request_iterator, context) -> AsyncIterator[decode_pb2.StreamStep]:
+    """Decode.Stream over the fake's own Generate: one StreamStep per message (the fake has no engine steps),
+    an abort as that request's StreamError, a cancel ends its Generate."""
+    out: asyncio.Queue[decode_pb2.StreamStep | None] = asyncio.Queue()
+    runs: dict[int, asyncio.Task] = {}
+
+    async def run(start: decode_pb2.StreamStart) -> None:
+        try:
+            async for msg in decode.Generate(start.request, _RequestContext()):
+                out.put_nowait(decode_pb2.StreamStep(tokens=[decode_pb2.StreamTokens(key=start.key, response=msg)]))
+        except _Aborted as e:
+            err = decode_pb2.StreamError(key=start.key, code=e.code.value[0], message=e.message)
+            err.detail.ParseFromString(e.detail)
+            out.put_nowait(decode_pb2.StreamStep(errors=[err]))
+        finally:
+            runs.pop(start.key, None)
+
+    async def read() -> None:
+        async for ctl in request_iterator:
+            if ctl.WhichOneof("kind") == "start":
+                runs[ctl.start.key] = asyncio.ensure_future(run(ctl.start))
+            elif (t := runs.get(ctl.cancel.key)) is not None:
+                decode.cancels.append(ctl.cancel.key)
+                t.cancel()
+        out.put_nowait(None)
+
+    reader = asyncio.ensure_future(read())
+    try:
+        while (step := await out.get()) is not None:
+            yield step
+    finally:
+        for t in [reader, *runs.values()]:
+            t.cancel()
+        await asyncio.gather(reader, *runs.values(), return_exceptions=True)
+
+
 @dataclass
 class FakeCluster:
     decodes: list[tuple[Peer, FakeDecode]]
     prefills: list[tuple[Peer, FakePrefill]]
+    decode_stream: str = "step"
+    """How routers made for this cluster get tokens back (--decode-stream)."""
 
     @classmethod
     async def start(cls, n_decode: int, n_prefill: int) -> FakeCluster:

@@ -21,6 +21,7 @@ from services.common.metrics import (
 )
 from services.common.pb import decode_pb2_grpc, prefill_pb2_grpc
 from services.engine.sampling_params import SamplingParams
+from services.router.config import DECODE_STREAMS
 from services.router.dispatch import DisaggregatedBackend, DispatchSettings
 from services.router.instances import InstancePool, Liveness
 from services.router.pipeline import BackendError, TokenEvent
@@ -53,8 +54,8 @@ async def router(cluster: FakeCluster, *, colocated: bool = False, **settings) -
         await p.start()
         await p.check_now()
         assert all(i.state == Liveness.HEALTHY for i in p.instances.values())
-    backend = DisaggregatedBackend(prefill_pool, decode_pool, DispatchSettings(**{"policy": "prefix_aware",
-                                                                                   **settings}),
+    backend = DisaggregatedBackend(prefill_pool, decode_pool, DispatchSettings(**{
+                                       "policy": "prefix_aware", "decode_stream": cluster.decode_stream, **settings}),
                                    RouterMetrics(registry), "fake")
     try:
         yield Router(backend, registry, decode_pool, prefill_pool)
@@ -64,12 +65,14 @@ async def router(cluster: FakeCluster, *, colocated: bool = False, **settings) -
             await p.close()
 
 
-@pytest.fixture
-async def cluster_factory():
+@pytest.fixture(params=DECODE_STREAMS)
+async def cluster_factory(request):
+    """Fake clusters, each test run with both ways tokens come back (--decode-stream)."""
     started: list[FakeCluster] = []
 
     async def make(n_decode: int, n_prefill: int) -> FakeCluster:
         c = await FakeCluster.start(n_decode, n_prefill)
+        c.decode_stream = request.param
         started.append(c)
         return c
 

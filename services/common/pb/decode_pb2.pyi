@@ -186,3 +186,62 @@ class PushKVResponse(_message.Message):
     chunks_received: int
     bytes_received: int
     def __init__(self, chunks_received: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
+
+class StreamStart(_message.Message):
+    __slots__ = ("key", "request", "trace")
+    class TraceEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
+    key: int
+    request: DecodeGenerateRequest
+    trace: _containers.ScalarMap[str, str]
+    def __init__(self, key: _Optional[int] = ..., request: _Optional[_Union[DecodeGenerateRequest, _Mapping]] = ..., trace: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class StreamCancel(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: int
+    def __init__(self, key: _Optional[int] = ...) -> None: ...
+
+class StreamControl(_message.Message):
+    __slots__ = ("start", "cancel")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    start: StreamStart
+    cancel: StreamCancel
+    def __init__(self, start: _Optional[_Union[StreamStart, _Mapping]] = ..., cancel: _Optional[_Union[StreamCancel, _Mapping]] = ...) -> None: ...
+
+class StreamTokens(_message.Message):
+    __slots__ = ("key", "response")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    key: int
+    response: _common_pb2.GenerateResponse
+    def __init__(self, key: _Optional[int] = ..., response: _Optional[_Union[_common_pb2.GenerateResponse, _Mapping]] = ...) -> None: ...
+
+class StreamError(_message.Message):
+    __slots__ = ("key", "code", "message", "detail")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    key: int
+    code: int
+    message: str
+    detail: _common_pb2.ErrorDetail
+    def __init__(self, key: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., detail: _Optional[_Union[_common_pb2.ErrorDetail, _Mapping]] = ...) -> None: ...
+
+class StreamStep(_message.Message):
+    __slots__ = ("tokens", "errors")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedCompositeFieldContainer[StreamTokens]
+    errors: _containers.RepeatedCompositeFieldContainer[StreamError]
+    def __init__(self, tokens: _Optional[_Iterable[_Union[StreamTokens, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[StreamError, _Mapping]]] = ...) -> None: ...

@@ -45,6 +45,11 @@ class DecodeStub:
                 request_serializer=pdserve_dot_v1_dot_decode__pb2.DecodeGenerateRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_common__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Stream = channel.stream_stream(
+                '/pdserve.v1.Decode/Stream',
+                request_serializer=pdserve_dot_v1_dot_decode__pb2.StreamControl.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_decode__pb2.StreamStep.FromString,
+                _registered_method=True)
         self.PushKV = channel.stream_unary(
                 '/pdserve.v1.Decode/PushKV',
                 request_serializer=pdserve_dot_v1_dot_common__pb2.KVChunk.SerializeToString,
@@ -74,6 +79,14 @@ class DecodeServicer:
 
     def Generate(self, request, context):
         """Stream the reserved request's tokens; starts once the last KV chunk has landed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Stream(self, request_iterator, context):
+        """One router's requests over one stream: per-request starts and cancels in, one StreamStep per engine
+        step out. A broken stream ends every request on it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -112,6 +125,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=pdserve_dot_v1_dot_decode__pb2.DecodeGenerateRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_common__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Stream': grpc.stream_stream_rpc_method_handler(
+                    servicer.Stream,
+                    request_deserializer=pdserve_dot_v1_dot_decode__pb2.StreamControl.FromString,
+                    response_serializer=pdserve_dot_v1_dot_decode__pb2.StreamStep.SerializeToString,
             ),
             'PushKV': grpc.stream_unary_rpc_method_handler(
                     servicer.PushKV,
@@ -183,6 +201,33 @@ class Decode:
             '/pdserve.v1.Decode/Generate',
             pdserve_dot_v1_dot_decode__pb2.DecodeGenerateRequest.SerializeToString,
             pdserve_dot_v1_dot_common__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.v1.Decode/Stream',
+            pdserve_dot_v1_dot_decode__pb2.StreamControl.SerializeToString,
+            pdserve_dot_v1_dot_decode__pb2.StreamStep.FromString,
             options,
             channel_credentials,
             insecure,
