@@ -19,7 +19,14 @@ from services.engine.cpu_features import (
     resolve_dtype,
     torch_cpu_capability,
 )
-from services.engine.model_settings import DTYPE_CHOICES, CompileDecodeConfig, DtypeConfig, ModelConfig
+from services.engine.device_defaults import CPU_KV_CACHE_BYTES, batch_defaults
+from services.engine.model_settings import (
+    DTYPE_CHOICES,
+    CompileDecodeConfig,
+    DeviceConfig,
+    DtypeConfig,
+    ModelConfig,
+)
 from services.engine.models.quant_linear import WEIGHT_FORMATS
 
 log = logging.getLogger(__name__)
@@ -33,8 +40,7 @@ class EngineConfigError(ValueError):
 
 
 @dataclass
-class EngineConfig(ContextConfig, ModelConfig, DtypeConfig, CompileDecodeConfig):
-    device: str = opt("cpu", "Torch device (cpu, cuda, cuda:N).")
+class EngineConfig(ContextConfig, ModelConfig, DeviceConfig, DtypeConfig, CompileDecodeConfig):
     cpu_threads: int = opt(0, "Torch intra-op threads of this engine process; 0: one per CPU the process may "
                               "run on (its affinity mask). pdserve up gives each engine its share of the host.")
     cpu_affinity: str = opt("", "Pin this engine process to these CPUs at start (Linux cpulist, e.g. 0-3,8); "
@@ -48,10 +54,17 @@ class EngineConfig(ContextConfig, ModelConfig, DtypeConfig, CompileDecodeConfig)
                                    "with --cpu-affinity or at --tensor-parallel-size > 1.")
     block_size: int = opt(16, "Tokens per KV page.")
     num_kv_blocks: int = opt(0, "KV pages to allocate; 0 sizes the pool from kv_cache_bytes.")
-    kv_cache_bytes: int = opt(1 << 30, "Bytes for the KV pool when num_kv_blocks is 0.")
-    max_num_seqs: int = opt(64, "Most sequences in one batch.")
-    max_num_batched_tokens: int = opt(2048, "Token budget of one step (decode tokens + prefill chunks).")
-    max_prefill_chunk: int = opt(512, "Most prompt tokens of one sequence computed in one step.")
+    kv_cache_bytes: int = opt(0, "Bytes for the KV pool when num_kv_blocks is 0. 0: 1 GiB on CPU; on CUDA "
+                                 "what --gpu-memory-utilization leaves after weights, graphs and activations "
+                                 "(1 GiB at --tensor-parallel-size > 1).")
+    gpu_memory_utilization: float = opt(0.9, "CUDA, no KV size given: the share of the device's memory this engine "
+                                             "may fill (weights, KV pool, graphs, activations), in (0, 1]; engines "
+                                             "sharing one GPU each take their own share.")
+    max_num_seqs: int = opt(0, "Most sequences in one batch; 0: the device's default (64 on CPU, 256 on CUDA).")
+    max_num_batched_tokens: int = opt(0, "Token budget of one step (decode tokens + prefill chunks); 0: the "
+                                         "device's default (2048 on CPU, 16384 on CUDA).")
+    max_prefill_chunk: int = opt(0, "Most prompt tokens of one sequence computed in one step; 0: the device's "
+                                    "default (512 on CPU, 8192 on CUDA).")
     prefill_tail_tokens: int = opt(256, "Prefill engines whose KV streams out per chunk over mooncake (prefill "
                                         "service, chunked transfer on; prompts over one chunk): a prompt's last tokens are computed in pieces that halve "
                                         "what remains down to this many tokens, so the KV still to send when "
@@ -122,6 +135,13 @@ class EngineConfig(ContextConfig, ModelConfig, DtypeConfig, CompileDecodeConfig)
         self.resolved_dtype, self.dtype_reason = resolve_dtype(self.dtype, self.device, flags)
         # Set by the engine once its weights are loaded (quant_linear.install); "pending" until then.
         self.resolved_weight_format, self.weight_format_reason = "pending", "pending"
+        defaults = batch_defaults(self.device)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
+            if getattr(self, name) == 0:  # 0: the device's default (device_defaults.BATCH_DEFAULTS)
+                setattr(self, name, getattr(defaults, name))
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise EngineConfigError("--gpu-memory-utilization / PDSERVE_GPU_MEMORY_UTILIZATION: must be in (0, 1], "
+                                    f"got {self.gpu_memory_utilization}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
             if getattr(self, name) <= 0:
                 raise EngineConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
@@ -131,8 +151,8 @@ class EngineConfig(ContextConfig, ModelConfig, DtypeConfig, CompileDecodeConfig)
         if self.tensor_parallel_size > 1 and self.draft_model:
             raise EngineConfigError("--tensor-parallel-size / PDSERVE_TENSOR_PARALLEL_SIZE > 1 runs no draft model: "
                                     f"unset --draft-model / PDSERVE_DRAFT_MODEL (got {self.draft_model!r})")
-        if self.num_kv_blocks < 0 or self.kv_cache_bytes <= 0:
-            raise EngineConfigError("num_kv_blocks must be >= 0 and kv_cache_bytes > 0")
+        if self.num_kv_blocks < 0 or self.kv_cache_bytes < 0:
+            raise EngineConfigError("num_kv_blocks and kv_cache_bytes must be >= 0")
         if self.spec_tokens < 0 or (self.spec_tokens and not self.draft_model):
             raise EngineConfigError(f"--spec-tokens / PDSERVE_SPEC_TOKENS: must be >= 0 and needs --draft-model / "
                                     f"PDSERVE_DRAFT_MODEL, got {self.spec_tokens} with draft {self.draft_model!r}")
@@ -175,11 +195,18 @@ class EngineConfig(ContextConfig, ModelConfig, DtypeConfig, CompileDecodeConfig)
         if warning:
             log.warning("engine: %s", warning)
 
+    @property
+    def sizes_kv_from_device(self) -> bool:
+        """Whether the KV pool is sized from free device memory (CUDA, no KV size given, one rank)."""
+        return (self.device.startswith("cuda") and not self.num_kv_blocks and not self.kv_cache_bytes
+                and self.tensor_parallel_size == 1)
+
     def resolve_num_blocks(self, bytes_per_block: int) -> int:
+        """Pages of a pool sized by num_kv_blocks or kv_cache_bytes (1 GiB when neither is given)."""
         if self.num_kv_blocks:
             return self.num_kv_blocks
-        n = self.kv_cache_bytes // bytes_per_block
+        size = self.kv_cache_bytes or CPU_KV_CACHE_BYTES
+        n = size // bytes_per_block
         if n < 2:
-            raise EngineConfigError(f"kv_cache_bytes={self.kv_cache_bytes} holds fewer than 2 pages of "
-                                    f"{bytes_per_block} bytes")
+            raise EngineConfigError(f"kv_cache_bytes={size} holds fewer than 2 pages of {bytes_per_block} bytes")
         return int(n)

@@ -17,7 +17,8 @@ import torch
 from services.common.pb import decode_pb2
 from services.engine import trace_fence
 from services.engine.attention import AttentionMetadata, ForwardContext, TorchPagedAttention
-from services.engine.config import EngineConfig
+from services.engine.config import EngineConfig, EngineConfigError
+from services.engine.device_defaults import kv_pool_pages, step_activation_bytes
 from services.engine.kv_layout import FP8_CODEC
 from services.engine.layer_groups import LayerGroups
 from services.engine.model_loader import LoadedModel
@@ -49,7 +50,7 @@ class ModelRunner:
 
             self.spec = SpecDecoder(loaded, config)
         draft_bytes = self.spec.bytes_per_block() if self.spec is not None else 0
-        self.num_blocks = config.resolve_num_blocks(self.bytes_per_block + draft_bytes)
+        self.num_blocks = self._num_blocks(loaded, self.bytes_per_block + draft_bytes)
         shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_shm_path: str | None = None
         """The /dev/shm file backing the pool when it is shared (removed by release())."""
@@ -95,6 +96,34 @@ class ModelRunner:
                 os.unlink(self.kv_shm_path)
             self.kv_shm_path = None
             self.kv_destination = None
+
+    def _num_blocks(self, loaded: LoadedModel, page_bytes: int) -> int:
+        """Pages of the pool: from the KV settings, or (CUDA, none given) from the device memory left after the
+        weights (already loaded), the decode graphs and one full step's activations (device_defaults.py)."""
+        cfg = self.config
+        if not cfg.sizes_kv_from_device:
+            return cfg.resolve_num_blocks(page_bytes)
+        arch = loaded.arch
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        split = loaded.model.tp_split
+        act = step_activation_bytes(cfg.max_num_batched_tokens, max(cfg.max_num_seqs, 1), arch.hidden_size,
+                                    arch.intermediate_size, arch.num_heads, split.local_kv_heads, arch.head_dim,
+                                    arch.vocab_size, elem)
+        # The decode graphs' pool holds one bucket's activations at a time (the largest: max_num_seqs rows).
+        graphs = step_activation_bytes(cfg.max_num_seqs, cfg.max_num_seqs, arch.hidden_size, arch.intermediate_size,
+                                       arch.num_heads, split.local_kv_heads, arch.head_dim, arch.vocab_size, elem)
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        own = torch.cuda.memory_reserved(self.device)
+        try:
+            sizing = kv_pool_pages(free, total, cfg.gpu_memory_utilization, own, act + graphs, page_bytes)
+        except ValueError as e:
+            raise EngineConfigError(f"--gpu-memory-utilization / PDSERVE_GPU_MEMORY_UTILIZATION: {e}") from None
+        log.info("kv cache sized from device memory: %d pages of %d KiB = %.1f GiB (--gpu-memory-utilization %g of "
+                 "%.1f GiB, %.1f GiB free, %.2f GiB weights, %.2f GiB kept for activations and graphs; bound: %s)",
+                 sizing.pages, page_bytes // 1024, sizing.pool_bytes / 2**30, cfg.gpu_memory_utilization,
+                 total / 2**30, free / 2**30, own / 2**30, (act + graphs) / 2**30, sizing.limit)
+        return sizing.pages
 
     @property
     def bytes_per_block(self) -> int:
