@@ -10,6 +10,7 @@ import atexit
 import contextlib
 import logging
 import os
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -291,15 +292,20 @@ class ModelRunner:
             if len(keep) < len(chunks):
                 hidden = hidden[torch.tensor(keep).to(self.device, non_blocking=True)]
             return self._sample_gpu(self.model.compute_logits(hidden), None, rows, seq_ids)
-        return self._sample_gpu(logits, tokens, rows, seq_ids)
+        graphs = self.graphs
+        return self._sample_gpu(logits, tokens, rows, seq_ids, lambda t: graphs.logprob_table(bucket, t))
 
     def _sample_gpu(self, logits: torch.Tensor, greedy_tokens: torch.Tensor | None, rows: list[SamplingRow],
-                    seq_ids: list[int]) -> dict[int, Sampled]:
-        if all(r.params.greedy and not r.params.logprobs for r in rows):
-            # Greedy without logprobs: argmax on the device, copy back B ints instead of B x vocab floats.
-            tokens = (logits.argmax(dim=-1) if greedy_tokens is None else greedy_tokens).tolist()
-            return {sid: Sampled(t) for sid, t in zip(seq_ids, tokens, strict=True)}
-        return dict(zip(seq_ids, self.sampler.sample(logits, rows), strict=True))
+                    seq_ids: list[int], table_of: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+                    ) -> dict[int, Sampled]:
+        """Tokens on the device (``greedy_tokens``: the argmax already computed, used when every row is greedy);
+        ``table_of(tokens)``: the logprob table a CUDA graph computes for them (None: computed here)."""
+        if greedy_tokens is not None and all(r.params.greedy for r in rows):
+            tokens = greedy_tokens
+        else:
+            tokens = self.sampler.tokens(logits, rows)
+        table = table_of(tokens) if table_of is not None and any(r.params.logprobs for r in rows) else None
+        return dict(zip(seq_ids, self.sampler.results(logits, tokens, rows, table), strict=True))
 
     # --- page access for KV handoff (prefill packs, decode unpacks) ---
 
