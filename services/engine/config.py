@@ -63,6 +63,10 @@ class EngineConfig(ContextConfig, ModelConfig, DeviceConfig, DtypeConfig, Compil
     max_num_seqs: int = opt(0, "Most sequences in one batch; 0: the device's default (64 on CPU, 256 on CUDA).")
     max_num_batched_tokens: int = opt(0, "Token budget of one step (decode tokens + prefill chunks); 0: the "
                                          "device's default (2048 on CPU, 16384 on CUDA).")
+    mixed_step_interval: int = opt(1, "While sequences decode, prompt chunks join at most one step in this many; "
+                                      "the steps between are pure decode (CUDA-graphed on GPU), prompts wait up "
+                                      "to N-1 steps for their next chunk. 1: every step may mix prompts and "
+                                      "decodes (eager on GPU).")
     max_prefill_chunk: int = opt(0, "Most prompt tokens of one sequence computed in one step; 0: the device's "
                                     "default (512 on CPU, 8192 on CUDA).")
     prefill_tail_tokens: int = opt(256, "Prefill engines whose KV streams out per chunk over mooncake (prefill "
@@ -142,7 +146,8 @@ class EngineConfig(ContextConfig, ModelConfig, DeviceConfig, DtypeConfig, Compil
         if not 0 < self.gpu_memory_utilization <= 1:
             raise EngineConfigError("--gpu-memory-utilization / PDSERVE_GPU_MEMORY_UTILIZATION: must be in (0, 1], "
                                     f"got {self.gpu_memory_utilization}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk",
+                     "mixed_step_interval"):
             if getattr(self, name) <= 0:
                 raise EngineConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
         if self.tensor_parallel_size not in (1, 2, 4, 8):

@@ -106,6 +106,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             spec_tokens=config.spec_tokens if self.runner.spec is not None else 0,
             prefill_tail_tokens=config.prefill_tail_tokens,
+            mixed_step_interval=config.mixed_step_interval,
         )
         self.scheduler = Scheduler(sched_cfg, self.block_manager, set(self.tokenizer.eos_token_ids))
         self.requests: dict[str, _Request] = {}

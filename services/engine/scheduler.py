@@ -7,6 +7,9 @@ A step is ``schedule()`` -> model runner -> ``update_from_output()``. Each step:
      it fits or has preempted itself;
   2. if nothing was preempted, waiting sequences are admitted in FIFO order while the token budget,
      ``max_num_seqs`` and free blocks allow.
+With ``mixed_step_interval`` N > 1, while any sequence decodes, prompt chunks (step 1's unfinished
+prefills and step 2's admissions) are taken only in one step of N: the N - 1 steps between are pure
+decode, which a GPU engine replays in a CUDA graph, at the cost of up to N - 1 steps of TTFT.
 A prefill chunk is ``min(remaining, max_prefill_chunk, remaining budget)``; for a sequence added with
 ``stream_kv=True`` (a prefill whose KV streams out per chunk) also at most ``prefill_tail.tail_piece``:
 its last tokens go in pieces that halve down to ``prefill_tail_tokens``, so little KV is left to send
@@ -45,13 +48,17 @@ class SchedulerConfig:
     """Draft tokens a decoding sequence speculates per step (K); 0: no speculative decoding."""
     prefill_tail_tokens: int = 0
     """Floor (tokens) of the tail pieces of sequences added with ``stream_kv=True``; 0: no tail split."""
+    mixed_step_interval: int = 1
+    """While sequences decode, prompt chunks (admissions and unfinished prefills) join at most one step in
+    this many; the steps between are pure decode (CUDA-graphed on GPU). 1: every step may mix."""
 
     def __post_init__(self) -> None:
         if isinstance(self.prefill_tail_tokens, bool) or not isinstance(self.prefill_tail_tokens, int) \
                 or self.prefill_tail_tokens < 0:
             raise ValueError(f"SchedulerConfig.prefill_tail_tokens must be an integer >= 0, "
                              f"got {self.prefill_tail_tokens!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "max_model_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "max_model_len",
+                     "mixed_step_interval"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"SchedulerConfig.{name} must be a positive integer, got {value!r}")
@@ -101,6 +108,8 @@ class Scheduler:
         """Finished sequences still holding their blocks (a KV hand-off reads them), by seq_id."""
         self.num_preemptions = 0
         """Preemptions since start (a counter)."""
+        self._decode_only_steps = 0
+        """Consecutive steps scheduled without prompt chunks while sequences decoded (mixed_step_interval)."""
         # KV for the last token needs a slot, so a sequence may grow to pool_tokens + 1 tokens.
         pool_tokens = block_manager.num_blocks * block_manager.block_size
         self._max_len = min(config.max_model_len, pool_tokens + 1)
@@ -236,9 +245,16 @@ class Scheduler:
         while self.kv_ready and len(self.running) < cfg.max_num_seqs:
             self.running.append(self.kv_ready.popleft())
 
+        # Decode priority: a step between mixed ones carries decode chunks only (prompts wait at most
+        # mixed_step_interval - 1 steps), so it replays a decode graph.
+        decoding = cfg.mixed_step_interval > 1 and any(s.num_uncomputed_tokens == 1 for s in self.running)
+        prompts = not decoding or self._decode_only_steps >= cfg.mixed_step_interval - 1
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if not prompts and seq.num_uncomputed_tokens > 1:
+                i += 1
+                continue
             n = self._chunk_len(seq, len(seq.token_ids) - seq.num_computed_tokens, budget)
             k = self._spec_len(seq, budget - n)
             if k and not bm.allocate(seq, n + k):
@@ -258,7 +274,7 @@ class Scheduler:
         if out.preempted:
             return out
 
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        while prompts and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
             prefix = bm.get_computed_prefix(seq)
             n = self._chunk_len(seq, len(seq.token_ids) - prefix[1], budget)
@@ -269,6 +285,9 @@ class Scheduler:
             self.running.append(seq)
             out.chunks.append(self._chunk(seq, n))
             budget -= n
+        if decoding:
+            mixed = any(c.num_new_tokens > 1 for c in out.chunks)
+            self._decode_only_steps = 0 if mixed else self._decode_only_steps + 1
         return out
 
     def _chunk_len(self, seq: Sequence, remaining: int, budget: int) -> int:
