@@ -87,6 +87,11 @@ class EngineConfig(ContextConfig, ModelConfig, DeviceConfig, DtypeConfig, Compil
                                        "into it: a /dev/shm file on CPU (prefill --kv-transport shm), a CUDA IPC "
                                        "handle on GPU (prefill --kv-transport cuda-ipc).")
     cuda_graphs: bool = opt(True, "Capture CUDA graphs for decode batch sizes (GPU only).")
+    async_scheduling: str = opt("auto", "Schedule and prepare step N+1 while step N runs on the device; step N's "
+                                        "tokens reach the host one step later (same tokens as off). auto: on CUDA "
+                                        "(one rank, no draft model, no KV hand-off listeners), off on CPU; on: "
+                                        "also CPU eager steps (needs --cpu-compile-decode 0); off: never.",
+                                choices=("auto", "on", "off"))
     tensor_parallel_size: int = opt(1, "Ranks (processes; GPUs on CUDA: cuda:0..N-1 of this host) one instance "
                                        "runs the model on: heads, MLP and vocab split N ways, gloo on CPU, NCCL "
                                        "on GPU. The service starts ranks 1..N-1 itself; any prefill and decode "
@@ -164,6 +169,10 @@ class EngineConfig(ContextConfig, ModelConfig, DeviceConfig, DtypeConfig, Compil
         if not 0 <= self.spec_synthetic_acceptance <= max(self.spec_tokens, 0):
             raise EngineConfigError("--spec-synthetic-acceptance / PDSERVE_SPEC_SYNTHETIC_ACCEPTANCE: must be in "
                                     f"[0, --spec-tokens={self.spec_tokens}], got {self.spec_synthetic_acceptance}")
+        if self.async_scheduling == "on" and (self.draft_model or self.tensor_parallel_size > 1 or (
+                self.cpu_compile_decode and not self.device.startswith("cuda"))):
+            raise EngineConfigError("--async-scheduling / PDSERVE_ASYNC_SCHEDULING on: not with --draft-model, "
+                                    "--tensor-parallel-size > 1 or (CPU) --cpu-compile-decode > 0; use auto or off")
         if self.prefill_tail_tokens < 0:
             raise EngineConfigError("--prefill-tail-tokens / PDSERVE_PREFILL_TAIL_TOKENS: must be >= 0, "
                                     f"got {self.prefill_tail_tokens}")
@@ -199,6 +208,13 @@ class EngineConfig(ContextConfig, ModelConfig, DeviceConfig, DtypeConfig, Compil
         warning = bf16_cross_check(self.resolved_dtype, self.dtype_reason, capability)
         if warning:
             log.warning("engine: %s", warning)
+
+    @property
+    def async_steps(self) -> bool:
+        """Whether the engine may launch steps ahead of their tokens (async_scheduling resolved)."""
+        if self.async_scheduling == "off" or self.draft_model or self.tensor_parallel_size > 1:
+            return False
+        return self.async_scheduling == "on" or self.device.startswith("cuda")
 
     @property
     def sizes_kv_from_device(self) -> bool:

@@ -211,12 +211,17 @@ class DecodeGraphs:
         self.h_slots[b:bucket] = -1
         self.h_ctx[b:bucket] = 0
 
-    def replay(self, bucket: int, b: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Copy the filled host inputs of b rows to the device and replay ``bucket``'s graph."""
+    def replay(self, bucket: int, b: int, patch: tuple[torch.Tensor, torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Copy the filled host inputs of b rows to the device and replay ``bucket``'s graph. ``patch`` (rows,
+        token ids), device tensors: input ids written on the device after the copy (async scheduling feeds
+        the previous step's in-flight tokens so)."""
         n = len(self.h_ctx)
         self.dev64.copy_(self.host64, non_blocking=True)
         self.dev32[: n + b * self.max_blocks].copy_(self.host32[: n + b * self.max_blocks], non_blocking=True)
         self._copied.record()
+        if patch is not None:
+            self.input_ids[patch[0]] = patch[1]
         self.graphs[bucket].replay()
         hidden, logits, tokens = self.outputs[bucket]
         return hidden[:b], None if logits is None else logits[:b], None if tokens is None else tokens[:b]

@@ -26,6 +26,8 @@ from services.engine.model_loader import LoadedModel
 from services.engine.sampler import Sampled, Sampler, SamplingRow
 from services.engine.scheduler import ScheduledChunk, SchedulerOutput
 from services.engine.shared_kv import allocate_kv
+from services.engine.step_launch import LaunchedStep
+from services.engine.step_launch import launch as launch_step
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +181,16 @@ class ModelRunner:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(ends, device=hidden.device)])
         return dict(zip(seq_ids, self.sampler.sample(logits, rows), strict=True))
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, prev: LaunchedStep | None) -> LaunchedStep | None:
+        """Async scheduling: start ``out`` without waiting for its tokens (step_launch.py); ``prev``: the step
+        still in flight, whose device tokens feed this one's placeholders."""
+        if self.device.type == "cuda":
+            with device_scope(self.device):
+                return launch_step(self, out, prev)
+        with trace_fence.fence():
+            return launch_step(self, out, prev)
 
     # --- GPU path (CUDA only; the CPU path above never reaches it) ---
 

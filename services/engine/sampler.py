@@ -21,7 +21,7 @@ import torch
 
 from services.engine.sampling_params import Sampled, SamplingParams, TopLogprobs
 
-__all__ = ["Sampled", "Sampler", "SamplingRow", "logprob_table"]
+__all__ = ["Sampled", "Sampler", "SamplingRow", "device_index", "logprob_table"]
 
 
 @dataclass
@@ -70,7 +70,7 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         sample_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
         if sample_idx:
-            idx = torch.tensor(sample_idx, device=device)
+            idx = device_index(sample_idx, device)
             sub = logits[idx]
             temps = torch.tensor([rows[i].params.temperature for i in sample_idx], device=device).unsqueeze(1)
             sub = sub / temps
@@ -92,34 +92,57 @@ class Sampler:
     @torch.inference_mode()
     def results(self, logits: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow],
                 table: torch.Tensor | None = None) -> list[Sampled]:
-        """Sampled per row from device ``tokens`` [N]: one host copy, of the tokens alone when no row asks for
-        logprobs, else of ``logprob_table`` (``table``: that table already computed, e.g. by a CUDA graph, with
-        at least the widest row's k alternatives)."""
+        """Sampled per row from device ``tokens`` [N]: one host copy (of `pack`'s tensor)."""
+        return self.unpack(self.pack(logits, tokens, rows, table).cpu(), rows, logits.shape[1])
+
+    @staticmethod
+    def pack(logits: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow],
+             table: torch.Tensor | None = None) -> torch.Tensor:
+        """What a step's host needs, in one fp32 tensor on the device: the N tokens, then the `logprob_table`
+        rows (k = the widest row's top_logprobs) of the rows asking for logprobs. ``table``: that table of every
+        row already computed (e.g. by a CUDA graph) with at least k alternatives."""
         want = [i for i, r in enumerate(rows) if r.params.logprobs]
         if not want:
-            return [Sampled(t) for t in tokens.tolist()]
+            return tokens.float()
         vocab = logits.shape[1]
         k_max = min(vocab, max(rows[i].params.top_logprobs for i in want))
-        if table is None:  # the table of the rows that want it, after every row's token: still one copy
-            w = torch.tensor(want, device=tokens.device) if len(want) < len(rows) else slice(None)
+        w = device_index(want, tokens.device) if len(want) < len(rows) else slice(None)
+        if table is None:
             part = logprob_table(logits[w].float(), tokens[w], k_max)
-            host = torch.cat([tokens.float(), part.flatten()]).cpu()
-            ids = host[:len(rows)].long().tolist()
-            part_host = host[len(rows):].view(len(want), -1)
         else:
-            part_host = table.cpu()
-            ids = part_host[:, 0].long().tolist()
-            part_host = part_host[want]
-        k_all = (part_host.shape[1] - 2) // 2
-        chosen = part_host[:, 1].tolist()
-        top_v = part_host[:, 2:2 + k_max].tolist()
-        top_i = part_host[:, 2 + k_all:2 + k_all + k_max].long().tolist()
+            k_all = (table.shape[1] - 2) // 2
+            t = table[w]
+            part = torch.cat([t[:, :2 + k_max], t[:, 2 + k_all:2 + k_all + k_max]], dim=1)
+        return torch.cat([tokens.float(), part.flatten()])
+
+    @staticmethod
+    def unpack(host: torch.Tensor, rows: list[SamplingRow], vocab: int) -> list[Sampled]:
+        """`pack`'s tensor, on the host -> one Sampled per row."""
+        n = len(rows)
+        ids = host[:n].long().tolist()
+        want = [i for i, r in enumerate(rows) if r.params.logprobs]
         out = [Sampled(t) for t in ids]
+        if not want:
+            return out
+        k_max = min(vocab, max(rows[i].params.top_logprobs for i in want))
+        part = host[n:].view(len(want), 2 + 2 * k_max)
+        chosen = part[:, 1].tolist()
+        top_v = part[:, 2:2 + k_max].tolist()
+        top_i = part[:, 2 + k_max:].long().tolist()
         for j, i in enumerate(want):
             k = min(rows[i].params.top_logprobs, vocab)
             top = TopLogprobs(tuple(top_i[j][:k]), tuple(top_v[j][:k])) if k else None
             out[i] = Sampled(ids[i], chosen[j], top)
         return out
+
+
+def device_index(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 index tensor on ``device``; on CUDA through pinned memory without waiting (a pageable copy
+    would wait for the stream: an async step would stall on it)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def logprob_table(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:

@@ -33,6 +33,10 @@ from services.engine.prefill_tail import applies, tail_piece
 from services.engine.sampling_params import Sampled
 from services.engine.sequence import FinishReason, Sequence, SequenceStatus
 
+PLACEHOLDER_TOKEN = -1
+"""Stands in ``seq.token_ids`` for a token an in-flight step is sampling (async scheduling): appended by
+``advance``, replaced by ``resolve``. The runner feeds such a position from the previous step's device tokens."""
+
 
 @dataclass
 class SchedulerConfig:
@@ -108,6 +112,9 @@ class Scheduler:
         """Finished sequences still holding their blocks (a KV hand-off reads them), by seq_id."""
         self.num_preemptions = 0
         """Preemptions since start (a counter)."""
+        self._finishing: set[int] = set()
+        """Async scheduling: live seq_ids whose in-flight token is their last (max_tokens or context reached);
+        schedule() skips them until ``resolve`` finishes them."""
         self._decode_only_steps = 0
         """Consecutive steps scheduled without prompt chunks while sequences decoded (mixed_step_interval)."""
         # KV for the last token needs a slot, so a sequence may grow to pool_tokens + 1 tokens.
@@ -208,6 +215,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self._seqs[seq.seq_id]
+        self._finishing.discard(seq.seq_id)
         self._streamed.discard(seq.seq_id)
         self._hold.discard(seq.seq_id)
 
@@ -252,7 +260,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if not prompts and seq.num_uncomputed_tokens > 1:
+            if (not prompts and seq.num_uncomputed_tokens > 1) or seq.seq_id in self._finishing:
                 i += 1
                 continue
             n = self._chunk_len(seq, len(seq.token_ids) - seq.num_computed_tokens, budget)
@@ -342,6 +350,60 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
+    # ---- async scheduling: a step's bookkeeping split around its in-flight tokens -------------------
+
+    def advance(self, out: SchedulerOutput) -> list[int]:
+        """A launched step's chunks are computed (their KV written in stream order): advance them and put a
+        PLACEHOLDER_TOKEN where each sampling chunk's token will go. Returns, per sampling chunk of ``out``
+        (in order), the index of its placeholder in ``seq.token_ids`` (-1 for a sequence no longer running)."""
+        slots = []
+        for chunk in out.chunks:
+            seq = chunk.seq
+            if seq.status != SequenceStatus.RUNNING:
+                if chunk.sample:
+                    slots.append(-1)
+                continue
+            seq.num_computed_tokens += chunk.num_new_tokens
+            self.block_manager.mark_computed(seq, seq.num_computed_tokens)
+            if not chunk.sample:
+                continue
+            slots.append(len(seq.token_ids))
+            seq.token_ids.append(PLACEHOLDER_TOKEN)
+            if seq.num_output_tokens >= seq.params.max_tokens or len(seq.token_ids) >= self._max_len:
+                self._finishing.add(seq.seq_id)  # ends with this token whatever it is: schedule it no more
+        return slots
+
+    def resolve(self, out: SchedulerOutput, slots: list[int], sampled: dict[int, Sampled]) -> list[Sequence]:
+        """The tokens of a step ``advance`` saw arrived: replace the placeholders, end the sequences they end
+        (blocks freed; a later step's token of such a sequence is then dropped by its own resolve, its
+        placeholder cut off here). Sequences preempted meanwhile get their token too (they re-prefill with it)."""
+        finished: list[Sequence] = []
+        sample_chunks = [c for c in out.chunks if c.sample]
+        for chunk, at in zip(sample_chunks, slots, strict=True):
+            seq = chunk.seq
+            if at < 0 or seq.status not in (SequenceStatus.RUNNING, SequenceStatus.WAITING):
+                continue
+            token, logprob = sampled[seq.seq_id][:2]
+            seq.token_ids[at] = token
+            if logprob is not None:
+                seq.output_logprobs.append(logprob)
+            reason = self._token_ends(seq, token, at + 1)
+            if reason is not None:
+                del seq.token_ids[at + 1:]  # an in-flight later token of a finished sequence is never emitted
+                seq.num_computed_tokens = min(seq.num_computed_tokens, at)
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _token_ends(self, seq: Sequence, token: int, length: int) -> FinishReason | None:
+        """Whether ``token``, the last of the first ``length`` tokens of seq, ends it."""
+        params = seq.params
+        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+            return FinishReason.STOP
+        if length - seq.num_prompt_tokens >= params.max_tokens or length >= self._max_len:
+            return FinishReason.LENGTH
+        return None
+
     def _append_tokens(self, seq: Sequence, result: list[Sampled]) -> FinishReason | None:
         """Append a verified run of tokens until one ends the sequence; ``result`` is cut to the tokens
         appended. The KV of every appended token but the last was written by the verify forward."""
@@ -360,12 +422,7 @@ class Scheduler:
         seq.token_ids.append(token)
         if logprob is not None:
             seq.output_logprobs.append(logprob)
-        params = seq.params
-        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
-            return FinishReason.STOP
-        if seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self._max_len:
-            return FinishReason.LENGTH
-        return None
+        return self._token_ends(seq, token, len(seq.token_ids))
 
     # ---- queries --------------------------------------------------------------------------------
 
