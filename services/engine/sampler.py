@@ -72,7 +72,7 @@ class Sampler:
         if sample_idx:
             idx = device_index(sample_idx, device)
             sub = logits[idx]
-            temps = torch.tensor([rows[i].params.temperature for i in sample_idx], device=device).unsqueeze(1)
+            temps = device_values([rows[i].params.temperature for i in sample_idx], torch.float32, device).unsqueeze(1)
             sub = sub / temps
             top_ks = [rows[i].params.top_k for i in sample_idx]
             top_ps = [rows[i].params.top_p for i in sample_idx]
@@ -136,13 +136,18 @@ class Sampler:
         return out
 
 
-def device_index(values: list[int], device: torch.device) -> torch.Tensor:
-    """An int64 index tensor on ``device``; on CUDA through pinned memory without waiting (a pageable copy
-    would wait for the stream: an async step would stall on it)."""
-    t = torch.tensor(values, dtype=torch.int64)
+def device_values(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 1-D tensor on ``device``; on CUDA through pinned memory without waiting (a pageable copy would wait
+    for the stream: an async step would stall on it)."""
+    t = torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
         return t
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def device_index(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 index tensor on ``device`` (see `device_values`)."""
+    return device_values(values, torch.int64, device)
 
 
 def logprob_table(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
@@ -160,10 +165,10 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[flo
     """Mask (to -inf) tokens outside each row's top-k and top-p nucleus. Keeps at least one token."""
     vocab, device = logits.shape[1], logits.device
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=device).unsqueeze(1)
+    ks = device_values([k if 0 < k < vocab else vocab for k in top_ks], torch.int64, device).unsqueeze(1)
     ranks = torch.arange(vocab, device=device).unsqueeze(0)
     sorted_logits = sorted_logits.masked_fill(ranks >= ks, float("-inf"))
-    ps = torch.tensor(top_ps, device=device).unsqueeze(1)
+    ps = device_values(top_ps, torch.float32, device).unsqueeze(1)
     probs = torch.softmax(sorted_logits, dim=-1)
     # Mass before each token; a token is kept while the mass before it is < p (the first always is).
     before = probs.cumsum(dim=-1) - probs
