@@ -6,7 +6,8 @@ matplotlib).
     python3 benchmarks/h200_served.py --out "$OUT"                       # everything, within --budget-s
     python3 benchmarks/h200_served.py --out "$OUT" --modes engine --shapes 1024x256 --concurrency 64,256
 
-Model: random:llama-3-8b in bf16 (no download). Each point sends max(C, --min-requests) requests of exactly
+Model: random:llama-3-8b in bf16 (no download). Points whose prompts exceed --max-prompt-tokens in all (8192x256
+at C256 and C512 by default) are skipped with that reason. Each point sends max(C, --min-requests) requests of exactly
 ``in`` prompt tokens and ``out`` output tokens (ignore_eos, greedy), logprobs off and/or on (the chosen token's
 logprob). Engine points add every request at once and step until done (the C requests run as one batch when
 C <= max_num_seqs). Served points run `pdserve bench serve` against the started cluster. Points run in the
@@ -53,7 +54,10 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shapes", default="1024x256,8192x256", help="INxOUT prompt/output tokens, comma-separated")
     p.add_argument("--concurrency", default="1,16,64,256,512")
     p.add_argument("--logprobs", default="off,on", help="off, on, or off,on")
-    p.add_argument("--min-requests", type=int, default=16, help="requests per point: max(C, this)")
+    p.add_argument("--min-requests", type=int, default=4, help="requests per point: max(C, this)")
+    p.add_argument("--max-prompt-tokens", type=int, default=600_000,
+                   help="skip points whose requests carry more prompt tokens than this (8192x256 at C256/C512: "
+                        "run them in a call of their own with a larger value)")
     p.add_argument("--budget-s", type=float, default=540.0, help="start no point after this many seconds")
     p.add_argument("--prefill-utilization", type=float, default=0.3,
                    help="1p1d on one GPU: the prefill engine's --gpu-memory-utilization (decode gets 0.9 minus it)")
@@ -138,8 +142,8 @@ def run_engine_phase(ns: argparse.Namespace, deadline: float) -> dict[str, Any]:
         for lp in ns.lp_l:
             for conc in ns.conc_l:
                 key = {"shape": f"{n_in}x{n_out}", "concurrency": conc, "logprobs": lp}
-                if time.monotonic() > deadline:
-                    out["points"].append({**key, "skipped": "time budget"})
+                if skip := _skip(ns, n_in, conc, deadline):
+                    out["points"].append({**key, "skipped": skip})
                     continue
                 seed += 1
                 r = engine_point(engine, n_in, n_out, conc, lp, max(conc, ns.min_requests), seed)
@@ -151,6 +155,13 @@ def run_engine_phase(ns: argparse.Namespace, deadline: float) -> dict[str, Any]:
                 out["points"].append({**key, **r})
                 log(f"engine {key}: {r['output_tok_s']:.0f} tok/s, full-batch step {r['full_batch_decode_step_ms']}")
     return out
+
+
+def _skip(ns: argparse.Namespace, n_in: int, conc: int, deadline: float) -> str:
+    """Why a point is not run ("" to run it)."""
+    if max(conc, ns.min_requests) * n_in > ns.max_prompt_tokens:
+        return f"over --max-prompt-tokens {ns.max_prompt_tokens}"
+    return "time budget" if time.monotonic() > deadline else ""
 
 
 # --- served phase ---
@@ -169,23 +180,26 @@ def _cluster(mode: str, ns: argparse.Namespace) -> Any:
                                "decode": [*common, "--gpu-memory-utilization", str(decode_util)]})
 
 
-def served_sweep(base: str, n_in: int, n_out: int, conc: list[int], lp: bool, ns: argparse.Namespace,
-                 tmp: Path, label: str) -> list[dict[str, Any]]:
-    """One `pdserve bench serve` sweep over ``conc``; its report's points."""
-    d = tmp / label
-    requests = max(max(conc), ns.min_requests)
+def served_point(base: str, n_in: int, n_out: int, conc: int, lp: bool, ns: argparse.Namespace, tmp: Path,
+                 label: str) -> dict[str, Any]:
+    """One `pdserve bench serve` point: max(C, --min-requests) requests at concurrency C; its report's point."""
+    d = tmp / f"{label}-c{conc}"
     cmd = [sys.executable, "-m", "services.cli", "bench", "serve", "--base-url", base, "--api", "completions",
            "--input-tokens", str(n_in), "--output-tokens", str(n_out), "--ignore-eos", "--temperature", "0",
-           "--concurrency", ",".join(map(str, conc)), "--requests", str(requests), "--warmup", "2",
+           "--concurrency", str(conc), "--requests", str(max(conc, ns.min_requests)), "--warmup", "2",
            "--num-gpus", "1", "--no-progress", "--no-plots", "--label", label, "--out", str(d),
            *(["--logprobs"] if lp else [])]
     log(" ".join(cmd[2:]))
-    subprocess.run(cmd, check=False, timeout=max(60.0, ns.deadline - time.monotonic() + 120))
+    try:
+        subprocess.run(cmd, check=False, timeout=max(60.0, ns.deadline - time.monotonic() + 180))
+    except subprocess.TimeoutExpired:
+        return {"concurrency": conc, "error": "bench serve timed out"}
     report = d / "report.json"
     if not report.exists():
-        return [{"concurrency": c, "error": "bench serve wrote no report"} for c in conc]
+        return {"concurrency": conc, "error": "bench serve wrote no report"}
     servers = json.loads(report.read_text())["servers"]
-    return list(servers[0]["points"]) if servers else []
+    return dict(servers[0]["points"][0]) if servers and servers[0]["points"] else {"concurrency": conc,
+                                                                                   "error": "no point"}
 
 
 def run_served(ns: argparse.Namespace, mode: str, tmp: Path) -> list[dict[str, Any]]:
@@ -199,12 +213,13 @@ def run_served(ns: argparse.Namespace, mode: str, tmp: Path) -> list[dict[str, A
         base = f"http://{cluster.router['http']}/v1"
         for n_in, n_out in ns.shapes_l:
             for lp in ns.lp_l:
-                key = {"mode": mode, "shape": f"{n_in}x{n_out}", "logprobs": lp}
-                if time.monotonic() > ns.deadline:
-                    rows.append({**key, "skipped": "time budget"})
-                    continue
-                pts = served_sweep(base, n_in, n_out, ns.conc_l, lp, ns, tmp, f"{mode}-{n_in}x{n_out}-lp{int(lp)}")
-                rows.extend({**key, **p} for p in pts)
+                for conc in ns.conc_l:
+                    key = {"mode": mode, "shape": f"{n_in}x{n_out}", "logprobs": lp, "concurrency": conc}
+                    if skip := _skip(ns, n_in, conc, ns.deadline):
+                        rows.append({**key, "skipped": skip})
+                        continue
+                    label = f"{mode}-{n_in}x{n_out}-lp{int(lp)}"
+                    rows.append({**key, **served_point(base, n_in, n_out, conc, lp, ns, tmp, label)})
     finally:
         cluster.stop()
     return rows
@@ -218,7 +233,7 @@ def summarize(result: dict[str, Any]) -> list[dict[str, Any]]:
     for s in result.get("served", []):
         if "throughput" not in s:
             continue
-        c = int(s["point"]["concurrency"]) if isinstance(s.get("point"), dict) else None
+        c = s["concurrency"]
         e = eng.get((s["shape"], c, s["logprobs"]))
         tput = s["throughput"]["output_tok_s"]
         rows.append({"mode": s["mode"], "shape": s["shape"], "concurrency": c, "logprobs": s["logprobs"],
@@ -246,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             child = tmp / "engine.json"
             cmd = [sys.executable, __file__, "--engine-child", str(child), "--shapes", ns.shapes, "--concurrency",
                    ns.concurrency, "--logprobs", ns.logprobs, "--min-requests", str(ns.min_requests),
+                   "--max-prompt-tokens", str(ns.max_prompt_tokens),
                    "--budget-s", str(max(1.0, ns.deadline - time.monotonic()))]
             subprocess.run(cmd, check=False)
             result["engine"] = json.loads(child.read_text()) if child.exists() else {"error": "engine phase failed"}

@@ -26,7 +26,7 @@ def main(argv: list[str]) -> int:
     for p in data.get("served", []):
         if "throughput" in p and p["tpot_s"].get("p50"):
             key = (p["mode"], p["shape"], p["logprobs"])
-            lines[key].append((p["tpot_s"]["p50"] * 1e3, p["throughput"]["output_tok_s"], p["point"]["concurrency"]))
+            lines[key].append((p["tpot_s"]["p50"] * 1e3, p["throughput"]["output_tok_s"], p["concurrency"]))
     fig, ax = plt.subplots(figsize=(9, 6))
     for (mode, shape, lp), pts in sorted(lines.items()):
         pts.sort(key=lambda t: t[2])

@@ -49,14 +49,13 @@ def _feeds(chunks: list[ScheduledChunk], prev: LaunchedStep | None) -> tuple[lis
     offset = 0
     for ch in chunks:
         seq = ch.seq
-        start = seq.num_computed_tokens
-        for j in range(ch.num_new_tokens):
-            if seq.token_ids[start + j] == PLACEHOLDER_TOKEN:
-                if seq.seq_id not in rows:
-                    raise RuntimeError(f"seq {seq.seq_id}: an in-flight input token that no launched step samples")
-                dst.append(offset + j)
-                src.append(rows[seq.seq_id])
         offset += ch.num_new_tokens
+        # A placeholder is only ever a sequence's last token (one step in flight): check the chunk's end alone.
+        if seq.num_computed_tokens + ch.num_new_tokens == len(seq.token_ids) and seq.token_ids[-1] == PLACEHOLDER_TOKEN:
+            if seq.seq_id not in rows:
+                raise RuntimeError(f"seq {seq.seq_id}: an in-flight input token that no launched step samples")
+            dst.append(offset - 1)
+            src.append(rows[seq.seq_id])
     return dst, src
 
 
