@@ -47,7 +47,7 @@ from services.common.lease import LeaseConfig
 from services.common.logging import LoggingConfig
 from services.common.server import port_problem
 from services.common.tls import make_certs
-from services.engine.model_settings import CompileDecodeConfig, DtypeConfig, ModelConfig
+from services.engine.model_settings import CompileDecodeConfig, DeviceConfig, DtypeConfig, ModelConfig
 from services.engine.model_source import resolve
 from services.engine.weights.errors import ModelLoadError
 from services.kvstore.config import BACKENDS
@@ -61,7 +61,7 @@ from services.router.config import RouterConfig
 _FORWARD: dict[str, tuple[str, ...]] = {
     "served_model_name": ("router",), "policy": ("router",), "lease_ms": ("router", "decode"),
     "access_log": ("router",),
-    "max_model_len": ("router", "prefill", "decode"), "log_level": ("router", "prefill", "decode", "kvstore"),
+    "max_model_len": ("router", "prefill", "decode"), "device": ("prefill", "decode"), "log_level": ("router", "prefill", "decode", "kvstore"),
 }
 
 
@@ -86,6 +86,8 @@ class UpConfig:
                        env=_env("kvstore"), group=_CLUSTER)
     model: str | None = reuse(ModelConfig, "model", group=_CLUSTER)
     dtype: str = reuse(DtypeConfig, "dtype", group=_CLUSTER)
+    device: str = reuse(DeviceConfig, "device", group=_CLUSTER)
+    """Every engine's --device (prefill, decode, colocated worker; PDSERVE_DEVICE reaches them too)."""
     pin_cores: bool = opt(False, "Pin each engine process to its own share of this host's CPUs (--cpu-affinity).",
                           env=_env("pin_cores"), group=_CLUSTER)
     lend_cores: bool = opt(True, "Engines lend each other the cores of their shares while idle (the prefill "

@@ -94,7 +94,7 @@ def _sweep_recipe(recipe: Recipe, t: TargetConfig, w: WorkloadConfig, load: Load
 
 def _workload_info(w: WorkloadConfig, load: LoadConfig, rep: ReportConfig) -> dict[str, Any]:
     keep = {"workload", "input_tokens", "input_spread", "output_tokens", "output_spread", "seed", "ignore_eos",
-            "temperature", "tokenizer"}
+            "temperature", "logprobs", "tokenizer"}
     if w.workload == "multi_turn":
         keep |= {"turns", "shared_prefix_tokens", "turn_gap_s"}
     if w.workload in ("trace", "accuracy"):  # lengths come from the file or the question set

@@ -63,6 +63,8 @@ class WorkloadConfig:
     ignore_eos: bool = opt(True, "Ask the server to ignore EOS so outputs have the requested length "
                                  "(accuracy: always off).", env=_env("ignore_eos"))
     temperature: float = opt(0.0, "Sampling temperature (accuracy: always 0, greedy).", env=_env("temperature"))
+    logprobs: bool = opt(False, "Ask for the chosen token's logprob in every request (chat: logprobs true, "
+                                "completions: logprobs 1; accuracy: always on).", env=_env("logprobs"))
     tokenizer: str = opt("embedded", "Tokenizer for prompt lengths and client-side counts: embedded (pdserve's "
                                      "default SmolLM2 GGUF), a .gguf file, an HF directory, or none.",
                          env=_env("tokenizer"))

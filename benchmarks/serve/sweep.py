@@ -78,7 +78,7 @@ def sweep_points(load: LoadConfig, seed: int, turn_gap_s: float, whole_set: bool
 def make_target(t: TargetConfig, w: WorkloadConfig, model: str) -> Target:
     acc = w.workload == "accuracy"
     return Target(t.base_url, model, t.api, t.api_key, temperature=0.0 if acc else w.temperature,
-                  ignore_eos=False if acc else w.ignore_eos, logprobs=acc, timeout_s=t.timeout_s)
+                  ignore_eos=False if acc else w.ignore_eos, logprobs=acc or w.logprobs, timeout_s=t.timeout_s)
 
 
 def run_sweep(label: str, t: TargetConfig, w: WorkloadConfig, load: LoadConfig, rep: ReportConfig,

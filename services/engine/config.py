@@ -19,7 +19,14 @@ from services.engine.cpu_features import (
     resolve_dtype,
     torch_cpu_capability,
 )
-from services.engine.model_settings import DTYPE_CHOICES, CompileDecodeConfig, DtypeConfig, ModelConfig
+from services.engine.device_defaults import CPU_KV_CACHE_BYTES, batch_defaults
+from services.engine.model_settings import (
+    DTYPE_CHOICES,
+    CompileDecodeConfig,
+    DeviceConfig,
+    DtypeConfig,
+    ModelConfig,
+)
 from services.engine.models.quant_linear import WEIGHT_FORMATS
 
 log = logging.getLogger(__name__)
@@ -33,8 +40,7 @@ class EngineConfigError(ValueError):
 
 
 @dataclass
-class EngineConfig(ContextConfig, ModelConfig, DtypeConfig, CompileDecodeConfig):
-    device: str = opt("cpu", "Torch device (cpu, cuda, cuda:N).")
+class EngineConfig(ContextConfig, ModelConfig, DeviceConfig, DtypeConfig, CompileDecodeConfig):
     cpu_threads: int = opt(0, "Torch intra-op threads of this engine process; 0: one per CPU the process may "
                               "run on (its affinity mask). pdserve up gives each engine its share of the host.")
     cpu_affinity: str = opt("", "Pin this engine process to these CPUs at start (Linux cpulist, e.g. 0-3,8); "
@@ -48,10 +54,21 @@ class EngineConfig(ContextConfig, ModelConfig, DtypeConfig, CompileDecodeConfig)
                                    "with --cpu-affinity or at --tensor-parallel-size > 1.")
     block_size: int = opt(16, "Tokens per KV page.")
     num_kv_blocks: int = opt(0, "KV pages to allocate; 0 sizes the pool from kv_cache_bytes.")
-    kv_cache_bytes: int = opt(1 << 30, "Bytes for the KV pool when num_kv_blocks is 0.")
-    max_num_seqs: int = opt(64, "Most sequences in one batch.")
-    max_num_batched_tokens: int = opt(2048, "Token budget of one step (decode tokens + prefill chunks).")
-    max_prefill_chunk: int = opt(512, "Most prompt tokens of one sequence computed in one step.")
+    kv_cache_bytes: int = opt(0, "Bytes for the KV pool when num_kv_blocks is 0. 0: 1 GiB on CPU; on CUDA "
+                                 "what --gpu-memory-utilization leaves after weights, graphs and activations "
+                                 "(1 GiB at --tensor-parallel-size > 1).")
+    gpu_memory_utilization: float = opt(0.9, "CUDA, no KV size given: the share of the device's memory this engine "
+                                             "may fill (weights, KV pool, graphs, activations), in (0, 1]; engines "
+                                             "sharing one GPU each take their own share.")
+    max_num_seqs: int = opt(0, "Most sequences in one batch; 0: the device's default (64 on CPU, 256 on CUDA).")
+    max_num_batched_tokens: int = opt(0, "Token budget of one step (decode tokens + prefill chunks); 0: the "
+                                         "device's default (2048 on CPU, 16384 on CUDA).")
+    mixed_step_interval: int = opt(1, "While sequences decode, prompt chunks join at most one step in this many; "
+                                      "the steps between are pure decode (CUDA-graphed on GPU), prompts wait up "
+                                      "to N-1 steps for their next chunk. 1: every step may mix prompts and "
+                                      "decodes (eager on GPU).")
+    max_prefill_chunk: int = opt(0, "Most prompt tokens of one sequence computed in one step; 0: the device's "
+                                    "default (512 on CPU, 8192 on CUDA).")
     prefill_tail_tokens: int = opt(256, "Prefill engines whose KV streams out per chunk over mooncake (prefill "
                                         "service, chunked transfer on; prompts over one chunk): a prompt's last tokens are computed in pieces that halve "
                                         "what remains down to this many tokens, so the KV still to send when "
@@ -70,6 +87,11 @@ class EngineConfig(ContextConfig, ModelConfig, DtypeConfig, CompileDecodeConfig)
                                        "into it: a /dev/shm file on CPU (prefill --kv-transport shm), a CUDA IPC "
                                        "handle on GPU (prefill --kv-transport cuda-ipc).")
     cuda_graphs: bool = opt(True, "Capture CUDA graphs for decode batch sizes (GPU only).")
+    async_scheduling: str = opt("auto", "Schedule and prepare step N+1 while step N runs on the device; step N's "
+                                        "tokens reach the host one step later (same tokens as off). auto: on CUDA "
+                                        "(one rank, no draft model, no KV hand-off listeners), off on CPU; on: "
+                                        "also CPU eager steps (needs --cpu-compile-decode 0); off: never.",
+                                choices=("auto", "on", "off"))
     tensor_parallel_size: int = opt(1, "Ranks (processes; GPUs on CUDA: cuda:0..N-1 of this host) one instance "
                                        "runs the model on: heads, MLP and vocab split N ways, gloo on CPU, NCCL "
                                        "on GPU. The service starts ranks 1..N-1 itself; any prefill and decode "
@@ -122,7 +144,15 @@ class EngineConfig(ContextConfig, ModelConfig, DtypeConfig, CompileDecodeConfig)
         self.resolved_dtype, self.dtype_reason = resolve_dtype(self.dtype, self.device, flags)
         # Set by the engine once its weights are loaded (quant_linear.install); "pending" until then.
         self.resolved_weight_format, self.weight_format_reason = "pending", "pending"
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
+        defaults = batch_defaults(self.device)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
+            if getattr(self, name) == 0:  # 0: the device's default (device_defaults.BATCH_DEFAULTS)
+                setattr(self, name, getattr(defaults, name))
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise EngineConfigError("--gpu-memory-utilization / PDSERVE_GPU_MEMORY_UTILIZATION: must be in (0, 1], "
+                                    f"got {self.gpu_memory_utilization}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk",
+                     "mixed_step_interval"):
             if getattr(self, name) <= 0:
                 raise EngineConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
         if self.tensor_parallel_size not in (1, 2, 4, 8):
@@ -131,14 +161,18 @@ class EngineConfig(ContextConfig, ModelConfig, DtypeConfig, CompileDecodeConfig)
         if self.tensor_parallel_size > 1 and self.draft_model:
             raise EngineConfigError("--tensor-parallel-size / PDSERVE_TENSOR_PARALLEL_SIZE > 1 runs no draft model: "
                                     f"unset --draft-model / PDSERVE_DRAFT_MODEL (got {self.draft_model!r})")
-        if self.num_kv_blocks < 0 or self.kv_cache_bytes <= 0:
-            raise EngineConfigError("num_kv_blocks must be >= 0 and kv_cache_bytes > 0")
+        if self.num_kv_blocks < 0 or self.kv_cache_bytes < 0:
+            raise EngineConfigError("num_kv_blocks and kv_cache_bytes must be >= 0")
         if self.spec_tokens < 0 or (self.spec_tokens and not self.draft_model):
             raise EngineConfigError(f"--spec-tokens / PDSERVE_SPEC_TOKENS: must be >= 0 and needs --draft-model / "
                                     f"PDSERVE_DRAFT_MODEL, got {self.spec_tokens} with draft {self.draft_model!r}")
         if not 0 <= self.spec_synthetic_acceptance <= max(self.spec_tokens, 0):
             raise EngineConfigError("--spec-synthetic-acceptance / PDSERVE_SPEC_SYNTHETIC_ACCEPTANCE: must be in "
                                     f"[0, --spec-tokens={self.spec_tokens}], got {self.spec_synthetic_acceptance}")
+        if self.async_scheduling == "on" and (self.draft_model or self.tensor_parallel_size > 1 or (
+                self.cpu_compile_decode and not self.device.startswith("cuda"))):
+            raise EngineConfigError("--async-scheduling / PDSERVE_ASYNC_SCHEDULING on: not with --draft-model, "
+                                    "--tensor-parallel-size > 1 or (CPU) --cpu-compile-decode > 0; use auto or off")
         if self.prefill_tail_tokens < 0:
             raise EngineConfigError("--prefill-tail-tokens / PDSERVE_PREFILL_TAIL_TOKENS: must be >= 0, "
                                     f"got {self.prefill_tail_tokens}")
@@ -175,11 +209,25 @@ class EngineConfig(ContextConfig, ModelConfig, DtypeConfig, CompileDecodeConfig)
         if warning:
             log.warning("engine: %s", warning)
 
+    @property
+    def async_steps(self) -> bool:
+        """Whether the engine may launch steps ahead of their tokens (async_scheduling resolved)."""
+        if self.async_scheduling == "off" or self.draft_model or self.tensor_parallel_size > 1:
+            return False
+        return self.async_scheduling == "on" or self.device.startswith("cuda")
+
+    @property
+    def sizes_kv_from_device(self) -> bool:
+        """Whether the KV pool is sized from free device memory (CUDA, no KV size given, one rank)."""
+        return (self.device.startswith("cuda") and not self.num_kv_blocks and not self.kv_cache_bytes
+                and self.tensor_parallel_size == 1)
+
     def resolve_num_blocks(self, bytes_per_block: int) -> int:
+        """Pages of a pool sized by num_kv_blocks or kv_cache_bytes (1 GiB when neither is given)."""
         if self.num_kv_blocks:
             return self.num_kv_blocks
-        n = self.kv_cache_bytes // bytes_per_block
+        size = self.kv_cache_bytes or CPU_KV_CACHE_BYTES
+        n = size // bytes_per_block
         if n < 2:
-            raise EngineConfigError(f"kv_cache_bytes={self.kv_cache_bytes} holds fewer than 2 pages of "
-                                    f"{bytes_per_block} bytes")
+            raise EngineConfigError(f"kv_cache_bytes={size} holds fewer than 2 pages of {bytes_per_block} bytes")
         return int(n)

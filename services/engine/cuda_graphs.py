@@ -11,6 +11,11 @@ travel in two host->device copies and no copy kernels:
   int32 [context_lens N | block_tables N x max_blocks]     (only the first B table rows are copied)
 Besides the hidden state, each graph computes ``model.compute_logits`` (fp32 [bucket, vocab]) and their
 argmax, so a greedy step copies back B token ids and launches nothing but the replay.
+
+A step whose rows ask for logprobs replays a second, small graph per bucket after it (at tensor-parallel
+size 1): `logprob_table` of the bucket's logits and the step's tokens (the argmax, or the sampler's draw
+copied into ``head_tokens``), so such a step copies back one [B, 2 + 2 * 20] table (tokens, their logprobs,
+the 20 most likely alternatives) instead of [B, vocab] logits.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import torch
 
 from services.engine.attention import AttentionMetadata, ForwardContext
 from services.engine.gpu_attention import TritonPagedAttention
+from services.engine.sampler import logprob_table
+from services.engine.sampling_params import MAX_TOP_LOGPROBS
 
 if TYPE_CHECKING:
     from services.engine.sequence import Sequence
@@ -124,6 +131,11 @@ class DecodeGraphs:
         self._rows: list[tuple[int, int]] = [(-1, -1)] * n
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = {}
+        self.head_tokens = torch.zeros(n, dtype=torch.int64, device=device)
+        """The tokens the logprob graphs read (int64 [N]; rows [0, B) filled before each replay)."""
+        self.head_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.head_outputs: dict[int, torch.Tensor] = {}
+        """Per bucket the fp32 [bucket, 2 + 2k] table its logprob graph writes (k = min(20, vocab))."""
 
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs],
@@ -137,6 +149,11 @@ class DecodeGraphs:
             return hidden, None, None
         logits = self.model.compute_logits(hidden)
         return hidden, logits, logits.argmax(dim=-1)
+
+    def _head(self, bs: int) -> torch.Tensor:
+        logits = self.outputs[bs][1]
+        assert logits is not None
+        return logprob_table(logits, self.head_tokens[:bs], min(MAX_TOP_LOGPROBS, logits.shape[1]))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -152,8 +169,10 @@ class DecodeGraphs:
             capture_buckets(self.buckets, self._forward, self.graphs, self.outputs, mode)
         finally:
             self.backend.decode_max_context_len = None
-        log.info("captured decode CUDA graphs for batch sizes %s (LM head in graph: %s)", self.buckets,
-                 self.lm_head)
+        if self.lm_head and self.model.tp_split.tp_size == 1:
+            capture_buckets(self.buckets, self._head, self.head_graphs, self.head_outputs)
+        log.info("captured decode CUDA graphs for batch sizes %s (LM head in graph: %s, logprob graphs: %s)",
+                 self.buckets, self.lm_head, bool(self.head_graphs))
 
     def bucket_for(self, batch: int, max_context_len: int) -> int | None:
         """The bucket a decode batch replays in, or None (run eagerly)."""
@@ -192,15 +211,31 @@ class DecodeGraphs:
         self.h_slots[b:bucket] = -1
         self.h_ctx[b:bucket] = 0
 
-    def replay(self, bucket: int, b: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Copy the filled host inputs of b rows to the device and replay ``bucket``'s graph."""
+    def replay(self, bucket: int, b: int, patch: tuple[torch.Tensor, torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Copy the filled host inputs of b rows to the device and replay ``bucket``'s graph. ``patch`` (rows,
+        token ids), device tensors: input ids written on the device after the copy (async scheduling feeds
+        the previous step's in-flight tokens so)."""
         n = len(self.h_ctx)
         self.dev64.copy_(self.host64, non_blocking=True)
         self.dev32[: n + b * self.max_blocks].copy_(self.host32[: n + b * self.max_blocks], non_blocking=True)
         self._copied.record()
+        if patch is not None:
+            self.input_ids[patch[0]] = patch[1]
         self.graphs[bucket].replay()
         hidden, logits, tokens = self.outputs[bucket]
         return hidden[:b], None if logits is None else logits[:b], None if tokens is None else tokens[:b]
+
+    def logprob_table(self, bucket: int, tokens: torch.Tensor) -> torch.Tensor | None:
+        """After `replay` of ``bucket``: the [B, 2 + 2k] `logprob_table` of its logits for ``tokens`` [B] (on the
+        device), by the bucket's logprob graph; None where none was captured (tensor-parallel ranks)."""
+        graph = self.head_graphs.get(bucket)
+        if graph is None:
+            return None
+        b = tokens.shape[0]
+        self.head_tokens[:b].copy_(tokens)
+        graph.replay()
+        return self.head_outputs[bucket][:b]
 
 
 __all__ = ["DecodeGraphs", "capture_buckets", "decode_buckets"]

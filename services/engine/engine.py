@@ -25,8 +25,9 @@ from services.engine.model_runner import ModelRunner
 from services.engine.models.cpu_fast import install as install_cpu_fast_paths
 from services.engine.models.quant_linear import install as install_weight_format
 from services.engine.sampling_params import InvalidRequestError, Sampled, SamplingParams, TopLogprobs
-from services.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from services.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from services.engine.sequence import FinishReason, Sequence, SequenceStatus
+from services.engine.step_launch import LaunchedStep, collect
 
 if TYPE_CHECKING:
     from services.engine.parallel.launch import RankSet
@@ -107,12 +108,18 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             spec_tokens=config.spec_tokens if self.runner.spec is not None else 0,
             prefill_tail_tokens=config.prefill_tail_tokens,
+            mixed_step_interval=config.mixed_step_interval,
         )
         self.scheduler = Scheduler(sched_cfg, self.block_manager, set(self.tokenizer.eos_token_ids))
         self.requests: dict[str, _Request] = {}
         self._by_seq: dict[int, _Request] = {}
         self._held: dict[str, int] = {}
         """request_id -> seq_id of sequences marked by ``hold_blocks`` (blocks kept past the end)."""
+        self.async_steps = config.async_steps and self.ranks is None and self.runner.spec is None and \
+            getattr(self.runner, "compiled_decode", None) is None
+        """Steps launch ahead of their tokens (config.async_scheduling; not with a compiled CPU decode step)."""
+        self._inflight: tuple[SchedulerOutput, LaunchedStep | None, list[int]] | None = None
+        """Async scheduling: the step launched last (its chunks, its launch, its placeholder slots)."""
         self.chunk_listeners: list[ChunkListener] = []
         self.layer_listeners: list[LayerListener] = []
         """Asked before each step's model call which chunks' pages leave layer group by layer group (layer_groups)."""
@@ -266,9 +273,51 @@ class LLMEngine:
     def has_work(self) -> bool:
         if self.ranks is not None:
             self.ranks.check_idle()  # a dead rank kills the engine loop (the service goes NOT_SERVING)
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._inflight is not None
 
     def step(self) -> list[RequestOutput]:
+        """One step. With async scheduling, the outputs are those of the step launched by the previous call
+        (this call's step runs meanwhile; see `_step_async`)."""
+        if self._inflight is not None or (self.async_steps and not self.chunk_listeners and not self.layer_listeners):
+            return self._step_async()
+        return self._step_sync()
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Schedule step N (step N-1's tokens still placeholders), launch it, then wait for step N-1's tokens,
+        resolve and emit them, and advance step N's bookkeeping. A sequence step N-1 ends was also scheduled in
+        step N: its step-N token is dropped (never emitted; its blocks were freed at once, the in-flight writes to
+        them come before any later step's in stream order). Listeners need synchronous steps: once one is added,
+        the step in flight is drained and steps run synchronously."""
+        prev = self._inflight
+        sync_next = bool(self.chunk_listeners or self.layer_listeners or not self.async_steps)
+        out = self.scheduler.schedule() if not sync_next else None
+        launched = None
+        if out is not None and out.chunks:
+            self.last_step_start = time.monotonic()
+            launched = self.runner.launch(out, prev[1] if prev is not None and prev[1] is not None else None)
+        outputs = self._resolve(*prev) if prev is not None else []
+        self._inflight = None
+        if out is not None and out.chunks:
+            self._inflight = (out, launched, self.scheduler.advance(out))
+        return outputs
+
+    def _resolve(self, out: SchedulerOutput, launched: LaunchedStep | None, slots: list[int]) -> list[RequestOutput]:
+        sampled = collect(self.runner, launched) if launched is not None else {}
+        self.scheduler.resolve(out, slots, sampled)
+        now = time.monotonic()
+        outputs = []
+        for ch in out.chunks:
+            # A request that ended (a token, a stop string, an abort) left _by_seq then: its later tokens drop.
+            req = self._by_seq.get(ch.seq.seq_id)
+            if req is None or not ch.sample or ch.seq.seq_id not in sampled:
+                continue
+            if req.first_token_time is None:
+                req.first_token_time = now
+            s = sampled[ch.seq.seq_id]
+            outputs.append(self._emit(req, [s.token], [s.logprob], [s.top]))
+        return outputs
+
+    def _step_sync(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         self.last_step_sequences = len(out.chunks)
         self.last_step_tokens = sum(c.num_new_tokens for c in out.chunks)

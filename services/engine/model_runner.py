@@ -10,6 +10,7 @@ import atexit
 import contextlib
 import logging
 import os
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -17,13 +18,16 @@ import torch
 from services.common.pb import decode_pb2
 from services.engine import trace_fence
 from services.engine.attention import AttentionMetadata, ForwardContext, TorchPagedAttention
-from services.engine.config import EngineConfig
+from services.engine.config import EngineConfig, EngineConfigError
+from services.engine.device_defaults import kv_pool_pages, step_activation_bytes
 from services.engine.kv_layout import FP8_CODEC
 from services.engine.layer_groups import LayerGroups
 from services.engine.model_loader import LoadedModel
 from services.engine.sampler import Sampled, Sampler, SamplingRow
 from services.engine.scheduler import ScheduledChunk, SchedulerOutput
 from services.engine.shared_kv import allocate_kv
+from services.engine.step_launch import LaunchedStep
+from services.engine.step_launch import launch as launch_step
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +53,7 @@ class ModelRunner:
 
             self.spec = SpecDecoder(loaded, config)
         draft_bytes = self.spec.bytes_per_block() if self.spec is not None else 0
-        self.num_blocks = config.resolve_num_blocks(self.bytes_per_block + draft_bytes)
+        self.num_blocks = self._num_blocks(loaded, self.bytes_per_block + draft_bytes)
         shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_shm_path: str | None = None
         """The /dev/shm file backing the pool when it is shared (removed by release())."""
@@ -97,6 +101,34 @@ class ModelRunner:
                 os.unlink(self.kv_shm_path)
             self.kv_shm_path = None
             self.kv_destination = None
+
+    def _num_blocks(self, loaded: LoadedModel, page_bytes: int) -> int:
+        """Pages of the pool: from the KV settings, or (CUDA, none given) from the device memory left after the
+        weights (already loaded), the decode graphs and one full step's activations (device_defaults.py)."""
+        cfg = self.config
+        if not cfg.sizes_kv_from_device:
+            return cfg.resolve_num_blocks(page_bytes)
+        arch = loaded.arch
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        split = loaded.model.tp_split
+        act = step_activation_bytes(cfg.max_num_batched_tokens, max(cfg.max_num_seqs, 1), arch.hidden_size,
+                                    arch.intermediate_size, arch.num_heads, split.local_kv_heads, arch.head_dim,
+                                    arch.vocab_size, elem)
+        # The decode graphs' pool holds one bucket's activations at a time (the largest: max_num_seqs rows).
+        graphs = step_activation_bytes(cfg.max_num_seqs, cfg.max_num_seqs, arch.hidden_size, arch.intermediate_size,
+                                       arch.num_heads, split.local_kv_heads, arch.head_dim, arch.vocab_size, elem)
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        own = torch.cuda.memory_reserved(self.device)
+        try:
+            sizing = kv_pool_pages(free, total, cfg.gpu_memory_utilization, own, act + graphs, page_bytes)
+        except ValueError as e:
+            raise EngineConfigError(f"--gpu-memory-utilization / PDSERVE_GPU_MEMORY_UTILIZATION: {e}") from None
+        log.info("kv cache sized from device memory: %d pages of %d KiB = %.1f GiB (--gpu-memory-utilization %g of "
+                 "%.1f GiB, %.1f GiB free, %.2f GiB weights, %.2f GiB kept for activations and graphs; bound: %s)",
+                 sizing.pages, page_bytes // 1024, sizing.pool_bytes / 2**30, cfg.gpu_memory_utilization,
+                 total / 2**30, free / 2**30, own / 2**30, (act + graphs) / 2**30, sizing.limit)
+        return sizing.pages
 
     @property
     def bytes_per_block(self) -> int:
@@ -151,6 +183,16 @@ class ModelRunner:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(ends, device=hidden.device)])
         return dict(zip(seq_ids, self.sampler.sample(logits, rows), strict=True))
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, prev: LaunchedStep | None) -> LaunchedStep | None:
+        """Async scheduling: start ``out`` without waiting for its tokens (step_launch.py); ``prev``: the step
+        still in flight, whose device tokens feed this one's placeholders."""
+        if self.device.type == "cuda":
+            with device_scope(self.device):
+                return launch_step(self, out, prev)
+        with trace_fence.fence():
+            return launch_step(self, out, prev)
 
     # --- GPU path (CUDA only; the CPU path above never reaches it) ---
 
@@ -265,15 +307,20 @@ class ModelRunner:
             if len(keep) < len(chunks):
                 hidden = hidden[torch.tensor(keep).to(self.device, non_blocking=True)]
             return self._sample_gpu(self.model.compute_logits(hidden), None, rows, seq_ids)
-        return self._sample_gpu(logits, tokens, rows, seq_ids)
+        graphs = self.graphs
+        return self._sample_gpu(logits, tokens, rows, seq_ids, lambda t: graphs.logprob_table(bucket, t))
 
     def _sample_gpu(self, logits: torch.Tensor, greedy_tokens: torch.Tensor | None, rows: list[SamplingRow],
-                    seq_ids: list[int]) -> dict[int, Sampled]:
-        if all(r.params.greedy and not r.params.logprobs for r in rows):
-            # Greedy without logprobs: argmax on the device, copy back B ints instead of B x vocab floats.
-            tokens = (logits.argmax(dim=-1) if greedy_tokens is None else greedy_tokens).tolist()
-            return {sid: Sampled(t) for sid, t in zip(seq_ids, tokens, strict=True)}
-        return dict(zip(seq_ids, self.sampler.sample(logits, rows), strict=True))
+                    seq_ids: list[int], table_of: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+                    ) -> dict[int, Sampled]:
+        """Tokens on the device (``greedy_tokens``: the argmax already computed, used when every row is greedy);
+        ``table_of(tokens)``: the logprob table a CUDA graph computes for them (None: computed here)."""
+        if greedy_tokens is not None and all(r.params.greedy for r in rows):
+            tokens = greedy_tokens
+        else:
+            tokens = self.sampler.tokens(logits, rows)
+        table = table_of(tokens) if table_of is not None and any(r.params.logprobs for r in rows) else None
+        return dict(zip(seq_ids, self.sampler.results(logits, tokens, rows, table), strict=True))
 
     # --- page access for KV handoff (prefill packs, decode unpacks) ---
 

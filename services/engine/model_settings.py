@@ -1,7 +1,7 @@
 """Engine settings that processes running no model take too, declared once and without torch.
 
-The router reads its tokenizer and chat template from ``model``; ``pdserve up`` hands ``model`` and
-``dtype`` on to every engine. EngineConfig, RouterConfig and UpConfig inherit or ``reuse`` these
+The router reads its tokenizer and chat template from ``model``; ``pdserve up`` hands ``model``,
+``dtype`` and ``device`` on to every engine. EngineConfig, RouterConfig and UpConfig inherit or ``reuse`` these
 declarations, so each setting has one flag, one ``PDSERVE_*`` env var and one help text.
 """
 
@@ -23,6 +23,13 @@ class ModelConfig:
                                   "embedded SmolLM2-135M-Instruct GGUF. The router reads its tokenizer and chat "
                                   "template from it: give the router and every engine the same spec (pdserve up "
                                   "does).")
+
+
+@dataclass
+class DeviceConfig:
+    """The device an engine runs on (``pdserve up --device`` hands it to every engine it starts)."""
+
+    device: str = opt("cpu", "Torch device (cpu, cuda, cuda:N).")
 
 
 @dataclass

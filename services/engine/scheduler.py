@@ -7,6 +7,9 @@ A step is ``schedule()`` -> model runner -> ``update_from_output()``. Each step:
      it fits or has preempted itself;
   2. if nothing was preempted, waiting sequences are admitted in FIFO order while the token budget,
      ``max_num_seqs`` and free blocks allow.
+With ``mixed_step_interval`` N > 1, while any sequence decodes, prompt chunks (step 1's unfinished
+prefills and step 2's admissions) are taken only in one step of N: the N - 1 steps between are pure
+decode, which a GPU engine replays in a CUDA graph, at the cost of up to N - 1 steps of TTFT.
 A prefill chunk is ``min(remaining, max_prefill_chunk, remaining budget)``; for a sequence added with
 ``stream_kv=True`` (a prefill whose KV streams out per chunk) also at most ``prefill_tail.tail_piece``:
 its last tokens go in pieces that halve down to ``prefill_tail_tokens``, so little KV is left to send
@@ -30,6 +33,10 @@ from services.engine.prefill_tail import applies, tail_piece
 from services.engine.sampling_params import Sampled
 from services.engine.sequence import FinishReason, Sequence, SequenceStatus
 
+PLACEHOLDER_TOKEN = -1
+"""Stands in ``seq.token_ids`` for a token an in-flight step is sampling (async scheduling): appended by
+``advance``, replaced by ``resolve``. The runner feeds such a position from the previous step's device tokens."""
+
 
 @dataclass
 class SchedulerConfig:
@@ -45,13 +52,17 @@ class SchedulerConfig:
     """Draft tokens a decoding sequence speculates per step (K); 0: no speculative decoding."""
     prefill_tail_tokens: int = 0
     """Floor (tokens) of the tail pieces of sequences added with ``stream_kv=True``; 0: no tail split."""
+    mixed_step_interval: int = 1
+    """While sequences decode, prompt chunks (admissions and unfinished prefills) join at most one step in
+    this many; the steps between are pure decode (CUDA-graphed on GPU). 1: every step may mix."""
 
     def __post_init__(self) -> None:
         if isinstance(self.prefill_tail_tokens, bool) or not isinstance(self.prefill_tail_tokens, int) \
                 or self.prefill_tail_tokens < 0:
             raise ValueError(f"SchedulerConfig.prefill_tail_tokens must be an integer >= 0, "
                              f"got {self.prefill_tail_tokens!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "max_model_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "max_model_len",
+                     "mixed_step_interval"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"SchedulerConfig.{name} must be a positive integer, got {value!r}")
@@ -101,6 +112,11 @@ class Scheduler:
         """Finished sequences still holding their blocks (a KV hand-off reads them), by seq_id."""
         self.num_preemptions = 0
         """Preemptions since start (a counter)."""
+        self._finishing: set[int] = set()
+        """Async scheduling: live seq_ids whose in-flight token is their last (max_tokens or context reached);
+        schedule() skips them until ``resolve`` finishes them."""
+        self._decode_only_steps = 0
+        """Consecutive steps scheduled without prompt chunks while sequences decoded (mixed_step_interval)."""
         # KV for the last token needs a slot, so a sequence may grow to pool_tokens + 1 tokens.
         pool_tokens = block_manager.num_blocks * block_manager.block_size
         self._max_len = min(config.max_model_len, pool_tokens + 1)
@@ -199,6 +215,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self._seqs[seq.seq_id]
+        self._finishing.discard(seq.seq_id)
         self._streamed.discard(seq.seq_id)
         self._hold.discard(seq.seq_id)
 
@@ -236,9 +253,16 @@ class Scheduler:
         while self.kv_ready and len(self.running) < cfg.max_num_seqs:
             self.running.append(self.kv_ready.popleft())
 
+        # Decode priority: a step between mixed ones carries decode chunks only (prompts wait at most
+        # mixed_step_interval - 1 steps), so it replays a decode graph.
+        decoding = cfg.mixed_step_interval > 1 and any(s.num_uncomputed_tokens == 1 for s in self.running)
+        prompts = not decoding or self._decode_only_steps >= cfg.mixed_step_interval - 1
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if (not prompts and seq.num_uncomputed_tokens > 1) or seq.seq_id in self._finishing:
+                i += 1
+                continue
             n = self._chunk_len(seq, len(seq.token_ids) - seq.num_computed_tokens, budget)
             k = self._spec_len(seq, budget - n)
             if k and not bm.allocate(seq, n + k):
@@ -258,7 +282,7 @@ class Scheduler:
         if out.preempted:
             return out
 
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        while prompts and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
             prefix = bm.get_computed_prefix(seq)
             n = self._chunk_len(seq, len(seq.token_ids) - prefix[1], budget)
@@ -269,6 +293,9 @@ class Scheduler:
             self.running.append(seq)
             out.chunks.append(self._chunk(seq, n))
             budget -= n
+        if decoding:
+            mixed = any(c.num_new_tokens > 1 for c in out.chunks)
+            self._decode_only_steps = 0 if mixed else self._decode_only_steps + 1
         return out
 
     def _chunk_len(self, seq: Sequence, remaining: int, budget: int) -> int:
@@ -323,6 +350,60 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
+    # ---- async scheduling: a step's bookkeeping split around its in-flight tokens -------------------
+
+    def advance(self, out: SchedulerOutput) -> list[int]:
+        """A launched step's chunks are computed (their KV written in stream order): advance them and put a
+        PLACEHOLDER_TOKEN where each sampling chunk's token will go. Returns, per sampling chunk of ``out``
+        (in order), the index of its placeholder in ``seq.token_ids`` (-1 for a sequence no longer running)."""
+        slots = []
+        for chunk in out.chunks:
+            seq = chunk.seq
+            if seq.status != SequenceStatus.RUNNING:
+                if chunk.sample:
+                    slots.append(-1)
+                continue
+            seq.num_computed_tokens += chunk.num_new_tokens
+            self.block_manager.mark_computed(seq, seq.num_computed_tokens)
+            if not chunk.sample:
+                continue
+            slots.append(len(seq.token_ids))
+            seq.token_ids.append(PLACEHOLDER_TOKEN)
+            if seq.num_output_tokens >= seq.params.max_tokens or len(seq.token_ids) >= self._max_len:
+                self._finishing.add(seq.seq_id)  # ends with this token whatever it is: schedule it no more
+        return slots
+
+    def resolve(self, out: SchedulerOutput, slots: list[int], sampled: dict[int, Sampled]) -> list[Sequence]:
+        """The tokens of a step ``advance`` saw arrived: replace the placeholders, end the sequences they end
+        (blocks freed; a later step's token of such a sequence is then dropped by its own resolve, its
+        placeholder cut off here). Sequences preempted meanwhile get their token too (they re-prefill with it)."""
+        finished: list[Sequence] = []
+        sample_chunks = [c for c in out.chunks if c.sample]
+        for chunk, at in zip(sample_chunks, slots, strict=True):
+            seq = chunk.seq
+            if at < 0 or seq.status not in (SequenceStatus.RUNNING, SequenceStatus.WAITING):
+                continue
+            token, logprob = sampled[seq.seq_id][:2]
+            seq.token_ids[at] = token
+            if logprob is not None:
+                seq.output_logprobs.append(logprob)
+            reason = self._token_ends(seq, token, at + 1)
+            if reason is not None:
+                del seq.token_ids[at + 1:]  # an in-flight later token of a finished sequence is never emitted
+                seq.num_computed_tokens = min(seq.num_computed_tokens, at)
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _token_ends(self, seq: Sequence, token: int, length: int) -> FinishReason | None:
+        """Whether ``token``, the last of the first ``length`` tokens of seq, ends it."""
+        params = seq.params
+        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+            return FinishReason.STOP
+        if length - seq.num_prompt_tokens >= params.max_tokens or length >= self._max_len:
+            return FinishReason.LENGTH
+        return None
+
     def _append_tokens(self, seq: Sequence, result: list[Sampled]) -> FinishReason | None:
         """Append a verified run of tokens until one ends the sequence; ``result`` is cut to the tokens
         appended. The KV of every appended token but the last was written by the verify forward."""
@@ -341,12 +422,7 @@ class Scheduler:
         seq.token_ids.append(token)
         if logprob is not None:
             seq.output_logprobs.append(logprob)
-        params = seq.params
-        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
-            return FinishReason.STOP
-        if seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self._max_len:
-            return FinishReason.LENGTH
-        return None
+        return self._token_ends(seq, token, len(seq.token_ids))
 
     # ---- queries --------------------------------------------------------------------------------
 

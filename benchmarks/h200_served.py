@@ -1,0 +1,296 @@
+"""One-H200 serving run: the in-process engine, `pdserve up` colocated and 1P1D over cuda-ipc, and the
+bandwidth ceiling, at the same shapes and concurrencies, in one call. Writes ``h200_served.json`` under
+--out; ``benchmarks/h200_served_plot.py`` draws throughput per GPU against TPOT from it (on any host with
+matplotlib).
+
+    python3 benchmarks/h200_served.py --out "$OUT"                       # everything, within --budget-s
+    python3 benchmarks/h200_served.py --out "$OUT" --modes engine --shapes 1024x256 --concurrency 64,256
+
+Model: random:llama-3-8b in bf16 (no download). Points whose prompts exceed --max-prompt-tokens in all (8192x256
+at C256 and C512 by default) are skipped with that reason. Each point sends max(C, --min-requests) requests of exactly
+``in`` prompt tokens and ``out`` output tokens (ignore_eos, greedy), logprobs off and/or on (the chosen token's
+logprob). Engine points add every request at once and step until done (the C requests run as one batch when
+C <= max_num_seqs). Served points run `pdserve bench serve` against the started cluster. Points run in the
+order engine, colocated, 1p1d, shape by shape; a point that would start after --budget-s is recorded as
+skipped, so a trimmed rerun (--modes/--shapes/--concurrency/--logprobs) fills it in.
+
+The ceiling: a 1 GiB device copy (read + write bytes / time) measured in this run; a decode step's
+bandwidth limit is (weight bytes + batch x context x KV bytes per token) / that bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MODEL = "random:llama-3-8b"
+MAX_MODEL_LEN = 9216
+"""Context of every engine: the 8192/256 shape plus room (keeps the decode graphs' block tables small)."""
+
+
+def log(msg: str) -> None:
+    print(f"[h200_served {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _shape(text: str) -> tuple[int, int]:
+    a, b = text.lower().split("x")
+    return int(a), int(b)
+
+
+def _args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/h200_served"), help="output directory ($OUT)")
+    p.add_argument("--modes", default="engine,colocated,1p1d", help="subset of engine,colocated,1p1d")
+    p.add_argument("--shapes", default="1024x256,8192x256", help="INxOUT prompt/output tokens, comma-separated")
+    p.add_argument("--concurrency", default="1,16,64,256,512")
+    p.add_argument("--logprobs", default="off,on", help="off, on, or off,on")
+    p.add_argument("--min-requests", type=int, default=4, help="requests per point: max(C, this)")
+    p.add_argument("--max-prompt-tokens", type=int, default=600_000,
+                   help="skip points whose requests carry more prompt tokens than this (8192x256 at C256/C512: "
+                        "run them in a call of their own with a larger value)")
+    p.add_argument("--budget-s", type=float, default=540.0, help="start no point after this many seconds")
+    p.add_argument("--prefill-utilization", type=float, default=0.3,
+                   help="1p1d on one GPU: the prefill engine's --gpu-memory-utilization (decode gets 0.9 minus it)")
+    p.add_argument("--engine-child", default="", help=argparse.SUPPRESS)  # internal: run the engine phase, write JSON
+    ns = p.parse_args(argv)
+    ns.shapes_l = [_shape(s) for s in ns.shapes.split(",") if s]
+    ns.conc_l = [int(c) for c in ns.concurrency.split(",") if c]
+    ns.lp_l = [v.strip() == "on" for v in ns.logprobs.split(",") if v]
+    ns.modes_l = [m for m in ns.modes.split(",") if m]
+    bad = set(ns.modes_l) - {"engine", "colocated", "1p1d"}
+    if bad:
+        p.error(f"--modes: unknown {sorted(bad)} (engine, colocated, 1p1d)")
+    return ns
+
+
+# --- engine phase (a child process: its device memory is gone before the clusters start) ---
+
+def ceiling() -> dict[str, float]:
+    import torch
+    import triton.testing
+
+    x = torch.empty(2**29, dtype=torch.bfloat16, device="cuda").normal_()  # 1 GiB
+    ms = float(triton.testing.do_bench(lambda: x.clone(), warmup=25, rep=200, return_mode="median"))
+    return {"copy_ms_1GiB": ms, "copy_GBps": 2 * 2**30 / ms / 1e6}
+
+
+def engine_point(engine: Any, n_in: int, n_out: int, conc: int, logprobs: bool, requests: int, seed: int
+                 ) -> dict[str, Any]:
+    """Add ``requests`` requests (at most ``conc`` in flight), step until done; output tok/s and the median
+    decode-step time at the point's full batch."""
+    import torch
+
+    from services.engine.sampling_params import SamplingParams
+
+    vocab = engine.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, vocab, (n_in,), generator=g).tolist() for _ in range(requests)]
+    sp = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True, logprobs=logprobs)
+    pending, live, done_tokens = list(range(requests)), 0, 0
+    full_steps: list[float] = []
+    t0 = time.perf_counter()
+    while pending or engine.has_work():
+        while pending and live < conc:
+            i = pending.pop(0)
+            engine.add_request(f"p{seed}-{i}", prompts[i], sp, detokenize=False)
+            live += 1
+        running = engine.scheduler.num_running
+        s0 = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - s0
+        if running == min(conc, engine.config.max_num_seqs) and all(
+                len(o.new_token_ids) == 1 for o in outs) and len(outs) == running and not engine.scheduler.num_waiting:
+            full_steps.append(dt)
+        for o in outs:
+            done_tokens += len(o.new_token_ids)
+            live -= o.finished
+    wall = time.perf_counter() - t0
+    return {"requests": requests, "output_tokens": done_tokens, "wall_s": wall, "output_tok_s": done_tokens / wall,
+            "full_batch_decode_step_ms": 1000 * statistics.median(full_steps) if full_steps else None,
+            "full_batch_steps": len(full_steps), "batch": min(conc, engine.config.max_num_seqs)}
+
+
+def run_engine_phase(ns: argparse.Namespace, deadline: float) -> dict[str, Any]:
+    import torch
+
+    from services.engine.config import EngineConfig
+    from services.engine.engine import LLMEngine
+
+    out: dict[str, Any] = {"ceiling": ceiling(), "points": []}
+    log(f"copy ceiling {out['ceiling']['copy_GBps']:.0f} GB/s")
+    engine = LLMEngine(EngineConfig(model=MODEL, dtype="bfloat16", device="cuda", max_model_len=MAX_MODEL_LEN))
+    weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    kv_token = engine.runner.bytes_per_block // engine.config.block_size
+    out["engine"] = {"weight_bytes": weights, "kv_bytes_per_token": kv_token, "kv_pages": engine.runner.num_blocks,
+                     "max_num_seqs": engine.config.max_num_seqs,
+                     "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+                     "max_prefill_chunk": engine.config.max_prefill_chunk,
+                     "device": torch.cuda.get_device_name()}
+    engine_point(engine, 64, 8, 4, True, 4, seed=999)  # warm-up (Triton autotune, sampler paths)
+    seed = 0
+    for n_in, n_out in ns.shapes_l:
+        for lp in ns.lp_l:
+            for conc in ns.conc_l:
+                key = {"shape": f"{n_in}x{n_out}", "concurrency": conc, "logprobs": lp}
+                if skip := _skip(ns, n_in, conc, deadline):
+                    out["points"].append({**key, "skipped": skip})
+                    continue
+                seed += 1
+                r = engine_point(engine, n_in, n_out, conc, lp, max(conc, ns.min_requests), seed)
+                ctx = n_in + n_out / 2
+                if r["full_batch_decode_step_ms"]:
+                    limit_ms = (weights + r["batch"] * ctx * kv_token) / (out["ceiling"]["copy_GBps"] * 1e6)
+                    r["bandwidth_limit_ms"] = limit_ms
+                    r["fraction_of_bandwidth_limit"] = limit_ms / r["full_batch_decode_step_ms"]
+                out["points"].append({**key, **r})
+                log(f"engine {key}: {r['output_tok_s']:.0f} tok/s, full-batch step {r['full_batch_decode_step_ms']}")
+    return out
+
+
+def _skip(ns: argparse.Namespace, n_in: int, conc: int, deadline: float) -> str:
+    """Why a point is not run ("" to run it)."""
+    if max(conc, ns.min_requests) * n_in > ns.max_prompt_tokens:
+        return f"over --max-prompt-tokens {ns.max_prompt_tokens}"
+    return "time budget" if time.monotonic() > deadline else ""
+
+
+# --- served phase ---
+
+def _cluster(mode: str, ns: argparse.Namespace) -> Any:
+    from services.launcher import LocalCluster
+
+    common = ["--device", "cuda", "--max-model-len", str(MAX_MODEL_LEN)]
+    if mode == "colocated":
+        return LocalCluster(prefill=0, decode=1, colocated=True, model=MODEL, dtype="bfloat16", kvstore=None,
+                            quiet=True, extra={"decode": common})
+    decode_util = round(0.9 - ns.prefill_utilization, 3)
+    return LocalCluster(prefill=1, decode=1, model=MODEL, dtype="bfloat16", kvstore=None, quiet=True,
+                        kv_transport="cuda-ipc",
+                        extra={"prefill": [*common, "--gpu-memory-utilization", str(ns.prefill_utilization)],
+                               "decode": [*common, "--gpu-memory-utilization", str(decode_util)]})
+
+
+def served_point(base: str, n_in: int, n_out: int, conc: int, lp: bool, ns: argparse.Namespace, tmp: Path,
+                 label: str) -> dict[str, Any]:
+    """One `pdserve bench serve` point: max(C, --min-requests) requests at concurrency C; its report's point."""
+    d = tmp / f"{label}-c{conc}"
+    cmd = [sys.executable, "-m", "services.cli", "bench", "serve", "--base-url", base, "--api", "completions",
+           "--input-tokens", str(n_in), "--output-tokens", str(n_out), "--ignore-eos", "--temperature", "0",
+           "--concurrency", str(conc), "--requests", str(max(conc, ns.min_requests)), "--warmup", "2",
+           "--num-gpus", "1", "--no-progress", "--no-plots", "--label", label, "--out", str(d),
+           *(["--logprobs"] if lp else [])]
+    log(" ".join(cmd[2:]))
+    try:
+        subprocess.run(cmd, check=False, timeout=max(60.0, ns.deadline - time.monotonic() + 180))
+    except subprocess.TimeoutExpired:
+        return {"concurrency": conc, "error": "bench serve timed out"}
+    report = d / "report.json"
+    if not report.exists():
+        return {"concurrency": conc, "error": "bench serve wrote no report"}
+    servers = json.loads(report.read_text())["servers"]
+    return dict(servers[0]["points"][0]) if servers and servers[0]["points"] else {"concurrency": conc,
+                                                                                   "error": "no point"}
+
+
+def run_served(ns: argparse.Namespace, mode: str, tmp: Path) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    if time.monotonic() > ns.deadline:
+        return [{"mode": mode, "skipped": "time budget"}]
+    cluster = _cluster(mode, ns)
+    log(f"starting {mode} ...")
+    cluster.start(300.0)
+    try:
+        base = f"http://{cluster.router['http']}/v1"
+        for n_in, n_out in ns.shapes_l:
+            for lp in ns.lp_l:
+                for conc in ns.conc_l:
+                    key = {"mode": mode, "shape": f"{n_in}x{n_out}", "logprobs": lp, "concurrency": conc}
+                    if skip := _skip(ns, n_in, conc, ns.deadline):
+                        rows.append({**key, "skipped": skip})
+                        continue
+                    label = f"{mode}-{n_in}x{n_out}-lp{int(lp)}"
+                    rows.append({**key, **served_point(base, n_in, n_out, conc, lp, ns, tmp, label)})
+    finally:
+        cluster.stop()
+    return rows
+
+
+def summarize(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Served output tok/s over the engine's at the same (shape, C, logprobs)."""
+    eng = {(p["shape"], p["concurrency"], p["logprobs"]): p for p in result.get("engine", {}).get("points", [])
+           if "output_tok_s" in p}
+    rows = []
+    for s in result.get("served", []):
+        if "throughput" not in s:
+            continue
+        c = s["concurrency"]
+        e = eng.get((s["shape"], c, s["logprobs"]))
+        tput = s["throughput"]["output_tok_s"]
+        rows.append({"mode": s["mode"], "shape": s["shape"], "concurrency": c, "logprobs": s["logprobs"],
+                     "served_tok_s": tput, "engine_tok_s": e["output_tok_s"] if e else None,
+                     "served_over_engine": tput / e["output_tok_s"] if e else None,
+                     "ttft_p50_s": s["ttft_s"]["p50"], "ttft_p90_s": s["ttft_s"]["p90"],
+                     "tpot_p50_s": s["tpot_s"]["p50"], "failed": s["requests"].get("failed")})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = _args(argv)
+    t0 = time.monotonic()
+    ns.deadline = t0 + ns.budget_s
+    if ns.engine_child:
+        Path(ns.engine_child).write_text(json.dumps(run_engine_phase(ns, ns.deadline)))
+        return 0
+    out = Path(ns.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {"model": MODEL, "args": {k: v for k, v in vars(ns).items() if isinstance(v, (str, int, float))},
+                              "served": []}
+    with tempfile.TemporaryDirectory() as tmp_s:
+        tmp = Path(tmp_s)
+        if "engine" in ns.modes_l:
+            child = tmp / "engine.json"
+            cmd = [sys.executable, __file__, "--engine-child", str(child), "--shapes", ns.shapes, "--concurrency",
+                   ns.concurrency, "--logprobs", ns.logprobs, "--min-requests", str(ns.min_requests),
+                   "--max-prompt-tokens", str(ns.max_prompt_tokens),
+                   "--budget-s", str(max(1.0, ns.deadline - time.monotonic()))]
+            subprocess.run(cmd, check=False)
+            result["engine"] = json.loads(child.read_text()) if child.exists() else {"error": "engine phase failed"}
+        for mode in ("colocated", "1p1d"):
+            if mode in ns.modes_l:
+                try:
+                    result["served"].extend(run_served(ns, mode, tmp))
+                except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+                    result["served"].append({"mode": mode, "error": str(e)[-2000:]})
+    result["summary"] = summarize(result)
+    result["wall_s"] = time.monotonic() - t0
+    path = out / "h200_served.json"
+    path.write_text(json.dumps(result, indent=1))
+    log(f"wrote {path}")
+    print(f"{'mode':10s} {'shape':9s} {'C':>4s} {'lp':>3s} {'served':>8s} {'engine':>8s} {'ratio':>6s} "
+          f"{'TTFT50':>7s} {'TTFT90':>7s} {'TPOT50':>7s} fail")
+    for r in result["summary"]:
+        ratio = f"{r['served_over_engine']:.2f}" if r["served_over_engine"] else "-"
+        eng = f"{r['engine_tok_s']:.0f}" if r["engine_tok_s"] else "-"
+        print(f"{r['mode']:10s} {r['shape']:9s} {r['concurrency']:4d} {int(r['logprobs']):3d} {r['served_tok_s']:8.0f} "
+              f"{eng:>8s} {ratio:>6s} {r['ttft_p50_s'] * 1e3:7.0f} {r['ttft_p90_s'] * 1e3:7.0f} "
+              f"{r['tpot_p50_s'] * 1e3:7.1f} {r['failed']}")
+    for p in result.get("engine", {}).get("points", []):
+        if p.get("fraction_of_bandwidth_limit"):
+            print(f"engine {p['shape']} C{p['concurrency']} lp={int(p['logprobs'])}: full-batch step "
+                  f"{p['full_batch_decode_step_ms']:.1f} ms, bandwidth limit {p['bandwidth_limit_ms']:.1f} ms "
+                  f"({p['fraction_of_bandwidth_limit']:.2f} of it)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
