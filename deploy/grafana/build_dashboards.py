@@ -54,8 +54,9 @@ def sum_rate(name: str, by: str = "", extra: str = "") -> str:
 
 def or_zero(expr: str) -> str:
     """``expr``, or a single 0 when it has no series (a counter that has not fired yet): the panel shows
-    0, not "no data". ``or on()`` adds the 0 only when ``expr`` is empty."""
-    return f"({expr}) or on() vector(0)"
+    0, not "no data". ``or on()`` adds the 0 only when ``expr`` is empty. The whole is parenthesised: `or`
+    binds looser than arithmetic, so ``or_zero(a) / b`` would otherwise divide only the 0 by b."""
+    return f"(({expr}) or on() vector(0))"
 
 
 GRAPHED = 'cuda_graph="graphed"'
@@ -109,7 +110,7 @@ def overview_rows() -> list[Row]:
                   unit="reqps", description="Finished client requests per second at the router."),
             Panel("Error rate", [Target(
                 # `/` binds tighter than `or`: the zero-filled numerator needs its own parentheses.
-                f"({or_zero(f'sum ({rate(m.ROUTER_ERRORS_TOTAL)})')}) / sum ({rate(m.ROUTER_REQUESTS_TOTAL)})",
+                f"{or_zero(f'sum ({rate(m.ROUTER_ERRORS_TOTAL)})')} / sum ({rate(m.ROUTER_REQUESTS_TOTAL)})",
                 "errors / requests")],
                   unit="percentunit", description="Share of client requests that failed."),
             Panel("Errors by code", [Target(or_zero(sum_rate(m.ROUTER_ERRORS_TOTAL, "code")), "{{code}}")],

@@ -129,6 +129,22 @@ SERIES: tuple[Series, ...] = (
     _c(m.DECODE_SPEC_ACCEPTED_TOKENS_TOTAL, D1, 40.0, acceptance="synthetic", **MD),
     _h(m.DECODE_SPEC_ACCEPTANCE_LENGTH_TOKENS, D0, 2.5, acceptance="real", **MD),
     _h(m.DECODE_SPEC_ACCEPTANCE_LENGTH_TOKENS, D1, 4.5, acceptance="synthetic", **MD),
+    # engine steps: prefill-0 steps eagerly, decode-0 replays 4 of 5 steps in a CUDA graph
+    _h(m.PREFILL_ENGINE_STEP_SECONDS, P0, 0.07, **MD),
+    _h(m.DECODE_ENGINE_STEP_SECONDS, D0, 0.015, **MD),
+    _h(m.PREFILL_ENGINE_STEP_TOKENS, P0, 300.0, **MD),
+    _h(m.PREFILL_ENGINE_STEP_SEQUENCES, P0, 3.0, **MD),
+    _h(m.DECODE_ENGINE_STEP_TOKENS, D0, 12.0, **MD),
+    _h(m.DECODE_ENGINE_STEP_SEQUENCES, D0, 11.0, **MD),
+    _g(m.PREFILL_ENGINE_BUSY_RATIO, P0, 0.6, **MD),
+    _g(m.PREFILL_ENGINE_BUSY_RATIO, P1, 0.2, **MD),
+    _g(m.DECODE_ENGINE_BUSY_RATIO, D0, 0.9, **MD),
+    _c(m.PREFILL_ENGINE_BUSY_SECONDS_TOTAL, P0, 0.5, **MD),
+    _c(m.PREFILL_ENGINE_BUSY_SECONDS_TOTAL, P1, 0.3, **MD),
+    _c(m.DECODE_ENGINE_BUSY_SECONDS_TOTAL, D0, 0.85, **MD),
+    _c(m.DECODE_ENGINE_STEPS_TOTAL, D0, 40.0, cuda_graph="graphed", **MD),
+    _c(m.DECODE_ENGINE_STEPS_TOTAL, D0, 10.0, cuda_graph="eager", **MD),
+    _c(m.PREFILL_ENGINE_STEPS_TOTAL, P0, 5.0, cuda_graph="eager", **MD),
     # kvstore
     _c(m.KVSTORE_HITS_TOTAL, K, 30.0, tier="memory"),
     _c(m.KVSTORE_MISSES_TOTAL, K, 10.0, tier="memory"),
@@ -201,6 +217,16 @@ EXPECTED: dict[str, Expected] = {
     "kvstore entries per tier and Get/Put bytes/s / A": {"tier=memory": 1000.0, "tier=disk": 5000.0},
     "kvstore entries per tier and Get/Put bytes/s / B": {"": 2e6},
     "kvstore entries per tier and Get/Put bytes/s / C": {"": 1e6},
+    "Tokens and sequences per step (mean) / A": {"": 300.0},
+    "Tokens and sequences per step (mean) / B": {"": 3.0},
+    "Tokens and sequences per step (mean) / C": {"": 12.0},
+    "Tokens and sequences per step (mean) / D": {"": 11.0},
+    "Engine busy ratio and CUDA-graphed steps / A": {f"instance={P0}": 0.6, f"instance={P1}": 0.2},
+    "Engine busy ratio and CUDA-graphed steps / B": {f"instance={D0}": 0.9},
+    "Engine busy ratio and CUDA-graphed steps / C": {"": (0.5 + 0.3) / 2},  # busy seconds/s over 2 prefills
+    "Engine busy ratio and CUDA-graphed steps / D": {"": 0.85},
+    "Engine busy ratio and CUDA-graphed steps / E": {"": 40.0 / 50.0},
+    "Engine busy ratio and CUDA-graphed steps / F": {"": 0.0},  # no graphed prefill step: 0, not absent
 }
 # Latency panels: p50 (A) and p99 (B) of one histogram.
 for _title, _metric in (("Client TTFT", m.ROUTER_TTFT_SECONDS), ("Inter-token latency (ITL)", m.ROUTER_ITL_SECONDS),
@@ -209,6 +235,10 @@ for _title, _metric in (("Client TTFT", m.ROUTER_TTFT_SECONDS), ("Inter-token la
                         ("Prefill compute (p50/p99)", m.PREFILL_COMPUTE_SECONDS)):
     for _ref, _q in zip("AB", _P50_P99, strict=True):
         EXPECTED[f"{_title} / {_ref}"] = {"": _quantile(_metric, _q)}
+# Engine step duration: prefill p50 (A) and p99 (B), decode p50 (C) and p99 (D).
+for _refs, _metric in (("AB", m.PREFILL_ENGINE_STEP_SECONDS), ("CD", m.DECODE_ENGINE_STEP_SECONDS)):
+    for _ref, _q in zip(_refs, _P50_P99, strict=True):
+        EXPECTED[f"Step duration (p50/p99) / {_ref}"] = {"": _quantile(_metric, _q)}
 # The TTFT breakdown: decode KV-wait (A), exposed transfer (B), prefill compute (C) at p50 and at p99.
 for _suffix, _q in (("(p50)", 0.5), ("(p99)", 0.99)):
     for _ref, _metric in zip("ABC", (m.DECODE_KV_WAIT_SECONDS, m.DECODE_KV_TRANSFER_EXPOSED_SECONDS,
