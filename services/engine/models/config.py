@@ -1,27 +1,44 @@
-"""Architecture description shared by the model code, the weight loaders and the KV layout."""
+"""Architecture description shared by the model code, the weight loaders and the KV layout.
+
+``ModelArchConfig.from_hf_config`` refuses every config.json key that changes the math and is not
+implemented (the per-model_type registry is in :mod:`services.engine.models.config_fields`).
+
+Attention per layer: ``layer_types[i]`` is "full_attention" or "sliding_attention"; a query at position p
+of a sliding layer sees key k iff ``0 <= p - k < sliding_window``. With ``attention_sinks`` each layer has
+a learned logit per query head (``self_attn.sinks``) added to the softmax denominator as exp(sink), its
+column dropped from the output (gpt-oss). ``layer_window(i)`` is what the attention backends take.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+from services.engine.models.config_fields import (
+    ARCH_SPECS,
+    ArchSpec,
+    families,
+    refuse_value,
+    register_architecture,
+    unimplemented_field,
+)
 
-# HF `model_type` / GGUF `general.architecture` -> our architecture family.
-_ARCH_ALIASES = {
-    "llama": "llama", "mistral": "llama", "smollm": "llama",
-    "qwen2": "qwen2", "qwen3": "qwen3",
-}
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+_QWEN_WINDOW_READS = frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"})
 
 
 class ModelConfigError(ValueError):
-    """A model configuration is missing a field or holds an invalid value (the message names it)."""
+    """A model configuration is missing a field or holds an invalid or unimplemented value (the one-line
+    message names it)."""
 
 
 @dataclass
 class ModelArchConfig:
     architecture: str
-    """Model family: "llama" | "qwen2" | "qwen3"."""
+    """Model family (``config_fields.families()``): "llama" | "qwen2" | "qwen3" | what other modules register."""
     vocab_size: int
     """Rows of the embedding and of the LM head."""
     hidden_size: int
@@ -55,13 +72,34 @@ class ModelArchConfig:
     """Beginning-of-sequence id, if any."""
     eos_token_ids: list[int] = field(default_factory=list)
     """Ids that end generation."""
+    sliding_window: int | None = None
+    """Keys a query of a sliding layer sees (itself included, tokens); None when no layer slides."""
+    layer_types: list[str] | None = None
+    """Per layer "full_attention" | "sliding_attention"; None: every layer full. Set (and holding at least one
+    sliding layer) exactly when sliding_window is set."""
+    attention_sinks: bool = False
+    """Every layer has a learned sink logit per query head (parameter ``self_attn.sinks`` [num_heads])."""
+
+    def layer_window(self, layer: int) -> int:
+        """Window of layer ``layer`` in tokens; 0: full attention."""
+        if self.layer_types is None or self.layer_types[layer] == FULL_ATTENTION:
+            return 0
+        assert self.sliding_window is not None
+        return self.sliding_window
+
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        """layer_window of every layer; empty when every layer is full (the common case costs nothing)."""
+        if self.layer_types is None:
+            return ()
+        return tuple(self.layer_window(i) for i in range(self.num_layers))
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        if self.architecture not in ARCHITECTURES:
-            raise ModelConfigError(f"architecture={self.architecture!r}: expected one of {ARCHITECTURES}")
+        if self.architecture not in families():
+            raise ModelConfigError(f"architecture={self.architecture!r}: expected one of {families()}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
@@ -85,24 +123,46 @@ class ModelArchConfig:
             missing = [k for k in need if k not in self.rope_scaling]
             if missing:
                 raise ModelConfigError(f"rope_scaling ({kind}) lacks {missing}")
+        self._validate_windows()
+
+    def _validate_windows(self) -> None:
+        if (self.sliding_window is None) != (self.layer_types is None):
+            raise ModelConfigError(f"sliding_window={self.sliding_window!r} with layer_types={self.layer_types!r}: "
+                                   "set both (at least one sliding layer) or neither")
+        if self.sliding_window is None or self.layer_types is None:
+            return
+        if not isinstance(self.sliding_window, int) or self.sliding_window <= 0:
+            raise ModelConfigError(f"sliding_window={self.sliding_window!r}: must be a positive integer")
+        if len(self.layer_types) != self.num_layers or any(t not in LAYER_TYPES for t in self.layer_types):
+            raise ModelConfigError(f"layer_types={self.layer_types!r}: need {self.num_layers} entries of "
+                                   f"{LAYER_TYPES}")
+        if SLIDING_ATTENTION not in self.layer_types:
+            raise ModelConfigError("layer_types has no sliding layer: leave sliding_window and layer_types None")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArchConfig:
+    def from_hf_config(cls, cfg: Mapping[str, Any]) -> ModelArchConfig:
         """Build from a HF config.json dict (transformers 4.x `rope_theta`/`rope_scaling` or 5.x
-        `rope_parameters`)."""
-        model_type = cfg.get("model_type")
-        arch = _ARCH_ALIASES.get(str(model_type))
-        if arch is None:
-            raise ModelConfigError(f"model_type={model_type!r}: supported are {sorted(_ARCH_ALIASES)}")
+        `rope_parameters`). Raises ModelConfigError (one line) for a missing key, an unsupported value, or
+        a math-changing key the model_type does not implement."""
+        model_type = str(cfg.get("model_type"))
+        spec = ARCH_SPECS.get(model_type)
+        if spec is None:
+            raise ModelConfigError(f"model_type={cfg.get('model_type')!r}: supported are {sorted(ARCH_SPECS)}")
+        problem = unimplemented_field(model_type, cfg)
+        if problem is not None:
+            raise ModelConfigError(problem)
 
         def need(key: str) -> Any:
             if cfg.get(key) is None:
                 raise ModelConfigError(f"config.json lacks {key!r}")
             return cfg[key]
 
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelConfigError(refuse_value("hidden_act", act, model_type, "'silu' (SwiGLU) only"))
         hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
         rope = dict(cfg.get("rope_parameters") or {})
         theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
@@ -111,14 +171,18 @@ class ModelArchConfig:
         kind = scaling.pop("rope_type", None) or scaling.pop("type", None)
         scaling.pop("rope_theta", None)
         rope_scaling = None if kind in (None, "default") else {"rope_type": kind, **scaling}
+        if kind not in (None, "default", "llama3", "linear"):
+            raise ModelConfigError(refuse_value("rope_scaling.rope_type", kind, model_type,
+                                                "'default', 'llama3', 'linear'"))
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
-        return cls(
-            architecture=arch,
+        num_layers = int(need("num_hidden_layers"))
+        kwargs: dict[str, Any] = dict(
+            architecture=spec.family,
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
             intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
@@ -127,8 +191,63 @@ class ModelArchConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
-            qk_norm=arch == "qwen3",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+        if spec.parse is not None:
+            kwargs.update(spec.parse(cfg))
+        return cls(**kwargs)
+
+
+def _all_sliding(window: Any, num_layers: int) -> dict[str, Any]:
+    if window is None:
+        return {}
+    return {"sliding_window": int(window), "layer_types": [SLIDING_ATTENTION] * num_layers}
+
+
+def _parse_llama(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    return {"attention_bias": bool(cfg.get("attention_bias", False))}
+
+
+def _parse_mistral(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Mistral slides on every layer when sliding_window is set (transformers' MistralModel ignores layer_types,
+    so this parser does not read it: a config.json that has one is refused)."""
+    return _all_sliding(cfg.get("sliding_window"), int(cfg["num_hidden_layers"]))
+
+
+def _qwen_windows(cfg: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+    """transformers' Qwen2Config/Qwen3Config: sliding_window counts only with use_sliding_window; layer_types,
+    when config.json omits it, slides on layers i >= max_window_layers (default 28)."""
+    n = int(cfg["num_hidden_layers"])
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    types = cfg.get("layer_types")
+    if types is None:
+        lowest = int(cfg.get("max_window_layers", 28))
+        types = [SLIDING_ATTENTION if window is not None and i >= lowest else FULL_ATTENTION for i in range(n)]
+    types = list(types)
+    if any(t not in LAYER_TYPES for t in types) or len(types) != n:
+        raise ModelConfigError(refuse_value("layer_types", types, model_type, f"{n} entries of {LAYER_TYPES}"))
+    if SLIDING_ATTENTION not in types:
+        return {}
+    if window is None:
+        raise ModelConfigError(refuse_value("layer_types", types, model_type,
+                                            "sliding layers need use_sliding_window=true and a sliding_window"))
+    return {"sliding_window": int(window), "layer_types": types}
+
+
+def _parse_qwen2(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    # transformers' Qwen2 gives q/k/v a bias whatever attention_bias says: the key is read and has no effect.
+    return {"attention_bias": True, **_qwen_windows(cfg, "qwen2")}
+
+
+def _parse_qwen3(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    return {"attention_bias": bool(cfg.get("attention_bias", False)), "qk_norm": True,
+            **_qwen_windows(cfg, "qwen3")}
+
+
+register_architecture("llama", ArchSpec("llama", frozenset({"attention_bias"}), _parse_llama))
+register_architecture("mistral", ArchSpec("llama", frozenset({"sliding_window"}), _parse_mistral))
+register_architecture("qwen2", ArchSpec("qwen2", _QWEN_WINDOW_READS | {"attention_bias"}, _parse_qwen2))
+register_architecture("qwen3", ArchSpec("qwen3", _QWEN_WINDOW_READS | {"attention_bias"}, _parse_qwen3))
+ARCHITECTURES = families()
+"""The dense families registered here (other modules may register more: ``config_fields.families()``)."""

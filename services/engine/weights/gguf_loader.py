@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from services.engine.models.config import ModelArchConfig, ModelConfigError
+from services.engine.models.config_fields import gguf_unimplemented_field
 from services.engine.weights.errors import ModelLoadError
 
 if TYPE_CHECKING:
@@ -114,6 +115,9 @@ class GGUFFile:
         if arch not in ("llama", "qwen2", "qwen3"):
             raise ModelLoadError(f"{self.path}: general.architecture={arch!r} is not supported "
                                  "(llama, qwen2, qwen3)")
+        problem = gguf_unimplemented_field(md)
+        if problem is not None:
+            raise ModelLoadError(f"{self.path}: {problem}")
         names = {t.name for t in self._reader.tensors}
         if "rope_freqs.weight" in names:  # llama.cpp's encoding of llama3-style RoPE scaling
             raise ModelLoadError(f"{self.path}: per-frequency RoPE factors (rope_freqs.weight, Llama-3.1 "
@@ -124,9 +128,17 @@ class GGUFFile:
             tokens = md.get("tokenizer.ggml.tokens")
             vocab = len(tokens) if tokens else int(self._req("vocab_size"))
             head_dim = int(self._get("attention.key_length") or hidden // heads)
+            for key in ("attention.value_length", "rope.dimension_count"):  # V width, rotated dims
+                if self._get(key) not in (None, head_dim):
+                    raise ModelLoadError(f"{self.path}: GGUF metadata {arch}.{key}={self._get(key)} is not "
+                                         f"supported: must equal the head dim {head_dim}")
             scaling = None
-            if self._get("rope.scaling.type") == "linear":
+            kind = self._get("rope.scaling.type")
+            if kind == "linear":
                 scaling = {"rope_type": "linear", "factor": float(self._req("rope.scaling.factor"))}
+            elif kind not in (None, "none"):
+                raise ModelLoadError(f"{self.path}: GGUF metadata {arch}.rope.scaling.type={kind!r} is not "
+                                     "supported: 'none', 'linear'")
             eos = md.get("tokenizer.ggml.eos_token_id")
             return ModelArchConfig(
                 architecture=arch,
