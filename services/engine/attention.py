@@ -1,8 +1,9 @@
-"""Paged attention behind one interface: the model calls ``ctx.attend(layer, q, k, v, window=, sinks=)``.
+"""Paged attention behind one interface: the model calls ``ctx.attend(layer, q, k, v, spec)``.
 
-``window`` and ``sinks`` are the layer's own (``AttentionSpec`` of the model's ``ModelArchConfig``: the model
-classes build one per layer from ``arch.layer_window(i)`` and their ``self_attn.sinks`` parameter, so any
-model class gets sliding-window and sink attention by passing its layer's spec). A query at position p of a
+``spec`` is the layer's :class:`AttentionSpec` (window, sinks), None for plain causal attention: the model
+classes build one per layer from ``arch.layer_window(i)`` and their ``self_attn.sinks`` parameter
+(``models/llama.py``: ``Attention.spec()``), so any model class gets sliding-window and sink attention by
+passing its layer's spec; the backend's ``forward`` takes them as ``window=`` / ``sinks=``. A query at position p of a
 layer with ``window > 0`` sees key k iff ``0 <= p - k < window`` (0: every earlier key). ``sinks`` (fp32
 [num_heads]) adds exp(sinks[h]) to head h's softmax denominator; that column has no value (gpt-oss).
 

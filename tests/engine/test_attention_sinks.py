@@ -40,10 +40,16 @@ class Paged:
     """Sequences over one layer's paged cache; steps feed (seq, number of new tokens) pairs, decode rows first."""
 
     def __init__(self, seqs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], tables: list[list[int]],
-                 window: int, sinks: torch.Tensor | None) -> None:
-        self.seqs, self.tables, self.window, self.sinks = seqs, tables, window, sinks
+                 window: int, sinks: torch.Tensor | None, device: str = "cpu") -> None:
+        self.seqs, self.tables, self.window, self.sinks, self.device = seqs, tables, window, sinks, device
         blocks = max(max(t) for t in tables) + 1
-        self.backend = TorchPagedAttention(torch.zeros(1, 2, blocks, BS, KVH, D), SCALE)
+        kv = torch.zeros(1, 2, blocks, BS, KVH, D, device=device)
+        if device == "cpu":
+            self.backend = TorchPagedAttention(kv, SCALE)
+        else:
+            from services.engine.gpu_attention import TritonPagedAttention  # needs triton: GPU runs only
+
+            self.backend = TritonPagedAttention(kv, SCALE)
         self.lens = [0] * len(seqs)
         self.out = [torch.full_like(q, float("nan")) for q, _, _ in seqs]
 
@@ -59,12 +65,17 @@ class Paged:
             qlens.append(n)
             ctx.append(b)
         width = max(len(self.tables[s]) for s, _ in new)
+        dev = self.device
+        cu = torch.tensor([0, *qlens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots), query_lens=qlens, context_lens_host=ctx,
-            block_tables=torch.tensor([(self.tables[s] + [0] * width)[:width] for s, _ in new], dtype=torch.int32),
-            context_lens=torch.tensor(ctx, dtype=torch.int32), num_decode=sum(1 for n in qlens if n == 1))
-        o = self.backend.forward(0, torch.cat(q), torch.cat(k), torch.cat(v), meta, window=self.window,
-                                 sinks=self.sinks)
+            slot_mapping=torch.tensor(slots, device=dev), query_lens=qlens, context_lens_host=ctx,
+            block_tables=torch.tensor([(self.tables[s] + [0] * width)[:width] for s, _ in new], dtype=torch.int32,
+                                      device=dev),
+            context_lens=torch.tensor(ctx, dtype=torch.int32, device=dev), num_decode=sum(1 for n in qlens if n == 1),
+            cu_seqlens_q=cu.to(dev))
+        sinks = None if self.sinks is None else self.sinks.to(dev)
+        o = self.backend.forward(0, torch.cat(q).to(dev), torch.cat(k).to(dev), torch.cat(v).to(dev), meta,
+                                 window=self.window, sinks=sinks).float().cpu()
         start = 0
         for s, n in new:
             self.out[s][self.lens[s]:self.lens[s] + n] = o[start:start + n]
@@ -144,3 +155,21 @@ def test_sdpa_with_sinks_equals_transformers_and_sinks_change_it() -> None:
     assert (ours - ref).abs().max().item() < TOL
     plain = _reference(q, k, v, None, 0)
     assert (plain - ref).abs().max().item() > 1e-2  # the sink really takes probability mass
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("window", [0, 9])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_triton_backend_honours_window_and_sinks(window: int, with_sinks: bool) -> None:
+    """The GPU backend passes each layer's window and sinks to the Triton kernels (fp32 cache)."""
+    g = torch.Generator().manual_seed(7)
+    sinks = torch.randn(H, generator=g) if with_sinks else None
+    tables = [list(range(0, 30, 3)), list(range(1, 30, 3)), list(range(2, 30, 3))]
+    p = Paged([_seq(40, g), _seq(40, g), _seq(40, g)], tables, window, sinks, device="cuda")
+    p.step([(0, 17)])
+    p.step([(1, 5)])
+    p.step([(0, 1), (1, 11), (2, 3)])
+    for _ in range(12):
+        p.step([(0, 1), (1, 1), (2, 1)])
+    _check(p)

@@ -120,7 +120,7 @@ def test_cli_prints_the_refusal_as_one_line(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-m", "services.cli", "generate", "--model", str(model), "--prompt", "hi",
                           "--max-tokens", "1"], capture_output=True, text=True, timeout=300, cwd=root)
-    assert out.returncode != 0
+    assert out.returncode == 1
     lines = [ln for ln in out.stderr.splitlines() if "attn_logit_softcapping=50.0" in ln]
     assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
-    assert "'llama'" in lines[0]
+    assert lines[0].startswith("pdserve generate: error: ") and "'llama'" in lines[0]

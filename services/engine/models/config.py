@@ -215,6 +215,21 @@ def _parse_mistral(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return _all_sliding(cfg.get("sliding_window"), int(cfg["num_hidden_layers"]))
 
 
+def layer_windows_fields(model_type: str, num_layers: int, window: Any, types: Any) -> dict[str, Any]:
+    """``sliding_window`` / ``layer_types`` keyword arguments of ModelArchConfig from a config's window and
+    per-layer types (an architecture module's parser calls this too); {} when no layer slides. Raises
+    ModelConfigError for an unknown layer type, a wrong count, or sliding layers without a window."""
+    types = list(types)
+    if any(t not in LAYER_TYPES for t in types) or len(types) != num_layers:
+        raise ModelConfigError(refuse_value("layer_types", types, model_type,
+                                            f"{num_layers} entries of {LAYER_TYPES}"))
+    if SLIDING_ATTENTION not in types:
+        return {}
+    if window is None:
+        raise ModelConfigError(refuse_value("layer_types", types, model_type, "sliding layers need a sliding_window"))
+    return {"sliding_window": int(window), "layer_types": types}
+
+
 def _qwen_windows(cfg: Mapping[str, Any], model_type: str) -> dict[str, Any]:
     """transformers' Qwen2Config/Qwen3Config: sliding_window counts only with use_sliding_window; layer_types,
     when config.json omits it, slides on layers i >= max_window_layers (default 28)."""
@@ -224,15 +239,7 @@ def _qwen_windows(cfg: Mapping[str, Any], model_type: str) -> dict[str, Any]:
     if types is None:
         lowest = int(cfg.get("max_window_layers", 28))
         types = [SLIDING_ATTENTION if window is not None and i >= lowest else FULL_ATTENTION for i in range(n)]
-    types = list(types)
-    if any(t not in LAYER_TYPES for t in types) or len(types) != n:
-        raise ModelConfigError(refuse_value("layer_types", types, model_type, f"{n} entries of {LAYER_TYPES}"))
-    if SLIDING_ATTENTION not in types:
-        return {}
-    if window is None:
-        raise ModelConfigError(refuse_value("layer_types", types, model_type,
-                                            "sliding layers need use_sliding_window=true and a sliding_window"))
-    return {"sliding_window": int(window), "layer_types": types}
+    return layer_windows_fields(model_type, n, window, types)
 
 
 def _parse_qwen2(cfg: Mapping[str, Any]) -> dict[str, Any]:
