@@ -1,4 +1,11 @@
-"""Paged attention behind one interface: the model calls ``ctx.attend(layer, q, k, v)``.
+"""Paged attention behind one interface: the model calls ``ctx.attend(layer, q, k, v, spec)``.
+
+``spec`` is the layer's :class:`AttentionSpec` (window, sinks), None for plain causal attention: the model
+classes build one per layer from ``arch.layer_window(i)`` and their ``self_attn.sinks`` parameter
+(``models/llama.py``: ``Attention.spec()``), so any model class gets sliding-window and sink attention by
+passing its layer's spec; the backend's ``forward`` takes them as ``window=`` / ``sinks=``. A query at position p of a
+layer with ``window > 0`` sees key k iff ``0 <= p - k < window`` (0: every earlier key). ``sinks`` (fp32
+[num_heads]) adds exp(sinks[h]) to head h's softmax denominator; that column has no value (gpt-oss).
 
 The model runner owns the KV tensor ``kv_cache[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]``
 and builds one :class:`AttentionMetadata` per step. A step's flat token batch holds the decode
@@ -8,7 +15,7 @@ The CPU path is plain torch; the GPU path swaps in the Triton kernels behind the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -32,7 +39,20 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor | None = None
     """int32 [B+1] prefix sums of query_lens (GPU kernels)."""
     decode_plan: DecodePlan | None = None
-    """What every layer's decode attention shares within a step; the CPU backend fills it at layer 0."""
+    """What every full-attention layer's decode attention shares within a step; the CPU backend fills it at
+    the first such layer."""
+    window_plans: dict[int, DecodePlan] = field(default_factory=dict)
+    """The same per sliding window (tokens) of the step's sliding layers; filled by the CPU backend."""
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What one layer's attention computes besides causal softmax attention."""
+
+    window: int = 0
+    """Keys a query sees, itself included (tokens); 0: all earlier keys."""
+    sinks: torch.Tensor | None = None
+    """fp32 [num_heads] learned sink logits of this rank's query heads; None: no sink."""
 
 
 @dataclass
@@ -79,10 +99,37 @@ def consecutive_starts(tables: list[list[int]], block_size: int) -> list[int] | 
     return starts
 
 
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, gqa: bool,
+         sinks: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+    """q [B, H, Lq, D], k/v [B, KVH, Lk, D], mask bool broadcastable to [B, H, Lq, Lk] (True: attend) -> [B, H, Lq, D].
+
+    Without sinks: torch's SDPA. With sinks (fp32 [H]): the scores in fp32, one extra column of logit sinks[h]
+    per row (transformers' eager gpt-oss attention: max-subtracted softmax over [scores, sink], sink column
+    dropped), the grouped query heads of one KV head multiplied against it without copying K/V per head."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa,
+                                              is_causal=is_causal)
+    b, h, lq, d = q.shape
+    kvh, lk = k.shape[1], k.shape[2]
+    qg = q.reshape(b, kvh, (h // kvh) * lq, d).float()  # head h = kv_head * group + g (as repeat_interleave)
+    scores = (qg @ k.float().transpose(-1, -2) * scale).view(b, h, lq, lk)
+    if is_causal:
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(1, h, 1, 1).expand(b, h, lq, 1)
+    logits = torch.cat([scores, sink], dim=-1)
+    logits = logits - logits.amax(dim=-1, keepdim=True)
+    probs = torch.softmax(logits, dim=-1)[..., :lk]
+    out = probs.reshape(b, kvh, (h // kvh) * lq, lk) @ v.float()
+    return out.view(b, h, lq, d).to(q.dtype)
+
+
 class AttentionBackend(Protocol):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, H, D], k/v [T, KVH, D] for the new tokens -> out [T, H, D]; also stores k/v in the cache."""
+                meta: AttentionMetadata, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] for the new tokens -> out [T, H, D]; also stores k/v in the cache.
+        ``window`` / ``sinks``: the layer's AttentionSpec."""
         ...
 
 
@@ -93,8 +140,11 @@ class ForwardContext:
     backend: AttentionBackend
     meta: AttentionMetadata
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.backend.forward(layer, q, k, v, self.meta)
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               spec: AttentionSpec | None = None) -> torch.Tensor:
+        if spec is None:
+            return self.backend.forward(layer, q, k, v, self.meta)
+        return self.backend.forward(layer, q, k, v, self.meta, window=spec.window, sinks=spec.sinks)
 
 
 class TorchPagedAttention:
@@ -115,9 +165,13 @@ class TorchPagedAttention:
         kc.index_copy_(0, slots, k if k.dtype == kc.dtype else k.to(kc.dtype))
         vc.index_copy_(0, slots, v if v.dtype == vc.dtype else v.to(vc.dtype))
 
-    def _decode_plan(self, meta: AttentionMetadata) -> DecodePlan:
-        if meta.decode_plan is None:
-            nd = meta.num_decode
+    def _decode_plan(self, meta: AttentionMetadata, window: int = 0) -> DecodePlan:
+        nd = meta.num_decode
+        if window and max(meta.context_lens_host[:nd]) > window:
+            if window not in meta.window_plans:
+                meta.window_plans[window] = self._window_plan(meta, window)
+            return meta.window_plans[window]
+        if meta.decode_plan is None:  # full attention, or a window no sequence's context exceeds yet
             ctx = meta.context_lens_host[:nd]
             max_len = max(ctx)
             nb = (max_len + self.block_size - 1) // self.block_size
@@ -139,18 +193,47 @@ class TorchPagedAttention:
             meta.decode_plan = DecodePlan(gather, nb, max_len, mask, threads=1 if one else 0)
         return meta.decode_plan
 
-    def _decode(self, layer: int, q: torch.Tensor, plan: DecodePlan, gqa: bool) -> torch.Tensor:
+    def _window_plan(self, meta: AttentionMetadata, window: int) -> DecodePlan:
+        """Decode plan of a sliding layer: each sequence's keys [context - window, context) only, so the blocks
+        before its window are never read (views: a narrower slice; gather: only the window's blocks)."""
+        nd, bs = meta.num_decode, self.block_size
+        ctx = meta.context_lens_host[:nd]
+        first = [max(0, c - window) for c in ctx]
+        lens = [c - f for c, f in zip(ctx, first, strict=True)]
+        fb = [f // bs for f in first]
+        ends = [(c + bs - 1) // bs for c in ctx]
+        tables = meta.block_tables[:nd, : max(ends)].tolist()
+        rows = [t[a:e] for t, a, e in zip(tables, fb, ends, strict=True)]
+        cpu = meta.block_tables.device.type == "cpu"
+        if cpu and (nd == 1 or max(lens) >= VIEWS_MIN_KEYS_BATCHED):
+            starts = consecutive_starts(rows, bs)
+            if starts is not None:
+                starts = [s + f % bs for s, f in zip(starts, first, strict=True)]
+                return DecodePlan(None, max(map(len, rows)), max(lens), None, starts, lens)
+        nb = max(map(len, rows))
+        dev = meta.block_tables.device
+        gather = torch.tensor([(r + [0] * nb)[:nb] for r in rows], dtype=torch.int64, device=dev).reshape(-1)
+        pos = torch.arange(nb * bs, device=dev)[None, :] + torch.tensor([a * bs for a in fb], device=dev)[:, None]
+        lo = torch.tensor(first, device=dev)[:, None]
+        hi = torch.tensor(ctx, device=dev)[:, None]
+        mask = ((pos >= lo) & (pos < hi))[:, None, None, :]
+        one = cpu and nd <= ONE_THREAD_MAX_BATCH and nb * bs <= ONE_THREAD_MAX_KEYS
+        return DecodePlan(gather, nb, nb * bs, mask, threads=1 if one else 0)
+
+    def _decode(self, layer: int, q: torch.Tensor, plan: DecodePlan, gqa: bool,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [nd, H, D] -> out [nd, H, D] over each sequence's cached keys (its new K/V already stored)."""
         step_threads = torch.get_num_threads()
         if not plan.threads or plan.threads == step_threads:
-            return self._decode_keys(layer, q, plan, gqa)
+            return self._decode_keys(layer, q, plan, gqa, sinks)
         torch.set_num_threads(plan.threads)
         try:
-            return self._decode_keys(layer, q, plan, gqa)
+            return self._decode_keys(layer, q, plan, gqa, sinks)
         finally:
             torch.set_num_threads(step_threads)  # core lending set the step's count: the GEMMs keep it
 
-    def _decode_keys(self, layer: int, q: torch.Tensor, plan: DecodePlan, gqa: bool) -> torch.Tensor:
+    def _decode_keys(self, layer: int, q: torch.Tensor, plan: DecodePlan, gqa: bool,
+                     sinks: torch.Tensor | None) -> torch.Tensor:
         if plan.starts is not None:
             assert plan.lens is not None
             kc, vc = self._slots[layer]
@@ -159,8 +242,7 @@ class TorchPagedAttention:
                 k, v = kc[s:s + n].unsqueeze(0).transpose(1, 2), vc[s:s + n].unsqueeze(0).transpose(1, 2)
                 if k.dtype != q.dtype:
                     k, v = k.to(q.dtype), v.to(q.dtype)
-                outs.append(F.scaled_dot_product_attention(q[i:i + 1].unsqueeze(2), k, v, scale=self.scale,
-                                                           enable_gqa=gqa))
+                outs.append(sdpa(q[i:i + 1].unsqueeze(2), k, v, None, self.scale, gqa, sinks))
             return (outs[0] if len(outs) == 1 else torch.cat(outs)).squeeze(2)
         assert plan.gather is not None
         nd = q.shape[0]
@@ -170,47 +252,54 @@ class TorchPagedAttention:
         v = vp.index_select(0, plan.gather).view(shape)[:, : plan.max_len].transpose(1, 2)
         if k.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=plan.mask, scale=self.scale,
-                                           enable_gqa=gqa)
-        return o.squeeze(2)
+        return sdpa(q.unsqueeze(2), k, v, plan.mask, self.scale, gqa, sinks).squeeze(2)
 
-    def _gather(self, layer: int, block_tables: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, max_blocks] -> K, V each [B, KVH, max_len, D]."""
+    def _gather(self, layer: int, block_tables: torch.Tensor, max_len: int, first_block: int = 0
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, max_blocks] -> K, V each [B, KVH, max_len - first_block * block_size, D]: the keys from block
+        ``first_block`` of each table on."""
         nb = (max_len + self.block_size - 1) // self.block_size
-        bt = block_tables[:, :nb]
-        b = bt.shape[0]
+        bt = block_tables[:, first_block:nb]
+        b, n = bt.shape
         # index_select with int64 ids: on CPU, advanced indexing with the int32 table is 10-100x slower.
         idx = bt.reshape(-1).to(torch.int64)
-        k = self.kv_cache[layer, 0].index_select(0, idx).view(b, nb * self.block_size, self.num_kv_heads, self.head_dim)
-        v = self.kv_cache[layer, 1].index_select(0, idx).view(b, nb * self.block_size, self.num_kv_heads, self.head_dim)
-        return k[:, :max_len].transpose(1, 2), v[:, :max_len].transpose(1, 2)
+        shape = (b, n * self.block_size, self.num_kv_heads, self.head_dim)
+        k = self.kv_cache[layer, 0].index_select(0, idx).view(shape)
+        v = self.kv_cache[layer, 1].index_select(0, idx).view(shape)
+        keys = max_len - first_block * self.block_size
+        return k[:, :keys].transpose(1, 2), v[:, :keys].transpose(1, 2)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         self._store(layer, k, v, meta.slot_mapping)
         nd = meta.num_decode
         gqa = q.shape[1] != self.num_kv_heads
         if nd == len(meta.query_lens):  # a pure decode step
-            return self._decode(layer, q, self._decode_plan(meta), gqa)
+            return self._decode(layer, q, self._decode_plan(meta, window), gqa, sinks)
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = self._decode(layer, q[:nd], self._decode_plan(meta), gqa)
+            out[:nd] = self._decode(layer, q[:nd], self._decode_plan(meta, window), gqa, sinks)
         start = nd
         for i in range(nd, len(meta.query_lens)):
             qlen, clen = meta.query_lens[i], meta.context_lens_host[i]
             qs = q[start:start + qlen].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+            qpos = torch.arange(clen - qlen, clen, device=q.device)
             if clen == qlen:  # no cached prefix: attend to the new tokens directly
-                ks = k[start:start + qlen].transpose(0, 1).unsqueeze(0)
-                vs = v[start:start + qlen].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qs, ks.to(q.dtype), vs.to(q.dtype), is_causal=True,
-                                                   scale=self.scale, enable_gqa=gqa)
+                ks = k[start:start + qlen].transpose(0, 1).unsqueeze(0).to(q.dtype)
+                vs = v[start:start + qlen].transpose(0, 1).unsqueeze(0).to(q.dtype)
+                kpos = qpos
+            else:  # from the first block any query's window reaches (block 0 under full attention)
+                first = max(0, clen - qlen - window + 1) // self.block_size if window else 0
+                ks, vs = self._gather(layer, meta.block_tables[i:i + 1], clen, first)
+                ks, vs = ks.to(q.dtype), vs.to(q.dtype)
+                kpos = torch.arange(first * self.block_size, clen, device=q.device)
+            if clen == qlen and (not window or qlen <= window):
+                o = sdpa(qs, ks, vs, None, self.scale, gqa, sinks, is_causal=True)
             else:
-                ks, vs = self._gather(layer, meta.block_tables[i:i + 1], clen)
-                qpos = torch.arange(clen - qlen, clen, device=q.device)
-                kpos = torch.arange(clen, device=q.device)
                 mask = kpos[None, :] <= qpos[:, None]
-                o = F.scaled_dot_product_attention(qs, ks.to(q.dtype), vs.to(q.dtype), attn_mask=mask,
-                                                   scale=self.scale, enable_gqa=gqa)
+                if window:
+                    mask &= qpos[:, None] - kpos[None, :] < window
+                o = sdpa(qs, ks, vs, mask, self.scale, gqa, sinks)
             out[start:start + qlen] = o[0].transpose(0, 1)
             start += qlen
         return out

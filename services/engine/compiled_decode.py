@@ -95,13 +95,15 @@ class CompiledDecode:
 
     @staticmethod
     def supported(model: torch.nn.Module) -> bool:
-        """Llama-family decoder at TP=1 with the plain (non-Triton) forward and dense MLPs (an MoE layer's
-        experts depend on the routing, which one full graph cannot hold)."""
+        """Llama-family decoder at TP=1 with the plain (non-Triton) forward, dense MLPs (an MoE layer's experts
+        depend on the routing, which one full graph cannot hold) and full attention without sinks on every layer
+        (the compiled forward attends over every cached key)."""
         split = getattr(model, "tp_split", None)
         arch = getattr(model, "arch", None)
         return (split is not None and split.tp_size == 1 and hasattr(model, "rotary")
-                and getattr(arch, "moe", None) is None
-                and hasattr(getattr(model, "model", None), "layers"))
+                and hasattr(getattr(model, "model", None), "layers")
+                and arch is not None and getattr(arch, "moe", None) is None
+                and not arch.layer_windows and not arch.attention_sinks)
 
     def _eager_forward(self, ids: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor, gather: torch.Tensor,
                        mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -76,10 +76,12 @@ def layout_to_pb(layout: PageLayout) -> common_pb2.PageLayout:
         head_dim=layout.head_dim, block_size=layout.block_size,
         regions=[common_pb2.Region(name=r.name, codec=r.codec, bytes_per_page=r.bytes_per_page)
                  for r in layout.regions],
-        page_bytes=layout.page_bytes, fingerprint=layout.fingerprint,
+        page_bytes=layout.page_bytes, fingerprint=layout.fingerprint, layer_windows=layout.layer_windows,
+        attention_sinks=layout.attention_sinks,
     )
 
 
 def layout_from_pb(p: common_pb2.PageLayout) -> PageLayout:
     return PageLayout(p.model_id, p.num_layers, p.num_kv_heads, p.head_dim, p.block_size,
-                      tuple(Region(r.name, r.codec, r.bytes_per_page) for r in p.regions))
+                      tuple(Region(r.name, r.codec, r.bytes_per_page) for r in p.regions),
+                      layer_windows=tuple(p.layer_windows), attention_sinks=p.attention_sinks)

@@ -136,10 +136,11 @@ class LLMEngine:
         API cannot export a layer range: tensor-parallel ranks, a draft region)."""
         self.vocab_size = self.loaded.arch.vocab_size
         arch = self.loaded.arch
+        attn = dict(layer_windows=arch.layer_windows, attention_sinks=arch.attention_sinks)
         self.layout = PageLayout.for_model(self.loaded.model_id, arch.num_layers, arch.num_kv_heads, arch.head_dim,
-                                           config.block_size, PageLayout.codec_for_dtype(config.torch_dtype))
+                                           config.block_size, PageLayout.codec_for_dtype(config.torch_dtype), **attn)
         self.fp8_layout = PageLayout.for_model(self.loaded.model_id, arch.num_layers, arch.num_kv_heads,
-                                               arch.head_dim, config.block_size, FP8_CODEC)
+                                               arch.head_dim, config.block_size, FP8_CODEC, **attn)
         """The same pages on the wire as fp8-e4m3 with per-token-per-head scales (half the bytes of bf16)."""
         if self.runner.spec is not None:  # every page also carries the draft's KV, in its own codec
             self.layout = self.layout.with_region(self.runner.spec.region())

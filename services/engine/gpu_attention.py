@@ -40,29 +40,32 @@ class TritonPagedAttention:
         return self._prefill_cu
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, H, D], k/v [T, KVH, D] -> out [T, H, D]; k/v are stored at meta.slot_mapping first."""
+                meta: AttentionMetadata, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] -> out [T, H, D]; k/v are stored at meta.slot_mapping first.
+        ``window`` (tokens, 0: full) is a Python int per layer, so a captured CUDA graph holds each layer's own;
+        ``sinks`` is fp32 [H] (the layer's parameter: a graph replay reads its current values)."""
         k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decode
         nseq = len(meta.query_lens)
         if nd == nseq:
-            return self._decode(q, k_cache, v_cache, meta, nd)
+            return self._decode(q, k_cache, v_cache, meta, nd, window, sinks)
         if nd == 0:
-            return self._prefill(q, k_cache, v_cache, meta)
+            return self._prefill(q, k_cache, v_cache, meta, window, sinks)
         out = torch.empty_like(q)
-        out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, nd)
-        out[nd:] = self._prefill(q[nd:], k_cache, v_cache, meta)
+        out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, nd, window, sinks)
+        out[nd:] = self._prefill(q[nd:], k_cache, v_cache, meta, window, sinks)
         return out
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, nd: int) -> torch.Tensor:
+                meta: AttentionMetadata, nd: int, window: int, sinks: torch.Tensor | None) -> torch.Tensor:
         max_len = self.decode_max_context_len or max(meta.context_lens_host[:nd])
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd],
-                                      self.scale, max_context_len=max_len)
+                                      self.scale, max_context_len=max_len, window=window, sinks=sinks)
 
     def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor:
+                 meta: AttentionMetadata, window: int, sinks: torch.Tensor | None) -> torch.Tensor:
         nd = meta.num_decode
         return prefill_attention(q, k_cache, v_cache, meta.block_tables[nd:], self._prefill_cu_seqlens(meta),
-                                 meta.context_lens[nd:], self.scale, max_seqlen_q=max(meta.query_lens[nd:]))
+                                 meta.context_lens[nd:], self.scale, max_seqlen_q=max(meta.query_lens[nd:]),
+                                 window=window, sinks=sinks)

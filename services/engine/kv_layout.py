@@ -1,15 +1,16 @@
 """KV page layouts and their fingerprints (docs/ARCHITECTURE.md, "KV layout and transports").
 
 A page is the KV of ``block_size`` consecutive tokens for every layer. Its layout names the model,
-the shape and the codec of each region; the fingerprint is a stable hash of all of it and travels
-with every handoff and kvstore key. Pages whose fingerprint differs are refused, never reinterpreted.
+the shape and the codec of each region, which layers attend through a sliding window (and its width) and
+whether the layers have attention sinks; the fingerprint is a stable hash of all of it and travels with
+every handoff and kvstore key. Pages whose fingerprint differs are refused, never reinterpreted.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from services.common.checksum import checksum
 
@@ -65,23 +66,28 @@ class PageLayout:
     """(writer, pool) head splits when a side transport writes per-rank head shards straight into a
     tensor-parallel side's pools (parallel/rank_pages.py); empty for the all-heads form (grpc stream,
     kvstore), which is TP-independent and whose fingerprint is therefore the same at every degree."""
+    layer_windows: tuple[int, ...] = ()
+    """Sliding window of each layer (tokens, 0: full attention); empty when every layer is full."""
+    attention_sinks: bool = False
+    """The layers have learned attention sinks."""
 
     @staticmethod
     def for_model(model_id: str, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                  codec: str) -> PageLayout:
+                  codec: str, layer_windows: tuple[int, ...] = (), attention_sinks: bool = False) -> PageLayout:
+        if layer_windows and len(layer_windows) != num_layers:
+            raise ValueError(f"layer_windows has {len(layer_windows)} entries for {num_layers} layers")
         nbytes = region_bytes(num_layers, num_kv_heads, head_dim, block_size, codec)
         return PageLayout(model_id, num_layers, num_kv_heads, head_dim, block_size,
-                          (Region("target", codec, nbytes),))
+                          (Region("target", codec, nbytes),), layer_windows=tuple(layer_windows),
+                          attention_sinks=attention_sinks)
 
     def with_region(self, region: Region) -> PageLayout:
         """This layout with one more region after the others (e.g. speculative decoding's draft KV)."""
-        return PageLayout(self.model_id, self.num_layers, self.num_kv_heads, self.head_dim, self.block_size,
-                          (*self.regions, region), self.splits)
+        return replace(self, regions=(*self.regions, region))
 
     def with_splits(self, writer: HeadSplitSpec, pool: HeadSplitSpec) -> PageLayout:
         """This layout as written shard by shard: ``writer``'s ranks into ``pool``'s ranks."""
-        return PageLayout(self.model_id, self.num_layers, self.num_kv_heads, self.head_dim, self.block_size,
-                          self.regions, (writer, pool))
+        return replace(self, splits=(writer, pool))
 
     @staticmethod
     def codec_for_dtype(dtype: object) -> str:
@@ -102,8 +108,11 @@ class PageLayout:
     @property
     def fingerprint(self) -> str:
         fields = asdict(self)
-        if not self.splits:  # the all-heads form keeps the fingerprint it had before splits existed
-            del fields["splits"]
+        # Fields at their defaults are left out, so a layout keeps the fingerprint it had before they existed
+        # (the all-heads form before splits; full attention without sinks before windows and sinks).
+        for name, empty in (("splits", ()), ("layer_windows", ()), ("attention_sinks", False)):
+            if getattr(self, name) == empty:
+                del fields[name]
         canon = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
@@ -111,4 +120,17 @@ class PageLayout:
         return (f"{self.model_id} L{self.num_layers} kvh{self.num_kv_heads} d{self.head_dim} "
                 f"bs{self.block_size} {'+'.join(r.name + ':' + r.codec for r in self.regions)} "
                 f"{'heads ' + '->'.join(s.describe() for s in self.splits) + ' ' if self.splits else ''}"
+                f"{'windows ' + _windows(self.layer_windows) + ' ' if self.layer_windows else ''}"
+                f"{'sinks ' if self.attention_sinks else ''}"
                 f"[{self.fingerprint}]")
+
+
+def _windows(windows: tuple[int, ...]) -> str:
+    """Per-layer windows in runs: "8x2,0x1" = two layers of window 8, then one full layer."""
+    runs: list[list[int]] = []
+    for w in windows:
+        if runs and runs[-1][0] == w:
+            runs[-1][1] += 1
+        else:
+            runs.append([w, 1])
+    return ",".join(f"{w}x{n}" for w, n in runs)

@@ -86,6 +86,9 @@ class ModelRunner:
                 self.decode_compiler = DecodeCompiler(self.compiled_decode, config.resolved_cpu_threads,
                                                      config)
                 self.decode_compiler.start()
+            else:
+                log.warning("--cpu-compile-decode is off for this model (tensor-parallel, sliding-window or sink "
+                            "attention): decode steps run eagerly")
         log.info("kv cache: %d blocks x %d tokens (%.1f MiB, %s)", self.num_blocks, self.block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.dtype)
 

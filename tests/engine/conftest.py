@@ -70,11 +70,12 @@ class PagedHarness:
 
 
 def greedy_generate(model: LlamaForCausalLM, prompts: list[list[int]], steps: int,
-                    chunk: int | None = None) -> tuple[list[list[int]], list[torch.Tensor]]:
+                    chunk: int | None = None, block_size: int = 16) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Batched greedy decoding through PagedHarness. Prompts are prefilled together (in chunks of
     `chunk` tokens when given, exercising the cached-prefix path). Returns each sequence's generated
     ids and its logits [steps, vocab] (row i predicted token i)."""
-    h = PagedHarness(model, num_seqs=len(prompts), max_len=max(map(len, prompts)) + steps + 1)
+    h = PagedHarness(model, num_seqs=len(prompts), max_len=max(map(len, prompts)) + steps + 1,
+                     block_size=block_size)
     chunk = chunk or max(map(len, prompts))
     out: dict[int, torch.Tensor] = {}
     for start in range(0, max(map(len, prompts)), chunk):
@@ -161,6 +162,27 @@ def tiny_llama3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
                "original_max_position_embeddings": 16, "rope_theta": 500000.0}
     return _write_tiny(tmp_path_factory.mktemp("tiny-llama3"), lambda t: (
         t.LlamaConfig(**_TINY, rope_parameters=scaling, tie_word_embeddings=False), t.LlamaForCausalLM))
+
+
+def write_tiny_window(root: Path, model_type: str) -> Path:
+    """A tiny random checkpoint with sliding-window layers, much shorter than the test contexts: mistral
+    sliding on both layers (window 12), or qwen2 with use_sliding_window on layers >= max_window_layers=1 of 3
+    (window 8)."""
+    if model_type == "mistral":
+        return _write_tiny(root, lambda t: (t.MistralConfig(**_TINY, sliding_window=12), t.MistralForCausalLM))
+    return _write_tiny(root, lambda t: (t.Qwen2Config(**{**_TINY, "num_hidden_layers": 3}, use_sliding_window=True,
+                                                      sliding_window=8, max_window_layers=1),
+                                        t.Qwen2ForCausalLM))
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_window_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_window(tmp_path_factory.mktemp("tiny-mistral-window"), "mistral")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_window_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_window(tmp_path_factory.mktemp("tiny-qwen2-window"), "qwen2")
 
 
 @pytest.fixture

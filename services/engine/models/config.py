@@ -1,37 +1,54 @@
-"""Architecture description shared by the model code, the weight loaders and the KV layout."""
+"""Architecture description shared by the model code, the weight loaders and the KV layout.
+
+``ModelArchConfig.from_hf_config`` refuses every config.json key that changes the math and is not
+implemented (the per-model_type registry is in :mod:`services.engine.models.config_fields`).
+
+Attention per layer: ``layer_types[i]`` is "full_attention" or "sliding_attention"; a query at position p
+of a sliding layer sees key k iff ``0 <= p - k < sliding_window``. With ``attention_sinks`` each layer has
+a learned logit per query head (``self_attn.sinks``) added to the softmax denominator as exp(sink), its
+column dropped from the output (gpt-oss). ``layer_window(i)`` is what the attention backends take.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from services.engine.models.moe_config import MOE_MODEL_TYPES, MoEConfig, MoEConfigError, moe_from_hf_config
+from services.engine.models.config_fields import (
+    ARCH_SPECS,
+    ArchSpec,
+    families,
+    refuse_value,
+    register_architecture,
+    unimplemented_field,
+)
+from services.engine.models.moe_config import MOE_HF_READS, MoEConfig, MoEConfigError, moe_from_hf_config
 
-MOE_ARCHITECTURES = tuple(MOE_MODEL_TYPES.values())
-"""Families whose layers route tokens through experts (ModelArchConfig.moe is set)."""
-ARCHITECTURES = ("llama", "qwen2", "qwen3", *MOE_ARCHITECTURES)
-
-# HF `model_type` / GGUF `general.architecture` -> our architecture family.
-_ARCH_ALIASES = {
-    "llama": "llama", "mistral": "llama", "smollm": "llama",
-    "qwen2": "qwen2", "qwen3": "qwen3", **MOE_MODEL_TYPES,
-}
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+_QWEN_WINDOW_READS = frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"})
+_YARN_READS = frozenset({"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate",
+                         "attention_factor"})
+"""rope_scaling keys of a yarn config that models/rope.py implements."""
 
 
 class ModelConfigError(ValueError):
-    """A model configuration is missing a field or holds an invalid value (the message names it)."""
+    """A model configuration is missing a field or holds an invalid or unimplemented value (the one-line
+    message names it)."""
 
 
 @dataclass
 class ModelArchConfig:
     architecture: str
-    """Model family: one of ARCHITECTURES."""
+    """Model family (``config_fields.families()``): "llama" | "qwen2" | "qwen3" | what other modules register."""
     vocab_size: int
     """Rows of the embedding and of the LM head."""
     hidden_size: int
     """Residual stream width."""
     intermediate_size: int
-    """SwiGLU inner width of a dense MLP (a MoE model's experts have moe.intermediate_size)."""
+    """SwiGLU inner width."""
     num_layers: int
     """Decoder layers."""
     num_heads: int
@@ -47,8 +64,7 @@ class ModelArchConfig:
     rope_scaling: dict[str, Any] | None = None
     """None, {"rope_type": "llama3", factor, low_freq_factor, high_freq_factor,
     original_max_position_embeddings}, {"rope_type": "linear", factor} or {"rope_type": "yarn", factor,
-    original_max_position_embeddings, optional beta_fast, beta_slow, truncate, attention_factor, mscale,
-    mscale_all_dim}."""
+    original_max_position_embeddings, beta_fast?, beta_slow?, truncate?} (models/rope.py)."""
     max_position_embeddings: int = 2048
     """Longest context the model was trained for (tokens)."""
     tie_word_embeddings: bool = False
@@ -61,25 +77,41 @@ class ModelArchConfig:
     """Beginning-of-sequence id, if any."""
     eos_token_ids: list[int] = field(default_factory=list)
     """Ids that end generation."""
+    sliding_window: int | None = None
+    """Keys a query of a sliding layer sees (itself included, tokens); None when no layer slides."""
+    layer_types: list[str] | None = None
+    """Per layer "full_attention" | "sliding_attention"; None: every layer full. Set (and holding at least one
+    sliding layer) exactly when sliding_window is set."""
+    attention_sinks: bool = False
+    """Every layer has a learned sink logit per query head (parameter ``self_attn.sinks`` [num_heads])."""
     moe: MoEConfig | None = None
-    """Mixture-of-experts routing and expert shapes; set exactly for the MOE_ARCHITECTURES."""
+    """Mixture-of-experts routing and expert shapes; set exactly for the MoE families (moe_config.py)."""
+
+    def layer_window(self, layer: int) -> int:
+        """Window of layer ``layer`` in tokens; 0: full attention."""
+        if self.layer_types is None or self.layer_types[layer] == FULL_ATTENTION:
+            return 0
+        assert self.sliding_window is not None
+        return self.sliding_window
+
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        """layer_window of every layer; empty when every layer is full (the common case costs nothing)."""
+        if self.layer_types is None:
+            return ()
+        return tuple(self.layer_window(i) for i in range(self.num_layers))
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        if self.architecture not in ARCHITECTURES:
-            raise ModelConfigError(f"architecture={self.architecture!r}: expected one of {ARCHITECTURES}")
+        if self.architecture not in families():
+            raise ModelConfigError(f"architecture={self.architecture!r}: expected one of {families()}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ModelConfigError(f"{name}={value!r}: must be a positive integer")
-        if isinstance(self.moe, dict):  # from to_dict()
-            self.moe = MoEConfig(**self.moe)
-        if (self.moe is not None) != (self.architecture in MOE_ARCHITECTURES):
-            raise ModelConfigError(f"architecture={self.architecture!r} with moe={self.moe!r}: experts are set "
-                                   f"exactly for {MOE_ARCHITECTURES}")
         if self.num_heads % self.num_kv_heads:
             raise ModelConfigError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
@@ -99,24 +131,46 @@ class ModelArchConfig:
             missing = [k for k in need if k not in self.rope_scaling]
             if missing:
                 raise ModelConfigError(f"rope_scaling ({kind}) lacks {missing}")
+        self._validate_windows()
+
+    def _validate_windows(self) -> None:
+        if (self.sliding_window is None) != (self.layer_types is None):
+            raise ModelConfigError(f"sliding_window={self.sliding_window!r} with layer_types={self.layer_types!r}: "
+                                   "set both (at least one sliding layer) or neither")
+        if self.sliding_window is None or self.layer_types is None:
+            return
+        if not isinstance(self.sliding_window, int) or self.sliding_window <= 0:
+            raise ModelConfigError(f"sliding_window={self.sliding_window!r}: must be a positive integer")
+        if len(self.layer_types) != self.num_layers or any(t not in LAYER_TYPES for t in self.layer_types):
+            raise ModelConfigError(f"layer_types={self.layer_types!r}: need {self.num_layers} entries of "
+                                   f"{LAYER_TYPES}")
+        if SLIDING_ATTENTION not in self.layer_types:
+            raise ModelConfigError("layer_types has no sliding layer: leave sliding_window and layer_types None")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArchConfig:
+    def from_hf_config(cls, cfg: Mapping[str, Any]) -> ModelArchConfig:
         """Build from a HF config.json dict (transformers 4.x `rope_theta`/`rope_scaling` or 5.x
-        `rope_parameters`)."""
-        model_type = cfg.get("model_type")
-        arch = _ARCH_ALIASES.get(str(model_type))
-        if arch is None:
-            raise ModelConfigError(f"model_type={model_type!r}: supported are {sorted(_ARCH_ALIASES)}")
+        `rope_parameters`). Raises ModelConfigError (one line) for a missing key, an unsupported value, or
+        a math-changing key the model_type does not implement."""
+        model_type = str(cfg.get("model_type"))
+        spec = ARCH_SPECS.get(model_type)
+        if spec is None:
+            raise ModelConfigError(f"model_type={cfg.get('model_type')!r}: supported are {sorted(ARCH_SPECS)}")
+        problem = unimplemented_field(model_type, cfg)
+        if problem is not None:
+            raise ModelConfigError(problem)
 
         def need(key: str) -> Any:
             if cfg.get(key) is None:
                 raise ModelConfigError(f"config.json lacks {key!r}")
             return cfg[key]
 
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelConfigError(refuse_value("hidden_act", act, model_type, "'silu' (SwiGLU) only"))
         hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
         rope = dict(cfg.get("rope_parameters") or {})
         theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
@@ -125,18 +179,23 @@ class ModelArchConfig:
         kind = scaling.pop("rope_type", None) or scaling.pop("type", None)
         scaling.pop("rope_theta", None)
         rope_scaling = None if kind in (None, "default") else {"rope_type": kind, **scaling}
-        try:
-            moe = moe_from_hf_config(cfg)
-        except MoEConfigError as e:
-            raise ModelConfigError(str(e)) from e
+        if kind not in (None, "default", "llama3", "linear", "yarn"):
+            raise ModelConfigError(refuse_value("rope_scaling.rope_type", kind, model_type,
+                                                "'default', 'llama3', 'linear', 'yarn'"))
+        if kind == "yarn":
+            unread = sorted(set(scaling) - _YARN_READS)
+            if unread:  # DeepSeek's mscale / mscale_all_dim change the attention scale: not implemented
+                raise ModelConfigError(refuse_value(f"rope_scaling.{unread[0]}", scaling[unread[0]], model_type,
+                                                    f"yarn reads {sorted(_YARN_READS)}"))
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
-        return cls(
-            architecture=arch,
+        num_layers = int(need("num_hidden_layers"))
+        kwargs: dict[str, Any] = dict(
+            architecture=spec.family,
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
             intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
@@ -145,9 +204,135 @@ class ModelArchConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", arch in ("qwen2", "qwen2_moe")))),
-            qk_norm=arch in ("qwen3", "qwen3_moe"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            moe=moe,
         )
+        if spec.parse is not None:
+            kwargs.update(spec.parse(cfg))
+        return cls(**kwargs)
+
+
+def _all_sliding(window: Any, num_layers: int) -> dict[str, Any]:
+    if window is None:
+        return {}
+    return {"sliding_window": int(window), "layer_types": [SLIDING_ATTENTION] * num_layers}
+
+
+def _parse_llama(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    return {"attention_bias": _no_o_proj_bias(cfg, "llama")}
+
+
+def _parse_mistral(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Mistral slides on every layer when sliding_window is set (transformers' MistralModel ignores layer_types,
+    so this parser does not read it: a config.json that has one is refused)."""
+    return _all_sliding(cfg.get("sliding_window"), int(cfg["num_hidden_layers"]))
+
+
+def layer_windows_fields(model_type: str, num_layers: int, window: Any, types: Any) -> dict[str, Any]:
+    """``sliding_window`` / ``layer_types`` keyword arguments of ModelArchConfig from a config's window and
+    per-layer types (an architecture module's parser calls this too); {} when no layer slides. Raises
+    ModelConfigError for an unknown layer type, a wrong count, or sliding layers without a window."""
+    types = list(types)
+    if any(t not in LAYER_TYPES for t in types) or len(types) != num_layers:
+        raise ModelConfigError(refuse_value("layer_types", types, model_type,
+                                            f"{num_layers} entries of {LAYER_TYPES}"))
+    if SLIDING_ATTENTION not in types:
+        return {}
+    if window is None:
+        raise ModelConfigError(refuse_value("layer_types", types, model_type, "sliding layers need a sliding_window"))
+    return {"sliding_window": int(window), "layer_types": types}
+
+
+def _qwen_windows(cfg: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+    """transformers' Qwen2Config/Qwen3Config: sliding_window counts only with use_sliding_window; layer_types,
+    when config.json omits it, slides on layers i >= max_window_layers (default 28)."""
+    n = int(cfg["num_hidden_layers"])
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    types = cfg.get("layer_types")
+    if types is None:
+        lowest = int(cfg.get("max_window_layers", 28))
+        types = [SLIDING_ATTENTION if window is not None and i >= lowest else FULL_ATTENTION for i in range(n)]
+    return layer_windows_fields(model_type, n, window, types)
+
+
+def _parse_qwen2(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    # transformers' Qwen2 gives q/k/v a bias whatever attention_bias says: the key is read and has no effect.
+    return {"attention_bias": True, **_qwen_windows(cfg, "qwen2")}
+
+
+def _parse_qwen3(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    return {"attention_bias": _no_o_proj_bias(cfg, "qwen3"), "qk_norm": True, **_qwen_windows(cfg, "qwen3")}
+
+
+register_architecture("llama", ArchSpec("llama", frozenset({"attention_bias"}), _parse_llama))
+register_architecture("mistral", ArchSpec("llama", frozenset({"sliding_window"}), _parse_mistral))
+register_architecture("qwen2", ArchSpec("qwen2", _QWEN_WINDOW_READS | {"attention_bias"}, _parse_qwen2))
+register_architecture("qwen3", ArchSpec("qwen3", _QWEN_WINDOW_READS | {"attention_bias"}, _parse_qwen3))
+
+
+
+def _moe(cfg: Mapping[str, Any]) -> MoEConfig:
+    try:
+        moe = moe_from_hf_config(dict(cfg))
+    except MoEConfigError as e:
+        raise ModelConfigError(str(e)) from e
+    assert moe is not None
+    return moe
+
+
+def _no_o_proj_bias(cfg: Mapping[str, Any], model_type: str) -> bool:
+    """attention_bias of a family whose transformers module also biases o_proj: only False is implemented."""
+    if cfg.get("attention_bias"):
+        raise ModelConfigError(refuse_value("attention_bias", cfg["attention_bias"], model_type,
+                                            "False (an o_proj bias is not implemented for this model_type)"))
+    return False
+
+
+def _parse_mixtral(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    # transformers' Mixtral slides on every layer when sliding_window is set, as Mistral does.
+    return {"moe": _moe(cfg), **_all_sliding(cfg.get("sliding_window"), int(cfg["num_hidden_layers"]))}
+
+
+def _parse_qwen2_moe(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Qwen2-MoE: q/k/v bias from qkv_bias (default True); layer_types, when config.json omits it, slides on
+    the even-numbered (0-based) layers below max_window_layers with use_sliding_window (transformers' rule)."""
+    n = int(cfg["num_hidden_layers"])
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    types = cfg.get("layer_types")
+    if types is None:
+        lowest = int(cfg.get("max_window_layers", 28))
+        types = [SLIDING_ATTENTION if window is not None and (i + 1) % 2 and i < lowest else FULL_ATTENTION
+                 for i in range(n)]
+    return {"attention_bias": bool(cfg.get("qkv_bias", True)), "moe": _moe(cfg),
+            **layer_windows_fields("qwen2_moe", n, window or None, types)}
+
+
+def _parse_qwen3_moe(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    # transformers' Qwen3-MoE: sliding_window counts only with use_sliding_window, then on every layer.
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    return {"attention_bias": _no_o_proj_bias(cfg, "qwen3_moe"), "qk_norm": True, "moe": _moe(cfg),
+            **_all_sliding(window, int(cfg["num_hidden_layers"]))}
+
+
+def _parse_gpt_oss(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """gpt-oss: biased q/k/v/o projections (o_proj's bias lives in models/gpt_oss.py), a sink logit per head on
+    every layer, layer_types alternating sliding/full."""
+    n = int(cfg["num_hidden_layers"])
+    if not cfg.get("attention_bias", True):
+        raise ModelConfigError(refuse_value("attention_bias", cfg["attention_bias"], "gpt_oss", "True"))
+    types = cfg.get("layer_types") or [SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(n)]
+    return {"attention_bias": True, "attention_sinks": True, "moe": _moe(cfg),
+            **layer_windows_fields("gpt_oss", n, cfg.get("sliding_window"), types)}
+
+
+register_architecture("mixtral", ArchSpec("mixtral", MOE_HF_READS["mixtral"] | {"sliding_window"}, _parse_mixtral))
+register_architecture("qwen2_moe", ArchSpec("qwen2_moe", MOE_HF_READS["qwen2_moe"] | _QWEN_WINDOW_READS,
+                                            _parse_qwen2_moe))
+register_architecture("qwen3_moe", ArchSpec("qwen3_moe", MOE_HF_READS["qwen3_moe"] | _QWEN_WINDOW_READS
+                                            | {"attention_bias"}, _parse_qwen3_moe))
+register_architecture("gpt_oss", ArchSpec("gpt_oss", MOE_HF_READS["gpt_oss"] | {"sliding_window", "layer_types",
+                                          "attention_bias"}, _parse_gpt_oss))
+ARCHITECTURES = families()
+"""Every family registered here (dense and mixture-of-experts; ``config_fields.families()``)."""
+MOE_ARCHITECTURES = ("gpt_oss", "mixtral", "qwen2_moe", "qwen3_moe")
+"""Families whose layers route tokens through experts (ModelArchConfig.moe is set)."""

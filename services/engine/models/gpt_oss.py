@@ -11,7 +11,6 @@ parallelism each rank holds its own heads' sinks.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from services.engine.attention import ForwardContext
 from services.engine.models.config import ModelArchConfig, ModelConfigError
@@ -22,19 +21,15 @@ from services.engine.parallel.layers import row_linear
 
 
 class GptOssAttention(Attention):
+    """The shared attention (its window and sinks come from ModelArchConfig) with a biased o_proj."""
+
     def __init__(self, arch: ModelArchConfig, layer_idx: int) -> None:
         super().__init__(arch, layer_idx)
         self.o_proj = row_linear(self.q_size, arch.hidden_size, bias=True)
-        self.sinks = nn.Parameter(torch.empty(self.num_heads))
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                ctx: ForwardContext) -> torch.Tensor:
-        q, k, v = self._qkv(x)
-        q, k = rotary(positions, q, k)
-        out = ctx.attend(self.layer_idx, q, k, v, sinks=self.sinks)  # [T, H, D]
-        return self.o_proj(out.reshape(x.shape[0], self.q_size))
-
-    forward_fused = forward
+    # YaRN scales cos/sin by its attention factor inside RotaryEmbedding; the fused Triton RoPE reads the same
+    # caches, but the unfused path is the one checked against transformers.
+    forward_fused = Attention.forward
 
 
 class GptOssForCausalLM(MoEForCausalLM):
@@ -44,11 +39,8 @@ class GptOssForCausalLM(MoEForCausalLM):
     def __init__(self, arch: ModelArchConfig) -> None:
         if not arch.attention_bias or arch.qk_norm:
             raise ValueError("gpt-oss needs attention_bias=True and qk_norm=False")
-        # The sink and sliding-window fields come with the attention that runs them; an engine without them
-        # refuses gpt-oss here rather than run its attention without sinks.
-        if not getattr(arch, "attention_sinks", False):
-            raise ModelConfigError("gpt_oss: attention sinks (ModelArchConfig.attention_sinks) are not "
-                                   "supported by this engine's attention")
+        if not arch.attention_sinks:
+            raise ModelConfigError("gpt_oss needs attention_sinks=True (every layer has a sink logit per head)")
         super().__init__(arch)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn = GptOssAttention(arch, i)

@@ -3,7 +3,9 @@
 Parameters follow HF names (``model.layers.N.self_attn.o_proj.weight`` ...) except two fusions:
 ``self_attn.qkv_proj`` = rows [q_proj; k_proj; v_proj] and ``mlp.gate_up_proj`` = rows
 [gate_proj; up_proj]. :meth:`LlamaForCausalLM.load_weights` takes HF names and fills the fused slices.
-Qwen2 (qkv bias) and Qwen3 (q/k norm) are the same code behind ``ModelArchConfig`` flags.
+Qwen2 (qkv bias) and Qwen3 (q/k norm) are the same code behind ``ModelArchConfig`` flags, and so are
+sliding-window layers (``arch.layer_window(i)``) and attention sinks (``self_attn.sinks`` [num_heads], kept
+fp32): each layer hands its ``AttentionSpec`` to ``ctx.attend``.
 
 On CUDA with triton, the forward takes a fused path (``*_fused`` methods): residual-add + RMSNorm,
 SiLU*mul and in-place RoPE as single Triton kernels (``kernels/rms_norm.py``, ``activation.py``,
@@ -19,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.attention import ForwardContext
-from services.engine.models.config import ModelArchConfig
+from services.engine.attention import AttentionSpec, ForwardContext
+from services.engine.models.config import ModelArchConfig, ModelConfigError
 from services.engine.models.rope import RotaryEmbedding
 from services.engine.parallel.layers import (
     LogitsGather,
@@ -61,6 +63,21 @@ class Attention(nn.Module):
         self.o_proj = row_linear(self.q_size, arch.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.window = arch.layer_window(layer_idx)
+        """Keys a query sees (tokens), 0: full attention."""
+        self.sinks: nn.Parameter | None = None
+        if arch.attention_sinks:
+            if split.tp_size > 1:
+                raise ModelConfigError("attention_sinks under tensor parallelism is not implemented (tp_size="
+                                       f"{split.tp_size})")
+            self.sinks = nn.Parameter(torch.zeros(self.num_heads))
+        self._spec = AttentionSpec(self.window) if self.window else None
+
+    def spec(self) -> AttentionSpec | None:
+        """This layer's window and sinks for ``ctx.attend``; None: plain causal attention."""
+        if self.sinks is None:
+            return self._spec
+        return AttentionSpec(self.window, self.sinks if self.sinks.dtype == torch.float32 else self.sinks.float())
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, H, D], k and v [T, KVH, D]: views of the qkv projection (q and k normed when the model has it)."""
@@ -77,7 +94,7 @@ class Attention(nn.Module):
                 ctx: ForwardContext) -> torch.Tensor:
         q, k, v = self._qkv(x)
         q, k = rotary(positions, q, k)
-        out = ctx.attend(self.layer_idx, q, k, v)  # [T, H, D]
+        out = ctx.attend(self.layer_idx, q, k, v, self.spec())  # [T, H, D]
         return self.o_proj(out.reshape(x.shape[0], self.q_size))
 
     def forward_fused(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
@@ -87,7 +104,7 @@ class Attention(nn.Module):
 
         q, k, v = self._qkv(x)
         apply_rotary_(q, k, positions, rotary.cos_cache, rotary.sin_cache)
-        out = ctx.attend(self.layer_idx, q, k, v)  # [T, H, D]
+        out = ctx.attend(self.layer_idx, q, k, v, self.spec())  # [T, H, D]
         return self.o_proj(out.reshape(x.shape[0], self.q_size))
 
 

@@ -4,7 +4,7 @@ A verify forward of a pure-decode batch is B rows of k+1 query tokens each, the 
 rows of 2; the torch backend runs multi-token rows one at a time (one gather + SDPA per row per layer).
 When every row has the same query length q > 1, this runs them together: K/V of all rows gathered once,
 a causal mask per row ``key position <= context_len - q + i`` (which also hides the padding past each
-row's context). Any other step goes to the wrapped backend unchanged.
+row's context). Any other step, and any sliding-window or sink layer, goes to the wrapped backend unchanged.
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ class UniformQueryAttention:
         self.inner = inner
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         lens = meta.query_lens
-        if meta.num_decode or len(lens) < 2 or lens[0] == 1 or any(n != lens[0] for n in lens):
-            return self.inner.forward(layer, q, k, v, meta)
+        if (meta.num_decode or len(lens) < 2 or lens[0] == 1 or any(n != lens[0] for n in lens)
+                or window or sinks is not None):  # sliding / sink layers: the wrapped backend's masks
+            return self.inner.forward(layer, q, k, v, meta, window, sinks)
         inner = self.inner
         inner._store(layer, k, v, meta.slot_mapping)
         b, n = len(lens), lens[0]

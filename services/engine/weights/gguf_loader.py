@@ -22,6 +22,7 @@ import numpy as np
 
 from services.engine.models.config import ModelArchConfig, ModelConfigError
 from services.engine.models.moe_config import MoEConfigError, moe_from_gguf
+from services.engine.models.config_fields import gguf_unimplemented_field
 from services.engine.weights.errors import ModelLoadError
 
 if TYPE_CHECKING:
@@ -127,6 +128,9 @@ class GGUFFile:
         if arch not in _GGUF_ARCHS:
             raise ModelLoadError(f"{self.path}: general.architecture={arch!r} is not supported "
                                  f"({', '.join(_GGUF_ARCHS)})")
+        problem = gguf_unimplemented_field(md)
+        if problem is not None:
+            raise ModelLoadError(f"{self.path}: {problem}")
         names = {t.name for t in self._reader.tensors}
         if "rope_freqs.weight" in names:  # llama.cpp's encoding of llama3-style RoPE scaling
             raise ModelLoadError(f"{self.path}: per-frequency RoPE factors (rope_freqs.weight, Llama-3.1 "
@@ -137,9 +141,17 @@ class GGUFFile:
             tokens = md.get("tokenizer.ggml.tokens")
             vocab = len(tokens) if tokens else int(self._req("vocab_size"))
             head_dim = int(self._get("attention.key_length") or hidden // heads)
+            for key in ("attention.value_length", "rope.dimension_count"):  # V width, rotated dims
+                if self._get(key) not in (None, head_dim):
+                    raise ModelLoadError(f"{self.path}: GGUF metadata {arch}.{key}={self._get(key)} is not "
+                                         f"supported: must equal the head dim {head_dim}")
             scaling = None
-            if self._get("rope.scaling.type") == "linear":
+            kind = self._get("rope.scaling.type")
+            if kind == "linear":
                 scaling = {"rope_type": "linear", "factor": float(self._req("rope.scaling.factor"))}
+            elif kind not in (None, "none"):
+                raise ModelLoadError(f"{self.path}: GGUF metadata {arch}.rope.scaling.type={kind!r} is not "
+                                     "supported: 'none', 'linear'")
             eos = md.get("tokenizer.ggml.eos_token_id")
             moe = moe_from_gguf(arch, self._get, {t.name: tuple(int(d) for d in t.shape) for t in self._reader.tensors})
             family = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}.get(arch, arch)
