@@ -63,7 +63,9 @@ def test_unimplemented_math_field_is_refused_in_one_line(model_type: str, key: s
 
 @pytest.mark.parametrize(("model_type", "key", "value", "named"), [
     ("llama", "hidden_act", "gelu", "hidden_act='gelu'"),
-    ("llama", "rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}, "rope_type='yarn'"),
+    ("llama", "rope_parameters", {"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4}, "rope_type='longrope'"),
+    ("llama", "rope_parameters", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                  "mscale": 0.7, "rope_theta": 1e4}, "rope_scaling.mscale=0.7"),
     ("qwen2", "layer_types", ["sliding_attention"] * 32, "layer_types="),  # no window: use_sliding_window off
     ("qwen3", "layer_types", ["chunked_attention"] * 32, "layer_types="),
 ])

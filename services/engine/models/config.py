@@ -102,6 +102,8 @@ class ModelArchConfig:
         return tuple(self.layer_window(i) for i in range(self.num_layers))
 
     def __post_init__(self) -> None:
+        if isinstance(self.moe, dict):  # from to_dict()
+            self.moe = MoEConfig(**self.moe)
         self.validate()
 
     def validate(self) -> None:
@@ -131,6 +133,9 @@ class ModelArchConfig:
             missing = [k for k in need if k not in self.rope_scaling]
             if missing:
                 raise ModelConfigError(f"rope_scaling ({kind}) lacks {missing}")
+        if (self.moe is not None) != (self.architecture in MOE_ARCHITECTURES):
+            raise ModelConfigError(f"architecture={self.architecture!r} with moe={self.moe!r}: experts are set "
+                                   f"exactly for {MOE_ARCHITECTURES}")
         self._validate_windows()
 
     def _validate_windows(self) -> None:

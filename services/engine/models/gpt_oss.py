@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.attention import ForwardContext
 from services.engine.models.config import ModelArchConfig, ModelConfigError
 from services.engine.models.llama import Attention
 from services.engine.models.moe_model import MoEForCausalLM, Piece
-from services.engine.models.rope import RotaryEmbedding
 from services.engine.parallel.layers import row_linear
 
 

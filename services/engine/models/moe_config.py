@@ -24,15 +24,15 @@ MOE_MODEL_TYPES = {"mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": 
 
 MOE_HF_READS: dict[str, frozenset[str]] = {
     "mixtral": frozenset({"num_local_experts", "num_experts_per_tok", "intermediate_size", "hidden_act",
-                          "router_jitter_noise", "output_router_logits", "router_aux_loss_coef"}),
+                          "router_jitter_noise", "router_aux_loss_coef"}),
     "qwen2_moe": frozenset({"num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                             "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers",
-                            "hidden_act", "output_router_logits", "router_aux_loss_coef", "qkv_bias"}),
+                            "hidden_act", "router_aux_loss_coef", "qkv_bias"}),
     "qwen3_moe": frozenset({"num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
                             "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "hidden_act",
-                            "output_router_logits", "router_aux_loss_coef"}),
+                            "router_aux_loss_coef"}),
     "gpt_oss": frozenset({"num_local_experts", "num_experts_per_tok", "intermediate_size", "swiglu_alpha",
-                          "swiglu_limit", "hidden_act", "output_router_logits", "router_aux_loss_coef",
+                          "swiglu_limit", "hidden_act", "router_aux_loss_coef",
                           "quantization_config"}),
 }
 """The config.json keys of each MoE model type that :func:`moe_from_hf_config` (and, for qkv_bias,

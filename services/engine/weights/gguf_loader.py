@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from services.engine.models.config import ModelArchConfig, ModelConfigError
-from services.engine.models.moe_config import MoEConfigError, moe_from_gguf
 from services.engine.models.config_fields import gguf_unimplemented_field
+from services.engine.models.moe_config import MoEConfigError, moe_from_gguf
 from services.engine.weights.errors import ModelLoadError
 
 if TYPE_CHECKING:
