@@ -33,6 +33,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+BENCH_TOKENIZER = "none"
+"""bench serve's client tokenizer: none (prompts of ~``in`` tokens of random words; the router counts the real
+tokens), so the run needs no model package on the GPU host."""
 MODEL = "random:llama-3-8b"
 MAX_MODEL_LEN = 9216
 """Context of every engine: the 8192/256 shape plus room (keeps the decode graphs' block tables small)."""
@@ -187,7 +190,7 @@ def served_point(base: str, n_in: int, n_out: int, conc: int, lp: bool, ns: argp
     cmd = [sys.executable, "-m", "services.cli", "bench", "serve", "--base-url", base, "--api", "completions",
            "--input-tokens", str(n_in), "--output-tokens", str(n_out), "--ignore-eos", "--temperature", "0",
            "--concurrency", str(conc), "--requests", str(max(conc, ns.min_requests)), "--warmup", "2",
-           "--num-gpus", "1", "--no-progress", "--no-plots", "--label", label, "--out", str(d),
+           "--num-gpus", "1", "--no-progress", "--no-plots", "--tokenizer", BENCH_TOKENIZER, "--label", label, "--out", str(d),
            *(["--logprobs"] if lp else [])]
     log(" ".join(cmd[2:]))
     try:
