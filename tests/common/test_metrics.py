@@ -160,8 +160,8 @@ def test_initialise_creates_known_series_at_zero_and_skips_open_labels() -> None
     assert samples[(m.ROUTER_TTFT_SECONDS + "_count", (("model", "smol"),))] == 0
     assert samples[(m.ROUTER_DISPATCH_RETRIES_TOTAL, (("reason", "overloaded"), ("role", "decode")))] == 0
     assert not any(n == m.ROUTER_INSTANCE_HEALTHY for n, _ in samples)  # endpoint: known only at run time
-    # 4 outcomes + 9 codes + 6 reasons x 2 roles + 2 migration outcomes + the model's 3 timers, 2 token
-    # counters and in-flight gauge.
-    assert created == 4 + len(ms.ROUTER_ERROR_CODES) + 12 + 2 + 6
+    # 4 outcomes + 9 codes + 6 reasons x 2 roles + 2 migration outcomes + 2 restart-wait outcomes x 2 roles +
+    # the model's 3 timers, 2 token counters and in-flight gauge.
+    assert created == 4 + len(ms.ROUTER_ERROR_CODES) + 12 + 2 + 4 + 6
     kv = m.KVStoreMetrics(CollectorRegistry())
     assert ms.initialise(kv) == len(ms.KNOWN_SERIES[m.KVSTORE_PUT_REFUSED_TOTAL][0]["reason"])  # no tier given
