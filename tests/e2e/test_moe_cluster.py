@@ -5,6 +5,7 @@ prefill loads the pages the first one wrote and gives the same tokens."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -82,5 +83,9 @@ def test_moe_kvstore_pages_reused_across_two_prefills(moe_dir: Path, hf_ref) -> 
             if loaded:
                 break
         assert loaded > 0
-        assert metric_sum(c.get("kvstore").ready["metrics"], "pdserve_kvstore_hits_total") > 0
+        hits, deadline = 0.0, time.monotonic() + 30  # the kvstore mirrors its counters on a timer
+        while not hits and time.monotonic() < deadline:
+            hits = metric_sum(c.get("kvstore").ready["metrics"], "pdserve_kvstore_hits_total")
+            time.sleep(0.2)
+        assert hits > 0
     _check_against_transformers(hf_ref, ids, first, "kvstore")
