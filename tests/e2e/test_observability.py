@@ -228,7 +228,7 @@ def test_timers_tell_slow_prefill_from_exposed_transfer(obs: Obs) -> None:
     # last chunk comes after its timestamp and does not hold the transfer back: n - 1 sleeps count.
     added = (LONG // CHUNK - 1) * SLOWDOWN_MS / 1000.0
     assert slow_m["compute"] >= fast_m["compute"] + 0.7 * added, (slow_m, fast_m)
-    assert slow_m["kv_wait"] >= 2 * fast_m["kv_wait"], (slow_m, fast_m)
+    # (additive, not a ratio: on a loaded box the normal prefill's own compute grows too)
     assert slow_m["kv_wait"] >= fast_m["kv_wait"] + 0.7 * added, (slow_m, fast_m)
     assert slow_m["kv_wait"] >= 0.9 * slow_m["compute"], slow_m
     # ... while the exposed transfer stays small: chunks were sent while later ones computed.
