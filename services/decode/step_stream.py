@@ -123,12 +123,16 @@ class StepStream:
         except EngineDeadError as e:
             await errors.engine_dead(self.context, e)
         finally:
+            # Everything still on the stream is freed before the first await: a second cancellation of the
+            # handler (grpc cancelling the call again while this cleanup waits) must not leave requests behind.
             reader.cancel()
             starts = list(self.starting.values())
             for t in starts:
                 t.cancel()
-            await asyncio.gather(reader, *starts, return_exceptions=True)
             for m in list(self.keys.values()):
+                self._end(m, finished=False)
+            await asyncio.gather(reader, *starts, return_exceptions=True)
+            for m in list(self.keys.values()):  # joined by a start while it was being cancelled
                 self._end(m, finished=False)
 
     # --- router -> decode ---

@@ -10,9 +10,7 @@ from services.common.config import add_dataclass_args, from_args
 from services.common.logging import LoggingConfig, setup_logging
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
-from services.engine.models.config import ModelConfigError
 from services.engine.sampling_params import InvalidRequestError, SamplingParams
-from services.engine.weights.errors import ModelLoadError
 
 
 def main(argv: list[str]) -> int:
@@ -33,12 +31,10 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     setup_logging("generate", from_args(LoggingConfig, args))
 
-    try:
-        engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
-                                        kv_cache_bytes=256 << 20))
-    except (ModelLoadError, ModelConfigError) as e:  # a model that cannot load, or a config field it refuses
-        print(f"pdserve generate: error: {e}", file=sys.stderr)
-        return 1
+    # A model that cannot load (or a config field it refuses) raises an expected error: the CLI prints it
+    # as one line, with the traceback at --log-level DEBUG.
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                                    kv_cache_bytes=256 << 20))
     tok = engine.tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     ids = tok.encode(text, add_special_tokens=not args.chat)

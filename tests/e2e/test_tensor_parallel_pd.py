@@ -134,7 +134,10 @@ def _check_trace(c: LocalCluster, out: Path) -> None:
 
 
 def test_a_killed_decode_rank_ends_the_request_and_takes_the_instance_down() -> None:
-    extra = {"prefill": ENGINE, "decode": [*ENGINE, "--tensor-parallel-size", "2"]}
+    # --restart-wait-s 0: should the rank die before the request reaches decode (a slow prefill on a busy
+    # box), the router fails it at once instead of waiting, within the deadline, for a restart nobody makes.
+    extra = {"prefill": ENGINE, "decode": [*ENGINE, "--tensor-parallel-size", "2"],
+             "router": ["--restart-wait-s", "0"]}
     with LocalCluster(prefill=1, decode=1, kvstore=None, model=MODEL, dtype="float32", extra=extra,
                       quiet=True) as c:
         decode = c.get("decode-0").popen

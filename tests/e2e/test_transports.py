@@ -50,7 +50,8 @@ def test_prefill_killed_mid_side_transfer_fails_cleanly_and_frees_decode_blocks(
     within 10 s, sooner than any lease would free them."""
     slow = ["--max-prefill-chunk", str(CHUNK), "--slowdown-ms-per-chunk", str(SLOWDOWN_MS),
             "--kv-cache-bytes", str(96 << 20)]
-    sizes = {"prefill": slow, "decode": ["--kv-cache-bytes", str(96 << 20)]}
+    # Nothing restarts the killed prefill here: the router waits 3 s for one to come back, not its default 60.
+    sizes = {"prefill": slow, "decode": ["--kv-cache-bytes", str(96 << 20)], "router": ["--restart-wait-s", "3"]}
     with LocalCluster(prefill=1, decode=1, kvstore=None, dtype="float32", extra=sizes, quiet=True,
                       kv_transport=transport) as c:
         t0 = time.monotonic()

@@ -50,7 +50,7 @@ shared host are noisy; near the crossover either choice costs about the same).""
 
 
 _PACK_BLOCK_N = 64
-"""Rows per tile of the CPU int4 layout as torch 2.13 packs it on AVX-512 hosts: [N/64, K, 32] bytes, byte
+"""Rows per tile of the CPU int4 layout as torch 2.13 packs it on AVX-512 hosts (other ISAs pack differently): [N/64, K, 32] bytes, byte
 (t, k, j) = q[64t + j, k] | q[64t + 32 + j, k] << 4. :func:`_numpy_pack_matches` checks it on this host."""
 
 
