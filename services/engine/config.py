@@ -170,8 +170,8 @@ class EngineConfig(ContextConfig, ModelConfig, DeviceConfig, DtypeConfig, Compil
             raise EngineConfigError("--spec-synthetic-acceptance / PDSERVE_SPEC_SYNTHETIC_ACCEPTANCE: must be in "
                                     f"[0, --spec-tokens={self.spec_tokens}], got {self.spec_synthetic_acceptance}")
         if self.async_scheduling == "on" and self.device.startswith("cuda"):
-            raise EngineConfigError("--async-scheduling / PDSERVE_ASYNC_SCHEDULING on: not on CUDA yet (its GPU "
-                                    "test fails: a device-side assert in the launched step); use auto or off")
+            raise EngineConfigError("--async-scheduling / PDSERVE_ASYNC_SCHEDULING on: not on CUDA until "
+                                    "benchmarks/async_cuda_probe.sh passes on a GPU; use auto or off")
         if self.async_scheduling == "on" and (self.draft_model or self.tensor_parallel_size > 1 or (
                 self.cpu_compile_decode and not self.device.startswith("cuda"))):
             raise EngineConfigError("--async-scheduling / PDSERVE_ASYNC_SCHEDULING on: not with --draft-model, "

@@ -73,6 +73,11 @@ def fill_decode_rows(seqs: list[Sequence], bucket: int, block_size: int, rows: l
     pos[:b] = l_pos
     slots[:b] = l_slots
     ctx[:b] = l_ctx
+    # Padding rows run through the graph too (the embedding reads their ids): a stale id there may be an
+    # async step's PLACEHOLDER_TOKEN (patched on the device only, never on the host), which the embedding
+    # would index out of range. Token 0 and position 0 are valid for every model; slot -1 writes no KV.
+    ids[b:bucket] = 0
+    pos[b:bucket] = 0
     slots[b:bucket] = -1
     ctx[b:bucket] = 0
 
@@ -208,6 +213,8 @@ class DecodeGraphs:
         self.invalidate_rows()
         self.h_ids[:b], self.h_pos[:b], self.h_slots[:b], self.h_ctx[:b] = ids, pos, slots, ctx
         self.h_tables[:b, :m] = tables
+        self.h_ids[b:bucket] = 0
+        self.h_pos[b:bucket] = 0
         self.h_slots[b:bucket] = -1
         self.h_ctx[b:bucket] = 0
 
