@@ -70,9 +70,19 @@ class _Formatter(logging.Formatter):
         return line
 
 
+_CURRENT: LoggingConfig | None = None
+
+
+def current_config() -> LoggingConfig | None:
+    """The config the last :func:`setup_logging` applied (a child process started by the service logs alike)."""
+    return _CURRENT
+
+
 def setup_logging(service: str, config: LoggingConfig | None = None) -> None:
     """Route the root logger to stderr with the pdserve format (stdout is kept for the ready line)."""
+    global _CURRENT
     cfg = config or LoggingConfig()
+    _CURRENT = cfg
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_Formatter(service, cfg.log_format == "json"))
     root = logging.getLogger()

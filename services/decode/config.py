@@ -26,10 +26,19 @@ class DecodeConfig(ServerConfig, TracingConfig, LeaseConfig, MooncakeTransportCo
                                     "host prefills reach this decode at; TCP, RDMA where the NIC has it) and offer "
                                     "it to prefills (--kv-transport mooncake), instead of a same-host shm/CUDA IPC "
                                     "pool; empty: off.")
+    engine_core: str = opt("thread", "Where the step loop runs. thread: on a thread of this process, beside the "
+                                     "gRPC front; process: in an engine-core process of its own that owns the "
+                                     "device, reached over a local socket pair with typed frames (the front and "
+                                     "the step loop never share an interpreter). process is not available with "
+                                     "--kv-mooncake-host or --tensor-parallel-size > 1.",
+                           choices=("thread", "process"))
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.check_mooncake()
+        require(not (self.engine_core == "process" and self.kv_mooncake_host), self, "engine_core",
+                "process: not with --kv-mooncake-host (the Mooncake transfer engine registers the pool in "
+                "this process); use --engine-core thread")
         require(self.max_lease_ms > 0, self, "max_lease_ms", f"must be > 0, got {self.max_lease_ms}")
         require(0 < self.lease_ms <= self.max_lease_ms, self, "lease_ms",
                 f"must be in (0, max_lease_ms={self.max_lease_ms}], got {self.lease_ms}")

@@ -24,21 +24,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import warnings
 from collections.abc import AsyncIterator, Callable
 from dataclasses import KW_ONLY, dataclass
 
 import grpc
-import torch
 
 from services.common.grpc_util import Reason
 from services.common.pb import common_pb2, decode_pb2
 from services.decode.reservations import EndCause, Reservation, ReservationTable
 from services.decode.side_pool import CODEC_OF, IN_PLACE_TRANSPORTS, check_claim, landing_for
-from services.engine.async_engine import AsyncEngine, EngineDeadError
+from services.engine.async_engine import EngineDeadError, EngineFront
 from services.engine.convert import top_from_pb
 from services.engine.kv_layout import FP8_CODEC, PageLayout, checksum
-from services.engine.kv_pages import pages_of
 from services.engine.kv_transport.base import KVPoll, OnClaimed
 from services.engine.kv_transport.grpc_wire import WireChunk
 from services.engine.parallel.rank_pages import spec_of
@@ -83,7 +80,7 @@ async def _read(it: AsyncIterator[common_pb2.KVChunk]) -> common_pb2.KVChunk | o
 
 
 class DecodeKVReceiver:
-    def __init__(self, engine: AsyncEngine, layout: PageLayout, table: ReservationTable,
+    def __init__(self, engine: EngineFront, layout: PageLayout, table: ReservationTable,
                  wire_layouts: list[PageLayout] | None = None,
                  on_landed: Callable[[Reservation, common_pb2.KVChunk], None] | None = None,
                  on_rejected: Callable[[str], None] | None = None,
@@ -103,14 +100,13 @@ class DecodeKVReceiver:
         self.on_landed = on_landed
         self.on_rejected = on_rejected
         self.on_broken = on_broken
-        self.vocab_size = engine.engine.vocab_size
-        self.pages = pages_of(engine.engine)
-        self._page_shape = self.pages.page_shape
-        self.landing = landing_for(self.pages, self.pool_id) if self.pool_id else None
-        self.split = spec_of(self.pages.shard_writes().split)
-        """This decode's head split (a tensor-parallel writer's claim must name it)."""
-        """Where a Mooncake writer puts pages for a device pool; imported as each chunk's descriptor lands."""
-        self._dtype = self.pages.dtype
+        self.vocab_size = engine.vocab_size
+        # Where a Mooncake writer puts pages for a device pool (imported as each chunk's descriptor lands), and
+        # this decode's head split (a tensor-parallel writer's claim must name it): in-process engines only (an
+        # engine core offers neither: its service refuses Mooncake and tensor parallelism at start).
+        pages = engine.pages if engine.in_process else None
+        self.landing = landing_for(pages, self.pool_id) if pages is not None and self.pool_id else None
+        self.split = spec_of(pages.shard_writes().split) if pages is not None else None
 
     def _reject(self, code: grpc.StatusCode, message: str, reason: str,
                 detail_reason: int = Reason.ERROR_REASON_INVALID_INPUT, **kw: object) -> KVRejected:
@@ -210,25 +206,21 @@ class DecodeKVReceiver:
                                Reason.ERROR_REASON_LAYOUT_MISMATCH, field="layout_fingerprint")
         return r.block_ids[first:first + n], layout
 
-    def _verify_and_write(self, c: common_pb2.KVChunk, payload: bytes | memoryview, block_ids: list[int],
-                          layout: PageLayout) -> None:
-        """Worker thread: checksum, then copy the pages into the cache (both release the GIL)."""
+    def _verify(self, c: common_pb2.KVChunk, payload: bytes | memoryview) -> None:
+        """Worker thread: the chunk's checksum (releases the GIL)."""
         got = checksum(payload)
         if got != c.checksum:
             raise self._reject(grpc.StatusCode.DATA_LOSS,
                                f"KV chunk {c.chunk_index} checksum mismatch: header says {c.checksum:#010x}, "
                                f"payload hashes to {got:#010x}", "checksum", Reason.ERROR_REASON_DATA_LOSS,
                                retryable=True, field="checksum")
-        if not block_ids:
-            return
-        fp8 = layout.target_codec == FP8_CODEC
-        with warnings.catch_warnings():  # read-only view of the message's bytes: we only read it
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(payload, dtype=torch.uint8 if fp8 else self._dtype)
-        if fp8:
-            self.pages.import_pages(block_ids, flat.view(len(block_ids), layout.page_bytes), FP8_CODEC)
-        else:
-            self.pages.import_pages(block_ids, flat.view(len(block_ids), *self._page_shape))
+
+    async def _verify_and_write(self, c: common_pb2.KVChunk, payload: bytes | memoryview, block_ids: list[int],
+                                layout: PageLayout) -> None:
+        """Checksum, then the pages into the cache (both off the event loop)."""
+        await asyncio.to_thread(self._verify, c, payload)
+        if block_ids:
+            await self.engine.import_payload(block_ids, payload, layout.target_codec == FP8_CODEC)
 
     def _unwrap(self, m: common_pb2.KVChunk | WireChunk) -> tuple[common_pb2.KVChunk, bytes | memoryview]:
         """A message's header and payload (a view for a header-only parsed one; malformed: refused)."""
@@ -291,8 +283,7 @@ class DecodeKVReceiver:
                     await pending
                     pending = None
                 if payload:
-                    pending = asyncio.ensure_future(asyncio.to_thread(self._verify_and_write, c, payload, block_ids,
-                                                                         layout))
+                    pending = asyncio.ensure_future(self._verify_and_write(c, payload, block_ids, layout))
                 elif claimed is not None and self.landing is not None and block_ids:  # engine thread: landing -> pool
                     pending = asyncio.ensure_future(self.engine.call(self.landing.land, block_ids, layout))
                 r.pages_written.update(range(c.first_block, c.first_block + c.num_pages))

@@ -34,11 +34,10 @@ from services.decode.progress import TokenProgress, fill_response
 from services.decode.reservations import EndCause, Reservation, ReservationTable, caller_share
 from services.decode.side_pool import offered_pool
 from services.decode.step_stream import StepStream
-from services.engine.async_engine import AsyncEngine, EngineDeadError, StepSubscriber
+from services.engine.async_engine import EngineDeadError, EngineFront, StepSubscriber
 from services.engine.block_manager import NoFreeBlocksError
 from services.engine.convert import layout_to_pb, params_from_pb
 from services.engine.engine import RequestOutput
-from services.engine.kv_pages import pages_of
 from services.engine.kv_transport.base import CLAIM_ACK, KVPoll
 from services.engine.kv_transport.grpc_wire import WireChunk
 from services.engine.sampling_params import InvalidRequestError, SamplingParams
@@ -61,24 +60,24 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         """Open Generate streams (count; drain waits for them)."""
         self._colocated_ids: dict[str, str] = {}
         """Colocated requests: the caller's request id -> engine request id (decode picks the latter)."""
-        self.engine: AsyncEngine = None  # type: ignore[assignment]  # bound once the model is loaded
+        self.engine: EngineFront = None  # type: ignore[assignment]  # bound once the model is loaded
 
-    def bind(self, engine: AsyncEngine) -> None:
+    def bind(self, engine: EngineFront) -> None:
         """Attach the loaded engine (the server answers NOT_SERVING until then)."""
         metrics = self.metrics
         self.engine = engine
-        self.model = engine.engine.loaded.model_id
-        self.layout = engine.engine.layout
+        self.model = engine.model_id
+        self.layout = engine.layout
         self._layout_pb = layout_to_pb(self.layout)
         """Reserve's answer names the layout and the wire fingerprints; both are frozen, so they are
         built once here (each fingerprint is a JSON dump + sha256, ~0.05 ms, per Reserve before)."""
-        self._wire_fingerprints = [engine.engine.fp8_layout.fingerprint]
-        self.vocab_size = engine.engine.vocab_size
-        self.max_model_len = engine.engine.max_model_len
-        self.destination = offered_pool(pages_of(engine.engine), self.config.kv_mooncake_host,
-                                        self.config.kv_mooncake_engines)
+        self._wire_fingerprints = [engine.fp8_layout.fingerprint]
+        self.vocab_size = engine.vocab_size
+        self.max_model_len = engine.max_model_len
+        self.destination = (offered_pool(engine.pages, self.config.kv_mooncake_host, self.config.kv_mooncake_engines)
+                            if engine.in_process else engine.offered_pool)
         """The pool this decode offers side transports (None: page bytes in the stream only)."""
-        self.receiver = DecodeKVReceiver(engine, self.layout, self.table, [engine.engine.fp8_layout],
+        self.receiver = DecodeKVReceiver(engine, self.layout, self.table, [engine.fp8_layout],
                                          destination=self.destination, on_landed=self._landed,
                                          on_rejected=lambda reason: metrics.kv_chunks_rejected_total.labels(reason).inc(),
                                          on_broken=lambda: metrics.kv_streams_broken_total.labels(self.model).inc(),
@@ -372,8 +371,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if subscriber is not None:
             self.engine.route_to(rid, subscriber)
         try:
-            await self._engine_admit(context, self.engine.call(self.engine.engine.add_request, rid, ids, params,
-                                                               bool(params.stop)), lambda: self.drop(rid))
+            await self._engine_admit(context, self.engine.add(rid, ids, params, bool(params.stop)),
+                                      lambda: self.drop(rid))
         except BaseException:
             self.engine.close_stream(rid)
             raise

@@ -1,7 +1,11 @@
-"""Asyncio front of the engine: the step loop runs in its own thread.
+"""Asyncio front of the engine: the step loop runs in a thread of its own (:class:`AsyncEngine`), or in an
+engine-core process of its own (:class:`services.engine.core_client.EngineCoreClient`); both are an
+:class:`EngineFront`, the one surface services drive an engine through.
 
-Everything that touches the scheduler, block manager or KV tensors runs on the engine thread:
-callers submit closures with :meth:`AsyncEngine.call` and await their result. Outputs travel back
+Everything that touches the scheduler, block manager or KV tensors runs on the step loop's thread
+(:class:`StepLoop`): :class:`AsyncEngine` callers may submit closures with :meth:`AsyncEngine.call`; the
+typed operations every front has (add, reserve, kv_import_done, abort, import_payload) are what a service
+uses. Outputs travel back
 through ``loop.call_soon_threadsafe``, one call per step and event loop, to each request's route: its
 own asyncio queue, or a :class:`StepSubscriber` that gets every output of its requests in a step as one
 :class:`StepBatch` (one queue item per step, however many requests). Routes are resolved on the event
@@ -20,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -149,128 +154,151 @@ def _join_share_group(config: EngineConfig) -> CoreShare | None:
         return None
 
 
-class AsyncEngine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
-                 engine: LLMEngine | None = None) -> None:
-        self.engine = engine or LLMEngine(config, loaded)
-        self.tokenizer = self.engine.tokenizer
-        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._stopping = False
-        self._dead: BaseException | None = None
-        self._death_callbacks: list[DeathCallback] = []
-        self._death_lock = threading.Lock()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, Route]] = {}
-        """Request id -> (its event loop, its route); the route is read and replaced on that loop only."""
-        # Written by the engine thread only; readers take the whole dict (one reference read).
-        self._published: dict[str, float] = {}
-        self._step_start = 0.0
+class StepLoop:
+    """The engine's step loop, run by one thread (:meth:`run`): commands queued by other threads run
+    between steps; each step's outputs go to ``deliver`` (on this thread); the stats snapshot is
+    republished after every command and step and while idle. Shared by the in-process engine thread and
+    the engine-core process."""
+
+    def __init__(self, engine: LLMEngine, config: EngineConfig,
+                 deliver: Callable[[list[RequestOutput]], None],
+                 on_publish: Callable[[dict[str, float]], None] | None = None) -> None:
+        self.engine = engine
+        self.deliver = deliver
+        self.on_publish = on_publish
+        self.commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.SimpleQueue()
+        self.wake = threading.Event()
+        self.stopping = False
+        self.dead: BaseException | None = None
+        # Written by the loop thread only; readers take the whole dict (one reference read).
+        self.published: dict[str, float] = {}
+        self.step_start = 0.0
         """monotonic time the running step began; 0.0 between steps."""
-        self._steps: collections.deque[StepRecord] = collections.deque(maxlen=STEP_RECORDS_KEPT)
-        """Steps not taken yet (appended by the engine thread, taken on the event loop)."""
+        self.steps: collections.deque[StepRecord] = collections.deque(maxlen=STEP_RECORDS_KEPT)
+        """Steps not taken yet (appended by the loop thread, taken by the front)."""
         self.busy_s = 0.0
-        """Seconds the engine thread has spent in steps since it started (written by the engine thread)."""
-        self._cores = _join_share_group(config)
-        self._threads = config.resolved_cpu_threads if config.device.startswith("cpu") else 0
+        """Seconds the loop has spent in steps since it started."""
+        self.cores = _join_share_group(config)
+        self.threads = config.resolved_cpu_threads if config.device.startswith("cpu") else 0
         """torch intra-op threads now (the ``cpu_threads`` stat; 0 off CPU)."""
-        self._publish()
-        self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
-        self._thread.start()
+        self.publish()
 
-    # --- engine thread ---
+    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Queue ``fn`` to run on the loop thread between steps (any thread); its future holds the result."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self.commands.put((fn, fut))
+        self.wake.set()
+        if self.dead is not None:  # died after the caller's check: nobody else will fail the command
+            self.fail_pending()
+        return fut
 
-    def _loop(self) -> None:
+    def run(self) -> None:
+        """Commands and steps until :attr:`stopping`; an exception ends the loop (:attr:`dead`) and is raised."""
         eng = self.engine
-        while not self._stopping:
-            try:
-                self._run_commands()
+        try:
+            while not self.stopping:
+                self.run_commands()
                 if eng.has_work():
-                    if self._cores is not None:
-                        self._threads = self._cores.busy(borrow=_may_borrow(eng), exactly=_borrow_exactly(eng))
+                    if self.cores is not None:
+                        self.threads = self.cores.busy(borrow=_may_borrow(eng), exactly=_borrow_exactly(eng))
                     graphed = getattr(eng.runner, "graphed_steps", 0)
-                    start = self._step_start = time.monotonic()
+                    start = self.step_start = time.monotonic()
                     outputs = eng.step()
-                    self._step_start = 0.0
+                    self.step_start = 0.0
                     if eng.last_step_sequences:
                         took = time.monotonic() - start
                         self.busy_s += took
-                        self._steps.append(StepRecord(took, eng.last_step_tokens, eng.last_step_sequences,
-                                                      getattr(eng.runner, "graphed_steps", 0) != graphed))
-                    self._deliver(outputs)
-                    self._publish()
+                        self.steps.append(StepRecord(took, eng.last_step_tokens, eng.last_step_sequences,
+                                                     getattr(eng.runner, "graphed_steps", 0) != graphed))
+                    self.deliver(outputs)
+                    self.publish()
                 else:
-                    if self._cores is not None:
-                        self._threads = _out_of_work(self._cores, eng)
-                    self._publish()
-                    self._wake.wait(IDLE_WAIT_S)
-                    self._wake.clear()
-            except BaseException as e:
-                self._die(e)
-                return
+                    if self.cores is not None:
+                        self.threads = _out_of_work(self.cores, eng)
+                    self.publish()
+                    self.wake.wait(IDLE_WAIT_S)
+                    self.wake.clear()
+        except BaseException as e:
+            self.dead = e
+            self.step_start = 0.0
+            self.fail_pending()
+            raise
 
     def _queued_commands(self) -> Iterator[tuple[Callable[[], Any], concurrent.futures.Future]]:
         """The commands queued now, each once its future is marked running (a cancelled one is dropped)."""
         while True:
             try:
-                fn, fut = self._commands.get_nowait()
+                fn, fut = self.commands.get_nowait()
             except queue.Empty:
                 return
             if fut.set_running_or_notify_cancel():
                 yield fn, fut
 
-    def _run_commands(self) -> None:
+    def run_commands(self) -> None:
         for fn, fut in self._queued_commands():
             try:
                 result = fn()
             except BaseException as e:  # delivered to the caller
-                self._publish()
+                self.publish()
                 fut.set_exception(e)
             else:
-                self._publish()  # a caller woken by its result sees the state its command left
+                self.publish()  # a caller woken by its result sees the state its command left
                 fut.set_result(result)
 
-    def _publish(self) -> None:
+    def publish(self) -> None:
         s = self.engine.stats()
         s["published_unix"] = time.time()
-        s["cpu_threads"] = float(self._threads)
-        self._published = s
+        s["cpu_threads"] = float(self.threads)
+        self.published = s
+        if self.on_publish is not None:
+            self.on_publish(s)
 
-    def _die(self, e: BaseException) -> None:
-        log.exception("engine loop died")
-        with self._death_lock:
-            self._dead = e
-            callbacks = list(self._death_callbacks)
-        self._step_start = 0.0
-        self._fail_pending()
-        targets = {id(route): (loop, route) for loop, route in list(self._streams.values())}
-        for loop, route in targets.values():
-            q = route.queue if isinstance(route, StepSubscriber) else route
-            loop.call_soon_threadsafe(q.put_nowait, e)
-        for cb in callbacks:
-            try:
-                cb(e)
-            except Exception:
-                log.exception("engine death callback failed")
-
-    def _fail_pending(self) -> None:
+    def fail_pending(self) -> None:
         """Fail every queued command (any thread may call this once the loop is dead)."""
         for _, fut in self._queued_commands():
-            fut.set_exception(EngineDeadError(f"engine loop died: {self._dead!r}"))
+            fut.set_exception(EngineDeadError(f"engine loop died: {self.dead!r}"))
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Hand a step's outputs over with one ``call_soon_threadsafe`` per event loop (one self-pipe
-        write and one GIL hand-off per step, not per request); each route still gets its outputs in order."""
-        batches: dict[asyncio.AbstractEventLoop, list[RequestOutput]] = {}
-        for o in outputs:
-            target = self._streams.get(o.request_id)
-            if target is not None:
-                batches.setdefault(target[0], []).append(o)
-        for loop, items in batches.items():
-            loop.call_soon_threadsafe(self._put_all, items)
+    def take_steps(self) -> list[StepRecord]:
+        steps = self.steps
+        return [steps.popleft() for _ in range(len(steps))]
+
+    def leave_share_group(self) -> None:
+        if self.cores is not None:
+            self.cores.leave()
+            self.cores = None
+
+
+class EngineFront:
+    """What a service holds of its engine, wherever the step loop runs: the model's fixed facts, per-request
+    routes (a request's own queue, or a :class:`StepSubscriber`), the typed operations, health.
+
+    Routes are resolved on the event loop, so a request can move from its queue to a subscriber
+    (:meth:`route_to`) without losing or reordering an output. Subclasses deliver outputs with
+    :meth:`_put_all` on the event loop that owns the routes, and call :meth:`_die` once."""
+
+    model_id: str
+    layout: Any
+    fp8_layout: Any
+    vocab_size: int
+    max_model_len: int
+    ranks: Any = None
+    offered_pool: Any = None
+    """The same-host pool (shm / CUDA IPC KVDestination) side transports may write into, or None."""
+    in_process = True
+    """Whether the step loop runs in this process (engine internals reachable); False for an engine core."""
+
+    def __init__(self) -> None:
+        self._dead: BaseException | None = None
+        self._death_callbacks: list[DeathCallback] = []
+        self._death_lock = threading.Lock()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, Route]] = {}
+        """Request id -> (its event loop, its route); the route is read and replaced on that loop only."""
+
+    # --- delivery (event loop) ---
 
     def _put_all(self, outputs: list[RequestOutput]) -> None:
-        """Event loop side of :meth:`_deliver`: each output to its request's route as it is now (a request
-        closed meanwhile drops it); one StepBatch per subscriber."""
+        """Each output to its request's route as it is now (a request closed meanwhile drops it); one
+        StepBatch per subscriber."""
         grouped: dict[int, tuple[StepSubscriber, list[RequestOutput]]] = {}
         streams = self._streams
         for o in outputs:
@@ -289,6 +317,23 @@ class AsyncEngine:
         for sub, outs in grouped.values():
             sub.queue.put_nowait(StepBatch(outs))
 
+    def _die(self, e: BaseException) -> None:
+        """The loop died (any thread): every open stream gets ``e``, the death callbacks run once."""
+        with self._death_lock:
+            if self._dead is not None:
+                return
+            self._dead = e
+            callbacks = list(self._death_callbacks)
+        targets = {id(route): (loop, route) for loop, route in list(self._streams.values())}
+        for loop, route in targets.values():
+            q = route.queue if isinstance(route, StepSubscriber) else route
+            loop.call_soon_threadsafe(q.put_nowait, e)
+        for cb in callbacks:
+            try:
+                cb(e)
+            except Exception:
+                log.exception("engine death callback failed")
+
     # --- health ---
 
     @property
@@ -296,44 +341,29 @@ class AsyncEngine:
         """The exception that killed the engine loop, or None while it runs."""
         return self._dead
 
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"engine loop died: {self._dead!r}")
+
     def add_death_callback(self, fn: DeathCallback) -> None:
-        """Call ``fn(exc)`` once if the loop dies (on the engine thread; at once if it is already dead)."""
+        """Call ``fn(exc)`` once if the loop dies (on any thread; at once if it is already dead)."""
         with self._death_lock:
             if self._dead is None:
                 self._death_callbacks.append(fn)
                 return
         fn(self._dead)
 
-    def published_stats(self) -> dict[str, float]:
-        """The engine's latest published figures (never waits on the engine thread): running, waiting,
-        waiting_for_kv, free_blocks, total_blocks, kv_usage, published_unix (Unix s), cpu_threads (torch
-        threads now: its share plus what peers lend, services/engine/core_share.py) and step_running_s
-        (seconds the current step has run; 0 between steps)."""
-        s = dict(self._published)
-        start = self._step_start
-        s["step_running_s"] = max(0.0, time.monotonic() - start) if start else 0.0
-        return s
+    def published_stats(self) -> dict[str, float]:  # pragma: no cover - abstract
+        raise NotImplementedError
 
-    def take_steps(self) -> list[StepRecord]:
-        """The steps run since the previous call (oldest first; at most STEP_RECORDS_KEPT)."""
-        steps = self._steps
-        out = []
-        for _ in range(len(steps)):
-            out.append(steps.popleft())
-        return out
+    def take_steps(self) -> list[StepRecord]:  # pragma: no cover - abstract
+        raise NotImplementedError
 
-    # --- caller side ---
+    async def stats(self) -> dict[str, float]:
+        """The published snapshot (see :meth:`published_stats`); answers at once."""
+        return self.published_stats()
 
-    async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn(*args)`` on the engine thread between steps and return its result."""
-        if self._dead is not None:
-            raise EngineDeadError(f"engine loop died: {self._dead!r}")
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put((lambda: fn(*args), fut))
-        self._wake.set()
-        if self._dead is not None:  # died after the check above: nobody else will fail the command
-            self._fail_pending()
-        return await asyncio.wrap_future(fut)
+    # --- routes ---
 
     def open_stream(self, request_id: str) -> asyncio.Queue:
         q: asyncio.Queue = asyncio.Queue()
@@ -346,8 +376,7 @@ class AsyncEngine:
         """Send ``request_id``'s outputs to ``subscriber`` from now on (call on the subscriber's event loop).
         A request that had its own queue (a reservation opened by :meth:`reserve`) moves over: what its
         queue held goes to the subscriber first, as one batch. Raises EngineDeadError if the loop died."""
-        if self._dead is not None:
-            raise EngineDeadError(f"engine loop died: {self._dead!r}")
+        self._check_alive()
         old = self._streams.get(request_id)
         self._streams[request_id] = (asyncio.get_running_loop(), subscriber)
         if old is None or not isinstance(old[1], asyncio.Queue):
@@ -363,6 +392,9 @@ class AsyncEngine:
 
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
+
+    def _stopping(self) -> bool:
+        return False
 
     async def stream(self, request_id: str, q: asyncio.Queue, abort_on_exit: bool = True
                      ) -> AsyncIterator[RequestOutput]:
@@ -380,8 +412,9 @@ class AsyncEngine:
                     return
         finally:
             self.close_stream(request_id)
-            if abort_on_exit and not finished and self._dead is None and not self._stopping:
-                await asyncio.shield(self.call(self.engine.abort, request_id))  # consumer left: free it
+            if abort_on_exit and not finished and self._dead is None and not self._stopping():
+                with contextlib.suppress(EngineDeadError):
+                    await asyncio.shield(self.abort(request_id))  # consumer left: free it
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str | None = None, detokenize: bool = True) -> AsyncIterator[RequestOutput]:
@@ -391,12 +424,137 @@ class AsyncEngine:
         rid = request_id or uuid.uuid4().hex
         q = self.open_stream(rid)
         try:
-            await self.call(self.engine.add_request, rid, prompt_token_ids, params, detokenize)
+            await self.add(rid, prompt_token_ids, params, detokenize)
         except BaseException:
             self.close_stream(rid)
             raise
         async for out in self.stream(rid, q):
             yield out
+
+    async def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      detokenize: bool) -> tuple[asyncio.Queue, int, list[int]]:
+        """Decode side: reserve blocks for imported KV and open the request's output stream.
+
+        Returns (stream queue, leading blocks already cached, the request's block table)."""
+        q = self.open_stream(request_id)
+        try:
+            num_cached, table = await self._reserve(request_id, prompt_token_ids, params, detokenize)
+        except BaseException:
+            self.close_stream(request_id)
+            raise
+        return q, num_cached, table
+
+    # --- typed operations (subclasses) ---
+
+    async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                  detokenize: bool) -> None:  # pragma: no cover - abstract
+        """Admit a whole prompt (its outputs go to the request's route)."""
+        raise NotImplementedError
+
+    async def _reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       detokenize: bool) -> tuple[int, list[int]]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    async def kv_import_done(self, request_id: str, first_token: int, logprob: float | None,
+                             top: TopLogprobs | None = None) -> bool:  # pragma: no cover - abstract
+        """Decode side: every page landed; the request joins the running batch. False (nothing done)
+        when the request is no longer waiting for its KV (expired or aborted meanwhile)."""
+        raise NotImplementedError
+
+    async def abort(self, request_id: str) -> bool:  # pragma: no cover - abstract
+        """Cancel a request; an open stream of it ends with an ABORT output."""
+        raise NotImplementedError
+
+    async def import_payload(self, block_ids: list[int], payload: bytes | memoryview,
+                             fp8: bool) -> None:  # pragma: no cover - abstract
+        """Write page bytes (``payload``: the pages of ``block_ids`` in the cache's layout, or fp8-e4m3 wire
+        pages) into the KV pool. Runs beside the steps: the blocks belong to a request not running yet."""
+        raise NotImplementedError
+
+
+class AsyncEngine(EngineFront):
+    """The step loop on a thread of this process."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 engine: LLMEngine | None = None) -> None:
+        super().__init__()
+        self.engine = engine or LLMEngine(config, loaded)
+        eng = self.engine
+        self.tokenizer = eng.tokenizer
+        self.model_id = eng.loaded.model_id
+        self.layout = eng.layout
+        self.fp8_layout = eng.fp8_layout
+        self.vocab_size = eng.vocab_size
+        self.max_model_len = eng.max_model_len
+        self.ranks = eng.ranks
+        self._loop = StepLoop(eng, config, self._deliver)
+        self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def pages(self) -> Any:
+        from services.engine.kv_pages import pages_of
+
+        return pages_of(self.engine)
+
+    @property
+    def offered_pool(self) -> Any:  # type: ignore[override]
+        return self.pages.destination
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds the engine thread has spent in steps since it started."""
+        return self._loop.busy_s
+
+    def _run(self) -> None:
+        try:
+            self._loop.run()
+        except BaseException as e:
+            log.exception("engine loop died")
+            self._die(e)
+
+    def _stopping(self) -> bool:
+        return self._loop.stopping
+
+    # --- engine thread ---
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs over with one ``call_soon_threadsafe`` per event loop (one self-pipe
+        write and one GIL hand-off per step, not per request); each route still gets its outputs in order."""
+        batches: dict[asyncio.AbstractEventLoop, list[RequestOutput]] = {}
+        for o in outputs:
+            target = self._streams.get(o.request_id)
+            if target is not None:
+                batches.setdefault(target[0], []).append(o)
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(self._put_all, items)
+
+    # --- health ---
+
+    def published_stats(self) -> dict[str, float]:
+        """The engine's latest published figures (never waits on the engine thread): running, waiting,
+        waiting_for_kv, free_blocks, total_blocks, kv_usage, published_unix (Unix s), cpu_threads (torch
+        threads now: its share plus what peers lend, services/engine/core_share.py) and step_running_s
+        (seconds the current step has run; 0 between steps)."""
+        s = dict(self._loop.published)
+        start = self._loop.step_start
+        s["step_running_s"] = max(0.0, time.monotonic() - start) if start else 0.0
+        return s
+
+    def take_steps(self) -> list[StepRecord]:
+        """The steps run since the previous call (oldest first; at most STEP_RECORDS_KEPT)."""
+        return self._loop.take_steps()
+
+    # --- caller side ---
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` on the engine thread between steps and return its result."""
+        self._check_alive()
+        return await asyncio.wrap_future(self._loop.submit(lambda: fn(*args)))
+
+    async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                  detokenize: bool) -> None:
+        await self.call(self.engine.add_request, request_id, prompt_token_ids, params, detokenize)
 
     def _abort_now(self, request_id: str) -> bool:
         out = self.engine.abort(request_id)
@@ -405,32 +563,18 @@ class AsyncEngine:
         return out is not None
 
     async def abort(self, request_id: str) -> bool:
-        """Cancel a request; an open stream of it ends with an ABORT output."""
         return await self.call(self._abort_now, request_id)
 
-    async def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      detokenize: bool) -> tuple[asyncio.Queue, int, list[int]]:
-        """Decode side: reserve blocks for imported KV and open the request's output stream.
-
-        Returns (stream queue, leading blocks already cached, the request's block table)."""
-        q = self.open_stream(request_id)
-
+    async def _reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       detokenize: bool) -> tuple[int, list[int]]:
         def add() -> tuple[int, list[int]]:
             seq, num_cached = self.engine.add_kv_import(request_id, prompt_token_ids, params, detokenize)
             return num_cached, list(seq.block_table)
 
-        try:
-            num_cached, table = await self.call(add)
-        except BaseException:
-            self.close_stream(request_id)
-            raise
-        return q, num_cached, table
+        return await self.call(add)
 
     async def kv_import_done(self, request_id: str, first_token: int, logprob: float | None,
                              top: TopLogprobs | None = None) -> bool:
-        """Decode side: every page landed; the request joins the running batch. False (nothing done)
-        when the request is no longer waiting for its KV (expired or aborted meanwhile)."""
-
         def done() -> bool:
             outputs = self.engine.kv_import_done(request_id, first_token, logprob, top)
             if outputs is None:
@@ -440,15 +584,13 @@ class AsyncEngine:
 
         return await self.call(done)
 
-    async def stats(self) -> dict[str, float]:
-        """The published snapshot (see :meth:`published_stats`); answers at once."""
-        return self.published_stats()
+    async def import_payload(self, block_ids: list[int], payload: bytes | memoryview, fp8: bool) -> None:
+        await asyncio.to_thread(self.pages.import_payload, block_ids, payload, fp8)
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        self._stopping = True
-        self._wake.set()
+        self._loop.stopping = True
+        self._loop.wake.set()
         self._thread.join(timeout)
-        if self._cores is not None and not self._thread.is_alive():
-            self._cores.leave()
-            self._cores = None
+        if not self._thread.is_alive():
+            self._loop.leave_share_group()
         self.engine.runner.release()

@@ -17,6 +17,7 @@ Thread rules:
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -188,6 +189,19 @@ class KVPages:
     def import_pages(self, block_ids: list[int], pages: torch.Tensor, codec: str | None = None) -> None:
         """Write pages (the layout ``export`` produces) into reserved blocks (any thread; see above)."""
         self._runner.write_pages(block_ids, pages, codec)
+
+    def import_payload(self, block_ids: list[int], payload: bytes | memoryview, fp8: bool) -> None:
+        """:meth:`import_pages` from raw bytes (a received message's payload, read only): the pages of
+        ``block_ids`` in the cache's own layout, or fp8-e4m3 wire pages when ``fp8`` (any thread)."""
+        if not block_ids:
+            return
+        with warnings.catch_warnings():  # a read-only view of the message's bytes: only read
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(payload, dtype=torch.uint8 if fp8 else self.dtype)
+        if fp8:
+            self.import_pages(block_ids, flat.view(len(block_ids), -1), FP8_CODEC)
+        else:
+            self.import_pages(block_ids, flat.view(len(block_ids), *self.page_shape))
 
 
 def pages_of(engine) -> KVPages:

@@ -3,8 +3,10 @@ with the torch profiler as its trace capture."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
+from collections.abc import Awaitable, Callable
 
 from services.common.admin import DEFAULT_TRACE_ROOT, AdminServicer, IncompleteTraceError, LoadFn
 from services.common.admin import TraceCapture as _Capture
@@ -26,6 +28,10 @@ class TraceCapture(_Capture):
     that did not."""
 
     ranks: RankSet | None = None
+    remote: Callable[[float, str], Awaitable[str]] | None = None
+    """An engine-core process's own profiler (EngineCoreClient.trace): the step loop runs there, so the
+    window is recorded in that process (the front's event loop is ``remote_loop``)."""
+    remote_loop: asyncio.AbstractEventLoop | None = None
 
     def _capture(self, start_unix: float, duration_s: float, session: str) -> str:
         ranks = self.ranks
@@ -47,6 +53,9 @@ class TraceCapture(_Capture):
         return path
 
     def _record(self, duration_s: float, path: str) -> None:
+        if self.remote is not None and self.remote_loop is not None:
+            asyncio.run_coroutine_threadsafe(self.remote(duration_s, path), self.remote_loop).result()
+            return
         import torch
 
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,

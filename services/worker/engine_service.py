@@ -21,7 +21,7 @@ from typing import Any
 
 from services.common.config import ConfigError
 from services.common.config_file import parse_settings
-from services.common.logging import LoggingConfig, setup_logging
+from services.common.logging import LoggingConfig, current_config, setup_logging
 from services.common.metric_series import initialise
 from services.common.pb import common_pb2_grpc
 from services.common.server import (
@@ -34,8 +34,9 @@ from services.common.server import (
     server_ports,
 )
 from services.common.tracing import TracingUnavailableError
-from services.engine.async_engine import AsyncEngine
+from services.engine.async_engine import AsyncEngine, EngineFront
 from services.engine.config import EngineConfig
+from services.engine.core_client import EngineCoreClient
 from services.engine.model_source import resolve
 from services.engine.weights.errors import ModelLoadError
 from services.worker.admin import AdminServicer, TraceCapture
@@ -59,7 +60,7 @@ class EngineService:
         self.name = name
         self.cfg = cfg
         self.ecfg = ecfg
-        self.engine: AsyncEngine | None = None
+        self.engine: EngineFront | None = None
         self.server: ServiceServer | None = None
         self.servicer: Any = None
         self.died: BaseException | None = None
@@ -141,13 +142,17 @@ class EngineService:
             t0 = time.monotonic()
             log.info("%s: loading %s on %s (stages follow)", self.name, self.ecfg.model or "the embedded default "
                      "model", self.ecfg.device)
-            self.engine = await asyncio.to_thread(AsyncEngine, self.ecfg)
+            if getattr(self.cfg, "engine_core", "thread") == "process":
+                self.engine = await EngineCoreClient.start(self.ecfg, self.name, current_config())
+                trace.remote, trace.remote_loop = self.engine.trace, asyncio.get_running_loop()
+            else:
+                self.engine = await asyncio.to_thread(AsyncEngine, self.ecfg)
             log.info("%s: engine up in %.1f s", self.name, time.monotonic() - t0)
             # The weight format is resolved while loading: replace the series set before (weight_format="pending").
             servicer.metrics.engine_info.clear()
             servicer.metrics.engine_info.labels(**self.ecfg.info_labels()).set(1)
             servicer.bind(self.engine)
-            trace.ranks = self.engine.engine.ranks  # a tensor-parallel instance's trace waits for every rank
+            trace.ranks = self.engine.ranks  # a tensor-parallel instance's trace waits for every rank
             initialise(servicer.metrics, model=(servicer.model,))  # every known series at 0 before SERVING
             self.engine.add_death_callback(partial(self._on_engine_death, asyncio.get_running_loop()))
             await self.stats()
@@ -206,8 +211,12 @@ def check_device(device: str) -> None:
 
 
 def preflight(cfg: ServerConfig, ecfg: EngineConfig) -> None:
-    """What can fail before the model loads, checked before it does: ports, model spec, device."""
+    """What can fail before the model loads, checked before it does: ports, model spec, device, and the
+    settings an engine-core process does not take."""
     check_ports(server_ports(cfg))
+    if getattr(cfg, "engine_core", "thread") == "process" and ecfg.tensor_parallel_size > 1:
+        raise StartupError("--engine-core process: not with --tensor-parallel-size > 1 (the ranks are driven "
+                           "from this process); use --engine-core thread")
     try:
         src = resolve(ecfg.model)
     except ModelLoadError as e:

@@ -20,6 +20,7 @@ from services.decode.config import DecodeConfig
 from services.decode.pushkv_wire import add_decode_servicer
 from services.decode.servicer import DecodeServicer
 from services.engine.async_engine import AsyncEngine
+from services.engine.core_client import EngineCoreClient
 from services.worker.engine_service import EngineDiedError, EngineService
 from tests.decode.kv_util import ecfg
 
@@ -49,8 +50,12 @@ async def decode_rig() -> AsyncIterator[Callable[..., Awaitable[Rig]]]:
 
     async def make(engine: dict | None = None, **cfg: object) -> Rig:
         registry = CollectorRegistry()
-        servicer = DecodeServicer(DecodeConfig(**{**SERVER, **cfg}), DecodeMetrics(registry), asyncio.Event())
-        servicer.bind(await asyncio.to_thread(AsyncEngine, ecfg(**(engine or {}))))
+        config = DecodeConfig(**{**SERVER, **cfg})
+        servicer = DecodeServicer(config, DecodeMetrics(registry), asyncio.Event())
+        if config.engine_core == "process":  # the step loop in an engine-core process of its own
+            servicer.bind(await EngineCoreClient.start(ecfg(**(engine or {})), "decode"))
+        else:
+            servicer.bind(await asyncio.to_thread(AsyncEngine, ecfg(**(engine or {}))))
         server = grpc.aio.server()
         add_decode_servicer(servicer, server)
         port = server.add_insecure_port("127.0.0.1:0")
@@ -65,7 +70,7 @@ async def decode_rig() -> AsyncIterator[Callable[..., Awaitable[Rig]]]:
         await rig.channel.close()
         await server.stop(None)
         await rig.servicer.close()
-        rig.servicer.engine.shutdown()
+        await asyncio.to_thread(rig.servicer.engine.shutdown)
 
 
 @dataclass
@@ -95,10 +100,10 @@ async def decode_service() -> AsyncIterator[Callable[..., Awaitable[Service]]]:
     """``await decode_service(**config_fields)``: EngineService("decode") running in-process until SERVING."""
     made: list[Service] = []
 
-    async def make(**cfg: object) -> Service:
+    async def make(engine: dict | None = None, **cfg: object) -> Service:
         config = DecodeConfig(**{**SERVER, **cfg})
         registry = CollectorRegistry()
-        svc = EngineService("decode", config, ecfg())
+        svc = EngineService("decode", config, ecfg(**(engine or {})))
         servicer = DecodeServicer(config, DecodeMetrics(registry), asyncio.Event())
         task = asyncio.create_task(svc.run(servicer, add_decode_servicer))
         for _ in range(200):

@@ -1,0 +1,247 @@
+"""The engine-core process: owns the device and the step loop of one service; its front (the grpc.aio
+process, :mod:`services.engine.core_client`) reaches it only through typed frames (:mod:`core_wire`).
+
+``python -m services.engine.core_process FD``: FD is this end of the socket pair the front made. The first
+frame is CONFIG; the model loads; HELLO (or FATAL, then exit 2) answers. Then two threads:
+
+* the main thread runs the :class:`~services.engine.async_engine.StepLoop`: commands between steps, one OUT
+  frame per step with every request's new tokens (and the step's record), a STATS frame when the figures
+  change (or every ``STATS_EVERY_S`` while idle);
+* the reader thread reads frames: ADD / RESERVE / IMPORT_DONE / ABORT become loop commands whose REPLY is
+  sent from the loop thread once they ran (after any outputs they made, so order holds); PAGES are written
+  into the pool on the reader thread beside the steps (the blocks belong to a reservation the engine does
+  not read until IMPORT_DONE), as a decode's worker thread does in-process; TRACE profiles this process on a
+  thread of its own.
+
+The channel closing (the front exited, or sent STOP) stops the loop and the process. SIGINT is ignored (a
+terminal's Ctrl-C reaches the front, which stops the core); SIGTERM stops it like STOP. A step loop that
+dies sends FATAL and exits ``EXIT_LOOP_DIED``: the front reports the engine dead at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import fields
+from typing import Any
+
+from services.common.logging import LoggingConfig, setup_logging
+from services.engine import core_wire as w
+from services.engine.async_engine import StepLoop
+from services.engine.block_manager import NoFreeBlocksError
+from services.engine.config import EngineConfig
+from services.engine.convert import layout_to_pb
+from services.engine.engine import LLMEngine, RequestOutput
+from services.engine.sampling_params import InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+EXIT_LOAD_FAILED = 2
+EXIT_LOOP_DIED = 3
+STATS_EVERY_S = 0.5
+"""Idle: the stats go out at least this often (seconds) though nothing changed (published_unix moves)."""
+
+
+def config_to_wire(cfg: EngineConfig) -> dict[str, Any]:
+    return {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.init}
+
+
+def error_to_wire(e: BaseException) -> list[Any]:
+    """[kind, message, field]: the refusals a front maps to statuses keep their type; anything else is internal."""
+    if isinstance(e, InvalidRequestError):
+        msg = str(e)
+        prefix = f"{e.field}: "
+        return ["invalid", msg[len(prefix):] if msg.startswith(prefix) else msg, e.field, e.code]
+    if isinstance(e, NoFreeBlocksError):
+        return ["no_blocks", str(e), "", ""]
+    if isinstance(e, ValueError):
+        return ["value", str(e), "", ""]
+    return ["internal", f"{type(e).__name__}: {e}", "", ""]
+
+
+class Core:
+    def __init__(self, chan: w.BlockingChannel, cfg: EngineConfig, engine: LLMEngine) -> None:
+        self.chan = chan
+        self.engine = engine
+        self._sent_stats: dict[str, float] = {}
+        self._sent_at = 0.0
+        self.loop: StepLoop | None = None
+        self.loop = StepLoop(engine, cfg, self._deliver, self._on_publish)
+        self._pages = None
+
+    # --- loop thread ---
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        steps = [[s.seconds, s.tokens, s.sequences, s.graphed] for s in self.loop.take_steps()]
+        if outputs or steps:
+            self.chan.send([w.OUT, [w.output_to_wire(o) for o in outputs], steps])
+
+    def _on_publish(self, s: dict[str, float]) -> None:
+        now = time.monotonic()
+        same = len(s) == len(self._sent_stats) and all(
+            k == "published_unix" or self._sent_stats.get(k) == v for k, v in s.items())
+        if same and now - self._sent_at < STATS_EVERY_S:
+            return
+        self._sent_stats, self._sent_at = s, now
+        self.chan.send([w.STATS, s, self.loop.step_start if self.loop is not None else 0.0])
+
+    def _reply(self, cid: int, fut: Any) -> None:
+        """A command's future is done (on the loop thread, or at once if it failed queued)."""
+        try:
+            value = fut.result()
+        except BaseException as e:
+            self.chan.send([w.REPLY, cid, False, error_to_wire(e)])
+        else:
+            self.chan.send([w.REPLY, cid, True, value])
+
+    def _submit(self, cid: int, fn: Any) -> None:
+        self.loop.submit(fn).add_done_callback(lambda f: self._reply(cid, f))
+
+    # --- commands (loop thread) ---
+
+    def _add(self, rid: str, ids: list[int], params: list[Any], detok: bool) -> None:
+        self.engine.add_request(rid, ids, w.params_from_wire(params), detok)
+
+    def _reserve(self, rid: str, ids: list[int], params: list[Any], detok: bool) -> list[Any]:
+        seq, num_cached = self.engine.add_kv_import(rid, ids, w.params_from_wire(params), detok)
+        return [num_cached, list(seq.block_table)]
+
+    def _import_done(self, rid: str, first: int, logprob: float | None, top: list[Any] | None) -> bool:
+        outputs = self.engine.kv_import_done(rid, first, logprob, w.top_from_wire(top))
+        if outputs is None:
+            return False
+        self._deliver(outputs)
+        return True
+
+    def _abort(self, rid: str) -> bool:
+        out = self.engine.abort(rid)
+        if out is not None:
+            self._deliver([out])
+        return out is not None
+
+    # --- reader thread ---
+
+    def _import_pages(self, cid: int, block_ids: list[int], fp8: bool, payload: bytearray) -> None:
+        from services.engine.kv_pages import pages_of
+
+        try:
+            pages_of(self.engine).import_payload(block_ids, payload, fp8)
+        except Exception as e:
+            self.chan.send([w.REPLY, cid, False, error_to_wire(e)])
+        else:
+            self.chan.send([w.REPLY, cid, True, None])
+
+    def _trace(self, cid: int, duration_s: float, path: str) -> None:
+        import torch
+
+        try:
+            activities = [torch.profiler.ProfilerActivity.CPU,
+                          *([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])]
+            with torch.profiler.profile(activities=activities) as prof:
+                time.sleep(duration_s)
+            prof.export_chrome_trace(path)
+        except Exception as e:
+            self.chan.send([w.REPLY, cid, False, error_to_wire(e)])
+        else:
+            self.chan.send([w.REPLY, cid, True, path])
+
+    def read(self) -> None:
+        """Frames until the channel closes or says STOP; then the loop stops."""
+        try:
+            while True:
+                frame = self.chan.recv()
+                if frame is None:
+                    return
+                msg, payload = frame
+                op = msg[0]
+                if op == w.STOP:
+                    return
+                cid = msg[1]
+                if op == w.ADD:
+                    self._submit(cid, lambda m=msg: self._add(*m[2:6]))
+                elif op == w.RESERVE:
+                    self._submit(cid, lambda m=msg: self._reserve(*m[2:6]))
+                elif op == w.IMPORT_DONE:
+                    self._submit(cid, lambda m=msg: self._import_done(*m[2:6]))
+                elif op == w.ABORT:
+                    self._submit(cid, lambda m=msg: self._abort(m[2]))
+                elif op == w.PAGES:
+                    self._import_pages(cid, msg[2], bool(msg[3]), payload)
+                elif op == w.TRACE:
+                    threading.Thread(target=self._trace, args=(cid, float(msg[2]), str(msg[3])),
+                                     name="pdserve-core-trace", daemon=True).start()
+                else:
+                    raise w.WireError(f"unknown frame type {op}")
+        except (OSError, w.WireError, IndexError, TypeError, ValueError) as e:
+            log.error("engine core: channel from the front failed (%s); stopping", e)
+        finally:
+            self.loop.stopping = True
+            self.loop.wake.set()
+
+
+def hello(engine: LLMEngine) -> list[Any]:
+    from services.engine.kv_pages import pages_of
+
+    dest = pages_of(engine).destination
+    return [w.HELLO, {
+        "pid": os.getpid(),
+        "model_id": engine.loaded.model_id,
+        "layout": layout_to_pb(engine.layout).SerializeToString(),
+        "layout_fingerprint": engine.layout.fingerprint,
+        "fp8_layout": layout_to_pb(engine.fp8_layout).SerializeToString(),
+        "fp8_layout_fingerprint": engine.fp8_layout.fingerprint,
+        "vocab_size": engine.vocab_size,
+        "max_model_len": engine.max_model_len,
+        "offered_pool": dest.SerializeToString() if dest is not None else None,
+    }]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or not args[0].isdigit():
+        print("usage: python -m services.engine.core_process FD (started by a service's front)", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sock = socket.socket(fileno=int(args[0]))
+    chan = w.BlockingChannel(sock)
+    first = chan.recv()
+    if first is None or first[0][0] != w.CONFIG:
+        print("engine core: the front sent no CONFIG frame", file=sys.stderr)
+        return 2
+    _, cfg_dict, service, log_level, log_format = first[0]
+    setup_logging(f"{service}-core", LoggingConfig(log_level=log_level, log_format=log_format))
+    try:
+        cfg = EngineConfig(**cfg_dict)
+        engine = LLMEngine(cfg)
+    except Exception as e:
+        log.debug("engine core: load failed", exc_info=True)
+        chan.send([w.FATAL, type(e).__name__, str(e)])
+        return EXIT_LOAD_FAILED
+    chan.send(hello(engine))
+    core = Core(chan, cfg, engine)
+    signal.signal(signal.SIGTERM, lambda *_: (setattr(core.loop, "stopping", True), core.loop.wake.set()))
+    reader = threading.Thread(target=core.read, name="pdserve-core-reader", daemon=True)
+    reader.start()
+    log.info("engine core: serving (pid %d)", os.getpid())
+    try:
+        core.loop.run()
+    except BaseException as e:
+        log.exception("engine loop died")
+        try:
+            chan.send([w.FATAL, type(e).__name__, f"engine loop died: {e!r}"])
+        except OSError:
+            pass
+        return EXIT_LOOP_DIED
+    finally:
+        core.loop.leave_share_group()
+        engine.runner.release()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
