@@ -57,6 +57,9 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shapes", default="1024x256,8192x256", help="INxOUT prompt/output tokens, comma-separated")
     p.add_argument("--concurrency", default="1,16,64,256,512")
     p.add_argument("--logprobs", default="off,on", help="off, on, or off,on")
+    p.add_argument("--engine-core", default="thread,process",
+                   help="served modes run with each decode --engine-core given (thread, process, or both); a "
+                        "process row's mode is named MODE/process")
     p.add_argument("--min-requests", type=int, default=4, help="requests per point: max(C, this)")
     p.add_argument("--max-prompt-tokens", type=int, default=600_000,
                    help="skip points whose requests carry more prompt tokens than this (8192x256 at C256/C512: "
@@ -169,18 +172,19 @@ def _skip(ns: argparse.Namespace, n_in: int, conc: int, deadline: float) -> str:
 
 # --- served phase ---
 
-def _cluster(mode: str, ns: argparse.Namespace) -> Any:
+def _cluster(mode: str, ns: argparse.Namespace, core: str = "thread") -> Any:
     from services.launcher import LocalCluster
 
     common = ["--device", "cuda", "--max-model-len", str(MAX_MODEL_LEN)]
     if mode == "colocated":
         return LocalCluster(prefill=0, decode=1, colocated=True, model=MODEL, dtype="bfloat16", kvstore=None,
-                            quiet=True, extra={"decode": common})
+                            quiet=True, extra={"decode": [*common, "--engine-core", core]})
     decode_util = round(0.9 - ns.prefill_utilization, 3)
     return LocalCluster(prefill=1, decode=1, model=MODEL, dtype="bfloat16", kvstore=None, quiet=True,
                         kv_transport="cuda-ipc",
                         extra={"prefill": [*common, "--gpu-memory-utilization", str(ns.prefill_utilization)],
-                               "decode": [*common, "--gpu-memory-utilization", str(decode_util)]})
+                               "decode": [*common, "--gpu-memory-utilization", str(decode_util),
+                                          "--engine-core", core]})
 
 
 def served_point(base: str, n_in: int, n_out: int, conc: int, lp: bool, ns: argparse.Namespace, tmp: Path,
@@ -205,11 +209,12 @@ def served_point(base: str, n_in: int, n_out: int, conc: int, lp: bool, ns: argp
                                                                                    "error": "no point"}
 
 
-def run_served(ns: argparse.Namespace, mode: str, tmp: Path) -> list[dict[str, Any]]:
+def run_served(ns: argparse.Namespace, mode: str, tmp: Path, core: str = "thread") -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
+    name = mode if core == "thread" else f"{mode}/{core}"
     if time.monotonic() > ns.deadline:
-        return [{"mode": mode, "skipped": "time budget"}]
-    cluster = _cluster(mode, ns)
+        return [{"mode": name, "skipped": "time budget"}]
+    cluster = _cluster(mode, ns, core)
     log(f"starting {mode} ...")
     cluster.start(300.0)
     try:
@@ -217,11 +222,11 @@ def run_served(ns: argparse.Namespace, mode: str, tmp: Path) -> list[dict[str, A
         for n_in, n_out in ns.shapes_l:
             for lp in ns.lp_l:
                 for conc in ns.conc_l:
-                    key = {"mode": mode, "shape": f"{n_in}x{n_out}", "logprobs": lp, "concurrency": conc}
+                    key = {"mode": name, "shape": f"{n_in}x{n_out}", "logprobs": lp, "concurrency": conc}
                     if skip := _skip(ns, n_in, conc, ns.deadline):
                         rows.append({**key, "skipped": skip})
                         continue
-                    label = f"{mode}-{n_in}x{n_out}-lp{int(lp)}"
+                    label = f"{mode}-{core}-{n_in}x{n_out}-lp{int(lp)}"
                     rows.append({**key, **served_point(base, n_in, n_out, conc, lp, ns, tmp, label)})
     finally:
         cluster.stop()
@@ -269,22 +274,23 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run(cmd, check=False)
             result["engine"] = json.loads(child.read_text()) if child.exists() else {"error": "engine phase failed"}
         for mode in ("colocated", "1p1d"):
-            if mode in ns.modes_l:
-                try:
-                    result["served"].extend(run_served(ns, mode, tmp))
-                except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
-                    result["served"].append({"mode": mode, "error": str(e)[-2000:]})
+            for core in ns.engine_core.split(","):
+                if mode in ns.modes_l:
+                    try:
+                        result["served"].extend(run_served(ns, mode, tmp, core))
+                    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+                        result["served"].append({"mode": f"{mode}/{core}", "error": str(e)[-2000:]})
     result["summary"] = summarize(result)
     result["wall_s"] = time.monotonic() - t0
     path = out / "h200_served.json"
     path.write_text(json.dumps(result, indent=1))
     log(f"wrote {path}")
-    print(f"{'mode':10s} {'shape':9s} {'C':>4s} {'lp':>3s} {'served':>8s} {'engine':>8s} {'ratio':>6s} "
+    print(f"{'mode':17s} {'shape':9s} {'C':>4s} {'lp':>3s} {'served':>8s} {'engine':>8s} {'ratio':>6s} "
           f"{'TTFT50':>7s} {'TTFT90':>7s} {'TPOT50':>7s} fail")
     for r in result["summary"]:
         ratio = f"{r['served_over_engine']:.2f}" if r["served_over_engine"] else "-"
         eng = f"{r['engine_tok_s']:.0f}" if r["engine_tok_s"] else "-"
-        print(f"{r['mode']:10s} {r['shape']:9s} {r['concurrency']:4d} {int(r['logprobs']):3d} {r['served_tok_s']:8.0f} "
+        print(f"{r['mode']:17s} {r['shape']:9s} {r['concurrency']:4d} {int(r['logprobs']):3d} {r['served_tok_s']:8.0f} "
               f"{eng:>8s} {ratio:>6s} {r['ttft_p50_s'] * 1e3:7.0f} {r['ttft_p90_s'] * 1e3:7.0f} "
               f"{r['tpot_p50_s'] * 1e3:7.1f} {r['failed']}")
     for p in result.get("engine", {}).get("points", []):

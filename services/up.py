@@ -47,6 +47,7 @@ from services.common.lease import LeaseConfig
 from services.common.logging import LoggingConfig
 from services.common.server import port_problem
 from services.common.tls import make_certs
+from services.decode.config import DecodeConfig
 from services.engine.model_settings import CompileDecodeConfig, DeviceConfig, DtypeConfig, ModelConfig
 from services.engine.model_source import resolve
 from services.engine.weights.errors import ModelLoadError
@@ -60,7 +61,7 @@ from services.router.config import RouterConfig
 # config file reach the services directly).
 _FORWARD: dict[str, tuple[str, ...]] = {
     "served_model_name": ("router",), "policy": ("router",), "lease_ms": ("router", "decode"),
-    "access_log": ("router",),
+    "access_log": ("router",), "engine_core": ("decode",),
     "max_model_len": ("router", "prefill", "decode"), "device": ("prefill", "decode"), "log_level": ("router", "prefill", "decode", "kvstore"),
 }
 
@@ -105,6 +106,8 @@ class UpConfig:
     policy: str = reuse(RouterConfig, "policy", group=_SERVING)
     lease_ms: int = reuse(LeaseConfig, "lease_ms", group=_SERVING)
     access_log: bool = reuse(RouterConfig, "access_log", group=_SERVING)
+    engine_core: str = reuse(DecodeConfig, "engine_core", group=_SERVING)
+    """Every decode's and colocated worker's --engine-core (prefill engines run on a thread of their service)."""
     log_level: str = reuse(LoggingConfig, "log_level", group=_SERVING)
     host: str = opt("127.0.0.1", "Address every service binds (gRPC, metrics, the router's HTTP); 0.0.0.0 "
                                  "exposes internal RPCs to the network (mTLS guards them unless --insecure-internal).",

@@ -317,13 +317,14 @@ class EngineFront:
         for sub, outs in grouped.values():
             sub.queue.put_nowait(StepBatch(outs))
 
-    def _die(self, e: BaseException) -> None:
-        """The loop died (any thread): every open stream gets ``e``, the death callbacks run once."""
+    def _die(self, e: BaseException, *, stopped: bool = False) -> None:
+        """The loop died (any thread): every open stream gets ``e``, the death callbacks run once (not when
+        the loop was ``stopped`` by the service's own shutdown)."""
         with self._death_lock:
             if self._dead is not None:
                 return
             self._dead = e
-            callbacks = list(self._death_callbacks)
+            callbacks = [] if stopped else list(self._death_callbacks)
         targets = {id(route): (loop, route) for loop, route in list(self._streams.values())}
         for loop, route in targets.values():
             q = route.queue if isinstance(route, StepSubscriber) else route

@@ -94,6 +94,8 @@ class EngineCoreClient(EngineFront):
         self._published: dict[str, float] = {}
         self._step_start = 0.0
         self._steps: list[StepRecord] = []
+        self.busy_s = 0.0
+        """Seconds the core's step loop has spent in steps (the sum of the step records it sent)."""
         self._stopping_now = False
         self._fatal: str | None = None
         self._loop = asyncio.get_running_loop()
@@ -177,7 +179,8 @@ class EngineCoreClient(EngineFront):
             log.exception("engine core channel: bad frame")
             why = e
         rc = await asyncio.to_thread(_wait_exit, self.proc, 5.0)
-        if self._stopping_now and self._fatal is None:
+        stopped = self._stopping_now and self._fatal is None
+        if stopped:
             err: BaseException = EngineDeadError("engine core stopped")
         else:
             detail = self._fatal or (f"channel failed: {why}" if why is not None else "channel closed")
@@ -187,14 +190,16 @@ class EngineCoreClient(EngineFront):
             if not fut.done():
                 fut.set_exception(err)
         self._pending.clear()
-        self._die(err)
+        self._die(err, stopped=stopped)
 
     def _dispatch(self, body: list[Any]) -> None:
         kind = body[0]
         if kind == w.OUT:
             outputs = [w.output_from_wire(v) for v in body[1]]
             if body[2]:
-                self._steps.extend(StepRecord(*s) for s in body[2])
+                records = [StepRecord(*s) for s in body[2]]
+                self.busy_s += sum(r.seconds for r in records)
+                self._steps.extend(records)
                 if len(self._steps) > STEP_RECORDS_KEPT:
                     del self._steps[:-STEP_RECORDS_KEPT]
             if outputs:

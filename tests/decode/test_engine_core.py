@@ -149,7 +149,7 @@ async def test_a_core_stopped_cleanly_exits_zero_and_refuses_further_commands(de
 
 
 def test_what_the_core_does_not_take_is_refused_in_one_line():
-    with pytest.raises(ConfigError, match="--engine-core.*not with --kv-mooncake-host"):
+    with pytest.raises(ConfigError, match=r"--engine-core.*not with --kv-mooncake-host"):
         DecodeConfig(**SERVER, engine_core="process", kv_mooncake_host="127.0.0.1")
     with pytest.raises(StartupError, match="--engine-core process: not with --tensor-parallel-size"):
         preflight(DecodeConfig(**SERVER, engine_core="process"), ecfg(tensor_parallel_size=2))
