@@ -187,6 +187,53 @@ def _cluster(mode: str, ns: argparse.Namespace, core: str = "thread") -> Any:
                                           "--engine-core", core]})
 
 
+_ROLES = (("core_process", "engine core"), ("services.router", "router"), ("services.decode", "decode front"),
+          ("services.prefill", "prefill"), ("bench", "client"))
+
+
+def _tree_cpu() -> dict[int, tuple[str, float]]:
+    """pid -> (role, CPU seconds so far) of every process below this one whose command names a role."""
+    tck = os.sysconf("SC_CLK_TCK")
+    parent: dict[int, int] = {}
+    info: dict[int, tuple[str, float]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        pid = int(d)
+        parent[pid] = int(fields[1])
+        role = next((r for key, r in _ROLES if key in cmd), "")
+        if role:
+            info[pid] = (role, (int(fields[11]) + int(fields[12])) / tck)
+    me = os.getpid()
+
+    def below(pid: int) -> bool:
+        for _ in range(64):
+            pid = parent.get(pid, 0)
+            if pid == me:
+                return True
+            if pid <= 1:
+                return False
+        return False
+
+    return {pid: v for pid, v in info.items() if below(pid)}
+
+
+def _cores_by_role(first: dict[int, tuple[str, float]], last: dict[int, tuple[str, float]], wall: float
+                   ) -> dict[str, float]:
+    """Cores each role used over ``wall`` seconds (CPU seconds between the first and last sight of each pid)."""
+    out: dict[str, float] = {}
+    for pid, (role, cpu) in last.items():
+        out[role] = out.get(role, 0.0) + (cpu - first.get(pid, (role, 0.0 if role == "client" else cpu))[1]) / wall
+    return {k: round(v, 3) for k, v in sorted(out.items())}
+
+
 def served_point(base: str, n_in: int, n_out: int, conc: int, lp: bool, ns: argparse.Namespace, tmp: Path,
                  label: str) -> dict[str, Any]:
     """One `pdserve bench serve` point: max(C, --min-requests) requests at concurrency C; its report's point."""
@@ -197,16 +244,27 @@ def served_point(base: str, n_in: int, n_out: int, conc: int, lp: bool, ns: argp
            "--num-gpus", "1", "--no-progress", "--no-plots", "--tokenizer", BENCH_TOKENIZER, "--label", label, "--out", str(d),
            *(["--logprobs"] if lp else [])]
     log(" ".join(cmd[2:]))
-    try:
-        subprocess.run(cmd, check=False, timeout=max(60.0, ns.deadline - time.monotonic() + 180))
-    except subprocess.TimeoutExpired:
-        return {"concurrency": conc, "error": "bench serve timed out"}
+    first, t0 = _tree_cpu(), time.monotonic()
+    last = dict(first)
+    proc = subprocess.Popen(cmd)
+    limit = t0 + max(60.0, ns.deadline - time.monotonic() + 180)
+    while proc.poll() is None:  # sample every process of the tree (the client's CPU is seen only while it runs)
+        if time.monotonic() > limit:
+            proc.kill()
+            proc.wait()
+            return {"concurrency": conc, "error": "bench serve timed out"}
+        last.update(_tree_cpu())
+        time.sleep(0.5)
+    cores = _cores_by_role(first, last, time.monotonic() - t0)
+    log(f"cores used over the point: {cores}")
     report = d / "report.json"
     if not report.exists():
         return {"concurrency": conc, "error": "bench serve wrote no report"}
     servers = json.loads(report.read_text())["servers"]
-    return dict(servers[0]["points"][0]) if servers and servers[0]["points"] else {"concurrency": conc,
-                                                                                   "error": "no point"}
+    point = dict(servers[0]["points"][0]) if servers and servers[0]["points"] else {"concurrency": conc,
+                                                                                    "error": "no point"}
+    point["cores_by_role"] = cores
+    return point
 
 
 def run_served(ns: argparse.Namespace, mode: str, tmp: Path, core: str = "thread") -> list[dict[str, Any]]:
