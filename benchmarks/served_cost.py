@@ -67,10 +67,24 @@ def prompts_for(c: int, length: int, salt: int) -> list[list[int]]:
     return [[(salt * 7919 + i * 131 + j * 17) % 250 + 3 for j in range(length)] for i in range(c)]
 
 
+def engine_core_pid(pid: int) -> int | None:
+    """The engine-core process below service ``pid`` (``--engine-core process``), or None."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children") as f:
+            for child in f.read().split():
+                with open(f"/proc/{child}/cmdline", "rb") as g:
+                    if b"services.engine.core_process" in g.read():
+                        return int(child)
+    return None
+
+
 def measure_served(c: LocalCluster, names: list[str], model: str, conc: int, a: argparse.Namespace
                    ) -> dict[str, float]:
     http = c.router["http"]
     pids = {n: c.get(n).popen.pid for n in names}  # type: ignore[union-attr]
+    core = engine_core_pid(pids[names[1]])
+    if core is not None:
+        pids["core-0"] = core
     burst(http, model, prompts_for(conc, a.prompt_len, 0), a.max_tokens)  # warm at this concurrency
     cpu0 = {n: process_cpu_s(p) for n, p in pids.items()}
     t0 = time.perf_counter()
@@ -108,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="Measured bursts per concurrency.")
     ap.add_argument("--colocated", action="store_true", help="One colocated worker (else 1 prefill + 1 decode).")
     ap.add_argument("--modes", default=",".join(DECODE_STREAMS), help="--decode-stream values, in this order.")
+    ap.add_argument("--engine-core", default="thread", help="decode --engine-core values, in this order "
+                    "(thread, process): each with every --modes value")
     ap.add_argument("--no-in-process", action="store_true", help="Skip the in-process engine rows.")
     a = ap.parse_args(argv)
     # The in-process engine runs in this process: its OpenMP workers sleep when idle, as the services' do.
@@ -117,29 +133,32 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {a.model}, {'colocated' if a.colocated else '1P1D'}, prompt {a.prompt_len}, "
           f"output {a.max_tokens}, rounds {a.rounds}, load {os.getloadavg()}")
     rows: dict[tuple[str, int], dict[str, float]] = {}
-    for mode in a.modes.split(","):
-        extra = {"router": ["--decode-stream", mode]}
+    modes = [f"{m}/{core}" for core in a.engine_core.split(",") for m in a.modes.split(",")]
+    for label in modes:
+        mode, core = label.split("/")
+        extra = {"router": ["--decode-stream", mode], "decode": ["--engine-core", core]}
         with LocalCluster(prefill=0 if a.colocated else 1, decode=1, kvstore=None, colocated=a.colocated,
                           model=a.model, extra=extra, quiet=True) as c:
             model = served_model(c.router["http"])
             for conc in concs:
-                rows[(mode, conc)] = r = measure_served(c, names, model, conc, a)
-                print(json.dumps({"decode_stream": mode, "concurrency": conc, **{k: round(v, 1) for k, v in r.items()}}),
-                      flush=True)
+                rows[(label, conc)] = r = measure_served(c, names, model, conc, a)
+                print(json.dumps({"decode_stream": mode, "engine_core": core, "concurrency": conc,
+                                  **{k: round(v, 1) for k, v in r.items()}}), flush=True)
     engine = {} if a.no_in_process else {conc: measure_in_process(a.model, conc, a) for conc in concs}
     role = "worker" if a.colocated else "decode"
-    print(f"\n| C | --decode-stream | served tok/s | x in-process | router µs/token | {role} µs/token"
-          + ("" if a.colocated else " | prefill µs/token") + " |")
-    print("|---|---|---|---|---|---|" + ("" if a.colocated else "---|"))
+    print(f"\n| C | --decode-stream / --engine-core | served tok/s | x in-process | router µs/token | {role} "
+          "(front) µs/token | engine core µs/token" + ("" if a.colocated else " | prefill µs/token") + " |")
+    print("|---|---|---|---|---|---|---|" + ("" if a.colocated else "---|"))
     for conc in concs:
-        for mode in a.modes.split(","):
+        for mode in modes:
             r = rows[(mode, conc)]
             ratio = f"{r['tok_s'] / engine[conc]:.2f}" if conc in engine else "-"
+            core_us = f"{r['core_us_per_token']:.0f}" if "core_us_per_token" in r else "-"
             line = (f"| {conc} | {mode} | {r['tok_s']:.0f} | {ratio} | {r['router_us_per_token']:.0f} | "
-                    f"{r[f'{role}_us_per_token']:.0f} |")
+                    f"{r[f'{role}_us_per_token']:.0f} | {core_us} |")
             print(line + ("" if a.colocated else f" {r['prefill_us_per_token']:.0f} |"))
         if conc in engine:
-            print(f"| {conc} | in-process engine | {engine[conc]:.0f} | 1.00 | - | - |" + ("" if a.colocated else " - |"))
+            print(f"| {conc} | in-process engine | {engine[conc]:.0f} | 1.00 | - | - | - |" + ("" if a.colocated else " - |"))
     return 0
 
 

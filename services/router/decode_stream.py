@@ -100,6 +100,24 @@ class _Connection:
             self.open.clear()
 
 
+def _coalesce(first: common_pb2.GenerateResponse, q: asyncio.Queue[Item]
+              ) -> tuple[common_pb2.GenerateResponse, grpc.aio.AioRpcError | None]:
+    """``first`` and every message queued behind it as one message (token ids, logprobs and alternatives in
+    order; the finish reason and usage of the last), and the error that ended the queue, if one did. A
+    consumer that fell behind (a busy router) catches up in one pass and one client write instead of one per
+    step: its cost per token falls as its lag grows."""
+    merged = common_pb2.GenerateResponse()
+    merged.MergeFrom(first)
+    while not q.empty():
+        nxt = q.get_nowait()
+        if isinstance(nxt, grpc.aio.AioRpcError):
+            return merged, nxt
+        merged.MergeFrom(nxt)
+        if nxt.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+            break
+    return merged, None
+
+
 class DecodeStreams:
     """The token stream to one decode instance (opened on first use, reopened after it breaks)."""
 
@@ -135,9 +153,14 @@ class DecodeStreams:
                 item = await q.get()
                 if isinstance(item, grpc.aio.AioRpcError):
                     raise item
+                ended: grpc.aio.AioRpcError | None = None
+                if not q.empty() and item.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
+                    item, ended = _coalesce(item, q)
                 yield item
                 if item.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     return
+                if ended is not None:
+                    raise ended
         finally:
             if timer is not None:
                 timer.cancel()

@@ -35,3 +35,8 @@ print("samples", tot)
 for fn, n in c.most_common(45): print(f"{100*n/tot:5.1f}% {fn}")
 PY
 done
+# The async-scheduling probe after the padding-row fix (the CUDA-graph variants asserted before it).
+for v in graphs-greedy graphs-greedy-lp graphs-mixed; do
+  CUDA_LAUNCH_BLOCKING=1 timeout 120 python3 -m benchmarks.async_cuda_probe "$v" > "$OUT/probe-$v.log" 2>&1
+  grep RESULT "$OUT/probe-$v.log" || { echo "$v: no result"; tail -5 "$OUT/probe-$v.log"; }
+done
