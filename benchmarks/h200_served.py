@@ -57,6 +57,8 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shapes", default="1024x256,8192x256", help="INxOUT prompt/output tokens, comma-separated")
     p.add_argument("--concurrency", default="1,16,64,256,512")
     p.add_argument("--logprobs", default="off,on", help="off, on, or off,on")
+    p.add_argument("--async-scheduling", default="off", choices=("off", "on"),
+                   help="every engine's --async-scheduling (the in-process engine's and the served decodes')")
     p.add_argument("--engine-core", default="thread,process",
                    help="served modes run with each decode --engine-core given (thread, process, or both); a "
                         "process row's mode is named MODE/process")
@@ -134,7 +136,8 @@ def run_engine_phase(ns: argparse.Namespace, deadline: float) -> dict[str, Any]:
 
     out: dict[str, Any] = {"ceiling": ceiling(), "points": []}
     log(f"copy ceiling {out['ceiling']['copy_GBps']:.0f} GB/s")
-    engine = LLMEngine(EngineConfig(model=MODEL, dtype="bfloat16", device="cuda", max_model_len=MAX_MODEL_LEN))
+    engine = LLMEngine(EngineConfig(model=MODEL, dtype="bfloat16", device="cuda", max_model_len=MAX_MODEL_LEN,
+                                    async_scheduling=ns.async_scheduling))
     weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
     kv_token = engine.runner.bytes_per_block // engine.config.block_size
     out["engine"] = {"weight_bytes": weights, "kv_bytes_per_token": kv_token, "kv_pages": engine.runner.num_blocks,
@@ -175,7 +178,7 @@ def _skip(ns: argparse.Namespace, n_in: int, conc: int, deadline: float) -> str:
 def _cluster(mode: str, ns: argparse.Namespace, core: str = "thread") -> Any:
     from services.launcher import LocalCluster
 
-    common = ["--device", "cuda", "--max-model-len", str(MAX_MODEL_LEN)]
+    common = ["--device", "cuda", "--max-model-len", str(MAX_MODEL_LEN), "--async-scheduling", ns.async_scheduling]
     if mode == "colocated":
         return LocalCluster(prefill=0, decode=1, colocated=True, model=MODEL, dtype="bfloat16", kvstore=None,
                             quiet=True, extra={"decode": [*common, "--engine-core", core]})
@@ -327,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             child = tmp / "engine.json"
             cmd = [sys.executable, __file__, "--engine-child", str(child), "--shapes", ns.shapes, "--concurrency",
                    ns.concurrency, "--logprobs", ns.logprobs, "--min-requests", str(ns.min_requests),
-                   "--max-prompt-tokens", str(ns.max_prompt_tokens),
+                   "--max-prompt-tokens", str(ns.max_prompt_tokens), "--async-scheduling", ns.async_scheduling,
                    "--budget-s", str(max(1.0, ns.deadline - time.monotonic()))]
             subprocess.run(cmd, check=False)
             result["engine"] = json.loads(child.read_text()) if child.exists() else {"error": "engine phase failed"}
