@@ -237,8 +237,46 @@ def _cores_by_role(first: dict[int, tuple[str, float]], last: dict[int, tuple[st
     return {k: round(v, 3) for k, v in sorted(out.items())}
 
 
+_STEP_SERIES = ("engine_step_seconds_sum", "engine_step_seconds_count", "engine_step_tokens_sum",
+                "engine_step_sequences_sum", "engine_busy_seconds_total")
+
+
+def _decode_steps(metrics_addr: str) -> dict[str, float]:
+    """The decode engine's step series (sums over labels) from its /metrics, graphed steps apart."""
+    import urllib.request
+
+    out: dict[str, float] = {}
+    try:
+        text = urllib.request.urlopen(f"http://{metrics_addr}/metrics", timeout=10).read().decode()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        if not line.startswith("pdserve_decode_engine_"):
+            continue
+        name, _, value = line.rpartition(" ")
+        base = name.split("{")[0][len("pdserve_decode_"):]
+        if base == "engine_steps_total":
+            base += "_graphed" if 'cuda_graph="graphed"' in name else "_eager"
+        elif base not in _STEP_SERIES:
+            continue
+        out[base] = out.get(base, 0.0) + float(value)
+    return out
+
+
+def _step_summary(before: dict[str, float], after: dict[str, float], wall: float) -> dict[str, float]:
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    steps = d.get("engine_step_seconds_count", 0.0)
+    if not steps:
+        return {}
+    return {"steps": steps, "step_ms_mean": 1e3 * d["engine_step_seconds_sum"] / steps,
+            "tokens_per_step": d.get("engine_step_tokens_sum", 0.0) / steps,
+            "rows_per_step": d.get("engine_step_sequences_sum", 0.0) / steps,
+            "graphed_share": d.get("engine_steps_total_graphed", 0.0) / steps,
+            "busy_ratio": d.get("engine_busy_seconds_total", 0.0) / wall}
+
+
 def served_point(base: str, n_in: int, n_out: int, conc: int, lp: bool, ns: argparse.Namespace, tmp: Path,
-                 label: str) -> dict[str, Any]:
+                 label: str, decode_metrics: str = "") -> dict[str, Any]:
     """One `pdserve bench serve` point: max(C, --min-requests) requests at concurrency C; its report's point."""
     d = tmp / f"{label}-c{conc}"
     cmd = [sys.executable, "-m", "services.cli", "bench", "serve", "--base-url", base, "--api", "completions",
@@ -247,6 +285,7 @@ def served_point(base: str, n_in: int, n_out: int, conc: int, lp: bool, ns: argp
            "--num-gpus", "1", "--no-progress", "--no-plots", "--tokenizer", BENCH_TOKENIZER, "--label", label, "--out", str(d),
            *(["--logprobs"] if lp else [])]
     log(" ".join(cmd[2:]))
+    steps0 = _decode_steps(decode_metrics) if decode_metrics else {}
     first, t0 = _tree_cpu(), time.monotonic()
     last = dict(first)
     proc = subprocess.Popen(cmd)
@@ -258,8 +297,13 @@ def served_point(base: str, n_in: int, n_out: int, conc: int, lp: bool, ns: argp
             return {"concurrency": conc, "error": "bench serve timed out"}
         last.update(_tree_cpu())
         time.sleep(0.5)
-    cores = _cores_by_role(first, last, time.monotonic() - t0)
+    wall = time.monotonic() - t0
+    cores = _cores_by_role(first, last, wall)
     log(f"cores used over the point: {cores}")
+    if decode_metrics:
+        time.sleep(1.2)  # the service observes its step records when it reads its stats (every second)
+    steps = _step_summary(steps0, _decode_steps(decode_metrics), wall) if decode_metrics else {}
+    log(f"decode engine steps over the point: {steps}")
     report = d / "report.json"
     if not report.exists():
         return {"concurrency": conc, "error": "bench serve wrote no report"}
@@ -267,6 +311,7 @@ def served_point(base: str, n_in: int, n_out: int, conc: int, lp: bool, ns: argp
     point = dict(servers[0]["points"][0]) if servers and servers[0]["points"] else {"concurrency": conc,
                                                                                     "error": "no point"}
     point["cores_by_role"] = cores
+    point["decode_steps"] = steps
     return point
 
 
@@ -280,6 +325,8 @@ def run_served(ns: argparse.Namespace, mode: str, tmp: Path, core: str = "thread
     cluster.start(300.0)
     try:
         base = f"http://{cluster.router['http']}/v1"
+        dec = next((p for p in cluster.procs if p.name == ("worker-0" if mode == "colocated" else "decode-0")), None)
+        decode_metrics = dec.ready.get("metrics", "") if dec is not None else ""
         for n_in, n_out in ns.shapes_l:
             for lp in ns.lp_l:
                 for conc in ns.conc_l:
@@ -288,7 +335,8 @@ def run_served(ns: argparse.Namespace, mode: str, tmp: Path, core: str = "thread
                         rows.append({**key, "skipped": skip})
                         continue
                     label = f"{mode}-{core}-{n_in}x{n_out}-lp{int(lp)}"
-                    rows.append({**key, **served_point(base, n_in, n_out, conc, lp, ns, tmp, label)})
+                    rows.append({**key, **served_point(base, n_in, n_out, conc, lp, ns, tmp, label,
+                                                             decode_metrics)})
     finally:
         cluster.stop()
     return rows
