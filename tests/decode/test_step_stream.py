@@ -159,3 +159,26 @@ async def test_a_reservation_ended_by_abort_fails_its_entry_cancelled(decode_rig
     assert err is not None and err.code() == grpc.StatusCode.CANCELLED
     assert (await idle(rig.engine))["free_blocks"] == base["free_blocks"] and len(rig.servicer.table) == 0
     await streams.close()
+
+
+async def test_a_reader_that_fell_behind_gets_what_was_queued_as_one_message_in_order(decode_rig):
+    rig = await decode_rig(mode="colocated")
+    req = colocated(7, 40, ignore_eos=True, logprobs=True, top_logprobs=2)
+    alone, reason, out = await generate(rig.stub, req)
+    assert out.code == grpc.StatusCode.OK and len(alone) == 40
+    streams = DecodeStreams(rig.channel, "rig")
+    msgs: list[common_pb2.GenerateResponse] = []
+    async with contextlib.aclosing(streams.generate(req, timeout_s=60)) as g:
+        msgs.append(await anext(g))
+        for _ in range(200):  # fall behind until the request finished on decode
+            if rig.servicer.generating == 0 and (await rig.engine.stats())["running"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        msgs += [m async for m in g]
+    await streams.close()
+    tokens = [t for m in msgs for t in m.token_ids]
+    assert tokens == alone
+    assert len(msgs) < len(tokens)  # what was queued behind the reader came as one message
+    assert len([lp for m in msgs for lp in m.logprobs]) == len([t for m in msgs for t in m.top_logprobs]) == 40
+    assert [m.finish_reason for m in msgs[:-1]] == [0] * (len(msgs) - 1) and msgs[-1].finish_reason == reason
+    assert msgs[-1].usage.completion_tokens == 40
