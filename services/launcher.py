@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.config import env_name
+from services.common.server import is_loopback
 from services.engine.core_share import CoreShareError, create_group, remove_group
 from services.engine.cpu_features import engine_cpu_args, quiet_openmp_env
 from services.process import RestartPolicy, ServiceProc, emit, exit_text, parse_ready
@@ -154,9 +155,13 @@ class LocalCluster:
         return args
 
     def tls_args(self, module: str) -> list[str]:
+        """The role's certificate flags; without ``tls_dir``, --insecure-internal on a host other than loopback
+        (a service refuses to serve plaintext there unless told)."""
         role = _ROLE.get(module)
-        if self.tls_dir is None or role is None:
+        if role is None:
             return []
+        if self.tls_dir is None:
+            return [] if is_loopback(self.host) else ["--insecure-internal"]
         d = self.tls_dir
         return ["--tls-cert", str(d / f"{role}.pem"), "--tls-key", str(d / f"{role}-key.pem"),
                 "--tls-ca", str(d / "ca.pem")]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import inspect
+import ipaddress
 import logging
 import os
 import signal
@@ -69,6 +70,11 @@ class ServerConfig(TLSConfig):
     instance: str = opt("", "Instance name in logs and traces (e.g. the pod name); empty: host:port.")
     trace_dir: str = opt("", "Directory Admin.CaptureTrace writes under (one sub-directory per capture "
                              "session); empty: <system temp>/pdserve-traces.")
+    insecure_internal: bool = opt(False, "Serve gRPC without TLS on a --host other than loopback: its RPCs "
+                                         "(internal ones included: Prefill, Reserve, PushKV, kvstore Put/Get, "
+                                         "Admin) then answer anyone who reaches the address. Without it such a "
+                                         "--host needs --tls-cert/--tls-key/--tls-ca; a loopback host serves "
+                                         "local processes either way.")
     parent_pid: int = opt(0, "Shut down (draining as on SIGTERM) once the process with this pid is no longer "
                              "this service's parent, i.e. the launcher that started it died, even by SIGKILL; "
                              "`pdserve up` passes its own pid. 0: off.")
@@ -83,6 +89,23 @@ class ServerConfig(TLSConfig):
         require(self.drain_timeout_s >= 0, self, "drain_timeout_s", f"must be >= 0, got {self.drain_timeout_s}")
         require(self.grace_s >= 0, self, "grace_s", f"must be >= 0, got {self.grace_s}")
         require(self.parent_pid >= 0, self, "parent_pid", f"must be >= 0, got {self.parent_pid}")
+        require(self.tls_enabled or self.insecure_internal or is_loopback(self.host), self, "host",
+                f"{self.host}: not loopback and no TLS: every RPC of this service (internal ones included) would "
+                "answer anyone who reaches it; give --tls-cert/--tls-key/--tls-ca (mTLS), or --insecure-internal "
+                "to serve plaintext knowingly")
+        require(not (self.insecure_internal and self.tls_enabled), self, "insecure_internal",
+                "give --insecure-internal or --tls-cert/--tls-key/--tls-ca, not both")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether bind address ``host`` is reachable from this host only (127.0.0.0/8, ::1, localhost)."""
+    h = host.strip("[]")
+    if h == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
 
 
 class StartupError(OperatorError, RuntimeError):
