@@ -247,8 +247,10 @@ def _decode_steps(metrics_addr: str) -> dict[str, float]:
 
     out: dict[str, float] = {}
     try:
-        text = urllib.request.urlopen(f"http://{metrics_addr}/metrics", timeout=10).read().decode()
-    except OSError:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never a proxy
+        text = opener.open(f"http://{metrics_addr}/metrics", timeout=10).read().decode()
+    except OSError as e:
+        log(f"decode metrics at {metrics_addr}: {e}")
         return out
     for line in text.splitlines():
         if not line.startswith("pdserve_decode_engine_"):
