@@ -72,9 +72,12 @@ def engine_core_pid(pid: int) -> int | None:
     for tid in os.listdir(f"/proc/{pid}/task"):
         with open(f"/proc/{pid}/task/{tid}/children") as f:
             for child in f.read().split():
-                with open(f"/proc/{child}/cmdline", "rb") as g:
-                    if b"services.engine.core_process" in g.read():
-                        return int(child)
+                try:
+                    with open(f"/proc/{child}/cmdline", "rb") as g:
+                        if b"services.engine.core_process" in g.read():
+                            return int(child)
+                except OSError:  # the child exited meanwhile
+                    continue
     return None
 
 

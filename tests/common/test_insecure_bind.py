@@ -28,7 +28,7 @@ def test_tls_on_any_host_and_the_flag_with_tls_is_refused(tmp_path):
     tls = dict(tls_cert=str(tmp_path / "decode.pem"), tls_key=str(tmp_path / "decode-key.pem"),
                tls_ca=str(tmp_path / "ca.pem"))
     assert ServerConfig(host="0.0.0.0", **tls).tls_enabled
-    with pytest.raises(ConfigError, match="insecure-internal.*not both"):
+    with pytest.raises(ConfigError, match=r"insecure-internal.*not both"):
         ServerConfig(host="0.0.0.0", insecure_internal=True, **tls)
 
 

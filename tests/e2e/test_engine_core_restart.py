@@ -14,24 +14,12 @@ import time
 
 import pytest
 
+from benchmarks.served_cost import engine_core_pid
 from services.launcher import LocalCluster, RestartPolicy, served_model
 from tests.e2e.cluster_util import metric_sum, post_json
 from tests.process_util import alive
 
 KV = ["--kv-cache-bytes", str(96 << 20)]
-
-
-def _core_pid(worker_pid: int) -> int | None:
-    for tid in os.listdir(f"/proc/{worker_pid}/task"):
-        with open(f"/proc/{worker_pid}/task/{tid}/children") as f:
-            for child in f.read().split():
-                try:
-                    with open(f"/proc/{child}/cmdline", "rb") as g:
-                        if b"services.engine.core_process" in g.read():
-                            return int(child)
-                except OSError:
-                    continue
-    return None
 
 
 def _wait_for(what: str, cond, timeout: float) -> None:
@@ -72,7 +60,7 @@ def test_a_killed_engine_core_ends_its_stream_clearly_and_the_worker_comes_back(
         worker = c.get("worker-0")
         before = dict(worker.ready)
         old_pid = int(before["pid"])
-        core = _core_pid(old_pid)
+        core = engine_core_pid(old_pid)
         assert core is not None and alive(core)
         events: list[str] = []
         started = threading.Event()
@@ -95,7 +83,7 @@ def test_a_killed_engine_core_ends_its_stream_clearly_and_the_worker_comes_back(
         after = c.get("worker-0").ready
         assert (after["grpc"], after["metrics"]) == (before["grpc"], before["metrics"])
         assert not alive(old_pid) and not alive(core)
-        new_core = _core_pid(int(after["pid"]))
+        new_core = engine_core_pid(int(after["pid"]))
         assert new_core is not None and new_core != core
         _wait_for("the router to see worker-0 healthy again", lambda: metric_sum(
             rmetrics, "pdserve_router_instance_healthy", role="worker", endpoint=after["grpc"]) == 1, 30)
