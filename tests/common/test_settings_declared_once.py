@@ -23,6 +23,9 @@ SAME_NAME_OWN_SETTING = {
                                 "one env var for both keeps them in agreement",
     "PDSERVE_KV_MOONCAKE_HOST": "the address this process's Mooncake Transfer Engine is reached at, on a decode "
                                 "(empty: off) and on a prefill",
+    "PDSERVE_INSECURE_INTERNAL": "`pdserve up`'s choice of plaintext over its default mTLS, and each service's "
+                                 "permission to serve plaintext beyond loopback; one env var keeps a launcher "
+                                 "and the services it starts in agreement",
 }
 """Env vars two declarations share on purpose, and why."""
 
