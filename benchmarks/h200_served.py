@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -62,6 +63,9 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine-core", default="thread,process",
                    help="served modes run with each decode --engine-core given (thread, process, or both); a "
                         "process row's mode is named MODE/process")
+    p.add_argument("--decode-args", default="",
+                   help="more flags for the served decode (or colocated worker), e.g. '--mixed-step-interval 8'; "
+                        "the rows' mode names them")
     p.add_argument("--min-requests", type=int, default=4, help="requests per point: max(C, this)")
     p.add_argument("--max-prompt-tokens", type=int, default=600_000,
                    help="skip points whose requests carry more prompt tokens than this (8192x256 at C256/C512: "
@@ -75,6 +79,7 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     ns.conc_l = [int(c) for c in ns.concurrency.split(",") if c]
     ns.lp_l = [v.strip() == "on" for v in ns.logprobs.split(",") if v]
     ns.modes_l = [m for m in ns.modes.split(",") if m]
+    ns.decode_args_l = shlex.split(ns.decode_args)
     bad = set(ns.modes_l) - {"engine", "colocated", "1p1d"}
     if bad:
         p.error(f"--modes: unknown {sorted(bad)} (engine, colocated, 1p1d)")
@@ -106,26 +111,47 @@ def engine_point(engine: Any, n_in: int, n_out: int, conc: int, logprobs: bool, 
     sp = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True, logprobs=logprobs)
     pending, live, done_tokens = list(range(requests)), 0, 0
     full_steps: list[float] = []
+    steps = {"steps": 0, "seconds": 0.0, "tokens": 0, "rows": 0, "graphed": 0}
+    added: dict[str, float] = {}
+    ttft: list[float] = []
     t0 = time.perf_counter()
     while pending or engine.has_work():
         while pending and live < conc:
             i = pending.pop(0)
             engine.add_request(f"p{seed}-{i}", prompts[i], sp, detokenize=False)
+            added[f"p{seed}-{i}"] = time.perf_counter()
             live += 1
         running = engine.scheduler.num_running
+        graphed = getattr(engine.runner, "graphed_steps", 0)
         s0 = time.perf_counter()
         outs = engine.step()
         dt = time.perf_counter() - s0
+        if engine.last_step_sequences:  # the same step records a service's step metrics are made of
+            steps["steps"] += 1
+            steps["seconds"] += dt
+            steps["tokens"] += engine.last_step_tokens
+            steps["rows"] += engine.last_step_sequences
+            steps["graphed"] += getattr(engine.runner, "graphed_steps", 0) > graphed
         if running == min(conc, engine.config.max_num_seqs) and all(
                 len(o.new_token_ids) == 1 for o in outs) and len(outs) == running and not engine.scheduler.num_waiting:
             full_steps.append(dt)
+        now = time.perf_counter()
         for o in outs:
+            if o.new_token_ids and o.request_id in added:
+                ttft.append(now - added.pop(o.request_id))
             done_tokens += len(o.new_token_ids)
             live -= o.finished
     wall = time.perf_counter() - t0
+    n = max(1, steps["steps"])
+    ttft.sort()
     return {"requests": requests, "output_tokens": done_tokens, "wall_s": wall, "output_tok_s": done_tokens / wall,
             "full_batch_decode_step_ms": 1000 * statistics.median(full_steps) if full_steps else None,
-            "full_batch_steps": len(full_steps), "batch": min(conc, engine.config.max_num_seqs)}
+            "full_batch_steps": len(full_steps), "batch": min(conc, engine.config.max_num_seqs),
+            "ttft_p50_s": ttft[len(ttft) // 2] if ttft else None,
+            "ttft_p90_s": ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))] if ttft else None,
+            "steps": {"steps": steps["steps"], "step_ms_mean": 1e3 * steps["seconds"] / n,
+                      "tokens_per_step": steps["tokens"] / n, "rows_per_step": steps["rows"] / n,
+                      "graphed_share": steps["graphed"] / n, "busy_ratio": steps["seconds"] / wall}}
 
 
 def run_engine_phase(ns: argparse.Namespace, deadline: float) -> dict[str, Any]:
@@ -162,7 +188,8 @@ def run_engine_phase(ns: argparse.Namespace, deadline: float) -> dict[str, Any]:
                     r["bandwidth_limit_ms"] = limit_ms
                     r["fraction_of_bandwidth_limit"] = limit_ms / r["full_batch_decode_step_ms"]
                 out["points"].append({**key, **r})
-                log(f"engine {key}: {r['output_tok_s']:.0f} tok/s, full-batch step {r['full_batch_decode_step_ms']}")
+                log(f"engine {key}: {r['output_tok_s']:.0f} tok/s, full-batch step {r['full_batch_decode_step_ms']}, "
+                    f"TTFT p50/p90 {r['ttft_p50_s']}/{r['ttft_p90_s']} s, steps {r['steps']}")
     return out
 
 
@@ -181,13 +208,13 @@ def _cluster(mode: str, ns: argparse.Namespace, core: str = "thread") -> Any:
     common = ["--device", "cuda", "--max-model-len", str(MAX_MODEL_LEN), "--async-scheduling", ns.async_scheduling]
     if mode == "colocated":
         return LocalCluster(prefill=0, decode=1, colocated=True, model=MODEL, dtype="bfloat16", kvstore=None,
-                            quiet=True, extra={"decode": [*common, "--engine-core", core]})
+                            quiet=True, extra={"decode": [*common, "--engine-core", core, *ns.decode_args_l]})
     decode_util = round(0.9 - ns.prefill_utilization, 3)
     return LocalCluster(prefill=1, decode=1, model=MODEL, dtype="bfloat16", kvstore=None, quiet=True,
                         kv_transport="cuda-ipc",
                         extra={"prefill": [*common, "--gpu-memory-utilization", str(ns.prefill_utilization)],
                                "decode": [*common, "--gpu-memory-utilization", str(decode_util),
-                                          "--engine-core", core]})
+                                          "--engine-core", core, *ns.decode_args_l]})
 
 
 _ROLES = (("core_process", "engine core"), ("services.router", "router"), ("services.decode", "decode front"),
@@ -269,7 +296,7 @@ def _step_summary(before: dict[str, float], after: dict[str, float], wall: float
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     steps = d.get("engine_step_seconds_count", 0.0)
     if not steps:
-        return {}
+        return {"scraped_series": len(after)}
     return {"steps": steps, "step_ms_mean": 1e3 * d["engine_step_seconds_sum"] / steps,
             "tokens_per_step": d.get("engine_step_tokens_sum", 0.0) / steps,
             "rows_per_step": d.get("engine_step_sequences_sum", 0.0) / steps,
@@ -319,7 +346,7 @@ def served_point(base: str, n_in: int, n_out: int, conc: int, lp: bool, ns: argp
 
 def run_served(ns: argparse.Namespace, mode: str, tmp: Path, core: str = "thread") -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    name = mode if core == "thread" else f"{mode}/{core}"
+    name = (mode if core == "thread" else f"{mode}/{core}") + (f" [{ns.decode_args}]" if ns.decode_args else "")
     if time.monotonic() > ns.deadline:
         return [{"mode": name, "skipped": "time budget"}]
     cluster = _cluster(mode, ns, core)
@@ -329,6 +356,10 @@ def run_served(ns: argparse.Namespace, mode: str, tmp: Path, core: str = "thread
         base = f"http://{cluster.router['http']}/v1"
         dec = next((p for p in cluster.procs if p.name == ("worker-0" if mode == "colocated" else "decode-0")), None)
         decode_metrics = dec.ready.get("metrics", "") if dec is not None else ""
+        if dec is not None:  # what the engine sized itself to (pool pages, batch limits)
+            for line in dec.lines:
+                if any(w in line for w in ("KV pool", "max_num_seqs", "pages")):
+                    log(f"{dec.name}: {line[-300:]}")
         for n_in, n_out in ns.shapes_l:
             for lp in ns.lp_l:
                 for conc in ns.conc_l:
