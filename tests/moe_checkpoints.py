@@ -16,6 +16,19 @@ TINY_MOE: dict[str, dict[str, Any]] = {
                       norm_topk_prob=True, head_dim=32),
     "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48, head_dim=16,
                     sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+    # MLA (kv_lora 32 + rope 8 = a 40-value latent per token), a dense first layer, shared experts; V2 without a
+    # query LoRA and group-limited softmax routing, V3 with a query LoRA, sigmoid + bias routing in groups, YaRN.
+    "deepseek_v2": dict(kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                        first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                        routed_scaling_factor=1.5, intermediate_size=96, num_key_value_heads=4),
+    "deepseek_v3": dict(kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                        first_k_dense_replace=1, n_group=2, topk_group=1, norm_topk_prob=True,
+                        routed_scaling_factor=2.5, intermediate_size=96, num_key_value_heads=4,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                         "original_max_position_embeddings": 64, "mscale": 1.0,
+                                         "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}),
 }
 """Per model_type: the MoE fields of its tiny config (several layouts: shared expert + a dense layer in
 qwen2_moe, normalised top-k in qwen3_moe, sliding + sink attention in gpt_oss)."""
@@ -43,5 +56,8 @@ def write_tiny_moe(root: Path, model_type: str, seed: int = 0, **overrides: Any)
                 p.uniform_(0.5, 1.5)
             else:
                 p.normal_(0.0, 0.08)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's choice bias: nonzero, so it counts
+                b.normal_(0.0, 0.3)
     model.save_pretrained(str(root), safe_serialization=True)
     return root

@@ -53,6 +53,12 @@ class AttentionSpec:
     """Keys a query sees, itself included (tokens); 0: all earlier keys."""
     sinks: torch.Tensor | None = None
     """fp32 [num_heads] learned sink logits of this rank's query heads; None: no sink."""
+    scale: float = 0.0
+    """Softmax scale of this layer's logits; 0: the backend's head_dim ** -0.5."""
+    latent_value_dim: int = 0
+    """Latent attention (MLA, models/deepseek.py): k and v are the two halves of one cached latent per token; the
+    backend attends with key = [k, v] (the whole latent) and value = its first ``latent_value_dim`` values, and
+    returns [T, H, latent_value_dim]. 0: plain K/V."""
 
 
 @dataclass
@@ -125,6 +131,15 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     return out.view(b, h, lq, d).to(q.dtype)
 
 
+def latent_kv(k: torch.Tensor, v: torch.Tensor, value_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key and value of latent attention from a latent's two planes [..., D] each: key = [k, v] [..., 2D], value
+    = the key's first ``value_dim`` values; (k, v) unchanged when value_dim is 0."""
+    if not value_dim:
+        return k, v
+    key = torch.cat([k, v], dim=-1)
+    return key, key[..., :value_dim]
+
+
 class AttentionBackend(Protocol):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -144,6 +159,9 @@ class ForwardContext:
                spec: AttentionSpec | None = None) -> torch.Tensor:
         if spec is None:
             return self.backend.forward(layer, q, k, v, self.meta)
+        if spec.scale or spec.latent_value_dim:  # the torch backend only (the GPU engine refuses such models)
+            return self.backend.forward(layer, q, k, v, self.meta, window=spec.window, sinks=spec.sinks,
+                                        scale=spec.scale, value_dim=spec.latent_value_dim)
         return self.backend.forward(layer, q, k, v, self.meta, window=spec.window, sinks=spec.sinks)
 
 
@@ -221,19 +239,21 @@ class TorchPagedAttention:
         return DecodePlan(gather, nb, nb * bs, mask, threads=1 if one else 0)
 
     def _decode(self, layer: int, q: torch.Tensor, plan: DecodePlan, gqa: bool,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """q [nd, H, D] -> out [nd, H, D] over each sequence's cached keys (its new K/V already stored)."""
+                sinks: torch.Tensor | None = None, scale: float = 0.0, value_dim: int = 0) -> torch.Tensor:
+        """q [nd, H, D] -> out [nd, H, D (value_dim)] over each sequence's cached keys (its new K/V already
+        stored)."""
         step_threads = torch.get_num_threads()
         if not plan.threads or plan.threads == step_threads:
-            return self._decode_keys(layer, q, plan, gqa, sinks)
+            return self._decode_keys(layer, q, plan, gqa, sinks, scale, value_dim)
         torch.set_num_threads(plan.threads)
         try:
-            return self._decode_keys(layer, q, plan, gqa, sinks)
+            return self._decode_keys(layer, q, plan, gqa, sinks, scale, value_dim)
         finally:
             torch.set_num_threads(step_threads)  # core lending set the step's count: the GEMMs keep it
 
     def _decode_keys(self, layer: int, q: torch.Tensor, plan: DecodePlan, gqa: bool,
-                     sinks: torch.Tensor | None) -> torch.Tensor:
+                     sinks: torch.Tensor | None, scale: float = 0.0, value_dim: int = 0) -> torch.Tensor:
+        scale = scale or self.scale
         if plan.starts is not None:
             assert plan.lens is not None
             kc, vc = self._slots[layer]
@@ -242,7 +262,8 @@ class TorchPagedAttention:
                 k, v = kc[s:s + n].unsqueeze(0).transpose(1, 2), vc[s:s + n].unsqueeze(0).transpose(1, 2)
                 if k.dtype != q.dtype:
                     k, v = k.to(q.dtype), v.to(q.dtype)
-                outs.append(sdpa(q[i:i + 1].unsqueeze(2), k, v, None, self.scale, gqa, sinks))
+                k, v = latent_kv(k, v, value_dim)
+                outs.append(sdpa(q[i:i + 1].unsqueeze(2), k, v, None, scale, gqa, sinks))
             return (outs[0] if len(outs) == 1 else torch.cat(outs)).squeeze(2)
         assert plan.gather is not None
         nd = q.shape[0]
@@ -252,7 +273,8 @@ class TorchPagedAttention:
         v = vp.index_select(0, plan.gather).view(shape)[:, : plan.max_len].transpose(1, 2)
         if k.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)
-        return sdpa(q.unsqueeze(2), k, v, plan.mask, self.scale, gqa, sinks).squeeze(2)
+        k, v = latent_kv(k, v, value_dim)
+        return sdpa(q.unsqueeze(2), k, v, plan.mask, scale, gqa, sinks).squeeze(2)
 
     def _gather(self, layer: int, block_tables: torch.Tensor, max_len: int, first_block: int = 0
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -270,15 +292,19 @@ class TorchPagedAttention:
         return k[:, :keys].transpose(1, 2), v[:, :keys].transpose(1, 2)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, window: int = 0, sinks: torch.Tensor | None = None, scale: float = 0.0,
+                value_dim: int = 0) -> torch.Tensor:
+        """``scale``: the layer's softmax scale (0: this backend's); ``value_dim``: latent attention (k/v halves of
+        one latent, AttentionSpec.latent_value_dim)."""
         self._store(layer, k, v, meta.slot_mapping)
         nd = meta.num_decode
         gqa = q.shape[1] != self.num_kv_heads
         if nd == len(meta.query_lens):  # a pure decode step
-            return self._decode(layer, q, self._decode_plan(meta, window), gqa, sinks)
-        out = torch.empty_like(q)
+            return self._decode(layer, q, self._decode_plan(meta, window), gqa, sinks, scale, value_dim)
+        scale = scale or self.scale
+        out = q.new_empty(*q.shape[:2], value_dim) if value_dim else torch.empty_like(q)
         if nd:
-            out[:nd] = self._decode(layer, q[:nd], self._decode_plan(meta, window), gqa, sinks)
+            out[:nd] = self._decode(layer, q[:nd], self._decode_plan(meta, window), gqa, sinks, scale, value_dim)
         start = nd
         for i in range(nd, len(meta.query_lens)):
             qlen, clen = meta.query_lens[i], meta.context_lens_host[i]
@@ -293,13 +319,14 @@ class TorchPagedAttention:
                 ks, vs = self._gather(layer, meta.block_tables[i:i + 1], clen, first)
                 ks, vs = ks.to(q.dtype), vs.to(q.dtype)
                 kpos = torch.arange(first * self.block_size, clen, device=q.device)
+            ks, vs = latent_kv(ks, vs, value_dim)
             if clen == qlen and (not window or qlen <= window):
-                o = sdpa(qs, ks, vs, None, self.scale, gqa, sinks, is_causal=True)
+                o = sdpa(qs, ks, vs, None, scale, gqa, sinks, is_causal=True)
             else:
                 mask = kpos[None, :] <= qpos[:, None]
                 if window:
                     mask &= qpos[:, None] - kpos[None, :] < window
-                o = sdpa(qs, ks, vs, mask, self.scale, gqa, sinks)
+                o = sdpa(qs, ks, vs, mask, scale, gqa, sinks)
             out[start:start + qlen] = o[0].transpose(0, 1)
             start += qlen
         return out

@@ -77,11 +77,12 @@ def layout_to_pb(layout: PageLayout) -> common_pb2.PageLayout:
         regions=[common_pb2.Region(name=r.name, codec=r.codec, bytes_per_page=r.bytes_per_page)
                  for r in layout.regions],
         page_bytes=layout.page_bytes, fingerprint=layout.fingerprint, layer_windows=layout.layer_windows,
-        attention_sinks=layout.attention_sinks,
+        attention_sinks=layout.attention_sinks, latent=layout.latent,
     )
 
 
 def layout_from_pb(p: common_pb2.PageLayout) -> PageLayout:
     return PageLayout(p.model_id, p.num_layers, p.num_kv_heads, p.head_dim, p.block_size,
                       tuple(Region(r.name, r.codec, r.bytes_per_page) for r in p.regions),
-                      layer_windows=tuple(p.layer_windows), attention_sinks=p.attention_sinks)
+                      layer_windows=tuple(p.layer_windows), attention_sinks=p.attention_sinks,
+                      latent=tuple(p.latent))  # type: ignore[arg-type]

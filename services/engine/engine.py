@@ -136,7 +136,8 @@ class LLMEngine:
         API cannot export a layer range: tensor-parallel ranks, a draft region)."""
         self.vocab_size = self.loaded.arch.vocab_size
         arch = self.loaded.arch
-        attn = dict(layer_windows=arch.layer_windows, attention_sinks=arch.attention_sinks)
+        attn = dict(layer_windows=arch.layer_windows, attention_sinks=arch.attention_sinks,
+                    latent=(arch.mla.kv_lora_rank, arch.mla.qk_rope_head_dim) if arch.mla is not None else ())
         self.layout = PageLayout.for_model(self.loaded.model_id, arch.num_layers, arch.num_kv_heads, arch.head_dim,
                                            config.block_size, PageLayout.codec_for_dtype(config.torch_dtype), **attn)
         self.fp8_layout = PageLayout.for_model(self.loaded.model_id, arch.num_layers, arch.num_kv_heads,

@@ -70,16 +70,20 @@ class PageLayout:
     """Sliding window of each layer (tokens, 0: full attention); empty when every layer is full."""
     attention_sinks: bool = False
     """The layers have learned attention sinks."""
+    latent: tuple[int, int] = ()
+    """Latent attention (MLA): (kv_lora_rank, qk_rope_head_dim) of the one latent per token and layer a page holds
+    as its K and V planes (one "head" of half the latent each); empty for per-head K/V."""
 
     @staticmethod
     def for_model(model_id: str, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                  codec: str, layer_windows: tuple[int, ...] = (), attention_sinks: bool = False) -> PageLayout:
+                  codec: str, layer_windows: tuple[int, ...] = (), attention_sinks: bool = False,
+                  latent: tuple[int, int] = ()) -> PageLayout:
         if layer_windows and len(layer_windows) != num_layers:
             raise ValueError(f"layer_windows has {len(layer_windows)} entries for {num_layers} layers")
         nbytes = region_bytes(num_layers, num_kv_heads, head_dim, block_size, codec)
         return PageLayout(model_id, num_layers, num_kv_heads, head_dim, block_size,
                           (Region("target", codec, nbytes),), layer_windows=tuple(layer_windows),
-                          attention_sinks=attention_sinks)
+                          attention_sinks=attention_sinks, latent=tuple(latent))  # type: ignore[arg-type]
 
     def with_region(self, region: Region) -> PageLayout:
         """This layout with one more region after the others (e.g. speculative decoding's draft KV)."""
@@ -110,7 +114,7 @@ class PageLayout:
         fields = asdict(self)
         # Fields at their defaults are left out, so a layout keeps the fingerprint it had before they existed
         # (the all-heads form before splits; full attention without sinks before windows and sinks).
-        for name, empty in (("splits", ()), ("layer_windows", ()), ("attention_sinks", False)):
+        for name, empty in (("splits", ()), ("layer_windows", ()), ("attention_sinks", False), ("latent", ())):
             if getattr(self, name) == empty:
                 del fields[name]
         canon = json.dumps(fields, sort_keys=True, separators=(",", ":"))
@@ -122,6 +126,7 @@ class PageLayout:
                 f"{'heads ' + '->'.join(s.describe() for s in self.splits) + ' ' if self.splits else ''}"
                 f"{'windows ' + _windows(self.layer_windows) + ' ' if self.layer_windows else ''}"
                 f"{'sinks ' if self.attention_sinks else ''}"
+                f"{'latent c{}+r{} '.format(*self.latent) if self.latent else ''}"
                 f"[{self.fingerprint}]")
 
 

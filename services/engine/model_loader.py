@@ -44,6 +44,9 @@ def build_empty_model(arch: ModelArchConfig, dtype: torch.dtype, device: str | t
     """Model with uninitialized parameters allocated once, in `dtype` on `device`; RoPE tables in fp32."""
     if dtype not in SUPPORTED_DTYPES:
         raise ModelLoadError(f"dtype={dtype}: supported are {SUPPORTED_DTYPES}")
+    if arch.mla is not None and torch.device(device).type != "cpu":
+        raise ModelLoadError(f"{arch.architecture} (latent attention, MLA) runs on CPU only: no GPU latent-attention "
+                             f"kernel yet (device {device})")
     with torch.device("meta"):
         model = get_model_class(arch.architecture)(arch)
     model = model.to(dtype=dtype).to_empty(device=device)

@@ -38,9 +38,13 @@ def test_every_transformers_config_field_is_decided(model_type: str) -> None:
     assert not (reads & NO_MATH), sorted(reads & NO_MATH)
 
 
+_DEFAULT_KW: dict[str, dict[str, Any]] = {"deepseek_v2": {"num_experts_per_tok": 6}}
+"""transformers' DeepseekV2Config leaves num_experts_per_tok None (a config.json without it is refused)."""
+
+
 @pytest.mark.parametrize("model_type", sorted(ARCH_SPECS))
 def test_default_config_loads(model_type: str) -> None:
-    arch = ModelArchConfig.from_hf_config(_default(model_type))
+    arch = ModelArchConfig.from_hf_config(_default(model_type, **_DEFAULT_KW.get(model_type, {})))
     assert arch.architecture == ARCH_SPECS[model_type].family
 
 
@@ -52,6 +56,8 @@ def test_default_config_loads(model_type: str) -> None:
     ("mistral", "attention_bias", True),
     ("qwen2", "final_logit_softcapping", 30.0),
     ("qwen3", "is_encoder_decoder", True),
+    ("deepseek_v3", "quantization_config", {"quant_method": "fp8", "weight_block_size": [128, 128]}),
+    ("deepseek_v3", "mlp_bias", True),
 ])
 def test_unimplemented_math_field_is_refused_in_one_line(model_type: str, key: str, value: Any) -> None:
     cfg = {**_default(model_type), key: value}
@@ -68,10 +74,13 @@ def test_unimplemented_math_field_is_refused_in_one_line(model_type: str, key: s
                                   "mscale": 0.7, "rope_theta": 1e4}, "rope_scaling.mscale=0.7"),
     ("qwen2", "layer_types", ["sliding_attention"] * 32, "layer_types="),  # no window: use_sliding_window off
     ("qwen3", "layer_types", ["chunked_attention"] * 32, "layer_types="),
+    ("deepseek_v3", "topk_method", "greedy", "topk_method='greedy'"),
+    ("deepseek_v2", "scoring_func", "sigmoid", "scoring_func='sigmoid'"),
+    ("deepseek_v3", "head_dim", 128, "head_dim=128"),
 ])
 def test_unsupported_value_of_a_read_field_is_refused(model_type: str, key: str, value: Any, named: str) -> None:
     with pytest.raises(ModelConfigError) as e:
-        ModelArchConfig.from_hf_config({**_default(model_type), key: value})
+        ModelArchConfig.from_hf_config({**_default(model_type, **_DEFAULT_KW.get(model_type, {})), key: value})
     assert named in str(e.value) and "\n" not in str(e.value)
 
 

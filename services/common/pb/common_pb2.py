@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\xea\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x42\x0e\n\x0c_temperatureB\x07\n\x05_seed\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"=\n\x06Region\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x63odec\x18\x02 \x01(\t\x12\x16\n\x0e\x62ytes_per_page\x18\x03 \x01(\x04\"\xec\x01\n\nPageLayout\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12#\n\x07regions\x18\x06 \x03(\x0b\x32\x12.pdserve.v1.Region\x12\x12\n\npage_bytes\x18\x07 \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x08 \x01(\t\x12\x15\n\rlayer_windows\x18\t \x03(\r\x12\x17\n\x0f\x61ttention_sinks\x18\n \x01(\x08\"\x9b\x04\n\x07KVChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0ereservation_id\x18\x02 \x01(\t\x12\x13\n\x0b\x63hunk_index\x18\x03 \x01(\r\x12\x13\n\x0btoken_start\x18\x04 \x01(\r\x12\x11\n\ttoken_end\x18\x05 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x06 \x01(\r\x12\x11\n\tnum_pages\x18\x07 \x01(\r\x12\x1a\n\x12layout_fingerprint\x18\x08 \x01(\t\x12\x10\n\x08\x63hecksum\x18\t \x01(\r\x12\x0f\n\x07payload\x18\n \x01(\x0c\x12\x11\n\ttransport\x18\x0b \x01(\t\x12\x0f\n\x07is_last\x18\x0c \x01(\x08\x12\x13\n\x0b\x66irst_token\x18\r \x01(\x05\x12\x15\n\rfirst_logprob\x18\x0e \x01(\x02\x12\x19\n\x11prefill_done_unix\x18\x0f \x01(\x01\x12\x14\n\x0ctotal_chunks\x18\x10 \x01(\r\x12\x16\n\x0etransport_meta\x18\x11 \x01(\x0c\x12\x19\n\x11reservation_token\x18\x12 \x01(\x0c\x12\"\n\x05\x63laim\x18\x13 \x01(\x0b\x32\x13.pdserve.v1.KVClaim\x12\"\n\x05\x63odec\x18\x14 \x01(\x0e\x32\x13.pdserve.v1.KVCodec\x12\x33\n\x12\x66irst_top_logprobs\x18\x15 \x01(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\x0f\n\x07padding\x18\x16 \x01(\x0c\"\xc5\x01\n\x07KVClaim\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x16\n\x0e\x64\x65st_block_ids\x18\x02 \x03(\r\x12\x0f\n\x07pool_id\x18\x03 \x01(\t\x12\"\n\x05\x63odec\x18\x04 \x01(\x0e\x32\x13.pdserve.v1.KVCodec\x12-\n\x0cwriter_split\x18\x05 \x01(\x0b\x32\x17.pdserve.v1.KVHeadSplit\x12+\n\npool_split\x18\x06 \x01(\x0b\x32\x17.pdserve.v1.KVHeadSplit\"K\n\x0bKVHeadSplit\x12\x0f\n\x07tp_size\x18\x01 \x01(\r\x12\x19\n\x11kv_heads_per_rank\x18\x02 \x01(\r\x12\x10\n\x08replicas\x18\x03 \x01(\r\"\xdb\x01\n\nLoadReport\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x16\n\x0ewaiting_for_kv\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\r\x12\x10\n\x08kv_usage\x18\x06 \x01(\x02\x12\x16\n\x0epublished_unix\x18\x07 \x01(\x01\x12\x16\n\x0estep_running_s\x18\x08 \x01(\x01\x12\x13\n\x0bmax_waiting\x18\t \x01(\r\x12\x11\n\tsaturated\x18\n \x01(\x08\"~\n\x0b\x45rrorDetail\x12\'\n\x06reason\x18\x01 \x01(\x0e\x32\x17.pdserve.v1.ErrorReason\x12\x11\n\tretryable\x18\x02 \x01(\x08\x12\x0c\n\x04side\x18\x03 \x01(\t\x12\r\n\x05\x66ield\x18\x04 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x05 \x01(\r\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xdb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12-\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"N\n\x13\x43\x61ptureTraceRequest\x12\x12\n\nstart_unix\x18\x01 \x01(\x01\x12\x12\n\nduration_s\x18\x02 \x01(\x01\x12\x0f\n\x07out_dir\x18\x03 \x01(\t\"[\n\x14\x43\x61ptureTraceResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07service\x18\x02 \x01(\t\x12\x10\n\x08instance\x18\x03 \x01(\t\x12\x12\n\nrank_paths\x18\x04 \x03(\t*O\n\x07KVCodec\x12\x18\n\x14KV_CODEC_UNSPECIFIED\x10\x00\x12\x13\n\x0fKV_CODEC_NATIVE\x10\x01\x12\x15\n\x11KV_CODEC_FP8_E4M3\x10\x02*\x94\x03\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x45RROR_REASON_INVALID_INPUT\x10\x01\x12\x1b\n\x17\x45RROR_REASON_OVERLOADED\x10\x02\x12\x19\n\x15\x45RROR_REASON_DRAINING\x10\x03\x12\x18\n\x14\x45RROR_REASON_LOADING\x10\x04\x12\"\n\x1e\x45RROR_REASON_KV_HANDOFF_FAILED\x10\x05\x12!\n\x1d\x45RROR_REASON_RESERVATION_GONE\x10\x06\x12\x1b\n\x17\x45RROR_REASON_PERMISSION\x10\x07\x12 \n\x1c\x45RROR_REASON_LAYOUT_MISMATCH\x10\x08\x12\x19\n\x15\x45RROR_REASON_DEADLINE\x10\t\x12\x1c\n\x18\x45RROR_REASON_ENGINE_DEAD\x10\n\x12\x1a\n\x16\x45RROR_REASON_DATA_LOSS\x10\x0b\x12\x1a\n\x16\x45RROR_REASON_CANCELLED\x10\x0c*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x99\x01\n\x05\x41\x64min\x12=\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x16.pdserve.v1.LoadReport\x12Q\n\x0c\x43\x61ptureTrace\x12\x1f.pdserve.v1.CaptureTraceRequest\x1a .pdserve.v1.CaptureTraceResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\xea\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x42\x0e\n\x0c_temperatureB\x07\n\x05_seed\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"=\n\x06Region\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x63odec\x18\x02 \x01(\t\x12\x16\n\x0e\x62ytes_per_page\x18\x03 \x01(\x04\"\xfc\x01\n\nPageLayout\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12#\n\x07regions\x18\x06 \x03(\x0b\x32\x12.pdserve.v1.Region\x12\x12\n\npage_bytes\x18\x07 \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x08 \x01(\t\x12\x15\n\rlayer_windows\x18\t \x03(\r\x12\x17\n\x0f\x61ttention_sinks\x18\n \x01(\x08\x12\x0e\n\x06latent\x18\x0b \x03(\r\"\x9b\x04\n\x07KVChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0ereservation_id\x18\x02 \x01(\t\x12\x13\n\x0b\x63hunk_index\x18\x03 \x01(\r\x12\x13\n\x0btoken_start\x18\x04 \x01(\r\x12\x11\n\ttoken_end\x18\x05 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x06 \x01(\r\x12\x11\n\tnum_pages\x18\x07 \x01(\r\x12\x1a\n\x12layout_fingerprint\x18\x08 \x01(\t\x12\x10\n\x08\x63hecksum\x18\t \x01(\r\x12\x0f\n\x07payload\x18\n \x01(\x0c\x12\x11\n\ttransport\x18\x0b \x01(\t\x12\x0f\n\x07is_last\x18\x0c \x01(\x08\x12\x13\n\x0b\x66irst_token\x18\r \x01(\x05\x12\x15\n\rfirst_logprob\x18\x0e \x01(\x02\x12\x19\n\x11prefill_done_unix\x18\x0f \x01(\x01\x12\x14\n\x0ctotal_chunks\x18\x10 \x01(\r\x12\x16\n\x0etransport_meta\x18\x11 \x01(\x0c\x12\x19\n\x11reservation_token\x18\x12 \x01(\x0c\x12\"\n\x05\x63laim\x18\x13 \x01(\x0b\x32\x13.pdserve.v1.KVClaim\x12\"\n\x05\x63odec\x18\x14 \x01(\x0e\x32\x13.pdserve.v1.KVCodec\x12\x33\n\x12\x66irst_top_logprobs\x18\x15 \x01(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\x0f\n\x07padding\x18\x16 \x01(\x0c\"\xc5\x01\n\x07KVClaim\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x16\n\x0e\x64\x65st_block_ids\x18\x02 \x03(\r\x12\x0f\n\x07pool_id\x18\x03 \x01(\t\x12\"\n\x05\x63odec\x18\x04 \x01(\x0e\x32\x13.pdserve.v1.KVCodec\x12-\n\x0cwriter_split\x18\x05 \x01(\x0b\x32\x17.pdserve.v1.KVHeadSplit\x12+\n\npool_split\x18\x06 \x01(\x0b\x32\x17.pdserve.v1.KVHeadSplit\"K\n\x0bKVHeadSplit\x12\x0f\n\x07tp_size\x18\x01 \x01(\r\x12\x19\n\x11kv_heads_per_rank\x18\x02 \x01(\r\x12\x10\n\x08replicas\x18\x03 \x01(\r\"\xdb\x01\n\nLoadReport\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x16\n\x0ewaiting_for_kv\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\r\x12\x10\n\x08kv_usage\x18\x06 \x01(\x02\x12\x16\n\x0epublished_unix\x18\x07 \x01(\x01\x12\x16\n\x0estep_running_s\x18\x08 \x01(\x01\x12\x13\n\x0bmax_waiting\x18\t \x01(\r\x12\x11\n\tsaturated\x18\n \x01(\x08\"~\n\x0b\x45rrorDetail\x12\'\n\x06reason\x18\x01 \x01(\x0e\x32\x17.pdserve.v1.ErrorReason\x12\x11\n\tretryable\x18\x02 \x01(\x08\x12\x0c\n\x04side\x18\x03 \x01(\t\x12\r\n\x05\x66ield\x18\x04 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x05 \x01(\r\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xdb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12-\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"N\n\x13\x43\x61ptureTraceRequest\x12\x12\n\nstart_unix\x18\x01 \x01(\x01\x12\x12\n\nduration_s\x18\x02 \x01(\x01\x12\x0f\n\x07out_dir\x18\x03 \x01(\t\"[\n\x14\x43\x61ptureTraceResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07service\x18\x02 \x01(\t\x12\x10\n\x08instance\x18\x03 \x01(\t\x12\x12\n\nrank_paths\x18\x04 \x03(\t*O\n\x07KVCodec\x12\x18\n\x14KV_CODEC_UNSPECIFIED\x10\x00\x12\x13\n\x0fKV_CODEC_NATIVE\x10\x01\x12\x15\n\x11KV_CODEC_FP8_E4M3\x10\x02*\x94\x03\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x45RROR_REASON_INVALID_INPUT\x10\x01\x12\x1b\n\x17\x45RROR_REASON_OVERLOADED\x10\x02\x12\x19\n\x15\x45RROR_REASON_DRAINING\x10\x03\x12\x18\n\x14\x45RROR_REASON_LOADING\x10\x04\x12\"\n\x1e\x45RROR_REASON_KV_HANDOFF_FAILED\x10\x05\x12!\n\x1d\x45RROR_REASON_RESERVATION_GONE\x10\x06\x12\x1b\n\x17\x45RROR_REASON_PERMISSION\x10\x07\x12 \n\x1c\x45RROR_REASON_LAYOUT_MISMATCH\x10\x08\x12\x19\n\x15\x45RROR_REASON_DEADLINE\x10\t\x12\x1c\n\x18\x45RROR_REASON_ENGINE_DEAD\x10\n\x12\x1a\n\x16\x45RROR_REASON_DATA_LOSS\x10\x0b\x12\x1a\n\x16\x45RROR_REASON_CANCELLED\x10\x0c*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x99\x01\n\x05\x41\x64min\x12=\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x16.pdserve.v1.LoadReport\x12Q\n\x0c\x43\x61ptureTrace\x12\x1f.pdserve.v1.CaptureTraceRequest\x1a .pdserve.v1.CaptureTraceResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVCODEC']._serialized_start=2378
-  _globals['_KVCODEC']._serialized_end=2457
-  _globals['_ERRORREASON']._serialized_start=2460
-  _globals['_ERRORREASON']._serialized_end=2864
-  _globals['_FINISHREASON']._serialized_start=2866
-  _globals['_FINISHREASON']._serialized_end=2986
+  _globals['_KVCODEC']._serialized_start=2394
+  _globals['_KVCODEC']._serialized_end=2473
+  _globals['_ERRORREASON']._serialized_start=2476
+  _globals['_ERRORREASON']._serialized_end=2880
+  _globals['_FINISHREASON']._serialized_start=2882
+  _globals['_FINISHREASON']._serialized_end=3002
   _globals['_SAMPLINGPARAMS']._serialized_start=40
   _globals['_SAMPLINGPARAMS']._serialized_end=274
   _globals['_TOPLOGPROBS']._serialized_start=276
@@ -44,31 +44,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGION']._serialized_start=328
   _globals['_REGION']._serialized_end=389
   _globals['_PAGELAYOUT']._serialized_start=392
-  _globals['_PAGELAYOUT']._serialized_end=628
-  _globals['_KVCHUNK']._serialized_start=631
-  _globals['_KVCHUNK']._serialized_end=1170
-  _globals['_KVCLAIM']._serialized_start=1173
-  _globals['_KVCLAIM']._serialized_end=1370
-  _globals['_KVHEADSPLIT']._serialized_start=1372
-  _globals['_KVHEADSPLIT']._serialized_end=1447
-  _globals['_LOADREPORT']._serialized_start=1450
-  _globals['_LOADREPORT']._serialized_end=1669
-  _globals['_ERRORDETAIL']._serialized_start=1671
-  _globals['_ERRORDETAIL']._serialized_end=1797
-  _globals['_USAGE']._serialized_start=1799
-  _globals['_USAGE']._serialized_end=1879
-  _globals['_GENERATERESPONSE']._serialized_start=1882
-  _globals['_GENERATERESPONSE']._serialized_end=2101
-  _globals['_ABORTREQUEST']._serialized_start=2103
-  _globals['_ABORTREQUEST']._serialized_end=2153
-  _globals['_ABORTRESPONSE']._serialized_start=2155
-  _globals['_ABORTRESPONSE']._serialized_end=2185
-  _globals['_GETLOADREQUEST']._serialized_start=2187
-  _globals['_GETLOADREQUEST']._serialized_end=2203
-  _globals['_CAPTURETRACEREQUEST']._serialized_start=2205
-  _globals['_CAPTURETRACEREQUEST']._serialized_end=2283
-  _globals['_CAPTURETRACERESPONSE']._serialized_start=2285
-  _globals['_CAPTURETRACERESPONSE']._serialized_end=2376
-  _globals['_ADMIN']._serialized_start=2989
-  _globals['_ADMIN']._serialized_end=3142
+  _globals['_PAGELAYOUT']._serialized_end=644
+  _globals['_KVCHUNK']._serialized_start=647
+  _globals['_KVCHUNK']._serialized_end=1186
+  _globals['_KVCLAIM']._serialized_start=1189
+  _globals['_KVCLAIM']._serialized_end=1386
+  _globals['_KVHEADSPLIT']._serialized_start=1388
+  _globals['_KVHEADSPLIT']._serialized_end=1463
+  _globals['_LOADREPORT']._serialized_start=1466
+  _globals['_LOADREPORT']._serialized_end=1685
+  _globals['_ERRORDETAIL']._serialized_start=1687
+  _globals['_ERRORDETAIL']._serialized_end=1813
+  _globals['_USAGE']._serialized_start=1815
+  _globals['_USAGE']._serialized_end=1895
+  _globals['_GENERATERESPONSE']._serialized_start=1898
+  _globals['_GENERATERESPONSE']._serialized_end=2117
+  _globals['_ABORTREQUEST']._serialized_start=2119
+  _globals['_ABORTREQUEST']._serialized_end=2169
+  _globals['_ABORTRESPONSE']._serialized_start=2171
+  _globals['_ABORTRESPONSE']._serialized_end=2201
+  _globals['_GETLOADREQUEST']._serialized_start=2203
+  _globals['_GETLOADREQUEST']._serialized_end=2219
+  _globals['_CAPTURETRACEREQUEST']._serialized_start=2221
+  _globals['_CAPTURETRACEREQUEST']._serialized_end=2299
+  _globals['_CAPTURETRACERESPONSE']._serialized_start=2301
+  _globals['_CAPTURETRACERESPONSE']._serialized_end=2392
+  _globals['_ADMIN']._serialized_start=3005
+  _globals['_ADMIN']._serialized_end=3158
 # @@protoc_insertion_point(module_scope)

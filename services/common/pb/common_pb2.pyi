@@ -99,7 +99,7 @@ class Region(_message.Message):
     def __init__(self, name: _Optional[str] = ..., codec: _Optional[str] = ..., bytes_per_page: _Optional[int] = ...) -> None: ...
 
 class PageLayout(_message.Message):
-    __slots__ = ("model_id", "num_layers", "num_kv_heads", "head_dim", "block_size", "regions", "page_bytes", "fingerprint", "layer_windows", "attention_sinks")
+    __slots__ = ("model_id", "num_layers", "num_kv_heads", "head_dim", "block_size", "regions", "page_bytes", "fingerprint", "layer_windows", "attention_sinks", "latent")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,7 @@ class PageLayout(_message.Message):
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LAYER_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_SINKS_FIELD_NUMBER: _ClassVar[int]
+    LATENT_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     num_layers: int
     num_kv_heads: int
@@ -120,7 +121,8 @@ class PageLayout(_message.Message):
     fingerprint: str
     layer_windows: _containers.RepeatedScalarFieldContainer[int]
     attention_sinks: bool
-    def __init__(self, model_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., page_bytes: _Optional[int] = ..., fingerprint: _Optional[str] = ..., layer_windows: _Optional[_Iterable[int]] = ..., attention_sinks: _Optional[bool] = ...) -> None: ...
+    latent: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., page_bytes: _Optional[int] = ..., fingerprint: _Optional[str] = ..., layer_windows: _Optional[_Iterable[int]] = ..., attention_sinks: _Optional[bool] = ..., latent: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("request_id", "reservation_id", "chunk_index", "token_start", "token_end", "first_block", "num_pages", "layout_fingerprint", "checksum", "payload", "transport", "is_last", "first_token", "first_logprob", "prefill_done_unix", "total_chunks", "transport_meta", "reservation_token", "claim", "codec", "first_top_logprobs", "padding")

@@ -23,6 +23,7 @@ from services.engine.models.config_fields import (
     register_architecture,
     unimplemented_field,
 )
+from services.engine.models.mla_config import MLAConfig, MLAConfigError, yarn_softmax_scale
 from services.engine.models.moe_config import MOE_HF_READS, MoEConfig, MoEConfigError, moe_from_hf_config
 
 FULL_ATTENTION = "full_attention"
@@ -32,6 +33,9 @@ _QWEN_WINDOW_READS = frozenset({"use_sliding_window", "sliding_window", "max_win
 _YARN_READS = frozenset({"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate",
                          "attention_factor"})
 """rope_scaling keys of a yarn config that models/rope.py implements."""
+_MLA_YARN_READS = _YARN_READS | {"mscale", "mscale_all_dim"}
+"""DeepSeek's yarn keys: mscale / mscale_all_dim set the cos/sin factor (rope.attention_factor) and the softmax
+scale (mla_config.yarn_softmax_scale)."""
 
 
 class ModelConfigError(ValueError):
@@ -86,6 +90,9 @@ class ModelArchConfig:
     """Every layer has a learned sink logit per query head (parameter ``self_attn.sinks`` [num_heads])."""
     moe: MoEConfig | None = None
     """Mixture-of-experts routing and expert shapes; set exactly for the MoE families (moe_config.py)."""
+    mla: MLAConfig | None = None
+    """Multi-head latent attention (mla_config.py); set exactly for the "deepseek" family, whose pages then hold
+    one latent per token: num_kv_heads is 1 and head_dim is half the latent (the K and V planes)."""
 
     def layer_window(self, layer: int) -> int:
         """Window of layer ``layer`` in tokens; 0: full attention."""
@@ -104,6 +111,8 @@ class ModelArchConfig:
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):  # from to_dict()
             self.moe = MoEConfig(**self.moe)
+        if isinstance(self.mla, dict):
+            self.mla = MLAConfig(**self.mla)
         self.validate()
 
     def validate(self) -> None:
@@ -136,6 +145,12 @@ class ModelArchConfig:
         if (self.moe is not None) != (self.architecture in MOE_ARCHITECTURES):
             raise ModelConfigError(f"architecture={self.architecture!r} with moe={self.moe!r}: experts are set "
                                    f"exactly for {MOE_ARCHITECTURES}")
+        if (self.mla is not None) != (self.architecture in MLA_ARCHITECTURES):
+            raise ModelConfigError(f"architecture={self.architecture!r} with mla={self.mla!r}: latent attention is "
+                                   f"set exactly for {MLA_ARCHITECTURES}")
+        if self.mla is not None and (self.num_kv_heads, self.head_dim) != (1, self.mla.latent_dim // 2):
+            raise ModelConfigError(f"MLA pages are one latent per token: num_kv_heads must be 1 and head_dim "
+                                   f"{self.mla.latent_dim // 2}, got {self.num_kv_heads} and {self.head_dim}")
         self._validate_windows()
 
     def _validate_windows(self) -> None:
@@ -188,7 +203,7 @@ class ModelArchConfig:
             raise ModelConfigError(refuse_value("rope_scaling.rope_type", kind, model_type,
                                                 "'default', 'llama3', 'linear', 'yarn'"))
         if kind == "yarn":
-            unread = sorted(set(scaling) - _YARN_READS)
+            unread = sorted(set(scaling) - (_MLA_YARN_READS if spec.family in MLA_ARCHITECTURES else _YARN_READS))
             if unread:  # DeepSeek's mscale / mscale_all_dim change the attention scale: not implemented
                 raise ModelConfigError(refuse_value(f"rope_scaling.{unread[0]}", scaling[unread[0]], model_type,
                                                     f"yarn reads {sorted(_YARN_READS)}"))
@@ -214,6 +229,8 @@ class ModelArchConfig:
         )
         if spec.parse is not None:
             kwargs.update(spec.parse(cfg))
+        if spec.family in MLA_ARCHITECTURES:
+            kwargs.update(_mla_fields(cfg, model_type, rope_scaling))
         return cls(**kwargs)
 
 
@@ -337,7 +354,46 @@ register_architecture("qwen3_moe", ArchSpec("qwen3_moe", MOE_HF_READS["qwen3_moe
                                             | {"attention_bias"}, _parse_qwen3_moe))
 register_architecture("gpt_oss", ArchSpec("gpt_oss", MOE_HF_READS["gpt_oss"] | {"sliding_window", "layer_types",
                                           "attention_bias"}, _parse_gpt_oss))
+def _parse_deepseek(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V2/V3: MLA attention (the latent fields are added by from_hf_config, which knows the rope
+    scaling), dense layers below first_k_dense_replace, routed + shared experts above."""
+    model_type = str(cfg.get("model_type"))
+    if cfg.get("mlp_bias"):
+        raise ModelConfigError(refuse_value("mlp_bias", cfg["mlp_bias"], model_type, "False"))
+    return {"attention_bias": bool(cfg.get("attention_bias", False)), "moe": _moe(cfg)}
+
+
+def _mla_fields(cfg: Mapping[str, Any], model_type: str, rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
+    """mla, num_kv_heads=1 and head_dim (half the latent: the K and V planes of a page) of a DeepSeek config."""
+    def need(key: str) -> int:
+        if cfg.get(key) is None:
+            raise ModelConfigError(f"config.json lacks {key!r}")
+        return int(cfg[key])
+
+    rope, nope = need("qk_rope_head_dim"), need("qk_nope_head_dim")
+    for key, want in (("head_dim", rope), ("qk_head_dim", rope + nope)):
+        if cfg.get(key) is not None and int(cfg[key]) != want:
+            raise ModelConfigError(refuse_value(key, cfg[key], model_type, f"{want} (derived from the MLA widths)"))
+    try:
+        mla = MLAConfig(kv_lora_rank=need("kv_lora_rank"), qk_rope_head_dim=rope, qk_nope_head_dim=nope,
+                        v_head_dim=need("v_head_dim"), q_lora_rank=int(cfg.get("q_lora_rank") or 0),
+                        rope_interleave=bool(cfg.get("rope_interleave", True)),
+                        softmax_scale=yarn_softmax_scale(rope + nope, rope_scaling))
+    except MLAConfigError as e:
+        raise ModelConfigError(f"{model_type}: {e}") from e
+    return {"mla": mla, "num_kv_heads": 1, "head_dim": mla.latent_dim // 2}
+
+
+_MLA_READS = frozenset({"kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                        "qk_head_dim", "attention_bias", "mlp_bias", "num_nextn_predict_layers"})
+"""MLA keys of DeepSeek configs (num_nextn_predict_layers: the multi-token-prediction layers after the last
+decoder layer, not part of the model's forward; their tensors are skipped at load)."""
+register_architecture("deepseek_v2", ArchSpec("deepseek", MOE_HF_READS["deepseek_v2"] | _MLA_READS, _parse_deepseek))
+register_architecture("deepseek_v3", ArchSpec("deepseek", MOE_HF_READS["deepseek_v3"] | _MLA_READS
+                                              | {"rope_interleave"}, _parse_deepseek))
 ARCHITECTURES = families()
 """Every family registered here (dense and mixture-of-experts; ``config_fields.families()``)."""
-MOE_ARCHITECTURES = ("gpt_oss", "mixtral", "qwen2_moe", "qwen3_moe")
+MOE_ARCHITECTURES = ("deepseek", "gpt_oss", "mixtral", "qwen2_moe", "qwen3_moe")
 """Families whose layers route tokens through experts (ModelArchConfig.moe is set)."""
+MLA_ARCHITECTURES = ("deepseek",)
+"""Families whose attention caches a latent per token (ModelArchConfig.mla is set)."""

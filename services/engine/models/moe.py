@@ -24,18 +24,48 @@ from services.engine.parallel.group import building_group
 from services.engine.parallel.layers import local_intermediate
 
 
-def route(logits: torch.Tensor, moe: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] -> (weights fp32 [T, K], expert ids int32 [T, K])."""
+def route(logits: torch.Tensor, moe: MoEConfig, score_bias: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights fp32 [T, K], expert ids int32 [T, K]).
+
+    With ``moe.n_group`` > 1 a token chooses among the experts of its ``topk_group`` best groups only;
+    ``score_bias`` (fp32 [E], DeepSeek-V3) is added to the scores for choosing, the weights stay the scores."""
     k = moe.top_k
     if moe.scoring == "softmax_topk":
         top, ids = torch.topk(logits, k, dim=-1)
         weights = torch.softmax(top.float(), dim=-1)
-    else:
-        scores = torch.softmax(logits.float(), dim=-1) if moe.scoring == "softmax" else torch.sigmoid(logits.float())
+        return weights, ids.to(torch.int32)
+    scores = torch.softmax(logits.float(), dim=-1) if moe.scoring == "softmax" else torch.sigmoid(logits.float())
+    if score_bias is None and moe.n_group == 1:
         weights, ids = torch.topk(scores, k, dim=-1)
-        if moe.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+    else:
+        choice = scores if score_bias is None else scores + score_bias.float()
+        if moe.n_group > 1:
+            t, e = choice.shape
+            grouped = choice.view(t, moe.n_group, e // moe.n_group)
+            if moe.group_score == "max":
+                group = grouped.amax(dim=-1)
+            else:
+                group = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            keep = torch.zeros_like(group, dtype=torch.bool).scatter_(1, group.topk(moe.topk_group, dim=-1).indices,
+                                                                      True)
+            choice = choice.masked_fill(~keep.repeat_interleave(e // moe.n_group, dim=1), float("-inf"))
+        ids = torch.topk(choice, k, dim=-1).indices
+        weights = scores.gather(1, ids)
+    if moe.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if moe.score_bias else 0.0))
+    if moe.routed_scaling_factor != 1.0:
+        weights = weights * moe.routed_scaling_factor
     return weights, ids.to(torch.int32)
+
+
+class Router(nn.Linear):
+    """The router linear (bias for gpt-oss) and, for DeepSeek-V3, its choice bias ``e_score_correction_bias``
+    (the HF name, fp32 [E])."""
+
+    def __init__(self, hidden: int, moe: MoEConfig) -> None:
+        super().__init__(hidden, moe.num_experts, bias=moe.router_bias)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(moe.num_experts)) if moe.score_bias else None
 
 
 def _activate(h: torch.Tensor, inter: int, activation: str, alpha: float | None, limit: float | None
@@ -132,7 +162,7 @@ class SparseMoeBlock(nn.Module):
         moe = arch.moe
         assert moe is not None
         self.moe = moe
-        self.gate = nn.Linear(arch.hidden_size, moe.num_experts, bias=moe.router_bias)
+        self.gate = Router(arch.hidden_size, moe)
         self.experts = Experts(moe, arch.hidden_size)
         shared = moe.shared_expert_intermediate_size
         self.shared_expert = SharedExpert(arch.hidden_size, shared) if shared else None
@@ -141,7 +171,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         moe, ex = self.moe, self.experts
-        weights, ids = route(self.gate(x), moe)
+        weights, ids = route(self.gate(x), moe, self.gate.e_score_correction_bias)
         out = moe_experts(x, ex.w13, ex.w2, ids, weights, activation=moe.activation, w13_bias=ex.w13_bias,
                           w2_bias=ex.w2_bias, swiglu_alpha=moe.swiglu_alpha, swiglu_limit=moe.swiglu_limit)
         if self.shared_expert is not None:

@@ -13,14 +13,20 @@ from typing import Any
 SCORINGS = ("softmax", "softmax_topk", "sigmoid")
 """Router scoring: "softmax" = softmax over all experts, then the top k (Mixtral, Qwen-MoE);
 "softmax_topk" = the top k logits, then softmax over those k (gpt-oss); "sigmoid" = sigmoid of each
-logit, then the top k (DeepSeek-V3 style; no supported model type uses it yet)."""
+logit, then the top k (DeepSeek-V3)."""
+
+GROUP_SCORES = ("max", "top2_sum")
+"""How a group of experts is scored for group-limited routing (``n_group`` > 1): "max" = its best expert's
+score (DeepSeek-V2 ``group_limited_greedy``), "top2_sum" = the sum of its two best (DeepSeek-V3 ``noaux_tc``,
+scores plus the correction bias)."""
 
 ACTIVATIONS = ("silu", "gpt_oss")
 """Expert activation: "silu" = silu(gate) * up; "gpt_oss" = gate clamped to <= limit, up to
 [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)."""
 
 # HF model_type -> architecture family that routes through experts.
-MOE_MODEL_TYPES = {"mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "gpt_oss": "gpt_oss"}
+MOE_MODEL_TYPES = {"mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "gpt_oss": "gpt_oss",
+                   "deepseek_v2": "deepseek", "deepseek_v3": "deepseek"}
 
 MOE_HF_READS: dict[str, frozenset[str]] = {
     "mixtral": frozenset({"num_local_experts", "num_experts_per_tok", "intermediate_size", "hidden_act",
@@ -34,6 +40,14 @@ MOE_HF_READS: dict[str, frozenset[str]] = {
     "gpt_oss": frozenset({"num_local_experts", "num_experts_per_tok", "intermediate_size", "swiglu_alpha",
                           "swiglu_limit", "hidden_act", "router_aux_loss_coef",
                           "quantization_config"}),
+    "deepseek_v2": frozenset({"n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
+                              "first_k_dense_replace", "moe_layer_freq", "routed_scaling_factor", "topk_method",
+                              "n_group", "topk_group", "norm_topk_prob", "scoring_func", "hidden_act",
+                              "aux_loss_alpha", "seq_aux", "ep_size"}),
+    "deepseek_v3": frozenset({"n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
+                              "first_k_dense_replace", "moe_layer_freq", "routed_scaling_factor", "topk_method",
+                              "n_group", "topk_group", "norm_topk_prob", "scoring_func", "hidden_act",
+                              "aux_loss_alpha", "seq_aux", "ep_size"}),
 }
 """The config.json keys of each MoE model type that :func:`moe_from_hf_config` (and, for qkv_bias,
 ``ModelArchConfig.from_hf_config``) reads, beyond a Llama config's; training-only keys such as
@@ -74,6 +88,18 @@ class MoEConfig:
     """Layer i routes through experts iff (i + 1) % decoder_sparse_step == 0 and i not in mlp_only_layers."""
     mlp_only_layers: list[int] = field(default_factory=list)
     """Layers that keep a dense MLP of the model's intermediate_size."""
+    n_group: int = 1
+    """Expert groups for group-limited routing: a token picks its k experts among the ``topk_group`` best groups
+    (1: no groups)."""
+    topk_group: int = 1
+    """Groups a token may route into (<= n_group)."""
+    group_score: str = "max"
+    """One of GROUP_SCORES (read when n_group > 1)."""
+    score_bias: bool = False
+    """The router has a per-expert bias added to the scores for choosing only (DeepSeek-V3
+    ``e_score_correction_bias``); the weights are the unbiased scores."""
+    routed_scaling_factor: float = 1.0
+    """The routed experts' weights are multiplied by this (after any renormalisation)."""
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "intermediate_size", "decoder_sparse_step"):
@@ -91,6 +117,16 @@ class MoEConfig:
         if self.shared_expert_intermediate_size < 0:
             raise MoEConfigError(f"moe.shared_expert_intermediate_size={self.shared_expert_intermediate_size}: "
                                  "must be >= 0")
+        if self.n_group < 1 or self.num_experts % self.n_group:
+            raise MoEConfigError(f"moe.n_group={self.n_group}: must divide moe.num_experts={self.num_experts}")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise MoEConfigError(f"moe.topk_group={self.topk_group}: must be in [1, n_group={self.n_group}]")
+        if self.n_group > 1 and self.top_k > self.topk_group * (self.num_experts // self.n_group):
+            raise MoEConfigError(f"moe.top_k={self.top_k} exceeds the experts of topk_group={self.topk_group} groups")
+        if self.group_score not in GROUP_SCORES:
+            raise MoEConfigError(f"moe.group_score={self.group_score!r}: expected one of {GROUP_SCORES}")
+        if self.group_score == "top2_sum" and self.n_group > 1 and self.num_experts // self.n_group < 2:
+            raise MoEConfigError("moe.group_score='top2_sum' needs at least 2 experts per group")
         if self.shared_expert_gate and not self.shared_expert_intermediate_size:
             raise MoEConfigError("moe.shared_expert_gate needs a shared expert (shared_expert_intermediate_size > 0)")
 
@@ -118,6 +154,8 @@ def moe_from_hf_config(cfg: dict[str, Any]) -> MoEConfig | None:
     if kind != "gpt_oss" and act != "silu":
         raise MoEConfigError(f"hidden_act={act!r}: MoE experts support 'silu'")
     top_k = int(_need(cfg, "num_experts_per_tok"))
+    if kind == "deepseek":
+        return _deepseek_moe(cfg, top_k)
     if kind == "mixtral":
         return MoEConfig(num_experts=int(_need(cfg, "num_local_experts")), top_k=top_k,
                          intermediate_size=int(_need(cfg, "intermediate_size")), scoring="softmax",
@@ -138,6 +176,36 @@ def moe_from_hf_config(cfg: dict[str, Any]) -> MoEConfig | None:
                      shared_expert_intermediate_size=shared, shared_expert_gate=shared > 0,
                      decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
                      mlp_only_layers=[int(i) for i in cfg.get("mlp_only_layers") or []])
+
+
+def _deepseek_moe(cfg: dict[str, Any], top_k: int) -> MoEConfig:
+    """DeepSeek-V2 (softmax scores; ``topk_method`` greedy or group_limited_greedy) and DeepSeek-V3 (sigmoid
+    scores plus the correction bias for choosing, groups scored by their two best; ``noaux_tc``). Layer i routes
+    iff i >= first_k_dense_replace and i % moe_layer_freq == 0 (the others are dense: mlp_only_layers)."""
+    v3 = cfg.get("model_type") == "deepseek_v3"
+    method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    methods = ("noaux_tc",) if v3 else ("greedy", "group_limited_greedy")
+    if method not in methods:
+        raise MoEConfigError(f"config.json field topk_method={method!r} is not supported for model_type="
+                             f"{cfg.get('model_type')!r}: {' or '.join(methods)}")
+    scoring = cfg.get("scoring_func") or ("sigmoid" if v3 else "softmax")
+    if scoring != ("sigmoid" if v3 else "softmax"):
+        raise MoEConfigError(f"config.json field scoring_func={scoring!r} is not supported for model_type="
+                             f"{cfg.get('model_type')!r}: {'sigmoid' if v3 else 'softmax'}")
+    grouped = v3 or method == "group_limited_greedy"
+    n_group = int(cfg.get("n_group") or 1) if grouped else 1
+    layers = int(_need(cfg, "num_hidden_layers"))
+    first_dense = int(cfg.get("first_k_dense_replace") or 0)
+    freq = int(cfg.get("moe_layer_freq") or 1)
+    experts = int(_need(cfg, "n_routed_experts"))
+    inter = int(_need(cfg, "moe_intermediate_size"))
+    return MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=inter, scoring=scoring,
+                     norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                     shared_expert_intermediate_size=inter * int(cfg.get("n_shared_experts") or 0),
+                     mlp_only_layers=[i for i in range(layers) if i < first_dense or i % freq],
+                     n_group=n_group, topk_group=int(cfg.get("topk_group") or 1) if n_group > 1 else 1,
+                     group_score="top2_sum" if v3 else "max", score_bias=v3,
+                     routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0))
 
 
 _GGUF_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True}

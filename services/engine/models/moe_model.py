@@ -14,7 +14,8 @@ Loading: HF names of expert tensors are read in every layout checkpoints use and
 - gpt-oss (``_GATE_UP_INTERLEAVED``): ``gate_up_proj`` [E, H, 2I] with gate/up columns interleaved,
   ``down_proj`` [E, I, H], their biases, or the MXFP4 ``*_blocks`` + ``*_scales`` pairs.
 - ours (``w13``, ``w2`` and biases, as a TP=1 model's parameters: random models sharded for tensor parallelism).
-Routers (``gate`` or ``router``) become ``mlp.gate``; the shared expert fills ``mlp.shared_expert``.
+Routers (``gate`` or ``router``, with DeepSeek-V3's ``gate.e_score_correction_bias``) become ``mlp.gate``; the
+shared expert (Qwen ``shared_expert``, DeepSeek ``shared_experts``) fills ``mlp.shared_expert``.
 Under tensor parallelism each piece is cut to this rank's intermediate slice (see moe.py).
 """
 
@@ -76,7 +77,7 @@ class MoEForCausalLM(LlamaForCausalLM):
             return [Piece(f"{mlp}.gate.{rest.split('.', 1)[1]}", -1, -1, t)]
         if rest == "shared_expert_gate.weight":  # GGUF stores it as a vector [H]
             return [Piece(f"{mlp}.shared_expert_gate.weight", -1, -1, t.reshape(1, -1) if t.dim() == 1 else t)]
-        if rest.startswith("shared_expert."):
+        if rest.startswith(("shared_expert.", "shared_experts.")):  # Qwen2-MoE / DeepSeek names
             kind = rest.split(".")[1]
             if kind not in _SHARED_PART or not rest.endswith(".weight"):
                 return [Piece(f"{mlp}.{rest}", -1, -1, t)]  # refused as unexpected below

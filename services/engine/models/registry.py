@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from services.engine.models.config import ModelConfigError
+from services.engine.models.deepseek import DeepseekForCausalLM
 from services.engine.models.gpt_oss import GptOssForCausalLM
 from services.engine.models.llama import LlamaForCausalLM
 from services.engine.models.moe_model import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
@@ -16,6 +17,7 @@ _REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "qwen2_moe": Qwen2MoeForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
     "gpt_oss": GptOssForCausalLM,
+    "deepseek": DeepseekForCausalLM,
 }
 
 

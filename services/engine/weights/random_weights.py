@@ -11,6 +11,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from services.engine.models.config import ModelArchConfig
+from services.engine.models.mla_config import MLAConfig, yarn_softmax_scale
 from services.engine.models.moe_config import MoEConfig
 from services.engine.weights.errors import ModelLoadError
 
@@ -25,6 +26,9 @@ INIT_STD = 0.02
 
 _LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                    "original_max_position_embeddings": 8192}
+
+_DSV2_YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+              "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}
 
 RANDOM_SHAPES: dict[str, dict[str, object]] = {
     "smollm2-135m": dict(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -56,6 +60,23 @@ RANDOM_SHAPES: dict[str, dict[str, object]] = {
                         moe=MoEConfig(num_experts=32, top_k=4, intermediate_size=2880, scoring="softmax_topk",
                                       norm_topk_prob=False, activation="gpt_oss", swiglu_alpha=1.702,
                                       swiglu_limit=7.0, router_bias=True, expert_bias=True)),
+    # deepseek-ai/DeepSeek-V2-Lite's config.json (15.7B, 2.4B active): MLA with a 576-value latent per token.
+    "deepseek-v2-lite": dict(architecture="deepseek", vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+                             num_layers=27, num_heads=16, num_kv_heads=1, head_dim=288, rms_norm_eps=1e-6,
+                             rope_theta=10000.0, max_position_embeddings=163840, rope_scaling=_DSV2_YARN,
+                             moe=MoEConfig(num_experts=64, top_k=6, intermediate_size=1408, norm_topk_prob=False,
+                                           shared_expert_intermediate_size=2 * 1408, mlp_only_layers=[0]),
+                             mla=MLAConfig(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                                           softmax_scale=yarn_softmax_scale(192, _DSV2_YARN))),
+    "tiny-deepseek": dict(architecture="deepseek", vocab_size=512, hidden_size=64, intermediate_size=96,
+                          num_layers=2, num_heads=4, num_kv_heads=1, head_dim=20, rms_norm_eps=1e-6,
+                          rope_theta=10000.0, max_position_embeddings=1024,
+                          moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=32, scoring="sigmoid",
+                                        norm_topk_prob=True, shared_expert_intermediate_size=32, mlp_only_layers=[0],
+                                        n_group=2, topk_group=1, group_score="top2_sum", score_bias=True,
+                                        routed_scaling_factor=2.5),
+                          mla=MLAConfig(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                                        q_lora_rank=24)),
     "tiny-mixtral": dict(architecture="mixtral", vocab_size=512, hidden_size=64, intermediate_size=96,
                          num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
                          rope_theta=1e6, max_position_embeddings=1024,
@@ -78,7 +99,7 @@ def random_arch(name: str) -> ModelArchConfig:
     if unknown:
         raise ModelLoadError(f"random:{name} needs {unknown}, which this engine does not support")
     if isinstance(shape.get("moe"), MoEConfig):  # each model its own copy
-        shape["moe"] = dataclasses.replace(shape["moe"])
+        shape["moe"] = dataclasses.replace(shape["moe"], mlp_only_layers=list(shape["moe"].mlp_only_layers))
     return ModelArchConfig(**shape, eos_token_ids=[BYTE_EOS_ID])  # type: ignore[arg-type]
 
 

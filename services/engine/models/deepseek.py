@@ -1,0 +1,174 @@
+"""DeepSeek-V2/V3: multi-head latent attention (MLA) over a paged latent cache, and the MoE decoder.
+
+Attention (``MLAAttention``, HF parameter names): the query is ``q_proj(x)`` or, with ``q_lora_rank``,
+``q_b_proj(q_a_layernorm(q_a_proj(x)))``, per head ``q_nope`` [nope] and ``q_pe`` [rope]; the layer caches
+``latent = [kv_a_layernorm(c_kv), rope(k_pe)]`` from ``kv_a_proj_with_mqa(x)``. ``kv_b_proj`` [H * (nope + v),
+kv_lora] holds each head's key up-projection W_UK [nope, kv_lora] and value up-projection W_UV [v, kv_lora];
+the layer never expands the cache into per-head K/V. It attends in the latent space (the "absorbed" form, the
+same sums as transformers' expanded form in another order): the query ``[q_nope @ W_UK, q_pe]`` [H, latent]
+meets every cached latent (one shared key: multi-query attention), the softmax-weighted sum of the c_kv parts
+[H, kv_lora] goes through W_UV per head and then o_proj. Prefill chunks and decode rows take the same path.
+
+The page holds the latent as the K plane (its first half) and the V plane (its second half) of one KV head of
+``latent // 2`` values (``ModelArchConfig.head_dim``); ``AttentionSpec.latent_value_dim`` tells the backend to
+join the planes into the key and read the value as the key's first ``kv_lora_rank`` values.
+
+RoPE on the rope dims is DeepSeek's interleaved pairs (``rope_interleave``, always for V2), with YaRN's
+cos/sin factor; the softmax scale carries YaRN's ``mscale_all_dim`` (mla_config.py). MoE layers (from
+``first_k_dense_replace``, every ``moe_layer_freq``-th) route with DeepSeek's scoring (moe.py ``route``) and
+add the shared experts; the others are the dense SwiGLU MLP.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from services.engine.attention import AttentionSpec, ForwardContext
+from services.engine.models.config import ModelArchConfig, ModelConfigError
+from services.engine.models.llama import RMSNorm
+from services.engine.models.moe_model import MoEForCausalLM
+from services.engine.models.rope import RotaryEmbedding
+from services.engine.parallel.layers import head_split
+
+LATENT_NORM_EPS = 1e-6
+"""Epsilon of q_a_layernorm and kv_a_layernorm (transformers builds them with its RMSNorm default, not
+rms_norm_eps)."""
+
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.")
+
+
+class LatentRotary(nn.Module):
+    """RoPE on the rope dims of q [T, H, R] and k [T, 1, R]: interleaved pairs (x0, x1), (x2, x3), ... as
+    DeepSeek lays them out (output de-interleaved: all first members, then all second members, for q and k
+    alike, so q . k is unchanged), or rotate_half pairs. cos/sin tables as RotaryEmbedding builds them."""
+
+    def __init__(self, rope: RotaryEmbedding, interleave: bool) -> None:
+        super().__init__()
+        self.rope = rope
+        self.interleave = interleave
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.interleave:
+            return self.rope(positions, q, k)
+        half = q.shape[-1] // 2
+        cos = self.rope.cos_cache[positions][:, None, :half]
+        sin = self.rope.sin_cache[positions][:, None, :half]
+
+        def rot(x: torch.Tensor) -> torch.Tensor:
+            c, s = cos.to(x.dtype), sin.to(x.dtype)
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+        return rot(q), rot(k)
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, arch: ModelArchConfig, layer_idx: int) -> None:
+        super().__init__()
+        mla = arch.mla
+        assert mla is not None
+        split = head_split(arch)
+        if split.tp_size > 1:
+            raise ModelConfigError(f"{arch.architecture} (latent attention) under tensor parallelism is not "
+                                   f"implemented (tp_size={split.tp_size})")
+        self.layer_idx = layer_idx
+        self.mla = mla
+        self.num_heads = arch.num_heads
+        h, hidden, bias = arch.num_heads, arch.hidden_size, arch.attention_bias
+        if mla.q_lora_rank:
+            self.q_a_proj = nn.Linear(hidden, mla.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(mla.q_lora_rank, h * mla.qk_head_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(hidden, h * mla.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.latent_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(mla.kv_lora_rank, h * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(h * mla.v_head_dim, hidden, bias=bias)
+        self._spec = AttentionSpec(scale=mla.scale, latent_value_dim=mla.kv_lora_rank)
+
+    def _query(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mla.q_lora_rank:
+            return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return self.q_proj(x)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: LatentRotary,
+                ctx: ForwardContext) -> torch.Tensor:
+        mla, h, t = self.mla, self.num_heads, x.shape[0]
+        nope, rope, lora = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.kv_lora_rank
+        q_nope, q_pe = self._query(x).view(t, h, mla.qk_head_dim).split([nope, rope], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([lora, rope], dim=-1)
+        q_pe, k_pe = rotary(positions, q_pe, k_pe.view(t, 1, rope))
+        w = self.kv_b_proj.weight.view(h, nope + mla.v_head_dim, lora)
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w[:, :nope])  # [H, T, lora]: q_nope @ W_UK per head
+        query = torch.cat([q_lat.transpose(0, 1), q_pe], dim=-1)  # [T, H, latent]
+        latent = torch.cat([self.kv_a_layernorm(c_kv), k_pe.view(t, rope)], dim=-1)
+        half = mla.latent_dim // 2
+        out = ctx.attend(self.layer_idx, query, latent[:, None, :half], latent[:, None, half:], self._spec)
+        o = torch.bmm(out.transpose(0, 1), w[:, nope:].transpose(1, 2))  # [H, T, v]: through W_UV per head
+        return self.o_proj(o.transpose(0, 1).reshape(t, h * mla.v_head_dim))
+
+    forward_fused = forward  # no Triton path: the GPU engine refuses MLA models (model_runner.py)
+
+
+class DeepseekForCausalLM(MoEForCausalLM):
+    """DeepSeek-V2/V3 (architecture "deepseek"): MLA attention in every layer, MoE layers as ``arch.moe`` says."""
+
+    _self_loaded = (*MoEForCausalLM._self_loaded, ".self_attn.")
+
+    def __init__(self, arch: ModelArchConfig) -> None:
+        if arch.mla is None:
+            raise ModelConfigError(f"{arch.architecture} needs ModelArchConfig.mla")
+        super().__init__(arch)
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn = MLAAttention(arch, i)
+        self.rotary = self._latent_rotary()
+
+    def _latent_rotary(self) -> LatentRotary:
+        a = self.arch
+        assert a.mla is not None
+        rope = RotaryEmbedding(a.mla.qk_rope_head_dim, a.rope_theta, a.rope_scaling, a.max_position_embeddings)
+        return LatentRotary(rope, a.mla.rope_interleave)
+
+    def init_buffers(self) -> None:
+        self.rotary = self._latent_rotary().to(self.model.norm.weight.device)
+
+    def _use_fused(self, h: torch.Tensor) -> bool:
+        return False  # the plain torch forward (the GPU engine refuses MLA models)
+
+    def _expected_pieces(self) -> set[tuple[str, int, int]]:
+        return {p for p in super()._expected_pieces() if ".self_attn." not in p[0]}  # checked by load_weights
+
+    def _take_attention(self, weights: Iterable[tuple[str, torch.Tensor]], params: dict[str, nn.Parameter],
+                        done: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Copy ``self_attn`` tensors into their parameters; skip the multi-token-prediction layers after the
+        last decoder layer (num_nextn_predict_layers); yield every other tensor."""
+        for name, t in weights:
+            m = _LAYER_RE.match(name)
+            if m is not None and int(m.group(1)) >= self.arch.num_layers:
+                continue
+            if ".self_attn." not in name:
+                yield name, t
+                continue
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"unexpected weight {name!r} for a {self.arch.architecture} model")
+            if tuple(param.shape) != tuple(t.shape):
+                raise ValueError(f"weight {name!r}: shape {tuple(t.shape)}, model expects {tuple(param.shape)}")
+            param.data.copy_(t)
+            done.add(name)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        done: set[str] = set()
+        loaded = super().load_weights(self._take_attention(weights, params, done))
+        missing = sorted(n for n in params if ".self_attn." in n and n not in done)
+        if missing:
+            raise ValueError(f"{len(missing)} attention parameters not found in the checkpoint, e.g. {missing[:4]}")
+        return loaded | done

@@ -1,0 +1,124 @@
+"""DeepSeek-V2/V3 (multi-head latent attention + MoE) vs transformers, fp32 on CPU, tiny random checkpoints
+built in the test: the paged harness and the whole engine (scheduler, chunked prefill, the latent pages) give
+transformers' logits within TINY_TOL and its greedy tokens up to the first near-tie; the pages hold exactly the
+latent; what the engine does not implement is refused in one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from services.engine.config import EngineConfig
+from services.engine.engine import LLMEngine
+from services.engine.kv_layout import PageLayout
+from services.engine.model_loader import build_empty_model, load_model
+from services.engine.models.deepseek import MLAAttention
+from services.engine.models.mla_config import MLAConfig, MLAConfigError
+from services.engine.sampling_params import SamplingParams
+from services.engine.weights.errors import ModelLoadError
+from services.engine.weights.random_weights import random_arch
+from tests.engine.test_moe_models import _ref_logits, assert_tokens_match_until_near_tie
+from tests.moe_checkpoints import write_tiny_moe
+
+pytestmark = pytest.mark.slow
+
+DEEPSEEK = ("deepseek_v2", "deepseek_v3")
+
+
+@pytest.fixture(scope="module", params=DEEPSEEK)
+def tiny_ds(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Any]:
+    transformers = pytest.importorskip("transformers")
+    d = write_tiny_moe(tmp_path_factory.mktemp(request.param), request.param)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+    return request.param, d, ref
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 512, (n,), generator=g).tolist() for n in (40, 23, 5)]
+
+
+def test_deepseek_checkpoint_matches_transformers(tiny_ds: tuple[str, Path, Any], greedy: Any) -> None:
+    model_type, d, ref = tiny_ds
+    ours = load_model(str(d), torch.float32, "cpu")
+    arch = ours.arch
+    assert arch.architecture == "deepseek" and arch.mla is not None and arch.moe is not None
+    assert (arch.num_kv_heads, arch.head_dim) == (1, 20)  # one 40-value latent per token: two planes of 20
+    kinds = [type(layer.mlp).__name__ for layer in ours.model.model.layers]
+    assert kinds == ["MLP", "SparseMoeBlock"]  # first_k_dense_replace=1
+    assert all(isinstance(layer.self_attn, MLAAttention) for layer in ours.model.model.layers)
+    prompts = _prompts()
+    gen, logits = greedy(ours.model, prompts, 24, chunk=16)  # chunks of 16: the cached-latent prefill path
+    compared = [assert_tokens_match_until_near_tie(toks, lg, _ref_logits(ref, p, toks), f"{model_type} prompt {i}")
+                for i, (p, toks, lg) in enumerate(zip(prompts, gen, logits, strict=True))]
+    assert sum(compared) >= 36, f"{model_type}: only {compared} steps before a near-tie"
+
+
+def test_deepseek_engine_greedy_equals_transformers(tiny_ds: tuple[str, Path, Any]) -> None:
+    """The engine end to end: chunked prefill (13-token chunks), decode batches over several pages, logprobs."""
+    model_type, d, ref = tiny_ds
+    engine = LLMEngine(EngineConfig(model=str(d), dtype="float32", device="cpu", max_prefill_chunk=13,
+                                    num_kv_blocks=64, block_size=16))
+    prompts = _prompts()
+    sp = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=True)
+    toks: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    lps: dict[str, list[float]] = {r: [] for r in toks}
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, sp, detokenize=False)
+    while engine.has_work():
+        for o in engine.step():
+            toks[o.request_id].extend(o.new_token_ids)
+            lps[o.request_id].extend(float(x) for x in o.new_logprobs)
+    for i, p in enumerate(prompts):
+        got = toks[f"r{i}"]
+        assert len(got) == 20
+        r = _ref_logits(ref, p, got)
+        assert_tokens_match_until_near_tie(got, r, r, f"{model_type} engine prompt {i}")
+        want = torch.log_softmax(r, -1).gather(1, torch.tensor(got)[:, None])[:, 0]
+        assert (want - torch.tensor(lps[f"r{i}"])).abs().max() < 1e-4, f"{model_type} prompt {i}: logprobs differ"
+    assert engine.block_manager.num_free_blocks == engine.runner.num_blocks
+
+
+def test_pages_hold_exactly_the_latent_and_the_layout_says_so(tiny_ds: tuple[str, Path, Any]) -> None:
+    _, d, _ = tiny_ds
+    engine = LLMEngine(EngineConfig(model=str(d), dtype="float32", device="cpu", num_kv_blocks=8, block_size=16))
+    layout = engine.layout
+    assert layout.latent == (32, 8) and (layout.num_kv_heads, layout.head_dim) == (1, 20)
+    assert layout.page_bytes == 2 * 16 * 40 * 4  # layers x tokens x (kv_lora + rope) x fp32: no padding
+    assert "latent c32+r8" in layout.describe()
+    plain = PageLayout.for_model(layout.model_id, 2, 1, 20, 16, "fp32")
+    assert plain.page_bytes == layout.page_bytes and plain.fingerprint != layout.fingerprint
+    from services.engine.convert import layout_from_pb, layout_to_pb
+
+    assert layout_from_pb(layout_to_pb(layout)).fingerprint == layout.fingerprint
+
+
+def test_mla_on_a_gpu_is_refused_in_one_line() -> None:
+    with pytest.raises(ModelLoadError) as e:
+        build_empty_model(random_arch("tiny-deepseek"), torch.bfloat16, "cuda")
+    assert "runs on CPU only" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_random_deepseek_shapes(greedy: Any) -> None:
+    with torch.device("meta"):
+        from services.engine.models.registry import get_model_class
+
+        arch = random_arch("deepseek-v2-lite")
+        model = get_model_class(arch.architecture)(arch)
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(15.71e9, rel=2e-3)  # DeepSeek-V2-Lite
+    assert arch.mla is not None and arch.mla.latent_dim == 576 and arch.moe is not None
+    tiny = load_model("random:tiny-deepseek", torch.float32, "cpu", seed=3)
+    prompt = tiny.tokenizer.encode("latent attention")
+    gen, lg = greedy(tiny.model, [prompt], 6)
+    assert len(gen[0]) == 6 and torch.isfinite(lg[0]).all()
+
+
+def test_mla_config_validates() -> None:
+    with pytest.raises(MLAConfigError, match="must be even"):
+        MLAConfig(kv_lora_rank=31, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+    with pytest.raises(MLAConfigError, match="qk_rope_head_dim=7"):
+        MLAConfig(kv_lora_rank=32, qk_rope_head_dim=7, qk_nope_head_dim=16, v_head_dim=16)
+    assert MLAConfig(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16).scale == 24 ** -0.5
