@@ -1,0 +1,74 @@
+"""Tiny DeepSeek checkpoints (transformers-built; multi-head latent attention, so the pages hold one latent per
+token) served by real 1P1D clusters: greedy tokens over the grpc, shm and mooncake KV transports equal
+transformers fp32 up to the first near-tie; with the kvstore, a second prefill loads the latent pages the first
+one wrote and gives the same tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.engine.kv_transport import mooncake
+from services.launcher import LocalCluster
+from tests.e2e.cluster_util import metric_sum, wait_idle
+from tests.e2e.conftest import SMALL_KV
+from tests.e2e.test_moe_cluster import _check_against_transformers, _generate, _prompts
+from tests.moe_checkpoints import write_tiny_moe
+
+pytestmark = pytest.mark.e2e
+
+NO_MOONCAKE = mooncake.available()
+
+
+def _checkpoint(tmp_path_factory: pytest.TempPathFactory, model_type: str) -> tuple[Path, object]:
+    transformers = pytest.importorskip("transformers")
+    d = write_tiny_moe(tmp_path_factory.mktemp(model_type), model_type)
+    return d, transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def v3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    return _checkpoint(tmp_path_factory, "deepseek_v3")
+
+
+@pytest.fixture(scope="module")
+def v2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    return _checkpoint(tmp_path_factory, "deepseek_v2")
+
+
+@pytest.mark.parametrize("transport", ["grpc", "shm", "mooncake"])
+def test_mla_1p1d_tokens_equal_transformers(v3: tuple[Path, object], transport: str) -> None:
+    if transport == "mooncake" and NO_MOONCAKE is not None:
+        pytest.skip(f"the Mooncake wheel cannot load here: {NO_MOONCAKE}")
+    model_dir, ref = v3
+    sizes = {"prefill": ["--max-prefill-chunk", "29", *SMALL_KV], "decode": SMALL_KV}
+    with LocalCluster(prefill=1, decode=1, kvstore=None, model=str(model_dir), dtype="float32", extra=sizes,
+                      quiet=True, kv_transport=transport) as c:
+        for i, ids in enumerate(_prompts()):
+            got = _generate(c.router["grpc"], ids)
+            assert len(got) == 16
+            _check_against_transformers(ref, ids, got, f"deepseek_v3 {transport} prompt {i}")
+        pm = c.get("prefill-0").ready["metrics"]
+        assert metric_sum(pm, "pdserve_prefill_kv_sent_bytes_total", transport=transport) > 0
+        rep = wait_idle(c.get("decode-0").ready["grpc"])
+        assert rep.free_blocks == rep.total_blocks
+
+
+def test_mla_kvstore_pages_reused_across_two_prefills(v2: tuple[Path, object]) -> None:
+    model_dir, ref = v2
+    extra = {"router": ["--policy", "round_robin"], "prefill": SMALL_KV, "decode": SMALL_KV}
+    ids = _prompts()[0]
+    with LocalCluster(prefill=2, decode=1, kvstore="embedded", model=str(model_dir), dtype="float32", extra=extra,
+                      quiet=True) as c:
+        first = _generate(c.router["grpc"], ids)
+        loaded = 0.0
+        for _ in range(10):  # write-back is asynchronous: resend until the other prefill loads the pages
+            assert _generate(c.router["grpc"], ids) == first
+            loaded = sum(metric_sum(c.get(f"prefill-{i}").ready["metrics"],
+                                    "pdserve_prefill_cached_prefix_tokens_total", source="kvstore") for i in range(2))
+            if loaded:
+                break
+        assert loaded > 0
+    _check_against_transformers(ref, ids, first, "deepseek_v2 kvstore")
