@@ -163,7 +163,7 @@ async def test_a_decode_stream_cut_short_is_an_error_after_the_tokens_sent(clust
     c = await cluster_factory(1, 1)
     setattr(c.decode(0), fault, sent)
     got: list[int] = []
-    async with router(c) as r:
+    async with router(c, restart_wait_s=0.6) as r:  # the dead decode never comes back: give up soon
         assert (await failure(r, 10, got)).code == "unavailable"
         assert got == reference(PROMPT, sent)
         if migrated:
