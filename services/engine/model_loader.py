@@ -18,6 +18,7 @@ from services.engine.models.llama import LlamaForCausalLM
 from services.engine.models.registry import get_model_class
 from services.engine.tokenizer import Tokenizer
 from services.engine.weights.errors import ModelLoadError
+from services.engine.weights.fp8_block import dequantized
 from services.engine.weights.gguf_loader import GGUFFile
 from services.engine.weights.hf_loader import iter_safetensors, read_hf_config
 from services.engine.weights.random_weights import BYTE_EOS_ID, init_random_, random_arch
@@ -89,5 +90,8 @@ def load_model(spec: str | None, dtype: torch.dtype = torch.float32, device: str
     arch = read_hf_config(path)
     tokenizer = hf_tokenizer(path, arch)
     model = build_empty_model(arch, dtype, device)
-    _load_weights(model, iter_safetensors(path), path)
+    weights = iter_safetensors(path)
+    if arch.fp8_weight_block is not None:  # FP8 block-scaled weights: dequantized one by one as they stream in
+        weights = dequantized(weights, (arch.fp8_weight_block[0], arch.fp8_weight_block[1]))
+    _load_weights(model, weights, path)
     return _finish(model, arch, tokenizer, src.model_id, max_model_len)

@@ -56,7 +56,9 @@ def test_default_config_loads(model_type: str) -> None:
     ("mistral", "attention_bias", True),
     ("qwen2", "final_logit_softcapping", 30.0),
     ("qwen3", "is_encoder_decoder", True),
-    ("deepseek_v3", "quantization_config", {"quant_method": "fp8", "weight_block_size": [128, 128]}),
+    ("deepseek_v3", "quantization_config", {"quant_method": "fp8", "activation_scheme": "static",
+                                            "weight_block_size": [128, 128]}),
+    ("qwen3", "quantization_config", {"quant_method": "awq", "bits": 4}),
     ("deepseek_v3", "mlp_bias", True),
 ])
 def test_unimplemented_math_field_is_refused_in_one_line(model_type: str, key: str, value: Any) -> None:

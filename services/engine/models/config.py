@@ -90,6 +90,10 @@ class ModelArchConfig:
     """Every layer has a learned sink logit per query head (parameter ``self_attn.sinks`` [num_heads])."""
     moe: MoEConfig | None = None
     """Mixture-of-experts routing and expert shapes; set exactly for the MoE families (moe_config.py)."""
+    fp8_weight_block: list[int] | None = None
+    """[rows, cols] of the blocks of an FP8 block-scaled checkpoint (``quantization_config`` quant_method fp8 with
+    weight_block_size, the DeepSeek-V3 format): its fp8 weights carry one fp32 ``weight_scale_inv`` per block and
+    are dequantized at load (weights/fp8_block.py). None: unquantized weights."""
     mla: MLAConfig | None = None
     """Multi-head latent attention (mla_config.py); set exactly for the "deepseek" family, whose pages then hold
     one latent per token: num_kv_heads is 1 and head_dim is half the latent (the K and V planes)."""
@@ -227,11 +231,33 @@ class ModelArchConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+        if spec.family != "gpt_oss":  # gpt-oss reads its own (MXFP4 experts, moe_config.py)
+            kwargs["fp8_weight_block"] = _fp8_block(cfg.get("quantization_config"), model_type)
         if spec.parse is not None:
             kwargs.update(spec.parse(cfg))
         if spec.family in MLA_ARCHITECTURES:
             kwargs.update(_mla_fields(cfg, model_type, rope_scaling))
         return cls(**kwargs)
+
+
+_FP8_QUANT_READS = frozenset({"quant_method", "weight_block_size", "activation_scheme", "fmt"})
+
+
+def _fp8_block(quant: Any, model_type: str) -> list[int] | None:
+    """weight_block_size of an FP8 block-scaled quantization_config (dynamic activation scaling, e4m3); None when
+    there is none; any other quantization is refused in one line."""
+    if not quant:
+        return None
+    supported = ("{'quant_method': 'fp8', 'weight_block_size': [rows, cols], 'activation_scheme': 'dynamic'} "
+                 "(block-scaled e4m3 weights, dequantized at load)")
+    block = quant.get("weight_block_size") if isinstance(quant, Mapping) else None
+    ok = (isinstance(quant, Mapping) and quant.get("quant_method") == "fp8" and quant.get("fmt", "e4m3") == "e4m3"
+          and quant.get("activation_scheme", "dynamic") == "dynamic" and isinstance(block, list | tuple)
+          and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)
+          and not set(quant) - _FP8_QUANT_READS)
+    if not ok:
+        raise ModelConfigError(refuse_value("quantization_config", quant, model_type, supported))
+    return [int(block[0]), int(block[1])]
 
 
 def _all_sliding(window: Any, num_layers: int) -> dict[str, Any]:

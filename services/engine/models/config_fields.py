@@ -53,12 +53,13 @@ DENSE_READS: frozenset[str] = frozenset({
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "rope_theta", "rope_scaling",
     "rope_parameters", "max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id",
+    "quantization_config",
 })
 """Keys the shared dense parser (``ModelArchConfig.from_hf_config``) reads for every architecture."""
 
 KNOWN_UNIMPLEMENTED: frozenset[str] = frozenset({
     "is_encoder_decoder", "is_decoder", "add_cross_attention", "cross_attention_hidden_size",
-    "tie_encoder_decoder", "pruned_heads", "mlp_bias", "quantization_config", "sliding_window",
+    "tie_encoder_decoder", "pruned_heads", "mlp_bias", "sliding_window",
     "use_sliding_window", "max_window_layers", "layer_types", "attention_bias",
 })
 """Keys known to change the math that an architecture may leave unimplemented: like any key outside its reads
