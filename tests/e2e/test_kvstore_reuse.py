@@ -16,7 +16,7 @@ from tests.e2e.cluster_util import metric_sum
 pytestmark = pytest.mark.e2e
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
-TURNS = 6
+TURNS = 4
 FACTS = ("Rivers carry water from the mountains to the sea, shaping valleys, feeding farms and towns, and "
          "giving homes to fish, birds and plants along their banks through every season of the year. ")
 

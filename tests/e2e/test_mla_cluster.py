@@ -1,7 +1,7 @@
 """Tiny DeepSeek checkpoints (transformers-built; multi-head latent attention, so the pages hold one latent per
 token) served by real 1P1D clusters: greedy tokens over the grpc, shm and mooncake KV transports equal
 transformers fp32 up to the first near-tie; with the kvstore, a second prefill loads the latent pages the first
-one wrote and gives the same tokens."""
+one wrote and gives the same tokens; a TP=2 prefill hands the pages to a TP=1 decode and back."""
 
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.engine.config import EngineConfig
+from services.engine.engine import LLMEngine
 from services.engine.kv_transport import mooncake
+from services.engine.sampling_params import SamplingParams
 from services.launcher import LocalCluster
 from tests.e2e.cluster_util import metric_sum, wait_idle
 from tests.e2e.conftest import SMALL_KV
@@ -72,3 +75,20 @@ def test_mla_kvstore_pages_reused_across_two_prefills(v2: tuple[Path, object]) -
                 break
         assert loaded > 0
     _check_against_transformers(ref, ids, first, "deepseek_v2 kvstore")
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+def test_mla_pages_cross_tensor_parallel_degrees(v3: tuple[Path, object], prefill_tp: int, decode_tp: int) -> None:
+    """A TP=2 prefill (gloo) hands latent pages to a TP=1 decode and back: every rank holds the same latent, the
+    heads split over the ranks; tokens equal the colocated TP=1 engine's."""
+    model_dir, _ = v3
+    prompts = _prompts()[:2]
+    engine = ["--cpu-threads", "1", "--num-kv-blocks", "64"]
+    want = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64, cpu_threads=1)).generate(
+        prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    extra = {"prefill": [*engine, "--max-prefill-chunk", "32", "--tensor-parallel-size", str(prefill_tp)],
+             "decode": [*engine, "--tensor-parallel-size", str(decode_tp)]}
+    with LocalCluster(prefill=1, decode=1, kvstore=None, model=str(model_dir), dtype="float32", extra=extra,
+                      quiet=True, kv_transport="shm") as c:
+        for ids, expect in zip(prompts, want, strict=True):
+            assert _generate(c.router["grpc"], ids) == expect, (prefill_tp, decode_tp)

@@ -36,3 +36,15 @@ def test_split_names_the_expert_width_it_cannot_divide(tmp_path: Path) -> None:
     check_split(str(tmp_path), 2)
     with pytest.raises(TensorParallelError, match=r"does not divide moe\.intermediate_size 32"):
         check_split(str(tmp_path), 3)
+
+
+def test_tp2_latent_attention_logits_equal_tp1(tmp_path: Path) -> None:
+    """DeepSeek MLA + MoE: the query heads split over the ranks, the latent (the pages) the same on both."""
+    pytest.importorskip("transformers")
+    v3 = write_tiny_moe(tmp_path / "deepseek-v3", "deepseek_v3")  # query LoRA, grouped sigmoid routing
+    got = _spawn(tp_ranks.logits_rank, 2, ["random:tiny-deepseek", str(v3)], 3)
+    for rank, diffs in got.items():
+        assert isinstance(diffs, dict), f"rank {rank}: {diffs}"
+        for spec, (kv_heads, per_step) in diffs.items():
+            assert kv_heads == 1, (spec, rank)  # one latent per token on every rank
+            assert len(per_step) == 5 and max(per_step) < TOL, (spec, rank, per_step)

@@ -32,7 +32,7 @@ from services.engine.models.config import ModelArchConfig, ModelConfigError
 from services.engine.models.llama import RMSNorm
 from services.engine.models.moe_model import MoEForCausalLM
 from services.engine.models.rope import RotaryEmbedding
-from services.engine.parallel.layers import head_split
+from services.engine.parallel.layers import column_linear, head_split, row_linear
 
 LATENT_NORM_EPS = 1e-6
 """Epsilon of q_a_layernorm and kv_a_layernorm (transformers builds them with its RMSNorm default, not
@@ -72,24 +72,21 @@ class MLAAttention(nn.Module):
         super().__init__()
         mla = arch.mla
         assert mla is not None
-        split = head_split(arch)
-        if split.tp_size > 1:
-            raise ModelConfigError(f"{arch.architecture} (latent attention) under tensor parallelism is not "
-                                   f"implemented (tp_size={split.tp_size})")
+        split = head_split(arch)  # this rank's query heads; the latent (one KV "head") is on every rank
         self.layer_idx = layer_idx
         self.mla = mla
-        self.num_heads = arch.num_heads
-        h, hidden, bias = arch.num_heads, arch.hidden_size, arch.attention_bias
+        self.num_heads = split.local_heads
+        h, hidden, bias = split.local_heads, arch.hidden_size, arch.attention_bias
         if mla.q_lora_rank:
             self.q_a_proj = nn.Linear(hidden, mla.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(mla.q_lora_rank, h * mla.qk_head_dim, bias=False)
+            self.q_b_proj = column_linear(mla.q_lora_rank, h * mla.qk_head_dim, bias=False)
         else:
-            self.q_proj = nn.Linear(hidden, h * mla.qk_head_dim, bias=False)
+            self.q_proj = column_linear(hidden, h * mla.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.latent_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(mla.kv_lora_rank, h * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(h * mla.v_head_dim, hidden, bias=bias)
+        self.kv_b_proj = column_linear(mla.kv_lora_rank, h * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
+        self.o_proj = row_linear(h * mla.v_head_dim, hidden, bias=bias)
         self._spec = AttentionSpec(scale=mla.scale, latent_value_dim=mla.kv_lora_rank)
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
@@ -158,10 +155,27 @@ class DeepseekForCausalLM(MoEForCausalLM):
             param = params.get(name)
             if param is None:
                 raise ValueError(f"unexpected weight {name!r} for a {self.arch.architecture} model")
+            t = self._head_rows(name, t)
             if tuple(param.shape) != tuple(t.shape):
                 raise ValueError(f"weight {name!r}: shape {tuple(t.shape)}, model expects {tuple(param.shape)}")
             param.data.copy_(t)
             done.add(name)
+
+    def _head_rows(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """This rank's share of an attention tensor under tensor parallelism: its query heads' rows of q_proj /
+        q_b_proj / kv_b_proj and columns of o_proj; the latent's projections and norms whole (replicated)."""
+        split, mla = self.tp_split, self.arch.mla
+        assert mla is not None
+        if split.tp_size == 1 or not name.endswith(".weight"):
+            return t  # o_proj's bias is whole on every rank: RowParallelLinear adds it once, after the sum
+        a, b = split.q_range
+        for frag, width in ((".q_proj.", mla.qk_head_dim), (".q_b_proj.", mla.qk_head_dim),
+                            (".kv_b_proj.", mla.qk_nope_head_dim + mla.v_head_dim)):
+            if frag in name:
+                return t[a * width:b * width]
+        if ".o_proj." in name:
+            return t[:, a * mla.v_head_dim:b * mla.v_head_dim]
+        return t
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
