@@ -2,7 +2,7 @@
 # cuda-ipc, decode step loop in an engine-core process) at the same points, each with its step summary (mean step,
 # tokens and rows per step, CUDA-graphed share) and first-token times; then colocated again with a
 # decode-priority schedule (--mixed-step-interval 8). random:llama-3-8b bf16, 1024/256, logprobs on.
-#   bash docs/reports/h200-2026-12-03b/run1.sh
+#   bash benchmarks/h200_served_steps.sh   (on the GPU host, from the repository root; results under $OUT)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD:/tmp/site
