@@ -29,6 +29,13 @@ TINY_MOE: dict[str, dict[str, Any]] = {
                         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                          "original_max_position_embeddings": 64, "mscale": 1.0,
                                          "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}),
+    # DeepSeek-V3.2: V3 plus an indexer; index_topk 8 < the prompts, so the top-k selection decides what is
+    # seen; 16 index heads make an exact tie of index scores (every head's relu 0: 2**-16 per key) rare.
+    "deepseek_v32": dict(kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                         first_k_dense_replace=1, n_group=2, topk_group=1, norm_topk_prob=True,
+                         routed_scaling_factor=2.5, intermediate_size=96, num_key_value_heads=4,
+                         index_n_heads=16, index_head_dim=16, index_topk=8),
 }
 """Per model_type: the MoE fields of its tiny config (several layouts: shared expert + a dense layer in
 qwen2_moe, normalised top-k in qwen3_moe, sliding + sink attention in gpt_oss)."""

@@ -46,6 +46,22 @@ class AttentionMetadata:
 
 
 @dataclass(frozen=True)
+class IndexQuery:
+    """DeepSeek-V3.2's sparse attention for one layer and step: each query attends only to the ``topk`` cached keys
+    with the highest index score sum_h weights[t, h] * relu(scale * q[t, h] . index_key[k]) (all of them while fewer
+    are cached); the index keys are the cached values from ``key_start`` on."""
+
+    q: torch.Tensor
+    """[T, index heads, index dim] of the step's tokens (rotated)."""
+    weights: torch.Tensor
+    """fp32 [T, index heads]: each head's weight per token."""
+    key_start: int
+    """Where the index key starts in a token's cached values (after the latent)."""
+    topk: int
+    scale: float
+
+
+@dataclass(frozen=True)
 class AttentionSpec:
     """What one layer's attention computes besides causal softmax attention."""
 
@@ -59,6 +75,9 @@ class AttentionSpec:
     """Latent attention (MLA, models/deepseek.py): k and v are the two halves of one cached latent per token; the
     backend attends with key = [k, v] (the whole latent) and value = its first ``latent_value_dim`` values, and
     returns [T, H, latent_value_dim]. 0: plain K/V."""
+    index: IndexQuery | None = None
+    """Latent attention with an indexer (DeepSeek-V3.2): the key is the cached values before index.key_start, and
+    each query sees only its top-k keys by index score."""
 
 
 @dataclass
@@ -131,13 +150,30 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     return out.view(b, h, lq, d).to(q.dtype)
 
 
-def latent_kv(k: torch.Tensor, v: torch.Tensor, value_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Key and value of latent attention from a latent's two planes [..., D] each: key = [k, v] [..., 2D], value
-    = the key's first ``value_dim`` values; (k, v) unchanged when value_dim is 0."""
+def latent_kv(k: torch.Tensor, v: torch.Tensor, value_dim: int, index: IndexQuery | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Key, value and index keys of latent attention from the two planes [B, 1, L, D] of the cached values:
+    joined = [k, v] [..., 2D]; key = joined (or its part before ``index.key_start``), value = its first
+    ``value_dim`` values, index keys [B, L, index dim] (None without an indexer). (k, v, None) when value_dim
+    is 0."""
     if not value_dim:
-        return k, v
-    key = torch.cat([k, v], dim=-1)
-    return key, key[..., :value_dim]
+        return k, v, None
+    joined = torch.cat([k, v], dim=-1)
+    if index is None:
+        return joined, joined[..., :value_dim], None
+    return joined[..., :index.key_start], joined[..., :value_dim], joined[:, 0, :, index.key_start:]
+
+
+def index_mask(index: IndexQuery, rows: slice, keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """bool [B, 1, Lq, Lk]: the keys each query of ``rows`` (B * Lq tokens of the step, sequence-major) attends
+    to: ``valid`` [B, Lq, Lk] (causal, present) and among its top ``index.topk`` by index score."""
+    b, lq, lk = valid.shape
+    q = index.q[rows].reshape(b, lq, *index.q.shape[1:]).float()  # [B, Lq, Hi, Di]
+    w = index.weights[rows].reshape(b, lq, -1).float()
+    scores = torch.relu(torch.einsum("bqhd,bkd->bqhk", q, keys.float()) * index.scale)
+    total = torch.einsum("bqh,bqhk->bqk", w, scores).masked_fill(~valid, float("-inf"))
+    top = total.topk(min(index.topk, lk), dim=-1).indices
+    return (valid & torch.zeros_like(valid).scatter_(-1, top, True))[:, None]
 
 
 class AttentionBackend(Protocol):
@@ -161,7 +197,7 @@ class ForwardContext:
             return self.backend.forward(layer, q, k, v, self.meta)
         if spec.scale or spec.latent_value_dim:  # the torch backend only (the GPU engine refuses such models)
             return self.backend.forward(layer, q, k, v, self.meta, window=spec.window, sinks=spec.sinks,
-                                        scale=spec.scale, value_dim=spec.latent_value_dim)
+                                        scale=spec.scale, value_dim=spec.latent_value_dim, index=spec.index)
         return self.backend.forward(layer, q, k, v, self.meta, window=spec.window, sinks=spec.sinks)
 
 
@@ -239,20 +275,22 @@ class TorchPagedAttention:
         return DecodePlan(gather, nb, nb * bs, mask, threads=1 if one else 0)
 
     def _decode(self, layer: int, q: torch.Tensor, plan: DecodePlan, gqa: bool,
-                sinks: torch.Tensor | None = None, scale: float = 0.0, value_dim: int = 0) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, scale: float = 0.0, value_dim: int = 0,
+                index: IndexQuery | None = None) -> torch.Tensor:
         """q [nd, H, D] -> out [nd, H, D (value_dim)] over each sequence's cached keys (its new K/V already
         stored)."""
         step_threads = torch.get_num_threads()
         if not plan.threads or plan.threads == step_threads:
-            return self._decode_keys(layer, q, plan, gqa, sinks, scale, value_dim)
+            return self._decode_keys(layer, q, plan, gqa, sinks, scale, value_dim, index)
         torch.set_num_threads(plan.threads)
         try:
-            return self._decode_keys(layer, q, plan, gqa, sinks, scale, value_dim)
+            return self._decode_keys(layer, q, plan, gqa, sinks, scale, value_dim, index)
         finally:
             torch.set_num_threads(step_threads)  # core lending set the step's count: the GEMMs keep it
 
     def _decode_keys(self, layer: int, q: torch.Tensor, plan: DecodePlan, gqa: bool,
-                     sinks: torch.Tensor | None, scale: float = 0.0, value_dim: int = 0) -> torch.Tensor:
+                     sinks: torch.Tensor | None, scale: float = 0.0, value_dim: int = 0,
+                     index: IndexQuery | None = None) -> torch.Tensor:
         scale = scale or self.scale
         if plan.starts is not None:
             assert plan.lens is not None
@@ -262,8 +300,10 @@ class TorchPagedAttention:
                 k, v = kc[s:s + n].unsqueeze(0).transpose(1, 2), vc[s:s + n].unsqueeze(0).transpose(1, 2)
                 if k.dtype != q.dtype:
                     k, v = k.to(q.dtype), v.to(q.dtype)
-                k, v = latent_kv(k, v, value_dim)
-                outs.append(sdpa(q[i:i + 1].unsqueeze(2), k, v, None, scale, gqa, sinks))
+                k, v, ik = latent_kv(k, v, value_dim, index)
+                mask = None if ik is None or index is None else index_mask(
+                    index, slice(i, i + 1), ik, torch.ones(1, 1, n, dtype=torch.bool, device=q.device))
+                outs.append(sdpa(q[i:i + 1].unsqueeze(2), k, v, mask, scale, gqa, sinks))
             return (outs[0] if len(outs) == 1 else torch.cat(outs)).squeeze(2)
         assert plan.gather is not None
         nd = q.shape[0]
@@ -273,8 +313,13 @@ class TorchPagedAttention:
         v = vp.index_select(0, plan.gather).view(shape)[:, : plan.max_len].transpose(1, 2)
         if k.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)
-        k, v = latent_kv(k, v, value_dim)
-        return sdpa(q.unsqueeze(2), k, v, plan.mask, scale, gqa, sinks).squeeze(2)
+        k, v, ik = latent_kv(k, v, value_dim, index)
+        mask = plan.mask
+        if ik is not None and index is not None:
+            valid = (plan.mask[:, 0] if plan.mask is not None
+                     else torch.ones(nd, 1, plan.max_len, dtype=torch.bool, device=q.device))
+            mask = index_mask(index, slice(0, nd), ik, valid)
+        return sdpa(q.unsqueeze(2), k, v, mask, scale, gqa, sinks).squeeze(2)
 
     def _gather(self, layer: int, block_tables: torch.Tensor, max_len: int, first_block: int = 0
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -293,18 +338,19 @@ class TorchPagedAttention:
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, window: int = 0, sinks: torch.Tensor | None = None, scale: float = 0.0,
-                value_dim: int = 0) -> torch.Tensor:
+                value_dim: int = 0, index: IndexQuery | None = None) -> torch.Tensor:
         """``scale``: the layer's softmax scale (0: this backend's); ``value_dim``: latent attention (k/v halves of
-        one latent, AttentionSpec.latent_value_dim)."""
+        one latent, AttentionSpec.latent_value_dim); ``index``: its sparse top-k selection (AttentionSpec.index)."""
         self._store(layer, k, v, meta.slot_mapping)
         nd = meta.num_decode
         gqa = q.shape[1] != self.num_kv_heads
         if nd == len(meta.query_lens):  # a pure decode step
-            return self._decode(layer, q, self._decode_plan(meta, window), gqa, sinks, scale, value_dim)
+            return self._decode(layer, q, self._decode_plan(meta, window), gqa, sinks, scale, value_dim, index)
         scale = scale or self.scale
         out = q.new_empty(*q.shape[:2], value_dim) if value_dim else torch.empty_like(q)
         if nd:
-            out[:nd] = self._decode(layer, q[:nd], self._decode_plan(meta, window), gqa, sinks, scale, value_dim)
+            out[:nd] = self._decode(layer, q[:nd], self._decode_plan(meta, window), gqa, sinks, scale, value_dim,
+                                    index)
         start = nd
         for i in range(nd, len(meta.query_lens)):
             qlen, clen = meta.query_lens[i], meta.context_lens_host[i]
@@ -319,13 +365,15 @@ class TorchPagedAttention:
                 ks, vs = self._gather(layer, meta.block_tables[i:i + 1], clen, first)
                 ks, vs = ks.to(q.dtype), vs.to(q.dtype)
                 kpos = torch.arange(first * self.block_size, clen, device=q.device)
-            ks, vs = latent_kv(ks, vs, value_dim)
-            if clen == qlen and (not window or qlen <= window):
+            ks, vs, ik = latent_kv(ks, vs, value_dim, index)
+            if clen == qlen and (not window or qlen <= window) and ik is None:
                 o = sdpa(qs, ks, vs, None, scale, gqa, sinks, is_causal=True)
             else:
                 mask = kpos[None, :] <= qpos[:, None]
                 if window:
                     mask &= qpos[:, None] - kpos[None, :] < window
+                if ik is not None and index is not None:
+                    mask = index_mask(index, slice(start, start + qlen), ik, mask[None])
                 o = sdpa(qs, ks, vs, mask, scale, gqa, sinks)
             out[start:start + qlen] = o[0].transpose(0, 1)
             start += qlen

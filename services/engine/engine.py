@@ -69,6 +69,14 @@ class _Request:
     first_token_time: float | None = None
 
 
+def _latent_widths(arch) -> tuple[int, ...]:
+    """PageLayout.latent of a latent-attention model: (kv_lora_rank, rope dims[, index key dims]); () otherwise."""
+    mla = arch.mla
+    if mla is None:
+        return ()
+    return (mla.kv_lora_rank, mla.qk_rope_head_dim, *((mla.index_head_dim,) if mla.index_head_dim else ()))
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
@@ -137,7 +145,7 @@ class LLMEngine:
         self.vocab_size = self.loaded.arch.vocab_size
         arch = self.loaded.arch
         attn = dict(layer_windows=arch.layer_windows, attention_sinks=arch.attention_sinks,
-                    latent=(arch.mla.kv_lora_rank, arch.mla.qk_rope_head_dim) if arch.mla is not None else ())
+                    latent=_latent_widths(arch))
         self.layout = PageLayout.for_model(self.loaded.model_id, arch.num_layers, arch.num_kv_heads, arch.head_dim,
                                            config.block_size, PageLayout.codec_for_dtype(config.torch_dtype), **attn)
         self.fp8_layout = PageLayout.for_model(self.loaded.model_id, arch.num_layers, arch.num_kv_heads,

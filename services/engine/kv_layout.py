@@ -70,14 +70,15 @@ class PageLayout:
     """Sliding window of each layer (tokens, 0: full attention); empty when every layer is full."""
     attention_sinks: bool = False
     """The layers have learned attention sinks."""
-    latent: tuple[int, int] = ()
-    """Latent attention (MLA): (kv_lora_rank, qk_rope_head_dim) of the one latent per token and layer a page holds
-    as its K and V planes (one "head" of half the latent each); empty for per-head K/V."""
+    latent: tuple[int, ...] = ()
+    """Latent attention (MLA): (kv_lora_rank, qk_rope_head_dim[, index key width]) of the one latent (and
+    DeepSeek-V3.2 index key) per token and layer a page holds as its K and V planes (one "head" of half of them
+    each); empty for per-head K/V."""
 
     @staticmethod
     def for_model(model_id: str, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                   codec: str, layer_windows: tuple[int, ...] = (), attention_sinks: bool = False,
-                  latent: tuple[int, int] = ()) -> PageLayout:
+                  latent: tuple[int, ...] = ()) -> PageLayout:
         if layer_windows and len(layer_windows) != num_layers:
             raise ValueError(f"layer_windows has {len(layer_windows)} entries for {num_layers} layers")
         nbytes = region_bytes(num_layers, num_kv_heads, head_dim, block_size, codec)
@@ -126,8 +127,15 @@ class PageLayout:
                 f"{'heads ' + '->'.join(s.describe() for s in self.splits) + ' ' if self.splits else ''}"
                 f"{'windows ' + _windows(self.layer_windows) + ' ' if self.layer_windows else ''}"
                 f"{'sinks ' if self.attention_sinks else ''}"
-                f"{'latent c{}+r{} '.format(*self.latent) if self.latent else ''}"
+                f"{_latent(self.latent)}"
                 f"[{self.fingerprint}]")
+
+
+def _latent(widths: tuple[int, ...]) -> str:
+    """"latent c512+r64 " (kv_lora_rank + rope dims), "+i128" with an index key; "" for per-head K/V."""
+    if not widths:
+        return ""
+    return "latent " + "+".join(f"{k}{w}" for k, w in zip("cri", widths, strict=False)) + " "
 
 
 def _windows(windows: tuple[int, ...]) -> str:

@@ -1,6 +1,6 @@
 """Tiny DeepSeek checkpoints (transformers-built; multi-head latent attention, so the pages hold one latent per
-token) served by real 1P1D clusters: greedy tokens over the grpc, shm and mooncake KV transports equal
-transformers fp32 up to the first near-tie; with the kvstore, a second prefill loads the latent pages the first
+token, and for V3.2 the indexer's key beside it) served by real 1P1D clusters: DeepSeek-V3.2's greedy tokens
+over the grpc, shm and mooncake KV transports equal transformers fp32 up to the first near-tie; with the kvstore, a second prefill loads the latent pages the first
 one wrote and gives the same tokens; a TP=2 prefill hands the pages to a TP=1 decode and back."""
 
 from __future__ import annotations
@@ -37,22 +37,28 @@ def v3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
 
 
 @pytest.fixture(scope="module")
+def v32(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    return _checkpoint(tmp_path_factory, "deepseek_v32")
+
+
+@pytest.fixture(scope="module")
 def v2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
     return _checkpoint(tmp_path_factory, "deepseek_v2")
 
 
 @pytest.mark.parametrize("transport", ["grpc", "shm", "mooncake"])
-def test_mla_1p1d_tokens_equal_transformers(v3: tuple[Path, object], transport: str) -> None:
+def test_mla_1p1d_tokens_equal_transformers(v32: tuple[Path, object], transport: str) -> None:
+    """DeepSeek-V3.2: the pages carry the latent and the indexer's keys; the decode's top-k selection reads them."""
     if transport == "mooncake" and NO_MOONCAKE is not None:
         pytest.skip(f"the Mooncake wheel cannot load here: {NO_MOONCAKE}")
-    model_dir, ref = v3
+    model_dir, ref = v32
     sizes = {"prefill": ["--max-prefill-chunk", "29", *SMALL_KV], "decode": SMALL_KV}
     with LocalCluster(prefill=1, decode=1, kvstore=None, model=str(model_dir), dtype="float32", extra=sizes,
                       quiet=True, kv_transport=transport) as c:
         for i, ids in enumerate(_prompts()):
             got = _generate(c.router["grpc"], ids)
             assert len(got) == 16
-            _check_against_transformers(ref, ids, got, f"deepseek_v3 {transport} prompt {i}")
+            _check_against_transformers(ref, ids, got, f"deepseek_v32 {transport} prompt {i}")
         pm = c.get("prefill-0").ready["metrics"]
         assert metric_sum(pm, "pdserve_prefill_kv_sent_bytes_total", transport=transport) > 0
         rep = wait_idle(c.get("decode-0").ready["grpc"])

@@ -1,10 +1,11 @@
-"""DeepSeek-V2/V3 (multi-head latent attention + MoE) vs transformers, fp32 on CPU, tiny random checkpoints
+"""DeepSeek-V2/V3/V3.2 (multi-head latent attention, V3.2's sparse top-k indexer, MoE) vs transformers, fp32 on CPU, tiny random checkpoints
 built in the test: the paged harness and the whole engine (scheduler, chunked prefill, the latent pages) give
 transformers' logits within TINY_TOL and its greedy tokens up to the first near-tie; the pages hold exactly the
 latent; what the engine does not implement is refused in one line."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,9 @@ from tests.moe_checkpoints import write_tiny_moe
 
 pytestmark = pytest.mark.slow
 
-DEEPSEEK = ("deepseek_v2", "deepseek_v3")
+DEEPSEEK = ("deepseek_v2", "deepseek_v3", "deepseek_v32")
+CACHED = {"deepseek_v2": (32, 8), "deepseek_v3": (32, 8), "deepseek_v32": (32, 8, 16)}
+"""PageLayout.latent of each tiny checkpoint: kv_lora_rank, rope dims (, the V3.2 index key)."""
 
 
 @pytest.fixture(scope="module", params=DEEPSEEK)
@@ -46,7 +49,7 @@ def test_deepseek_checkpoint_matches_transformers(tiny_ds: tuple[str, Path, Any]
     ours = load_model(str(d), torch.float32, "cpu")
     arch = ours.arch
     assert arch.architecture == "deepseek" and arch.mla is not None and arch.moe is not None
-    assert (arch.num_kv_heads, arch.head_dim) == (1, 20)  # one 40-value latent per token: two planes of 20
+    assert (arch.num_kv_heads, arch.head_dim) == (1, sum(CACHED[model_type]) // 2)  # two planes of half
     kinds = [type(layer.mlp).__name__ for layer in ours.model.model.layers]
     assert kinds == ["MLP", "SparseMoeBlock"]  # first_k_dense_replace=1
     assert all(isinstance(layer.self_attn, MLAAttention) for layer in ours.model.model.layers)
@@ -83,13 +86,14 @@ def test_deepseek_engine_greedy_equals_transformers(tiny_ds: tuple[str, Path, An
 
 
 def test_pages_hold_exactly_the_latent_and_the_layout_says_so(tiny_ds: tuple[str, Path, Any]) -> None:
-    _, d, _ = tiny_ds
+    model_type, d, _ = tiny_ds
     engine = LLMEngine(EngineConfig(model=str(d), dtype="float32", device="cpu", num_kv_blocks=8, block_size=16))
     layout = engine.layout
-    assert layout.latent == (32, 8) and (layout.num_kv_heads, layout.head_dim) == (1, 20)
-    assert layout.page_bytes == 2 * 16 * 40 * 4  # layers x tokens x (kv_lora + rope) x fp32: no padding
-    assert "latent c32+r8" in layout.describe()
-    plain = PageLayout.for_model(layout.model_id, 2, 1, 20, 16, "fp32")
+    cached = sum(CACHED[model_type])
+    assert layout.latent == CACHED[model_type] and (layout.num_kv_heads, layout.head_dim) == (1, cached // 2)
+    assert layout.page_bytes == 2 * 16 * cached * 4  # layers x tokens x cached values x fp32: no padding
+    assert ("latent c32+r8+i16 " if model_type == "deepseek_v32" else "latent c32+r8 ") in layout.describe()
+    plain = PageLayout.for_model(layout.model_id, 2, 1, cached // 2, 16, "fp32")
     assert plain.page_bytes == layout.page_bytes and plain.fingerprint != layout.fingerprint
     from services.engine.convert import layout_from_pb, layout_to_pb
 
@@ -116,7 +120,29 @@ def test_random_deepseek_shapes(greedy: Any) -> None:
     assert len(gen[0]) == 6 and torch.isfinite(lg[0]).all()
 
 
+def test_v32_selection_decides_what_a_query_sees(tiny_ds: tuple[str, Path, Any], greedy: Any) -> None:
+    """The indexer matters: with index_topk raised past the context the logits change (the tiny model's queries
+    then see every key), so matching transformers above is not dense attention in disguise."""
+    model_type, d, _ = tiny_ds
+    if model_type != "deepseek_v32":
+        pytest.skip("DeepSeek-V3.2 only")
+    sparse = load_model(str(d), torch.float32, "cpu")
+    dense = load_model(str(d), torch.float32, "cpu")
+    for layer in dense.model.model.layers:
+        layer.self_attn.mla = dataclasses.replace(layer.self_attn.mla, index_topk=10_000)
+    prompt = _prompts()[0]
+    _, a = greedy(sparse.model, [prompt], 2)
+    _, b = greedy(dense.model, [prompt], 2)
+    assert (a[0] - b[0]).abs().max() > 1e-3
+
+
 def test_mla_config_validates() -> None:
+    with pytest.raises(MLAConfigError, match="all three positive"):
+        MLAConfig(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, q_lora_rank=8,
+                  index_n_heads=2, index_head_dim=16)
+    with pytest.raises(MLAConfigError, match="q_lora_rank must be set"):
+        MLAConfig(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, index_n_heads=2,
+                  index_head_dim=16, index_topk=4)
     with pytest.raises(MLAConfigError, match="must be even"):
         MLAConfig(kv_lora_rank=31, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
     with pytest.raises(MLAConfigError, match="qk_rope_head_dim=7"):

@@ -152,9 +152,9 @@ class ModelArchConfig:
         if (self.mla is not None) != (self.architecture in MLA_ARCHITECTURES):
             raise ModelConfigError(f"architecture={self.architecture!r} with mla={self.mla!r}: latent attention is "
                                    f"set exactly for {MLA_ARCHITECTURES}")
-        if self.mla is not None and (self.num_kv_heads, self.head_dim) != (1, self.mla.latent_dim // 2):
+        if self.mla is not None and (self.num_kv_heads, self.head_dim) != (1, self.mla.cached_dim // 2):
             raise ModelConfigError(f"MLA pages are one latent per token: num_kv_heads must be 1 and head_dim "
-                                   f"{self.mla.latent_dim // 2}, got {self.num_kv_heads} and {self.head_dim}")
+                                   f"{self.mla.cached_dim // 2}, got {self.num_kv_heads} and {self.head_dim}")
         self._validate_windows()
 
     def _validate_windows(self) -> None:
@@ -400,14 +400,22 @@ def _mla_fields(cfg: Mapping[str, Any], model_type: str, rope_scaling: dict[str,
     for key, want in (("head_dim", rope), ("qk_head_dim", rope + nope)):
         if cfg.get(key) is not None and int(cfg[key]) != want:
             raise ModelConfigError(refuse_value(key, cfg[key], model_type, f"{want} (derived from the MLA widths)"))
+    index: dict[str, int] = {}
+    if model_type == "deepseek_v32":  # DeepSeek Sparse Attention: an indexer in every layer
+        types = cfg.get("layer_types") or ["indexed_attention"] * int(need("num_hidden_layers"))
+        if any(t != "indexed_attention" for t in types) or len(types) != int(need("num_hidden_layers")):
+            raise ModelConfigError(refuse_value("layer_types", types, model_type,
+                                                "'indexed_attention' on every layer"))
+        index = {"index_n_heads": need("index_n_heads"), "index_head_dim": need("index_head_dim"),
+                 "index_topk": need("index_topk")}
     try:
         mla = MLAConfig(kv_lora_rank=need("kv_lora_rank"), qk_rope_head_dim=rope, qk_nope_head_dim=nope,
                         v_head_dim=need("v_head_dim"), q_lora_rank=int(cfg.get("q_lora_rank") or 0),
-                        rope_interleave=bool(cfg.get("rope_interleave", True)),
-                        softmax_scale=yarn_softmax_scale(rope + nope, rope_scaling))
+                        rope_interleave=bool(cfg.get("rope_interleave", True)) if model_type == "deepseek_v3" else True,
+                        softmax_scale=yarn_softmax_scale(rope + nope, rope_scaling), **index)
     except MLAConfigError as e:
         raise ModelConfigError(f"{model_type}: {e}") from e
-    return {"mla": mla, "num_kv_heads": 1, "head_dim": mla.latent_dim // 2}
+    return {"mla": mla, "num_kv_heads": 1, "head_dim": mla.cached_dim // 2}
 
 
 _MLA_READS = frozenset({"kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
@@ -417,6 +425,9 @@ decoder layer, not part of the model's forward; their tensors are skipped at loa
 register_architecture("deepseek_v2", ArchSpec("deepseek", MOE_HF_READS["deepseek_v2"] | _MLA_READS, _parse_deepseek))
 register_architecture("deepseek_v3", ArchSpec("deepseek", MOE_HF_READS["deepseek_v3"] | _MLA_READS
                                               | {"rope_interleave"}, _parse_deepseek))
+register_architecture("deepseek_v32", ArchSpec("deepseek", MOE_HF_READS["deepseek_v32"] | _MLA_READS
+                                               | {"index_n_heads", "index_head_dim", "index_topk", "layer_types"},
+                                               _parse_deepseek))
 ARCHITECTURES = families()
 """Every family registered here (dense and mixture-of-experts; ``config_fields.families()``)."""
 MOE_ARCHITECTURES = ("deepseek", "gpt_oss", "mixtral", "qwen2_moe", "qwen3_moe")

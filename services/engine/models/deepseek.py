@@ -13,6 +13,10 @@ The page holds the latent as the K plane (its first half) and the V plane (its s
 ``latent // 2`` values (``ModelArchConfig.head_dim``); ``AttentionSpec.latent_value_dim`` tells the backend to
 join the planes into the key and read the value as the key's first ``kv_lora_rank`` values.
 
+DeepSeek-V3.2 adds an indexer per layer (``Indexer``): its index key is cached after the latent (the same two
+planes, wider), and each query attends only to its ``index_topk`` keys of highest index score
+(``AttentionSpec.index``).
+
 RoPE on the rope dims is DeepSeek's interleaved pairs (``rope_interleave``, always for V2), with YaRN's
 cos/sin factor; the softmax scale carries YaRN's ``mscale_all_dim`` (mla_config.py). MoE layers (from
 ``first_k_dense_replace``, every ``moe_layer_freq``-th) route with DeepSeek's scoring (moe.py ``route``) and
@@ -27,7 +31,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from services.engine.attention import AttentionSpec, ForwardContext
+from services.engine.attention import AttentionSpec, ForwardContext, IndexQuery
 from services.engine.models.config import ModelArchConfig, ModelConfigError
 from services.engine.models.llama import RMSNorm
 from services.engine.models.moe_model import MoEForCausalLM
@@ -67,6 +71,34 @@ class LatentRotary(nn.Module):
         return rot(q), rot(k)
 
 
+class Indexer(nn.Module):
+    """DeepSeek-V3.2's lightning indexer (HF names ``self_attn.indexer.*``): an index query per token from the
+    compressed query (``wq_b``), one index key per token (``k_norm(wk(x))``, LayerNorm with bias), per-head weights
+    (``weights_proj``); both rotated on their first qk_rope_head_dim values with rotate_half pairs (not the
+    interleaved pairs of the main attention)."""
+
+    def __init__(self, arch: ModelArchConfig) -> None:
+        super().__init__()
+        mla = arch.mla
+        assert mla is not None
+        self.heads, self.dim, self.rope_dim = mla.index_n_heads, mla.index_head_dim, mla.qk_rope_head_dim
+        self.wq_b = nn.Linear(mla.q_lora_rank, self.heads * self.dim, bias=False)
+        self.wk = nn.Linear(arch.hidden_size, self.dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.dim, eps=LATENT_NORM_EPS)
+        self.weights_proj = nn.Linear(arch.hidden_size, self.heads, bias=False)
+
+    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, positions: torch.Tensor, rotary: LatentRotary
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(index queries [T, Hi, Di], index keys [T, Di], fp32 head weights [T, Hi])."""
+        t, r = x.shape[0], self.rope_dim
+        q = self.wq_b(q_resid).view(t, self.heads, self.dim)
+        k = self.k_norm(self.wk(x)).view(t, 1, self.dim)
+        q_rot, k_rot = rotary.rope(positions, q[..., :r], k[..., :r])
+        q = torch.cat([q_rot, q[..., r:]], dim=-1)
+        k = torch.cat([k_rot, k[..., r:]], dim=-1).view(t, self.dim)
+        return q, k, self.weights_proj(x).float() * self.heads ** -0.5
+
+
 class MLAAttention(nn.Module):
     def __init__(self, arch: ModelArchConfig, layer_idx: int) -> None:
         super().__init__()
@@ -87,26 +119,37 @@ class MLAAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = column_linear(mla.kv_lora_rank, h * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
         self.o_proj = row_linear(h * mla.v_head_dim, hidden, bias=bias)
+        self.indexer = Indexer(arch) if mla.index_n_heads else None  # replicated under tensor parallelism
         self._spec = AttentionSpec(scale=mla.scale, latent_value_dim=mla.kv_lora_rank)
 
-    def _query(self, x: torch.Tensor) -> torch.Tensor:
+    def _query(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(query [T, H * qk_head_dim], the compressed query or None without a query LoRA)."""
         if self.mla.q_lora_rank:
-            return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        return self.q_proj(x)
+            resid = self.q_a_layernorm(self.q_a_proj(x))
+            return self.q_b_proj(resid), resid
+        return self.q_proj(x), None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: LatentRotary,
                 ctx: ForwardContext) -> torch.Tensor:
         mla, h, t = self.mla, self.num_heads, x.shape[0]
         nope, rope, lora = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.kv_lora_rank
-        q_nope, q_pe = self._query(x).view(t, h, mla.qk_head_dim).split([nope, rope], dim=-1)
+        query_flat, q_resid = self._query(x)
+        q_nope, q_pe = query_flat.view(t, h, mla.qk_head_dim).split([nope, rope], dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([lora, rope], dim=-1)
         q_pe, k_pe = rotary(positions, q_pe, k_pe.view(t, 1, rope))
         w = self.kv_b_proj.weight.view(h, nope + mla.v_head_dim, lora)
         q_lat = torch.bmm(q_nope.transpose(0, 1), w[:, :nope])  # [H, T, lora]: q_nope @ W_UK per head
         query = torch.cat([q_lat.transpose(0, 1), q_pe], dim=-1)  # [T, H, latent]
         latent = torch.cat([self.kv_a_layernorm(c_kv), k_pe.view(t, rope)], dim=-1)
-        half = mla.latent_dim // 2
-        out = ctx.attend(self.layer_idx, query, latent[:, None, :half], latent[:, None, half:], self._spec)
+        spec = self._spec
+        if self.indexer is not None:
+            assert q_resid is not None
+            iq, ik, iw = self.indexer(x, q_resid, positions, rotary)
+            latent = torch.cat([latent, ik.to(latent.dtype)], dim=-1)  # the index key is cached after the latent
+            spec = AttentionSpec(scale=mla.scale, latent_value_dim=lora, index=IndexQuery(
+                iq, iw, mla.latent_dim, mla.index_topk, mla.index_head_dim ** -0.5))
+        half = mla.cached_dim // 2
+        out = ctx.attend(self.layer_idx, query, latent[:, None, :half], latent[:, None, half:], spec)
         o = torch.bmm(out.transpose(0, 1), w[:, nope:].transpose(1, 2))  # [H, T, v]: through W_UV per head
         return self.o_proj(o.transpose(0, 1).reshape(t, h * mla.v_head_dim))
 

@@ -7,9 +7,10 @@ a query of ``kv_lora_rank + qk_rope_head_dim`` values meets the cached latent di
 ``c_kv`` is multiplied by the head's value up-projection afterwards. That is multi-query attention with one
 key of ``latent_dim`` values whose first ``kv_lora_rank`` values are also the value.
 
-The pool keeps the engine's K/V page shape with one KV "head" of ``latent_dim // 2`` values per plane: the K
-plane holds the latent's first half, the V plane its second half, so a page holds exactly the latent (no
-copy of c_kv, no zero padding) and every transport, the kvstore and the fp8 wire codec move it unchanged.
+The pool keeps the engine's K/V page shape with one KV "head" of ``cached_dim // 2`` values per plane: the K
+plane holds the first half of [latent, index key], the V plane the second half, so a page holds exactly the
+latent (and DeepSeek-V3.2's index key; no copy of c_kv, no zero padding) and every transport, the kvstore and
+the fp8 wire codec move it unchanged.
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ class MLAConfig:
     softmax_scale: float = 0.0
     """Scale of the attention logits: qk_head_dim ** -0.5, times YaRN's mscale(factor, mscale_all_dim) ** 2;
     0: the plain qk_head_dim ** -0.5."""
+    index_n_heads: int = 0
+    """Sparse attention (DeepSeek-V3.2's indexer): heads of the index query; 0: dense attention (no indexer)."""
+    index_head_dim: int = 0
+    """Width of the index key cached per token beside the latent (its first qk_rope_head_dim values rotated)."""
+    index_topk: int = 0
+    """Keys each query attends to: the top index_topk by index score (all of them while fewer are cached)."""
 
     def __post_init__(self) -> None:
         for name in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
@@ -49,14 +56,27 @@ class MLAConfig:
             raise MLAConfigError(f"q_lora_rank={self.q_lora_rank!r}: must be >= 0")
         if self.qk_rope_head_dim % 2:
             raise MLAConfigError(f"qk_rope_head_dim={self.qk_rope_head_dim}: RoPE needs an even width")
-        if self.latent_dim % 2:
-            raise MLAConfigError(f"kv_lora_rank + qk_rope_head_dim = {self.latent_dim}: the latent is cached as "
-                                 "two equal halves (K and V planes), so it must be even")
+        if (self.index_n_heads > 0) != (self.index_head_dim > 0) or (self.index_n_heads > 0) != (self.index_topk > 0):
+            raise MLAConfigError(f"index_n_heads={self.index_n_heads}, index_head_dim={self.index_head_dim}, "
+                                 f"index_topk={self.index_topk}: an indexer needs all three positive (or none)")
+        if self.index_head_dim and self.index_head_dim < self.qk_rope_head_dim:
+            raise MLAConfigError(f"index_head_dim={self.index_head_dim} is narrower than qk_rope_head_dim="
+                                 f"{self.qk_rope_head_dim} (its first qk_rope_head_dim values are rotated)")
+        if self.index_n_heads and not self.q_lora_rank:
+            raise MLAConfigError("an indexer reads the compressed query: q_lora_rank must be set")
+        if self.cached_dim % 2:
+            raise MLAConfigError(f"kv_lora_rank + qk_rope_head_dim + index_head_dim = {self.cached_dim}: the cached "
+                                 "values are two equal halves (K and V planes), so they must be even")
 
     @property
     def latent_dim(self) -> int:
         """Cached values per token and layer: c_kv then k_pe."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def cached_dim(self) -> int:
+        """Values a page holds per token and layer: the latent, then the index key when there is an indexer."""
+        return self.latent_dim + self.index_head_dim
 
     @property
     def qk_head_dim(self) -> int:

@@ -26,7 +26,7 @@ ACTIVATIONS = ("silu", "gpt_oss")
 
 # HF model_type -> architecture family that routes through experts.
 MOE_MODEL_TYPES = {"mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "gpt_oss": "gpt_oss",
-                   "deepseek_v2": "deepseek", "deepseek_v3": "deepseek"}
+                   "deepseek_v2": "deepseek", "deepseek_v3": "deepseek", "deepseek_v32": "deepseek"}
 
 MOE_HF_READS: dict[str, frozenset[str]] = {
     "mixtral": frozenset({"num_local_experts", "num_experts_per_tok", "intermediate_size", "hidden_act",
@@ -48,6 +48,10 @@ MOE_HF_READS: dict[str, frozenset[str]] = {
                               "first_k_dense_replace", "moe_layer_freq", "routed_scaling_factor", "topk_method",
                               "n_group", "topk_group", "norm_topk_prob", "scoring_func", "hidden_act",
                               "aux_loss_alpha", "seq_aux", "ep_size"}),
+    "deepseek_v32": frozenset({"n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
+                               "first_k_dense_replace", "mlp_layer_types", "routed_scaling_factor", "topk_method",
+                               "n_group", "topk_group", "norm_topk_prob", "scoring_func", "hidden_act",
+                               "aux_loss_alpha", "seq_aux", "ep_size"}),
 }
 """The config.json keys of each MoE model type that :func:`moe_from_hf_config` (and, for qkv_bias,
 ``ModelArchConfig.from_hf_config``) reads, beyond a Llama config's; training-only keys such as
@@ -182,7 +186,7 @@ def _deepseek_moe(cfg: dict[str, Any], top_k: int) -> MoEConfig:
     """DeepSeek-V2 (softmax scores; ``topk_method`` greedy or group_limited_greedy) and DeepSeek-V3 (sigmoid
     scores plus the correction bias for choosing, groups scored by their two best; ``noaux_tc``). Layer i routes
     iff i >= first_k_dense_replace and i % moe_layer_freq == 0 (the others are dense: mlp_only_layers)."""
-    v3 = cfg.get("model_type") == "deepseek_v3"
+    v3 = cfg.get("model_type") in ("deepseek_v3", "deepseek_v32")
     method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
     methods = ("noaux_tc",) if v3 else ("greedy", "group_limited_greedy")
     if method not in methods:
@@ -197,12 +201,19 @@ def _deepseek_moe(cfg: dict[str, Any], top_k: int) -> MoEConfig:
     layers = int(_need(cfg, "num_hidden_layers"))
     first_dense = int(cfg.get("first_k_dense_replace") or 0)
     freq = int(cfg.get("moe_layer_freq") or 1)
+    dense = [i for i in range(layers) if i < first_dense or i % freq]
+    kinds = cfg.get("mlp_layer_types")  # DeepSeek-V3.2: "dense" | "sparse" per layer
+    if kinds is not None:
+        if len(kinds) != layers or any(k not in ("dense", "sparse") for k in kinds):
+            raise MoEConfigError(f"config.json field mlp_layer_types={kinds!r}: need {layers} entries of "
+                                 "'dense' / 'sparse'")
+        dense = [i for i, k in enumerate(kinds) if k == "dense"]
     experts = int(_need(cfg, "n_routed_experts"))
     inter = int(_need(cfg, "moe_intermediate_size"))
     return MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=inter, scoring=scoring,
                      norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
                      shared_expert_intermediate_size=inter * int(cfg.get("n_shared_experts") or 0),
-                     mlp_only_layers=[i for i in range(layers) if i < first_dense or i % freq],
+                     mlp_only_layers=dense,
                      n_group=n_group, topk_group=int(cfg.get("topk_group") or 1) if n_group > 1 else 1,
                      group_score="top2_sum" if v3 else "max", score_bias=v3,
                      routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0))
