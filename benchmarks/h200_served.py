@@ -34,9 +34,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-BENCH_TOKENIZER = "none"
-"""bench serve's client tokenizer: none (prompts of ~``in`` tokens of random words; the router counts the real
-tokens), so the run needs no model package on the GPU host."""
+BENCH_TOKENIZER = "byte"
+"""bench serve's client tokenizer: the byte-level one random models serve with, so a prompt is cut to exactly
+``in`` tokens as the engine phase's are (with ``none`` the client sized prompts in words, which the byte-level
+tokenizer counts as ~4.7x as many tokens) and the run needs no model package on the GPU host."""
+PROMPT_TOLERANCE = 0.02
+"""A served point whose prompts average more than this fraction away from ``in`` tokens (the server's usage
+counts) gets no served/engine ratio: it did other work than the engine phase."""
 MODEL = "random:llama-3-8b"
 MAX_MODEL_LEN = 9216
 """Context of every engine: the 8192/256 shape plus room (keeps the decode graphs' block tables small)."""
@@ -341,6 +345,10 @@ def served_point(base: str, n_in: int, n_out: int, conc: int, lp: bool, ns: argp
                                                                                     "error": "no point"}
     point["cores_by_role"] = cores
     point["decode_steps"] = steps
+    done = point.get("requests", {}).get("completed")
+    if done and "tokens" in point:
+        point["prompt_tokens_per_request"] = point["tokens"]["input"] / done
+        log(f"prompt tokens per request: {point['prompt_tokens_per_request']:.1f} (asked for {n_in})")
     return point
 
 
@@ -386,9 +394,13 @@ def summarize(result: dict[str, Any]) -> list[dict[str, Any]]:
         c = s["concurrency"]
         e = eng.get((s["shape"], c, s["logprobs"]))
         tput = s["throughput"]["output_tok_s"]
+        n_in = int(s["shape"].split("x")[0])
+        per_req = s.get("prompt_tokens_per_request")
+        same_work = per_req is not None and abs(per_req - n_in) <= PROMPT_TOLERANCE * n_in
         rows.append({"mode": s["mode"], "shape": s["shape"], "concurrency": c, "logprobs": s["logprobs"],
                      "served_tok_s": tput, "engine_tok_s": e["output_tok_s"] if e else None,
-                     "served_over_engine": tput / e["output_tok_s"] if e else None,
+                     "prompt_tokens_per_request": per_req,
+                     "served_over_engine": tput / e["output_tok_s"] if e and same_work else None,
                      "ttft_p50_s": s["ttft_s"]["p50"], "ttft_p90_s": s["ttft_s"]["p90"],
                      "tpot_p50_s": s["tpot_s"]["p50"], "failed": s["requests"].get("failed")})
     return rows

@@ -66,7 +66,8 @@ class WorkloadConfig:
     logprobs: bool = opt(False, "Ask for the chosen token's logprob in every request (chat: logprobs true, "
                                 "completions: logprobs 1; accuracy: always on).", env=_env("logprobs"))
     tokenizer: str = opt("embedded", "Tokenizer for prompt lengths and client-side counts: embedded (pdserve's "
-                                     "default SmolLM2 GGUF), a .gguf file, an HF directory, or none.",
+                                     "default SmolLM2 GGUF), byte (random:NAME models: one token per byte), "
+                                     "a .gguf file, an HF directory, or none.",
                          env=_env("tokenizer"))
     save_trace: str = opt("", "Also write the first sweep point's conversations here as a JSONL trace.",
                           env=_env("save_trace"))

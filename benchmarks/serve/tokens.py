@@ -1,8 +1,8 @@
 """The served model's tokenizer on the client side, loaded without torch, and text of a given length.
 
-``--tokenizer`` takes ``embedded`` (the SmolLM2-135M-Instruct GGUF pdserve serves by default), a
-``.gguf`` file (only its tokenizer metadata is read), a Hugging Face directory with tokenizer.json,
-or ``none``. With a tokenizer, prompts are cut to the requested token count and every request's
+``--tokenizer`` takes ``embedded`` (the SmolLM2-135M-Instruct GGUF pdserve serves by default), ``byte``
+(the byte-level tokenizer ``random:NAME`` models serve with: one token per byte), a ``.gguf`` file (only its
+tokenizer metadata is read), a Hugging Face directory with tokenizer.json, or ``none``. With a tokenizer, prompts are cut to the requested token count and every request's
 tokens are also counted here; without one, lengths are approximate (``WORDS_PER_TOKEN``) and the
 counts come from the server's ``usage`` alone.
 """
@@ -16,6 +16,9 @@ from pathlib import Path
 from services.engine.tokenizer import Tokenizer
 
 EMBEDDED = "embedded"
+BYTE = "byte"
+BYTE_EOS_ID = 256
+"""End-of-sequence id of the byte-level tokenizer (services.engine.weights.random_weights.BYTE_EOS_ID)."""
 # Common English words, each one token for BPE vocabularies like SmolLM's (a leading space included).
 WORDS = tuple("""
 time year people way day man thing woman life child world school state family student group country
@@ -51,12 +54,14 @@ def load_tokenizer(spec: str) -> Tokenizer | None:
         return None
     if spec == EMBEDDED:
         return _from_gguf(_embedded_gguf())
+    if spec == BYTE:
+        return Tokenizer.byte_level(BYTE_EOS_ID)
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return _from_gguf(path)
     if path.is_dir():
         return Tokenizer.from_hf_dir(path)
-    raise FileNotFoundError(f"--tokenizer {spec!r}: not 'embedded', 'none', a .gguf file or a directory "
+    raise FileNotFoundError(f"--tokenizer {spec!r}: not 'embedded', 'byte', 'none', a .gguf file or a directory "
                             "with tokenizer.json")
 
 
