@@ -153,11 +153,12 @@ class MLAAttention(nn.Module):
         o = torch.bmm(out.transpose(0, 1), w[:, nope:].transpose(1, 2))  # [H, T, v]: through W_UV per head
         return self.o_proj(o.transpose(0, 1).reshape(t, h * mla.v_head_dim))
 
-    forward_fused = forward  # no Triton path: the GPU engine refuses MLA models (model_runner.py)
+    forward_fused = forward  # no Triton path: MLA models are refused on a GPU at load (model_loader.py)
 
 
 class DeepseekForCausalLM(MoEForCausalLM):
-    """DeepSeek-V2/V3 (architecture "deepseek"): MLA attention in every layer, MoE layers as ``arch.moe`` says."""
+    """DeepSeek-V2/V3/V3.2 (architecture "deepseek"): MLA attention (V3.2: with its indexer) in every layer, MoE
+    layers as ``arch.moe`` says."""
 
     _self_loaded = (*MoEForCausalLM._self_loaded, ".self_attn.")
 
@@ -179,7 +180,7 @@ class DeepseekForCausalLM(MoEForCausalLM):
         self.rotary = self._latent_rotary().to(self.model.norm.weight.device)
 
     def _use_fused(self, h: torch.Tensor) -> bool:
-        return False  # the plain torch forward (the GPU engine refuses MLA models)
+        return False  # the plain torch forward (MLA models are refused on a GPU at load)
 
     def _expected_pieces(self) -> set[tuple[str, int, int]]:
         return {p for p in super()._expected_pieces() if ".self_attn." not in p[0]}  # checked by load_weights
