@@ -69,10 +69,12 @@ def test_moe_1p1d_tokens_equal_transformers(moe_dir: Path, hf_ref, transport: st
         assert rep.free_blocks == rep.total_blocks
 
 
-def test_moe_kvstore_pages_reused_across_two_prefills(moe_dir: Path, hf_ref) -> None:
+def kvstore_reuse_tokens(model_dir: Path, ids: list[int]) -> list[int]:
+    """Greedy tokens of ``ids`` on 2 round-robin prefills with the embedded kvstore, after checking that one
+    prefill loaded pages the other wrote (resent until it does) and the store counted hits; the same tokens
+    every time."""
     extra = {"router": ["--policy", "round_robin"], "prefill": SMALL_KV, "decode": SMALL_KV}
-    ids = _prompts()[0]
-    with LocalCluster(prefill=2, decode=1, kvstore="embedded", model=str(moe_dir), dtype="float32", extra=extra,
+    with LocalCluster(prefill=2, decode=1, kvstore="embedded", model=str(model_dir), dtype="float32", extra=extra,
                       quiet=True) as c:
         first = _generate(c.router["grpc"], ids)
         loaded = 0.0
@@ -88,4 +90,9 @@ def test_moe_kvstore_pages_reused_across_two_prefills(moe_dir: Path, hf_ref) -> 
             hits = metric_sum(c.get("kvstore").ready["metrics"], "pdserve_kvstore_hits_total")
             time.sleep(0.2)
         assert hits > 0
-    _check_against_transformers(hf_ref, ids, first, "kvstore")
+    return first
+
+
+def test_moe_kvstore_pages_reused_across_two_prefills(moe_dir: Path, hf_ref) -> None:
+    ids = _prompts()[0]
+    _check_against_transformers(hf_ref, ids, kvstore_reuse_tokens(moe_dir, ids), "kvstore")
