@@ -139,8 +139,9 @@ async def test_an_export_failing_mid_groups_ends_the_request_and_frees_everythin
 
 
 async def test_a_claim_answered_after_compute_began_is_waited_for_before_any_group_goes(pair, monkeypatch) -> None:
-    """Decode's claim answer comes 0.3 s late: every chunk is computed before it, the last one's groups are
-    staged at once and sent only after the answer (the earlier chunks ride in the same write)."""
+    """Decode's claim answer is held until the last chunk's group write has begun (so every chunk is computed
+    before it, however loaded the box): the last chunk's groups are staged at once and sent only after the
+    answer (the earlier chunks ride in the same write)."""
     from services.engine.kv_transport import grpc_stream
 
     made = _record_groups(monkeypatch)
@@ -148,7 +149,8 @@ async def test_a_claim_answered_after_compute_began_is_waited_for_before_any_gro
     answered: list[float] = []
 
     async def late(self, claim=None):
-        await asyncio.sleep(0.3)
+        await _until(lambda: len(made) == 1, HANG_GUARD)
+        await asyncio.sleep(0.05)  # the write has staged its first group and waits on the answer
         await real(self, claim)
         answered.append(time.monotonic())
 
