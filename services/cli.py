@@ -48,7 +48,7 @@ def _certs(argv: list[str]) -> int:
     hosts = tuple(h.strip() for h in args.hosts.split(",") if h.strip())
     make_certs(out, hosts=hosts, days=args.days)
     print(f"wrote {out}/ca.pem and a certificate + key for each of {', '.join((*ROLES, 'client'))} "
-          f"(keys mode 0600). For deploy/k8s/overlays/mtls:")
+          f"(keys mode 0600). The Secrets the Kubernetes base (deploy/k8s) mounts:")
     for role in ROLES:
         print(f"  kubectl -n {args.namespace} create secret generic pdserve-tls-{role} "
               f"--from-file=tls.crt={out}/{role}.pem --from-file=tls.key={out}/{role}-key.pem "

@@ -9,6 +9,11 @@ same images, commands, args, env, ports and probes (mapping in podspec.py and do
 
 `up` writes a JSON state file (--state) naming every pod, its IP and ports; `stop`/`down` print each
 container's exit code and how long it took to stop, as JSON on the last line.
+
+Secrets: a Secret volume mounts <--secrets>/<secretName>, one file per key. `up` makes the base's
+pdserve-tls-<role> Secrets (tls.crt, tls.key, ca.crt) from a fresh CA when they are missing, plus a
+`client` certificate of that CA for calling the pods from the host (named in the state file); any other
+Secret must already be there (e.g. <--secrets>/pdserve-api-key/api-key). `down` removes the directory.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import dataclasses
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -26,7 +32,7 @@ from pathlib import Path
 
 import probes
 import yaml
-from podspec import Container, Pod, plan
+from podspec import Container, Pod, Secret, plan
 
 REPO = Path(__file__).resolve().parents[2]
 LABEL = "io.pdserve.local"
@@ -94,6 +100,50 @@ def ensure_volume(cli: str, image: str, name: str, fs_group: int | None) -> None
             f"--mount=type=volume,src={name},dst=/v", image, "-c", f"chgrp {fs_group} /v && chmod 2775 /v")
 
 
+TLS_SECRET = "pdserve-tls-"
+
+
+def ensure_secrets(root: Path, secrets: list[Secret]) -> dict[str, str]:
+    """Fill <root>/<name> for every Secret the pods mount; returns the host-side client certificate files.
+
+    pdserve-tls-<role> Secrets are made when missing (services.common.tls.make_certs: one CA, a certificate
+    per role with CN = the role, as `pdserve certs` writes them); a Secret of another name must exist."""
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    certs = root / "_certs"
+    wanted = {s.name: s for s in secrets}
+    if any(n.startswith(TLS_SECRET) for n in wanted) and not (certs / "ca.pem").exists():
+        sys.path.insert(0, str(REPO))   # the project's own CA code; needs `cryptography` on the host
+        from services.common.tls import make_certs
+
+        make_certs(certs)
+    for name, sec in sorted(wanted.items()):
+        d = root / name
+        if name.startswith(TLS_SECRET):
+            role = name.removeprefix(TLS_SECRET)
+            if not (certs / f"{role}.pem").exists():
+                sys.exit(f"secret {name}: no certificate for role {role!r} (roles: router, prefill, decode, kvstore)")
+            d.mkdir(exist_ok=True)
+            for key, src in (("tls.crt", f"{role}.pem"), ("tls.key", f"{role}-key.pem"), ("ca.crt", "ca.pem")):
+                shutil.copyfile(certs / src, d / key)
+        elif not d.is_dir() or not any(d.iterdir()):
+            sys.exit(f"secret {name}: put its keys in {d}/ (one file per key) before `up`")
+        _own(d, sec)
+    return {"ca": str(certs / "ca.pem"), "cert": str(certs / "client.pem"), "key": str(certs / "client-key.pem")}
+
+
+def _own(d: Path, sec: Secret) -> None:
+    """As the kubelet lays out a Secret volume: files of defaultMode owned by group fsGroup. Without root
+    (rootless runtimes) the files stay the user's and are made readable instead."""
+    as_kubelet = os.geteuid() == 0 and sec.fs_group is not None
+    for f in d.iterdir():
+        if as_kubelet:
+            os.chown(f, 0, sec.fs_group)
+        os.chmod(f, sec.mode if as_kubelet else 0o444)
+    if as_kubelet:
+        os.chown(d, 0, sec.fs_group)
+    os.chmod(d, 0o750 if as_kubelet else 0o755)
+
+
 def wait_ready(cli: str, pod: Pod, c: Container) -> dict:
     """Startup probe until it passes (the kubelet's budget: period x failureThreshold), then readiness."""
     result: dict = {"container": c.name, "ip": pod.ip}
@@ -141,12 +191,13 @@ def cmd_up(a: argparse.Namespace, pods: list[Pod]) -> int:
     for p in pods:
         for v in p.volumes:
             ensure_volume(a.cli, p.containers[0].image, v.name, v.fs_group)
+    client = ensure_secrets(Path(a.secrets), [s for p in pods for s in p.secrets])
     publish = [x.split(":", 1) for x in a.publish]
     for p in pods:
         for c in p.containers:
             run(a.cli, *run_command(a.cli, p, c, [pub for pod, pub in publish if pod == p.name])[1:])
             print(f"started {c.name} ({p.workload}) at {p.ip}", flush=True)
-    state = {"cli": a.cli, "network": a.network, "pods": [
+    state = {"cli": a.cli, "network": a.network, "secrets": a.secrets, "client_tls": client, "pods": [
         {"name": p.name, "ip": p.ip, "workload": p.workload, "grace_s": p.grace_s, "labels": dict(p.labels),
          "containers": [{"name": c.name, "ports": dict(c.ports), "env": dict(c.env)} for c in p.containers]}
         for p in pods]}
@@ -189,6 +240,7 @@ def cmd_stop(a: argparse.Namespace, pods: list[Pod]) -> int:
             for v in p.volumes if a.volumes else ():
                 run(a.cli, "volume", "rm", "--force", v.name, check=False)
         run(a.cli, "network", "rm", a.network, check=False)
+        shutil.rmtree(a.secrets, ignore_errors=True)   # the CA key and every pod's key
     print(json.dumps(results))
     allowed = (0, None) if a.command == "down" else (0,)
     return 0 if all(code in allowed for r in results for code in r["exit_codes"].values()) else 1
@@ -216,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--network", default="pdserve-local", help="the pod network (a user bridge network)")
     ap.add_argument("--subnet", default="10.213.64.0/24", help="its subnet; pods get .10, .11, ...")
     ap.add_argument("--state", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "pdserve-local-pods.json"))
+    ap.add_argument("--secrets", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "pdserve-local-secrets"),
+                    help="the directory Secret volumes mount from (<dir>/<secretName>/<key>)")
     ap.add_argument("--publish", action="append", default=[], metavar="POD:HOSTIP:HOSTPORT:PORT",
                     help="like kubectl port-forward: publish a pod's port on the host (repeatable)")
     ap.add_argument("--volumes", action="store_true", help="down: also remove the PVC volumes")
@@ -225,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     objs = set_images(render(a.kustomization), dict(x.split("=", 1) for x in a.set_image))
     namespaces = {o["metadata"]["namespace"] for o in objs if "namespace" in o["metadata"]}
     pods = plan(objs, network=a.network, subnet=a.subnet, cli=os.path.basename(a.cli),
-                namespace=next(iter(namespaces)) if len(namespaces) == 1 else "default")
+                namespace=next(iter(namespaces)) if len(namespaces) == 1 else "default",
+                secrets_dir=os.path.abspath(a.secrets))
     handlers = {"up": cmd_up, "probe": cmd_probe, "stop": cmd_stop, "down": cmd_stop, "plan": cmd_plan}
     return handlers[a.command](a, pods)
 

@@ -20,7 +20,9 @@ rather than being dropped silently. The mapping, object by object (docs/DEPLOY.m
   no-new-privileges; seccomp RuntimeDefault is the runtime's default profile.
 - resources.limits: --cpus (capped at this host's CPUs) and --memory; requests only inform scheduling.
 - volumes: emptyDir -> a tmpfs of its sizeLimit; a volumeClaimTemplate -> a named volume
-  <claim>-<pod> (kept by `down` unless asked).
+  <claim>-<pod> (kept by `down` unless asked); a Secret -> a read-only bind mount of the directory
+  <secrets dir>/<secretName>, one file per key (pods.py fills it: the pdserve-tls-<role> Secrets it makes
+  with a fresh CA, others the user puts there), group-owned by fsGroup with the volume's defaultMode.
 - probes, preStop and terminationGracePeriodSeconds: carried in the plan; pods.py runs the probes from
   the host against the pod IP like a kubelet, and preStop before SIGTERM with the grace period.
 Not mapped (scheduling only): PodDisruptionBudgets, topology spread, requests, rolling-update strategy;
@@ -80,6 +82,13 @@ class Volume:
 
 
 @dataclasses.dataclass(frozen=True)
+class Secret:
+    name: str        # the Secret's name: the directory <secrets dir>/<name>
+    fs_group: int | None
+    mode: int        # the volume's defaultMode (the kubelet's default 0644)
+
+
+@dataclasses.dataclass(frozen=True)
 class Pod:
     name: str
     namespace: str
@@ -89,6 +98,7 @@ class Pod:
     grace_s: int
     containers: tuple[Container, ...]
     volumes: tuple[Volume, ...]
+    secrets: tuple[Secret, ...] = ()
 
 
 _POD_SPEC_KEYS = {"containers", "volumes", "securityContext", "terminationGracePeriodSeconds",
@@ -217,7 +227,22 @@ def _security_flags(pod_sc: Obj, sc: Obj, cli: str) -> list[str]:
     return flags
 
 
-def _volume_flags(spec: Obj, c: Obj, pod: str, claims: set[str]) -> list[str]:
+_SECRET_KEYS = {"secretName", "defaultMode", "optional"}
+
+
+def _secrets(spec: Obj, pod: str, fs_group: int | None) -> tuple[Secret, ...]:
+    """The pod's Secret volumes (keys other than secretName/defaultMode, items: say, are refused)."""
+    out = []
+    for v in spec.get("volumes") or []:
+        if "secret" in v:
+            _check_keys(f"{pod}: secret volume {v['name']}", v["secret"], _SECRET_KEYS)
+            if v["secret"].get("optional"):
+                raise UnsupportedField(f"{pod}: secret volume {v['name']}: optional (the local runner always mounts)")
+            out.append(Secret(v["secret"]["secretName"], fs_group, int(v["secret"].get("defaultMode", 0o644))))
+    return tuple(out)
+
+
+def _volume_flags(spec: Obj, c: Obj, pod: str, claims: set[str], secrets_dir: str | None) -> list[str]:
     vols = {v["name"]: v for v in spec.get("volumes") or []}
     flags: list[str] = []
     for m in c.get("volumeMounts") or []:
@@ -226,6 +251,14 @@ def _volume_flags(spec: Obj, c: Obj, pod: str, claims: set[str]) -> list[str]:
             flags.append(f"--mount=type=volume,src={m['name']}-{pod},dst={m['mountPath']}{ro}")
             continue
         v = vols.get(m["name"])
+        if v is not None and "secret" in v:
+            if secrets_dir is None:
+                raise UnsupportedField(f"{pod}: secret volume {m['name']} needs a secrets directory (secrets_dir)")
+            if set(m) - {"name", "mountPath", "readOnly"}:
+                raise UnsupportedField(f"{pod}: mount of secret {m['name']} ({sorted(m)})")
+            src = os.path.join(secrets_dir, v["secret"]["secretName"])
+            flags.append(f"--mount=type=bind,src={src},dst={m['mountPath']},ro")   # Secret volumes are read-only
+            continue
         if v is None or "emptyDir" not in v:
             raise UnsupportedField(f"{pod}: volume {m['name']} ({sorted(v or {})})")
         size = (v["emptyDir"] or {}).get("sizeLimit")
@@ -292,8 +325,9 @@ def named_port_check(svc_ports: list[Obj], containers: list[Obj]) -> None:
 
 
 def plan(objs: list[Obj], *, network: str, subnet: str, cli: str = "podman",
-         host_cpus: int | None = None, namespace: str = "default") -> list[Pod]:
-    """Every pod of the render, in manifest order, with its IP and the runtime flags for each container."""
+         host_cpus: int | None = None, namespace: str = "default", secrets_dir: str | None = None) -> list[Pod]:
+    """Every pod of the render, in manifest order, with its IP and the runtime flags for each container;
+    Secret volumes mount <secrets_dir>/<secretName>."""
     host_cpus = host_cpus or os.cpu_count() or 1
     for o in objs:
         if o["kind"] not in WORKLOAD_KINDS + PASSIVE_KINDS:
@@ -327,7 +361,7 @@ def plan(objs: list[Obj], *, network: str, subnet: str, cli: str = "podman",
                 net = ([f"--network={network}", f"--ip={ips[name]}", f"--hostname={name}", *add_hosts]
                        if i == 0 else [f"--network=container:{name}"])
                 flags = [*net, *_security_flags(pod_sc, c.get("securityContext") or {}, cli),
-                         *_resource_flags(c, host_cpus), *_volume_flags(spec, c, name, claims),
+                         *_resource_flags(c, host_cpus), *_volume_flags(spec, c, name, claims, secrets_dir),
                          f"--stop-timeout={int(spec.get('terminationGracePeriodSeconds', 30))}"]
                 if c.get("workingDir"):
                     flags.append(f"--workdir={c['workingDir']}")
@@ -346,5 +380,6 @@ def plan(objs: list[Obj], *, network: str, subnet: str, cli: str = "podman",
                 name=name, namespace=ns, workload=f"{w['kind']}/{w['metadata']['name']}",
                 labels=tuple(labels.items()), ip=ips[name],
                 grace_s=int(spec.get("terminationGracePeriodSeconds", 30)), containers=tuple(containers),
-                volumes=tuple(Volume(f"{claim}-{name}", pod_sc.get("fsGroup")) for claim in sorted(claims))))
+                volumes=tuple(Volume(f"{claim}-{name}", pod_sc.get("fsGroup")) for claim in sorted(claims)),
+                secrets=_secrets(spec, name, pod_sc.get("fsGroup"))))
     return pods

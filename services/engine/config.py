@@ -19,7 +19,13 @@ from services.engine.cpu_features import (
     resolve_dtype,
     torch_cpu_capability,
 )
-from services.engine.device_defaults import CPU_KV_CACHE_BYTES, batch_defaults
+from services.engine.device_defaults import (
+    CPU_KV_CACHE_BYTES,
+    CPU_KV_SHARE,
+    batch_defaults,
+    cpu_kv_pool_bytes,
+    host_memory,
+)
 from services.engine.model_settings import (
     DTYPE_CHOICES,
     CompileDecodeConfig,
@@ -54,9 +60,10 @@ class EngineConfig(ContextConfig, ModelConfig, DeviceConfig, DtypeConfig, Compil
                                    "with --cpu-affinity or at --tensor-parallel-size > 1.")
     block_size: int = opt(16, "Tokens per KV page.")
     num_kv_blocks: int = opt(0, "KV pages to allocate; 0 sizes the pool from kv_cache_bytes.")
-    kv_cache_bytes: int = opt(0, "Bytes for the KV pool when num_kv_blocks is 0. 0: 1 GiB on CPU; on CUDA "
-                                 "what --gpu-memory-utilization leaves after weights, graphs and activations "
-                                 "(1 GiB at --tensor-parallel-size > 1).")
+    kv_cache_bytes: int = opt(0, "Bytes for the KV pool when num_kv_blocks is 0. 0: on CPU a quarter of the "
+                                 "memory available at start (MemAvailable, or the cgroup's limit less its use), "
+                                 "at most 1 GiB; on CUDA what --gpu-memory-utilization leaves after weights, "
+                                 "graphs and activations (1 GiB at --tensor-parallel-size > 1, on either).")
     gpu_memory_utilization: float = opt(0.9, "CUDA, no KV size given: the share of the device's memory this engine "
                                              "may fill (weights, KV pool, graphs, activations), in (0, 1]; engines "
                                              "sharing one GPU each take their own share.")
@@ -223,11 +230,28 @@ class EngineConfig(ContextConfig, ModelConfig, DeviceConfig, DtypeConfig, Compil
                 and self.tensor_parallel_size == 1)
 
     def resolve_num_blocks(self, bytes_per_block: int) -> int:
-        """Pages of a pool sized by num_kv_blocks or kv_cache_bytes (1 GiB when neither is given)."""
+        """Pages of a pool sized by num_kv_blocks or kv_cache_bytes; neither given: sized to the host's
+        available memory (device_defaults.cpu_kv_pool_bytes), or 1 GiB at tensor-parallel size > 1."""
         if self.num_kv_blocks:
             return self.num_kv_blocks
-        size = self.kv_cache_bytes or CPU_KV_CACHE_BYTES
+        size = self.kv_cache_bytes or self._default_pool_bytes()
         n = size // bytes_per_block
         if n < 2:
             raise EngineConfigError(f"kv_cache_bytes={size} holds fewer than 2 pages of {bytes_per_block} bytes")
         return int(n)
+
+    def _default_pool_bytes(self) -> int:
+        if self.tensor_parallel_size > 1:   # ranks must agree: never from memory each reads on its own
+            return CPU_KV_CACHE_BYTES
+        mem = host_memory()
+        if mem is None:
+            log.info("kv cache: host memory unknown (no /proc/meminfo): the default pool of %d MiB",
+                     CPU_KV_CACHE_BYTES >> 20)
+            return CPU_KV_CACHE_BYTES
+        try:
+            size = cpu_kv_pool_bytes(mem.available_bytes)
+        except ValueError as e:
+            raise EngineConfigError(f"--kv-cache-bytes / PDSERVE_KV_CACHE_BYTES: {e}") from None
+        log.info("kv cache sized to the host: %d MiB (%g of %d MiB available by %s, at most %d MiB)",
+                 size >> 20, CPU_KV_SHARE, mem.available_bytes >> 20, mem.bound, CPU_KV_CACHE_BYTES >> 20)
+        return size

@@ -1,17 +1,20 @@
-"""Per-device batch defaults and the KV pool size of a CUDA engine: pure arithmetic, no torch.
+"""Per-device batch defaults and the default KV pool size: arithmetic and /proc reads, no torch.
 
-An engine left without batch settings gets its device's row of ``BATCH_DEFAULTS``; an engine on CUDA
-left without a KV size (neither ``--num-kv-blocks`` nor ``--kv-cache-bytes``) sizes its pool from the
-device memory that is left after its weights, its CUDA graphs and one step's activations, capped at
-``--gpu-memory-utilization`` of the device (``kv_pool_pages``).
+An engine left without batch settings gets its device's row of ``BATCH_DEFAULTS``. An engine left without
+a KV size (neither ``--num-kv-blocks`` nor ``--kv-cache-bytes``) sizes its pool: on CUDA from the device
+memory that is left after its weights, its CUDA graphs and one step's activations, capped at
+``--gpu-memory-utilization`` of the device (``kv_pool_pages``); on CPU from the memory the host (or the
+container's cgroup) has available at start (``cpu_kv_pool_bytes``).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["BATCH_DEFAULTS", "CPU_KV_CACHE_BYTES", "BatchDefaults", "KVSizing", "batch_defaults",
-           "kv_pool_pages", "step_activation_bytes"]
+__all__ = ["BATCH_DEFAULTS", "CPU_KV_CACHE_BYTES", "CPU_KV_SHARE", "BatchDefaults", "HostMemory", "KVSizing",
+           "batch_defaults", "cpu_kv_pool_bytes", "host_memory", "kv_pool_pages", "step_activation_bytes"]
 
 
 @dataclass(frozen=True)
@@ -35,8 +38,86 @@ BATCH_DEFAULTS: dict[str, BatchDefaults] = {
 }
 
 CPU_KV_CACHE_BYTES = 1 << 30
-"""KV pool of an engine given no KV size on CPU (and at tensor-parallel size > 1 on CUDA, whose ranks size
-their pools independently and must agree)."""
+"""The largest KV pool an engine given no KV size takes on CPU, and the pool at tensor-parallel size > 1
+(whose ranks size their pools independently and must agree, so never from memory each one reads)."""
+
+CPU_KV_SHARE = 0.25
+"""The share of the memory available at start that a CPU engine given no KV size takes for its pool: the
+pool is zeroed, so it is resident from the start, and the prefill, decode and kvstore of one host (or the
+pod's cgroup) must all fit beside it."""
+
+CPU_KV_FLOOR_BYTES = 32 << 20
+"""No default pool smaller than this: below it even short chats would wait on pages; a host that has not
+even this free gets a clear error naming --kv-cache-bytes instead."""
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    available_bytes: int
+    """Memory this process may still take: the least of the kernel's MemAvailable and the cgroup's limit less
+    its current use."""
+    bound: str
+    """Which decided: "MemAvailable" or "cgroup memory.max" (v2) / "cgroup memory.limit_in_bytes" (v1)."""
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None   # "max" (v2) / absent: no limit
+
+
+def _cgroup_left(root: Path, self_cgroup: Path) -> tuple[int, str] | None:
+    """(bytes left under this process's memory cgroup limit, which file), None without a limit."""
+    try:
+        lines = self_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, rel = line.split(":", 2)
+        if controllers == "":   # cgroup v2 unified hierarchy
+            d = root / rel.lstrip("/")
+            limit, used = _read_int(d / "memory.max"), _read_int(d / "memory.current")
+            if limit is not None and used is not None:
+                return max(limit - used, 0), "cgroup memory.max"
+        elif "memory" in controllers.split(","):
+            d = root / "memory" / rel.lstrip("/")
+            limit, used = _read_int(d / "memory.limit_in_bytes"), _read_int(d / "memory.usage_in_bytes")
+            if limit is not None and used is not None and limit < 1 << 60:   # v1's "no limit" is ~2^63
+                return max(limit - used, 0), "cgroup memory.limit_in_bytes"
+    return None
+
+
+def host_memory(meminfo: Path = Path("/proc/meminfo"), cgroup_root: Path = Path("/sys/fs/cgroup"),
+                self_cgroup: Path = Path("/proc/self/cgroup")) -> HostMemory | None:
+    """What this process may still allocate, or None where /proc/meminfo cannot be read (not Linux)."""
+    available = None
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+                break
+    except OSError:
+        return None
+    if available is None:
+        return None
+    left = _cgroup_left(cgroup_root, self_cgroup) if os.path.isdir(cgroup_root) else None
+    if left is not None and left[0] < available:
+        return HostMemory(left[0], left[1])
+    return HostMemory(available, "MemAvailable")
+
+
+def cpu_kv_pool_bytes(available_bytes: int, share: float = CPU_KV_SHARE, cap: int = CPU_KV_CACHE_BYTES,
+                      floor: int = CPU_KV_FLOOR_BYTES) -> int:
+    """The default KV pool of a CPU engine: ``share`` of the memory available, at most ``cap``. ValueError
+    when that is under ``floor`` (the host is out of memory for a pool; give --kv-cache-bytes)."""
+    size = min(int(available_bytes * share), cap)
+    if size < floor:
+        raise ValueError(f"only {available_bytes / 2**20:.0f} MiB of memory is available: {share:g} of it is "
+                         f"{size / 2**20:.0f} MiB, under the {floor >> 20} MiB a default KV pool needs; "
+                         "give --kv-cache-bytes or --num-kv-blocks")
+    return size
 
 
 def batch_defaults(device: str) -> BatchDefaults:

@@ -139,7 +139,7 @@ OPEN: set[tuple[str, str, str]] = {
 """Everything the policies let through between these peers; every other (source, port) is closed."""
 
 POLICY_KUSTOMIZATIONS = ("overlays/network-policy", "overlays/mooncake+network-policy",
-                         "overlays/gpu+mtls+mooncake+mooncake-kv+network-policy")
+                         "overlays/gpu+mooncake+mooncake-kv+network-policy")
 
 
 def _policies(objs: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
@@ -180,7 +180,7 @@ def test_every_pod_resolves_names_and_reaches_nothing_else_outside(kustomization
 
 def test_every_port_the_policies_name_is_declared_by_the_pods_it_leads_to() -> None:
     """A named port every destination pod declares; a numeric range exactly the Transfer Engine ports."""
-    objs = render("overlays/gpu+mtls+mooncake+mooncake-kv+network-policy")
+    objs = render("overlays/gpu+mooncake+mooncake-kv+network-policy")
     pods = pdserve_pods(objs)
     for p in _policies(objs):
         name = p["metadata"]["name"]
@@ -232,7 +232,7 @@ def test_kv_transfer_engine_ports_are_declared_and_fit_every_engine(kustomizatio
     assert len(port_range) >= 2 * cfg.kv_mooncake_engines * ranks, f"{component}: {len(port_range)} ports"
 
 
-@pytest.mark.parametrize("kustomization", ["overlays/mooncake", "overlays/gpu+mtls+mooncake"])
+@pytest.mark.parametrize("kustomization", ["overlays/mooncake", "overlays/gpu+mooncake"])
 def test_store_transfer_engine_ports_are_declared(kustomization: str) -> None:
     objs = render(kustomization)
     w = workload_of(objs, "kvstore")
@@ -279,7 +279,7 @@ def _render_with_digest(kustomization: str) -> tuple[dict[str, Any], ...]:
         return _render_dir(Path(d))
 
 
-@pytest.mark.parametrize("kustomization", [*KUSTOMIZATIONS, "overlays/gpu+mtls+mooncake"])
+@pytest.mark.parametrize("kustomization", [*KUSTOMIZATIONS, "overlays/gpu+mooncake"])
 def test_an_image_digest_set_through_kustomize_reaches_every_container(kustomization: str) -> None:
     for w in workloads(_render_with_digest(kustomization)):
         spec = w["spec"]["template"]["spec"]

@@ -29,7 +29,7 @@ from services.common.config import add_dataclass_args, env_name, from_args
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
-KUSTOMIZATIONS = ("base", "overlays/cpu-local", "overlays/gpu", "overlays/mooncake", "overlays/mtls",
+KUSTOMIZATIONS = ("base", "overlays/cpu-local", "overlays/gpu", "overlays/mooncake", "overlays/api-key",
                   "overlays/monitoring", "overlays/autoscaling", "overlays/autoscaling-keda", "overlays/network-policy")
 OVERLAYS = tuple(k for k in KUSTOMIZATIONS if k != "base")
 COMPONENTS = ("router", "prefill", "decode", "kvstore")
@@ -39,7 +39,9 @@ K8S_VERSION = "1.33.0"
 # Custom resources kubernetes-validate has no schema for: JSON schemas committed next to these tests,
 # written from the CRDs' published structure (strict: unknown fields are errors).
 CRD_SCHEMAS = {("monitoring.coreos.com/v1", "PodMonitor"): "podmonitor.monitoring.coreos.com_v1.json",
-               ("keda.sh/v1alpha1", "ScaledObject"): "scaledobject.keda.sh_v1alpha1.json"}
+               ("keda.sh/v1alpha1", "ScaledObject"): "scaledobject.keda.sh_v1alpha1.json",
+               ("cert-manager.io/v1", "Certificate"): "certificate.cert-manager.io_v1.json",
+               ("cert-manager.io/v1", "Issuer"): "issuer.cert-manager.io_v1.json"}
 SCHEMAS = Path(__file__).resolve().parent / "schemas"
 
 pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None,
@@ -50,7 +52,7 @@ pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None,
 
 @functools.cache
 def render(kustomization: str) -> tuple[dict[str, Any], ...]:
-    """Render deploy/k8s/<kustomization>, or a combination "overlays/gpu+mtls+mooncake": the overlay with
+    """Render deploy/k8s/<kustomization>, or a combination "overlays/gpu+mooncake": the overlay with
     those components added (a kustomization written to a temporary directory, in the overlays' namespace
     as an overlay adding them would be, so that objects the components add land there too)."""
     if "+" not in kustomization:
@@ -486,7 +488,7 @@ def test_prefill_reaches_the_kvstore_service(kustomization: str) -> None:
     assert find(objs, "Service", sts["spec"]["serviceName"]) is not None
 
 
-@pytest.mark.parametrize("kustomization", [*KUSTOMIZATIONS, "overlays/gpu+mtls+mooncake"])
+@pytest.mark.parametrize("kustomization", [*KUSTOMIZATIONS, "overlays/gpu+mooncake"])
 def test_disruption_budgets_cover_every_workload(kustomization: str) -> None:
     """Router, prefill, decode, kvstore (2 replicas with Mooncake Store) and mooncake-master: one budget
     each, evicting one pod at a time."""
@@ -593,7 +595,9 @@ def test_mooncake_overlay_runs_a_master_and_the_mooncake_backend() -> None:
 
 # ---- mTLS ----------------------------------------------------------------------------------------------
 
-MTLS = ("overlays/mtls", "overlays/gpu+mtls+mooncake")
+# Every kustomization runs mTLS between the services; plaintext only with the component that asks for it.
+MTLS = (*KUSTOMIZATIONS, "overlays/gpu+mooncake", "overlays/cpu-local+cert-manager")
+PLAINTEXT = ("overlays/cpu-local+insecure-internal", "overlays/gpu+mooncake+insecure-internal")
 
 
 @pytest.mark.parametrize("kustomization", MTLS)
@@ -604,6 +608,7 @@ def test_mtls_runs_every_service_with_its_roles_certificate(kustomization: str, 
     require_parser(component)
     server = server_config(effective_config(objs, component))
     assert server.tls_enabled, f"{kustomization}: {component} runs without TLS"
+    assert not server.insecure_internal, f"{kustomization}: {component} allows plaintext"
     files = {"PDSERVE_TLS_CERT": "tls.crt", "PDSERVE_TLS_KEY": "tls.key", "PDSERVE_TLS_CA": "ca.crt"}
     for var, key in files.items():
         assert mounted_secret(w, c, env[var]) == (f"pdserve-tls-{component}", key), f"{component}: {var}"
@@ -615,7 +620,7 @@ def test_mtls_runs_every_service_with_its_roles_certificate(kustomization: str, 
 def test_mtls_router_key_and_service_protocols(kustomization: str) -> None:
     objs, w, c = pod(kustomization, "router")
     env, _ = container_env(objs, w, c)
-    if kustomization == "overlays/mtls":
+    if kustomization == "overlays/api-key":
         assert mounted_secret(w, c, env["PDSERVE_API_KEY_FILE"]) == ("pdserve-api-key", "api-key")
     assert "PDSERVE_API_KEY" not in env, "the key itself must not sit in the manifest"
     for svc in (o for o in objs if o["kind"] == "Service"):
@@ -624,7 +629,7 @@ def test_mtls_router_key_and_service_protocols(kustomization: str) -> None:
 
 
 def test_mtls_combines_with_the_gpu_overlay_and_mooncake() -> None:
-    objs = render("overlays/gpu+mtls+mooncake")
+    objs = render("overlays/gpu+mooncake")
     errors = validation_errors(objs)
     assert not errors, "\n".join(errors)
     for component in ("prefill", "decode"):
@@ -633,9 +638,47 @@ def test_mtls_combines_with_the_gpu_overlay_and_mooncake() -> None:
     assert find(objs, "Deployment", "pdserve-mooncake-master") is not None
 
 
-@pytest.mark.parametrize("kustomization", [k for k in KUSTOMIZATIONS if k not in MTLS])
-def test_plain_overlays_run_without_tls(kustomization: str) -> None:
-    objs = render(kustomization)
+def test_cert_manager_issues_the_secret_every_role_mounts() -> None:
+    """components/cert-manager: one Certificate per role into the Secret that role's pods mount, CN = the
+    role, the SAN clients verify servers against, server and client auth, from a CA Issuer whose CA is
+    issued by an Issuer of the same namespace."""
+    from services.common.tls import DEFAULT_SERVER_NAME
+
+    objs = render("overlays/cpu-local+cert-manager")
+    errors = validation_errors(objs)
+    assert not errors, "\n".join(errors)
+    certs = {o["spec"]["secretName"]: o for o in objs if o["kind"] == "Certificate"}
+    issuers = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Issuer"}
+    assert {namespace_of(o) for o in (*certs.values(), *issuers.values())} == {"pdserve"}
     for component in COMPONENTS:
-        require_parser(component)
-        assert not server_config(effective_config(objs, component)).tls_enabled, f"{kustomization}: {component}"
+        _, w, c = pod("overlays/cpu-local+cert-manager", component)
+        env, _ = container_env(objs, w, c)
+        secret, _ = mounted_secret(w, c, env["PDSERVE_TLS_CERT"])
+        cert = certs.pop(secret)["spec"]
+        assert cert["commonName"] == component, f"{secret}: CN {cert['commonName']} is not the role"
+        assert DEFAULT_SERVER_NAME in cert["dnsNames"], f"{secret}: no SAN {DEFAULT_SERVER_NAME}"
+        assert {"server auth", "client auth"} <= set(cert["usages"]), f"{secret}: usages {cert['usages']}"
+        assert not cert.get("isCA"), secret
+        issuer = issuers[cert["issuerRef"]["name"]]["spec"]
+        ca = certs[issuer["ca"]["secretName"]]["spec"]  # the CA Issuer's key pair is a Certificate here
+        assert ca["isCA"] is True and "selfSigned" in issuers[ca["issuerRef"]["name"]]["spec"]
+    assert set(certs) == {"pdserve-ca"}, f"Certificates nothing mounts: {sorted(certs)}"
+
+
+@pytest.mark.parametrize("kustomization", PLAINTEXT)
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_plaintext_only_with_the_insecure_internal_component(kustomization: str, component: str) -> None:
+    """components/insecure-internal: the service is told plaintext is wanted (it would refuse a non-loopback
+    bind without TLS otherwise), carries no certificate, and the kubelet's grpc: probe checks it."""
+    objs, w, c = pod(kustomization, component)
+    errors = validation_errors(objs)
+    assert not errors, "\n".join(errors)
+    require_parser(component)
+    server = server_config(effective_config(objs, component))
+    assert not server.tls_enabled and server.insecure_internal, f"{kustomization}: {component}"
+    env, _ = container_env(objs, w, c)
+    assert not [k for k in env if k.startswith("PDSERVE_TLS_")], f"{component}: certificate env left behind"
+    vols = w["spec"]["template"]["spec"]["volumes"]
+    assert not [v for v in vols if "secret" in v and v["secret"]["secretName"].startswith("pdserve-tls-")]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe].get("grpc", {}).get("port") == server.port and "exec" not in c[probe], f"{component}: {probe}"

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None,
                                 reason="kubectl not on PATH: `kubectl kustomize` is needed to render deploy/k8s")
 
 WITH_KV = ("overlays/mooncake", "overlays/gpu+mooncake-kv", "overlays/cpu-local+mooncake-kv",
-           "overlays/gpu+mtls+mooncake+mooncake-kv")
+           "overlays/gpu+mooncake+mooncake-kv")
 MOONCAKE_PORT_RANGE_ENV = ("MC_MIN_RPC_PORT", "MC_MAX_RPC_PORT")
 """The Transfer Engine's port range: both its RPC and its TCP data ports come from it."""
 POD_IP = "10.0.0.7"  # the downward-API placeholder test_k8s_manifests.container_env gives status.podIP

@@ -32,7 +32,7 @@ def _tp_and_gpus(objs: tuple[dict[str, Any], ...], component: str) -> tuple[int,
     return tp, str(res["limits"].get("nvidia.com/gpu")), str(res["requests"].get("nvidia.com/gpu"))
 
 
-@pytest.mark.parametrize("kustomization", ["overlays/gpu", "overlays/gpu+mtls+mooncake"])
+@pytest.mark.parametrize("kustomization", ["overlays/gpu", "overlays/gpu+mooncake"])
 def test_gpu_pods_ask_for_one_gpu_per_rank(kustomization: str) -> None:
     objs = render(kustomization)
     for component in ("prefill", "decode"):

@@ -1,7 +1,9 @@
 """The image built for real and the overlays' pods run for real, with podman (or docker):
 deploy/local/run-pods.sh builds the image offline and starts the pods of an overlay with the manifests'
 images, args, env, ports and probes on a pod network (names resolved like the cluster's DNS).
-cpu-local: every declared probe (gRPC health) passes against the running containers; a chat completion
+cpu-local: every declared probe (`pdserve health` over mTLS) passes against the running containers, and
+each pod's gRPC port refuses a caller without a certificate of the pods' CA (run-pods.sh makes the base's
+pdserve-tls-<role> Secrets); a chat completion
 through the router container is the engine's greedy answer (the same image running `pdserve generate`);
 SIGTERM to the decode pod mid-request (the kubelet's pod deletion) turns it NOT_SERVING, the request
 still finishes with the uninterrupted answer, and the container exits 0 within its grace period.
@@ -28,6 +30,8 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.tls import DEFAULT_SERVER_NAME
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_PODS = REPO / "deploy" / "local" / "run-pods.sh"
@@ -171,9 +175,16 @@ def complete(router_ip: str, prompt: str, max_tokens: int) -> dict[str, Any]:
         return json.load(r)["choices"][0]
 
 
-def health(ip: str, port: int) -> str:
-    with grpc.insecure_channel(f"{ip}:{port}") as ch:
-        resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+def health(state: dict[str, Any], ip: str, port: int, *, certified: bool = True) -> str:
+    """grpc.health.v1 Check of a pod's port over TLS, with the `client` certificate pods.py made from the
+    pods' CA (certified) or with none (a caller the pods must refuse)."""
+    tls = state["client_tls"]
+    ca = Path(tls["ca"]).read_bytes()
+    creds = (grpc.ssl_channel_credentials(ca, Path(tls["key"]).read_bytes(), Path(tls["cert"]).read_bytes())
+             if certified else grpc.ssl_channel_credentials(ca))
+    options = [("grpc.ssl_target_name_override", DEFAULT_SERVER_NAME)]
+    with grpc.secure_channel(f"{ip}:{port}", creds, options=options) as ch:
+        resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
     return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
 
@@ -206,8 +217,18 @@ def test_the_build_leaves_no_untagged_image_behind(image: str) -> None:
 
 class TestCpuLocal:
     def test_every_declared_probe_passes_against_the_running_pods(self, pods: dict[str, Any]) -> None:
-        for r in probe_all(pods):
-            assert r["target"].startswith("grpc:") and r["seen"] == "SERVING", r
+        for r in probe_all(pods):   # `pdserve health` over mTLS inside each container
+            assert r["target"].startswith("exec:") and r["seen"].startswith("exit 0"), r
+        # mTLS by default: each pod's gRPC port answers a certificate of the pods' CA, refuses a caller
+        # without one, and speaks no plaintext.
+        for p in pods["pods"]:
+            port = p["containers"][0]["ports"]["grpc"]
+            assert health(pods, p["ip"], port) == "SERVING", p["name"]
+            with pytest.raises(grpc.RpcError) as refused:
+                health(pods, p["ip"], port, certified=False)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, (p["name"], refused.value)
+            with grpc.insecure_channel(f"{p['ip']}:{port}") as ch, pytest.raises(grpc.RpcError):
+                health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
         # The metrics port the Prometheus annotations name answers on every pod IP.
         for p in pods["pods"]:
             port = p["containers"][0]["ports"]["metrics"]
@@ -253,7 +274,7 @@ class TestCpuLocal:
                     stopper.start()         # SIGTERM now; the stream is ~90 tokens from its end
                 elif n > 8 and "NOT_SERVING" not in statuses:   # what the readiness probe sees meanwhile
                     try:
-                        statuses.append(health(decode, decode_pod["containers"][0]["ports"]["grpc"]))
+                        statuses.append(health(pods, decode, decode_pod["containers"][0]["ports"]["grpc"]))
                     except grpc.RpcError as e:
                         statuses.append(e.code().name)
         stopper.join()

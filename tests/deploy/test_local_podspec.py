@@ -40,9 +40,12 @@ def render(overlay: Path = OVERLAY) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
-def make_plan(objs: list[dict[str, Any]], host_cpus: int = 8) -> list[Any]:
+SECRETS = "/run/pdserve-secrets"
+
+
+def make_plan(objs: list[dict[str, Any]], host_cpus: int = 8, secrets_dir: str | None = SECRETS) -> list[Any]:
     return podspec.plan(objs, network="net", subnet="10.9.8.0/24", cli="podman", host_cpus=host_cpus,
-                        namespace="pdserve")
+                        namespace="pdserve", secrets_dir=secrets_dir)
 
 
 def hosts_of(c: Any) -> dict[str, set[str]]:
@@ -76,7 +79,10 @@ def test_one_pod_per_replica_with_the_manifest_image_args_and_probes() -> None:
         assert dict(c.ports) == {q["name"]: q["containerPort"] for q in m["ports"]}
         for kind, probe in c.probes:
             declared = m[f"{kind}Probe"]
-            assert probe.kind == "grpc" and probe.port == declared["grpc"]["port"] == dict(c.ports)["grpc"]
+            # `pdserve health` over mTLS inside the container, against its own gRPC port.
+            assert probe.kind == "exec" and list(probe.command) == declared["exec"]["command"]
+            assert probe.command[-1] == f"--address=127.0.0.1:{dict(c.ports)['grpc']}"
+            assert probe.timeout_s == declared["timeoutSeconds"]
             assert probe.period_s == declared["periodSeconds"]
             assert probe.failure_threshold == declared["failureThreshold"]
         assert sorted(k for k, _ in c.probes) == ["liveness", "readiness", "startup"]
@@ -148,15 +154,27 @@ def test_what_the_mapping_cannot_reproduce_fails_loudly() -> None:
     svc["spec"]["ports"][0]["targetPort"] = 50999
     with pytest.raises(podspec.UnsupportedField, match="50999"):
         make_plan(remap)
-    secret = yaml.safe_load(yaml.safe_dump(objs))
-    w = next(o for o in secret if o["kind"] == "Deployment")["spec"]["template"]["spec"]
-    w["volumes"].append({"name": "tls", "secret": {"secretName": "s"}})
-    w["containers"][0]["volumeMounts"].append({"name": "tls", "mountPath": "/etc/tls"})
-    with pytest.raises(podspec.UnsupportedField, match="tls"):
-        make_plan(secret)
+    with pytest.raises(podspec.UnsupportedField, match="secret volume tls needs a secrets directory"):
+        make_plan(objs, secrets_dir=None)
+    items = yaml.safe_load(yaml.safe_dump(objs))
+    w = next(o for o in items if o["kind"] == "Deployment")["spec"]["template"]["spec"]
+    next(v for v in w["volumes"] if v["name"] == "tls")["secret"]["items"] = [{"key": "tls.crt", "path": "c"}]
+    with pytest.raises(podspec.UnsupportedField, match="items"):
+        make_plan(items)
 
 
-@pytest.mark.parametrize("overlay", ["cpu-local", "gpu", "mooncake", "mtls", "monitoring", "autoscaling", "autoscaling-keda", "network-policy"])
+def test_secret_volumes_mount_their_directory_read_only_with_the_pods_group() -> None:
+    """The base's certificate Secret of each role: a read-only bind of <secrets dir>/pdserve-tls-<role> at
+    the manifest's mountPath, and the Secret (name, fsGroup, defaultMode) for pods.py to lay out."""
+    for pod in make_plan(render()):
+        role = dict(pod.labels)["app.kubernetes.io/component"]
+        (c,) = pod.containers
+        mounts = [f for f in c.run_flags if f.startswith("--mount=type=bind")]
+        assert mounts == [f"--mount=type=bind,src={SECRETS}/pdserve-tls-{role},dst=/etc/pdserve/tls,ro"], mounts
+        assert pod.secrets == (podspec.Secret(f"pdserve-tls-{role}", 10001, 0o440),)
+
+
+@pytest.mark.parametrize("overlay", ["cpu-local", "gpu", "mooncake", "api-key", "monitoring", "autoscaling", "autoscaling-keda", "network-policy"])
 def test_every_pod_of_an_overlay_runs_one_tagged_image(overlay: str) -> None:
     """Found running the mooncake overlay here: the base's `images:` did not reach the component's
     mooncake-master, which asked for `pdserve` (:latest) next to pdserve:0.1.0 everywhere else."""

@@ -1,4 +1,5 @@
-"""GPU defaults: the per-device batch table, the KV pool arithmetic of a CUDA engine, `pdserve up --device`."""
+"""Device defaults: the per-device batch table, the KV pool arithmetic of a CUDA engine, the host-sized CPU
+pool, `pdserve up --device`."""
 
 from __future__ import annotations
 
@@ -7,17 +8,68 @@ import argparse
 import pytest
 
 from services.common.config import add_dataclass_args, from_args
+from services.engine import config as engine_config
 from services.engine.config import EngineConfig, EngineConfigError
-from services.engine.device_defaults import BATCH_DEFAULTS, kv_pool_pages, step_activation_bytes
+from services.engine.device_defaults import (
+    BATCH_DEFAULTS,
+    HostMemory,
+    cpu_kv_pool_bytes,
+    host_memory,
+    kv_pool_pages,
+    step_activation_bytes,
+)
 from services.up import UpConfig, _forwarded
 
 GiB = 1 << 30
 
 
-def test_cpu_defaults_are_unchanged() -> None:
+def test_cpu_defaults_are_unchanged(monkeypatch) -> None:
+    monkeypatch.setattr(engine_config, "host_memory", lambda: HostMemory(20 * GiB, "MemAvailable"))
     cfg = EngineConfig()
     assert (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_prefill_chunk) == (64, 2048, 512)
     assert not cfg.sizes_kv_from_device and cfg.resolve_num_blocks(1 << 20) == 1024  # 1 GiB of 1 MiB pages
+
+
+def test_cpu_pool_is_a_quarter_of_what_the_host_has_available_at_most_1_gib(monkeypatch) -> None:
+    assert cpu_kv_pool_bytes(20 * GiB) == GiB
+    assert cpu_kv_pool_bytes(2 * GiB) == GiB // 2
+    assert cpu_kv_pool_bytes(512 << 20) == 128 << 20
+    with pytest.raises(ValueError, match="give --kv-cache-bytes"):
+        cpu_kv_pool_bytes(64 << 20)  # 16 MiB: under the floor
+    monkeypatch.setattr(engine_config, "host_memory", lambda: HostMemory(1 * GiB, "cgroup memory.max"))
+    assert EngineConfig().resolve_num_blocks(1 << 20) == 256
+    assert EngineConfig(kv_cache_bytes=3 * GiB).resolve_num_blocks(GiB) == 3   # a size given wins
+    assert EngineConfig(tensor_parallel_size=2).resolve_num_blocks(1 << 20) == 1024  # ranks agree: fixed
+    monkeypatch.setattr(engine_config, "host_memory", lambda: HostMemory(40 << 20, "MemAvailable"))
+    with pytest.raises(EngineConfigError, match="--kv-cache-bytes / PDSERVE_KV_CACHE_BYTES: only 40 MiB"):
+        EngineConfig().resolve_num_blocks(1 << 20)
+    monkeypatch.setattr(engine_config, "host_memory", lambda: None)   # no /proc/meminfo: the cap
+    assert EngineConfig().resolve_num_blocks(1 << 20) == 1024
+
+
+def _proc(tmp_path, available_kib: int, cgroup: str) -> tuple:
+    (tmp_path / "meminfo").write_text(f"MemTotal: 99999999 kB\nMemFree: 1 kB\nMemAvailable: {available_kib} kB\n")
+    (tmp_path / "self_cgroup").write_text(cgroup)
+    return tmp_path / "meminfo", tmp_path / "cg"
+
+
+def test_host_memory_is_the_least_of_memavailable_and_the_cgroup_room(tmp_path) -> None:
+    cg = tmp_path / "self_cgroup"
+    meminfo, root = _proc(tmp_path, 8 * (GiB >> 10), "0::/kubepods/pod1\n")
+    (root / "kubepods/pod1").mkdir(parents=True)
+    (root / "kubepods/pod1/memory.max").write_text(f"{4 * GiB}\n")
+    (root / "kubepods/pod1/memory.current").write_text(f"{GiB}\n")
+    assert host_memory(meminfo, root, cg) == HostMemory(3 * GiB, "cgroup memory.max")
+    (root / "kubepods/pod1/memory.max").write_text("max\n")   # v2 without a limit
+    assert host_memory(meminfo, root, cg) == HostMemory(8 * GiB, "MemAvailable")
+    meminfo, root = _proc(tmp_path, 8 * (GiB >> 10), "5:cpu:/x\n4:memory:/docker/abc\n0::/\n")
+    (root / "memory/docker/abc").mkdir(parents=True)
+    (root / "memory/docker/abc/memory.limit_in_bytes").write_text(f"{2 * GiB}\n")
+    (root / "memory/docker/abc/memory.usage_in_bytes").write_text(f"{GiB // 2}\n")
+    assert host_memory(meminfo, root, cg) == HostMemory(3 * GiB // 2, "cgroup memory.limit_in_bytes")
+    (root / "memory/docker/abc/memory.limit_in_bytes").write_text("9223372036854771712\n")   # v1: no limit
+    assert host_memory(meminfo, root, cg) == HostMemory(8 * GiB, "MemAvailable")
+    assert host_memory(tmp_path / "absent", root, cg) is None
 
 
 def test_cuda_defaults_come_from_the_table_and_settings_win() -> None:
