@@ -25,6 +25,8 @@ BENCHES = {
     "serve": ("benchmarks.serve.cli:serve_main", "any OpenAI-compatible server (or a recipe's deployment): "
                                                  "concurrency/rate sweeps, SLO goodput, plots, accuracy"),
     "ab": ("benchmarks.serve.cli:ab_main", "two recipes' deployments on the same workload, one report"),
+    "tls-ttft": ("benchmarks.tls_ttft_bench", "TTFT with mTLS between the services vs plaintext, two 1P1D "
+                                             "clusters side by side, grpc KV transport"),
     "soak": ("benchmarks.soak_bench", "bounded loopback soak of a default pdserve up: mixed load, cancels, "
                                       "kill -9 of each service, a CPU hog; every outcome counted"),
     "pd-vs-dp": ("benchmarks.gpu_pd_vs_dp", "1P1D (cuda-ipc) vs 2 colocated workers on one device, same workload"),

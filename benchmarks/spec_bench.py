@@ -94,8 +94,8 @@ def early_exit_agreement(loaded, ids: list[int], layers: list[int]) -> dict[int,
     """Per N: the fraction of positions of ``ids`` where the ``layers:N`` draft's greedy token equals the
     full target's (one teacher-forced forward each; an upper-bound view of greedy acceptance per draft)."""
     from services.engine.attention import ForwardContext, TorchPagedAttention
-    from services.engine.model_runner import prepare_rows
     from services.engine.spec.draft import LayerSkipDraft
+    from services.engine.step_inputs import prepare_rows
 
     a, bs = loaded.arch, 16
     table = list(range(-(-len(ids) // bs)))

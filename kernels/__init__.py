@@ -20,6 +20,15 @@ from kernels.fp8_layout import (
     fp8_page_regions,
     plain_page_nbytes,
 )
+from kernels.reference import (
+    fused_moe_ref,
+    ref_fp8_dequantize,
+    ref_fp8_quantize,
+    ref_pack_pages,
+    ref_pack_pages_fp8,
+    ref_unpack_pages,
+    ref_unpack_pages_fp8,
+)
 
 HAS_TRITON: bool = importlib.util.find_spec("triton") is not None
 
@@ -47,57 +56,55 @@ def pack_pages(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tenso
     """[P, L, 2, bs, kvh, hd] pages of block_ids (see kernels.page_pack); Triton on CUDA, torch elsewhere.
     ``out``: a contiguous tensor of the pages' size and the cache's dtype to gather into (CPU)."""
     if _on_triton(kv_cache):
-        from kernels.page_pack import pack_pages as impl
+        from kernels.page_pack import pack_pages as impl  # Triton: CUDA tensors only
 
         pages = impl(kv_cache, block_ids)
         return pages if out is None else out.view(pages.shape).copy_(pages)
-    from kernels.reference import ref_pack_pages
-
     return ref_pack_pages(kv_cache, block_ids, out)
 
 
 def unpack_pages(buffer: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
     """Scatter [P, L, 2, bs, kvh, hd] pages into kv_cache at block_ids; Triton on CUDA, torch elsewhere."""
     if _on_triton(kv_cache):
-        from kernels.page_pack import unpack_pages as impl
+        from kernels.page_pack import unpack_pages as impl  # Triton: CUDA tensors only
     else:
-        from kernels.reference import ref_unpack_pages as impl
+        impl = ref_unpack_pages
     impl(buffer, kv_cache, block_ids)
 
 
 def pack_pages_fp8(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """uint8 [P, fp8_page_nbytes] fp8-e4m3 pages of block_ids; Triton on CUDA, torch elsewhere."""
     if _on_triton(kv_cache):
-        from kernels.fp8_kv import pack_pages_fp8 as impl
+        from kernels.fp8_kv import pack_pages_fp8 as impl  # Triton: CUDA tensors only
     else:
-        from kernels.reference import ref_pack_pages_fp8 as impl
+        impl = ref_pack_pages_fp8
     return impl(kv_cache, block_ids)
 
 
 def unpack_pages_fp8(buffer: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
     """Dequantize fp8 pages into kv_cache at block_ids; Triton on CUDA, torch elsewhere."""
     if _on_triton(kv_cache):
-        from kernels.fp8_kv import unpack_pages_fp8 as impl
+        from kernels.fp8_kv import unpack_pages_fp8 as impl  # Triton: CUDA tensors only
     else:
-        from kernels.reference import ref_unpack_pages_fp8 as impl
+        impl = ref_unpack_pages_fp8
     impl(buffer, kv_cache, block_ids)
 
 
 def fp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, kvh, hd] -> (fp8 values, fp32 scales [T, kvh]); Triton on CUDA, torch elsewhere."""
     if _on_triton(x):
-        from kernels.fp8_kv import fp8_quantize as impl
+        from kernels.fp8_kv import fp8_quantize as impl  # Triton: CUDA tensors only
     else:
-        from kernels.reference import ref_fp8_quantize as impl
+        impl = ref_fp8_quantize
     return impl(x)
 
 
 def fp8_dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """fp8 [T, kvh, hd] with fp32 scales [T, kvh] -> dtype; Triton on CUDA, torch elsewhere."""
     if _on_triton(q):
-        from kernels.fp8_kv import fp8_dequantize as impl
+        from kernels.fp8_kv import fp8_dequantize as impl  # Triton: CUDA tensors only
     else:
-        from kernels.reference import ref_fp8_dequantize as impl
+        impl = ref_fp8_dequantize
     return impl(q.contiguous(), scales.contiguous(), dtype)
 
 
@@ -113,9 +120,9 @@ def moe_experts(
     Triton on CUDA, the per-expert torch reference elsewhere. Named apart from the `fused_moe` module so
     that importing the module never shadows this function on the package."""
     if _on_triton(x):
-        from kernels.fused_moe import fused_moe as impl
+        from kernels.fused_moe import fused_moe as impl  # Triton: CUDA tensors only
     else:
-        from kernels.reference import fused_moe_ref as impl
+        impl = fused_moe_ref
     return impl(x, w13, w2, topk_ids, topk_weights, **options)
 
 

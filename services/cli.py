@@ -13,12 +13,14 @@ from services.common.logging import LoggingConfig
 
 
 def _generate(argv: list[str]) -> int:
+    # deferred: a subcommand imports only what it runs (start-up time; tools that talk to the router never load torch)
     from services.engine.cli_generate import main
 
     return main(argv)
 
 
 def _up(argv: list[str]) -> int:
+    # deferred: a subcommand imports only what it runs (start-up time; tools that talk to the router never load torch)
     from services.up import main
 
     return main(argv)
@@ -28,6 +30,7 @@ def _certs(argv: list[str]) -> int:
     """Write a CA and one certificate per role for mTLS (local clusters, Kubernetes Secrets)."""
     from pathlib import Path
 
+    # deferred: a subcommand imports only what it runs (start-up time; tools that talk to the router never load torch)
     from services.common.tls import ROLES, make_certs
 
     p = ArgParser(prog="pdserve certs", description=_certs.__doc__)
@@ -58,6 +61,7 @@ def _certs(argv: list[str]) -> int:
 
 def health_parser() -> ArgParser:
     """Flags of ``pdserve health`` (the deploy tests parse the probes' commands with it)."""
+    # deferred: a subcommand imports only what it runs (start-up time; tools that talk to the router never load torch)
     from services.common.tls import TLSConfig
 
     p = ArgParser(prog="pdserve health", description=_health.__doc__, exit_on_error=False)
@@ -73,6 +77,7 @@ def _health(argv: list[str]) -> int:
     Kubernetes probe under mTLS (the kubelet's own grpc: probe speaks no TLS). Exit 0 when SERVING."""
     import asyncio
 
+    # deferred: a subcommand imports only what it runs (start-up time; tools that talk to the router never load torch)
     from services.common.grpc_util import check_health, create_channel
     from services.common.tls import TLSConfig
 
@@ -107,6 +112,7 @@ def _bench(argv: list[str]) -> int:
 
 
 def _trace(argv: list[str]) -> int:
+    # deferred: a subcommand imports only what it runs (start-up time; tools that talk to the router never load torch)
     from services.trace_capture import main
 
     return main(argv)

@@ -447,10 +447,3 @@ def served_model(http: str, api_key: str | None = None) -> str:
     req = urllib.request.Request(f"http://{http}/v1/models", headers=headers)
     with urllib.request.urlopen(req, timeout=10) as r:
         return json.load(r)["data"][0]["id"]
-
-
-def main(argv: list[str]) -> int:
-    """``pdserve up`` (kept here for callers of ``services.launcher.main``)."""
-    from services.up import main as up_main
-
-    return up_main(argv)

@@ -247,6 +247,7 @@ def _add_compile_flags(extra: dict[str, list[str]], cfg: UpConfig, file: ConfigF
 def check_file(file: ConfigFile) -> None:
     """Every key of a config file names a setting of some service (top level) or of its section's service;
     ConfigError naming the first that does not. Imports the engine's settings (and torch) to know them."""
+    # deferred: the engine's settings import torch; `pdserve up` checks a config file only when given one
     from services.decode.config import DecodeConfig
     from services.engine.config import EngineConfig
     from services.kvstore.config import KVStoreConfig

@@ -37,6 +37,8 @@ from typing import Any, TypeVar
 from services.engine.config import EngineConfig
 from services.engine.core_share import CoreShare, CoreShareError
 from services.engine.engine import LLMEngine, RequestOutput
+from services.engine.errors import EngineDeadError
+from services.engine.kv_pages import pages_of
 from services.engine.model_loader import LoadedModel
 from services.engine.sampling_params import SamplingParams, TopLogprobs
 
@@ -50,10 +52,6 @@ IDLE_WAIT_S = 0.05
 """Longest the idle engine thread sleeps before looking at its command queue again (seconds)."""
 
 DeathCallback = Callable[[BaseException], None]
-
-
-class EngineDeadError(RuntimeError):
-    pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -494,8 +492,6 @@ class AsyncEngine(EngineFront):
 
     @property
     def pages(self) -> Any:
-        from services.engine.kv_pages import pages_of
-
         return pages_of(self.engine)
 
     @property

@@ -25,9 +25,9 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from services.engine.compile_child import weight_plan
 from services.engine.config import EngineConfig
 from services.engine.cpu_features import available_cpus
+from services.engine.models.quant_linear import Int4Linear, Q8_0Head
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,16 @@ CHILD_ARGV = (sys.executable, "-m", "services.engine.compile_child")
 """The child's command line (run from the directory holding the ``services`` package)."""
 _ROOT = Path(__file__).resolve().parents[2]
 """The directory holding the ``services`` package."""
+
+
+def weight_plan(model: Any) -> dict[str, int]:
+    """The packed-weight choices of a loaded model (models/quant_linear.py): rows up to which the swapped
+    linears (one bound for all) and the Q8_0 LM head read packed weights; 0: not swapped. The compile child
+    swaps the same ones (compile_child._apply_weight_plan)."""
+    rows = {m.max_rows for m in model.modules() if isinstance(m, Int4Linear)}
+    head = getattr(model, "logits_head", None)
+    return {"linear_rows": max(rows, default=0), "head_rows": head.max_rows if isinstance(head, Q8_0Head) else 0}
+
 
 
 def cache_dir_of(config: EngineConfig) -> Path:

@@ -11,7 +11,7 @@ and AOTAutograd caches, keyed by the graph, the input shapes and dtypes, the thr
 version): seconds instead of minutes, and no make_fx trace window.
 
 Protocol (local pipes only, nothing from the wire). stdin: one JSON object ``{"config": {EngineConfig
-fields}, "weights": weight_plan(), "max_batch": N, "scratch_pages": P, "variants": [[batch, threads],
+fields}, "weights": compile_cache.weight_plan(), "max_batch": N, "scratch_pages": P, "variants": [[batch, threads],
 ...]}``; the config names the dtype the parent resolved and ``weights`` the packed-weight choices its start-up
 timing made (which linears and LM head read int4 weights, up to how many rows), so the child loads the same
 model the same way, without timing anything, and builds the same graphs. stdout: one JSON line per variant as it lands in the cache, ``{"batch": b, "threads": t,
@@ -56,20 +56,11 @@ def _emit(record: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def weight_plan(model: Any) -> dict[str, int]:
-    """The packed-weight choices of a loaded model (models/quant_linear.py): rows up to which the swapped
-    linears (one bound for all) and the Q8_0 LM head read packed weights; 0: not swapped."""
-    from services.engine.models.quant_linear import Int4Linear, Q8_0Head
-
-    rows = {m.max_rows for m in model.modules() if isinstance(m, Int4Linear)}
-    head = getattr(model, "logits_head", None)
-    return {"linear_rows": max(rows, default=0), "head_rows": head.max_rows if isinstance(head, Q8_0Head) else 0}
-
-
 def _apply_weight_plan(model: Any, spec: str | None, dtype: Any, plan: dict[str, int]) -> None:
     """Swap the same linears and LM head as the parent did (quant_linear.install, without its timing)."""
     if not plan["linear_rows"] and not plan["head_rows"]:
         return
+    # deferred: the child imports torch and the engine only after main() has set nice 19 (see run)
     from services.engine.model_source import resolve
     from services.engine.models import quant_linear as q
     from services.engine.weights.gguf_loader import GGUFFile
@@ -86,6 +77,8 @@ def _apply_weight_plan(model: Any, spec: str | None, dtype: Any, plan: dict[str,
 
 def run(request: dict[str, Any]) -> int:
     """Compile every requested variant into the cache; 0 when all compiled, 1 at the first failure."""
+    # deferred: seconds of imports, run only after main() set nice 19 and armed the parent-death signal, so
+    # they never compete with the server at normal priority
     import torch
     import torch._inductor.config as inductor_config
     from torch._inductor.runtime.cache_dir_utils import cache_dir

@@ -37,6 +37,7 @@ from services.engine.block_manager import NoFreeBlocksError
 from services.engine.config import EngineConfig
 from services.engine.convert import layout_to_pb
 from services.engine.engine import LLMEngine, RequestOutput
+from services.engine.kv_pages import pages_of
 from services.engine.sampling_params import InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -127,8 +128,6 @@ class Core:
     # --- reader thread ---
 
     def _import_pages(self, cid: int, block_ids: list[int], fp8: bool, payload: bytearray) -> None:
-        from services.engine.kv_pages import pages_of
-
         try:
             pages_of(self.engine).import_payload(block_ids, payload, fp8)
         except Exception as e:
@@ -185,8 +184,6 @@ class Core:
 
 
 def hello(engine: LLMEngine) -> list[Any]:
-    from services.engine.kv_pages import pages_of
-
     dest = pages_of(engine).destination
     return [w.HELLO, {
         "pid": os.getpid(),

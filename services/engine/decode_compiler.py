@@ -54,6 +54,7 @@ from services.engine import compile_cache, trace_fence
 from services.engine.attention import ForwardContext, TorchPagedAttention
 from services.engine.compiled_decode import _COMPILE_ERRORS, CompiledDecode
 from services.engine.config import EngineConfig
+from services.engine.step_inputs import prepare_rows
 
 log = logging.getLogger(__name__)
 
@@ -485,7 +486,6 @@ class _EagerStep:
         self.backend = TorchPagedAttention(pool, pool.shape[-1] ** -0.5)
 
     def _run(self, rows: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
-        from services.engine.model_runner import prepare_rows  # the runner imports this module lazily
 
         ids, pos, meta = prepare_rows(rows, self.block_size, torch.device("cpu"))
         ctx = ForwardContext(self.backend, meta)

@@ -22,9 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import pack_pages, pack_pages_fp8
 from services.common.pb import decode_pb2
 from services.engine.kv_layout import FP8_CODEC
 from services.engine.kv_transport.grpc_wire import IN_PLACE, MessageBuffer
+from services.engine.parallel.rank_pages import ShardWrites
 
 
 @dataclass
@@ -89,8 +91,6 @@ class KVPages:
 
     def shard_writes(self):
         """Rank-to-rank page writes of this instance's ranks into a decode's pools (parallel/rank_pages.py)."""
-        from services.engine.parallel.rank_pages import ShardWrites
-
         if self._shard_writes is None:
             self._shard_writes = ShardWrites(self._runner)
         return self._shard_writes
@@ -131,8 +131,6 @@ class KVPages:
         staging buffer). ``layers`` (a, b): only those layers of each page, [P, b - a, 2, bs, kvh, hd] (native
         codec, ``exports_layers``), e.g. inside a layer sink once the forward queued them (layer_groups.py): the
         gather waits on the compute stream for what it queued so far."""
-        from kernels import pack_pages, pack_pages_fp8
-
         if layers is not None:
             assert codec != FP8_CODEC and self.exports_layers, "a layer range is exported in the native codec only"
         if self.sharded:  # every rank's heads, gathered by rank 0 (one collective, synchronous)

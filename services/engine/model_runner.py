@@ -15,6 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from kernels import pack_pages, pack_pages_fp8, unpack_pages, unpack_pages_fp8
 from services.common.pb import decode_pb2
 from services.engine import trace_fence
 from services.engine.attention import AttentionMetadata, ForwardContext, TorchPagedAttention
@@ -26,6 +27,8 @@ from services.engine.model_loader import LoadedModel
 from services.engine.sampler import Sampled, Sampler, SamplingRow
 from services.engine.scheduler import ScheduledChunk, SchedulerOutput
 from services.engine.shared_kv import allocate_kv
+from services.engine.spec.decoder import SpecDecoder
+from services.engine.step_inputs import device_scope, prepare_rows, sampled_rows
 from services.engine.step_launch import LaunchedStep
 from services.engine.step_launch import launch as launch_step
 
@@ -49,8 +52,6 @@ class ModelRunner:
         self.spec = None
         """Speculative decoding's draft and its KV region (services/engine/spec), when --draft-model is set."""
         if config.draft_model:
-            from services.engine.spec.decoder import SpecDecoder
-
             self.spec = SpecDecoder(loaded, config)
         draft_bytes = self.spec.bytes_per_block() if self.spec is not None else 0
         self.num_blocks = self._num_blocks(loaded, self.bytes_per_block + draft_bytes)
@@ -78,6 +79,7 @@ class ModelRunner:
         variants are compiled by ``decode_compiler`` in the background and switched on once checked."""
         self.decode_compiler = None
         if config.cpu_compile_decode and self.device.type == "cpu" and self.spec is None:
+            # deferred: the CPU compile machinery (torch._dynamo, inductor), only with --cpu-compile-decode
             from services.engine.compiled_decode import CompiledDecode
             from services.engine.decode_compiler import DecodeCompiler
 
@@ -142,6 +144,7 @@ class ModelRunner:
     def _make_backend(self, kv_cache: torch.Tensor, head_dim: int):
         scale = head_dim ** -0.5
         if self.device.type == "cuda" and self.config.attention_backend != "torch":
+            # deferred: Triton kernel modules, on the CUDA path only (triton is optional)
             from services.engine.gpu_attention import TritonPagedAttention
 
             return TritonPagedAttention(kv_cache, scale)
@@ -174,14 +177,14 @@ class ModelRunner:
     def _execute_cpu(self, out: SchedulerOutput) -> dict[int, Sampled]:
         if self.compiled_decode is not None and self.compiled_decode.accepts(out.chunks):
             logits = self.compiled_decode.step(out.chunks)
-            ends, rows, seq_ids = _sampled_rows(out.chunks)
+            ends, rows, seq_ids = sampled_rows(out.chunks)
             return dict(zip(seq_ids, self.sampler.sample(logits[ends] if len(ends) < len(out.chunks) else logits,
                                                          rows), strict=True)) if ends else {}
         # One-token chunks first: the attention backend batches them as decode.
         chunks = sorted(out.chunks, key=lambda c: c.num_new_tokens != 1)
         ids, pos, meta = self._prepare(chunks)
         hidden = self.model(ids, pos, ForwardContext(self.attn_backend, meta))
-        ends, rows, seq_ids = _sampled_rows(chunks)
+        ends, rows, seq_ids = sampled_rows(chunks)
         if not ends:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(ends, device=hidden.device)])
@@ -201,6 +204,7 @@ class ModelRunner:
 
     def _init_gpu(self, loaded: LoadedModel) -> None:
         """Max model length, and decode CUDA graphs when enabled with the Triton backend."""
+        # deferred: Triton kernel modules, on the CUDA path only (triton is optional)
         from services.engine.gpu_attention import TritonPagedAttention
 
         self.max_model_len = min(self.config.max_model_len or loaded.max_model_len, loaded.max_model_len)
@@ -213,6 +217,7 @@ class ModelRunner:
                 if self.config.spec_tokens:  # the whole speculative step, per batch bucket (spec/graphs.py)
                     self.spec.capture_graphs(self)
             elif self.config.cuda_graphs and isinstance(self.attn_backend, TritonPagedAttention):
+                # deferred: CUDA graphs, on the CUDA path only
                 from services.engine.cuda_graphs import DecodeGraphs
 
                 self.graphs = DecodeGraphs(self.model, self.attn_backend, self.config.max_num_seqs,
@@ -281,7 +286,7 @@ class ModelRunner:
             self.graphs.invalidate_rows()
         ids, pos, meta = self._prepare_gpu(chunks)
         hidden = self.model(ids, pos, ForwardContext(self.attn_backend, meta))
-        ends, rows, seq_ids = _sampled_rows(chunks)
+        ends, rows, seq_ids = sampled_rows(chunks)
         if not ends:
             return {}
         if len(ends) < hidden.shape[0]:
@@ -330,8 +335,6 @@ class ModelRunner:
     def read_pages(self, block_ids: list[int], codec: str | None = None) -> torch.Tensor:
         """Pages of ``block_ids`` on the host: [P, layers, 2, block_size, kv_heads, head_dim] in the cache's
         dtype, or with ``codec="fp8-e4m3"`` uint8 [P, fp8 page bytes] (values then per-token-per-head scales)."""
-        from kernels import pack_pages, pack_pages_fp8
-
         if self.spec is not None:  # uint8 [P, page bytes]: target region, then draft region
             return self.spec.pack(self.kv_cache, block_ids, codec).cpu()
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
@@ -341,8 +344,6 @@ class ModelRunner:
 
     def write_pages(self, block_ids: list[int], pages: torch.Tensor, codec: str | None = None) -> None:
         """The inverse of read_pages (fp8 pages are dequantized into the cache's dtype)."""
-        from kernels import unpack_pages, unpack_pages_fp8
-
         if self.spec is not None:
             self.spec.unpack(pages, self.kv_cache, block_ids, codec)
             return
@@ -350,66 +351,3 @@ class ModelRunner:
         unpack = unpack_pages_fp8 if codec == FP8_CODEC else unpack_pages
         with device_scope(self.device):
             unpack(pages.to(self.device, non_blocking=True), self.kv_cache, idx)
-
-
-def device_scope(device: torch.device) -> contextlib.AbstractContextManager:
-    """``device`` as the calling thread's current CUDA device while inside; nothing on the CPU. Triton kernels
-    launch on the current device, which is cuda:0 in every new thread: an engine on cuda:N (N > 0) enters
-    this wherever its kernels run (steps, page reads and writes)."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
-def _sampled_rows(chunks: list[ScheduledChunk]) -> tuple[list[int], list[SamplingRow], list[int]]:
-    """For the chunks that sample: (flat index of their last token, sampling row, seq id)."""
-    ends, rows, seq_ids = [], [], []
-    offset = 0
-    for ch in chunks:
-        offset += ch.num_new_tokens
-        if ch.sample:
-            ends.append(offset - 1)
-            rows.append(SamplingRow(ch.seq.params, ch.seq.num_output_tokens))
-            seq_ids.append(ch.seq.seq_id)
-    return ends, rows, seq_ids
-
-
-def prepare_rows(rows: list[tuple[list[int], int, list[int]]], block_size: int, device: torch.device
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """(input ids, positions, metadata) of one forward over rows (new token ids, position of the first,
-    block table covering them); one-token rows must come first (the backends batch them as decode)."""
-    bs = block_size
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    query_lens: list[int] = []
-    context_lens: list[int] = []
-    tables: list[list[int]] = []
-    for tokens, start, table in rows:
-        end = start + len(tokens)
-        input_ids.extend(tokens)
-        positions.extend(range(start, end))
-        slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-        query_lens.append(len(tokens))
-        context_lens.append(end)
-        tables.append(table[: (end + bs - 1) // bs])
-    max_blocks = max(len(t) for t in tables)
-    bt = torch.zeros(len(tables), max_blocks, dtype=torch.int32)
-    for i, t in enumerate(tables):
-        bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-    num_decode = 0
-    while num_decode < len(query_lens) and query_lens[num_decode] == 1:
-        num_decode += 1
-    cu = [0]
-    for q in query_lens:
-        cu.append(cu[-1] + q)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        block_tables=bt.to(device),
-        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-        query_lens=query_lens,
-        context_lens_host=context_lens,
-        num_decode=num_decode,
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
-    )
-    ids = torch.tensor(input_ids, dtype=torch.long, device=device)
-    pos = torch.tensor(positions, dtype=torch.long, device=device)
-    return ids, pos, meta

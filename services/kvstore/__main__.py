@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 async def build_backend(cfg: KVStoreConfig) -> KVStoreBackend:
     """The configured backend, opened (the embedded disk index is rebuilt in a worker thread)."""
     if cfg.backend == "mooncake":
+        # deferred: the Mooncake wheel is an optional dependency, loaded only for its backend
         from services.kvstore.mooncake_backend import MooncakeBackend, MooncakeSettings
 
         settings = MooncakeSettings(
@@ -38,6 +39,7 @@ async def build_backend(cfg: KVStoreConfig) -> KVStoreBackend:
             local_buffer_bytes=cfg.mooncake_buffer_bytes, protocol=cfg.mooncake_protocol,
             device=cfg.mooncake_device, op_timeout_s=cfg.mooncake_op_timeout_s)
         return await MooncakeBackend(settings).open()
+    # deferred: the embedded backend's modules, only when it is the one configured
     from services.kvstore.embedded import EmbeddedBackend
 
     return await asyncio.to_thread(EmbeddedBackend, cfg.memory_bytes, cfg.disk_dir, cfg.disk_bytes)

@@ -179,3 +179,120 @@ def test_the_checker_sees_violations() -> None:
     assert heavy_path("services.engine.model_loader") is not None
     assert heavy_path("services.engine.model_source") is None
     assert heavy_path("services.worker.engine_service") is not None
+
+
+# ---- module cycles and imports inside functions ----------------------------------------------------------
+
+def runtime_imports(module: str) -> list[tuple[str, int, bool]]:
+    """(imported name, line, inside a function) of every import ``module`` can run: module level, class
+    bodies and functions, but not ``if TYPE_CHECKING:`` blocks (types only, never executed)."""
+    tree = ast.parse(MODULES[module].read_text(), filename=str(MODULES[module]))
+    found: list[tuple[str, int, bool]] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                for sub in child.orelse:
+                    visit_stmt(sub, in_function)
+                continue
+            visit_stmt(child, in_function)
+
+    def visit_stmt(child: ast.AST, in_function: bool) -> None:
+        if isinstance(child, (ast.Import, ast.ImportFrom)):
+            found.extend((name, child.lineno, in_function) for name in _resolve(module, child))
+            return
+        visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(tree, False)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the repository modules its runtime imports load. A package's own ``__init__``, loaded
+    implicitly when a submodule of it is imported, is not an edge of that submodule (a package gathering its
+    children is not a cycle); importing a name from the package itself is."""
+    graph: dict[str, set[str]] = {}
+    for module in MODULES:
+        edges = graph.setdefault(module, set())
+        for name, _, _ in runtime_imports(module):
+            for loaded in _with_parents(name):
+                implicit = loaded != name and module.startswith(loaded + ".")
+                if loaded in MODULES and loaded != module and not implicit:
+                    edges.add(loaded)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    found.append(sorted(comp))
+    return found
+
+
+def test_no_import_cycles_even_through_imports_inside_functions() -> None:
+    found = cycles(import_graph())
+    assert not found, "modules importing each other (an import inside a function counts too):\n" + "\n".join(
+        " <-> ".join(c) for c in found)
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def _comment_above(lines: list[str], i: int) -> bool:
+    """Whether a comment line opens the block of import lines that line ``i`` (0-based) belongs to."""
+    while i > 0 and (not lines[i - 1].strip() or lines[i - 1].strip().startswith(("from ", "import "))):
+        i -= 1
+    return i > 0 and lines[i - 1].strip().startswith("#")
+
+
+def test_an_import_inside_a_function_says_why() -> None:
+    """An intra-repository import inside a function hides a dependency from a reader of the module's head;
+    each one carries a comment (on its line or the line above) saying why it cannot sit at the top: an
+    optional or heavy dependency loaded only when used, a child process's priority, a command's start-up."""
+    undocumented = []
+    for module, path in sorted(MODULES.items()):
+        lines = path.read_text().splitlines()
+        for name, line, in_function in runtime_imports(module):
+            if not in_function or package_of(name) is None:
+                continue
+            if "#" not in lines[line - 1] and not _comment_above(lines, line - 1):
+                undocumented.append(f"{path.relative_to(ROOT)}:{line}: {name}")
+    assert not undocumented, "imports inside functions without a comment saying why:\n" + "\n".join(
+        sorted(set(undocumented)))

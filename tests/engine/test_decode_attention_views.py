@@ -13,7 +13,7 @@ import torch
 from services.engine import attention
 from services.engine.attention import ForwardContext, TorchPagedAttention
 from services.engine.model_loader import load_model
-from services.engine.model_runner import prepare_rows
+from services.engine.step_inputs import prepare_rows
 
 BS = 4
 """Block size: small, so every few tokens a context crosses into the next block."""

@@ -135,8 +135,8 @@ def test_embedded_gguf_greedy_equals_plain_decoding() -> None:
 
 def test_uniform_query_rows_attend_like_one_row_at_a_time() -> None:
     from services.engine.attention import TorchPagedAttention
-    from services.engine.model_runner import prepare_rows
     from services.engine.spec.attention import UniformQueryAttention
+    from services.engine.step_inputs import prepare_rows
 
     g = torch.Generator().manual_seed(0)
     cache = torch.randn(1, 2, 12, 4, 2, 8, generator=g)

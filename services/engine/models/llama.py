@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import HAS_TRITON
 from services.engine.attention import AttentionSpec, ForwardContext
 from services.engine.models.config import ModelArchConfig, ModelConfigError
 from services.engine.models.rope import RotaryEmbedding
@@ -100,6 +101,7 @@ class Attention(nn.Module):
     def forward_fused(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                       ctx: ForwardContext) -> torch.Tensor:
         """`forward` with RoPE applied in place by one Triton kernel (q/k stay views of the qkv output)."""
+        # deferred: a Triton kernel module, on the CUDA path only (triton is optional)
         from kernels.rotary import apply_rotary_
 
         q, k, v = self._qkv(x)
@@ -122,6 +124,7 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
     def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        # deferred: a Triton kernel module, on the CUDA path only (triton is optional)
         from kernels.activation import silu_and_mul
 
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -147,6 +150,7 @@ class DecoderLayer(nn.Module):
         residual None marks the first layer (h is then the embedding). Each add is fused into the next
         RMSNorm, so a layer launches two norm kernels instead of ~12 elementwise ones.
         """
+        # deferred: a Triton kernel module, on the CUDA path only (triton is optional)
         from kernels.rms_norm import fused_add_rms_norm, rms_norm
 
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
@@ -203,8 +207,6 @@ class LlamaForCausalLM(nn.Module):
     def _use_fused(self, h: torch.Tensor) -> bool:
         if self.fused_kernels is not None:
             return self.fused_kernels
-        from kernels import HAS_TRITON
-
         return h.is_cuda and HAS_TRITON and self.model.norm.weight.dtype == h.dtype
 
     def init_buffers(self) -> None:
@@ -225,6 +227,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(h)
 
     def _forward_fused(self, h: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        # deferred: a Triton kernel module, on the CUDA path only (triton is optional)
         from kernels.rms_norm import fused_add_rms_norm
 
         residual: torch.Tensor | None = None

@@ -18,8 +18,8 @@ from multiprocessing.connection import wait
 
 import torch
 
-from services.engine.async_engine import EngineDeadError
 from services.engine.config import EngineConfig
+from services.engine.errors import EngineDeadError
 from services.engine.model_loader import LoadedModel
 from services.engine.parallel.group import TPGroup, connect, open_store
 from services.engine.parallel.loader import check_split, load_shard

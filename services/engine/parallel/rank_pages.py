@@ -45,7 +45,7 @@ import grpc
 import torch
 
 from services.common.pb import decode_pb2
-from services.engine.async_engine import EngineDeadError
+from services.engine.errors import EngineDeadError
 from services.engine.kv_layout import HeadSplitSpec
 from services.engine.kv_transport.base import TransferError
 from services.engine.parallel.mooncake_ranks import RankMooncake, RemotePool, host_text

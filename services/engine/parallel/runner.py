@@ -18,12 +18,13 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from services.engine.async_engine import EngineDeadError
+from kernels import pack_pages, pack_pages_fp8, unpack_pages, unpack_pages_fp8
 from services.engine.attention import ForwardContext
 from services.engine.config import EngineConfig
+from services.engine.errors import EngineDeadError
 from services.engine.kv_layout import FP8_CODEC
 from services.engine.model_loader import LoadedModel
-from services.engine.model_runner import ModelRunner, _sampled_rows, device_scope
+from services.engine.model_runner import ModelRunner
 from services.engine.parallel.group import TPGroup
 from services.engine.parallel.pages import as_cache, assemble, from_cache, per_rank_heads
 from services.engine.parallel.plan import (
@@ -37,6 +38,7 @@ from services.engine.parallel.plan import (
 )
 from services.engine.sampler import Sampled, SamplingRow
 from services.engine.scheduler import ScheduledChunk, SchedulerOutput
+from services.engine.step_inputs import device_scope, sampled_rows
 
 KEEPALIVE_S = 30.0
 """Longest rank 0 goes without sending a plan (an idle instance sends Op.NOOP): well under the group's
@@ -103,7 +105,7 @@ class TPModelRunner(ModelRunner):
         if self.graphs is not None:
             self.graphs.invalidate_rows()
         ids, pos, meta = self._prepare(chunks)
-        ends, rows, seq_ids = _sampled_rows(chunks)
+        ends, rows, seq_ids = sampled_rows(chunks)
         with self._sequence(*encode_step(ids, pos, meta, ends)):
             hidden = self.model(ids, pos, ForwardContext(self.attn_backend, meta))
             if not ends:
@@ -140,8 +142,6 @@ class TPModelRunner(ModelRunner):
     @torch.inference_mode()
     def read_pages(self, block_ids: list[int], codec: str | None = None) -> torch.Tensor:
         """Full-head pages of ``block_ids`` on the host (as ModelRunner.read_pages at TP=1)."""
-        from kernels import pack_pages, pack_pages_fp8
-
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         with device_scope(self.device), self._sequence(simple(Op.EXPORT, len(block_ids)), idx.cpu()):
             full = assemble(self.group.gather_to_root(pack_pages(self.kv_cache, idx)), self.split)
@@ -153,8 +153,6 @@ class TPModelRunner(ModelRunner):
     @torch.inference_mode()
     def write_pages(self, block_ids: list[int], pages: torch.Tensor, codec: str | None = None) -> None:
         """Full-head pages (the layout read_pages returns) into every rank's shard of ``block_ids``."""
-        from kernels import unpack_pages, unpack_pages_fp8
-
         pages = pages.to(self.device)
         if codec == FP8_CODEC:
             L, _, _, bs, _, d = self.kv_cache.shape

@@ -13,6 +13,7 @@ import threading
 
 import torch
 
+from kernels import pack_pages, unpack_pages
 from services.engine.attention import ForwardContext
 from services.engine.config import EngineConfig
 from services.engine.model_runner import ModelRunner
@@ -56,8 +57,6 @@ def _recv(group: TPGroup, n: int, dtype: torch.dtype = torch.int64, shape: tuple
 @torch.inference_mode()
 def serve(runner: ModelRunner, group: TPGroup) -> None:
     """Follow rank 0's plans until STOP (a collective error, e.g. rank 0 gone, propagates)."""
-    from kernels import pack_pages, unpack_pages
-
     model, split, dev = runner.model, runner.model.tp_split, runner.device
     L, _, _, bs, _, d = runner.kv_cache.shape
     traces: list[threading.Thread] = []  # captures in progress (daemon threads: a STOP does not wait for them)

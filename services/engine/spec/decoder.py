@@ -54,6 +54,7 @@ from services.engine.spec.verify import (
     synthetic_count,
     with_logprobs,
 )
+from services.engine.step_inputs import device_scope, prepare_rows
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +177,6 @@ class SpecDecoder:
                 + region_nbytes(self.kv_cache, self.draft_codec == FP8_CODEC))
 
     def pack(self, target_cache: torch.Tensor, block_ids: list[int], codec: str | None) -> torch.Tensor:
-        from services.engine.model_runner import device_scope
 
         assert self.kv_cache is not None
         with device_scope(self.kv_cache.device):  # the pack kernels launch on the caches' device
@@ -184,7 +184,6 @@ class SpecDecoder:
 
     def unpack(self, pages: torch.Tensor, target_cache: torch.Tensor, block_ids: list[int], codec: str | None
                ) -> None:
-        from services.engine.model_runner import device_scope
 
         assert self.kv_cache is not None
         with device_scope(self.kv_cache.device):
@@ -195,7 +194,6 @@ class SpecDecoder:
     def _forward(self, model, backend, rows: list[Row], device: torch.device) -> tuple[torch.Tensor, list[int]]:
         """Hidden states of one forward over rows, and each row's first flat index (rows keep their order
         for the caller; one-token rows go first inside)."""
-        from services.engine.model_runner import prepare_rows
 
         order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]) != 1)
         ids, pos, meta = prepare_rows([rows[i] for i in order], self.config.block_size, device)
