@@ -15,7 +15,7 @@ import torch
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.model_loader import load_model
-from services.engine.sampling_params import SamplingParams
+from services.text.sampling_params import SamplingParams
 
 SPEC = "random:smollm2-135m"
 

@@ -37,8 +37,8 @@ import torch._dynamo.utils
 
 from benchmarks.engine_bench import EngineBench, _machine, _prompts
 from services.common.cli_args import ArgParser
-from services.engine import compile_cache, decode_compiler
 from services.engine.attention import ForwardContext, TorchPagedAttention
+from services.engine.cpu import compile_cache, decode_compiler
 from services.engine.models.quant_linear import WEIGHT_FORMATS
 from services.engine.step_inputs import prepare_rows
 

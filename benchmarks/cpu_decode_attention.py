@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from services.common.cli_args import ArgParser
-from services.engine.cpu_features import QUIET_OPENMP_ENV
+from services.engine.cpu.cpu_features import QUIET_OPENMP_ENV
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 """The embedded SmolLM2-135M's attention shapes and the engine's default block size."""
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(k, v)
     import torch
 
-    from services.engine.cpu_features import available_cpus, host_cpu
+    from services.engine.cpu.cpu_features import available_cpus, host_cpu
 
     engine = a.threads or len(available_cpus())
     cpu = host_cpu()

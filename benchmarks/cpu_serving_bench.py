@@ -289,7 +289,7 @@ def llama_python(arg: str) -> tuple[str | None, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from services.engine.cpu_features import QUIET_OPENMP_ENV, available_cpus, host_cpu, split_cores
+    from services.engine.cpu.cpu_features import QUIET_OPENMP_ENV, available_cpus, host_cpu, split_cores
 
     for k, v in QUIET_OPENMP_ENV.items():  # as pdserve up gives its engines; before torch loads OpenMP
         os.environ.setdefault(k, v)

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     import torch
 
     from benchmarks.engine_bench import EngineBench
-    from services.engine.sampling_params import SamplingParams
+    from services.text.sampling_params import SamplingParams
 
 
 @dataclass
@@ -140,13 +140,13 @@ def served(a: argparse.Namespace) -> None:
 
 
 def in_process(a: argparse.Namespace) -> None:
-    from services.engine.cpu_features import QUIET_OPENMP_ENV
+    from services.engine.cpu.cpu_features import QUIET_OPENMP_ENV
 
     for k, v in QUIET_OPENMP_ENV.items():  # as pdserve up gives its engines; before torch loads OpenMP
         os.environ.setdefault(k, v)
     from benchmarks.engine_bench import EngineBench
     from benchmarks.engine_bench import _prompts as token_prompts
-    from services.engine.cpu_features import available_cpus
+    from services.engine.cpu.cpu_features import available_cpus
     from services.engine.weights.gguf_loader import default_gguf_path
 
     threads = a.threads or len(available_cpus())
@@ -240,7 +240,7 @@ def attention_ops(contexts: list[int], heads: int = 9, kv_heads: int = 3, head_d
 
 
 def _params(max_tokens: int) -> SamplingParams:
-    from services.engine.sampling_params import SamplingParams
+    from services.text.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="time one layer's batch-1 decode attention alone at 2 and 1 threads, e.g. 32,128,576,2048")
     a = ap.parse_args(argv)
     if a.attention:
-        from services.engine.cpu_features import QUIET_OPENMP_ENV
+        from services.engine.cpu.cpu_features import QUIET_OPENMP_ENV
 
         for k, v in QUIET_OPENMP_ENV.items():  # before torch loads OpenMP, as the engines get it
             os.environ.setdefault(k, v)

@@ -79,7 +79,7 @@ and compute, decode's wait for the KV); the rest of the client's TTFT is HTTP, g
 
 COMPILE_FINISHED = ("engine: background compile done", "decode steps of that size and larger stay eager",
                     "engine: background compile of the decode step failed", "so no background compile")
-"""Log lines with which an engine's background decode compile (services/engine/decode_compiler.py) ends,
+"""Log lines with which an engine's background decode compile (services/engine/cpu/decode_compiler.py) ends,
 compiled or not: a server is measured only after each of its compiling engines printed one, so no round
 runs beside a compile (minutes of both cores on a small host)."""
 

@@ -39,11 +39,11 @@ import torch
 
 from services.common.cli_args import ArgParser
 from services.engine.config import EngineConfig
-from services.engine.cpu_features import DTYPE_REASONS, host_cpu, torch_cpu_capability
+from services.engine.cpu.cpu_features import DTYPE_REASONS, host_cpu, torch_cpu_capability
 from services.engine.engine import LLMEngine
 from services.engine.models.quant_linear import WEIGHT_FORMAT_REASONS, WEIGHT_FORMATS
-from services.engine.sampling_params import SamplingParams
 from services.engine.weights.gguf_loader import default_gguf_path
+from services.text.sampling_params import SamplingParams
 
 PREFILL_GOAL = 1.0
 """Engine prefill tokens/s over transformers' prefill tokens/s."""
@@ -61,7 +61,7 @@ class Results:
     dtype: str
     """The dtype both engines ran in (``--dtype auto`` resolved)."""
     dtype_reason: str
-    """Why: a services.engine.cpu_features.DTYPE_REASONS code."""
+    """Why: a services.engine.cpu.cpu_features.DTYPE_REASONS code."""
     model: str
     torch_threads: int
     prompt_len: int

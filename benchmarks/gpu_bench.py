@@ -31,7 +31,7 @@ from services.common.cli_args import ArgParser
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.model_loader import LoadedModel, build_empty_model, load_model
-from services.engine.sampling_params import SamplingParams
+from services.text.sampling_params import SamplingParams
 
 GiB = 2**30
 MODEL = "random:llama-3-8b"
@@ -64,10 +64,10 @@ def ceilings() -> dict[str, float]:
 
 def _fused_cases(t: int, rope: Any) -> list[tuple[str, Any, Any, int]]:
     """(name, triton fn, torch reference fn, bytes moved) at Llama-3-8B shapes for t tokens."""
-    from kernels.activation import silu_and_mul
-    from kernels.reference import ref_apply_rotary_, ref_fused_add_rms_norm, ref_silu_and_mul
-    from kernels.rms_norm import fused_add_rms_norm
-    from kernels.rotary import apply_rotary_
+    from services.kernels.activation import silu_and_mul
+    from services.kernels.reference import ref_apply_rotary_, ref_fused_add_rms_norm, ref_silu_and_mul
+    from services.kernels.rms_norm import fused_add_rms_norm
+    from services.kernels.rotary import apply_rotary_
 
     x = torch.randn(t, 4096, dtype=torch.bfloat16, device="cuda")
     r = torch.randn_like(x)

@@ -16,8 +16,8 @@ from services.common.grpc_util import create_channel
 from services.common.pb import common_pb2, router_pb2, router_pb2_grpc
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
-from services.engine.sampling_params import SamplingParams
 from services.launcher import LocalCluster
+from services.text.sampling_params import SamplingParams
 
 
 async def _generate(addr: str, ids: list[int], n: int) -> tuple[list[int], float]:

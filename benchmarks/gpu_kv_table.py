@@ -42,8 +42,8 @@ from benchmarks.gpu_cluster_check import _generate
 from services.common.cli_args import ArgParser
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
-from services.engine.sampling_params import SamplingParams
 from services.launcher import LocalCluster
+from services.text.sampling_params import SamplingParams
 
 COMPUTE = "pdserve_prefill_compute_seconds"
 EXPOSED = "pdserve_decode_kv_transfer_exposed_seconds"

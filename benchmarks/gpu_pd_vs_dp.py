@@ -110,7 +110,7 @@ def _machine(device: str) -> str:
 
     import torch
 
-    from services.engine.cpu_features import host_cpu
+    from services.engine.cpu.cpu_features import host_cpu
 
     cpu = host_cpu()
     host = f"{len(cpu.cpus)} CPUs {platform.machine()} {cpu.model} ({', '.join(cpu.reported_flags()) or 'no AVX2'})"

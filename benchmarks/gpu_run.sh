@@ -15,7 +15,7 @@ QUICK=(); [ "$MODE" = quick ] && QUICK=(--quick)
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
   python3 -c 'import sys, torch, triton, transformers; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__, torch.cuda.get_device_name())'
-  python3 -c 'import services.engine.engine, services.engine.gpu_attention, services.engine.cuda_graphs, kernels.paged_decode_attention; print("imports ok")'
+  python3 -c 'import services.engine.engine, services.engine.cuda.gpu_attention, services.engine.cuda.cuda_graphs, kernels.paged_decode_attention; print("imports ok")'
 } 2>&1 | tee "$OUT/env.log"
 rc=0
 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/engine/test_gpu_engine.py tests/engine/test_gpu_logprobs.py  2>&1 | tee "$OUT/pytest.log" || rc=1

@@ -107,7 +107,7 @@ def engine_point(engine: Any, n_in: int, n_out: int, conc: int, logprobs: bool, 
     decode-step time at the point's full batch."""
     import torch
 
-    from services.engine.sampling_params import SamplingParams
+    from services.text.sampling_params import SamplingParams
 
     vocab = engine.vocab_size
     g = torch.Generator().manual_seed(seed)

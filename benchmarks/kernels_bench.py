@@ -24,8 +24,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import reference as ref
 from services.common.cli_args import ArgParser
+from services.kernels import reference as ref
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_LAYERS = 32, 8, 128, 16, 32
 DTYPE = torch.bfloat16
@@ -79,7 +79,7 @@ def _kv_bytes(tokens: int) -> int:
 
 
 def case_decode(batch: int, ctx: int) -> Row:
-    from kernels.paged_decode_attention import paged_decode_attention
+    from services.kernels.paged_decode_attention import paged_decode_attention
 
     row = Row("paged_decode_attention", f"B={batch} ctx={ctx} h={NUM_HEADS}/{NUM_KV_HEADS} hd={HEAD_DIM}")
     kv_cache, table = _paged(batch, ctx)
@@ -105,7 +105,7 @@ def case_decode(batch: int, ctx: int) -> Row:
 
 
 def case_prefill(seqs: list[tuple[int, int]]) -> Row:
-    from kernels.prefill_attention import prefill_attention
+    from services.kernels.prefill_attention import prefill_attention
 
     desc = "+".join(f"{n}@{c}" for c, n in seqs)
     row = Row("prefill_attention", f"new@ctx={desc} h={NUM_HEADS}/{NUM_KV_HEADS} hd={HEAD_DIM}")
@@ -142,7 +142,7 @@ def case_prefill(seqs: list[tuple[int, int]]) -> Row:
 
 
 def case_store_kv(num_tokens: int) -> Row:
-    from kernels.store_kv import store_kv
+    from services.kernels.store_kv import store_kv
 
     row = Row("store_kv", f"T={num_tokens} kvh={NUM_KV_HEADS} hd={HEAD_DIM}")
     kv_cache, _ = _paged(1, num_tokens, spare=64)
@@ -157,8 +157,8 @@ def case_store_kv(num_tokens: int) -> Row:
 
 
 def case_pack(num_pages: int, fp8: bool) -> list[Row]:
-    from kernels.fp8_kv import pack_pages_fp8, unpack_pages_fp8
-    from kernels.page_pack import pack_pages, unpack_pages
+    from services.kernels.fp8_kv import pack_pages_fp8, unpack_pages_fp8
+    from services.kernels.page_pack import pack_pages, unpack_pages
 
     kv_cache, _ = _paged(1, num_pages * BLOCK_SIZE, num_layers=NUM_LAYERS, spare=num_pages)
     ids = torch.randperm(kv_cache.shape[2], device="cuda")[:num_pages]
@@ -187,7 +187,7 @@ def case_pack(num_pages: int, fp8: bool) -> list[Row]:
 
 
 def case_fp8_quantize(num_tokens: int) -> Row:
-    from kernels.fp8_kv import fp8_quantize
+    from services.kernels.fp8_kv import fp8_quantize
 
     row = Row("fp8_quantize", f"T={num_tokens} kvh={NUM_KV_HEADS} hd={HEAD_DIM}")
     x = torch.randn((num_tokens, NUM_KV_HEADS, HEAD_DIM), dtype=DTYPE, device="cuda")

@@ -51,7 +51,7 @@ from services.common.grpc_util import server_options
 from services.common.malloc_tuning import tune_malloc
 from services.common.pb import decode_pb2
 from services.common.tls import make_certs
-from services.engine.cpu_features import host_cpu
+from services.engine.cpu.cpu_features import host_cpu
 from services.engine.kv_transport import KVPoll
 
 GOALS = {"grpc": ("socket", 0.5), "mooncake": ("socket", 0.7), "shm": ("memcpy", 0.5)}

@@ -70,7 +70,7 @@ class DecodePeer:
 
 def _export(src: torch.Tensor, layout: PageLayout, room: int) -> Callable[[list[int]], MessageExport]:
     """KVPages.export_messages on CPU for the pool ``src``: each message's pages gathered straight into it."""
-    from kernels import pack_pages
+    from services.kernels import pack_pages
 
     per = pages_per_message(payload_budget(MAX_MESSAGE_BYTES), layout.page_bytes)
     return lambda ids: gather_messages(

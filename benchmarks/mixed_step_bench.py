@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
-from services.engine.sampling_params import SamplingParams
+from services.text.sampling_params import SamplingParams
 
 MODEL = "random:llama-3-8b"
 

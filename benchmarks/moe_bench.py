@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.reference import fused_moe_ref
+from services.kernels.reference import fused_moe_ref
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ def loop_bf16(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.T
 def sweep_configs(default: Any) -> list[Any]:
     """Tile configs tried beside the default with --sweep: the default's block_m, other N/K tiles,
     warps and stages (a MoETileConfig list; 18 configs)."""
-    from kernels.fused_moe import MoETileConfig  # after main() chose the interpreter or the GPU
+    from services.kernels.fused_moe import MoETileConfig  # after main() chose the interpreter or the GPU
 
     return [MoETileConfig(default.block_m, bn, bk, warps, stages, default.group_m)
             for bn in (32, 64, 128) for bk in (64, 128) for warps, stages in ((4, 3), (4, 4), (8, 3))]
@@ -134,7 +134,10 @@ def sweep_configs(default: Any) -> list[Any]:
 
 def case(shape: MoEShape, tokens: int, phase: str, device: torch.device, ceil: dict[str, float],
          with_ref: bool = True, sweep: bool = False) -> Row:
-    from kernels.fused_moe import fused_moe, tile_config  # after main() chose the interpreter or the GPU
+    from services.kernels.fused_moe import (  # after main() chose the interpreter or the GPU
+        fused_moe,
+        tile_config,
+    )
 
     row = Row(shape.name, tokens, phase)
     dtype = torch.bfloat16

@@ -5,7 +5,7 @@ Decode: the bytes a step reads are the experts its routing actually hits (counte
 eager step of the same batch), every other weight but the embedding table, and the KV of the batch;
 the step itself is timed as the engine runs it (CUDA graphs when enabled). Prefill: active FLOPs = the
 dense matmuls (2 x params x tokens), 6 T K H I per MoE call, causal attention and the LM head.
-Experts are counted by wrapping `fused_moe` wherever a loaded module imported it (and the `kernels`
+Experts are counted by wrapping `fused_moe` wherever a loaded module imported it (and the `services.kernels`
 package's `moe_experts`), so a model whose MoE does not call them is reported, not guessed.
 """
 
@@ -22,14 +22,14 @@ from typing import Any
 
 import torch
 
-import kernels
+import services.kernels as kernels
 from benchmarks.gpu_bench import kv_bytes_per_token, random_prompts, weight_bytes_per_decode_step
-from kernels.fused_moe import fused_moe
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.model_loader import LoadedModel, load_model
-from services.engine.sampling_params import SamplingParams
 from services.engine.weights.random_weights import RANDOM_SHAPES
+from services.kernels.fused_moe import fused_moe
+from services.text.sampling_params import SamplingParams
 
 MODELS = ("qwen3-30b-a3b", "mixtral-8x7b")
 BATCHES, PREFILL_TOKENS, DECODE_CONTEXT, DECODE_STEPS = (1, 16, 64, 256), 8192, 1024, 20

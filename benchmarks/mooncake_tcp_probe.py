@@ -95,7 +95,7 @@ def sender(mib: int, entries: list[int], repeat: int, engines: list[int]) -> dic
 
 
 def _cpu() -> str:
-    from services.engine.cpu_features import host_cpu
+    from services.engine.cpu.cpu_features import host_cpu
 
     c = host_cpu()
     return f"{c.model}; flags: {' '.join(c.reported_flags()) or '-'}; {os.cpu_count()} CPUs"

@@ -30,8 +30,8 @@ from services.decode.servicer import DecodeServicer
 from services.engine.async_engine import AsyncEngine
 from services.engine.config import EngineConfig
 from services.engine.convert import params_to_pb
-from services.engine.cpu_features import host_cpu
-from services.engine.sampling_params import SamplingParams
+from services.engine.cpu.cpu_features import host_cpu
+from services.text.sampling_params import SamplingParams
 
 BLOCK = 16
 

@@ -20,7 +20,7 @@ import threading
 import time
 import urllib.request
 
-from services.engine.cpu_features import quiet_openmp_env
+from services.engine.cpu.cpu_features import quiet_openmp_env
 from services.launcher import LocalCluster, served_model
 from services.router.config import DECODE_STREAMS
 
@@ -102,7 +102,7 @@ def measure_served(c: LocalCluster, names: list[str], model: str, conc: int, a: 
 def measure_in_process(model: str, conc: int, a: argparse.Namespace) -> float:
     from services.engine.config import EngineConfig  # the bench process loads torch only for this row
     from services.engine.engine import LLMEngine
-    from services.engine.sampling_params import SamplingParams
+    from services.text.sampling_params import SamplingParams
 
     eng = LLMEngine(EngineConfig(model=model))
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0, ignore_eos=True)

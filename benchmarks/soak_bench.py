@@ -40,7 +40,7 @@ import grpc
 from services.common.grpc_util import create_channel
 from services.common.pb import common_pb2, common_pb2_grpc
 from services.common.tls import TLSConfig, make_certs
-from services.engine.cpu_features import host_cpu
+from services.engine.cpu.cpu_features import host_cpu
 from services.launcher import LocalCluster, RestartPolicy, served_model
 
 DESIGNED_STATUS = (429, 503, 504)

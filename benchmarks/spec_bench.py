@@ -33,10 +33,10 @@ import torch
 
 from services.common.cli_args import ArgParser
 from services.engine.config import EngineConfig
-from services.engine.cpu_features import host_cpu
+from services.engine.cpu.cpu_features import host_cpu
 from services.engine.engine import LLMEngine
 from services.engine.model_loader import load_model
-from services.engine.sampling_params import SamplingParams
+from services.text.sampling_params import SamplingParams
 
 TEXT = ("The history of the lighthouse keepers on the northern coast is a story of long winters, careful "
         "routines and ships guided home through the fog. Every evening the keeper climbed the tower, ")

@@ -15,7 +15,7 @@ import torch
 from services.common.cli_args import ArgParser
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
-from services.engine.sampling_params import SamplingParams
+from services.text.sampling_params import SamplingParams
 
 _READS = ("cpu", "tolist", "item", "__int__", "__index__")
 

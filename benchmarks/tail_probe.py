@@ -51,7 +51,7 @@ from services.engine.kv_pages import PageExport, pages_of
 from services.engine.kv_transport import mooncake
 from services.engine.kv_transport.base import KVPoll
 from services.engine.kv_transport.mooncake_staged import HostLanding, StagedWriter, StagingRing
-from services.engine.sampling_params import SamplingParams
+from services.text.sampling_params import SamplingParams
 
 VARIANTS = ("none", "export", "export-sync", "gil", "burn", "mooncake", "mooncake-fp8")
 _LIBC = ctypes.PyDLL(None)

@@ -51,10 +51,10 @@ from services.engine.models.config import ModelArchConfig
 from services.engine.parallel.fast_allreduce import forbid_multicast
 from services.engine.parallel.group import TPGroup, building, connect, open_store
 from services.engine.parallel.worker import rank_device
-from services.engine.sampling_params import SamplingParams
 from services.engine.step_inputs import prepare_rows
-from services.engine.tokenizer import Tokenizer
 from services.engine.weights.random_weights import BYTE_EOS_ID, init_random_, random_arch
+from services.text.sampling_params import SamplingParams
+from services.text.tokenizer import Tokenizer
 
 
 def _shard_arch(arch: ModelArchConfig, n: int) -> ModelArchConfig:

@@ -25,8 +25,8 @@ from pathlib import Path
 
 from services.common.config import env_name
 from services.common.server import is_loopback
-from services.engine.core_share import CoreShareError, create_group, remove_group
-from services.engine.cpu_features import engine_cpu_args, quiet_openmp_env
+from services.engine.cpu.core_share import CoreShareError, create_group, remove_group
+from services.engine.cpu.cpu_features import engine_cpu_args, quiet_openmp_env
 from services.process import RestartPolicy, ServiceProc, emit, exit_text, parse_ready
 
 __all__ = ["LocalCluster", "Proc", "RestartPolicy", "StartCancelled", "parse_ready", "served_model"]
@@ -118,7 +118,7 @@ class LocalCluster:
         # OpenMP workers sleep when idle (engines share the host's cores); set before torch loads.
         self.env = {**quiet_openmp_env(os.environ), "PYTHONUNBUFFERED": "1", **(env or {})}
         self.pin_cores = pin_cores
-        # Engines lend each other idle cores through one share group (services/engine/core_share.py):
+        # Engines lend each other idle cores through one share group (services/engine/cpu/core_share.py):
         # unpinned, more than one engine process; the group file is created at start, removed at stop.
         n_engines = self.n_decode + (0 if colocated else self.n_prefill)
         self.share_group = (f"up{os.getpid()}-{secrets.token_hex(4)}"

@@ -13,7 +13,7 @@ import importlib.util
 import random
 from pathlib import Path
 
-from services.engine.tokenizer import Tokenizer
+from services.text.tokenizer import Tokenizer
 
 EMBEDDED = "embedded"
 BYTE = "byte"

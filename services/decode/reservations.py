@@ -19,7 +19,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from services.engine.sampling_params import SamplingParams
+from services.text.sampling_params import SamplingParams
 
 TOKEN_BYTES = 16
 

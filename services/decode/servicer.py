@@ -40,8 +40,8 @@ from services.engine.convert import layout_to_pb, params_from_pb
 from services.engine.engine import RequestOutput
 from services.engine.kv_transport.base import CLAIM_ACK, KVPoll
 from services.engine.kv_transport.grpc_wire import WireChunk
-from services.engine.sampling_params import InvalidRequestError, SamplingParams
 from services.engine.sequence import FinishReason
+from services.text.sampling_params import InvalidRequestError, SamplingParams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -35,12 +35,12 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from services.engine.config import EngineConfig
-from services.engine.core_share import CoreShare, CoreShareError
+from services.engine.cpu.core_share import CoreShare, CoreShareError
 from services.engine.engine import LLMEngine, RequestOutput
 from services.engine.errors import EngineDeadError
 from services.engine.kv_pages import pages_of
 from services.engine.model_loader import LoadedModel
-from services.engine.sampling_params import SamplingParams, TopLogprobs
+from services.text.sampling_params import SamplingParams, TopLogprobs
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -531,7 +531,7 @@ class AsyncEngine(EngineFront):
     def published_stats(self) -> dict[str, float]:
         """The engine's latest published figures (never waits on the engine thread): running, waiting,
         waiting_for_kv, free_blocks, total_blocks, kv_usage, published_unix (Unix s), cpu_threads (torch
-        threads now: its share plus what peers lend, services/engine/core_share.py) and step_running_s
+        threads now: its share plus what peers lend, services/engine/cpu/core_share.py) and step_running_s
         (seconds the current step has run; 0 between steps)."""
         s = dict(self._loop.published)
         start = self._loop.step_start

@@ -10,7 +10,7 @@ from services.common.config import add_dataclass_args, from_args
 from services.common.logging import LoggingConfig, setup_logging
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
-from services.engine.sampling_params import InvalidRequestError, SamplingParams
+from services.text.sampling_params import InvalidRequestError, SamplingParams
 
 
 def main(argv: list[str]) -> int:

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from services.common.config import ContextConfig, opt
-from services.engine.core_share import CoreShareError, check_group_id
-from services.engine.cpu_features import (
+from services.engine.cpu.core_share import CoreShareError, check_group_id
+from services.engine.cpu.cpu_features import (
     DTYPE_REASONS,
     apply_cpu_threads,
     available_cpus,

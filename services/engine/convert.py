@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from services.common.pb import common_pb2
 from services.engine.kv_layout import PageLayout, Region
-from services.engine.sampling_params import InvalidRequestError, SamplingParams, TopLogprobs
 from services.engine.sequence import FinishReason
+from services.text.sampling_params import InvalidRequestError, SamplingParams, TopLogprobs
 
 _FINISH_TO_PB = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,

@@ -33,7 +33,7 @@ from services.engine.block_manager import NoFreeBlocksError
 from services.engine.config import EngineConfig
 from services.engine.convert import layout_from_pb
 from services.engine.core_process import config_to_wire
-from services.engine.sampling_params import InvalidRequestError, SamplingParams, TopLogprobs
+from services.text.sampling_params import InvalidRequestError, SamplingParams, TopLogprobs
 
 log = logging.getLogger(__name__)
 

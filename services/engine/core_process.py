@@ -38,7 +38,7 @@ from services.engine.config import EngineConfig
 from services.engine.convert import layout_to_pb
 from services.engine.engine import LLMEngine, RequestOutput
 from services.engine.kv_pages import pages_of
-from services.engine.sampling_params import InvalidRequestError
+from services.text.sampling_params import InvalidRequestError
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from typing import Any
 import msgpack
 
 from services.engine.engine import RequestOutput
-from services.engine.sampling_params import SamplingParams, TopLogprobs
 from services.engine.sequence import FinishReason
+from services.text.sampling_params import SamplingParams, TopLogprobs
 
 # Front -> core
 CONFIG, ADD, RESERVE, IMPORT_DONE, ABORT, PAGES, TRACE, STOP = range(8)

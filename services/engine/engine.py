@@ -16,7 +16,6 @@ import torch
 from services.common.malloc_tuning import release_free_heap
 from services.engine.block_manager import BlockManager, NoFreeBlocksError
 from services.engine.config import EngineConfig
-from services.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from services.engine.kv_layout import FP8_CODEC, PageLayout
 from services.engine.kv_pages import pages_of
 from services.engine.layer_groups import LayerListener, plan
@@ -24,10 +23,11 @@ from services.engine.model_loader import LoadedModel, load_model
 from services.engine.model_runner import ModelRunner
 from services.engine.models.cpu_fast import install as install_cpu_fast_paths
 from services.engine.models.quant_linear import install as install_weight_format
-from services.engine.sampling_params import InvalidRequestError, Sampled, SamplingParams, TopLogprobs
 from services.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from services.engine.sequence import FinishReason, Sequence, SequenceStatus
 from services.engine.step_launch import LaunchedStep, collect
+from services.text.detokenizer import IncrementalDetokenizer, StopChecker
+from services.text.sampling_params import InvalidRequestError, Sampled, SamplingParams, TopLogprobs
 
 if TYPE_CHECKING:
     from services.engine.parallel.launch import RankSet

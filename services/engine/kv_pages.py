@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import pack_pages, pack_pages_fp8
 from services.common.pb import decode_pb2
 from services.engine.kv_layout import FP8_CODEC
 from services.engine.kv_transport.grpc_wire import IN_PLACE, MessageBuffer
 from services.engine.parallel.rank_pages import ShardWrites
+from services.kernels import pack_pages, pack_pages_fp8
 
 
 @dataclass

@@ -16,12 +16,12 @@ from services.engine.model_source import RANDOM_PREFIX, gguf_tokenizer, hf_token
 from services.engine.models.config import ModelArchConfig
 from services.engine.models.llama import LlamaForCausalLM
 from services.engine.models.registry import get_model_class
-from services.engine.tokenizer import Tokenizer
 from services.engine.weights.errors import ModelLoadError
 from services.engine.weights.fp8_block import dequantized
 from services.engine.weights.gguf_loader import GGUFFile
 from services.engine.weights.hf_loader import iter_safetensors, read_hf_config
 from services.engine.weights.random_weights import BYTE_EOS_ID, init_random_, random_arch
+from services.text.tokenizer import Tokenizer
 
 __all__ = ["RANDOM_PREFIX", "LoadedModel", "ModelLoadError", "build_empty_model", "load_model"]
 

@@ -15,11 +15,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kernels import pack_pages, pack_pages_fp8, unpack_pages, unpack_pages_fp8
 from services.common.pb import decode_pb2
-from services.engine import trace_fence
 from services.engine.attention import AttentionMetadata, ForwardContext, TorchPagedAttention
 from services.engine.config import EngineConfig, EngineConfigError
+from services.engine.cpu import trace_fence
 from services.engine.device_defaults import kv_pool_pages, step_activation_bytes
 from services.engine.kv_layout import FP8_CODEC
 from services.engine.layer_groups import LayerGroups
@@ -31,6 +30,7 @@ from services.engine.spec.decoder import SpecDecoder
 from services.engine.step_inputs import device_scope, prepare_rows, sampled_rows
 from services.engine.step_launch import LaunchedStep
 from services.engine.step_launch import launch as launch_step
+from services.kernels import pack_pages, pack_pages_fp8, unpack_pages, unpack_pages_fp8
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +80,8 @@ class ModelRunner:
         self.decode_compiler = None
         if config.cpu_compile_decode and self.device.type == "cpu" and self.spec is None:
             # deferred: the CPU compile machinery (torch._dynamo, inductor), only with --cpu-compile-decode
-            from services.engine.compiled_decode import CompiledDecode
-            from services.engine.decode_compiler import DecodeCompiler
+            from services.engine.cpu.compiled_decode import CompiledDecode
+            from services.engine.cpu.decode_compiler import DecodeCompiler
 
             if CompiledDecode.supported(self.model):
                 self.compiled_decode = CompiledDecode(self.model, self.kv_cache, config.cpu_compile_decode)
@@ -145,7 +145,7 @@ class ModelRunner:
         scale = head_dim ** -0.5
         if self.device.type == "cuda" and self.config.attention_backend != "torch":
             # deferred: Triton kernel modules, on the CUDA path only (triton is optional)
-            from services.engine.gpu_attention import TritonPagedAttention
+            from services.engine.cuda.gpu_attention import TritonPagedAttention
 
             return TritonPagedAttention(kv_cache, scale)
         return TorchPagedAttention(kv_cache, scale)
@@ -205,7 +205,7 @@ class ModelRunner:
     def _init_gpu(self, loaded: LoadedModel) -> None:
         """Max model length, and decode CUDA graphs when enabled with the Triton backend."""
         # deferred: Triton kernel modules, on the CUDA path only (triton is optional)
-        from services.engine.gpu_attention import TritonPagedAttention
+        from services.engine.cuda.gpu_attention import TritonPagedAttention
 
         self.max_model_len = min(self.config.max_model_len or loaded.max_model_len, loaded.max_model_len)
         # What follows launches on the current device (device_scope says why); the building thread's own current
@@ -218,7 +218,7 @@ class ModelRunner:
                     self.spec.capture_graphs(self)
             elif self.config.cuda_graphs and isinstance(self.attn_backend, TritonPagedAttention):
                 # deferred: CUDA graphs, on the CUDA path only
-                from services.engine.cuda_graphs import DecodeGraphs
+                from services.engine.cuda.cuda_graphs import DecodeGraphs
 
                 self.graphs = DecodeGraphs(self.model, self.attn_backend, self.config.max_num_seqs,
                                            self.max_model_len, self.block_size, self.device)

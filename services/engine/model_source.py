@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Literal, NamedTuple
 
 from services.engine.models.config import ModelArchConfig
-from services.engine.tokenizer import Tokenizer
 from services.engine.weights.errors import ModelLoadError
 from services.engine.weights.gguf_loader import GGUFFile, default_gguf_path
 from services.engine.weights.hf_loader import read_hf_config
 from services.engine.weights.random_weights import BYTE_EOS_ID, RANDOM_SHAPES, random_arch
+from services.text.tokenizer import Tokenizer
 
 __all__ = ["RANDOM_PREFIX", "ModelSource", "TokenizerInfo", "gguf_tokenizer", "hf_tokenizer", "load_tokenizer",
            "resolve"]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.sampling_params import Sampled, SamplingParams, TopLogprobs
+from services.text.sampling_params import Sampled, SamplingParams, TopLogprobs
 
 __all__ = ["Sampled", "Sampler", "SamplingRow", "device_index", "logprob_table"]
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 from services.engine.block_manager import BlockManager
 from services.engine.prefill_tail import applies, tail_piece
-from services.engine.sampling_params import Sampled
 from services.engine.sequence import FinishReason, Sequence, SequenceStatus
+from services.text.sampling_params import Sampled
 
 PLACEHOLDER_TOKEN = -1
 """Stands in ``seq.token_ids`` for a token an in-flight step is sampling (async scheduling): appended by

@@ -6,7 +6,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-from services.engine.sampling_params import SamplingParams
+from services.text.sampling_params import SamplingParams
 
 _seq_counter = itertools.count()
 

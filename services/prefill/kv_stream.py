@@ -34,9 +34,9 @@ from services.engine.kv_pages import KVPages, MessageExport, PageExport
 from services.engine.kv_transport import KVSender, TransferError
 from services.engine.kv_transport.base import PageWriter
 from services.engine.kv_transport.grpc_wire import MessageBuffer
-from services.engine.sampling_params import Sampled, TopLogprobs
 from services.engine.scheduler import ScheduledChunk
 from services.prefill.layer_export import armed, watch
+from services.text.sampling_params import Sampled, TopLogprobs
 
 CRC_IN_THREAD_BYTES = 1 << 18
 """Payloads at least this large are checksummed in a worker thread (zlib releases the GIL)."""

@@ -30,7 +30,6 @@ from services.engine.kv_layout import FP8_CODEC, PageLayout
 from services.engine.kv_pages import pages_of
 from services.engine.kv_transport import KVSender, KVTransport, TransferError
 from services.engine.kv_transport.base import PageWriter
-from services.engine.sampling_params import InvalidRequestError
 from services.engine.scheduler import ScheduledChunk
 from services.prefill.attach import Attachments, Waiting
 from services.prefill.attach_rpc import EarlyAttach
@@ -47,6 +46,7 @@ from services.prefill.kv_stream import (
 from services.prefill.kvstore_prefix import KVStorePrefix
 from services.prefill.outcome import handoff_detail, refusal, stream_times
 from services.prefill.request_checks import deadline_monotonic, layout_mismatch, problem
+from services.text.sampling_params import InvalidRequestError
 
 log = logging.getLogger(__name__)
 

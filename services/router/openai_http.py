@@ -33,7 +33,6 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from services.common.metrics import RouterMetrics, render_metrics
-from services.engine.sampling_params import InvalidRequestError, TopLogprobs
 from services.router.auth import APIKeys
 from services.router.metering import RequestMeter, RequestRecord, code_for_http_status
 from services.router.openai_format import Formatter
@@ -46,6 +45,7 @@ from services.router.openai_schema import (
     parse_request,
 )
 from services.router.pipeline import DEFAULT_RETRY_AFTER_S, BackendError, TextDelta, TextPipeline
+from services.text.sampling_params import InvalidRequestError, TopLogprobs
 
 log = logging.getLogger(__name__)
 

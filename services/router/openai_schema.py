@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from services.text.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 16

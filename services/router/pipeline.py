@@ -15,10 +15,10 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from services.engine.detokenizer import IncrementalDetokenizer, StopChecker
-from services.engine.sampling_params import InvalidRequestError, SamplingParams, TopLogprobs
-from services.engine.tokenizer import Tokenizer
 from services.router.openai_schema import CONTEXT_LENGTH_EXCEEDED
+from services.text.detokenizer import IncrementalDetokenizer, StopChecker
+from services.text.sampling_params import InvalidRequestError, SamplingParams, TopLogprobs
+from services.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Every module's imports are read with ``ast`` (function-level and TYPE_CHECKING imports included) and
 checked against the allowed edges between packages below; a violation fails naming the file, the
 line and the edge. The router and the kvstore run no model: the module-level imports of each of their
-modules, followed transitively through the repository, must never reach torch, triton or kernels
+modules, followed transitively through the repository, must never reach torch, triton or services.kernels
 (tests/router/test_no_torch.py checks the same at run time).
 """
 
@@ -19,30 +19,30 @@ TOOLS = ("services.cli", "services.launcher", "services.up", "services.process",
 """Command-line tools that start or drive services: they may import any package; no package imports them."""
 
 ALLOWED: dict[str, set[str]] = {
-    "kernels": set(),
+    "services.kernels": set(),
     "services.common": set(),
-    "services.engine": {"services.common", "kernels"},
-    "services.worker": {"services.common", "services.engine"},
-    "services.prefill": {"services.common", "services.engine", "services.worker"},
-    "services.decode": {"services.common", "services.engine", "services.worker"},
+    # Text in and out of a model (tokenizer, detokenizer, sampling parameters): torch-free, for the router.
+    "services.text": {"services.common"},
+    "services.engine": {"services.common", "services.kernels", "services.text"},
+    "services.worker": {"services.common", "services.engine", "services.text"},
+    "services.prefill": {"services.common", "services.engine", "services.text", "services.worker"},
+    "services.decode": {"services.common", "services.engine", "services.text", "services.worker"},
     # The router runs no model: the engine modules it uses must be torch-free (checked below).
-    "services.router": {"services.common", "services.engine"},
+    "services.router": {"services.common", "services.engine", "services.text"},
     "services.kvstore": {"services.common"},
 }
 """Package -> the other packages its modules may import."""
 
-NO_MODEL = ("services.router", "services.kvstore")
-HEAVY = ("torch", "triton", "kernels")
+NO_MODEL = ("services.router", "services.kvstore", "services.text")
+HEAVY = ("torch", "triton", "services.kernels")
 
 
 def package_of(module: str) -> str | None:
-    """The checked unit a module belongs to: a tool, a services.X package, kernels; None otherwise."""
+    """The checked unit a module belongs to: a tool, a services.X package; None otherwise."""
     for tool in TOOLS:
         if module == tool or module.startswith(tool + "."):
             return tool
     parts = module.split(".")
-    if parts[0] == "kernels":
-        return "kernels"
     if parts[0] == "services" and len(parts) > 1:
         return "services." + parts[1]
     return None
@@ -56,8 +56,8 @@ def module_name(path: Path) -> str:
 
 
 def source_modules() -> dict[str, Path]:
-    """Every module of services/ and kernels/ except the generated protos."""
-    files = [*ROOT.glob("services/**/*.py"), *ROOT.glob("kernels/**/*.py")]
+    """Every module of services/ (the kernels included) except the generated protos."""
+    files = list(ROOT.glob("services/**/*.py"))
     return {module_name(p): p for p in files if "pb" not in p.relative_to(ROOT).parts}
 
 
@@ -125,14 +125,14 @@ def _with_parents(name: str) -> list[str]:
 
 @functools.cache
 def heavy_path(module: str) -> tuple[str, ...] | None:
-    """An import chain from ``module`` to torch/triton/kernels through module-level imports, or None."""
+    """An import chain from ``module`` to torch/triton/services.kernels through module-level imports, or None."""
     return _heavy_path(module, frozenset())
 
 
 def _heavy_path(module: str, seen: frozenset[str]) -> tuple[str, ...] | None:
     for name, _ in imports(module, module_level_only=True):
         for loaded in _with_parents(name):
-            if loaded.split(".")[0] in HEAVY:
+            if loaded.split(".")[0] in HEAVY or loaded == "services.kernels" or loaded.startswith("services.kernels."):
                 return (module, loaded)
             if loaded in MODULES and loaded not in seen and loaded != module:
                 sub = _heavy_path(loaded, seen | {module})
@@ -143,7 +143,7 @@ def _heavy_path(module: str, seen: frozenset[str]) -> tuple[str, ...] | None:
 
 def test_modules_found() -> None:
     assert {"services.common.server", "services.engine.engine", "services.worker.engine_service",
-            "services.router.dispatch", "services.kvstore.servicer", "kernels"} <= MODULES.keys()
+            "services.router.dispatch", "services.kvstore.servicer", "services.kernels"} <= MODULES.keys()
 
 
 def test_packages_import_only_what_they_may() -> None:

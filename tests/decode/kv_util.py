@@ -14,7 +14,7 @@ from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.kv_layout import checksum
-from services.engine.sampling_params import SamplingParams
+from services.text.sampling_params import SamplingParams
 
 ENGINE = dict(model="random:tiny-llama", dtype="float32", num_kv_blocks=64, max_prefill_chunk=16)
 BLOCK = 16

@@ -21,8 +21,8 @@ from services.decode.config import DecodeConfig
 from services.engine import core_wire as w
 from services.engine.core_client import EngineCoreClient, EngineCoreStartError
 from services.engine.engine import RequestOutput
-from services.engine.sampling_params import SamplingParams, TopLogprobs
 from services.engine.sequence import FinishReason
+from services.text.sampling_params import SamplingParams, TopLogprobs
 from services.worker.engine_service import EngineDiedError, preflight
 from tests.decode import test_kv_handoff as handoff
 from tests.decode import test_step_stream as step_stream

@@ -11,7 +11,7 @@ import pytest
 
 from services.common.grpc_util import Reason
 from services.engine.engine import LLMEngine
-from services.engine.sampling_params import InvalidRequestError, SamplingParams
+from services.text.sampling_params import InvalidRequestError, SamplingParams
 from tests.decode.kv_util import (
     PROMPT,
     chunks,

@@ -8,7 +8,7 @@ import pytest
 
 from services.common.grpc_util import Reason
 from services.common.pb import common_pb2, decode_pb2
-from services.engine.sampling_params import InvalidRequestError, SamplingParams
+from services.text.sampling_params import InvalidRequestError, SamplingParams
 from tests.decode.kv_util import PROMPT, refused, reserve
 
 

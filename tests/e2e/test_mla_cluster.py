@@ -13,8 +13,8 @@ import torch
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.kv_transport import mooncake
-from services.engine.sampling_params import SamplingParams
 from services.launcher import LocalCluster
+from services.text.sampling_params import SamplingParams
 from tests.e2e.cluster_util import metric_sum, wait_idle
 from tests.e2e.conftest import SMALL_KV
 from tests.e2e.test_moe_cluster import _check_against_transformers, _generate, _prompts, kvstore_reuse_tokens

@@ -10,7 +10,7 @@ import pytest
 
 from services.common.grpc_util import create_channel
 from services.common.pb import common_pb2, router_pb2, router_pb2_grpc
-from services.engine.sampling_params import SamplingParams
+from services.text.sampling_params import SamplingParams
 from tests.e2e.cluster_util import CHAT_PROMPTS, metric_sum, post_json, wait_idle
 
 pytestmark = pytest.mark.e2e

@@ -20,10 +20,10 @@ from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc
 from services.engine.convert import layout_from_pb
 from services.engine.kv_layout import Region, region_bytes
 from services.engine.kv_transport import mooncake
-from services.engine.sampling_params import SamplingParams
 from services.engine.shared_kv import SharedKVAttachError, pool_id
 from services.engine.spec.pools import mooncake_draft, region_name
 from services.launcher import LocalCluster
+from services.text.sampling_params import SamplingParams
 from tests.e2e.cluster_util import CHAT_PROMPTS, generate_ids, metric_sum, wait_idle
 from tests.e2e.conftest import SMALL_KV
 from tests.e2e.test_spec_pd import _status

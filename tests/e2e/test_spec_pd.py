@@ -20,8 +20,8 @@ from services.common.grpc_util import create_channel
 from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from services.engine.convert import layout_from_pb
 from services.engine.kv_layout import region_bytes
-from services.engine.sampling_params import SamplingParams
 from services.launcher import LocalCluster
+from services.text.sampling_params import SamplingParams
 from tests.common.test_dashboards import SPEC_PANEL, _exprs, panel_failures
 from tests.e2e.cluster_util import CHAT_PROMPTS, generate_ids, metric_sum
 from tests.e2e.conftest import SMALL_KV

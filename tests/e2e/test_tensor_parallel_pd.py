@@ -27,8 +27,8 @@ from services.common.metrics import (
 from services.common.pb import common_pb2, router_pb2, router_pb2_grpc
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
-from services.engine.sampling_params import SamplingParams
 from services.launcher import LocalCluster
+from services.text.sampling_params import SamplingParams
 from tests.e2e.cluster_util import metric_sum
 
 pytestmark = pytest.mark.e2e

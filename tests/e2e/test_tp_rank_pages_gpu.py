@@ -13,8 +13,8 @@ import torch
 from services.common.metrics import DECODE_KV_RECEIVED_BYTES_TOTAL, PREFILL_KV_RANK_PAGES_TOTAL
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
-from services.engine.sampling_params import SamplingParams
 from services.launcher import LocalCluster
+from services.text.sampling_params import SamplingParams
 from tests.e2e.cluster_util import metric_sum
 from tests.e2e.test_tensor_parallel_pd import MAX_TOKENS, MODEL, PROMPTS, _generate
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 
 from services.engine.block_manager import BlockManager
-from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from services.engine.sequence import Sequence
+from services.text.sampling_params import SamplingParams
 
 EOS = 2
 """EOS token id of the synthetic vocabulary; generated filler tokens avoid it."""

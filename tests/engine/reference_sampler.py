@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from services.engine.sampler import SamplingRow
-from services.engine.sampling_params import Sampled, TopLogprobs
+from services.text.sampling_params import Sampled, TopLogprobs
 
 __all__ = ["HostSampler"]
 

@@ -10,8 +10,8 @@ import torch
 
 from services.engine.config import EngineConfig, EngineConfigError
 from services.engine.engine import LLMEngine
-from services.engine.sampling_params import SamplingParams
 from services.engine.sequence import FinishReason
+from services.text.sampling_params import SamplingParams
 
 SPEC = "random:tiny-llama"
 

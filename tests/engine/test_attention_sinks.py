@@ -47,7 +47,7 @@ class Paged:
         if device == "cpu":
             self.backend = TorchPagedAttention(kv, SCALE)
         else:
-            from services.engine.gpu_attention import TritonPagedAttention  # needs triton: GPU runs only
+            from services.engine.cuda.gpu_attention import TritonPagedAttention  # needs triton: GPU runs only
 
             self.backend = TritonPagedAttention(kv, SCALE)
         self.lens = [0] * len(seqs)

@@ -1,4 +1,4 @@
-"""The compile child (services/engine/compile_child.py, compile_cache.py): a child that dies leaves the engine
+"""The compile child (services/engine/cpu/compile_child.py, compile_cache.py): a child that dies leaves the engine
 eager and serving, with no retry; variants compiled at the lent thread count (core lending) serve the steps
 run at that count; what the child is asked to build."""
 
@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine import compile_cache, decode_compiler
 from services.engine.config import EngineConfig
-from services.engine.cpu_features import available_cpus
+from services.engine.cpu import compile_cache, decode_compiler
+from services.engine.cpu.cpu_features import available_cpus
 from services.engine.engine import LLMEngine
-from services.engine.sampling_params import SamplingParams
+from services.text.sampling_params import SamplingParams
 from tests.process_util import live_processes
 
 WAIT_S = 300.0
@@ -45,7 +45,7 @@ def test_a_dead_compile_child_leaves_the_engine_eager_and_serving(tiny_llama3_di
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compile_cache, "CHILD_ARGV", (sys.executable, "-c", "import sys; sys.exit(3)"))
     want = _greedy(LLMEngine(_config(tiny_llama3_dir)))
-    with caplog.at_level(logging.WARNING, logger="services.engine.decode_compiler"):
+    with caplog.at_level(logging.WARNING, logger="services.engine.cpu.decode_compiler"):
         eng = LLMEngine(_config(tiny_llama3_dir, cpu_compile_decode=2))
         compiler, cd = eng.runner.decode_compiler, eng.runner.compiled_decode
         assert compiler is not None and cd is not None and compiler.wait(WAIT_S)
@@ -117,7 +117,7 @@ def test_an_unusable_cache_directory_leaves_the_engine_eager(tiny_llama3_dir: Pa
 
 _SERVER = """
 import sys, time
-from services.engine import compile_cache
+from services.engine.cpu import compile_cache
 compile_cache.CHILD_ARGV = (sys.executable, "-c", "import subprocess, time; subprocess.Popen(['sleep', '120']); time.sleep(120)")
 child = compile_cache.CompileChild({})
 time.sleep(0.5)  # the stand-in child has started its 'compiler' (sleep)
@@ -163,12 +163,12 @@ def test_no_cpp_compiler_leaves_the_engine_eager_without_a_child(tiny_llama3_dir
                                                                   monkeypatch: pytest.MonkeyPatch,
                                                                   caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))  # no g++ (nor $CXX) to be found
-    with caplog.at_level(logging.INFO, logger="services.engine.decode_compiler"):
+    with caplog.at_level(logging.INFO, logger="services.engine.cpu.decode_compiler"):
         eng = LLMEngine(_config(tiny_llama3_dir, cpu_compile_decode=1))
     compiler = eng.runner.decode_compiler
     assert compiler is not None and compiler.report.status == "failed" and compiler._child is None
     assert compiler.wait(0.1) and not compiler.working
-    said = [r.getMessage() for r in caplog.records if r.name == "services.engine.decode_compiler"]
+    said = [r.getMessage() for r in caplog.records if r.name == "services.engine.cpu.decode_compiler"]
     assert len(said) == 1 and "no C++ compiler" in said[0], said
     assert len(_greedy(eng)) == 2
 
@@ -220,9 +220,9 @@ def test_a_cache_directory_others_may_write_leaves_the_engine_eager(tiny_llama3_
     shared = tmp_path / "cache"
     shared.mkdir()
     shared.chmod(0o777)  # anyone could plant the .so files and pickled code inductor loads from it
-    with caplog.at_level(logging.WARNING, logger="services.engine.decode_compiler"):
+    with caplog.at_level(logging.WARNING, logger="services.engine.cpu.decode_compiler"):
         eng = LLMEngine(_config(tiny_llama3_dir, cpu_compile_decode=1, cpu_compile_cache_dir=str(shared)))
     compiler = eng.runner.decode_compiler
     assert compiler is not None and compiler.report.status == "failed" and compiler._child is None
-    assert any("refused" in r.getMessage() for r in caplog.records if r.name == "services.engine.decode_compiler")
+    assert any("refused" in r.getMessage() for r in caplog.records if r.name == "services.engine.cpu.decode_compiler")
     assert len(_greedy(eng)) == 2

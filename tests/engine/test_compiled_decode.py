@@ -1,5 +1,5 @@
-"""CPU decode through one torch.compile'd forward (services/engine/compiled_decode.py), compiled in the
-background (services/engine/decode_compiler.py): the same logits and KV writes as the eager paged path; an
+"""CPU decode through one torch.compile'd forward (services/engine/cpu/compiled_decode.py), compiled in the
+background (services/engine/cpu/decode_compiler.py): the same logits and KV writes as the eager paged path; an
 engine that serves eager steps before its variants are ready and the same greedy tokens after the switch; a
 failed compile that leaves the engine eager; the setting's bounds."""
 
@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine import decode_compiler
-from services.engine.compiled_decode import CompiledDecode
 from services.engine.config import EngineConfig, EngineConfigError
+from services.engine.cpu import decode_compiler
+from services.engine.cpu.compiled_decode import CompiledDecode
 from services.engine.engine import LLMEngine
 from services.engine.model_loader import load_model
-from services.engine.sampling_params import SamplingParams
+from services.text.sampling_params import SamplingParams
 
 from .conftest import PagedHarness
 
@@ -206,10 +206,10 @@ def test_a_failed_compile_leaves_the_engine_eager_and_serving(tiny_llama3_dir: P
 
 def test_model_steps_and_fx_tracing_in_another_thread_exclude_each_other(tiny_llama3_dir: Path) -> None:
     """torch.fx patches nn.Module.__call__ for every thread while it traces; with a background compile
-    running, the fence (services/engine/trace_fence.py) keeps the engine's steps out of those windows."""
+    running, the fence (services/engine/cpu/trace_fence.py) keeps the engine's steps out of those windows."""
     import threading
 
-    from services.engine import trace_fence
+    from services.engine.cpu import trace_fence
 
     class _Traced(torch.nn.Module):
         def __init__(self) -> None:

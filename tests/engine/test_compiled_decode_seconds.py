@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.compiled_decode import _COMPILE_ERRORS, CompiledDecode
+from services.engine.cpu.compiled_decode import _COMPILE_ERRORS, CompiledDecode
 
 
 def test_a_failed_compile_still_counts_its_seconds() -> None:

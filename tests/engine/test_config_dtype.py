@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from services.common import metrics as m
 from services.engine import config as config_mod
 from services.engine.config import EngineConfig, EngineConfigError
-from services.engine.cpu_features import CpuInfo, host_cpu
+from services.engine.cpu.cpu_features import CpuInfo, host_cpu
 from services.engine.engine import LLMEngine
 
 AVX2_ONLY = CpuInfo(model="AMD EPYC 7B13", flags=frozenset({"avx", "avx2", "fma"}), cpus=(0, 1))

@@ -1,4 +1,4 @@
-"""services/engine/core_share.py: engines of one host lend each other idle cores."""
+"""services/engine/cpu/core_share.py: engines of one host lend each other idle cores."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.engine import core_share as cs
-from services.engine.cpu_features import split_cores
+from services.engine.cpu import core_share as cs
+from services.engine.cpu.cpu_features import split_cores
 
 HOLD = cs.HOLD_NS
 T0 = 10**12
@@ -197,7 +197,7 @@ def test_an_engine_out_of_work_stays_busy_while_its_decode_compile_runs(tmp_path
                                                                         live_pids: list[int]) -> None:
     """A pending or compiling background compile works on the engine's share: a peer must not borrow it."""
     from services.engine.async_engine import _out_of_work
-    from services.engine.decode_compiler import DecodeCompiler
+    from services.engine.cpu.decode_compiler import DecodeCompiler
 
     a, _ = _join(tmp_path, 1, live_pids[0])
     b, _ = _join(tmp_path, 1, live_pids[1])

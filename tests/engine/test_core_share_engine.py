@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import torch
 
-from services.engine import core_share as cs
 from services.engine.async_engine import AsyncEngine
 from services.engine.config import EngineConfig
-from services.engine.sampling_params import SamplingParams
+from services.engine.cpu import core_share as cs
+from services.text.sampling_params import SamplingParams
 
 
 @pytest.fixture

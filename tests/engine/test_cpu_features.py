@@ -1,10 +1,10 @@
-"""services/engine/cpu_features.py: dtype resolution, /proc/cpuinfo parsing, core split, OpenMP env."""
+"""services/engine/cpu/cpu_features.py: dtype resolution, /proc/cpuinfo parsing, core split, OpenMP env."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.engine import cpu_features as cf
+from services.engine.cpu import cpu_features as cf
 
 EPYC_AVX2 = ("avx", "avx2", "fma", "f16c", "sse4_2")
 XEON_AVX512_BF16 = (*EPYC_AVX2, "avx512f", "avx512bw", "avx512_bf16")

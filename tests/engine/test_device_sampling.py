@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.engine.sampler import Sampler, SamplingRow, logprob_table
-from services.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from services.text.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from tests.engine.reference_sampler import HostSampler
 
 VOCAB = 3000

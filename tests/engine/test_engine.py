@@ -19,8 +19,8 @@ from services.engine.async_engine import AsyncEngine
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine, RequestOutput
 from services.engine.model_loader import ModelLoadError
-from services.engine.sampling_params import InvalidRequestError, SamplingParams
 from services.engine.sequence import FinishReason
+from services.text.sampling_params import InvalidRequestError, SamplingParams
 
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
         "combined movable metal type, oil-based ink and a wooden screw press into a system that could "

@@ -25,7 +25,7 @@ from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.model_loader import load_model
 from services.engine.sampler import Sampled, SamplingRow
-from services.engine.sampling_params import SamplingParams
+from services.text.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

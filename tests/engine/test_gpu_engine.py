@@ -10,7 +10,7 @@ from benchmarks.gpu_bench import logits_trace
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.model_loader import LoadedModel, build_empty_model, load_model
-from services.engine.sampling_params import SamplingParams
+from services.text.sampling_params import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,

@@ -10,7 +10,7 @@ from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.model_loader import load_model
 from services.engine.sampler import SamplingRow, logprob_table
-from services.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from services.text.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,4 +1,4 @@
-"""The decode CUDA graphs' host rows (services/engine/cuda_graphs.py `fill_decode_rows`), on CPU arrays: every
+"""The decode CUDA graphs' host rows (services/engine/cuda/cuda_graphs.py `fill_decode_rows`), on CPU arrays: every
 row the graph runs, padding included, holds a valid token id, even after an async step's placeholder
 (PLACEHOLDER_TOKEN, patched on the device only) sat in a row that is padding now."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from services.engine.cuda_graphs import fill_decode_rows
-from services.engine.sampling_params import SamplingParams
+from services.engine.cuda.cuda_graphs import fill_decode_rows
 from services.engine.scheduler import PLACEHOLDER_TOKEN
 from services.engine.sequence import Sequence
+from services.text.sampling_params import SamplingParams
 
 BLOCK = 4
 BUCKET = 4

@@ -12,8 +12,8 @@ import torch
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.kv_pages import PageExport, pages_of
-from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import ScheduledChunk
+from services.text.sampling_params import SamplingParams
 
 PROMPT = [(i * 31) % 250 + 1 for i in range(70)]
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

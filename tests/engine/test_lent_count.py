@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from services.engine import core_share as cs
 from services.engine.async_engine import _borrow_exactly
+from services.engine.cpu import core_share as cs
 
 HOLD = cs.HOLD_NS
 T0 = 10**12

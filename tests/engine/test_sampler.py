@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from services.engine.sampler import Sampler, SamplingRow
-from services.engine.sampling_params import SamplingParams
+from services.text.sampling_params import SamplingParams
 
 N = 20000
 FREQ_TOL = 0.02
@@ -187,7 +187,7 @@ def test_top_logprobs_are_the_k_most_likely_of_the_raw_distribution() -> None:
 def test_top_logprobs_validation() -> None:
     import pytest
 
-    from services.engine.sampling_params import InvalidRequestError
+    from services.text.sampling_params import InvalidRequestError
 
     with pytest.raises(InvalidRequestError, match="top_logprobs"):
         SamplingParams(top_logprobs=3).validate()  # needs logprobs

@@ -13,7 +13,7 @@ import torch
 
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
-from services.engine.sampling_params import SamplingParams
+from services.text.sampling_params import SamplingParams
 
 TINY = "random:tiny-llama"
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0)

@@ -11,7 +11,7 @@ import torch
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.model_loader import LoadedModel, load_model
-from services.engine.sampling_params import SamplingParams
+from services.text.sampling_params import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,

@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels._triton_utils import interpret_mode
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
-from services.engine.sampling_params import SamplingParams
 from services.engine.spec.graphs import SpecGraphs
+from services.kernels._triton_utils import interpret_mode
+from services.text.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not interpret_mode(), reason="runs the Triton kernels on CPU tensors (interpreter); "
                                                            "tests/engine/test_spec_gpu.py captures them on a GPU")
@@ -47,7 +47,7 @@ def _cpu_engine(k: int, synthetic: float = 0.0, **kw: object) -> LLMEngine:
 
 def _with_body(eng: LLMEngine) -> SpecGraphs:
     """Swap in the Triton backends over the same caches and an uncaptured SpecGraphs."""
-    from services.engine.gpu_attention import TritonPagedAttention
+    from services.engine.cuda.gpu_attention import TritonPagedAttention
 
     runner, spec = eng.runner, eng.runner.spec
     runner.attn_backend = TritonPagedAttention(runner.kv_cache, runner.head_dim ** -0.5)

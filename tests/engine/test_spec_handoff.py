@@ -16,8 +16,8 @@ from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.kv_layout import FP8_CODEC
 from services.engine.kv_pages import pages_of
-from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import ScheduledChunk
+from services.text.sampling_params import SamplingParams
 
 TINY = "random:tiny-llama"
 BS = 4

@@ -15,10 +15,10 @@ from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.kv_pages import pages_of
 from services.engine.kv_transport.base import KVPoll
-from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import ScheduledChunk
 from services.engine.shared_kv import SharedKVAttachError, SharedKVPools, pool_id
 from services.engine.spec.pools import DraftPoolWriter, draft_writer, region_name
+from services.text.sampling_params import SamplingParams
 
 TINY = "random:tiny-llama"
 BS = 4

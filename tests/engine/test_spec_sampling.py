@@ -15,8 +15,8 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-from services.engine.sampling_params import SamplingParams
 from services.engine.spec.verify import greedy_accept, probs_for, rejection_sample, synthetic_count
+from services.text.sampling_params import SamplingParams
 
 V = 6
 N = 20_000

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from services.engine.block_manager import BlockManager
-from services.engine.sampling_params import Sampled, SamplingParams
 from services.engine.scheduler import Scheduler, SchedulerConfig
 from services.engine.sequence import FinishReason, Sequence, SequenceStatus
+from services.text.sampling_params import Sampled, SamplingParams
 
 BS = 4
 

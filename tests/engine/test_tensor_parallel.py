@@ -120,7 +120,7 @@ def test_an_idle_instance_keeps_its_ranks_listening(monkeypatch) -> None:
     from services.engine.config import EngineConfig
     from services.engine.engine import LLMEngine
     from services.engine.parallel import runner as tp_runner
-    from services.engine.sampling_params import SamplingParams
+    from services.text.sampling_params import SamplingParams
 
     eng = LLMEngine(EngineConfig(model="random:tiny-llama", dtype="float32", num_kv_blocks=32, cpu_threads=1,
                                  tensor_parallel_size=2))

@@ -19,7 +19,7 @@ from services.engine.kv_transport.base import KVPoll
 from services.engine.model_loader import LoadedModel, build_empty_model, load_model
 from services.engine.parallel import fast_allreduce
 from services.engine.sampler import Sampled
-from services.engine.sampling_params import SamplingParams
+from services.text.sampling_params import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from services.engine.detokenizer import IncrementalDetokenizer, StopChecker
-from services.engine.tokenizer import Tokenizer
 from services.engine.weights.gguf_loader import GGUFFile
+from services.text.detokenizer import IncrementalDetokenizer, StopChecker
+from services.text.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello world!",

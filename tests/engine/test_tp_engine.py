@@ -14,7 +14,7 @@ from services.engine.async_engine import AsyncEngine, EngineDeadError
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.parallel.launch import RankDiedError
-from services.engine.sampling_params import SamplingParams
+from services.text.sampling_params import SamplingParams
 
 PROMPTS = [[5, 9, 200, 31, 7, 7, 64, 300, 12, 1, 99, 4, 4, 8, 100, 20, 21], [17, 254, 3, 80, 80, 81]]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""services/engine/trace_fence.py: once a background compile was set up in a process, every CPU model step
+"""services/engine/cpu/trace_fence.py: once a background compile was set up in a process, every CPU model step
 takes the fence, even while no compile is counted running (a step that skipped it could still run when
 another engine's compile opens a tracer window)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 
-from services.engine import trace_fence
+from services.engine.cpu import trace_fence
 
 
 def test_steps_take_the_fence_once_installed_whatever_the_count() -> None:

@@ -13,9 +13,9 @@ from services.engine.model_loader import load_model
 from services.engine.model_runner import ModelRunner
 from services.engine.parallel.group import connect, open_store
 from services.engine.parallel.loader import load_shard
-from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import ScheduledChunk
 from services.engine.sequence import Sequence
+from services.text.sampling_params import SamplingParams
 
 BLOCK = 4
 PROMPTS = [[5, 9, 200, 31, 7, 7, 64, 300, 12, 1, 99], [17, 254, 3, 80, 80, 81]]

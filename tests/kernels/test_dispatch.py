@@ -1,11 +1,11 @@
-"""The top-level `kernels` helpers work without a GPU (torch reference path) and agree with the kernels."""
+"""The top-level `services.kernels` helpers work without a GPU (torch reference path) and agree with the kernels."""
 
 from __future__ import annotations
 
 import torch
 
-import kernels
-from kernels import reference as ref
+import services.kernels as kernels
+from services.kernels import reference as ref
 
 
 def test_cpu_dispatch_uses_reference() -> None:

@@ -11,14 +11,14 @@ from tests.kernels.kernel_cases import llama_packed, requires_cuda
 
 pytest.importorskip("triton")
 
-from kernels import fp8_layout_codec_name, fp8_page_nbytes
-from kernels.fp8_kv import (
+from services.kernels import fp8_layout_codec_name, fp8_page_nbytes
+from services.kernels.fp8_kv import (
     fp8_dequantize,
     fp8_quantize,
     pack_pages_fp8,
     unpack_pages_fp8,
 )
-from kernels.reference import (
+from services.kernels.reference import (
     ref_fp8_dequantize,
     ref_fp8_quantize,
     ref_pack_pages_fp8,

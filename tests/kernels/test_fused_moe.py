@@ -9,8 +9,8 @@ from tests.kernels.kernel_cases import assert_close, requires_cuda
 
 pytest.importorskip("triton")
 
-from kernels.fused_moe import MoETileConfig, align_pairs, fused_moe
-from kernels.reference import fused_moe_ref
+from services.kernels.fused_moe import MoETileConfig, align_pairs, fused_moe
+from services.kernels.reference import fused_moe_ref
 
 #: Tiles small enough for the interpreter; block_k < H and block_n < I so the K and N loops run twice+.
 SMALL = MoETileConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2)

@@ -10,8 +10,8 @@ from tests.kernels.kernel_cases import assert_close, requires_cuda
 
 pytest.importorskip("triton")
 
-from kernels.fused_moe import fused_moe
-from kernels.reference import fused_moe_ref
+from services.kernels.fused_moe import fused_moe
+from services.kernels.reference import fused_moe_ref
 
 
 @pytest.mark.gpu

@@ -9,11 +9,16 @@ from tests.kernels.kernel_cases import assert_close, requires_cuda
 
 pytest.importorskip("triton")
 
-from kernels.activation import silu_and_mul
-from kernels.reference import ref_apply_rotary_, ref_fused_add_rms_norm, ref_rms_norm, ref_silu_and_mul
-from kernels.rms_norm import fused_add_rms_norm, rms_norm
-from kernels.rotary import apply_rotary_
 from services.engine.models.rope import RotaryEmbedding
+from services.kernels.activation import silu_and_mul
+from services.kernels.reference import (
+    ref_apply_rotary_,
+    ref_fused_add_rms_norm,
+    ref_rms_norm,
+    ref_silu_and_mul,
+)
+from services.kernels.rms_norm import fused_add_rms_norm, rms_norm
+from services.kernels.rotary import apply_rotary_
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

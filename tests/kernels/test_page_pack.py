@@ -7,8 +7,8 @@ from tests.kernels.kernel_cases import llama_packed, requires_cuda
 
 pytest.importorskip("triton")
 
-from kernels.page_pack import pack_pages, unpack_pages
-from kernels.reference import ref_pack_pages, ref_unpack_pages
+from services.kernels.page_pack import pack_pages, unpack_pages
+from services.kernels.reference import ref_pack_pages, ref_unpack_pages
 
 SHAPES = [  # (layers, num_blocks, block_size, kvh, hd)
     (2, 9, 16, 2, 64),

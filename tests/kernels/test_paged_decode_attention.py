@@ -8,8 +8,8 @@ from tests.kernels.kernel_cases import assert_close, make_paged_kv, plain_attent
 
 pytest.importorskip("triton")
 
-from kernels.paged_decode_attention import paged_decode_attention
-from kernels.reference import ref_paged_decode_attention
+from services.kernels.paged_decode_attention import paged_decode_attention
+from services.kernels.reference import ref_paged_decode_attention
 
 CONTEXTS = [1, 13, 100, 16]
 

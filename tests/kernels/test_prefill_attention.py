@@ -8,8 +8,8 @@ from tests.kernels.kernel_cases import assert_close, make_paged_kv, plain_attent
 
 pytest.importorskip("triton")
 
-from kernels.prefill_attention import prefill_attention
-from kernels.reference import ref_prefill_attention
+from services.kernels.prefill_attention import prefill_attention
+from services.kernels.reference import ref_prefill_attention
 
 # (context_len, new tokens): pure prefill, extend after a cached prefix, single token, exact block.
 SEQS = [(1, 1), (13, 13), (100, 37), (40, 1), (16, 16)]

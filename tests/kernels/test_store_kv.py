@@ -7,8 +7,8 @@ from tests.kernels.kernel_cases import requires_cuda
 
 pytest.importorskip("triton")
 
-from kernels.reference import ref_store_kv
-from kernels.store_kv import store_kv
+from services.kernels.reference import ref_store_kv
+from services.kernels.store_kv import store_kv
 
 
 def _run(

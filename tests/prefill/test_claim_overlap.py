@@ -15,7 +15,7 @@ from services.common.grpc_util import Reason, detail_of
 from services.common.pb import common_pb2
 from services.engine.engine import LLMEngine
 from services.engine.kv_transport.base import KVPoll
-from services.engine.sampling_params import SamplingParams
+from services.text.sampling_params import SamplingParams
 from tests.prefill.test_transports import (  # noqa: F401 (pair: the fixture)
     ENGINE,
     PROMPTS,

@@ -25,9 +25,9 @@ from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.kv_transport import FakeTransport
 from services.engine.kv_transport.fake import Faults
-from services.engine.sampling_params import SamplingParams
 from services.prefill.config import PrefillConfig
 from services.prefill.servicer import PrefillServicer
+from services.text.sampling_params import SamplingParams
 from tests.grpc_server import loopback_server
 
 PROMPT = [(i * 37) % 250 + 1 for i in range(45)]  # 45 tokens: 3 pages of 16, the last partial

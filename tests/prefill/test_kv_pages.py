@@ -17,7 +17,7 @@ SHAPE = (3, 2, 12, 4, 2, 8)  # [layers, 2, blocks, block_size, kv_heads, head_di
 
 def _runner(cache: torch.Tensor) -> SimpleNamespace:
     def write_pages(block_ids, pages, codec=None):
-        from kernels import unpack_pages
+        from services.kernels import unpack_pages
 
         unpack_pages(pages.to(cache.device), cache, torch.tensor(block_ids, dtype=torch.int64, device=cache.device))
 

@@ -21,10 +21,10 @@ from services.decode.servicer import DecodeServicer
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine import LLMEngine
 from services.engine.kv_transport import GrpcStreamTransport, mooncake
-from services.engine.sampling_params import SamplingParams
 from services.engine.shared_kv import SharedKVAttachError
 from services.prefill.config import PrefillConfig
 from services.prefill.servicer import PrefillServicer
+from services.text.sampling_params import SamplingParams
 from tests.prefill.test_transports import (
     ENGINE,
     PROMPTS,

@@ -21,7 +21,7 @@ from services.engine.kv_pages import KVPages, pages_of
 from services.engine.kv_transport import mooncake
 from services.engine.kv_transport.mooncake_groups import GroupWrite
 from services.engine.kv_transport.mooncake_staged import StagedWriter
-from services.engine.sampling_params import SamplingParams
+from services.text.sampling_params import SamplingParams
 from tests.prefill.test_claim_overlap import HANG_GUARD, _hold_claims, _prompt_done
 from tests.prefill.test_mooncake_staging import _offer_landing
 from tests.prefill.test_transports import (

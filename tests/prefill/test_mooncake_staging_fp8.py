@@ -13,7 +13,6 @@ import grpc
 import pytest
 import torch
 
-from kernels import pack_pages_fp8, unpack_pages_fp8
 from services.common.grpc_util import Reason, detail_of
 from services.common.pb import common_pb2
 from services.engine.engine import LLMEngine
@@ -21,8 +20,9 @@ from services.engine.kv_layout import FP8_CODEC, PageLayout
 from services.engine.kv_pages import PageExport, pages_of
 from services.engine.kv_transport import CLAIM_ACK, KVPoll, mooncake
 from services.engine.kv_transport.mooncake_staged import HostLanding, StagedWriter, StagingRing
-from services.engine.sampling_params import SamplingParams
 from services.engine.shared_kv import pool_id
+from services.kernels import pack_pages_fp8, unpack_pages_fp8
+from services.text.sampling_params import SamplingParams
 from tests.prefill import test_mooncake_staging as staging
 from tests.prefill.test_mooncake_staging import NO_MOONCAKE, _offer_landing
 from tests.prefill.test_transports import ENGINE, PROMPTS, Pair, _generate, _idle, _request, _reserve, pair

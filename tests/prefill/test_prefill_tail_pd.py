@@ -11,7 +11,7 @@ import pytest
 
 from services.engine.engine import LLMEngine
 from services.engine.prefill_tail import prefill_pieces
-from services.engine.sampling_params import SamplingParams
+from services.text.sampling_params import SamplingParams
 from tests.prefill.test_transports import (
     ENGINE,
     NO_MOONCAKE,

@@ -24,10 +24,10 @@ from services.engine.async_engine import AsyncEngine
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.kv_transport import GrpcStreamTransport, mooncake
-from services.engine.sampling_params import SamplingParams
 from services.prefill import kv_stream
 from services.prefill.config import PrefillConfig
 from services.prefill.servicer import PrefillServicer
+from services.text.sampling_params import SamplingParams
 
 PROMPTS = [[(i * 37) % 250 + 1 for i in range(45)], [(i * 53) % 500 + 3 for i in range(130)]]
 ENGINE = EngineConfig(model="random:tiny-llama", dtype="float32", num_kv_blocks=64, max_prefill_chunk=16)

@@ -25,12 +25,12 @@ from services.common.metrics import (
     RouterMetrics,
 )
 from services.common.pb import router_pb2_grpc
-from services.engine.sampling_params import SamplingParams
-from services.engine.tokenizer import Tokenizer
 from services.router.auth import APIKeys
 from services.router.metering import RequestMeter
 from services.router.pipeline import BackendError, TextPipeline, TokenEvent
 from services.router.servicer import RouterServicer
+from services.text.sampling_params import SamplingParams
+from services.text.tokenizer import Tokenizer
 
 
 def outcome_counts(registry: CollectorRegistry, model: str | None = None, *, nonzero: bool = True

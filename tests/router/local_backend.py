@@ -8,9 +8,9 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from services.engine.async_engine import AsyncEngine, EngineDeadError
-from services.engine.sampling_params import InvalidRequestError, SamplingParams
 from services.engine.sequence import FinishReason
 from services.router.pipeline import BackendError, TokenEvent
+from services.text.sampling_params import InvalidRequestError, SamplingParams
 
 _COMPLETED = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 

@@ -12,10 +12,10 @@ import pytest
 
 from services.engine.async_engine import AsyncEngine
 from services.engine.config import EngineConfig
-from services.engine.sampling_params import MAX_TOP_LOGPROBS
 from services.router.openai_http import make_app
 from services.router.openai_schema import UNSUPPORTED_PARAMS
 from services.router.pipeline import TextPipeline
+from services.text.sampling_params import MAX_TOP_LOGPROBS
 from tests.router.harness import LoopThread
 from tests.router.local_backend import LocalEngineBackend
 

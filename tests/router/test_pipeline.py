@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from services.engine.sampling_params import InvalidRequestError, SamplingParams
-from services.engine.tokenizer import Tokenizer
 from services.router.pipeline import MAX_CHARS_PER_TOKEN, BackendError, TextDelta, TextPipeline, TokenEvent
+from services.text.sampling_params import InvalidRequestError, SamplingParams
+from services.text.tokenizer import Tokenizer
 
 EOS = 256
 

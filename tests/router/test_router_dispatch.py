@@ -20,11 +20,11 @@ from services.common.metrics import (
     RouterMetrics,
 )
 from services.common.pb import decode_pb2_grpc, prefill_pb2_grpc
-from services.engine.sampling_params import SamplingParams
 from services.router.config import DECODE_STREAMS
 from services.router.dispatch import DisaggregatedBackend, DispatchSettings
 from services.router.instances import InstancePool, Liveness
 from services.router.pipeline import BackendError, TokenEvent
+from services.text.sampling_params import SamplingParams
 from tests.router.fake_peers import BLOCK, FINGERPRINT, FakeCluster, reference, serve
 
 PROMPT = list(range(100, 140))  # 40 tokens: 2 full blocks

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from services.common import metrics as m
 from services.engine.async_engine import AsyncEngine
 from services.engine.config import EngineConfig
-from services.engine.sampling_params import SamplingParams
+from services.text.sampling_params import SamplingParams
 from services.worker import step_metrics
 from services.worker.step_metrics import StepMetrics
 

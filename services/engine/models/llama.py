@@ -8,7 +8,7 @@ sliding-window layers (``arch.layer_window(i)``) and attention sinks (``self_att
 fp32): each layer hands its ``AttentionSpec`` to ``ctx.attend``.
 
 On CUDA with triton, the forward takes a fused path (``*_fused`` methods): residual-add + RMSNorm,
-SiLU*mul and in-place RoPE as single Triton kernels (``kernels/rms_norm.py``, ``activation.py``,
+SiLU*mul and in-place RoPE as single Triton kernels (``services/kernels/rms_norm.py``, ``activation.py``,
 ``rotary.py``), the residual carried beside the hidden state. It computes the same bf16 sums; norms and
 RoPE round once in fp32 instead of per torch op. The CPU path is the plain torch code, unchanged.
 """
@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import HAS_TRITON
 from services.engine.attention import AttentionSpec, ForwardContext
 from services.engine.models.config import ModelArchConfig, ModelConfigError
 from services.engine.models.rope import RotaryEmbedding
@@ -35,6 +34,7 @@ from services.engine.parallel.layers import (
     vocab_embedding,
 )
 from services.engine.parallel.weights import shard_weights
+from services.kernels import HAS_TRITON
 
 
 class RMSNorm(nn.Module):
@@ -102,7 +102,7 @@ class Attention(nn.Module):
                       ctx: ForwardContext) -> torch.Tensor:
         """`forward` with RoPE applied in place by one Triton kernel (q/k stay views of the qkv output)."""
         # deferred: a Triton kernel module, on the CUDA path only (triton is optional)
-        from kernels.rotary import apply_rotary_
+        from services.kernels.rotary import apply_rotary_
 
         q, k, v = self._qkv(x)
         apply_rotary_(q, k, positions, rotary.cos_cache, rotary.sin_cache)
@@ -125,7 +125,7 @@ class MLP(nn.Module):
 
     def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
         # deferred: a Triton kernel module, on the CUDA path only (triton is optional)
-        from kernels.activation import silu_and_mul
+        from services.kernels.activation import silu_and_mul
 
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
@@ -151,7 +151,7 @@ class DecoderLayer(nn.Module):
         RMSNorm, so a layer launches two norm kernels instead of ~12 elementwise ones.
         """
         # deferred: a Triton kernel module, on the CUDA path only (triton is optional)
-        from kernels.rms_norm import fused_add_rms_norm, rms_norm
+        from services.kernels.rms_norm import fused_add_rms_norm, rms_norm
 
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         if residual is None:
@@ -228,7 +228,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _forward_fused(self, h: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         # deferred: a Triton kernel module, on the CUDA path only (triton is optional)
-        from kernels.rms_norm import fused_add_rms_norm
+        from services.kernels.rms_norm import fused_add_rms_norm
 
         residual: torch.Tensor | None = None
         hook = self.layer_hook

@@ -4,7 +4,7 @@ Expert weights of a layer are two stacked tensors: ``w13`` [E, 2I, H] (rows 0..I
 and ``w2`` [E, H, I] (down), with optional biases ``w13_bias`` [E, 2I], ``w2_bias`` [E, H] (gpt-oss).
 :func:`moe_experts` computes ``out[t] = sum_k w[t, k] * down_e(act(gate_e(x[t])) * up_e(x[t]))`` for
 e = ids[t, k]: on CPU (and on CUDA without the Triton kernel) tokens are sorted by expert and each expert
-that got tokens runs one matmul over its rows; on CUDA the Triton fused MoE (``kernels.fused_moe``) runs.
+that got tokens runs one matmul over its rows; on CUDA the Triton fused MoE (``services.kernels.fused_moe``) runs.
 
 Tensor parallelism: every expert (and the shared expert) is split along its intermediate dimension, each
 rank holding rows [r*I/N, (r+1)*I/N) of every expert's gate and up and the same columns of down; the router
@@ -117,7 +117,7 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: 
     it (no host sync, so the layer lives inside the decode CUDA graphs); CPU tensors run the grouped torch path."""
     if x.is_cuda:
         # kernels.fused_moe imports triton: only a CUDA engine loads it (as the other GPU kernels in llama.py).
-        from kernels.fused_moe import fused_moe
+        from services.kernels.fused_moe import fused_moe
 
         return fused_moe(x, w13, w2, topk_ids.to(torch.int32), topk_weights.float(), activation=activation,
                          w13_bias=w13_bias, w2_bias=w2_bias, swiglu_alpha=swiglu_alpha,

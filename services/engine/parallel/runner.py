@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from kernels import pack_pages, pack_pages_fp8, unpack_pages, unpack_pages_fp8
 from services.engine.attention import ForwardContext
 from services.engine.config import EngineConfig
 from services.engine.errors import EngineDeadError
@@ -39,6 +38,7 @@ from services.engine.parallel.plan import (
 from services.engine.sampler import Sampled, SamplingRow
 from services.engine.scheduler import ScheduledChunk, SchedulerOutput
 from services.engine.step_inputs import device_scope, sampled_rows
+from services.kernels import pack_pages, pack_pages_fp8, unpack_pages, unpack_pages_fp8
 
 KEEPALIVE_S = 30.0
 """Longest rank 0 goes without sending a plan (an idle instance sends Op.NOOP): well under the group's

@@ -13,7 +13,6 @@ import threading
 
 import torch
 
-from kernels import pack_pages, unpack_pages
 from services.engine.attention import ForwardContext
 from services.engine.config import EngineConfig
 from services.engine.model_runner import ModelRunner
@@ -30,6 +29,7 @@ from services.engine.parallel.plan import (
 )
 from services.engine.parallel.rank_pages import serve_op
 from services.engine.parallel.trace import rank_trace_path, start_recording
+from services.kernels import pack_pages, unpack_pages
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,6 @@ from services.common.pb import decode_pb2
 from services.engine.attention import ForwardContext, TorchPagedAttention
 from services.engine.kv_layout import FP8_CODEC, PageLayout, Region
 from services.engine.sampler import SamplingRow
-from services.engine.sampling_params import Sampled
 from services.engine.scheduler import ScheduledChunk, SchedulerOutput
 from services.engine.shared_kv import allocate_kv
 from services.engine.spec.attention import UniformQueryAttention
@@ -55,6 +54,7 @@ from services.engine.spec.verify import (
     with_logprobs,
 )
 from services.engine.step_inputs import device_scope, prepare_rows
+from services.text.sampling_params import Sampled
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from services.engine.attention import AttentionMetadata, ForwardContext
-from services.engine.cuda_graphs import capture_buckets, decode_buckets
+from services.engine.cuda.cuda_graphs import capture_buckets, decode_buckets
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import pack_pages, pack_pages_fp8, unpack_pages, unpack_pages_fp8
 from services.engine.kv_layout import FP8_CODEC
+from services.kernels import pack_pages, pack_pages_fp8, unpack_pages, unpack_pages_fp8
 
 
 def _pack_region(cache: torch.Tensor, idx: torch.Tensor, fp8: bool) -> torch.Tensor:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from services.engine.sampler import SamplingRow, _apply_top_k_top_p
-from services.engine.sampling_params import Sampled, SamplingParams, TopLogprobs
+from services.text.sampling_params import Sampled, SamplingParams, TopLogprobs
 
 _MIN_RESIDUAL = 1e-12
 """Below this total residual mass (p == q up to rounding) the resample falls back to p itself."""

@@ -26,15 +26,15 @@ from pathlib import Path
 from typing import Any
 
 from services.engine.config import EngineConfig
-from services.engine.cpu_features import available_cpus
+from services.engine.cpu.cpu_features import available_cpus
 from services.engine.models.quant_linear import Int4Linear, Q8_0Head
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_DIR = "~/.cache/pdserve/torch-compile"
-CHILD_ARGV = (sys.executable, "-m", "services.engine.compile_child")
+CHILD_ARGV = (sys.executable, "-m", "services.engine.cpu.compile_child")
 """The child's command line (run from the directory holding the ``services`` package)."""
-_ROOT = Path(__file__).resolve().parents[2]
+_ROOT = Path(__file__).resolve().parents[3]
 """The directory holding the ``services`` package."""
 
 

@@ -19,8 +19,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels.fp8_layout import FP8_E4M3_MAX, fp8_page_regions
-from kernels.moe_args import check_moe_args
+from services.kernels.fp8_layout import FP8_E4M3_MAX, fp8_page_regions
+from services.kernels.moe_args import check_moe_args
 
 FP8_DTYPE = torch.float8_e4m3fn
 

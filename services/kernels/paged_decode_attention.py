@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_utils import _mma, dot_flags
+from services.kernels._triton_utils import _mma, dot_flags
 
 LOG2E = 1.4426950408889634
 _MIN_PARTITION = 128

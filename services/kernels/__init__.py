@@ -1,6 +1,6 @@
 """Triton kernels for pdserve and their torch references.
 
-`kernels.reference` and `kernels.fp8_layout` are importable everywhere (torch only), and so are the
+`services.kernels.reference` and `services.kernels.fp8_layout` are importable everywhere (torch only), and so are the
 device-dispatching page/fp8 helpers below (Triton for CUDA tensors, the torch reference otherwise). The Triton
 kernel modules (`paged_decode_attention`, `prefill_attention`, `store_kv`, `page_pack`, `fp8_kv`,
 `fused_moe`) need triton; import them only when `HAS_TRITON` is true. On a machine without CUDA they run under the
@@ -13,14 +13,14 @@ import importlib.util
 
 import torch
 
-from kernels.fp8_layout import (
+from services.kernels.fp8_layout import (
     FP8_E4M3_MAX,
     fp8_layout_codec_name,
     fp8_page_nbytes,
     fp8_page_regions,
     plain_page_nbytes,
 )
-from kernels.reference import (
+from services.kernels.reference import (
     fused_moe_ref,
     ref_fp8_dequantize,
     ref_fp8_quantize,
@@ -56,7 +56,7 @@ def pack_pages(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tenso
     """[P, L, 2, bs, kvh, hd] pages of block_ids (see kernels.page_pack); Triton on CUDA, torch elsewhere.
     ``out``: a contiguous tensor of the pages' size and the cache's dtype to gather into (CPU)."""
     if _on_triton(kv_cache):
-        from kernels.page_pack import pack_pages as impl  # Triton: CUDA tensors only
+        from services.kernels.page_pack import pack_pages as impl  # Triton: CUDA tensors only
 
         pages = impl(kv_cache, block_ids)
         return pages if out is None else out.view(pages.shape).copy_(pages)
@@ -66,7 +66,7 @@ def pack_pages(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tenso
 def unpack_pages(buffer: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
     """Scatter [P, L, 2, bs, kvh, hd] pages into kv_cache at block_ids; Triton on CUDA, torch elsewhere."""
     if _on_triton(kv_cache):
-        from kernels.page_pack import unpack_pages as impl  # Triton: CUDA tensors only
+        from services.kernels.page_pack import unpack_pages as impl  # Triton: CUDA tensors only
     else:
         impl = ref_unpack_pages
     impl(buffer, kv_cache, block_ids)
@@ -75,7 +75,7 @@ def unpack_pages(buffer: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.
 def pack_pages_fp8(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """uint8 [P, fp8_page_nbytes] fp8-e4m3 pages of block_ids; Triton on CUDA, torch elsewhere."""
     if _on_triton(kv_cache):
-        from kernels.fp8_kv import pack_pages_fp8 as impl  # Triton: CUDA tensors only
+        from services.kernels.fp8_kv import pack_pages_fp8 as impl  # Triton: CUDA tensors only
     else:
         impl = ref_pack_pages_fp8
     return impl(kv_cache, block_ids)
@@ -84,7 +84,7 @@ def pack_pages_fp8(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Ten
 def unpack_pages_fp8(buffer: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
     """Dequantize fp8 pages into kv_cache at block_ids; Triton on CUDA, torch elsewhere."""
     if _on_triton(kv_cache):
-        from kernels.fp8_kv import unpack_pages_fp8 as impl  # Triton: CUDA tensors only
+        from services.kernels.fp8_kv import unpack_pages_fp8 as impl  # Triton: CUDA tensors only
     else:
         impl = ref_unpack_pages_fp8
     impl(buffer, kv_cache, block_ids)
@@ -93,7 +93,7 @@ def unpack_pages_fp8(buffer: torch.Tensor, kv_cache: torch.Tensor, block_ids: to
 def fp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, kvh, hd] -> (fp8 values, fp32 scales [T, kvh]); Triton on CUDA, torch elsewhere."""
     if _on_triton(x):
-        from kernels.fp8_kv import fp8_quantize as impl  # Triton: CUDA tensors only
+        from services.kernels.fp8_kv import fp8_quantize as impl  # Triton: CUDA tensors only
     else:
         impl = ref_fp8_quantize
     return impl(x)
@@ -102,7 +102,7 @@ def fp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def fp8_dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """fp8 [T, kvh, hd] with fp32 scales [T, kvh] -> dtype; Triton on CUDA, torch elsewhere."""
     if _on_triton(q):
-        from kernels.fp8_kv import fp8_dequantize as impl  # Triton: CUDA tensors only
+        from services.kernels.fp8_kv import fp8_dequantize as impl  # Triton: CUDA tensors only
     else:
         impl = ref_fp8_dequantize
     return impl(q.contiguous(), scales.contiguous(), dtype)
@@ -120,7 +120,7 @@ def moe_experts(
     Triton on CUDA, the per-expert torch reference elsewhere. Named apart from the `fused_moe` module so
     that importing the module never shadows this function on the package."""
     if _on_triton(x):
-        from kernels.fused_moe import fused_moe as impl  # Triton: CUDA tensors only
+        from services.kernels.fused_moe import fused_moe as impl  # Triton: CUDA tensors only
     else:
         impl = fused_moe_ref
     return impl(x, w13, w2, topk_ids, topk_weights, **options)

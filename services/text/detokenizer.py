@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.engine.tokenizer import Tokenizer
+from services.text.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"
 _CONTEXT_TOKENS = 5

@@ -27,9 +27,9 @@ import numpy as np
 import torch
 
 from services.engine.attention import AttentionMetadata, ForwardContext
-from services.engine.gpu_attention import TritonPagedAttention
+from services.engine.cuda.gpu_attention import TritonPagedAttention
 from services.engine.sampler import logprob_table
-from services.engine.sampling_params import MAX_TOP_LOGPROBS
+from services.text.sampling_params import MAX_TOP_LOGPROBS
 
 if TYPE_CHECKING:
     from services.engine.sequence import Sequence

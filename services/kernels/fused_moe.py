@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_utils import _mma, dot_flags
-from kernels.moe_args import ACTIVATIONS, check_moe_args
+from services.kernels._triton_utils import _mma, dot_flags
+from services.kernels.moe_args import ACTIVATIONS, check_moe_args
 
 
 @dataclass(frozen=True)

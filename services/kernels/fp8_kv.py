@@ -9,8 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_utils import interpret_mode
-from kernels.fp8_layout import FP8_E4M3_MAX, fp8_layout_codec_name, fp8_page_nbytes, fp8_page_regions
+from services.kernels._triton_utils import interpret_mode
+from services.kernels.fp8_layout import FP8_E4M3_MAX, fp8_layout_codec_name, fp8_page_nbytes, fp8_page_regions
 
 FP8_DTYPE = torch.float8_e4m3fn
 _ROWS = 32

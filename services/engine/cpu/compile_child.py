@@ -1,5 +1,5 @@
 """The compile child: fills the on-disk compile cache with an engine's decode-step variants, off the serving
-process (``python -m services.engine.compile_child``, started by decode_compiler.py; never by hand).
+process (``python -m services.engine.cpu.compile_child``, started by decode_compiler.py; never by hand).
 
 Why a process: a cold inductor compile of the batch-1 step of the embedded model took 1-10 min on a busy
 2-core host, and in the engine's own process it slowed serving ~3x meanwhile (the compiling thread holds
@@ -83,8 +83,8 @@ def run(request: dict[str, Any]) -> int:
     import torch._inductor.config as inductor_config
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    from services.engine.compiled_decode import _COMPILE_ERRORS, CompiledDecode
     from services.engine.config import EngineConfig
+    from services.engine.cpu.compiled_decode import _COMPILE_ERRORS, CompiledDecode
     from services.engine.engine import LLMEngine
 
     inductor_config.compile_threads = 1

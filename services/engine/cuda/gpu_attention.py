@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels.paged_decode_attention import paged_decode_attention
-from kernels.prefill_attention import prefill_attention
-from kernels.store_kv import store_kv
 from services.engine.attention import AttentionMetadata
+from services.kernels.paged_decode_attention import paged_decode_attention
+from services.kernels.prefill_attention import prefill_attention
+from services.kernels.store_kv import store_kv
 
 
 class TritonPagedAttention:

@@ -50,10 +50,10 @@ from typing import Any
 import torch
 import torch._inductor.config as inductor_config
 
-from services.engine import compile_cache, trace_fence
 from services.engine.attention import ForwardContext, TorchPagedAttention
-from services.engine.compiled_decode import _COMPILE_ERRORS, CompiledDecode
 from services.engine.config import EngineConfig
+from services.engine.cpu import compile_cache, trace_fence
+from services.engine.cpu.compiled_decode import _COMPILE_ERRORS, CompiledDecode
 from services.engine.step_inputs import prepare_rows
 
 log = logging.getLogger(__name__)
