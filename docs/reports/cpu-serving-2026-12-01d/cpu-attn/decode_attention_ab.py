@@ -19,7 +19,7 @@ sys.path.insert(0, os.getcwd())
 
 from benchmarks.engine_bench import EngineBench, _prompts
 from services.engine import attention as A
-from services.engine.cpu.cpu_features import host_cpu
+from services.engine.cpu_features import host_cpu
 from services.engine.weights.gguf_loader import default_gguf_path
 
 STARTS, ONE = A.consecutive_starts, A.ONE_THREAD_MAX_BATCH

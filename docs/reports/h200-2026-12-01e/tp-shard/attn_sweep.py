@@ -8,7 +8,7 @@ import sys
 import torch
 
 sys.path.insert(0, ".")
-from services.kernels.paged_decode_attention import _choose_partition, paged_decode_attention
+from kernels.paged_decode_attention import _choose_partition, paged_decode_attention
 
 dev = torch.device("cuda")
 B, CTX, BS, HD = 64, 2048, 16, 128

@@ -19,7 +19,7 @@ timeout -s INT -k 10 150 $T -k "not oneshot" > $OUT/gpu_tests.log 2>&1; echo "te
 grep -E "PASSED|FAILED|passed|failed|^E |rc=" $OUT/gpu_tests.log | tail -10; clean
 # 4. a plain --device cuda engine (no index) generates
 timeout -s INT -k 5 20 python3 -c "
-from services.engine.engine import LLMEngine; from services.engine.config import EngineConfig; from services.text.sampling_params import SamplingParams
+from services.engine.engine import LLMEngine; from services.engine.config import EngineConfig; from services.engine.sampling_params import SamplingParams
 e=LLMEngine(EngineConfig(model='random:tiny-llama', device='cuda', dtype='bfloat16', num_kv_blocks=64))
 o=e.generate([[1,2,3]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)); print('SMOKE plain cuda engine: device', e.runner.device, 'graphs', e.runner.graphs is not None, 'tokens', o[0])" > $OUT/smoke.log 2>&1; echo "smoke rc=$?" >> $OUT/smoke.log
 grep -E "SMOKE|rc=|Error" $OUT/smoke.log; clean
