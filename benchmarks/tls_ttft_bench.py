@@ -14,6 +14,7 @@ prompt moves (from the prefill's own counter).
 from __future__ import annotations
 
 import json
+import math
 import random
 import statistics
 import tempfile
@@ -86,7 +87,7 @@ def main(argv: list[str]) -> int:
             kv_per_prompt = {m: (_kv_bytes(c.get("prefill-0").ready["metrics"]) - kv0[m]) / args.rounds
                              for m, c in modes.items()}
     diffs = [a - b for a, b in zip(ttft["mtls"], ttft["plaintext"], strict=True)]
-    res = {m: {"ttft_p50_s": statistics.median(v), "ttft_p90_s": sorted(v)[int(0.9 * (len(v) - 1))],
+    res = {m: {"ttft_p50_s": statistics.median(v), "ttft_p90_s": sorted(v)[math.ceil(0.9 * len(v)) - 1],
                "kv_bytes_per_prompt": kv_per_prompt[m]} for m, v in ttft.items()}
     summary = {"prompt_tokens": args.prompt_tokens, "rounds": args.rounds, "modes": res,
                "paired_diff_p50_s": statistics.median(diffs),
