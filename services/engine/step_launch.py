@@ -21,6 +21,7 @@ import torch
 from services.engine.attention import ForwardContext
 from services.engine.sampler import Sampled, SamplingRow, device_index
 from services.engine.scheduler import PLACEHOLDER_TOKEN, ScheduledChunk, SchedulerOutput
+from services.engine.step_inputs import sampled_rows
 
 __all__ = ["LaunchedStep", "collect", "launch"]
 
@@ -68,14 +69,7 @@ def launch(runner, out: SchedulerOutput, prev: LaunchedStep | None) -> LaunchedS
     if dst:
         assert prev is not None
         patch = (device_index(dst, device), prev.tokens[device_index(src, device)])
-    seq_ids, rows, ends = [], [], []
-    offset = 0
-    for ch in chunks:
-        offset += ch.num_new_tokens
-        if ch.sample:
-            ends.append(offset - 1)
-            rows.append(SamplingRow(ch.seq.params, ch.seq.num_output_tokens))
-            seq_ids.append(ch.seq.seq_id)
+    ends, rows, seq_ids = sampled_rows(chunks)
     graphs = runner.graphs
     table = None
     greedy = None
