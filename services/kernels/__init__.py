@@ -3,7 +3,7 @@
 `services.kernels.reference` and `services.kernels.fp8_layout` are importable everywhere (torch only), and so are the
 device-dispatching page/fp8 helpers below (Triton for CUDA tensors, the torch reference otherwise). The Triton
 kernel modules (`paged_decode_attention`, `prefill_attention`, `store_kv`, `page_pack`, `fp8_kv`,
-`fused_moe`) need triton; import them only when `HAS_TRITON` is true. On a machine without CUDA they run under the
+`fused_moe`, `fp8_block_gemm`) need triton; import them only when `HAS_TRITON` is true. On a machine without CUDA they run under the
 Triton interpreter when `TRITON_INTERPRET=1` is set before those modules are first imported.
 """
 
@@ -22,6 +22,7 @@ from services.kernels.fp8_layout import (
 )
 from services.kernels.reference import (
     fused_moe_ref,
+    ref_fp8_block_gemm,
     ref_fp8_dequantize,
     ref_fp8_quantize,
     ref_pack_pages,
@@ -126,9 +127,21 @@ def moe_experts(
     return impl(x, w13, w2, topk_ids, topk_weights, **options)
 
 
+def fp8_block_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int]
+                     ) -> torch.Tensor:
+    """x [M, K] @ (fp8 weight [N, K] * fp32 block scales)^T in x's dtype (see kernels.fp8_block_gemm);
+    Triton on CUDA, the dequantize-then-matmul torch reference elsewhere."""
+    if _on_triton(x):
+        from services.kernels.fp8_block_gemm import fp8_block_gemm  # Triton: CUDA tensors only
+
+        return fp8_block_gemm(x, weight, weight_scale, block)
+    return ref_fp8_block_gemm(x, weight, weight_scale, block)
+
+
 __all__ = [
     "FP8_E4M3_MAX",
     "HAS_TRITON",
+    "fp8_block_matmul",
     "fp8_dequantize",
     "fp8_layout_codec_name",
     "fp8_page_nbytes",

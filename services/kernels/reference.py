@@ -321,3 +321,35 @@ def fused_moe_ref(
             y = y + w2_bias[e].float()
         out.index_add_(0, tok, y * weights[pair, None])
     return out.to(x.dtype)
+
+
+def ref_fp8_block_dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """fp8 W [N, K] and fp32 Ws [cdiv(N, bn), cdiv(K, bk)] -> fp32 W[n, k] * Ws[n // bn, k // bk]."""
+    n, k = weight.shape
+    bn, bk = block
+    scale = weight_scale.float().repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
+    return weight.float() * scale
+
+
+def ref_fp8_act_quant(x: torch.Tensor, group_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], fp32 scales [M, cdiv(K, group_k)]): `ref_fp8_quantize` per token per group
+    of group_k columns (the last group may be partial)."""
+    m, k = x.shape
+    groups = -(-k // group_k)
+    padded = torch.zeros((m, groups * group_k), dtype=torch.float32, device=x.device)
+    padded[:, :k] = x.float()
+    q, scale = ref_fp8_quantize(padded.view(m, groups, group_k))
+    return q.view(m, groups * group_k)[:, :k], scale
+
+
+def ref_fp8_block_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int],
+                       act_group: int | None = None) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ dequantize(weight, weight_scale)^T in fp32, cast to x's dtype.
+
+    act_group: x first goes through the per-token-per-group e4m3 round trip of the kernel's w8a8 path
+    (`ref_fp8_act_quant`), so the result is what that path computes up to summation order."""
+    xf = x.float()
+    if act_group is not None:
+        q, scale = ref_fp8_act_quant(x, act_group)
+        xf = q.float() * scale.repeat_interleave(act_group, dim=1)[:, :x.shape[1]]
+    return (xf @ ref_fp8_block_dequantize(weight, weight_scale, block).T).to(x.dtype)
