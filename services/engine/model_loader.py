@@ -7,6 +7,7 @@ the target device (the module is built on the meta device first).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,12 +15,13 @@ import torch
 
 from services.engine.model_source import RANDOM_PREFIX, gguf_tokenizer, hf_tokenizer, resolve
 from services.engine.models.config import ModelArchConfig
+from services.engine.models.fp8_linear import KeptFp8, keep_fp8
 from services.engine.models.llama import LlamaForCausalLM
 from services.engine.models.registry import get_model_class
 from services.engine.weights.errors import ModelLoadError
-from services.engine.weights.fp8_block import dequantized
+from services.engine.weights.fp8_block import dequantized, tensor_headers
 from services.engine.weights.gguf_loader import GGUFFile
-from services.engine.weights.hf_loader import iter_safetensors, read_hf_config
+from services.engine.weights.hf_loader import iter_safetensors, read_hf_config, safetensors_files
 from services.engine.weights.random_weights import BYTE_EOS_ID, init_random_, random_arch
 from services.text.tokenizer import Tokenizer
 
@@ -40,9 +42,11 @@ class LoadedModel:
     """Longest sequence (prompt + output tokens) the engine may run."""
 
 
-def build_empty_model(arch: ModelArchConfig, dtype: torch.dtype, device: str | torch.device
-                      ) -> LlamaForCausalLM:
-    """Model with uninitialized parameters allocated once, in `dtype` on `device`; RoPE tables in fp32."""
+def build_empty_model(arch: ModelArchConfig, dtype: torch.dtype, device: str | torch.device,
+                      on_meta: Callable[[LlamaForCausalLM], None] | None = None) -> LlamaForCausalLM:
+    """Model with uninitialized parameters allocated once, in `dtype` on `device`; RoPE tables in fp32.
+    on_meta: called with the model on the meta device, in `dtype`, before anything is allocated (it may swap
+    modules: FP8 linears kept fp8)."""
     if dtype not in SUPPORTED_DTYPES:
         raise ModelLoadError(f"dtype={dtype}: supported are {SUPPORTED_DTYPES}")
     if arch.mla is not None and torch.device(device).type != "cpu":
@@ -50,7 +54,10 @@ def build_empty_model(arch: ModelArchConfig, dtype: torch.dtype, device: str | t
                              f"kernel yet (device {device})")
     with torch.device("meta"):
         model = get_model_class(arch.architecture)(arch)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=dtype)
+    if on_meta is not None:
+        on_meta(model)
+    model = model.to_empty(device=device)
     model.init_buffers()
     return model
 
@@ -71,8 +78,11 @@ def _load_weights(model: LlamaForCausalLM, weights: object, source: Path) -> Non
 
 
 def load_model(spec: str | None, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               *, seed: int = 0, max_model_len: int | None = None) -> LoadedModel:
-    """Load a model, its tokenizer and architecture. Raises ModelLoadError naming the spec/file."""
+               *, seed: int = 0, max_model_len: int | None = None, keep_fp8: bool | None = None) -> LoadedModel:
+    """Load a model, its tokenizer and architecture. Raises ModelLoadError naming the spec/file.
+
+    keep_fp8: for FP8 block-scaled checkpoints, whether linears keep their fp8 weights (FP8 GEMM) instead of
+    dequantizing them at load; None: on CUDA in bf16/fp16 at tensor-parallel size 1 (models/fp8_linear.py)."""
     src = resolve(spec)
     if src.kind == "random":
         arch = random_arch(src.shape)
@@ -89,9 +99,31 @@ def load_model(spec: str | None, dtype: torch.dtype = torch.float32, device: str
         return _finish(model, gguf.arch, tokenizer, src.model_id, max_model_len)
     arch = read_hf_config(path)
     tokenizer = hf_tokenizer(path, arch)
-    model = build_empty_model(arch, dtype, device)
+    kept = _kept_fp8(arch, path, dtype, device, keep_fp8)
+    model = build_empty_model(arch, dtype, device, None if kept is None else kept.swap_in)
     weights = iter_safetensors(path)
     if arch.fp8_weight_block is not None:  # FP8 block-scaled weights: dequantized one by one as they stream in
-        weights = dequantized(weights, (arch.fp8_weight_block[0], arch.fp8_weight_block[1]))
+        weights = dequantized(weights, (arch.fp8_weight_block[0], arch.fp8_weight_block[1]),
+                              keep=frozenset() if kept is None else kept.names)
+        if kept is not None:  # the kept ones' scales go straight into their modules
+            weights = kept.placed_scales(weights, model)
     _load_weights(model, weights, path)
     return _finish(model, arch, tokenizer, src.model_id, max_model_len)
+
+
+def _kept_fp8(arch: ModelArchConfig, path: Path, dtype: torch.dtype, device: str | torch.device,
+              requested: bool | None) -> KeptFp8 | None:
+    """The FP8 linears of an FP8 block-scaled checkpoint that stay fp8 (planned from the tensor headers when
+    the model is built), or None when every fp8 weight is dequantized at load."""
+    if arch.fp8_weight_block is None:
+        return None
+    try:
+        if not keep_fp8(device, dtype, requested):
+            return None
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+    try:
+        headers = tensor_headers(safetensors_files(path))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"{path}: cannot read the safetensors headers: {e}") from e
+    return KeptFp8(headers, (arch.fp8_weight_block[0], arch.fp8_weight_block[1]))

@@ -1,6 +1,11 @@
 """FP8 block-scaled checkpoints (the DeepSeek-V3 format, written by the test from a transformers-built tiny model):
 they load with every weight dequantized block by block, partial edge blocks included, and the engine's logits
-equal those of the same model loaded from the dequantized weights in fp32; a broken pair is refused naming it."""
+equal those of the same model loaded from the dequantized weights in fp32; a broken pair is refused naming it.
+
+Kept fp8 (``keep_fp8``, the default on CUDA): the decoder's linears become Fp8BlockLinear modules holding the
+checkpoint's fp8 bytes and scale grids (fused q/k/v and gate/up parts whose blocks do not align get finer
+grids); forced on the CPU they compute with the torch reference and match the dequantized model, and on a GPU
+(marked gpu) the FP8 GEMMs' logits match the dequantized bf16 model's within fp8 activation rounding."""
 
 from __future__ import annotations
 
@@ -11,8 +16,11 @@ import pytest
 import torch
 
 from services.engine.model_loader import load_model
+from services.engine.models.fp8_linear import Fp8BlockLinear
+from services.engine.parallel.group import TPGroup, building
 from services.engine.weights.errors import ModelLoadError
 from services.engine.weights.fp8_block import dequantize_block_fp8, dequantized
+from services.kernels.reference import ref_fp8_block_dequantize
 from tests.moe_checkpoints import write_tiny_moe
 
 pytestmark = pytest.mark.slow
@@ -38,9 +46,9 @@ def _quantize(w: torch.Tensor, block: list[int]) -> tuple[torch.Tensor, torch.Te
     return q, scale
 
 
-def _fp8_copy(src: Path, dst: Path) -> Path:
-    """``src`` with every 2-D projection weight (not the embedding, head, norms or router) as FP8 block-scaled,
-    and the dequantized fp32 twin of it under dst / "ref"."""
+def _fp8_copy(src: Path, dst: Path, block: list[int] = BLOCK) -> Path:
+    """``src`` with every 2-D projection weight (not the embedding, head, norms or router) as FP8 block-scaled
+    in ``block`` blocks, and the dequantized fp32 twin of it under dst / "ref"."""
     from safetensors.torch import load_file, save_file
 
     (dst / "ref").mkdir(parents=True)
@@ -49,16 +57,16 @@ def _fp8_copy(src: Path, dst: Path) -> Path:
     ref: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         if t.dim() == 2 and name.endswith("proj.weight"):
-            q, s = _quantize(t.float(), BLOCK)
+            q, s = _quantize(t.float(), block)
             fp8[name], fp8[name + "_scale_inv"] = q, s
-            ref[name] = dequantize_block_fp8(q, s, (BLOCK[0], BLOCK[1]))
+            ref[name] = dequantize_block_fp8(q, s, (block[0], block[1]))
         else:
             fp8[name] = ref[name] = t
     cfg = json.loads((src / "config.json").read_text())
     (dst / "ref" / "config.json").write_text(json.dumps(cfg))
     save_file(ref, str(dst / "ref" / "model.safetensors"), metadata={"format": "pt"})
     cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": BLOCK}
+                                  "weight_block_size": block}
     (dst / "config.json").write_text(json.dumps(cfg))
     save_file(fp8, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
@@ -111,3 +119,100 @@ def test_a_scale_grid_that_does_not_fit_is_refused() -> None:
     q = torch.zeros(50, 70, dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match=r"scale grid \(2, 3\) does not cover a 50x70 weight"):
         list(dequantized([("a.weight", q), ("a.weight_scale_inv", torch.ones(2, 3))], (24, 24)))
+
+
+def _assert_kept_weights_are_the_checkpoint(ours: torch.nn.Module, ref: torch.nn.Module) -> int:
+    """Every Fp8BlockLinear dequantizes exactly to the reference model's weight; returns how many there are."""
+    params = dict(ref.named_parameters())
+    kept = 0
+    for name, mod in ours.named_modules():
+        if isinstance(mod, Fp8BlockLinear):
+            assert mod.weight.dtype == torch.float8_e4m3fn and mod.weight_scale_inv.dtype == torch.float32
+            dense = ref_fp8_block_dequantize(mod.weight.cpu(), mod.weight_scale_inv.cpu(), mod.block)
+            assert torch.equal(dense, params[f"{name}.weight"].float().cpu()), name
+            kept += 1
+    return kept
+
+
+@pytest.fixture(scope="module")
+def fp8_llama_dir(tiny_llama3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama, every projection FP8 in 24x24 blocks: q (64 rows), k/v (32) and gate/up (128) parts do
+    not start on block rows, so the fused modules get 8-row grids."""
+    return _fp8_copy(tiny_llama3_dir, tmp_path_factory.mktemp("fp8-llama"))
+
+
+def test_kept_fp8_on_cpu_computes_the_dequantized_model(fp8_llama_dir: Path, greedy) -> None:
+    ours = load_model(str(fp8_llama_dir), torch.float32, "cpu", keep_fp8=True)
+    ref = load_model(str(fp8_llama_dir / "ref"), torch.float32, "cpu")
+    kept = _assert_kept_weights_are_the_checkpoint(ours.model, ref.model)
+    assert kept == 4 * ours.arch.num_layers  # qkv, o, gate_up, down of every layer
+    qkv = ours.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.block == (8, 24) and tuple(qkv.weight_scale_inv.shape) == (16, 3)
+    assert ours.model.model.layers[0].self_attn.o_proj.block == (24, 24)
+    prompt = list(range(20, 60))
+    gen_a, lg_a = greedy(ours.model, [prompt], 6)
+    gen_b, lg_b = greedy(ref.model, [prompt], 6)
+    assert gen_a == gen_b
+    torch.testing.assert_close(lg_a[0], lg_b[0], atol=1e-4, rtol=1e-4)
+
+
+def test_kept_fp8_leaves_what_a_model_loads_itself_dequantized(fp8_dir: Path, greedy) -> None:
+    """MoE experts, routers, shared experts and latent attention load through the model's own code: they
+    stay dequantized; the other linears (Qwen3-MoE's attention, DeepSeek's dense first MLP) keep fp8."""
+    ours = load_model(str(fp8_dir), torch.float32, "cpu", keep_fp8=True)
+    ref = load_model(str(fp8_dir / "ref"), torch.float32, "cpu")
+    kept = _assert_kept_weights_are_the_checkpoint(ours.model, ref.model)
+    assert kept == (2 if ours.arch.mla is not None else 2 * ours.arch.num_layers)
+    for name, mod in ours.model.named_modules():
+        if isinstance(mod, Fp8BlockLinear):
+            assert ".self_attn." not in name or ours.arch.mla is None
+            assert ".shared_expert." not in name and ".experts." not in name
+    prompt = list(range(20, 60))
+    gen_a, lg_a = greedy(ours.model, [prompt], 4)
+    gen_b, lg_b = greedy(ref.model, [prompt], 4)
+    assert gen_a == gen_b
+    torch.testing.assert_close(lg_a[0], lg_b[0], atol=1e-4, rtol=1e-4)
+
+
+def test_kept_fp8_under_tensor_parallelism_is_refused_in_one_line(fp8_llama_dir: Path) -> None:
+    with building(TPGroup(0, 2)), pytest.raises(ModelLoadError, match=r"under tensor parallelism .* not implemented"):
+        load_model(str(fp8_llama_dir), torch.float32, "cpu", keep_fp8=True)
+
+
+def test_cpu_default_still_dequantizes(fp8_llama_dir: Path) -> None:
+    ours = load_model(str(fp8_llama_dir), torch.bfloat16, "cpu")
+    assert not any(isinstance(m, Fp8BlockLinear) for m in ours.model.modules())
+    assert all(p.dtype == torch.bfloat16 for p in ours.model.parameters())
+
+
+def _forced_logits(model: torch.nn.Module, harness, prompt: list[int], follow: list[int]) -> torch.Tensor:
+    """fp32 logits [1 + len(follow), vocab]: the prompt's last row (one prefill), then one decode step per
+    token of ``follow`` (the same tokens for every model, so rows stay comparable)."""
+    h = harness(model, num_seqs=1, max_len=len(prompt) + len(follow) + 1)
+    rows = [h.step({0: prompt})[0]]
+    rows += [h.step({0: [t]})[0] for t in follow]
+    return torch.stack(rows).float().cpu()
+
+
+@pytest.mark.gpu
+def test_gpu_kept_fp8_logits_match_the_dequantized_bf16_model(fp8_llama_dir: Path, tmp_path: Path, harness) -> None:
+    """On CUDA the default keeps fp8. 24x24 blocks: w8a16 with per-element scales at every M (no power-of-two
+    tile divides 24); 32x32 blocks: the 40-row prefill runs the w8a8 path (BLOCK_K 32 fp8 dots, activations
+    rounded to e4m3), the 1-row decode steps the w8a16 one."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    aligned = _fp8_copy(fp8_llama_dir / "ref", tmp_path / "fp8-32", [32, 32])
+    prompt, follow = list(range(20, 60)), [7, 300, 41, 99, 5]
+    for fp8 in (fp8_llama_dir, aligned):
+        ours = load_model(str(fp8), torch.bfloat16, "cuda")
+        ref32 = load_model(str(fp8 / "ref"), torch.float32, "cpu")
+        assert _assert_kept_weights_are_the_checkpoint(ours.model, ref32.model) == 4 * ours.arch.num_layers
+        dequant = load_model(str(fp8), torch.bfloat16, "cuda", keep_fp8=False)
+        assert not any(isinstance(m, Fp8BlockLinear) for m in dequant.model.modules())
+        a = _forced_logits(ours.model, harness, prompt, follow)
+        b = _forced_logits(dequant.model, harness, prompt, follow)
+        c = _forced_logits(ref32.model, harness, prompt, follow)
+        for row in range(a.shape[0]):
+            rel = float((a[row] - b[row]).norm() / b[row].norm())
+            assert rel < 0.05, (fp8.name, row, rel)  # e4m3 activations (w8a8 rows), bf16 rounding in both
+            assert float((a[row] - c[row]).norm() / c[row].norm()) < 0.05
