@@ -125,6 +125,72 @@ def ref_prefill_attention(
     return out
 
 
+def _latent(k_cache: torch.Tensor, v_cache: torch.Tensor, key_dim: int, value_dim: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys, values) of a latent cache: the planes [NB, bs, 1, half] joined into [NB, bs, 1, 2 * half], its first
+    key_dim and first value_dim values."""
+    joined = torch.cat([k_cache, v_cache], dim=-1)
+    return joined[..., :key_dim], joined[..., :value_dim]
+
+
+def ref_mla_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    value_dim: int,
+    max_context_len: int | None = None,
+) -> torch.Tensor:
+    """Latent (MLA) decode: out[b, h] = softmax(scale * q[b, h] . L[b, :ctx_b, :key_dim]^T) @ L[b, :ctx_b, :value_dim]
+    -> [B, H, value_dim], where L is each token's latent [K plane, V plane] and key_dim = q.shape[-1]; every head
+    meets the same key (multi-query attention)."""
+    bsz = q.shape[0]
+    block_size = k_cache.shape[1]
+    keys, values = _latent(k_cache, v_cache, q.shape[-1], value_dim)
+    if max_context_len is None:
+        max_context_len = int(context_lens.max().item()) if bsz > 0 else 0
+    nblk = max(1, -(-max_context_len // block_size))
+    k = _gather_kv(keys, block_tables, nblk).transpose(1, 2)  # [B, 1, S, key_dim]
+    v = _gather_kv(values, block_tables, nblk).transpose(1, 2)
+    pos = torch.arange(nblk * block_size, device=q.device)
+    mask = pos[None, :] < context_lens[:, None].to(pos.dtype)
+    out = _attention(q[:, :, None, :], k, v, mask[:, None, None, :], scale, None)
+    return out[:, :, 0, :]
+
+
+def ref_mla_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    value_dim: int,
+    max_seqlen_q: int | None = None,
+) -> torch.Tensor:
+    """Causal latent (MLA) extend attention -> [T, H, value_dim]: query i of sequence b at p = ctx_b - q_len_b + i
+    attends to the latents of keys 0..p, out = softmax(scale * q L[:p+1, :key_dim]^T) L[:p+1, :value_dim]."""
+    del max_seqlen_q
+    block_size = k_cache.shape[1]
+    keys, values = _latent(k_cache, v_cache, q.shape[-1], value_dim)
+    out = q.new_empty(*q.shape[:2], value_dim)
+    cu = cu_seqlens_q.tolist()
+    for b, ctx in enumerate(context_lens.tolist()):
+        q0, q1 = cu[b], cu[b + 1]
+        if q1 == q0:
+            continue
+        nblk = -(-ctx // block_size)
+        k = _gather_kv(keys, block_tables[b : b + 1], nblk)[0, :ctx].transpose(0, 1)  # [1, ctx, key_dim]
+        v = _gather_kv(values, block_tables[b : b + 1], nblk)[0, :ctx].transpose(0, 1)
+        qpos = torch.arange(ctx - (q1 - q0), ctx, device=q.device)
+        mask = qpos[:, None] >= torch.arange(ctx, device=q.device)[None, :]
+        out[q0:q1] = _attention(q[q0:q1].transpose(0, 1), k, v, mask, scale, None).transpose(0, 1)
+    return out
+
+
 def ref_store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
