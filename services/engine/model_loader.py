@@ -82,7 +82,8 @@ def load_model(spec: str | None, dtype: torch.dtype = torch.float32, device: str
     """Load a model, its tokenizer and architecture. Raises ModelLoadError naming the spec/file.
 
     keep_fp8: for FP8 block-scaled checkpoints, whether linears keep their fp8 weights (FP8 GEMM) instead of
-    dequantizing them at load; None: on CUDA in bf16/fp16 at tensor-parallel size 1 (models/fp8_linear.py)."""
+    dequantizing them at load; None: on CUDA in bf16/fp16 at tensor-parallel size 1 (models/fp8_linear.py);
+    True on the CPU computes them with the torch reference (tests)."""
     src = resolve(spec)
     if src.kind == "random":
         arch = random_arch(src.shape)

@@ -76,7 +76,11 @@ def keep_fp8(device: str | torch.device, dtype: torch.dtype, requested: bool | N
     parallelism."""
     tp = building_group()
     if requested is None:
-        return torch.device(device).type == "cuda" and HAS_TRITON and dtype in KEEP_DTYPES and tp is None
+        on_gpu = torch.device(device).type == "cuda" and HAS_TRITON and dtype in KEEP_DTYPES
+        if on_gpu and tp is not None:
+            log.info("engine: FP8 block-scaled weights are dequantized at load under tensor parallelism (size %d)",
+                     tp.size)
+        return on_gpu and tp is None
     if requested and tp is not None:
         raise ValueError(f"FP8 weights kept as fp8 under tensor parallelism (size {tp.size}) are not implemented: "
                          "load them dequantized (keep_fp8 None/False) or at tensor-parallel size 1")
