@@ -195,7 +195,7 @@ class ForwardContext:
                spec: AttentionSpec | None = None) -> torch.Tensor:
         if spec is None:
             return self.backend.forward(layer, q, k, v, self.meta)
-        if spec.scale or spec.latent_value_dim:  # the torch backend only (the GPU engine refuses such models)
+        if spec.scale or spec.latent_value_dim:  # backends that take a layer's scale and latent attention
             return self.backend.forward(layer, q, k, v, self.meta, window=spec.window, sinks=spec.sinks,
                                         scale=spec.scale, value_dim=spec.latent_value_dim, index=spec.index)
         return self.backend.forward(layer, q, k, v, self.meta, window=spec.window, sinks=spec.sinks)

@@ -49,9 +49,9 @@ def build_empty_model(arch: ModelArchConfig, dtype: torch.dtype, device: str | t
     modules: FP8 linears kept fp8)."""
     if dtype not in SUPPORTED_DTYPES:
         raise ModelLoadError(f"dtype={dtype}: supported are {SUPPORTED_DTYPES}")
-    if arch.mla is not None and torch.device(device).type != "cpu":
-        raise ModelLoadError(f"{arch.architecture} (latent attention, MLA) runs on CPU only: no GPU latent-attention "
-                             f"kernel yet (device {device})")
+    if arch.mla is not None and arch.mla.index_topk and torch.device(device).type != "cpu":
+        raise ModelLoadError(f"{arch.architecture} with sparse attention (index_topk={arch.mla.index_topk}, "
+                             f"DeepSeek-V3.2's indexer) runs on CPU only: no GPU top-k selection kernel (device {device})")
     with torch.device("meta"):
         model = get_model_class(arch.architecture)(arch)
     model = model.to(dtype=dtype)

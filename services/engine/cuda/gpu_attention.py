@@ -4,13 +4,22 @@ A step's flat batch holds ``meta.num_decode`` one-token sequences first, then pr
 writes the new K/V into the paged cache (``store_kv``), then runs the paged decode kernel over the
 decode rows and the extend (prefill) kernel over the rest. Every launch size comes from host lists
 (``meta.context_lens_host`` / ``meta.query_lens``), so a forward never waits on the device.
+
+Latent attention (MLA, ``AttentionSpec.latent_value_dim``): k and v are the two halves of each token's latent,
+stored by the same ``store_kv`` into the K and V planes; the latent kernels (``mla_decode_attention``,
+``mla_prefill_attention``) read it from there in place, the query [T, H, key_dim] meeting the whole latent and the
+output [T, H, value_dim] the weighted sum of its first value_dim values.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from services.engine.attention import AttentionMetadata
+from services.engine.attention import AttentionMetadata, IndexQuery
+from services.kernels.mla_decode_attention import mla_decode_attention
+from services.kernels.mla_prefill_attention import mla_prefill_attention
 from services.kernels.paged_decode_attention import paged_decode_attention
 from services.kernels.prefill_attention import prefill_attention
 from services.kernels.store_kv import store_kv
@@ -40,32 +49,65 @@ class TritonPagedAttention:
         return self._prefill_cu
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, window: int = 0, sinks: torch.Tensor | None = None, scale: float = 0.0,
+                value_dim: int = 0, index: IndexQuery | None = None) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] -> out [T, H, D]; k/v are stored at meta.slot_mapping first.
         ``window`` (tokens, 0: full) is a Python int per layer, so a captured CUDA graph holds each layer's own;
-        ``sinks`` is fp32 [H] (the layer's parameter: a graph replay reads its current values)."""
+        ``sinks`` is fp32 [H] (the layer's parameter: a graph replay reads its current values); ``scale``: the
+        layer's softmax scale (0: this backend's). ``value_dim``: latent attention (k/v the latent's halves, q
+        [T, H, key_dim] -> out [T, H, value_dim]); ``index`` (DeepSeek-V3.2's top-k selection) has no GPU kernel:
+        the loader refuses such models on a GPU."""
         k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        scale = scale or self.scale
+        if value_dim:
+            assert index is None, "sparse (indexed) latent attention has no GPU kernel (index_topk)"
+            return self._rows(q, meta, value_dim,
+                              lambda qd: self._latent_decode(qd, k_cache, v_cache, meta, scale, value_dim),
+                              lambda qp: self._latent_prefill(qp, k_cache, v_cache, meta, scale, value_dim))
+        return self._rows(q, meta, q.shape[-1],
+                          lambda qd: self._decode(qd, k_cache, v_cache, meta, scale, window, sinks),
+                          lambda qp: self._prefill(qp, k_cache, v_cache, meta, scale, window, sinks))
+
+    @staticmethod
+    def _rows(q: torch.Tensor, meta: AttentionMetadata, width: int, decode: Callable[[torch.Tensor], torch.Tensor],
+              prefill: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """[T, H, width]: ``decode`` of the first meta.num_decode rows, ``prefill`` of the rest."""
         nd = meta.num_decode
-        nseq = len(meta.query_lens)
-        if nd == nseq:
-            return self._decode(q, k_cache, v_cache, meta, nd, window, sinks)
+        if nd == len(meta.query_lens):
+            return decode(q)
         if nd == 0:
-            return self._prefill(q, k_cache, v_cache, meta, window, sinks)
-        out = torch.empty_like(q)
-        out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, nd, window, sinks)
-        out[nd:] = self._prefill(q[nd:], k_cache, v_cache, meta, window, sinks)
+            return prefill(q)
+        out = q.new_empty(q.shape[0], q.shape[1], width)
+        out[:nd] = decode(q[:nd])
+        out[nd:] = prefill(q[nd:])
         return out
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, nd: int, window: int, sinks: torch.Tensor | None) -> torch.Tensor:
-        max_len = self.decode_max_context_len or max(meta.context_lens_host[:nd])
-        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd],
-                                      self.scale, max_context_len=max_len, window=window, sinks=sinks)
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float, window: int, sinks: torch.Tensor | None) -> torch.Tensor:
+        nd = meta.num_decode
+        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd], scale,
+                                      max_context_len=self._decode_bound(meta), window=window, sinks=sinks)
 
-    def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 meta: AttentionMetadata, window: int, sinks: torch.Tensor | None) -> torch.Tensor:
+    def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                 scale: float, window: int, sinks: torch.Tensor | None) -> torch.Tensor:
         nd = meta.num_decode
         return prefill_attention(q, k_cache, v_cache, meta.block_tables[nd:], self._prefill_cu_seqlens(meta),
-                                 meta.context_lens[nd:], self.scale, max_seqlen_q=max(meta.query_lens[nd:]),
+                                 meta.context_lens[nd:], scale, max_seqlen_q=max(meta.query_lens[nd:]),
                                  window=window, sinks=sinks)
+
+    def _latent_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                       scale: float, value_dim: int) -> torch.Tensor:
+        nd = meta.num_decode
+        return mla_decode_attention(q, k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd], scale,
+                                    value_dim, max_context_len=self._decode_bound(meta))
+
+    def _latent_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float, value_dim: int) -> torch.Tensor:
+        nd = meta.num_decode
+        return mla_prefill_attention(q, k_cache, v_cache, meta.block_tables[nd:], self._prefill_cu_seqlens(meta),
+                                     meta.context_lens[nd:], scale, value_dim, max_seqlen_q=max(meta.query_lens[nd:]))
+
+    def _decode_bound(self, meta: AttentionMetadata) -> int:
+        """Host bound on the decode rows' contexts: the fixed one while graphs are captured, else the step's."""
+        return self.decode_max_context_len or max(meta.context_lens_host[:meta.num_decode])

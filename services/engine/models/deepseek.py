@@ -11,7 +11,9 @@ meets every cached latent (one shared key: multi-query attention), the softmax-w
 
 The page holds the latent as the K plane (its first half) and the V plane (its second half) of one KV head of
 ``latent // 2`` values (``ModelArchConfig.head_dim``); ``AttentionSpec.latent_value_dim`` tells the backend to
-join the planes into the key and read the value as the key's first ``kv_lora_rank`` values.
+join the planes into the key and read the value as the key's first ``kv_lora_rank`` values: the torch backend on
+CPU, the Triton latent kernels on a GPU (``services/kernels/mla_decode_attention.py``, ``mla_prefill_attention.py``),
+where the model takes the fused path of the Llama decoder (Triton norms, the fused MoE) around the same attention.
 
 DeepSeek-V3.2 adds an indexer per layer (``Indexer``): its index key is cached after the latent (the same two
 planes, wider), and each query attends only to its ``index_topk`` keys of highest index score
@@ -69,6 +71,10 @@ class LatentRotary(nn.Module):
             return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
         return rot(q), rot(k)
+
+    def ensure(self, max_positions: int) -> None:
+        """Grow the cos/sin tables to cover positions [0, max_positions) (RotaryEmbedding.ensure)."""
+        self.rope.ensure(max_positions)
 
 
 class Indexer(nn.Module):
@@ -153,7 +159,8 @@ class MLAAttention(nn.Module):
         o = torch.bmm(out.transpose(0, 1), w[:, nope:].transpose(1, 2))  # [H, T, v]: through W_UV per head
         return self.o_proj(o.transpose(0, 1).reshape(t, h * mla.v_head_dim))
 
-    forward_fused = forward  # no Triton path: MLA models are refused on a GPU at load (model_loader.py)
+    forward_fused = forward
+    """The CUDA path: the same projections; ``ctx.attend`` runs the Triton latent kernels there (gpu_attention.py)."""
 
 
 class DeepseekForCausalLM(MoEForCausalLM):
@@ -178,9 +185,6 @@ class DeepseekForCausalLM(MoEForCausalLM):
 
     def init_buffers(self) -> None:
         self.rotary = self._latent_rotary().to(self.model.norm.weight.device)
-
-    def _use_fused(self, h: torch.Tensor) -> bool:
-        return False  # the plain torch forward (MLA models are refused on a GPU at load)
 
     def _expected_pieces(self) -> set[tuple[str, int, int]]:
         return {p for p in super()._expected_pieces() if ".self_attn." not in p[0]}  # checked by load_weights
