@@ -218,3 +218,77 @@ def test_gpu_kept_fp8_logits_match_the_dequantized_bf16_model(fp8_llama_dir: Pat
             rel = float((a[row] - b[row]).norm() / b[row].norm())
             assert rel < limit, (fp8.name, row, rel)
             assert float((a[row] - c[row]).norm() / c[row].norm()) < limit + 0.02, (fp8.name, row)
+
+
+def _write_fp8_llama(root: Path, hidden: int, inter: int, layers: int = 2, heads: int = 8, vocab: int = 512) -> Path:
+    """A random Llama checkpoint written directly (no transformers): every projection fp8 in 128x128 blocks with
+    its scale grid, embedding, head and norms bf16; the byte-level tokenizer (vocab > 256)."""
+    from safetensors.torch import save_file
+
+    root.mkdir(parents=True)
+    cfg = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=vocab, hidden_size=hidden,
+               intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+               num_key_value_heads=heads // 2, max_position_embeddings=256, rms_norm_eps=1e-5,
+               tie_word_embeddings=False, quantization_config={"quant_method": "fp8", "fmt": "e4m3",
+                                                               "activation_scheme": "dynamic",
+                                                               "weight_block_size": [128, 128]})
+    (root / "config.json").write_text(json.dumps(cfg))
+    gen = torch.Generator().manual_seed(0)
+    kv = hidden // 2
+    shapes = {"self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (kv, hidden), "self_attn.v_proj": (kv, hidden),
+              "self_attn.o_proj": (hidden, hidden), "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
+              "mlp.down_proj": (hidden, inter)}
+    t = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=gen).bfloat16(),
+         "lm_head.weight": (torch.randn(vocab, hidden, generator=gen) * hidden**-0.5).bfloat16(),
+         "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            t[f"{p}{norm}.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+        for name, (n, k) in shapes.items():
+            t[p + name + ".weight"] = (torch.randn(n, k, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+            grid = (-(-n // 128), -(-k // 128))
+            t[p + name + ".weight_scale_inv"] = (torch.rand(grid, generator=gen) + 0.5) / (64 * k**0.5)
+    save_file(t, str(root / "model.safetensors"), metadata={"format": "pt"})
+    return root
+
+
+def _linear_bytes(hidden: int, inter: int, layers: int) -> int:
+    """fp8 bytes of the projections of a _write_fp8_llama checkpoint (one byte per weight)."""
+    return layers * (2 * hidden * hidden + 2 * (hidden // 2) * hidden + 3 * inter * hidden)
+
+
+def test_kept_fp8_model_holds_one_byte_per_projection_weight(tmp_path: Path) -> None:
+    path = _write_fp8_llama(tmp_path / "m", 256, 640)  # 640: gate/up/down end on partial 128-blocks
+    m = load_model(str(path), torch.bfloat16, "cpu", keep_fp8=True).model
+    kept = [mod for mod in m.modules() if isinstance(mod, Fp8BlockLinear)]
+    assert len(kept) == 8 and all(mod.block == (128, 128) for mod in kept)
+    assert sum(mod.weight.numel() * mod.weight.element_size() for mod in kept) == _linear_bytes(256, 640, 2)
+    assert not any(p.dtype == torch.bfloat16 and p.dim() == 2 and "layers" in n for n, p in m.named_parameters())
+
+
+@pytest.mark.gpu
+def test_gpu_load_allocates_the_fp8_bytes_not_a_dense_copy(tmp_path: Path, harness) -> None:
+    """128x128 blocks at 1024/4096 widths: the load's peak GPU memory stays near the fp8 bytes (a bf16 weight of
+    any projection would add 2 bytes per weight), and a 40-token prefill (w8a8, BLOCK_K 128) plus decode steps
+    (w8a16 with a K split) track the dequantized bf16 model."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    import gc
+
+    path = _write_fp8_llama(tmp_path / "m", 1024, 4096)
+    gc.collect()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    ours = load_model(str(path), torch.bfloat16, "cuda")
+    peak = torch.cuda.max_memory_allocated() - base
+    fp8_bytes = _linear_bytes(1024, 4096, 2)
+    assert sum(isinstance(m, Fp8BlockLinear) for m in ours.model.modules()) == 8
+    assert peak < fp8_bytes * 1.1 + 4e6, (peak, fp8_bytes)  # + embedding, head, norms, RoPE tables, scales
+    dequant = load_model(str(path), torch.bfloat16, "cuda", keep_fp8=False)
+    prompt, follow = list(range(20, 60)), [7, 300, 41, 99, 5]
+    a = _forced_logits(ours.model, harness, prompt, follow)
+    b = _forced_logits(dequant.model, harness, prompt, follow)
+    for row in range(a.shape[0]):
+        rel = float((a[row] - b[row]).norm() / b[row].norm())
+        assert rel < 0.12, (row, rel)
