@@ -17,6 +17,7 @@ import torch
 
 from services.engine.model_loader import load_model
 from services.engine.models.fp8_linear import Fp8BlockLinear
+from services.engine.models.quant_linear import install as install_weight_format
 from services.engine.parallel.group import TPGroup, building
 from services.engine.weights.errors import ModelLoadError
 from services.engine.weights.fp8_block import dequantize_block_fp8, dequantized
@@ -265,6 +266,7 @@ def test_kept_fp8_model_holds_one_byte_per_projection_weight(tmp_path: Path) -> 
     assert len(kept) == 8 and all(mod.block == (128, 128) for mod in kept)
     assert sum(mod.weight.numel() * mod.weight.element_size() for mod in kept) == _linear_bytes(256, 640, 2)
     assert not any(p.dtype == torch.bfloat16 and p.dim() == 2 and "layers" in n for n, p in m.named_parameters())
+    assert install_weight_format(m, str(path), "auto", "cpu", torch.bfloat16) == ("fp8", "fp8_checkpoint")
 
 
 @pytest.mark.gpu

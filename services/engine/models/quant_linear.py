@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.engine.model_source import resolve
+from services.engine.models.fp8_linear import Fp8BlockLinear
 from services.engine.models.llama import _STACKED
 from services.engine.weights.gguf_loader import Q4_1_GROUP, GGUFFile, Q4_1Blocks, Q8_0Blocks
 
@@ -41,6 +42,7 @@ WEIGHT_FORMAT_REASONS = {
     "unsupported_dtype": "the int4 kernel takes float32/bfloat16/float16 activations",
     "measured_faster": "int4 measured faster than the dense weight at decode batch sizes on this host",
     "measured_slower": "int4 measured slower than the dense weight at one row on this host",
+    "fp8_checkpoint": "the checkpoint's FP8 block-scaled linears stay fp8 and run the FP8 block GEMM (CUDA)",
 }
 """Why a weight format was chosen (the ``weight_format_reason`` of the engine info metric)."""
 _CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32)
@@ -241,9 +243,12 @@ def calibrate(dense_mod: Callable[[torch.Tensor], torch.Tensor], packed_mod: Cal
 
 def install(model: nn.Module, model_spec: str | None, requested: str, device: str, dtype: torch.dtype,
             preloaded: bool = False) -> tuple[str, str]:
-    """Apply ``--weight-format`` to a loaded model; returns (format in use, WEIGHT_FORMAT_REASONS key).
+    """Apply ``--weight-format`` to a loaded model; returns (format in use, WEIGHT_FORMAT_REASONS key). A model
+    whose FP8 linears were kept fp8 at load reports ``fp8`` whatever was requested.
 
     A ``preloaded`` model (handed to the engine, maybe shared by several) is left as it is and reported."""
+    if any(isinstance(m, Fp8BlockLinear) for m in model.modules()):  # chosen at load (models/fp8_linear.py)
+        return "fp8", "fp8_checkpoint"
     if preloaded:
         swapped = any(isinstance(m, Int4Linear) for m in model.modules())
         return ("int4" if swapped else "dequantized"), "preloaded"
