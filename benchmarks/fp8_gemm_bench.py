@@ -232,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     for n, k in shapes:
         try:
             w, s = _weights(n, k, device)
-            w_bf16 = ref_fp8_block_dequantize(w, s, BLOCK).to(torch.bfloat16 if device.type == "cuda" else torch.float32)
+            dense_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+            w_bf16 = ref_fp8_block_dequantize(w, s, BLOCK).to(dense_dtype)
         except Exception:
             err = traceback.format_exc()
             print(err, file=sys.stderr)
