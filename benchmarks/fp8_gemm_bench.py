@@ -11,7 +11,8 @@ without fast accumulation). Then per weight shape N x K (block 128 x 128) and M 
   - the automatic path (w8a16 for M <= W8A16_MAX_M, else w8a8): time, TFLOP/s (2 M N K / time) and its
     fraction of the FP8 and bf16 ceilings; at M <= 256 the bytes the call must read (fp8 weight + scales +
     x + y) over the time against the copy ceiling, and both paths forced (to check W8A16_MAX_M);
-  - at M = 1 the call replayed from a CUDA graph (the GPU time without Python launch costs);
+  - at M = 1 the call replayed from a CUDA graph (the GPU time without Python launch costs); on w8a8 rows
+    the activation-quant kernel alone;
   - torch's bf16 matmul with the dequantized weight (what the engine ran before) and the speed-up;
   - the relative error ||y - ref|| / ||ref|| against the fp32 dequantize-then-matmul reference;
   - at M >= 2048 (--sweep) a few other w8a8 tile configs.
@@ -62,6 +63,7 @@ class Row:
     w8a16_us: float | None = None
     w8a8_us: float | None = None
     graph_us: float | None = None
+    quant_us: float | None = None
     bf16_us: float | None = None
     rel_err: float | None = None
     error: str | None = None
@@ -121,6 +123,7 @@ def case(n: int, k: int, m: int, w: torch.Tensor, s: torch.Tensor, w_bf16: torch
     from services.kernels.fp8_block_gemm import (  # after main() chose the interpreter or the GPU
         W8A16_MAX_M,
         Fp8GemmConfig,
+        act_quant,
         fp8_block_gemm,
         tile_config,
         w8a8_supported,
@@ -152,6 +155,8 @@ def case(n: int, k: int, m: int, w: torch.Tensor, s: torch.Tensor, w_bf16: torch
             fp8_block_gemm(x, w, s, BLOCK)
         row.graph_us = bench_us(graph.replay, device)
     row.bf16_us = bench_us(lambda: x @ w_bf16.T, device)
+    if not w8a16:
+        row.quant_us = bench_us(lambda: act_quant(x, BLOCK[1]), device)
     if sweep and m >= 2048:
         times = {}
         for bm, bn, warps, stages, gm in ((64, 128, 4, 3, 8), (128, 128, 8, 3, 8), (128, 128, 8, 4, 8),
@@ -183,7 +188,7 @@ def print_table(rows: list[Row], ceil: dict[str, float]) -> None:
           f"{_fmt(ceil.get('bf16_tflops'), '.0f')} TFLOP/s, fp8 _scaled_mm {_fmt(ceil.get('fp8_tflops'), '.0f')} "
           f"TFLOP/s (fast accum {_fmt(ceil.get('fp8_fast_tflops'), '.0f')})")
     hdr = (f"{'N x K':<13}{'M':>6}{'path':>7}{'us':>9}{'TFLOP/s':>9}{'of fp8':>8}{'of bf16':>8}{'MB':>8}"
-           f"{'of copy':>8}{'w8a16':>9}{'w8a8':>9}{'graph':>8}{'bf16 mm':>9}{'x bf16':>7}{'rel err':>9}")
+           f"{'of copy':>8}{'w8a16':>9}{'w8a8':>9}{'graph':>8}{'quant':>8}{'bf16 mm':>9}{'x bf16':>7}{'rel err':>9}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
@@ -195,10 +200,10 @@ def print_table(rows: list[Row], ceil: dict[str, float]) -> None:
         print(f"{name:<13}{r.m:>6}{r.path:>7}{_fmt(r.us, '9.1f')}{_fmt(r.tflops, '9.1f')}{_fmt(r.of_fp8, '8.2f')}"
               f"{_fmt(r.of_bf16, '8.2f')}{_fmt(r.bytes_read / 1e6 if r.bytes_read else None, '8.1f')}"
               f"{_fmt(r.of_copy, '8.2f')}{_fmt(r.w8a16_us, '9.1f')}{_fmt(r.w8a8_us, '9.1f')}"
-              f"{_fmt(r.graph_us, '8.1f')}{_fmt(r.bf16_us, '9.1f')}{_fmt(speedup, '7.2f')}{_fmt(r.rel_err, '9.1e')}")
+              f"{_fmt(r.graph_us, '8.1f')}{_fmt(r.quant_us, '8.1f')}{_fmt(r.bf16_us, '9.1f')}{_fmt(speedup, '7.2f')}{_fmt(r.rel_err, '9.1e')}")
     print("of fp8 / of bf16: TFLOP/s over the _scaled_mm / bf16 matmul ceilings; of copy: (fp8 weight + scales + x "
           "+ y bytes) / time / copy GB/s; w8a16, w8a8: both paths forced; graph: the M=1 call replayed from a CUDA "
-          "graph; x bf16: torch bf16 matmul time (dequantized weight) / ours")
+          "graph; quant: the activation-quant kernel alone (w8a8 rows); x bf16: torch bf16 matmul time (dequantized weight) / ours")
     for r in rows:
         if r.extra.get("best_config"):
             print(f"sweep {r.n}x{r.k} M={r.m}: default {r.extra['config']} {r.us:.1f} us, best "
