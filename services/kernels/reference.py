@@ -156,8 +156,9 @@ def ref_mla_decode_attention(
     v = _gather_kv(values, block_tables, nblk).transpose(1, 2)
     pos = torch.arange(nblk * block_size, device=q.device)
     mask = pos[None, :] < context_lens[:, None].to(pos.dtype)
-    out = _attention(q[:, :, None, :], k, v, mask[:, None, None, :], scale, None)
-    return out[:, :, 0, :]
+    # One shared key: the H heads are H query rows of one head (no per-head copy of the keys).
+    out = _attention(q[:, None], k, v, mask[:, None, None, :], scale, None)  # [B, 1, H, value_dim]
+    return out[:, 0]
 
 
 def ref_mla_prefill_attention(
@@ -187,7 +188,10 @@ def ref_mla_prefill_attention(
         v = _gather_kv(values, block_tables[b : b + 1], nblk)[0, :ctx].transpose(0, 1)
         qpos = torch.arange(ctx - (q1 - q0), ctx, device=q.device)
         mask = qpos[:, None] >= torch.arange(ctx, device=q.device)[None, :]
-        out[q0:q1] = _attention(q[q0:q1].transpose(0, 1), k, v, mask, scale, None).transpose(0, 1)
+        heads = q.shape[1]
+        # One shared key: the (token, head) pairs are the query rows of one head, token-major.
+        o = _attention(q[q0:q1].reshape(1, -1, q.shape[2]), k, v, mask.repeat_interleave(heads, 0), scale, None)
+        out[q0:q1] = o.view(q1 - q0, heads, value_dim)
     return out
 
 

@@ -1,0 +1,246 @@
+"""MLA (DeepSeek latent attention) on a GPU: the Triton latent kernels at DeepSeek-V2-Lite shapes and the engine's
+decode step of ``random:deepseek-v2-lite``, each against a ceiling measured first in the same run.
+
+    python -m benchmarks.mla_bench --section kernels --out results/mla_kernels.json
+    python -m benchmarks.mla_bench --section engine --out results/mla_engine.json
+    python -m benchmarks.mla_bench --device cpu --out /tmp/mla.json    (tiny shapes under the Triton
+                                                                        interpreter: the plumbing, not the speed)
+
+Ceilings: device-to-device copy bandwidth (clone of 1 GiB, read + write) and sustained bf16 matmul (8192^3).
+
+kernels: ``mla_decode_attention`` at 16 heads x (512 + 64)-value latent, bf16, 16-token pages scattered over the
+pool, batch 1 / 64 / 256 x context 1024 / 4096: time, bytes read (the latents, B x ctx x 576 x 2 B, plus queries
+and outputs) and their ratio to the copy ceiling, the max error against the fp32 torch reference and the time of
+the torch reference in bf16 (gather + SDPA); one case launched with the fixed bound a CUDA graph is captured with
+(max_context_len 32768 for 1024-token contexts). ``mla_prefill_attention``: a 4096-token prompt and a 2048-token
+chunk after a 2048-token prefix: absorbed FLOPs (2 x H x (576 + 512) per causal (query, key) pair) / time against
+the matmul ceiling.
+
+engine: ``random:deepseek-v2-lite`` (27 layers, hidden 2048, 16 heads, kv_lora_rank 512, rope 64, nope 128, v 128,
+64 routed experts top-6 + 2 shared, layer 0 dense), 1024-token prompts, decode step at batch 1 / 64 / 256 as the
+engine runs it (CUDA graphs), against bytes read / copy ceiling (benchmarks/moe_engine_bench.py ``bench_decode``).
+The bytes a step reads:
+  - every weight but the embedding table and the routed experts: attention projections (q_proj, kv_a_proj_with_mqa,
+    kv_b_proj, o_proj, latent norms), layer 0's dense MLP, the shared experts, routers, norms and the LM head;
+  - the routed experts the step's routing hits, counted per MoE call on an eager step of the same batch;
+  - the latent KV of the batch: B x mean context x 27 layers x 576 values x 2 B (a page holds nothing else).
+Not counted: activations, the split-K partials (B x 16 heads x partitions x 512 fp32 per layer), sampling.
+Each case fails soft: its error is printed and recorded, and the run continues.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.moe_bench import bench_us, ceilings
+from services.engine.weights.random_weights import RANDOM_SHAPES, random_arch
+from services.kernels.reference import ref_mla_decode_attention, ref_mla_prefill_attention
+
+MODEL = "deepseek-v2-lite"
+HEADS, LORA, ROPE, BLOCK = 16, 512, 64, 16
+DECODE = [(b, c) for b in (1, 64, 256) for c in (1024, 4096)]
+GRAPH_BOUND = (64, 1024, 32768)
+"""(batch, context, max_context_len): the decode launch a CUDA graph captured for max_model_len 32768 replays."""
+PREFILL = ((4096, 4096), (2048, 4096))
+"""(new tokens, context) of one sequence: a whole prompt, a chunk after a cached prefix."""
+ENGINE_BATCHES = (1, 64, 256)
+TINY_DECODE, TINY_PREFILL, TINY_HEADS, TINY_LATENT = [(1, 20), (3, 50)], ((9, 9), (5, 30)), 4, (32, 8)
+
+
+def _pool(batch: int, context: int, latent: tuple[int, int], dtype: torch.dtype, device: torch.device
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pool [2, blocks, BLOCK, 1, half] of random latents, block tables int32 [B, ctx/BLOCK] of shuffled blocks,
+    context lens int32 [B]): the engine's K and V planes of one layer."""
+    per_seq = -(-context // BLOCK)
+    blocks = batch * per_seq + 1
+    gen = torch.Generator(device=device).manual_seed(batch * 7919 + context)
+    pool = torch.randn((2, blocks, BLOCK, 1, sum(latent) // 2), generator=gen, device=device).to(dtype)
+    tables = torch.randperm(blocks, generator=gen, device=device)[:batch * per_seq].view(batch, per_seq)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    return pool, tables.to(torch.int32).contiguous(), lens
+
+
+def decode_case(batch: int, context: int, bound: int | None, heads: int, latent: tuple[int, int], scale: float,
+                device: torch.device, ceil: dict[str, float]) -> dict[str, Any]:
+    # imported here: after main() settled TRITON_INTERPRET
+    from services.kernels.mla_decode_attention import mla_decode_attention
+
+    dtype = torch.bfloat16
+    pool, tables, lens = _pool(batch, context, latent, dtype, device)
+    key_dim, value_dim = sum(latent), latent[0]
+    q = torch.randn((batch, heads, key_dim), device=device).to(dtype)
+
+    def run() -> torch.Tensor:
+        return mla_decode_attention(q, pool[0], pool[1], tables, lens, scale, value_dim, max_context_len=bound or context)
+
+    out = run()
+    ref = ref_mla_decode_attention(q.float(), pool[0].float(), pool[1].float(), tables, lens, scale, value_dim)
+    row: dict[str, Any] = {"kernel": "decode", "batch": batch, "context": context, "max_context_len": bound or context,
+                           "max_abs_err": float((out.float() - ref).abs().max()), "ref_abs_max": float(ref.abs().max())}
+    del ref
+    row["triton_us"] = bench_us(run, device)
+    row["torch_bf16_us"] = bench_us(
+        lambda: ref_mla_decode_attention(q, pool[0], pool[1], tables, lens, scale, value_dim, context), device,
+        rep_ms=50)
+    elem = q.element_size()
+    row["bytes"] = batch * context * key_dim * elem + q.numel() * elem + out.numel() * elem
+    if ceil.get("copy_gbps"):
+        row["fraction_of_ceiling"] = row["bytes"] / (row["triton_us"] * 1e-6) / 1e9 / ceil["copy_gbps"]
+    return row
+
+
+def prefill_case(new: int, context: int, heads: int, latent: tuple[int, int], scale: float, device: torch.device,
+                 ceil: dict[str, float]) -> dict[str, Any]:
+    # imported here: after main() settled TRITON_INTERPRET
+    from services.kernels.mla_prefill_attention import mla_prefill_attention
+
+    dtype = torch.bfloat16
+    pool, tables, lens = _pool(1, context, latent, dtype, device)
+    key_dim, value_dim = sum(latent), latent[0]
+    q = torch.randn((new, heads, key_dim), device=device).to(dtype)
+    cu = torch.tensor([0, new], dtype=torch.int32, device=device)
+
+    def run() -> torch.Tensor:
+        return mla_prefill_attention(q, pool[0], pool[1], tables, cu, lens, scale, value_dim, max_seqlen_q=new)
+
+    out = run()
+    ref = ref_mla_prefill_attention(q.float(), pool[0].float(), pool[1].float(), tables, cu, lens, scale, value_dim)
+    row: dict[str, Any] = {"kernel": "prefill", "tokens": new, "context": context,
+                           "max_abs_err": float((out.float() - ref).abs().max()), "ref_abs_max": float(ref.abs().max())}
+    del ref
+    row["triton_us"] = bench_us(run, device)
+    pairs = new * (context - new) + new * (new + 1) // 2  # causal (query, key) pairs
+    row["flops"] = 2.0 * heads * (key_dim + value_dim) * pairs
+    if ceil.get("matmul_tflops"):
+        row["fraction_of_ceiling"] = row["flops"] / (row["triton_us"] * 1e-6) / 1e12 / ceil["matmul_tflops"]
+    return row
+
+
+def kernel_cases(device: torch.device, ceil: dict[str, float]) -> list[dict[str, Any]]:
+    cuda = device.type == "cuda"
+    mla = random_arch(MODEL).mla
+    assert mla is not None
+    heads, latent = (HEADS, (LORA, ROPE)) if cuda else (TINY_HEADS, TINY_LATENT)
+    decode = [(b, c, None) for b, c in DECODE] + [GRAPH_BOUND] if cuda else [(b, c, None) for b, c in TINY_DECODE]
+    jobs = [(f"decode B={b} ctx={c}" + (f" bound={m}" if m else ""),
+             lambda b=b, c=c, m=m: decode_case(b, c, m, heads, latent, mla.scale, device, ceil)) for b, c, m in decode]
+    jobs += [(f"prefill T={n} ctx={c}", lambda n=n, c=c: prefill_case(n, c, heads, latent, mla.scale, device, ceil))
+             for n, c in (PREFILL if cuda else TINY_PREFILL)]
+    rows = []
+    for what, job in jobs:
+        print(f"kernels: {what} ...", flush=True)
+        try:
+            rows.append(job())
+        except Exception:
+            err = traceback.format_exc()
+            print(err, file=sys.stderr)
+            rows.append({"kernel": what, "error": err})
+        if cuda:
+            torch.cuda.empty_cache()
+    print_kernels(rows)
+    return rows
+
+
+def print_kernels(rows: list[dict[str, Any]]) -> None:
+    print(f"\n{'kernel':<9}{'B/T':>6}{'ctx':>7}{'bound':>7}{'triton us':>11}{'torch us':>10}{'MB read':>9}"
+          f"{'TFLOP/s':>9}{'of ceil':>9}{'err':>10}")
+    for r in rows:
+        if "triton_us" not in r:
+            print(f"{r['kernel']:<40} {r.get('error', '').strip().splitlines()[-1]}")
+            continue
+        dec = r["kernel"] == "decode"
+        mb = f"{r['bytes'] / 1e6:9.1f}" if dec else f"{'-':>9}"
+        tf = f"{'-':>9}" if dec else f"{r['flops'] / (r['triton_us'] * 1e-6) / 1e12:9.1f}"
+        torch_us = f"{r['torch_bf16_us']:10.1f}" if "torch_bf16_us" in r else f"{'-':>10}"
+        frac = r.get("fraction_of_ceiling")
+        print(f"{r['kernel']:<9}{r['batch'] if dec else r['tokens']:>6}{r['context']:>7}"
+              f"{r.get('max_context_len', r['context']):>7}{r['triton_us']:>11.1f}{torch_us}{mb}{tf}"
+              f"{'-' if frac is None else format(frac, '.2f'):>9}{r['max_abs_err']:>10.2e}")
+    print("of ceil: decode = bytes read / time / copy GB/s; prefill = absorbed FLOPs / time / matmul TFLOP/s")
+
+
+def engine_section(ceil: dict[str, float]) -> list[dict[str, Any]]:
+    # Imported here: it loads the engine and the Triton kernel modules (CUDA only).
+    from benchmarks.moe_engine_bench import bench_decode, print_engine
+    from services.engine.model_loader import load_model
+
+    spec = f"random:{MODEL}"
+    if MODEL not in RANDOM_SHAPES:
+        print(f"engine: {spec} is not a random shape in this checkout; skipped", flush=True)
+        return [{"model": spec, "skipped": "not a random shape in this checkout"}]
+    print(f"engine: loading {spec} ...", flush=True)
+    try:
+        loaded = load_model(spec, torch.bfloat16, "cuda")
+    except Exception as e:
+        print(f"engine: {spec} does not load: {e}", flush=True)
+        return [{"model": spec, "error": f"load: {e}"}]
+    rows: list[dict[str, Any]] = []
+    for batch in ENGINE_BATCHES:
+        print(f"engine: {spec} decode B={batch} ...", flush=True)
+        try:
+            rows.append(bench_decode(loaded, spec, batch, ceil))
+        except Exception:
+            err = traceback.format_exc()
+            print(err, file=sys.stderr)
+            rows.append({"model": spec, "phase": "decode", "batch": batch, "error": err})
+        torch.cuda.empty_cache()
+    print_engine(rows)
+    print("\nbytes a decode step reads (GB): weights but routed experts + routed experts hit + latent KV; "
+          "tokens/s at that step time")
+    for r in rows:
+        if "bytes" in r:
+            print(f"  B={r['batch']:<4} {r['dense_weight_bytes'] / 1e9:6.2f} + {r['expert_bytes_hit'] / 1e9:6.2f} + "
+                  f"{r['kv_bytes'] / 1e9:6.2f} = {r['bytes'] / 1e9:6.2f} GB in {r['step_ms']:.2f} ms "
+                  f"(mean context {r['avg_context']:.0f}; {r['batch'] / r['step_ms'] * 1e3:.0f} tok/s)")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.mla_bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("mla_bench.json"), help="JSON results path")
+    parser.add_argument("--section", choices=("all", "kernels", "engine"), default="all")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cuda: real shapes; cpu: tiny kernel shapes under the Triton interpreter (plumbing)")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("mla_bench: no CUDA device here (use --device cpu for the plumbing check)", file=sys.stderr)
+        return 2
+    if args.device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # read when the kernel modules are first imported (in the cases)
+    device = torch.device(args.device)
+    torch.set_grad_enabled(False)
+
+    ceil: dict[str, float] = {}
+    try:
+        ceil = ceilings(device)
+        print(f"ceilings: copy {ceil['copy_gbps']:.1f} GB/s, matmul {ceil['matmul_tflops']:.1f} TFLOP/s", flush=True)
+    except Exception:
+        traceback.print_exc()
+    kernels = kernel_cases(device, ceil) if args.section in ("all", "kernels") else []
+    engine: list[dict[str, Any]] = []
+    if args.section in ("all", "engine"):
+        if device.type == "cuda" and ceil:
+            engine = engine_section(ceil)
+        else:
+            print("engine: needs CUDA and the ceilings; skipped")
+    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+              "ceilings": ceil, "kernels": kernels, "engine": engine}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+    return 1 if any(r.get("error") for r in kernels + engine) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
