@@ -55,7 +55,7 @@ class Fp8GemmConfig:
     num_stages: int = 3
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # row counts of one tile config share a compile
 def _act_quant_kernel(
     X_ptr,
     Q_ptr,
@@ -102,7 +102,7 @@ def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.co
     return first_m + (pid % per_group) % group_size, (pid % per_group) // group_size
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # row counts of one tile config share a compile
 def _fp8_block_gemm_kernel(
     A_ptr,
     As_ptr,
@@ -158,7 +158,7 @@ def _fp8_block_gemm_kernel(
     tl.store(y_ptrs, acc.to(Y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # row counts of one tile config share a compile
 def _fp8_block_gemm_w8a16_kernel(
     X_ptr,
     W_ptr,
