@@ -2,7 +2,7 @@
 decode step of ``random:deepseek-v2-lite``, each against a ceiling measured first in the same run.
 
     python -m benchmarks.mla_bench --section kernels --out results/mla_kernels.json
-    python -m benchmarks.mla_bench --section engine --out results/mla_engine.json
+    python -m benchmarks.mla_bench --section engine --out results/mla_engine.json    (--batches 1,64 to split it)
     python -m benchmarks.mla_bench --device cpu --out /tmp/mla.json    (tiny shapes under the Triton
                                                                         interpreter: the plumbing, not the speed)
 
@@ -169,7 +169,7 @@ def print_kernels(rows: list[dict[str, Any]]) -> None:
     print("of ceil: decode = bytes read / time / copy GB/s; prefill = absorbed FLOPs / time / matmul TFLOP/s")
 
 
-def engine_section(ceil: dict[str, float]) -> list[dict[str, Any]]:
+def engine_section(ceil: dict[str, float], batches: tuple[int, ...] = ENGINE_BATCHES) -> list[dict[str, Any]]:
     # Imported here: it loads the engine and the Triton kernel modules (CUDA only).
     from benchmarks.moe_engine_bench import bench_decode, print_engine
     from services.engine.model_loader import load_model
@@ -185,7 +185,7 @@ def engine_section(ceil: dict[str, float]) -> list[dict[str, Any]]:
         print(f"engine: {spec} does not load: {e}", flush=True)
         return [{"model": spec, "error": f"load: {e}"}]
     rows: list[dict[str, Any]] = []
-    for batch in ENGINE_BATCHES:
+    for batch in batches:
         print(f"engine: {spec} decode B={batch} ...", flush=True)
         try:
             rows.append(bench_decode(loaded, spec, batch, ceil))
@@ -210,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("mla_bench.json"), help="JSON results path")
     parser.add_argument("--section", choices=("all", "kernels", "engine"), default="all")
+    parser.add_argument("--batches", default=",".join(map(str, ENGINE_BATCHES)),
+                        help="engine section: decode batch sizes, comma-separated (default %(default)s)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cuda: real shapes; cpu: tiny kernel shapes under the Triton interpreter (plumbing)")
     args = parser.parse_args(argv)
@@ -231,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     engine: list[dict[str, Any]] = []
     if args.section in ("all", "engine"):
         if device.type == "cuda" and ceil:
-            engine = engine_section(ceil)
+            engine = engine_section(ceil, tuple(int(b) for b in args.batches.split(",")))
         else:
             print("engine: needs CUDA and the ceilings; skipped")
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
