@@ -106,7 +106,8 @@ class LocalCluster:
                  kv_transport: str = "grpc", tls_dir: str | os.PathLike[str] | None = None,
                  api_key: str | None = None, api_key_file: str | None = None, supervise: bool = False,
                  restart_policy: RestartPolicy | None = None, pin_cores: bool = False,
-                 metrics_port_base: int = 0, lend_cores: bool = True) -> None:
+                 metrics_port_base: int = 0, lend_cores: bool = True,
+                 log_dir: str | os.PathLike[str] | None = None) -> None:
         self.n_prefill, self.n_decode, self.kvstore = prefill, decode, kvstore
         self.model, self.dtype, self.host = model, dtype, host
         self.http_port, self.grpc_port = http_port, grpc_port
@@ -127,6 +128,11 @@ class LocalCluster:
         # prefill-i N+3+i, decode-j / worker-j after the prefills (metrics_port()).
         self.metrics_port_base = metrics_port_base
         self.quiet = quiet
+        # Each service writes its output to <log_dir>/<name>.log itself (nothing relayed through this
+        # process once it is ready); None: piped to the launcher (echoed unless quiet).
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
         self.tls_dir = Path(tls_dir) if tls_dir is not None else None
         # The router's API key(s): given to the router alone, in its environment (not its argv, which
         # every local user can read).
@@ -187,7 +193,9 @@ class LocalCluster:
 
     def _spawn(self, name: str, module: str, args: list[str]) -> Proc:
         """Start one service process now (no ports picked: ``args`` say them)."""
-        proc = Proc(name, module, self._command(name, module, args), self._env_for(module), echo=not self.quiet)
+        log_path = self.log_dir / f"{name}.log" if self.log_dir is not None else None
+        proc = Proc(name, module, self._command(name, module, args), self._env_for(module), echo=not self.quiet,
+                    log_path=log_path)
         proc.launch()
         with self._lock:
             self.procs.append(proc)

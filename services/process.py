@@ -14,7 +14,9 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 _OUTPUT_LOCK = threading.RLock()
 """Re-entrant: ``pdserve up``'s signal handler prints too, and may run inside an emit() of the main thread."""
@@ -30,6 +32,10 @@ def emit(line: str, *, err: bool = False) -> None:
 
 READY_PREFIX = "PDSERVE_READY "
 _BIND_ERRORS = ("cannot bind", "address already in use")
+_LOG_POLL_S = 0.05
+"""How often a service's log file is read while the launcher waits for its ready line (seconds)."""
+_TAIL_BYTES = 64 << 10
+"""How much of the end of a service's log file the launcher reads for its last lines (bytes)."""
 
 
 def parse_ready(line: str) -> dict[str, str] | None:
@@ -77,13 +83,18 @@ class RestartPolicy:
 class ServiceProc:
     """A service process and the state a supervisor keeps about it."""
 
-    def __init__(self, name: str, module: str, cmd: list[str], env: dict[str, str], *, echo: bool) -> None:
+    def __init__(self, name: str, module: str, cmd: list[str], env: dict[str, str], *, echo: bool,
+                 log_path: Path | None = None) -> None:
         self.name, self.module, self.cmd, self.env, self.echo = name, module, cmd, env, echo
+        self.log_path = log_path
+        """The service writes its output to this file itself (appended across launches): the launcher reads
+        it only up to the ready line and for the last lines after an exit, so the service's log lines never
+        pass through the launcher. None: the output comes through a pipe, kept and echoed (``echo``)."""
         self.popen: subprocess.Popen[str] | None = None
         # key=value pairs of the current launch's ready line (empty until it is printed).
         self.ready: dict[str, str] = {}
         self.event = threading.Event()
-        self.lines: list[str] = []  # the last 400 output lines, across launches
+        self.lines: list[str] = []  # piped output: the last 400 lines, across launches
         # Supervisor state: held (being stopped/restarted on purpose), restart_due (monotonic time of a
         # scheduled restart), restart_times (monotonic times of past restarts), announce (log when ready).
         self.held = False
@@ -98,10 +109,18 @@ class ServiceProc:
         self.ready = {}
         self._cleaned = False
         event = self.event = threading.Event()
-        popen = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 text=True, env=self.env, start_new_session=True)
+        if self.log_path is not None:
+            with open(self.log_path, "ab") as log:
+                start = log.tell()
+                popen = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         text=True, env=self.env, start_new_session=True)
+            target, args = self._watch_file, (popen, event, start)
+        else:
+            popen = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, text=True, env=self.env, start_new_session=True)
+            target, args = self._pump, (popen, event)
         self.popen = popen
-        pump = threading.Thread(target=self._pump, args=(popen, event), name=f"pdserve-out-{self.name}", daemon=True)
+        pump = threading.Thread(target=target, args=args, name=f"pdserve-out-{self.name}", daemon=True)
         pump.start()
         self._pumps = [t for t in self._pumps if t.is_alive()] + [pump]
 
@@ -119,16 +138,51 @@ class ServiceProc:
                 emit(f"[{self.name}] {line}")
         event.set()
 
+    def _watch_file(self, popen: subprocess.Popen[str], event: threading.Event, start: int) -> None:
+        """Read this launch's part of the log file (from byte ``start``) until its ready line or its exit, then
+        stop reading: what the service logs after that never passes through the launcher."""
+        assert self.log_path is not None
+        with open(self.log_path, "rb") as f:
+            f.seek(start)
+            pending = b""
+            while True:
+                exited = popen.poll() is not None
+                chunk = f.read()
+                pending += chunk
+                *whole, pending = pending.split(b"\n")
+                for raw in whole:
+                    info = parse_ready(raw.decode(errors="replace"))
+                    if info is not None and popen is self.popen:
+                        self.ready = info
+                        event.set()
+                        return
+                if exited and not chunk:
+                    break
+                time.sleep(_LOG_POLL_S)
+        event.set()
+
+    def recent_lines(self, n: int) -> list[str]:
+        """The last ``n`` lines the service wrote (across launches)."""
+        if self.log_path is None:
+            return self.lines[-n:]
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - _TAIL_BYTES))
+                data = f.read()
+        except OSError:
+            return []
+        return data.decode(errors="replace").splitlines()[-n:]
+
     def wait_ready(self, timeout: float) -> bool:
         """Wait for this launch's ready line; False if it exited first or ``timeout`` passed."""
         return self.event.wait(timeout) and bool(self.ready)
 
     def tail(self, n: int) -> str:
-        return "\n".join(self.lines[-n:])
+        return "\n".join(self.recent_lines(n))
 
     def bind_failed(self) -> bool:
         """Whether the last output says a port could not be bound (someone else took it)."""
-        return any(e in line.lower() for line in self.lines[-60:] for e in _BIND_ERRORS)
+        return any(e in line.lower() for line in self.recent_lines(60) for e in _BIND_ERRORS)
 
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the process group of the current launch (nothing once it has been reaped:

@@ -121,6 +121,10 @@ class UpConfig:
     prometheus_sd: str = opt("", "Write the services' metrics addresses here as a Prometheus file_sd target "
                                  "list (deploy/prometheus/prometheus-local.yml reads targets/*.json).",
                              env=_env("prometheus_sd"), group=_NET)
+    log_dir: str = opt("", "Each service writes its output to DIR/<name>.log itself (the launcher reads a file only "
+                           "up to the service's ready line and after an exit, so no log line of a busy cluster "
+                           "passes through it); empty: every service's lines are relayed to this terminal, "
+                           "prefixed with its name.", env=_env("log_dir"), group=_CLUSTER)
     insecure_internal: bool = opt(False, "Plaintext internal RPCs (Prefill, Reserve, PushKV, kvstore Put/Get): any "
                                          "local process can call them. Default: mTLS with a fresh CA and per-role "
                                          "certificates made at start in a private directory removed at exit.",
@@ -205,6 +209,8 @@ def _print_endpoints(cfg: UpConfig, cluster: LocalCluster, tls_dir: Path | None,
     if dial_host(cfg.host) != cfg.host:
         _say(f"every port above is bound on {cfg.host or 'every interface'}: other hosts reach them at this "
              "host's addresses")
+    if cluster.log_dir is not None:
+        _say(f"service logs: {cluster.log_dir}/<name>.log (not relayed here)")
     if tls_dir is not None:
         _say(f"mTLS between all services; certificates in {tls_dir} (gRPC clients of the router present "
              "client.pem/client-key.pem and trust ca.pem)")
@@ -313,7 +319,8 @@ def _run(cfg: UpConfig, tls_dir: Path | None, key: str | None,
                            api_key=None if cfg.api_key_file else key,
                            api_key_file=str(Path(cfg.api_key_file).resolve()) if cfg.api_key_file else None,
                            supervise=cfg.restart, restart_policy=policy, pin_cores=cfg.pin_cores,
-                           metrics_port_base=cfg.metrics_port_base, extra=extra, lend_cores=cfg.lend_cores)
+                           metrics_port_base=cfg.metrics_port_base, extra=extra, lend_cores=cfg.lend_cores,
+                           log_dir=cfg.log_dir or None)
     stop = threading.Event()
 
     first_signal: list[float] = []  # monotonic time of the first stop signal

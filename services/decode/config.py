@@ -18,20 +18,22 @@ class DecodeConfig(ServerConfig, TracingConfig, LeaseConfig, MooncakeTransportCo
                                      "prefills (the A/B baseline).", choices=("disaggregated", "colocated"))
     max_lease_ms: int = opt(300_000, "Longest lease a Reserve or RenewLease may ask for (ms); longer asks are "
                                      "capped to it. A lease never outlives the request's deadline either.")
-    max_pending: int = opt(256, "Most requests admitted but not yet running (reservations whose KV has not "
-                                "landed + requests queued in the engine); past it Reserve and colocated "
-                                "Generate answer RESOURCE_EXHAUSTED (reason OVERLOADED).")
+    max_pending: int = opt(0, "Most requests admitted but not yet running (reservations whose KV has not "
+                              "landed + requests queued in the engine); past it Reserve and colocated "
+                              "Generate answer RESOURCE_EXHAUSTED (reason OVERLOADED). 0: the device's "
+                              "default (256 on CPU, 1024 on CUDA).")
     overload_retry_after_ms: int = opt(1_000, "retry_after_ms suggested to callers refused as OVERLOADED (ms).")
     kv_mooncake_host: str = opt("", "Register the KV pool with the Mooncake Transfer Engine at this address (the "
                                     "host prefills reach this decode at; TCP, RDMA where the NIC has it) and offer "
                                     "it to prefills (--kv-transport mooncake), instead of a same-host shm/CUDA IPC "
                                     "pool; empty: off.")
-    engine_core: str = opt("thread", "Where the step loop runs. thread: on a thread of this process, beside the "
-                                     "gRPC front; process: in an engine-core process of its own that owns the "
-                                     "device, reached over a local socket pair with typed frames (the front and "
-                                     "the step loop never share an interpreter). process is not available with "
-                                     "--kv-mooncake-host or --tensor-parallel-size > 1.",
-                           choices=("thread", "process"))
+    engine_core: str = opt("auto", "Where the step loop runs. process: in an engine-core process of its own that "
+                                   "owns the device, reached over a local socket pair with typed frames (the front "
+                                   "and the step loop never share an interpreter); thread: on a thread of this "
+                                   "process, beside the gRPC front; auto: process, except with --kv-mooncake-host or "
+                                   "--tensor-parallel-size > 1 (the transfer engine and the ranks live in this "
+                                   "process), where it is thread.",
+                           choices=("auto", "thread", "process"))
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -42,6 +44,6 @@ class DecodeConfig(ServerConfig, TracingConfig, LeaseConfig, MooncakeTransportCo
         require(self.max_lease_ms > 0, self, "max_lease_ms", f"must be > 0, got {self.max_lease_ms}")
         require(0 < self.lease_ms <= self.max_lease_ms, self, "lease_ms",
                 f"must be in (0, max_lease_ms={self.max_lease_ms}], got {self.lease_ms}")
-        require(self.max_pending > 0, self, "max_pending", f"must be > 0, got {self.max_pending}")
+        require(self.max_pending >= 0, self, "max_pending", f"must be >= 0, got {self.max_pending}")
         require(self.overload_retry_after_ms > 0, self, "overload_retry_after_ms",
                 f"must be > 0, got {self.overload_retry_after_ms}")

@@ -37,6 +37,7 @@ from services.decode.step_stream import StepStream
 from services.engine.async_engine import EngineDeadError, EngineFront, StepSubscriber
 from services.engine.block_manager import NoFreeBlocksError
 from services.engine.convert import layout_to_pb, params_from_pb
+from services.engine.device_defaults import batch_defaults
 from services.engine.engine import RequestOutput
 from services.engine.kv_transport.base import CLAIM_ACK, KVPoll
 from services.engine.kv_transport.grpc_wire import WireChunk
@@ -61,11 +62,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self._colocated_ids: dict[str, str] = {}
         """Colocated requests: the caller's request id -> engine request id (decode picks the latter)."""
         self.engine: EngineFront = None  # type: ignore[assignment]  # bound once the model is loaded
+        self.max_pending = config.max_pending or batch_defaults("cpu").decode_pending
+        """--max-pending, or the engine's device's default once bound (the CPU's until then)."""
 
     def bind(self, engine: EngineFront) -> None:
         """Attach the loaded engine (the server answers NOT_SERVING until then)."""
         metrics = self.metrics
         self.engine = engine
+        self.max_pending = self.config.max_pending or batch_defaults(engine.device).decode_pending
         self.model = engine.model_id
         self.layout = engine.layout
         self._layout_pb = layout_to_pb(self.layout)
@@ -91,7 +95,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     def admission(self, stats: dict[str, float]) -> tuple[int, bool]:
         """(max_waiting, queue full) for the load report, from the engine's published ``stats``."""
-        return self.config.max_pending, self._pending(stats) >= self.config.max_pending
+        return self.max_pending, self._pending(stats) >= self.max_pending
 
     async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, reason: int,
                       label: str, **kw: object) -> None:
@@ -116,8 +120,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             await errors.engine_dead(context, self.engine.dead)
         s = self.engine.published_stats()
         pending = self._pending(s)
-        if pending >= self.config.max_pending or (needs_blocks and s.get("free_blocks", 1) <= 0):
-            why = (f"{pending} requests pending (max {self.config.max_pending})" if pending >= self.config.max_pending
+        if pending >= self.max_pending or (needs_blocks and s.get("free_blocks", 1) <= 0):
+            why = (f"{pending} requests pending (max {self.max_pending})" if pending >= self.max_pending
                    else "no free KV blocks")
             await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode is overloaded: {why}",
                                Reason.ERROR_REASON_OVERLOADED, "overloaded", retryable=True,

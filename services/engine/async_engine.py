@@ -280,6 +280,8 @@ class EngineFront:
     vocab_size: int
     max_model_len: int
     ranks: Any = None
+    device: str = "cpu"
+    """The engine's --device (cpu, cuda, cuda:N): the service's device-dependent defaults follow it."""
     offered_pool: Any = None
     """The same-host pool (shm / CUDA IPC KVDestination) side transports may write into, or None."""
     in_process = True
@@ -486,6 +488,7 @@ class AsyncEngine(EngineFront):
         self.vocab_size = eng.vocab_size
         self.max_model_len = eng.max_model_len
         self.ranks = eng.ranks
+        self.device = config.device
         self._loop = StepLoop(eng, config, self._deliver)
         self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
         self._thread.start()

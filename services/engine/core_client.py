@@ -133,6 +133,7 @@ class EngineCoreClient(EngineFront):
             if body[0] != w.HELLO:
                 raise EngineCoreStartError(f"engine core: expected HELLO, got frame type {body[0]}")
             client = cls(proc, reader, writer, body[1])
+            client.device = config.device
             seen = asyncio.ensure_future(client._stats_seen.wait())
             await asyncio.wait({seen, client._reader_task}, return_when=asyncio.FIRST_COMPLETED)
             seen.cancel()

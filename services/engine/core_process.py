@@ -14,7 +14,9 @@ frame is CONFIG; the model loads; HELLO (or FATAL, then exit 2) answers. Then tw
   thread of its own.
 
 The channel closing (the front exited, or sent STOP) stops the loop and the process. SIGINT is ignored (a
-terminal's Ctrl-C reaches the front, which stops the core); SIGTERM stops it like STOP. A step loop that
+terminal's Ctrl-C reaches the front, which stops the core), and so is SIGTERM once the model is loaded: a
+group's SIGTERM reaches the core too, and the front stops it with STOP once it has drained (its in-flight
+streams finish). A step loop that
 dies sends FATAL and exits ``EXIT_LOOP_DIED``: the front reports the engine dead at once.
 """
 
@@ -219,9 +221,13 @@ def main(argv: list[str] | None = None) -> int:
         log.debug("engine core: load failed", exc_info=True)
         chan.send([w.FATAL, type(e).__name__, str(e)])
         return EXIT_LOAD_FAILED
+    # Serving, the front owns the stop: a SIGTERM to the whole process group (a supervisor's, a container
+    # runtime's) reaches this process too, and stopping here would cut the front's drain short. The front sends
+    # STOP once it has drained; its death closes the channel, which stops the loop. (While the model loads,
+    # SIGTERM still ends this process: nothing is in flight yet.)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     chan.send(hello(engine))
     core = Core(chan, cfg, engine)
-    signal.signal(signal.SIGTERM, lambda *_: (setattr(core.loop, "stopping", True), core.loop.wake.set()))
     reader = threading.Thread(target=core.read, name="pdserve-core-reader", daemon=True)
     reader.start()
     log.info("engine core: serving (pid %d)", os.getpid())

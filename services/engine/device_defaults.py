@@ -25,16 +25,24 @@ class BatchDefaults:
     """Token budget of one step."""
     max_prefill_chunk: int
     """Most prompt tokens of one sequence per step."""
+    prefill_queue: int
+    """Most requests a prefill service admits and has not finished (its --max-queued)."""
+    decode_pending: int
+    """Most requests a decode service admits and is not yet running (its --max-pending)."""
 
 
 BATCH_DEFAULTS: dict[str, BatchDefaults] = {
     # CPU: the values every CPU test and CPU benchmark figure was measured with (unchanged).
-    "cpu": BatchDefaults(max_num_seqs=64, max_num_batched_tokens=2048, max_prefill_chunk=512),
+    "cpu": BatchDefaults(max_num_seqs=64, max_num_batched_tokens=2048, max_prefill_chunk=512, prefill_queue=64,
+                         decode_pending=256),
     # CUDA: the settings of a first serving run on one H200 (random Llama-3-8B shape, bf16, 1024/256 at up to
     # C256): 256 sequences fill the decode graphs' largest useful bucket, a 16K-token step holds two 8K
-    # prompt chunks, an 8K chunk computes an 8K prompt in one step. benchmarks/h200_served.py measures
-    # serving with them (colocated and 1P1D, C1-C512); change them here only with such figures.
-    "cuda": BatchDefaults(max_num_seqs=256, max_num_batched_tokens=16384, max_prefill_chunk=8192),
+    # prompt chunks, an 8K chunk computes an 8K prompt in one step. The queues hold a C512 burst whole (two
+    # full batches): with the CPU's 64 queued prefills, 190 of 256 requests of a C256 1P1D burst got 429 on the
+    # H200 though both pools had room. benchmarks/h200_served.py measures serving with them (colocated and
+    # 1P1D, C1-C512); change them here only with such figures.
+    "cuda": BatchDefaults(max_num_seqs=256, max_num_batched_tokens=16384, max_prefill_chunk=8192,
+                          prefill_queue=1024, decode_pending=1024),
 }
 
 CPU_KV_CACHE_BYTES = 1 << 30

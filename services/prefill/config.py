@@ -46,8 +46,9 @@ class PrefillConfig(ServerConfig, TracingConfig, MooncakeTransportConfig):
                                     "side transport's claim (seconds; its KV blocks stay held meanwhile, no other "
                                     "request waits). Past it the request fails UNAVAILABLE, retryable: the router "
                                     "retries it with the same reservation.")
-    max_queued: int = opt(64, "Prefill requests admitted and not finished (count); past it Prefill answers "
-                              "RESOURCE_EXHAUSTED (reason OVERLOADED, with a retry-after hint).")
+    max_queued: int = opt(0, "Prefill requests admitted and not finished (count); past it Prefill answers "
+                             "RESOURCE_EXHAUSTED (reason OVERLOADED, with a retry-after hint). 0: the "
+                             "device's default (64 on CPU, 1024 on CUDA).")
     slowdown_ms_per_chunk: int = opt(0, "Testing aid: sleep this long after each computed chunk (simulates a "
                                         "slower prefill device). 0 in production.")
 
@@ -55,7 +56,7 @@ class PrefillConfig(ServerConfig, TracingConfig, MooncakeTransportConfig):
         super().__post_init__()
         self.check_mooncake()
         require(self.claim_wait_s > 0, self, "claim_wait_s", f"must be > 0, got {self.claim_wait_s}")
-        require(self.max_queued > 0, self, "max_queued", f"must be > 0, got {self.max_queued}")
+        require(self.max_queued >= 0, self, "max_queued", f"must be >= 0, got {self.max_queued}")
         require(self.kv_mooncake_staging_bytes > 0, self, "kv_mooncake_staging_bytes",
                 f"must be > 0, got {self.kv_mooncake_staging_bytes}")
         require(self.kvstore_timeout_s > 0, self, "kvstore_timeout_s", f"must be > 0, got {self.kvstore_timeout_s}")

@@ -26,6 +26,7 @@ from services.common.pb import prefill_pb2, prefill_pb2_grpc
 from services.common.tls import peer_role
 from services.engine.async_engine import AsyncEngine, EngineDeadError
 from services.engine.convert import params_from_pb, top_to_pb
+from services.engine.device_defaults import batch_defaults
 from services.engine.kv_layout import FP8_CODEC, PageLayout
 from services.engine.kv_pages import pages_of
 from services.engine.kv_transport import KVSender, KVTransport, TransferError
@@ -67,25 +68,24 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
         self.engine: AsyncEngine = None  # type: ignore[assignment]  # bound once the model is loaded
         self.streams: dict[str, RequestKVStream] = {}
         self.inflight = 0
-        """Requests admitted and not finished (bounded by config.max_queued)."""
+        """Requests admitted and not finished (bounded by max_queued)."""
         self.kvstore: KVStorePrefix | None = None
         self.attachments = Attachments()
         """Early Prefill calls waiting for their reservation (AttachReservation)."""
         self.direct = DirectWrites(config.kv_transport, metrics, config.kv_mooncake_host,
                                    config.kv_mooncake_staging_bytes, config.kv_mooncake_engines)
         self._request_s = 1.0  # moving average of admitted requests' durations (seconds)
-
-    @property
-    def max_queued(self) -> int:
-        return self.config.max_queued
+        self.max_queued = config.max_queued or batch_defaults("cpu").prefill_queue
+        """--max-queued, or the engine's device's default once bound (the CPU's until then)."""
 
     @property
     def saturated(self) -> bool:
         """True when a new request would be refused now (load reports read it)."""
-        return self.inflight >= self.config.max_queued
+        return self.inflight >= self.max_queued
 
     def bind(self, engine: AsyncEngine) -> None:
         self.engine = engine
+        self.max_queued = self.config.max_queued or batch_defaults(engine.device).prefill_queue
         shards = self.direct.shards = pages_of(engine.engine).shard_writes()  # rank to rank (parallel/rank_pages)
         shards.on_pages = lambda rank, n: self.metrics.kv_rank_pages_total.labels(str(rank)).inc(n)
         self.direct.draft = engine.engine.runner.spec  # side transports write its draft region too (spec/pools.py)
@@ -157,7 +157,7 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
             retry_ms = min(max(int(self._request_s * 1000), RETRY_AFTER_MS[0]), RETRY_AFTER_MS[1])
             await self._refuse(context, "overloaded", grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"prefill queue full: {self.inflight} requests admitted (--max-queued "
-                               f"{self.config.max_queued}); retry another instance or in {retry_ms} ms",
+                               f"{self.max_queued}); retry another instance or in {retry_ms} ms",
                                Reason.ERROR_REASON_OVERLOADED, retryable=True, retry_after_ms=retry_ms)
         # Prefill samples the first token only; stopping is decode's job.
         first_params = dataclasses.replace(params, max_tokens=1, stop=[], stop_token_ids=[], ignore_eos=True)

@@ -142,7 +142,7 @@ class EngineService:
             t0 = time.monotonic()
             log.info("%s: loading %s on %s (stages follow)", self.name, self.ecfg.model or "the embedded default "
                      "model", self.ecfg.device)
-            if getattr(self.cfg, "engine_core", "thread") == "process":
+            if engine_core_mode(self.cfg, self.ecfg) == "process":
                 self.engine = await EngineCoreClient.start(self.ecfg, self.name, current_config())
                 trace.remote, trace.remote_loop = self.engine.trace, asyncio.get_running_loop()
             else:
@@ -166,6 +166,17 @@ class EngineService:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.died is not None:
             raise EngineDiedError(f"{self.name}: engine loop died: {self.died!r}") from self.died
+
+
+def engine_core_mode(cfg: Any, ecfg: EngineConfig) -> str:
+    """Where this service's step loop runs: "process" or "thread". ``--engine-core auto`` is process unless the
+    loop must share this process with what lives here: the Mooncake transfer engine that registers the pool
+    (--kv-mooncake-host) or the tensor-parallel ranks this process drives. Services without the setting
+    (prefill) run the loop on a thread."""
+    mode = getattr(cfg, "engine_core", "thread")
+    if mode != "auto":
+        return mode
+    return "thread" if ecfg.tensor_parallel_size > 1 or getattr(cfg, "kv_mooncake_host", "") else "process"
 
 
 def parse_service_args(name: str, config_cls: type, argv: list[str] | None, description: str

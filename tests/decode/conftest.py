@@ -24,7 +24,8 @@ from services.engine.core_client import EngineCoreClient
 from services.worker.engine_service import EngineDiedError, EngineService
 from tests.decode.kv_util import ecfg
 
-SERVER = dict(host="127.0.0.1", port=0, metrics_port=-1, drain_timeout_s=10.0, grace_s=2.0)
+SERVER = dict(host="127.0.0.1", port=0, metrics_port=-1, drain_timeout_s=10.0, grace_s=2.0,
+              engine_core="thread")  # these rigs reach the engine in-process; test_engine_core.py asks for "process"
 
 
 @dataclass

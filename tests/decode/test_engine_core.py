@@ -22,8 +22,9 @@ from services.engine import core_wire as w
 from services.engine.core_client import EngineCoreClient, EngineCoreStartError
 from services.engine.engine import RequestOutput
 from services.engine.sequence import FinishReason
+from services.prefill.config import PrefillConfig
 from services.text.sampling_params import SamplingParams, TopLogprobs
-from services.worker.engine_service import EngineDiedError, preflight
+from services.worker.engine_service import EngineDiedError, engine_core_mode, preflight
 from tests.decode import test_kv_handoff as handoff
 from tests.decode import test_step_stream as step_stream
 from tests.decode.conftest import SERVER
@@ -150,9 +151,20 @@ async def test_a_core_stopped_cleanly_exits_zero_and_refuses_further_commands(de
 
 def test_what_the_core_does_not_take_is_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"--engine-core.*not with --kv-mooncake-host"):
-        DecodeConfig(**SERVER, engine_core="process", kv_mooncake_host="127.0.0.1")
+        DecodeConfig(**{**SERVER, "engine_core": "process", "kv_mooncake_host": "127.0.0.1"})
     with pytest.raises(StartupError, match="--engine-core process: not with --tensor-parallel-size"):
-        preflight(DecodeConfig(**SERVER, engine_core="process"), ecfg(tensor_parallel_size=2))
+        preflight(DecodeConfig(**{**SERVER, "engine_core": "process"}), ecfg(tensor_parallel_size=2))
+
+
+def test_auto_runs_the_loop_in_a_process_unless_this_process_must_hold_it():
+    """auto: an engine-core process, except beside a Mooncake-registered pool or tensor-parallel ranks."""
+    base = {k: v for k, v in SERVER.items() if k != "engine_core"}
+    assert DecodeConfig(**base).engine_core == "auto"
+    assert engine_core_mode(DecodeConfig(**base), ecfg()) == "process"
+    assert engine_core_mode(DecodeConfig(**base, kv_mooncake_host="127.0.0.1"), ecfg()) == "thread"
+    assert engine_core_mode(DecodeConfig(**base), ecfg(tensor_parallel_size=2)) == "thread"
+    assert engine_core_mode(DecodeConfig(**base, engine_core="thread"), ecfg()) == "thread"
+    assert engine_core_mode(PrefillConfig(**base), ecfg()) == "thread"
 
 
 def test_the_channel_carries_outputs_whole_and_refuses_malformed_frames():
@@ -170,3 +182,13 @@ def test_the_channel_carries_outputs_whole_and_refuses_malformed_frames():
         w.decode_body(b"\xc1")
     with pytest.raises(w.WireError, match="typed list"):
         w.decode_body(w.encode([])[0][w.HEADER.size:])
+
+
+async def test_the_pending_bound_is_the_devices_default_unless_given(decode_rig):
+    """--max-pending 0 (the default) takes the bound engine's device row (256 on CPU), in either front."""
+    base = {k: v for k, v in SERVER.items() if k != "engine_core"}
+    assert DecodeConfig(**base).max_pending == 0
+    thread = await decode_rig(engine_core="thread")
+    core = await decode_rig(engine_core="process", max_pending=7)
+    assert thread.servicer.max_pending == 256 and core.servicer.max_pending == 7
+    assert core.engine.device == "cpu"

@@ -99,6 +99,31 @@ def test_service_proc_stop_ends_its_whole_process_group() -> None:
     _wait_for("the child to be killed", lambda: _sessions_alive({pgid}) == [], 10)
 
 
+def test_a_service_with_a_log_file_writes_its_lines_there_and_the_launcher_reads_only_to_ready(tmp_path: Path
+                                                                                                ) -> None:
+    """--log-dir: the service writes its own file; the launcher finds the ready line there, relays nothing, and
+    after an exit reads the last lines (what a failed start reports) from the file, across launches."""
+    log = tmp_path / "stub.log"
+    code = ("import sys, time\nprint('starting', flush=True)\n"
+            "print('PDSERVE_READY service=stub grpc=127.0.0.1:9 pid=1', flush=True)\n"
+            "for i in range(3):\n    print(f'after ready {i}', flush=True)\n    time.sleep(0.2)\n"
+            "sys.exit(4)\n")
+    p = ServiceProc("stub", "stub", [sys.executable, "-c", code], dict(os.environ), echo=True, log_path=log)
+    p.launch()
+    assert p.wait_ready(30) and p.ready["service"] == "stub"
+    assert p.reap(30) == 4
+    p.join_output(5)
+    assert p.lines == []  # nothing came through the launcher
+    assert log.read_text().splitlines()[-3:] == ["after ready 0", "after ready 1", "after ready 2"]
+    assert p.tail(2) == "after ready 1\nafter ready 2"
+    failing = ServiceProc("stub", "stub", [sys.executable, "-c", "print('cannot bind 127.0.0.1:9'); raise SystemExit(1)"],
+                          dict(os.environ), echo=False, log_path=log)
+    failing.launch()
+    assert not failing.wait_ready(30)  # it exited without a ready line: the wait ends, not times out
+    assert failing.reap(10) == 1 and failing.bind_failed()
+    assert "starting" in log.read_text()  # appended across launches
+
+
 def test_supervisor_restarts_with_backoff_then_gives_up() -> None:
     """LocalCluster._supervise on a stand-in that exits at once: restart 1 after 1 s, restart 2 after
     2 s, then (max_restarts=2 within the window) given up; `now` is passed in, so no sleeping."""

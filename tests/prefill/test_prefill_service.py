@@ -24,6 +24,7 @@ from services.common.metrics import (
 )
 from services.common.pb import decode_pb2, prefill_pb2_grpc
 from services.common.tls import TLSConfig, make_certs
+from services.engine.device_defaults import batch_defaults
 from services.engine.shared_kv import SHM_DIR, create_shared_kv, host_id
 from services.prefill.config import PrefillConfig
 from tests.prefill.conftest import TOKEN, PrefillRig, engine_config, prefill_request
@@ -276,3 +277,13 @@ async def test_with_mtls_only_the_router_may_call_prefill(make_prefill, tmp_path
     async with create_channel(rig.address, tls=tls("router")) as ch:
         resp = await prefill_pb2_grpc.PrefillStub(ch).Prefill(prefill_request(PROMPT))
         assert resp.num_prompt_tokens == len(PROMPT)
+
+
+async def test_the_queue_bound_is_the_devices_default_unless_given(make_prefill) -> None:
+    """--max-queued 0 (the default) takes the bound engine's device row: 64 on CPU; 1024 on CUDA, where a
+    C256-C512 burst must queue, not be refused."""
+    rig = await make_prefill(config=PrefillConfig())
+    assert rig.servicer.max_queued == batch_defaults("cpu").prefill_queue == 64
+    assert batch_defaults("cuda:0").prefill_queue == 1024 and batch_defaults("cuda").decode_pending == 1024
+    given = await make_prefill(config=PrefillConfig(max_queued=3))
+    assert given.servicer.max_queued == 3
