@@ -16,7 +16,7 @@ What a failure does to the reservation:
 When the last chunk lands, every prompt page must be present; then the request joins continuous
 batching.
 
-Side transports (shm, cuda-ipc, mooncake) start their stream with a claim: :mod:`services.decode.side_pool`.
+Side transports (shm, cuda-ipc, mooncake) start their stream with a claim: :mod:`services.kv.claim`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import grpc
 from services.common.grpc_util import Reason
 from services.common.pb import common_pb2, decode_pb2
 from services.decode.reservations import EndCause, Reservation, ReservationTable
-from services.decode.side_pool import CODEC_OF, IN_PLACE_TRANSPORTS, check_claim, landing_for
 from services.engine.async_engine import EngineDeadError, EngineFront
 from services.engine.convert import top_from_pb
 from services.engine.kv_layout import FP8_CODEC, PageLayout, checksum
@@ -40,6 +39,9 @@ from services.engine.kv_transport.base import KVPoll, OnClaimed
 from services.engine.kv_transport.grpc_wire import WireChunk
 from services.engine.parallel.rank_pages import spec_of
 from services.engine.shared_kv import pool_id
+from services.kv import registry
+from services.kv.claim import CODEC_OF, check_claim
+from services.kv.offer import landing_for
 
 _END = object()
 
@@ -188,7 +190,7 @@ class DecodeKVReceiver:
             raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
                                f"first_top_logprobs: {len(top.token_ids)} token ids (each in [0, {self.vocab_size})) "
                                f"and {len(top.logprobs)} logprobs", "range", field="first_top_logprobs")
-        if c.transport not in IN_PLACE_TRANSPORTS:
+        if not registry.writes_in_place(c.transport):
             want = n * layout.page_bytes
             if len(payload) != want:
                 raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,

@@ -32,7 +32,6 @@ from services.decode.kv_receiver import DecodeKVReceiver, KVRejected
 from services.decode.leases import LeaseKeeper
 from services.decode.progress import TokenProgress, fill_response
 from services.decode.reservations import EndCause, Reservation, ReservationTable, caller_share
-from services.decode.side_pool import offered_pool
 from services.decode.step_stream import StepStream
 from services.engine.async_engine import EngineDeadError, EngineFront, StepSubscriber
 from services.engine.block_manager import NoFreeBlocksError
@@ -42,6 +41,8 @@ from services.engine.engine import RequestOutput
 from services.engine.kv_transport.base import CLAIM_ACK, KVPoll
 from services.engine.kv_transport.grpc_wire import WireChunk
 from services.engine.sequence import FinishReason
+from services.kv import registry
+from services.kv.offer import offered_pool
 from services.text.sampling_params import InvalidRequestError, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -277,12 +278,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if not peer_may_write_kv(context, self.config.tls_enabled):
             await self._refuse(context, grpc.StatusCode.PERMISSION_DENIED, "only a peer with a prefill certificate "
                                "may push KV", Reason.ERROR_REASON_PERMISSION, "permission")
-        transport = "grpc"
+        transport = registry.DEFAULT.name
 
         async def counted() -> AsyncIterator[common_pb2.KVChunk | WireChunk]:  # WireChunk: add_decode_servicer
             nonlocal transport
             async for c in request_iterator:
-                transport = c.transport or "grpc"
+                transport = registry.label(c.transport)
                 yield c
 
         with tracing.span_from_metadata("decode.kv_push", context.invocation_metadata()):

@@ -29,12 +29,13 @@ import torch
 from services.common.pb import common_pb2
 from services.engine.async_engine import AsyncEngine
 from services.engine.convert import top_to_pb
-from services.engine.kv_layout import FP8_CODEC, PageLayout, checksum
+from services.engine.kv_layout import PageLayout, checksum
 from services.engine.kv_pages import KVPages, MessageExport, PageExport
 from services.engine.kv_transport import KVSender, TransferError
 from services.engine.kv_transport.base import PageWriter
 from services.engine.kv_transport.grpc_wire import MessageBuffer
 from services.engine.scheduler import ScheduledChunk
+from services.kv.claim import codec_pb
 from services.prefill.layer_export import armed, watch
 from services.text.sampling_params import Sampled, TopLogprobs
 
@@ -393,23 +394,3 @@ def message_export(pages: KVPages, layout: PageLayout, codec: str | None, max_pa
     straight into its own message (KVPages.export_messages), cut as ``pump`` cuts them."""
     per = pages_per_message(max_payload_bytes, layout.page_bytes)
     return lambda block_ids: pages.export_messages(block_ids, codec, per, room, layout.page_bytes)
-
-
-def codec_pb(codec: str) -> int:
-    """common_pb2.KVCodec of a layout codec name (the cache's own dtype: KV_CODEC_NATIVE)."""
-    return common_pb2.KV_CODEC_FP8_E4M3 if codec == FP8_CODEC else common_pb2.KV_CODEC_NATIVE
-
-
-def claim_message(request_id: str, reservation_id: str, reservation_token: bytes, writer: PageWriter,
-                  dest_block_ids: list[int]) -> common_pb2.KVChunk:
-    """The first message of a side transport's stream: it claims the reservation before any write."""
-    msg = common_pb2.KVChunk(
-        request_id=request_id, reservation_id=reservation_id, reservation_token=reservation_token,
-        transport=writer.transport,
-        claim=common_pb2.KVClaim(transport=writer.transport, dest_block_ids=dest_block_ids, pool_id=writer.pool_id,
-                                 codec=codec_pb(writer.wire_codec)))
-    if writer.splits is not None:  # tensor-parallel ranks write head shards: both splits are named
-        for field, spec in zip(("writer_split", "pool_split"), writer.splits, strict=True):
-            getattr(msg.claim, field).CopyFrom(common_pb2.KVHeadSplit(
-                tp_size=spec.tp_size, kv_heads_per_rank=spec.kv_heads_per_rank, replicas=spec.replicas))
-    return msg

@@ -32,14 +32,14 @@ from services.engine.kv_pages import pages_of
 from services.engine.kv_transport import KVSender, KVTransport, TransferError
 from services.engine.kv_transport.base import PageWriter
 from services.engine.scheduler import ScheduledChunk
+from services.kv.claim import claim_message
+from services.kv.planner import DirectWrites, InvalidDestinationError
 from services.prefill.attach import Attachments, Waiting
 from services.prefill.attach_rpc import EarlyAttach
 from services.prefill.config import PrefillConfig
-from services.prefill.direct_write import DirectWrites, InvalidDestinationError
 from services.prefill.kv_stream import (
     AttachTimeout,
     RequestKVStream,
-    claim_message,
     header_room,
     message_export,
     pump,
@@ -369,7 +369,7 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
         elif writer is not None:
             overlaps = writer.overlaps_compute
         else:  # an early request's writer is not known yet: its transport's (mooncake writers overlap compute)
-            overlaps = stream.pending and self.direct.mode == "mooncake"
+            overlaps = stream.pending and self.direct.modes.overlaps_compute
         tail = stream.chunked and overlaps
 
         def admit() -> int:

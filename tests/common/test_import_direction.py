@@ -25,8 +25,10 @@ ALLOWED: dict[str, set[str]] = {
     "services.text": {"services.common"},
     "services.engine": {"services.common", "services.kernels", "services.text"},
     "services.worker": {"services.common", "services.engine", "services.text"},
-    "services.prefill": {"services.common", "services.engine", "services.text", "services.worker"},
-    "services.decode": {"services.common", "services.engine", "services.text", "services.worker"},
+    # KV connectors (services/kv): between the engine's page API and the services that hand pages over.
+    "services.kv": {"services.common", "services.engine"},
+    "services.prefill": {"services.common", "services.engine", "services.kv", "services.text", "services.worker"},
+    "services.decode": {"services.common", "services.engine", "services.kv", "services.text", "services.worker"},
     # The router runs no model: the engine modules it uses must be torch-free (checked below).
     "services.router": {"services.common", "services.engine", "services.text"},
     "services.kvstore": {"services.common"},

@@ -1,6 +1,6 @@
 """Rank-to-rank page writes (services/engine/parallel/rank_pages.py) without processes: every prefill rank's
 share, for every (prefill TP, decode TP) over 2 and 4 KV heads, puts exactly each decode rank's heads into its
-pool; the offer's checks; the claim's head-split checks (services/decode/side_pool.py)."""
+pool; the offer's checks; the claim's head-split checks (services/kv/claim.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from services.common.pb import common_pb2, decode_pb2
-from services.decode.side_pool import check_claim
 from services.engine.kv_layout import HeadSplitSpec, PageLayout
 from services.engine.kv_transport.shared_pool import copy_pages_peer
 from services.engine.parallel import rank_pages
@@ -27,6 +26,7 @@ from services.engine.parallel.rank_pages import (
 from services.engine.parallel.rank_writes import Shard, copy_heads, write_share
 from services.engine.parallel.split import HeadSplit
 from services.engine.shared_kv import SharedKVAttachError, create_shared_kv, open_shm_pool, pool_id
+from services.kv.claim import check_claim
 
 L, BS, D, BLOCKS = 2, 4, 8, 12
 

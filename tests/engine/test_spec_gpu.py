@@ -86,8 +86,8 @@ def _ipc_config(k: int, shared: bool) -> EngineConfig:
 def _decode_side(dest_q, done_q, result_q) -> None:
     """Another process: a speculating decode whose target and draft pools are exported over CUDA IPC;
     reports blocks 5, 6, 2 of both pools once the prefill wrote them."""
-    from services.decode.side_pool import offered_pool
     from services.engine.kv_pages import pages_of
+    from services.kv.offer import offered_pool
 
     eng = LLMEngine(_ipc_config(3, True))
     dest = offered_pool(pages_of(eng), "")

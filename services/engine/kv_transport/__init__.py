@@ -19,7 +19,7 @@ from services.engine.kv_transport.fake import FakeTransport
 from services.engine.kv_transport.grpc_stream import GrpcStreamTransport
 
 TRANSPORTS = {"grpc": GrpcStreamTransport, "fake": FakeTransport}
-"""Descriptor-stream transports by name (page writers are chosen per request: prefill/direct_write.py)."""
+"""Descriptor-stream transports by name (page writers are chosen per request by the connectors of services/kv)."""
 
 
 def make_transport(name: str, **kwargs) -> KVTransport:

@@ -9,9 +9,6 @@ import torch
 from services.engine.kv_transport.base import KVSender, PageWriter
 from services.engine.shared_kv import copy_pages
 
-ONEOF_OF = {"shm": "shm", "cuda-ipc": "cuda_ipc", "mooncake": "mooncake"}
-"""Transport name -> the KVDestination.pool case it writes into."""
-
 
 class SharedPoolWriter(PageWriter):
     """One request's writer into an opened same-host pool. ``write`` copies at once (engine thread):

@@ -106,7 +106,7 @@ class RemotePool:
         if pool.page_major:
             raise SharedKVAttachError("device", "a decode rank's Mooncake pool is a host landing area (page major); "
                                                 "ranks write only into host pools")
-        # The segments' host is checked against the decode's address by rank 0 (direct_write); here against
+        # The segments' host is checked against the decode's address by rank 0 (services/kv/shards.py); here against
         # itself: shape, dtype, size and ports.
         self.shape, self.dtype = mooncake.check_pool(pool, mooncake._host(pool.segment))
         self.engine = engine

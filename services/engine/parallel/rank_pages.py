@@ -18,7 +18,7 @@ and only then sends the chunk's descriptor on the PushKV stream. No page passes 
 
 Over mooncake (mooncake_ranks.py) each rank uses its own transfer engines: rank 0 hands every rank the host
 and engine count (POOLS on decode, ATTACH on prefill) and each rank starts its engines there (rank 0's are the
-only ones its prefill uses, for plain pools as well: direct_write).
+only ones its prefill uses, for plain pools as well: services/kv/shards.py).
 
 Plan message: header [Op.RANK_PAGES, sub, n, m, k, a, b, 0] and an int64 payload. WRITE: n pages, a the chunk's
 sequence number, b the attach id; payload source block ids[n] | destination block ids[n]. ATTACH: n Mooncake

@@ -265,9 +265,10 @@ class ShardWriter(PageWriter):
     bytes move while the next chunk computes (``overlaps_compute``), shm / cuda-ipc copies run in the start."""
 
     def __init__(self, writes: ShardWrites, transport: str, pool: str, attached: Attached, dest_blocks: list[int],
-                 splits: tuple[HeadSplitSpec, HeadSplitSpec]) -> None:
+                 splits: tuple[HeadSplitSpec, HeadSplitSpec], overlaps_compute: bool = False) -> None:
         self.transport = transport
-        self.overlaps_compute = transport == "mooncake"
+        self.overlaps_compute = overlaps_compute
+        """The caller's connector says: True when the rank writes finish in ``wait`` (over Mooncake)."""
         self.pool_id = pool
         self.writes = writes
         self.attached = attached

@@ -1,83 +1,60 @@
-"""The pool this decode offers side transports, and the claim a side-transport stream opens with.
+"""The claim every in-place connector's stream opens with, and its check on decode: one part for all of them.
 
-Side transports (shm, cuda-ipc, mooncake) write pages straight into this decode's pool. Their stream
-starts with a claim (KVChunk.claim: the token, the reservation's block ids, the pool): decode checks it
-against what it issued, marks the reservation as being written, and only then acknowledges (the
-writer writes nothing before). While a claimed stream is open the reservation's blocks are never
-freed: if the reservation ends meanwhile (lease, deadline, Abort), decode drops the stream's further
-chunks and frees the blocks only when the writer's stream ends (the writer stops as soon as it sees
-its stream fail, or at its last chunk).
+A writer may touch decode's pool only while decode knows it does: its stream's first message is a
+``KVClaim`` (transport, the reservation's block ids, the pool id decode issued, the codec, the head splits of
+tensor-parallel writes) with the reservation token; decode checks all of it before any byte is written,
+marks the reservation as being written and acknowledges (``CLAIM_ACK``).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import grpc
 
 from services.common.grpc_util import Reason
-from services.common.pb import common_pb2, decode_pb2
-from services.decode.reservations import Reservation
+from services.common.pb import common_pb2
 from services.engine.kv_layout import FP8_CODEC, HeadSplitSpec, PageLayout
-from services.engine.kv_pages import KVPages
-from services.engine.kv_transport import mooncake
+from services.engine.kv_transport.base import PageWriter
 from services.engine.kv_transport.mooncake_staged import HostLanding
-from services.engine.shared_kv import SharedKVAttachError, pool_id
-from services.engine.spec.pools import offer_mooncake
+from services.kv import registry
 
-IN_PLACE_TRANSPORTS = frozenset({"shm", "cuda-ipc", "mooncake"})
-"""Transports that write pages into this decode's pool themselves; their chunks carry descriptors only."""
 CODEC_OF = {common_pb2.KV_CODEC_FP8_E4M3: FP8_CODEC}
 """KVCodec -> the layout codec it names (KV_CODEC_NATIVE: the cache's own)."""
 
 Reject = Callable[..., Exception]
 """Builds the rejection to raise: (code, message, metric reason, ErrorDetail reason, **fields)."""
 
-log = logging.getLogger(__name__)
+
+class Reserved(Protocol):
+    """What the check reads of decode's reservation (services/decode/reservations.py)."""
+
+    reservation_id: str
+    block_ids: list[int]
 
 
-def offered_pool(pages: KVPages, mooncake_host: str, mooncake_engines: int = 1) -> decode_pb2.KVDestination | None:
-    """The pool this decode offers side transports: registered with Mooncake when ``mooncake_host`` is
-    set (any host may write; a device pool through a pinned host landing area, kv_transport/mooncake_staged;
-    with ``mooncake_engines`` transfer engines, all offered), else the engine's same-host shm / CUDA IPC pool,
-    else None."""
-    if pages.has_draft and not mooncake_host:  # a second pool, offered with the target pool (KVDestination.draft)
-        dest = pages.destination
-        return dest if dest is not None and dest.HasField("draft") else None
-    if pages.sharded:  # TP>1: every rank's own pool, written rank to rank (parallel/rank_pages.py)
-        if mooncake_host:  # each rank's shard through its own transfer engines (parallel/mooncake_ranks.py)
-            return pages.shard_writes().offer(mooncake_host, mooncake_engines)
-        return pages.destination
-    if mooncake_host:
-        why = mooncake.available()
-        try:
-            if why is not None:
-                raise SharedKVAttachError("unavailable", why)
-            engine = mooncake.MooncakeEngine(mooncake_host, count=mooncake_engines)
-            pages.exporters.append(engine)  # the engine serves the registered pool as long as it lives
-            if pages.has_draft:  # both pools on the same engines (spec/pools.py); a device pool: none offered
-                spec = pages._runner.spec  # the SpecDecoder whose draft pool KVPages.has_draft reports
-                return offer_mooncake(engine, mooncake.export_pool(engine, pages.pool), spec.kv_cache, spec.region())
-            if pages.pool.is_cuda:  # this Mooncake build moves host memory only
-                landing = HostLanding(engine, pages.pool, pages.import_pages)
-                pages.exporters.append(landing)
-                return landing.destination
-            return mooncake.export_pool(engine, pages.pool)
-        except SharedKVAttachError as e:
-            log.warning("KV pool not offered over Mooncake (prefills send page bytes instead): %s", e)
-            if pages.has_draft:
-                return None
-    return pages.destination
+def codec_pb(codec: str) -> int:
+    """common_pb2.KVCodec of a layout codec name (the cache's own dtype: KV_CODEC_NATIVE)."""
+    return common_pb2.KV_CODEC_FP8_E4M3 if codec == FP8_CODEC else common_pb2.KV_CODEC_NATIVE
 
 
-def landing_for(pages: KVPages, pool: str) -> HostLanding | None:
-    """The host landing area behind offered pool ``pool`` (a Mooncake-registered host copy of a device pool),
-    where a writer puts pages that are imported as each chunk's descriptor lands; None without one."""
-    return next((e for e in pages.exporters if isinstance(e, HostLanding) and pool_id(e.destination) == pool), None)
+def claim_message(request_id: str, reservation_id: str, reservation_token: bytes, writer: PageWriter,
+                  dest_block_ids: list[int]) -> common_pb2.KVChunk:
+    """The first message of a side transport's stream: it claims the reservation before any write."""
+    msg = common_pb2.KVChunk(
+        request_id=request_id, reservation_id=reservation_id, reservation_token=reservation_token,
+        transport=writer.transport,
+        claim=common_pb2.KVClaim(transport=writer.transport, dest_block_ids=dest_block_ids, pool_id=writer.pool_id,
+                                 codec=codec_pb(writer.wire_codec)))
+    if writer.splits is not None:  # tensor-parallel ranks write head shards: both splits are named
+        for field, spec in zip(("writer_split", "pool_split"), writer.splits, strict=True):
+            getattr(msg.claim, field).CopyFrom(common_pb2.KVHeadSplit(
+                tp_size=spec.tp_size, kv_heads_per_rank=spec.kv_heads_per_rank, replicas=spec.replicas))
+    return msg
 
 
-def check_claim(claim: common_pb2.KVClaim, r: Reservation, reject: Reject, *, pool: str, layout: PageLayout,
+def check_claim(claim: common_pb2.KVClaim, r: Reserved, reject: Reject, *, pool: str, layout: PageLayout,
                 layouts: Iterable[PageLayout], landing: HostLanding | None, split: HeadSplitSpec | None = None
                 ) -> PageLayout:
     """A side-transport writer's claim must name this decode's pool (``pool``: the id Reserve offers, empty: none),
@@ -85,9 +62,9 @@ def check_claim(claim: common_pb2.KVClaim, r: Reservation, reject: Reject, *, po
     pool, or a codec not offered, is refused through ``reject``; nothing is freed). Returns the layout the
     stream's pages must be in: ``layout`` (the cache's own) or one of ``layouts`` a host ``landing`` accepts; for
     tensor-parallel head shards (``split``: this pool's head split) ``layout`` naming both splits."""
-    if claim.transport not in IN_PLACE_TRANSPORTS:
+    if not registry.writes_in_place(claim.transport):
         raise reject(grpc.StatusCode.INVALID_ARGUMENT, f"claim.transport: {claim.transport!r} does not "
-                     f"write pages in place (known: {sorted(IN_PLACE_TRANSPORTS)})", "claim",
+                     f"write pages in place (known: {sorted(registry.IN_PLACE)})", "claim",
                      frees=False, field="claim.transport")
     if not pool or claim.pool_id != pool:
         raise reject(grpc.StatusCode.FAILED_PRECONDITION,

@@ -1,0 +1,121 @@
+"""``mooncake`` (any host): the Mooncake Transfer Engine writes pages into decode's registered memory.
+
+Two connectors under one transport name: **direct** (decode offers its CPU pool itself; the prefill writes
+from its own host pool, engine/kv_transport/mooncake.py) and **staged** (decode's pool is on a GPU: it offers a
+pinned host landing area, the prefill stages pages through a pinned ring, engine/kv_transport/mooncake_staged.py).
+Decode says which by ``MooncakePool.page_major``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+
+import torch
+
+from services.common.pb import decode_pb2, prefill_pb2
+from services.engine.async_engine import EngineFront
+from services.engine.kv_layout import PageLayout
+from services.engine.kv_pages import KVPages
+from services.engine.kv_transport import mooncake
+from services.engine.kv_transport.base import PageWriter
+from services.engine.kv_transport.mooncake_staged import HostLanding, StagedWriter, codec_fits
+from services.engine.shared_kv import SharedKVAttachError
+from services.engine.spec.pools import mooncake_draft, offer_mooncake
+from services.kv.connector import Connector, Export, Plan, PlanContext
+
+log = logging.getLogger(__name__)
+
+
+class MooncakeConnector(Connector):
+    """Direct: from this prefill's host pool into decode's registered CPU pool (and its draft pool)."""
+
+    name = "mooncake"
+    pool_case = "mooncake"
+    writes_pages_itself = True
+    overlaps_compute = True
+    crosses_hosts = True
+
+    async def probe(self, ctx: PlanContext, request: prefill_pb2.PrefillRequest, src: torch.Tensor,
+                    num_blocks: int, export: Export | None, wire: PageLayout | None) -> Plan:
+        shape, dtype = await asyncio.to_thread(mooncake.check_pool, request.destination.mooncake,
+                                               request.decode_address)  # may resolve a host name
+        draft_plane = None if ctx.draft is None else await asyncio.to_thread(
+            mooncake_draft, request.destination, ctx.draft.region(), ctx.draft.kv_cache,
+            request.decode_address)  # the draft pool beside the target one (spec/pools.py)
+        if src.is_cuda:
+            raise SharedKVAttachError("device", "this Mooncake build writes from host memory only and the "
+                                                "decode offers its pool, not a host landing area")
+        engine = await asyncio.to_thread(ctx._engine)
+        return Plan(shape, dtype, engine=engine, draft=draft_plane)
+
+    async def writer(self, ctx: PlanContext, request: prefill_pb2.PrefillRequest, plan: Plan, src: torch.Tensor,
+                     export: Export | None, dest: list[int]) -> PageWriter:
+        return await asyncio.to_thread(mooncake.MooncakeWriter, plan.engine, src, request.destination, dest,
+                                       plan.draft)
+
+    def offer(self, pages: KVPages, engine: mooncake.MooncakeEngine) -> decode_pb2.KVDestination | None:
+        """The engine's own CPU pool registered with ``engine`` (both pools on the same engines with a draft)."""
+        if pages.has_draft:
+            spec = pages._runner.spec  # the SpecDecoder whose draft pool KVPages.has_draft reports
+            return offer_mooncake(engine, mooncake.export_pool(engine, pages.pool), spec.kv_cache, spec.region())
+        return mooncake.export_pool(engine, pages.pool)
+
+
+class StagedMooncakeConnector(MooncakeConnector):
+    """Staged: prefill pages -> pinned staging ring -> decode's pinned landing area -> decode's device pool."""
+
+    needs_host_staging = True
+
+    async def probe(self, ctx: PlanContext, request: prefill_pb2.PrefillRequest, src: torch.Tensor,
+                    num_blocks: int, export: Export | None, wire: PageLayout | None) -> Plan:
+        shape, dtype = await asyncio.to_thread(mooncake.check_pool, request.destination.mooncake,
+                                               request.decode_address)  # may resolve a host name
+        if ctx.draft is not None:
+            raise SharedKVAttachError("draft", "a host landing area carries the target region only")
+        page_bytes = src[:, :, 0].numel() * src.element_size()
+        if wire is not None and codec_fits(wire, page_bytes):
+            page_bytes = wire.page_bytes
+        if export is None or num_blocks * page_bytes > ctx.staging_bytes:
+            raise SharedKVAttachError("staging", f"{num_blocks} pages of {page_bytes} bytes do not fit the "
+                                                 f"Mooncake staging ring ({ctx.staging_bytes} bytes)")
+        engine = await asyncio.to_thread(ctx._engine)
+        return Plan(shape, dtype, engine=engine)
+
+    async def writer(self, ctx: PlanContext, request: prefill_pb2.PrefillRequest, plan: Plan, src: torch.Tensor,
+                     export: Export | None, dest: list[int]) -> PageWriter:
+        ring = await asyncio.to_thread(ctx._staging, plan.engine)
+        return StagedWriter(plan.engine, ring, (src.shape[0], 2, *src.shape[3:]), src.dtype, export,
+                            request.destination, dest)
+
+    def offer(self, pages: KVPages, engine: mooncake.MooncakeEngine) -> decode_pb2.KVDestination | None:
+        """A pinned host landing area mirroring the engine's device pool (this Mooncake build moves host memory
+        only); kept alive with the engine's exporters."""
+        landing = HostLanding(engine, pages.pool, pages.import_pages)
+        pages.exporters.append(landing)
+        return landing.destination
+
+    def accept(self, engine: EngineFront, block_ids: list[int], layout: PageLayout, payload: bytes | memoryview,
+               landing: object = None) -> Awaitable[None] | None:
+        """Engine thread: the chunk's pages from their landing slots into the device pool."""
+        if landing is None or not block_ids:
+            return None
+        return engine.call(landing.land, block_ids, layout)
+
+
+MOONCAKE = MooncakeConnector()
+MOONCAKE_STAGED = StagedMooncakeConnector()
+
+
+def offer_mooncake_pool(pages: KVPages, host: str, engines: int) -> decode_pb2.KVDestination | None:
+    """Start ``engines`` transfer engines at ``host`` serving this decode's pool (kept as long as the pages
+    live) and offer the pool through them: directly, or through a landing area for a device pool. Raises
+    SharedKVAttachError when Mooncake is not loadable or an engine does not start."""
+    why = mooncake.available()
+    if why is not None:
+        raise SharedKVAttachError("unavailable", why)
+    engine = mooncake.MooncakeEngine(host, count=engines)
+    pages.exporters.append(engine)  # the engine serves the registered pool as long as it lives
+    staged = pages.pool.is_cuda and not pages.has_draft  # both pools on the same engines: a device pool, none
+    return (MOONCAKE_STAGED if staged else MOONCAKE).offer(pages, engine)

@@ -1,0 +1,50 @@
+"""``shm`` (CPU) and ``cuda-ipc`` (GPUs of one host): the prefill copies pages straight into a same-host
+decode's pool, opened from its typed destination (engine/shared_kv.py, engine/kv_transport/shared_pool.py);
+with a draft region, into decode's draft pool too (engine/spec/pools.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from services.common.pb import decode_pb2, prefill_pb2
+from services.engine.kv_layout import PageLayout
+from services.engine.kv_pages import KVPages
+from services.engine.kv_transport.base import PageWriter
+from services.engine.kv_transport.shared_pool import SharedPoolWriter
+from services.engine.shared_kv import pool_id
+from services.engine.spec.pools import draft_writer
+from services.kv.connector import Connector, Export, Plan, PlanContext
+
+
+class SharedPoolConnector(Connector):
+    writes_pages_itself = True
+
+    def __init__(self, name: str, pool_case: str) -> None:
+        self.name = name
+        self.pool_case = pool_case
+
+    async def probe(self, ctx: PlanContext, request: prefill_pb2.PrefillRequest, src: torch.Tensor,
+                    num_blocks: int, export: Export | None, wire: PageLayout | None) -> Plan:
+        pool = await asyncio.to_thread(ctx._attach, request)
+        return Plan(tuple(pool.shape), pool.dtype, pool=pool)
+
+    async def writer(self, ctx: PlanContext, request: prefill_pb2.PrefillRequest, plan: Plan, src: torch.Tensor,
+                     export: Export | None, dest: list[int]) -> PageWriter:
+        if ctx.draft is not None:
+            return await asyncio.to_thread(draft_writer, ctx.pools, request.destination, ctx.draft, self.name,
+                                           pool_id(request.destination), src, plan.pool, dest)
+        return SharedPoolWriter(self.name, pool_id(request.destination), src, plan.pool, dest)
+
+    def offer(self, pages: KVPages, *args: object) -> decode_pb2.KVDestination | None:
+        """The engine's same-host pool (made with ``--kv-cache-shared``), with its draft pool when the engine has
+        one (a pool without it is not offered then)."""
+        dest = pages.destination
+        if pages.has_draft:
+            return dest if dest is not None and dest.HasField("draft") else None
+        return dest
+
+
+SHM = SharedPoolConnector("shm", "shm")
+CUDA_IPC = SharedPoolConnector("cuda-ipc", "cuda_ipc")
