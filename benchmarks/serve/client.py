@@ -10,7 +10,9 @@ stream ended cleanly), or a failure with ``error`` one of :data:`ERROR_KINDS`:
 - ``http_<status>``: the server answered an error status before streaming (429, 503, 400 ...);
 - ``stream_error``: an error event arrived mid-stream (pdserve sends one and no ``[DONE]``);
 - ``incomplete``: the stream ended without a finish_reason;
-- ``empty``: completed without a single output token;
+- ``empty``: completed without a single output token (no text and usage counting none; a completion whose
+  usage counts tokens that form no text, as a random model's ids past a byte vocabulary do, is completed, with
+  no TTFT or ITL: the client saw no token arrive);
 - ``timeout``: no answer within ``--timeout-s``; ``connection``: refused, reset or closed early;
 - ``bad_response``: an event that is not the JSON an OpenAI server sends.
 """
@@ -172,8 +174,10 @@ async def _read_stream(resp: aiohttp.ClientResponse, res: RequestResult, t0: flo
     res.tokens = tokens if want_tokens else None
     if res.finish_reason is None:
         res.error, res.detail = "incomplete", "no finish_reason" + ("" if done else " and no [DONE]")
-    elif not res.event_times:
+    elif not res.event_times and not res.completion_tokens:
         res.error, res.detail = "empty", f"finish_reason {res.finish_reason} without output"
+    elif not res.event_times:  # usage counts tokens that form no text (a random model's ids past a byte
+        res.ok = True          # vocabulary): completed, but the client saw no token arrive, so no TTFT/ITL
     else:
         res.ok = True
 

@@ -2,7 +2,7 @@
 
 The last user message (chat) or the prompt (completions) picks the behaviour: ``FAIL503`` answers
 503 before streaming, ``MIDSTREAM`` sends one token then an error event (no [DONE]), ``TRUNCATE``
-sends one token and ends without a finish_reason, ``EMPTY`` finishes without a token; anything else
+sends one token and ends without a finish_reason, ``EMPTY`` finishes without a token, ``NOTEXT`` streams no text but counts ``max_tokens`` in usage; anything else
 streams ``max_tokens`` tokens ("t0 t1 ...") with usage (prompt tokens = words of the prompt)."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ async def _stream(request: web.Request) -> web.StreamResponse:
         return {"choices": [choice]}
 
     n = 0 if "EMPTY" in last else int(body["max_tokens"])
-    for i in range(n):
+    for i in range(0 if "NOTEXT" in last else n):
         await send(chunk(f" t{i}"))
         if "MIDSTREAM" in last:
             await send({"error": {"message": "decode died", "code": 503}})

@@ -51,6 +51,18 @@ async def test_failed_requests_are_counted_by_kind(server):
     assert by_id["ok-1"].ttft is not None and len(by_id["ok-1"].itls()) == 4
 
 
+async def test_tokens_that_form_no_text_complete_without_token_times(server):
+    """A completion whose usage counts tokens but whose stream carried no text is completed (its tokens count),
+    with no TTFT: the client saw none arrive."""
+    run = await Runner(_target(server, "completions"), TokenCounter(None), progress=False).run(
+        trace_workload([_one("nt", "NOTEXT please", 4), _one("ok", "hello", 2)]), LoadPoint(concurrency=2))
+    by_id = {r.conversation: r for r in run.results}
+    assert by_id["nt"].ok and not by_id["nt"].error and by_id["nt"].ttft is None
+    s = summarize_run(run, SLO())
+    assert s["requests"]["completed"] == 2 and s["requests"]["errors"] == {}
+    assert s["tokens"]["output"] == 6 and s["ttft_s"]["count"] == 1
+
+
 async def test_connection_refused_and_timeouts_are_counted():
     target = Target("http://127.0.0.1:9", "m", timeout_s=2)  # discard port: nothing listens
     run = await Runner(target, TokenCounter(None), progress=False).run(
