@@ -53,8 +53,11 @@ class RouterConfig(ServerConfig, TracingConfig, ContextConfig, ModelConfig, Leas
     request_timeout_s: float = opt(600.0, "Longest a request may run (seconds); a client's shorter deadline "
                                           "(HTTP header X-Request-Timeout, the gRPC deadline) wins.")
     max_body_bytes: int = opt(4 << 20, "Largest HTTP request body (bytes); larger answers 413.")
-    max_inflight_requests: int = opt(256, "Client requests the router admits at once (HTTP and gRPC together); "
-                                          "past it HTTP 429 / gRPC RESOURCE_EXHAUSTED with a retry delay.")
+    max_inflight_requests: int = opt(1024, "Client requests the router admits at once (HTTP and gRPC together); "
+                                           "past it HTTP 429 / gRPC RESOURCE_EXHAUSTED with a retry delay. The "
+                                           "backends bound their own queues (prefill --max-queued, decode "
+                                           "--max-pending); this bounds what the router itself holds, so it "
+                                           "lets a GPU cluster's C512 burst reach them.")
     http_read_timeout_s: float = opt(30.0, "Longest wait for an HTTP request's head (then the connection is "
                                            "closed) or body (then 408), and idle keep-alive time (seconds).")
     api_key: str = opt("", "API key clients must send (HTTP 'Authorization: Bearer <key>', gRPC metadata "
