@@ -34,13 +34,15 @@ from services.common.pb import common_pb2, decode_pb2
 from services.decode.reservations import EndCause, Reservation, ReservationTable
 from services.engine.async_engine import EngineDeadError, EngineFront
 from services.engine.convert import top_from_pb
-from services.engine.kv_layout import FP8_CODEC, PageLayout, checksum
+from services.engine.kv_layout import PageLayout, checksum
 from services.engine.kv_transport.base import KVPoll, OnClaimed
 from services.engine.kv_transport.grpc_wire import WireChunk
 from services.engine.parallel.rank_pages import spec_of
 from services.engine.shared_kv import pool_id
 from services.kv import registry
+from services.kv.byte_stream import GRPC
 from services.kv.claim import CODEC_OF, check_claim
+from services.kv.mooncake import MOONCAKE_STAGED
 from services.kv.offer import landing_for
 
 _END = object()
@@ -79,6 +81,26 @@ async def _read(it: AsyncIterator[common_pb2.KVChunk]) -> common_pb2.KVChunk | o
         return await anext(it)
     except StopAsyncIteration:
         return _END
+
+
+@dataclass
+class _Stream:
+    """One PushKV stream's progress."""
+
+    r: Reservation | None = None
+    received: int = 0
+    claimed: PageLayout | None = None
+    """The layout an accepted claim named (None: no claim)."""
+    gone: asyncio.Future | None = None
+    """Resolves when the reservation ends (lease, deadline, Abort)."""
+    pending: asyncio.Future | None = None
+    """One chunk's checksum + page copy, running while the next chunk is read off the wire."""
+
+    async def settle(self) -> None:
+        """Wait for the chunk still landing (its failure is raised)."""
+        if self.pending is not None:
+            await self.pending
+            self.pending = None
 
 
 class DecodeKVReceiver:
@@ -146,12 +168,26 @@ class DecodeKVReceiver:
         """Validate one chunk (``payload``: its payload, read once) against its reservation (``claimed``: the
         layout of the stream's accepted claim, None without one); returns the destination block ids and the
         layout the chunk's pages are in."""
+        self._check_stream(r, c)
+        layout = self._layout_of(c, claimed)
+        self._check_ranges(r, c)
+        if c.is_last:
+            self._check_first_token(c)
+        self._check_pages(c, claimed, layout, payload)
+        return r.block_ids[c.first_block:c.first_block + c.num_pages], layout
+
+    def _check_stream(self, r: Reservation, c: common_pb2.KVChunk) -> None:
+        """The chunk belongs to the stream's reservation and carries its token."""
         if c.reservation_id != r.reservation_id:
             raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
                                f"reservation_id: one PushKV stream carries one reservation: got "
                                f"{c.reservation_id!r} after {r.reservation_id!r}", "order", field="reservation_id")
         if not r.token_ok(c.reservation_token):
             raise self._permission(c)
+
+    def _layout_of(self, c: common_pb2.KVChunk, claimed: PageLayout | None) -> PageLayout:
+        """The layout the chunk's fingerprint names (one this decode accepts, or its stream's claimed one), in the
+        codec the chunk names."""
         layout = claimed if claimed is not None and claimed.fingerprint == c.layout_fingerprint else \
             self.layouts.get(c.layout_fingerprint)  # a claim naming head splits has its own layout
         if layout is None:
@@ -165,6 +201,11 @@ class DecodeKVReceiver:
                                f"codec: {common_pb2.KVCodec.Name(c.codec)} does not match the layout's codec "
                                f"{layout.target_codec}", "fingerprint", Reason.ERROR_REASON_LAYOUT_MISMATCH,
                                field="codec")
+        return layout
+
+    def _check_ranges(self, r: Reservation, c: common_pb2.KVChunk) -> None:
+        """Chunk order (no gap, no duplicate), token and page ranges inside the reservation and not over blocks
+        decode already holds."""
         if c.chunk_index != r.next_chunk:
             what = "duplicate" if c.chunk_index < r.next_chunk else "out-of-order"
             raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
@@ -180,21 +221,28 @@ class DecodeKVReceiver:
                                f"first_block/num_pages: KV chunk pages [{first}, {first + n}) fall outside the "
                                f"reserved pages [{r.num_cached_blocks}, {len(r.block_ids)})", "range",
                                field="first_block")
-        if c.is_last and not 0 <= c.first_token < self.vocab_size:
+
+    def _check_first_token(self, c: common_pb2.KVChunk) -> None:
+        """The last chunk's first token and its alternatives are inside the vocabulary."""
+        if not 0 <= c.first_token < self.vocab_size:
             raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
                                f"first_token: {c.first_token} is outside the vocabulary [0, {self.vocab_size})",
                                "range", field="first_token")
         top = c.first_top_logprobs
-        if c.is_last and (len(top.token_ids) != len(top.logprobs)
-                          or not all(0 <= t < self.vocab_size for t in top.token_ids)):
+        if len(top.token_ids) != len(top.logprobs) or not all(0 <= t < self.vocab_size for t in top.token_ids):
             raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
                                f"first_top_logprobs: {len(top.token_ids)} token ids (each in [0, {self.vocab_size})) "
                                f"and {len(top.logprobs)} logprobs", "range", field="first_top_logprobs")
+
+    def _check_pages(self, c: common_pb2.KVChunk, claimed: PageLayout | None, layout: PageLayout,
+                     payload: bytes | memoryview) -> None:
+        """Pages in the stream: exactly ``num_pages`` of the layout. Pages written in place: the stream claimed
+        them, in the layout its claim named."""
         if not registry.writes_in_place(c.transport):
-            want = n * layout.page_bytes
+            want = c.num_pages * layout.page_bytes
             if len(payload) != want:
                 raise self._reject(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"payload: KV chunk payload is {len(payload)} bytes; {n} pages of "
+                                   f"payload: KV chunk payload is {len(payload)} bytes; {c.num_pages} pages of "
                                    f"{layout.page_bytes} bytes ({layout.target_codec}) need {want}", "size",
                                    field="payload")
         elif claimed is None:
@@ -206,7 +254,6 @@ class DecodeKVReceiver:
                                f"transport {c.transport!r} writes pages in place: they must be in the layout its "
                                f"claim named ({claimed.describe()})", "fingerprint",
                                Reason.ERROR_REASON_LAYOUT_MISMATCH, field="layout_fingerprint")
-        return r.block_ids[first:first + n], layout
 
     def _verify(self, c: common_pb2.KVChunk, payload: bytes | memoryview) -> None:
         """Worker thread: the chunk's checksum (releases the GIL)."""
@@ -221,8 +268,9 @@ class DecodeKVReceiver:
                                 layout: PageLayout) -> None:
         """Checksum, then the pages into the cache (both off the event loop)."""
         await asyncio.to_thread(self._verify, c, payload)
-        if block_ids:
-            await self.engine.import_payload(block_ids, payload, layout.target_codec == FP8_CODEC)
+        landed = GRPC.accept(self.engine, block_ids, layout, payload)
+        if landed is not None:
+            await landed
 
     def _unwrap(self, m: common_pb2.KVChunk | WireChunk) -> tuple[common_pb2.KVChunk, bytes | memoryview]:
         """A message's header and payload (a view for a header-only parsed one; malformed: refused)."""
@@ -247,91 +295,121 @@ class DecodeKVReceiver:
 
     async def receive(self, chunks: AsyncIterator[common_pb2.KVChunk | WireChunk],
                       on_claimed: OnClaimed | None = None) -> decode_pb2.PushKVResponse:
-        r: Reservation | None = None
-        received = 0
-        claimed: PageLayout | None = None  # the layout an accepted claim named
+        s = _Stream()
         it = aiter(chunks)
-        gone: asyncio.Future | None = None
-        # One chunk's checksum + page copy runs in a thread while the next chunk is read off the wire.
-        pending: asyncio.Future | None = None
         try:
-            while True:
-                # A claimed stream outlives its reservation: a writer may be writing into its blocks.
-                c = await self._next(it, r, None if claimed is not None else gone)
-                if c is _END:
-                    break
-                assert isinstance(c, common_pb2.KVChunk | WireChunk)
-                c, payload = self._unwrap(c)
-                if r is None:
-                    r = self._open(c)
-                    claim = self._check_claim(r, c) if c.HasField("claim") else None
-                    r.receiving = True
-                    r.reset_transfer()  # a new stream (a retried prefill) starts over
-                    gone = asyncio.ensure_future(r.gone.wait())
-                    if claim is not None:
-                        claimed = claim
-                        if on_claimed is not None:
-                            await on_claimed()
-                        continue
-                if r.end_cause is not None:
-                    if claimed is not None:
-                        continue  # dropped: the blocks stay held until the writer's stream ends
-                    raise _gone(r)
-                if c.HasField("claim"):
-                    raise self._reject(grpc.StatusCode.INVALID_ARGUMENT, "claim: only a stream's first message "
-                                       "may claim the reservation", "order", field="claim")
-                block_ids, layout = self._check(r, c, claimed, payload)
-                if pending is not None:
-                    await pending
-                    pending = None
-                if payload:
-                    pending = asyncio.ensure_future(self._verify_and_write(c, payload, block_ids, layout))
-                elif claimed is not None and self.landing is not None and block_ids:  # engine thread: landing -> pool
-                    pending = asyncio.ensure_future(self.engine.call(self.landing.land, block_ids, layout))
-                r.pages_written.update(range(c.first_block, c.first_block + c.num_pages))
-                r.next_chunk += 1
-                # Page bytes landed, whichever way they came (in the message, or written by a side transport).
-                r.bytes_received += len(payload) or c.num_pages * layout.page_bytes
-                received += 1
-                if c.is_last:
-                    if pending is not None:
-                        await pending
-                        pending = None
-                    await self._finish(r, c)
-            if pending is not None:
-                await pending
-                pending = None
-            if r is not None and not r.complete:
-                if r.end_cause is not None:
-                    raise _gone(r)
-                if self.on_broken is not None:
-                    self.on_broken()
-                raise KVRejected(grpc.StatusCode.ABORTED,
-                                 f"KV stream of {r.reservation_id} ended before its last chunk ({r.next_chunk} "
-                                 "received); the reservation is kept: resend from chunk 0", "incomplete",
-                                 Reason.ERROR_REASON_KV_HANDOFF_FAILED, retryable=True, frees=False)
+            # A claimed stream outlives its reservation: a writer may be writing into its blocks.
+            while (m := await self._next(it, s.r, None if s.claimed is not None else s.gone)) is not _END:
+                assert isinstance(m, common_pb2.KVChunk | WireChunk)
+                await self._take(s, m, on_claimed)
+            await s.settle()
+            self._ended(s)
         except KVRejected as e:
-            if e.frees and r is not None and not r.complete:
-                await self.release(r, EndCause.REJECTED)
+            if e.frees and s.r is not None and not s.r.complete:
+                await self.release(s.r, EndCause.REJECTED)
             raise
         except EngineDeadError:
             raise
         except BaseException:  # the stream broke (peer gone, cancelled): keep the reservation for a retry
+            r = s.r
             if r is not None and not r.complete and r.end_cause is None and self.on_broken is not None:
                 self.on_broken()
             raise
         finally:
-            if gone is not None:
-                gone.cancel()
-            if pending is not None:  # let the last copy finish before the blocks can be reused
-                await asyncio.gather(pending, return_exceptions=True)
-            if r is not None:
-                r.receiving = False
-                if r.end_cause is not None:  # released while this stream wrote: free the blocks now
-                    await self._free(r)
-                elif not r.complete:
-                    r.reset_transfer()
-        return decode_pb2.PushKVResponse(chunks_received=received, bytes_received=r.bytes_received if r else 0)
+            await self._close(s)
+        return decode_pb2.PushKVResponse(chunks_received=s.received, bytes_received=s.r.bytes_received if s.r else 0)
+
+    async def _take(self, s: _Stream, m: common_pb2.KVChunk | WireChunk, on_claimed: OnClaimed | None) -> None:
+        """One message of the stream: its first opens it (and may be the claim), the others are chunks."""
+        c, payload = self._unwrap(m)
+        if s.r is None and await self._open_stream(s, c, on_claimed):
+            return
+        r = s.r
+        assert r is not None
+        if r.end_cause is not None:
+            if s.claimed is not None:
+                return  # dropped: the blocks stay held until the writer's stream ends
+            raise _gone(r)
+        if c.HasField("claim"):
+            raise self._reject(grpc.StatusCode.INVALID_ARGUMENT, "claim: only a stream's first message "
+                               "may claim the reservation", "order", field="claim")
+        block_ids, layout = self._check(r, c, s.claimed, payload)
+        await s.settle()
+        s.pending = self._accept(s, c, payload, block_ids, layout)
+        self._record(s, c, payload, layout)
+        if c.is_last:
+            await s.settle()
+            await self._finish(r, c)
+
+    async def _open_stream(self, s: _Stream, c: common_pb2.KVChunk, on_claimed: OnClaimed | None) -> bool:
+        """The stream's first message names its reservation (and, from a writer, claims it). True when the
+        message was the claim (acknowledged; no chunk in it)."""
+        s.r = r = self._open(c)
+        claim = self._check_claim(r, c) if c.HasField("claim") else None
+        r.receiving = True
+        r.reset_transfer()  # a new stream (a retried prefill) starts over
+        s.gone = asyncio.ensure_future(r.gone.wait())
+        if claim is None:
+            return False
+        s.claimed = claim
+        if on_claimed is not None:
+            await on_claimed()
+        return True
+
+    def _accept(self, s: _Stream, c: common_pb2.KVChunk, payload: bytes | memoryview, block_ids: list[int],
+                layout: PageLayout) -> asyncio.Future | None:
+        """Start landing a checked chunk's pages (in a worker or the engine thread, while the next chunk is read):
+        bytes in the message are checksummed and copied in (the byte stream's connector); pages a staged writer
+        put in the host landing area are imported (the staged connector's); pages written into the pool itself
+        are there already."""
+        if payload:
+            return asyncio.ensure_future(self._verify_and_write(c, payload, block_ids, layout))
+        if s.claimed is None:
+            return None
+        landed = MOONCAKE_STAGED.accept(self.engine, block_ids, layout, payload, self.landing)
+        return None if landed is None else asyncio.ensure_future(landed)
+
+    @staticmethod
+    def _record(s: _Stream, c: common_pb2.KVChunk, payload: bytes | memoryview, layout: PageLayout) -> None:
+        """The chunk's blocks are landed (or landing): the reservation's progress."""
+        r = s.r
+        assert r is not None
+        r.pages_written.update(range(c.first_block, c.first_block + c.num_pages))
+        r.next_chunk += 1
+        # Page bytes landed, whichever way they came (in the message, or written by a side transport).
+        r.bytes_received += len(payload) or c.num_pages * layout.page_bytes
+        s.received += 1
+
+    def _ended(self, s: _Stream) -> None:
+        """The stream ended: unless its last chunk landed, it broke (the reservation is kept) or the reservation
+        ended meanwhile."""
+        r = s.r
+        if r is None or r.complete:
+            return
+        if r.end_cause is not None:
+            raise _gone(r)
+        if self.on_broken is not None:
+            self.on_broken()
+        raise KVRejected(grpc.StatusCode.ABORTED,
+                         f"KV stream of {r.reservation_id} ended before its last chunk ({r.next_chunk} "
+                         "received); the reservation is kept: resend from chunk 0", "incomplete",
+                         Reason.ERROR_REASON_KV_HANDOFF_FAILED, retryable=True, frees=False)
+
+    async def _close(self, s: _Stream) -> None:
+        """However the stream ended: the last copy lands before the blocks can be reused; a reservation released
+        while the stream wrote has its blocks freed now; an unfinished one forgets the stream's progress."""
+        if s.gone is not None:
+            s.gone.cancel()
+        if s.pending is not None:
+            await asyncio.gather(s.pending, return_exceptions=True)
+        r = s.r
+        if r is None:
+            return
+        r.receiving = False
+        if r.end_cause is not None:
+            await self._free(r)
+        elif not r.complete:
+            r.reset_transfer()
 
     async def _finish(self, r: Reservation, c: common_pb2.KVChunk) -> None:
         if c.total_chunks and c.total_chunks != c.chunk_index + 1:

@@ -179,8 +179,7 @@ class RequestKVStream:
         """``sampled``: what the last chunk sampled; None on the others."""
         done_mono, done_unix = time.monotonic(), time.time()  # the chunk is computed; reading its pages is transfer
         seq = ch.seq
-        start = seq.num_computed_tokens
-        end = start + ch.num_new_tokens
+        end = seq.num_computed_tokens + ch.num_new_tokens
         if self.first_scheduled is None:
             self.first_scheduled = step_start
             self.num_cached_tokens = seq.num_cached_tokens
@@ -195,40 +194,53 @@ class RequestKVStream:
             first = self.next_block
             n = max(0, limit - first)
             item = PagesReady(first, first * bs, min(limit * bs, end) if n else first * bs, None, n)
-            write = armed(self, ch, first, limit) if n else None  # by layer group: sent once the claim is answered
-            deferred = bool(n) and not self.claim_ok and write is None  # a writer's claim, or an early request's reservation
-            if deferred and self.ending:
-                raise TransferError("the request ended before decode acknowledged the KV claim; no page was "
-                                    "written", grpc.StatusCode.UNAVAILABLE)
-            if deferred and not last:
+            if not self._start_pages(ch, item, limit, last):
                 return  # next_block stays: the first write after the claim's answer covers these pages
-            if deferred:  # never wait here: the blocks outlive the request until the sender wrote them
-                assert self.engine is not None, "a claim needs the engine to hold the request's blocks"
-                self.engine.engine.hold_blocks(seq)
-                self.held_request = seq.request_id
-                item.deferred = list(seq.block_table[first:limit])
-            elif n and self.writer is not None:
-                item.write = write or self.writer.write(first, seq.block_table[first:limit])
-            elif n:
-                item.pages = self.export(seq.block_table[first:limit])
-            if last and self.writer is not None and not deferred:
-                self.writer.release_source()  # the request's blocks are freed after this step
             self.next_block = max(self.next_block, limit)
             if last:
-                self.last_computed = done_mono
-                s = sampled if sampled is not None else Sampled(0)
-                item.last, item.first_token, item.first_logprob, item.first_top = True, s.token, s.logprob or 0.0, s.top
-                item.prefill_done_unix = done_unix
-                full = end // bs
-                if self.writeback_from is not None and full > self.writeback_from:
-                    item.writeback = (self.writeback_from,
-                                      self.read_native(seq.block_table[self.writeback_from:full]))
+                self._last_item(item, ch, sampled, end, done_mono, done_unix)
             if item.num_pages or item.last:
                 self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
             if last:  # after last_computed: a waiter seeing the event reads it set
                 self.loop.call_soon_threadsafe(self.computed.set)
         except BaseException as e:  # surfaced to the request's task, not the engine loop
             self.fail(e)
+
+    def _start_pages(self, ch: ScheduledChunk, item: PagesReady, limit: int, last: bool) -> bool:
+        """Engine thread: start moving ``item``'s pages (blocks [item.first_block, limit) of the request): the
+        writer's write (or the layer-group write armed for this chunk), or the page export; with a claim not yet
+        answered, defer them instead. False when they wait for a later chunk (deferred, not the last)."""
+        seq, first, n = ch.seq, item.first_block, item.num_pages
+        write = armed(self, ch, first, limit) if n else None  # by layer group: sent once the claim is answered
+        deferred = bool(n) and not self.claim_ok and write is None  # a writer's claim, or an early request's reservation
+        if deferred and self.ending:
+            raise TransferError("the request ended before decode acknowledged the KV claim; no page was "
+                                "written", grpc.StatusCode.UNAVAILABLE)
+        if deferred and not last:
+            return False
+        if deferred:  # never wait here: the blocks outlive the request until the sender wrote them
+            assert self.engine is not None, "a claim needs the engine to hold the request's blocks"
+            self.engine.engine.hold_blocks(seq)
+            self.held_request = seq.request_id
+            item.deferred = list(seq.block_table[first:limit])
+        elif n and self.writer is not None:
+            item.write = write or self.writer.write(first, seq.block_table[first:limit])
+        elif n:
+            item.pages = self.export(seq.block_table[first:limit])
+        if last and self.writer is not None and not deferred:
+            self.writer.release_source()  # the request's blocks are freed after this step
+        return True
+
+    def _last_item(self, item: PagesReady, ch: ScheduledChunk, sampled: Sampled | None, end: int, done_mono: float,
+                   done_unix: float) -> None:
+        """Engine thread: the last chunk's item carries the first token and the pages due to the kvstore."""
+        self.last_computed = done_mono
+        s = sampled if sampled is not None else Sampled(0)
+        item.last, item.first_token, item.first_logprob, item.first_top = True, s.token, s.logprob or 0.0, s.top
+        item.prefill_done_unix = done_unix
+        full = end // self.block_size
+        if self.writeback_from is not None and full > self.writeback_from:
+            item.writeback = (self.writeback_from, self.read_native(ch.seq.block_table[self.writeback_from:full]))
 
     def fail(self, exc: BaseException) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, exc)
@@ -304,63 +316,107 @@ async def pump(stream: RequestKVStream, sender: KVSender, request_id: str, reser
     """Send the stream's pages until the last chunk; returns the last item (first token) and the
     page bytes handed over (in messages or written directly). Every message carries the reservation's
     decode-issued token and the codec of its pages."""
+    header = _Header(request_id, reservation_id, reservation_token, layout, transport, codec_pb(layout.target_codec))
     pages_per_msg = pages_per_message(max_payload_bytes, layout.page_bytes)
-    codec = codec_pb(layout.target_codec)
     page_bytes = 0
     index = 0
     while True:
-        item = await stream.queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        if item.last:
-            stream.last_picked = time.monotonic()
-        if item.deferred is not None:
-            await stream.write_deferred(item)
-        n = item.num_pages
-        page_bytes += n * layout.page_bytes
-        data = memoryview(b"")
-        messages: list[tuple[int, MessageBuffer]] | None = None
-        if isinstance(item.pages, MessageExport):  # gathered into the messages that carry them
-            messages = item.pages.pieces
-        elif item.pages is not None:
-            data = _bytes_view(await _landed(item.pages))
-        elif n and stream.writer is not None:  # written by a side transport: one descriptor once it landed
-            if item.write is not None:
-                await asyncio.to_thread(stream.writer.wait, item.write)
-            pages_per_msg = max(1, n)
-        if item.deferred is not None:
-            await stream.release_held()
-        bs = layout.block_size
-        if messages is not None:
-            offsets = accumulate((cnt for cnt, _ in messages), initial=0)  # one more than messages
-            pieces = [(o, cnt, buf) for o, (cnt, buf) in zip(offsets, messages, strict=False)] or [(0, 0, None)]
-        else:
-            pieces = [(o, min(pages_per_msg, n - o), None) for o in range(0, n, pages_per_msg)] or [(0, 0, None)]
-        for k, (off, cnt, buf) in enumerate(pieces):
-            if buf is not None:
-                payload = buf.payload
-            else:
-                payload = data[off * layout.page_bytes:(off + cnt) * layout.page_bytes] if len(data) else data
-            first_block = item.first_block + off
-            msg = common_pb2.KVChunk(
-                request_id=request_id, reservation_id=reservation_id, chunk_index=index,
-                token_start=first_block * bs,
-                token_end=min((first_block + cnt) * bs, item.token_end) if cnt else item.token_start,
-                first_block=first_block, num_pages=cnt, layout_fingerprint=layout.fingerprint,
-                checksum=await _crc(payload), transport=transport, reservation_token=reservation_token,
-                codec=codec)
-            if item.last and k == len(pieces) - 1:
-                msg.is_last = True
-                msg.first_token = item.first_token
-                msg.first_logprob = item.first_logprob
-                if item.first_top is not None:
-                    msg.first_top_logprobs.CopyFrom(top_to_pb(item.first_top))
-                msg.prefill_done_unix = item.prefill_done_unix
-                msg.total_chunks = index + 1
-            await sender.send(msg, payload, buf.seal(msg) if buf is not None else None)
-            index += 1
+        item = await _next_item(stream)
+        page_bytes += item.num_pages * layout.page_bytes
+        data, pieces = await _pieces(stream, item, pages_per_msg)
+        index = await _send(sender, header, item, data, pieces, index)
         if item.last:
             return item, page_bytes
+
+
+@dataclass
+class _Header:
+    """What every message of one request's stream carries."""
+
+    request_id: str
+    reservation_id: str
+    reservation_token: bytes
+    layout: PageLayout
+    transport: str
+    codec: int
+
+    def chunk(self, item: PagesReady, index: int, off: int, cnt: int, crc: int) -> common_pb2.KVChunk:
+        """The descriptor of ``cnt`` pages from ``item``'s page ``off`` on (message ``index`` of the stream)."""
+        bs = self.layout.block_size
+        first_block = item.first_block + off
+        return common_pb2.KVChunk(
+            request_id=self.request_id, reservation_id=self.reservation_id, chunk_index=index,
+            token_start=first_block * bs,
+            token_end=min((first_block + cnt) * bs, item.token_end) if cnt else item.token_start,
+            first_block=first_block, num_pages=cnt, layout_fingerprint=self.layout.fingerprint,
+            checksum=crc, transport=self.transport, reservation_token=self.reservation_token, codec=self.codec)
+
+
+async def _next_item(stream: RequestKVStream) -> PagesReady:
+    """The engine thread's next item (a failure it queued is raised); a deferred write is issued first."""
+    item = await stream.queue.get()
+    if isinstance(item, BaseException):
+        raise item
+    if item.last:
+        stream.last_picked = time.monotonic()
+    if item.deferred is not None:
+        await stream.write_deferred(item)
+    return item
+
+
+Pieces = list[tuple[int, int, MessageBuffer | None]]
+"""An item cut into messages: (first page, pages, the message gathered around them on CPU or None)."""
+
+
+async def _pieces(stream: RequestKVStream, item: PagesReady, pages_per_msg: int) -> tuple[memoryview, Pieces]:
+    """Wait for the item's pages (exported to the host, gathered into their messages, or written by the side
+    transport: then one descriptor once they landed) and cut them into messages."""
+    n = item.num_pages
+    data = memoryview(b"")
+    messages: list[tuple[int, MessageBuffer]] | None = None
+    if isinstance(item.pages, MessageExport):  # gathered into the messages that carry them
+        messages = item.pages.pieces
+    elif item.pages is not None:
+        data = _bytes_view(await _landed(item.pages))
+    elif n and stream.writer is not None:  # written by a side transport: one descriptor once it landed
+        if item.write is not None:
+            await asyncio.to_thread(stream.writer.wait, item.write)
+        pages_per_msg = max(1, n)
+    if item.deferred is not None:
+        await stream.release_held()
+    if messages is not None:
+        offsets = accumulate((cnt for cnt, _ in messages), initial=0)  # one more than messages
+        return data, [(o, cnt, buf) for o, (cnt, buf) in zip(offsets, messages, strict=False)] or [(0, 0, None)]
+    return data, [(o, min(pages_per_msg, n - o), None) for o in range(0, n, pages_per_msg)] or [(0, 0, None)]
+
+
+async def _send(sender: KVSender, header: _Header, item: PagesReady, data: memoryview, pieces: Pieces, index: int
+                ) -> int:
+    """One message per piece (the item's last one carries the first token when the item is the last); returns
+    the next message index."""
+    pb = header.layout.page_bytes
+    for k, (off, cnt, buf) in enumerate(pieces):
+        if buf is not None:
+            payload = buf.payload
+        else:
+            payload = data[off * pb:(off + cnt) * pb] if len(data) else data
+        msg = header.chunk(item, index, off, cnt, await _crc(payload))
+        if item.last and k == len(pieces) - 1:
+            _mark_last(msg, item, index)
+        await sender.send(msg, payload, buf.seal(msg) if buf is not None else None)
+        index += 1
+    return index
+
+
+def _mark_last(msg: common_pb2.KVChunk, item: PagesReady, index: int) -> None:
+    """The stream's last message: the first token (its logprob and alternatives) and the message count."""
+    msg.is_last = True
+    msg.first_token = item.first_token
+    msg.first_logprob = item.first_logprob
+    if item.first_top is not None:
+        msg.first_top_logprobs.CopyFrom(top_to_pb(item.first_top))
+    msg.prefill_done_unix = item.prefill_done_unix
+    msg.total_chunks = index + 1
 
 
 def pages_per_message(max_payload_bytes: int, page_bytes: int) -> int:

@@ -1,16 +1,42 @@
-"""How a prefill request ended, read off its stream and claim: the handoff failure's typed detail, decode's
-refusal of a claim, and the request's queue / compute times."""
+"""One prefill request's handoff, and how it ended, read off its stream and claim: the handoff failure's
+typed detail, decode's refusal of a claim, and the request's queue / compute times."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 
 from services.common.grpc_util import Reason, error_detail
-from services.common.pb import common_pb2
-from services.engine.kv_transport import TransferError
-from services.engine.kv_transport.base import ClaimUnanswered
+from services.common.pb import common_pb2, prefill_pb2
+from services.engine.kv_layout import PageLayout
+from services.engine.kv_transport import KVSender, TransferError
+from services.engine.kv_transport.base import ClaimUnanswered, PageWriter
+from services.prefill.attach import Waiting
 from services.prefill.kv_stream import ClaimTimeout, RequestKVStream
+
+
+@dataclass
+class Handoff:
+    """One Prefill call's handoff to decode, as it stands: an early request's fields change once its reservation
+    is attached (the merged request, its writer, wire codec, sender and claim)."""
+
+    request: prefill_pb2.PrefillRequest
+    rid: str
+    """The engine request id."""
+    stream: RequestKVStream
+    writer: PageWriter | None
+    """The connector's writer into decode's pool (None: page bytes in the stream)."""
+    wire: PageLayout
+    """The layout of the pages on the wire."""
+    transport: str
+    """The transport's name (metric label)."""
+    waiting: Waiting | None = None
+    """An early request's wait for AttachReservation (None: the reservation came with the call)."""
+    sender: KVSender | None = None
+    claim: asyncio.Future[None] | None = None
+    attach: asyncio.Future[tuple[prefill_pb2.PrefillRequest, PageWriter | None]] | None = None
+    """An early request's attach, awaited while admission runs."""
 
 
 def handoff_detail(e: TransferError) -> common_pb2.ErrorDetail:

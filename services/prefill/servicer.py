@@ -39,13 +39,14 @@ from services.prefill.attach_rpc import EarlyAttach
 from services.prefill.config import PrefillConfig
 from services.prefill.kv_stream import (
     AttachTimeout,
+    PagesReady,
     RequestKVStream,
     header_room,
     message_export,
     pump,
 )
 from services.prefill.kvstore_prefix import KVStorePrefix
-from services.prefill.outcome import handoff_detail, refusal, stream_times
+from services.prefill.outcome import Handoff, handoff_detail, refusal, stream_times
 from services.prefill.request_checks import deadline_monotonic, layout_mismatch, problem
 from services.text.sampling_params import InvalidRequestError
 
@@ -191,6 +192,38 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
                      first_params, arrival: float) -> prefill_pb2.PrefillResponse:
         """``arrival``: when the Prefill call began (monotonic; writer setup counts in its phases)."""
         ids = list(request.token_ids)
+        h = await self._handoff(request, context, ids, arrival)
+        with tracing.span_from_metadata("prefill.request", context.invocation_metadata(),
+                                        request_id=request.request_id, prompt_tokens=len(ids)) as sp:
+            try:
+                last, page_bytes, loaded = await self._run(h, context, ids, first_params)
+            except AttachTimeout as e:  # no reservation came: decode was never contacted, nothing was written
+                await self._cleanup(h.rid, h.sender, str(e), h.writer, h.stream)
+                self.metrics.requests_aborted_total.labels("attach_timeout").inc()
+                await abort(context, e.code, f"KV handoff to decode (none attached) failed: {e}", handoff_detail(e))
+            except TransferError as err:
+                await self._handoff_failed(h, context, refusal(h.claim) or err)  # decode's answer to the claim first
+            except grpc.aio.AbortError:
+                raise
+            except Exception as e:  # a page read or direct write failed on the engine thread
+                log.exception("prefill of %s failed", request.request_id)
+                await self._cleanup(h.rid, h.sender, repr(e), h.writer, h.stream)
+                self.metrics.requests_aborted_total.labels("internal").inc()
+                await abort(context, grpc.StatusCode.INTERNAL, f"prefill failed: {e!r}",
+                            error_detail(Reason.ERROR_REASON_UNSPECIFIED, side=SIDE))
+            except BaseException:  # cancelled: the client left or the deadline passed
+                await self._cleanup(h.rid, h.sender, "cancelled", h.writer, h.stream)
+                raise
+            finally:
+                await self._ended(h)
+            sp.set_attribute("chunks", h.stream.num_chunks_computed)
+        assert h.sender is not None
+        self._observe(h.request, h.stream, loaded, h.transport, page_bytes, h.sender.chunks_sent)
+        return self._response(h, last, len(ids), page_bytes)
+
+    async def _handoff(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext, ids: list[int],
+                       arrival: float) -> Handoff:
+        """The request's writer (or, early, its wait for the reservation that brings it), wire codec and stream."""
         waiting: Waiting | None = None
         writer: PageWriter | None = None
         if request.attach_id:  # early: the reservation (and so the writer) comes with AttachReservation
@@ -213,99 +246,92 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
                                  chunked, arrival, writer, lambda b: self.pages.export(b).wait(), self.engine,
                                  self.config.claim_wait_s, pending=waiting is not None)
         transport = writer.transport if writer is not None else self.transport.name
-        sender: KVSender | None = None
-        claim: asyncio.Future[None] | None = None
-        attach: asyncio.Future[tuple[prefill_pb2.PrefillRequest, PageWriter | None]] | None = None
-        with tracing.span_from_metadata("prefill.request", context.invocation_metadata(),
-                                        request_id=request.request_id, prompt_tokens=len(ids)) as sp:
-            try:
-                if waiting is None:
-                    sender = self.transport.open(request.decode_address, rid,
-                                                 metadata=tuple(tracing.inject_metadata()))
-                    claim = await self._claim(request, stream, sender, writer)
-                self.streams[rid] = stream
-                if waiting is not None and self._attach_before_compute(ids):
-                    request, writer = await self._await_attach_first(waiting, stream)
-                    wire, export, transport, sender, claim = await self._attached(request, writer, rid, stream)
-                elif waiting is not None:  # answered while admission runs (kvstore fetch, engine-thread calls)
-                    attach = asyncio.ensure_future(self._await_attach(waiting, stream))
-                try:
-                    loaded = await self._admit(rid, ids, first_params, stream, attach)
-                    self._phase("admitted", time.monotonic() - stream.arrival)
-                except ValueError as e:  # InvalidRequestError, or a prompt this pool can never hold
-                    await self._cleanup(rid, sender, "refused", writer, stream)
-                    await self._refuse(context, "invalid", grpc.StatusCode.INVALID_ARGUMENT, str(e),
-                                       Reason.ERROR_REASON_INVALID_INPUT,
-                                       field=getattr(e, "field", "") or "token_ids")
-                if attach is not None:  # computing already; nothing is written before the ack
-                    request, writer = await attach
-                    wire, export, transport, sender, claim = await self._attached(request, writer, rid, stream)
-                last, page_bytes = await pump(stream, sender, request.request_id, request.reservation_id,
-                                              request.reservation_token, wire,
-                                              payload_budget(self.config.max_message_bytes), transport)
-                if claim is not None:  # answered by now unless no page was due: then the stream ends after it
-                    await claim
-                self._phase("claim", (stream.claim_answered or time.monotonic()) - stream.arrival)
-                if stream.last_picked is not None and stream.last_computed is not None:
-                    self._phase("picked", stream.last_picked - stream.last_computed)
-                self._since_computed("last_sent", stream)
-                with tracing.span("prefill.kv_finish"):
-                    await sender.finish()
-                self._since_computed("finish", stream)
-                if last.writeback is not None and self.kvstore is not None:
-                    self.kvstore.write_back(stream.hashes, *last.writeback)
-            except AttachTimeout as e:  # no reservation came: decode was never contacted, nothing was written
-                await self._cleanup(rid, sender, str(e), writer, stream)
-                self.metrics.requests_aborted_total.labels("attach_timeout").inc()
-                await abort(context, e.code, f"KV handoff to decode (none attached) failed: {e}", handoff_detail(e))
-            except TransferError as err:
-                e = refusal(claim) or err  # decode's own answer to the claim, not the broken stream it left
-                self.metrics.kv_transfer_failures_total.labels(transport, e.code.name.lower()).inc()
-                await self._cleanup(rid, sender, str(e), writer, stream)
-                self.metrics.requests_aborted_total.labels("kv_handoff").inc()
-                await abort(context, e.code, f"KV handoff to decode {request.decode_address or '(none attached)'} "
-                                             f"failed: {e}", handoff_detail(e))
-            except grpc.aio.AbortError:
-                raise
-            except Exception as e:  # a page read or direct write failed on the engine thread
-                log.exception("prefill of %s failed", request.request_id)
-                await self._cleanup(rid, sender, repr(e), writer, stream)
-                self.metrics.requests_aborted_total.labels("internal").inc()
-                await abort(context, grpc.StatusCode.INTERNAL, f"prefill failed: {e!r}",
-                            error_detail(Reason.ERROR_REASON_UNSPECIFIED, side=SIDE))
-            except BaseException:  # cancelled: the client left or the deadline passed
-                await self._cleanup(rid, sender, "cancelled", writer, stream)
-                raise
-            finally:
-                self.streams.pop(rid, None)
-                if waiting is not None:
-                    self.attachments.remove(waiting)
-                if attach is not None:  # ended (or cancelled here): an attach it had taken is answered
-                    attach.cancel()
-                    await asyncio.gather(attach, return_exceptions=True)
-                if claim is not None:  # ended (or cancelled here); its outcome was read above or no longer matters
-                    claim.cancel()
-                    await asyncio.gather(claim, return_exceptions=True)
-            sp.set_attribute("chunks", stream.num_chunks_computed)
-        self._observe(request, stream, loaded, transport, page_bytes, sender.chunks_sent)
-        queue_s, compute_s = stream_times(stream)
+        return Handoff(request, rid, stream, writer, wire, transport, waiting)
+
+    async def _run(self, h: Handoff, context: grpc.aio.ServicerContext, ids: list[int], first_params
+                   ) -> tuple[PagesReady, int, int]:
+        """Open the stream (or wait for an early request's reservation), admit, pump the pages, finish the stream.
+        Returns the last item, the page bytes sent and the blocks loaded from the kvstore."""
+        if h.waiting is None:
+            h.sender = self.transport.open(h.request.decode_address, h.rid, metadata=tuple(tracing.inject_metadata()))
+            h.claim = await self._claim(h.request, h.stream, h.sender, h.writer)
+        self.streams[h.rid] = h.stream
+        if h.waiting is not None and self._attach_before_compute(ids):
+            await self._attached(h, *await self._await_attach_first(h.waiting, h.stream))
+        elif h.waiting is not None:  # answered while admission runs (kvstore fetch, engine-thread calls)
+            h.attach = asyncio.ensure_future(self._await_attach(h.waiting, h.stream))
+        try:
+            loaded = await self._admit(h.rid, ids, first_params, h.stream, h.attach)
+            self._phase("admitted", time.monotonic() - h.stream.arrival)
+        except ValueError as e:  # InvalidRequestError, or a prompt this pool can never hold
+            await self._cleanup(h.rid, h.sender, "refused", h.writer, h.stream)
+            await self._refuse(context, "invalid", grpc.StatusCode.INVALID_ARGUMENT, str(e),
+                               Reason.ERROR_REASON_INVALID_INPUT, field=getattr(e, "field", "") or "token_ids")
+        if h.attach is not None:  # computing already; nothing is written before the ack
+            await self._attached(h, *await h.attach)
+        assert h.sender is not None
+        r = h.request
+        last, page_bytes = await pump(h.stream, h.sender, r.request_id, r.reservation_id, r.reservation_token, h.wire,
+                                      payload_budget(self.config.max_message_bytes), h.transport)
+        await self._finish(h)
+        if last.writeback is not None and self.kvstore is not None:
+            self.kvstore.write_back(h.stream.hashes, *last.writeback)
+        return last, page_bytes, loaded
+
+    async def _finish(self, h: Handoff) -> None:
+        """Every page sent: the claim's answer (if still due), then decode's answer on the closed stream."""
+        stream = h.stream
+        if h.claim is not None:  # answered by now unless no page was due: then the stream ends after it
+            await h.claim
+        self._phase("claim", (stream.claim_answered or time.monotonic()) - stream.arrival)
+        if stream.last_picked is not None and stream.last_computed is not None:
+            self._phase("picked", stream.last_picked - stream.last_computed)
+        self._since_computed("last_sent", stream)
+        assert h.sender is not None
+        with tracing.span("prefill.kv_finish"):
+            await h.sender.finish()
+        self._since_computed("finish", stream)
+
+    async def _handoff_failed(self, h: Handoff, context: grpc.aio.ServicerContext, e: TransferError) -> None:
+        self.metrics.kv_transfer_failures_total.labels(h.transport, e.code.name.lower()).inc()
+        await self._cleanup(h.rid, h.sender, str(e), h.writer, h.stream)
+        self.metrics.requests_aborted_total.labels("kv_handoff").inc()
+        await abort(context, e.code, f"KV handoff to decode {h.request.decode_address or '(none attached)'} "
+                                     f"failed: {e}", handoff_detail(e))
+
+    async def _ended(self, h: Handoff) -> None:
+        """However the call ended: the stream leaves the engine-thread routing; an attach it had taken is answered;
+        the claim's outcome was read or no longer matters."""
+        self.streams.pop(h.rid, None)
+        if h.waiting is not None:
+            self.attachments.remove(h.waiting)
+        for task in (h.attach, h.claim):
+            if task is not None:  # ended (or cancelled here)
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    def _response(self, h: Handoff, last: PagesReady, num_prompt_tokens: int, page_bytes: int
+                  ) -> prefill_pb2.PrefillResponse:
+        assert h.sender is not None
+        queue_s, compute_s = stream_times(h.stream)
         resp = prefill_pb2.PrefillResponse(
             first_token=last.first_token, first_logprob=last.first_logprob,
-            num_prompt_tokens=len(ids), num_cached_tokens=stream.num_cached_tokens,
-            num_chunks=sender.chunks_sent, kv_bytes_sent=page_bytes, queue_s=queue_s, compute_s=compute_s)
+            num_prompt_tokens=num_prompt_tokens, num_cached_tokens=h.stream.num_cached_tokens,
+            num_chunks=h.sender.chunks_sent, kv_bytes_sent=page_bytes, queue_s=queue_s, compute_s=compute_s)
         if last.first_top is not None:
             resp.first_top_logprobs.CopyFrom(top_to_pb(last.first_top))
-        self._phase("respond", time.monotonic() - stream.arrival)
+        self._phase("respond", time.monotonic() - h.stream.arrival)
         return resp
 
-    async def _attached(self, request: prefill_pb2.PrefillRequest, writer: PageWriter | None, rid: str,
-                        stream: RequestKVStream):
+    async def _attached(self, h: Handoff, request: prefill_pb2.PrefillRequest, writer: PageWriter | None) -> None:
         """An early request's reservation taken: its wire codec, export, transport name, sender and claim."""
+        h.request, h.writer = request, writer
         wire, export = self._wire_codec(request, writer)
         transport = writer.transport if writer is not None else self.transport.name
-        sender = self.transport.open(request.decode_address, rid, metadata=tuple(tracing.inject_metadata()))
-        stream.attach(writer, export, request.num_skip_blocks)  # no engine hop: the step may be long
-        return wire, export, transport, sender, await self._claim(request, stream, sender, writer)
+        sender = self.transport.open(request.decode_address, h.rid, metadata=tuple(tracing.inject_metadata()))
+        h.stream.attach(writer, export, request.num_skip_blocks)  # no engine hop: the step may be long
+        claim = await self._claim(request, h.stream, sender, writer)
+        h.wire, h.transport, h.sender, h.claim = wire, transport, sender, claim
 
     async def _claim(self, request: prefill_pb2.PrefillRequest, stream: RequestKVStream, sender: KVSender,
                      writer: PageWriter | None) -> asyncio.Future[None] | None:

@@ -129,32 +129,43 @@ def open_shards(dest: decode_pb2.KVDestination,
     if kind in PLAIN_POOLS:
         shards = [Shard((0, num_kv_heads), attach(dest))]
     elif kind == "sharded":
-        sp = dest.sharded
-        if not 1 <= sp.tp_size <= MAX_TP or sp.num_kv_heads != num_kv_heads:
-            raise SharedKVAttachError("split", f"decode's pool splits {sp.num_kv_heads} KV heads over {sp.tp_size} "
-                                               f"ranks; this model has {num_kv_heads} KV heads")
-        try:
-            want = head_ranges(sp.tp_size, num_kv_heads)
-        except TensorParallelError as e:
-            raise SharedKVAttachError("split", f"decode's pool: {e}") from e
-        got = [(rp.rank, rp.kv_head_start, rp.kv_head_end, rp.pool.WhichOneof("pool")) for rp in sp.ranks]
-        if sp.kv_replicas != max(1, sp.tp_size // num_kv_heads) or len(got) != sp.tp_size or any(
-                (r, a, b) != (i, *want[i]) or k not in PLAIN_POOLS for i, (r, a, b, k) in enumerate(got)):
-            raise SharedKVAttachError("split", f"decode's pool names ranks/heads {[g[:3] for g in got]} with "
-                                               f"{sp.kv_replicas} replicas; TP={sp.tp_size} over {num_kv_heads} KV "
-                                               f"heads splits them as {want}")
+        want = _rank_heads(dest.sharded, num_kv_heads)
         lo, hi = heads or (0, num_kv_heads)
-        shards = [Shard(want[i], attach(rp.pool)) for i, rp in enumerate(sp.ranks)
+        shards = [Shard(want[i], attach(rp.pool)) for i, rp in enumerate(dest.sharded.ranks)
                   if max(lo, want[i][0]) < min(hi, want[i][1])]
     else:
         raise SharedKVAttachError("none", f"the decode offers {kind or 'no shared pool'}")
     for sh in shards:
-        p = sh.pool
-        if (p.shape[:2] != cache.shape[:2] or p.shape[3] != cache.shape[3] or p.shape[5] != cache.shape[5]
-                or p.shape[4] != sh.heads[1] - sh.heads[0] or p.dtype != cache.dtype):
-            raise SharedKVAttachError("shape", f"decode's pool for KV heads {sh.heads} is {tuple(p.shape)} {p.dtype}; "
-                                               f"this cache is {tuple(cache.shape)} {cache.dtype}")
+        _check_shard(sh, cache)
     return shards
+
+
+def _rank_heads(sp: decode_pb2.ShardedPool, num_kv_heads: int) -> list[tuple[int, int]]:
+    """Each rank's [start, end) of the KV heads, when ``sp`` splits this model's heads as every instance does
+    (rank order, plain pools); else SharedKVAttachError (reason ``split``)."""
+    if not 1 <= sp.tp_size <= MAX_TP or sp.num_kv_heads != num_kv_heads:
+        raise SharedKVAttachError("split", f"decode's pool splits {sp.num_kv_heads} KV heads over {sp.tp_size} "
+                                           f"ranks; this model has {num_kv_heads} KV heads")
+    try:
+        want = head_ranges(sp.tp_size, num_kv_heads)
+    except TensorParallelError as e:
+        raise SharedKVAttachError("split", f"decode's pool: {e}") from e
+    got = [(rp.rank, rp.kv_head_start, rp.kv_head_end, rp.pool.WhichOneof("pool")) for rp in sp.ranks]
+    if sp.kv_replicas != max(1, sp.tp_size // num_kv_heads) or len(got) != sp.tp_size or any(
+            (r, a, b) != (i, *want[i]) or k not in PLAIN_POOLS for i, (r, a, b, k) in enumerate(got)):
+        raise SharedKVAttachError("split", f"decode's pool names ranks/heads {[g[:3] for g in got]} with "
+                                           f"{sp.kv_replicas} replicas; TP={sp.tp_size} over {num_kv_heads} KV "
+                                           f"heads splits them as {want}")
+    return want
+
+
+def _check_shard(sh: Shard, cache: torch.Tensor) -> None:
+    """A rank pool holds pages of this cache's shape and dtype for exactly its heads (else reason ``shape``)."""
+    p = sh.pool
+    if (p.shape[:2] != cache.shape[:2] or p.shape[3] != cache.shape[3] or p.shape[5] != cache.shape[5]
+            or p.shape[4] != sh.heads[1] - sh.heads[0] or p.dtype != cache.dtype):
+        raise SharedKVAttachError("shape", f"decode's pool for KV heads {sh.heads} is {tuple(p.shape)} {p.dtype}; "
+                                           f"this cache is {tuple(cache.shape)} {cache.dtype}")
 
 
 class RankPools:
