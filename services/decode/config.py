@@ -23,6 +23,11 @@ class DecodeConfig(ServerConfig, TracingConfig, LeaseConfig, MooncakeTransportCo
                               "Generate answer RESOURCE_EXHAUSTED (reason OVERLOADED). 0: the device's "
                               "default (256 on CPU, 1024 on CUDA).")
     overload_retry_after_ms: int = opt(1_000, "retry_after_ms suggested to callers refused as OVERLOADED (ms).")
+    reserve_wait_s: float = opt(20.0, "A Reserve that finds too few free KV blocks waits for blocks to free, in "
+                                      "arrival order, up to this long and within the call's deadline, before it "
+                                      "answers RESOURCE_EXHAUSTED (seconds; 0: at once). Waiting Reserves count "
+                                      "against --max-pending and hold no blocks. Keep it below prefill's "
+                                      "--claim-wait-s, which bounds how long a computed prompt waits for it.")
     kv_mooncake_host: str = opt("", "Register the KV pool with the Mooncake Transfer Engine at this address (the "
                                     "host prefills reach this decode at; TCP, RDMA where the NIC has it) and offer "
                                     "it to prefills (--kv-transport mooncake), instead of a same-host shm/CUDA IPC "
@@ -45,5 +50,6 @@ class DecodeConfig(ServerConfig, TracingConfig, LeaseConfig, MooncakeTransportCo
         require(0 < self.lease_ms <= self.max_lease_ms, self, "lease_ms",
                 f"must be in (0, max_lease_ms={self.max_lease_ms}], got {self.lease_ms}")
         require(self.max_pending >= 0, self, "max_pending", f"must be >= 0, got {self.max_pending}")
+        require(self.reserve_wait_s >= 0, self, "reserve_wait_s", f"must be >= 0, got {self.reserve_wait_s}")
         require(self.overload_retry_after_ms > 0, self, "overload_retry_after_ms",
                 f"must be > 0, got {self.overload_retry_after_ms}")

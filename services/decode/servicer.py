@@ -47,6 +47,8 @@ from services.text.sampling_params import InvalidRequestError, SamplingParams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+BLOCK_POLL_S = 0.01
+"""How often the Reserve at the head of the wait for free KV blocks reads the engine's published stats (seconds)."""
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
@@ -57,6 +59,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.table = ReservationTable()
         self._bg: set[asyncio.Future] = set()
         self._admitting = 0
+        self._block_turn = asyncio.Lock()
+        """Reserves waiting for free KV blocks take turns in arrival order (asyncio's lock is FIFO): only the
+        head polls the engine's published free blocks."""
+        self._block_waiters = 0
+        """Reserves waiting for free KV blocks (counted as pending)."""
         """Admission calls waiting on the engine thread (count; part of the pending bound)."""
         self.generating = 0
         """Open Generate streams (count; drain waits for them)."""
@@ -92,7 +99,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     # --- admission ---
 
     def _pending(self, stats: dict[str, float]) -> int:
-        return self.table.num_awaiting_kv() + int(stats.get("waiting", 0)) + self._admitting
+        return self.table.num_awaiting_kv() + int(stats.get("waiting", 0)) + self._admitting + self._block_waiters
 
     def admission(self, stats: dict[str, float]) -> tuple[int, bool]:
         """(max_waiting, queue full) for the load report, from the engine's published ``stats``."""
@@ -149,9 +156,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             await errors.invalid(context, f"params.{e.field}", str(e))
 
     async def _engine_admit(self, context: grpc.aio.ServicerContext, admit: Awaitable[T],
-                            undo: Callable[[], Awaitable[object]]) -> T:
+                            undo: Callable[[], Awaitable[object]], *, no_blocks_raises: bool = False) -> T:
         """Await an admission on the engine thread; if the call is cancelled meanwhile, ``undo()`` runs once
-        the engine has admitted it (nobody will consume it). Engine refusals become statuses."""
+        the engine has admitted it (nobody will consume it). Engine refusals become statuses (NoFreeBlocksError
+        is raised instead with ``no_blocks_raises``: the caller waits for blocks)."""
         fut = asyncio.ensure_future(admit)
         self._admitting += 1
         try:
@@ -162,6 +170,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         except InvalidRequestError as e:
             await errors.invalid(context, e.field, str(e))
         except NoFreeBlocksError as e:
+            if no_blocks_raises:
+                raise
             await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"cannot reserve KV blocks: {e}",
                                Reason.ERROR_REASON_OVERLOADED, "overloaded", retryable=True,
                                retry_after_ms=self.config.overload_retry_after_ms)
@@ -184,7 +194,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Reserve(self, request: decode_pb2.ReserveRequest, context: grpc.aio.ServicerContext
                       ) -> decode_pb2.ReserveResponse:
         await self._router_only(context, "Reserve")
-        await self._admit(context, needs_blocks=True)
+        await self._admit(context, needs_blocks=self.config.reserve_wait_s <= 0)
         if not request.request_id:
             await errors.invalid(context, "request_id", "request_id: must not be empty")
         ids = request.token_ids[:]  # a list in one C copy (list() iterates the upb container)
@@ -199,8 +209,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         caller = peer_identity(context)
         await self._within_share(context, caller, len(ids))
         rid = self.table.new_id()
-        q, num_cached, block_ids = await self._engine_admit(
-            context, self.engine.reserve(rid, ids, params, detokenize=bool(params.stop)), lambda: self.drop(rid))
+        q, num_cached, block_ids = await self._reserve_blocks(context, rid, ids, params, deadline)
         r = Reservation(rid, request.request_id, len(ids), params, block_ids, num_cached, q, deadline_unix=deadline,
                         caller=caller)
         self.table.add(r)
@@ -212,6 +221,47 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if self.destination is not None:  # a pool prefills may write into
             resp.destination.CopyFrom(self.destination)
         return resp
+
+    async def _reserve_blocks(self, context: grpc.aio.ServicerContext, rid: str, ids: list[int],
+                              params: SamplingParams, deadline_unix: float) -> tuple:
+        """The engine's reservation of the prompt's blocks. With too few free blocks, wait for them (FIFO, up to
+        --reserve-wait-s and within the call's and the request's deadline) instead of refusing at once."""
+        def admit() -> Awaitable:
+            return self._engine_admit(context, self.engine.reserve(rid, ids, params, detokenize=bool(params.stop)),
+                                      lambda: self.drop(rid), no_blocks_raises=wait_s > 0)
+
+        wait_s = self.config.reserve_wait_s
+        for bound in (context.time_remaining(), deadline_unix - time.time() if deadline_unix else None):
+            if bound is not None:
+                wait_s = min(wait_s, max(0.0, bound - 0.5))  # leave the answer time to travel
+        need = -(-len(ids) // self.layout.block_size)
+        if not self._block_turn.locked() and self.engine.published_stats().get("free_blocks", need) >= need:
+            try:
+                return await admit()
+            except NoFreeBlocksError:
+                pass  # taken meanwhile: wait for a turn
+        end = time.monotonic() + wait_s
+        self._block_waiters += 1
+        try:
+            async with asyncio.timeout(max(0.0, end - time.monotonic())):
+                async with self._block_turn:
+                    while True:
+                        if self.engine.published_stats().get("free_blocks", 0) >= need:
+                            try:
+                                return await admit()
+                            except NoFreeBlocksError:
+                                pass
+                        await asyncio.sleep(BLOCK_POLL_S)
+        except TimeoutError:
+            pass
+        finally:
+            self._block_waiters -= 1
+        self.metrics.requests_refused_total.labels("overloaded").inc()
+        await errors.fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED,  # type: ignore[arg-type]
+                          f"decode is overloaded: no {need} free KV blocks for this prompt within {wait_s:.1f} s "
+                          "(--reserve-wait-s)", Reason.ERROR_REASON_OVERLOADED, retryable=True,
+                          retry_after_ms=self.config.overload_retry_after_ms)
+        raise AssertionError("unreachable")  # pragma: no cover
 
     async def _within_share(self, context: grpc.aio.ServicerContext, caller: str, prompt_len: int) -> None:
         """Refuse a Reserve that would take ``caller``'s reservations awaiting KV past its share of the pool

@@ -3,6 +3,9 @@ draining refuses new work but serves existing reservations."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import grpc
 
 from services.common.grpc_util import Reason
@@ -102,3 +105,37 @@ async def test_reserve_offers_the_wire_codecs_and_a_shared_pool_as_typed_fields(
     assert resv.destination.WhichOneof("pool") == "shm"
     assert resv.destination.shm.name.startswith("pdserve-kv-") and "/" not in resv.destination.shm.name
     await shared.stub.Abort(common_pb2.AbortRequest(request_id=resv.reservation_id))
+
+
+async def test_a_reserve_short_of_blocks_waits_its_turn_and_gives_up_clearly(decode_rig):
+    """With the pool full, a Reserve waits (holding nothing, counted as pending) until blocks free, then gets
+    them; one whose --reserve-wait-s runs out first answers OVERLOADED with Retry-After, and nothing is held."""
+    rig = await decode_rig(reserve_wait_s=10.0)
+
+    async def no_share_limit(*_: object) -> None:  # one loopback caller here: its share would refuse first
+        return None
+
+    rig.servicer._within_share = no_share_limit
+    base = await idle(rig.engine)
+    # 12 prompts of 5 distinct pages take 60 of the 64 blocks; a 13th needs 5.
+    held = [await reserve(rig.stub, prompt(i, 80), request_id=f"h{i}") for i in range(12)]
+    stub = rig.stub
+    waiting = asyncio.ensure_future(reserve(stub, prompt(99, 80), request_id="w"))
+    for _ in range(100):
+        if rig.servicer._block_waiters == 1:
+            break
+        await asyncio.sleep(0.02)
+    assert rig.servicer._block_waiters == 1 and not waiting.done()
+    assert rig.servicer._pending(await rig.engine.stats()) >= 13
+    await rig.stub.Abort(common_pb2.AbortRequest(request_id=held[0].reservation_id))
+    got = await asyncio.wait_for(waiting, 10)
+    assert len(got.block_ids) == 5 and rig.servicer._block_waiters == 0
+    rig.servicer.config.reserve_wait_s = 0.4
+    t0 = time.monotonic()
+    out = await refused(reserve(stub, prompt(98, 80), request_id="late"))
+    assert out.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--reserve-wait-s" in out.details
+    assert out.detail.reason == Reason.ERROR_REASON_OVERLOADED and out.detail.retry_after_ms > 0
+    assert time.monotonic() - t0 >= 0.3 and rig.servicer._block_waiters == 0
+    for r in (*held[1:], got):
+        assert (await rig.stub.Abort(common_pb2.AbortRequest(request_id=r.reservation_id))).found
+    assert (await idle(rig.engine))["free_blocks"] == base["free_blocks"] and len(rig.servicer.table) == 0
