@@ -23,11 +23,12 @@ class DecodeConfig(ServerConfig, TracingConfig, LeaseConfig, MooncakeTransportCo
                               "Generate answer RESOURCE_EXHAUSTED (reason OVERLOADED). 0: the device's "
                               "default (256 on CPU, 1024 on CUDA).")
     overload_retry_after_ms: int = opt(1_000, "retry_after_ms suggested to callers refused as OVERLOADED (ms).")
-    reserve_wait_s: float = opt(20.0, "A Reserve that finds too few free KV blocks waits for blocks to free, in "
-                                      "arrival order, up to this long and within the call's deadline, before it "
-                                      "answers RESOURCE_EXHAUSTED (seconds; 0: at once). Waiting Reserves count "
-                                      "against --max-pending and hold no blocks. Keep it below prefill's "
-                                      "--claim-wait-s, which bounds how long a computed prompt waits for it.")
+    reserve_wait_s: float = opt(20.0, "Longest a Reserve that finds too few free KV blocks may wait for blocks to "
+                                      "free, in arrival order, before it answers RESOURCE_EXHAUSTED (seconds; 0: "
+                                      "never wait). The caller asks for a wait (ReserveRequest.block_wait_ms: the "
+                                      "router does when no other decode is left to try); this caps it, and the "
+                                      "call's and the request's deadlines bound it. Waiting Reserves count against "
+                                      "--max-pending and hold no blocks.")
     kv_mooncake_host: str = opt("", "Register the KV pool with the Mooncake Transfer Engine at this address (the "
                                     "host prefills reach this decode at; TCP, RDMA where the NIC has it) and offer "
                                     "it to prefills (--kv-transport mooncake), instead of a same-host shm/CUDA IPC "

@@ -194,7 +194,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Reserve(self, request: decode_pb2.ReserveRequest, context: grpc.aio.ServicerContext
                       ) -> decode_pb2.ReserveResponse:
         await self._router_only(context, "Reserve")
-        await self._admit(context, needs_blocks=self.config.reserve_wait_s <= 0)
+        wait_s = min(request.block_wait_ms / 1000, self.config.reserve_wait_s)
+        await self._admit(context, needs_blocks=wait_s <= 0)
         if not request.request_id:
             await errors.invalid(context, "request_id", "request_id: must not be empty")
         ids = request.token_ids[:]  # a list in one C copy (list() iterates the upb container)
@@ -209,7 +210,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         caller = peer_identity(context)
         await self._within_share(context, caller, len(ids))
         rid = self.table.new_id()
-        q, num_cached, block_ids = await self._reserve_blocks(context, rid, ids, params, deadline)
+        q, num_cached, block_ids = await self._reserve_blocks(context, rid, ids, params, deadline, wait_s)
         r = Reservation(rid, request.request_id, len(ids), params, block_ids, num_cached, q, deadline_unix=deadline,
                         caller=caller)
         self.table.add(r)
@@ -223,14 +224,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return resp
 
     async def _reserve_blocks(self, context: grpc.aio.ServicerContext, rid: str, ids: list[int],
-                              params: SamplingParams, deadline_unix: float) -> tuple:
+                              params: SamplingParams, deadline_unix: float, wait_s: float) -> tuple:
         """The engine's reservation of the prompt's blocks. With too few free blocks, wait for them (FIFO, up to
-        --reserve-wait-s and within the call's and the request's deadline) instead of refusing at once."""
+        ``wait_s``: the caller's block_wait_ms capped by --reserve-wait-s, and within the call's and the request's
+        deadline) instead of refusing at once."""
         def admit() -> Awaitable:
             return self._engine_admit(context, self.engine.reserve(rid, ids, params, detokenize=bool(params.stop)),
                                       lambda: self.drop(rid), no_blocks_raises=wait_s > 0)
 
-        wait_s = self.config.reserve_wait_s
         for bound in (context.time_remaining(), deadline_unix - time.time() if deadline_unix else None):
             if bound is not None:
                 wait_s = min(wait_s, max(0.0, bound - 0.5))  # leave the answer time to travel
@@ -259,7 +260,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.metrics.requests_refused_total.labels("overloaded").inc()
         await errors.fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED,  # type: ignore[arg-type]
                           f"decode is overloaded: no {need} free KV blocks for this prompt within {wait_s:.1f} s "
-                          "(--reserve-wait-s)", Reason.ERROR_REASON_OVERLOADED, retryable=True,
+                          "(block_wait_ms, --reserve-wait-s)", Reason.ERROR_REASON_OVERLOADED, retryable=True,
                           retry_after_ms=self.config.overload_retry_after_ms)
         raise AssertionError("unreachable")  # pragma: no cover
 

@@ -241,12 +241,13 @@ class Handoff:
         last: RpcFailure | None = None
         for _ in range(self.s.max_retries + 1):
             decode = await pick(self.decode_pool, self.s, hashes, tried, last, st, self.metrics)
+            wait_ms = self._block_wait_ms(st, tried | {decode.address})
             try:
                 with tracing.span("router.reserve", decode=decode.address):
                     resv = await decode.decode.Reserve(decode_pb2.ReserveRequest(
                         request_id=st.request_id, token_ids=prompt, params=params_to_pb(params),
-                        lease_ms=st.lease_ms(self.s), deadline_unix=st.deadline_unix),
-                        timeout=st.timeout_s(CONTROL_TIMEOUT_S), metadata=tracing.inject_metadata())
+                        lease_ms=st.lease_ms(self.s), deadline_unix=st.deadline_unix, block_wait_ms=wait_ms),
+                        timeout=st.timeout_s(CONTROL_TIMEOUT_S + wait_ms / 1000), metadata=tracing.inject_metadata())
                 decode.remember(hashes)
                 self._decode_full_at = -math.inf
                 return decode, resv
@@ -263,6 +264,13 @@ class Handoff:
                 self.metrics.dispatch_retries_total.labels("decode", last.label).inc()
                 tried.add(decode.address)
         raise exhausted("decode", last, f"{self.s.max_retries + 1} decode instances failed Reserve")
+
+    def _block_wait_ms(self, st: RequestState, tried: set[str]) -> int:
+        """How long a Reserve may wait at its decode for free KV blocks: 0 while another healthy decode is left to
+        try (a full one passes the request on), else --reserve-wait-s within the request's deadline."""
+        if any(a not in tried and i.state == Liveness.HEALTHY for a, i in self.decode_pool.instances.items()):
+            return 0
+        return int(1000 * max(0.0, min(self.s.reserve_wait_s, st.remaining_s() - 1.0)))
 
     # --- 2. decode's token stream ---
 

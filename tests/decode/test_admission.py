@@ -108,8 +108,9 @@ async def test_reserve_offers_the_wire_codecs_and_a_shared_pool_as_typed_fields(
 
 
 async def test_a_reserve_short_of_blocks_waits_its_turn_and_gives_up_clearly(decode_rig):
-    """With the pool full, a Reserve waits (holding nothing, counted as pending) until blocks free, then gets
-    them; one whose --reserve-wait-s runs out first answers OVERLOADED with Retry-After, and nothing is held."""
+    """With the pool full, a Reserve that asks to wait (block_wait_ms) waits, holding nothing and counted as pending,
+    until blocks free, then gets them; one that does not ask is refused at once; one whose wait (capped by
+    --reserve-wait-s) runs out first answers OVERLOADED with Retry-After; nothing is held after."""
     rig = await decode_rig(reserve_wait_s=10.0)
 
     async def no_share_limit(*_: object) -> None:  # one loopback caller here: its share would refuse first
@@ -120,7 +121,9 @@ async def test_a_reserve_short_of_blocks_waits_its_turn_and_gives_up_clearly(dec
     # 12 prompts of 5 distinct pages take 60 of the 64 blocks; a 13th needs 5.
     held = [await reserve(rig.stub, prompt(i, 80), request_id=f"h{i}") for i in range(12)]
     stub = rig.stub
-    waiting = asyncio.ensure_future(reserve(stub, prompt(99, 80), request_id="w"))
+    out = await refused(reserve(stub, prompt(99, 80), request_id="now"))  # no block_wait_ms: refused at once
+    assert out.code == grpc.StatusCode.RESOURCE_EXHAUSTED and rig.servicer._block_waiters == 0
+    waiting = asyncio.ensure_future(reserve(stub, prompt(99, 80), request_id="w", block_wait_ms=60_000))
     for _ in range(100):
         if rig.servicer._block_waiters == 1:
             break
@@ -130,9 +133,9 @@ async def test_a_reserve_short_of_blocks_waits_its_turn_and_gives_up_clearly(dec
     await rig.stub.Abort(common_pb2.AbortRequest(request_id=held[0].reservation_id))
     got = await asyncio.wait_for(waiting, 10)
     assert len(got.block_ids) == 5 and rig.servicer._block_waiters == 0
-    rig.servicer.config.reserve_wait_s = 0.4
+    rig.servicer.config.reserve_wait_s = 0.4  # caps what the caller asks
     t0 = time.monotonic()
-    out = await refused(reserve(stub, prompt(98, 80), request_id="late"))
+    out = await refused(reserve(stub, prompt(98, 80), request_id="late", block_wait_ms=60_000))
     assert out.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--reserve-wait-s" in out.details
     assert out.detail.reason == Reason.ERROR_REASON_OVERLOADED and out.detail.retry_after_ms > 0
     assert time.monotonic() - t0 >= 0.3 and rig.servicer._block_waiters == 0
