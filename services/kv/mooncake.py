@@ -47,7 +47,7 @@ class MooncakeConnector(Connector):
         if src.is_cuda:
             raise SharedKVAttachError("device", "this Mooncake build writes from host memory only and the "
                                                 "decode offers its pool, not a host landing area")
-        engine = await asyncio.to_thread(ctx._engine)
+        engine = await asyncio.to_thread(ctx.mooncake_engine)
         return Plan(shape, dtype, engine=engine, draft=draft_plane)
 
     async def writer(self, ctx: PlanContext, request: prefill_pb2.PrefillRequest, plan: Plan, src: torch.Tensor,
@@ -80,12 +80,12 @@ class StagedMooncakeConnector(MooncakeConnector):
         if export is None or num_blocks * page_bytes > ctx.staging_bytes:
             raise SharedKVAttachError("staging", f"{num_blocks} pages of {page_bytes} bytes do not fit the "
                                                  f"Mooncake staging ring ({ctx.staging_bytes} bytes)")
-        engine = await asyncio.to_thread(ctx._engine)
+        engine = await asyncio.to_thread(ctx.mooncake_engine)
         return Plan(shape, dtype, engine=engine)
 
     async def writer(self, ctx: PlanContext, request: prefill_pb2.PrefillRequest, plan: Plan, src: torch.Tensor,
                      export: Export | None, dest: list[int]) -> PageWriter:
-        ring = await asyncio.to_thread(ctx._staging, plan.engine)
+        ring = await asyncio.to_thread(ctx.staging_ring, plan.engine)
         return StagedWriter(plan.engine, ring, (src.shape[0], 2, *src.shape[3:]), src.dtype, export,
                             request.destination, dest)
 

@@ -68,11 +68,11 @@ class DirectWrites:
             log.warning("%s transport refused (%s): %s; sending page bytes in the stream (logged once per reason)",
                         transport, reason, message)
 
-    def _attach(self, request: prefill_pb2.PrefillRequest) -> torch.Tensor:
+    def attach_pool(self, request: prefill_pb2.PrefillRequest) -> torch.Tensor:
         with self._lock:
             return self.pools.attach(request.destination)
 
-    def _engine(self) -> mooncake.MooncakeEngine:
+    def mooncake_engine(self) -> mooncake.MooncakeEngine:
         with self._lock:
             if self._mooncake is None and self.shards is not None:
                 # One set of engines per process: rank 0's (parallel/mooncake_ranks.py), which its rank writes use.
@@ -84,7 +84,7 @@ class DirectWrites:
                 self._mooncake = mooncake.MooncakeEngine(self.mooncake_host, count=self.mooncake_engines)
             return self._mooncake
 
-    def _staging(self, engine: mooncake.MooncakeEngine) -> StagingRing:
+    def staging_ring(self, engine: mooncake.MooncakeEngine) -> StagingRing:
         with self._lock:
             if self._ring is None:
                 self._ring = StagingRing(engine, self.staging_bytes)

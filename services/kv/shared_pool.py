@@ -27,7 +27,7 @@ class SharedPoolConnector(Connector):
 
     async def probe(self, ctx: PlanContext, request: prefill_pb2.PrefillRequest, src: torch.Tensor,
                     num_blocks: int, export: Export | None, wire: PageLayout | None) -> Plan:
-        pool = await asyncio.to_thread(ctx._attach, request)
+        pool = await asyncio.to_thread(ctx.attach_pool, request)
         return Plan(tuple(pool.shape), pool.dtype, pool=pool)
 
     async def writer(self, ctx: PlanContext, request: prefill_pb2.PrefillRequest, plan: Plan, src: torch.Tensor,
