@@ -24,11 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +35,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.moe_bench import bench_us
+from benchmarks.moe_bench import ceilings as moe_ceilings
 from services.kernels.reference import ref_fp8_block_dequantize, ref_fp8_block_gemm
 
 BLOCK = (128, 128)
@@ -70,35 +70,15 @@ class Row:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def bench_us(fn: Callable[[], Any], device: torch.device, rep_ms: int = 50) -> float:
-    """Median microseconds of fn(): triton.testing.do_bench on CUDA (L2 flushed between runs), wall-clock
-    median of a few calls on CPU."""
-    if device.type == "cuda":
-        import triton.testing
-
-        return float(triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median")) * 1e3
-    fn()
-    times = []
-    for _ in range(3):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e6
-
-
 def ceilings(device: torch.device) -> dict[str, float]:
-    """copy_gbps (read + write of a clone), bf16_tflops (matmul), fp8_tflops / fp8_fast_tflops
+    """copy_gbps and bf16_tflops (moe_bench's device copy and bf16 matmul), fp8_tflops / fp8_fast_tflops
     (torch._scaled_mm with per-tensor scales; CUDA only)."""
-    n_bytes, n = (1 << 30, 8192) if device.type == "cuda" else (1 << 24, 256)
-    out: dict[str, float] = {}
-    x = torch.empty(n_bytes, dtype=torch.uint8, device=device)
-    out["copy_gbps"] = 2 * n_bytes / (bench_us(lambda: x.clone(), device, rep_ms=200) * 1e-6) / 1e9
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    a = torch.randn((n, n), dtype=dtype, device=device)
-    b = torch.randn((n, n), dtype=dtype, device=device)
-    out["bf16_tflops"] = 2 * n**3 / (bench_us(lambda: a @ b, device, rep_ms=200) * 1e-6) / 1e12
+    base = moe_ceilings(device)
+    out = {"copy_gbps": base["copy_gbps"], "bf16_tflops": base["matmul_tflops"]}
     if device.type == "cuda":
-        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+        n = 8192
+        a8 = torch.randn((n, n), dtype=torch.bfloat16, device=device).to(torch.float8_e4m3fn)
+        b8 = torch.randn((n, n), dtype=torch.bfloat16, device=device).to(torch.float8_e4m3fn)
         one = torch.ones((), dtype=torch.float32, device=device)
         for key, fast in (("fp8_tflops", False), ("fp8_fast_tflops", True)):
             try:
