@@ -49,11 +49,11 @@ class RouterConfig(ServerConfig, TracingConfig, ContextConfig, ModelConfig, Leas
                                       "a request waits up to this long, within its deadline, for one to come "
                                       "back (a supervisor's restart), probing every 0.25 s, instead of failing "
                                       "at once (seconds; 0: fail at once).")
-    reserve_wait_s: float = opt(20.0, "A Reserve sent to the last decode left to try asks it to wait this long, "
-                                      "within the request's deadline, for free KV blocks (its turn in arrival "
-                                      "order) instead of refusing at once; earlier tries do not wait, so a full "
-                                      "decode passes the request on (seconds; 0: never; decode's own "
-                                      "--reserve-wait-s caps it).")
+    block_wait_s: float = opt(20.0, "A Reserve sent to the last decode left to try asks it to wait this long, "
+                                    "within the request's deadline, for free KV blocks (its turn in arrival "
+                                    "order) instead of refusing at once; earlier tries do not wait, so a full "
+                                    "decode passes the request on (seconds; 0: never; decode's "
+                                    "--reserve-wait-s caps it).")
     resolve_interval_s: float = opt(10.0, "DNS re-resolution period for dns: targets (seconds).")
     request_timeout_s: float = opt(600.0, "Longest a request may run (seconds); a client's shorter deadline "
                                           "(HTTP header X-Request-Timeout, the gRPC deadline) wins.")
@@ -85,7 +85,7 @@ class RouterConfig(ServerConfig, TracingConfig, ContextConfig, ModelConfig, Leas
         require(self.request_timeout_s > 0, self, "request_timeout_s", f"must be > 0, got {self.request_timeout_s}")
         require(self.dead_after_s > 0, self, "dead_after_s", f"must be > 0, got {self.dead_after_s}")
         require(self.restart_wait_s >= 0, self, "restart_wait_s", f"must be >= 0, got {self.restart_wait_s}")
-        require(self.reserve_wait_s >= 0, self, "reserve_wait_s", f"must be >= 0, got {self.reserve_wait_s}")
+        require(self.block_wait_s >= 0, self, "block_wait_s", f"must be >= 0, got {self.block_wait_s}")
         require(self.prefix_credit >= 0, self, "prefix_credit", f"must be >= 0, got {self.prefix_credit}")
 
     @staticmethod

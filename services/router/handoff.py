@@ -267,10 +267,10 @@ class Handoff:
 
     def _block_wait_ms(self, st: RequestState, tried: set[str]) -> int:
         """How long a Reserve may wait at its decode for free KV blocks: 0 while another healthy decode is left to
-        try (a full one passes the request on), else --reserve-wait-s within the request's deadline."""
+        try (a full one passes the request on), else --block-wait-s within the request's deadline."""
         if any(a not in tried and i.state == Liveness.HEALTHY for a, i in self.decode_pool.instances.items()):
             return 0
-        return int(1000 * max(0.0, min(self.s.reserve_wait_s, st.remaining_s() - 1.0)))
+        return int(1000 * max(0.0, min(self.s.block_wait_s, st.remaining_s() - 1.0)))
 
     # --- 2. decode's token stream ---
 

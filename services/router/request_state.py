@@ -61,7 +61,7 @@ class DispatchSettings:
     timeout_s: float = _router_default("request_timeout_s")
     """Deadline of a request whose client named none (seconds from arrival): --request-timeout-s."""
     restart_wait_s: float = _router_default("restart_wait_s")
-    reserve_wait_s: float = _router_default("reserve_wait_s")
+    block_wait_s: float = _router_default("block_wait_s")
     decode_stream: str = _router_default("decode_stream")
 
     @classmethod
@@ -69,7 +69,7 @@ class DispatchSettings:
         return cls(policy=cfg.policy, prefix_credit=cfg.prefix_credit, lease_ms=cfg.lease_ms,
                    max_retries=cfg.max_retries, chunked_transfer=cfg.chunked_transfer,
                    early_prefill=cfg.early_prefill, timeout_s=cfg.request_timeout_s,
-                   restart_wait_s=cfg.restart_wait_s, reserve_wait_s=cfg.reserve_wait_s,
+                   restart_wait_s=cfg.restart_wait_s, block_wait_s=cfg.block_wait_s,
                    decode_stream=cfg.decode_stream)
 
 

@@ -260,7 +260,7 @@ async def test_reserve_overloaded_moves_to_the_next_decode(cluster_factory):
         assert len(c.decode(0).reserves) == 1 and len(c.decode(1).reserves) == 1
         # The first try had another decode left: no wait for blocks there; the last one may wait.
         assert c.decode(0).reserves[0].block_wait_ms == 0
-        assert 0 < c.decode(1).reserves[0].block_wait_ms <= r.backend.s.reserve_wait_s * 1000
+        assert 0 < c.decode(1).reserves[0].block_wait_ms <= r.backend.s.block_wait_s * 1000
         assert r.metric(ROUTER_DISPATCH_RETRIES_TOTAL, role="decode", reason="overloaded") == 1
         full = r.decode_pool.instances[c.decode_addr(0)]
         assert full.alive and full.overloaded  # alive, skipped while another has room
