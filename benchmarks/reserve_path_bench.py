@@ -29,9 +29,9 @@ from services.decode.pushkv_wire import add_decode_servicer
 from services.decode.servicer import DecodeServicer
 from services.engine.async_engine import AsyncEngine
 from services.engine.config import EngineConfig
-from services.engine.convert import params_to_pb
 from services.engine.cpu.cpu_features import host_cpu
 from services.text.sampling_params import SamplingParams
+from services.text.sampling_pb import params_to_pb
 
 BLOCK = 16
 

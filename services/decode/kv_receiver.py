@@ -33,7 +33,6 @@ from services.common.grpc_util import Reason
 from services.common.pb import common_pb2, decode_pb2
 from services.decode.reservations import EndCause, Reservation, ReservationTable
 from services.engine.async_engine import EngineDeadError, EngineFront
-from services.engine.convert import top_from_pb
 from services.engine.kv_layout import PageLayout, checksum
 from services.engine.kv_transport.base import KVPoll, OnClaimed
 from services.engine.kv_transport.grpc_wire import WireChunk
@@ -44,6 +43,7 @@ from services.kv.byte_stream import GRPC
 from services.kv.claim import CODEC_OF, check_claim
 from services.kv.mooncake import MOONCAKE_STAGED
 from services.kv.offer import landing_for
+from services.text.sampling_pb import top_from_pb
 
 _END = object()
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 from services.common.metrics import DecodeMetrics
 from services.common.pb import common_pb2
 from services.decode.reservations import Reservation
-from services.engine.convert import finish_to_pb, top_to_pb
+from services.engine.convert import finish_to_pb
 from services.engine.engine import RequestOutput
+from services.text.sampling_pb import top_to_pb
 
 
 def fill_response(msg: common_pb2.GenerateResponse, rid: str, o: RequestOutput) -> common_pb2.GenerateResponse:

@@ -35,7 +35,7 @@ from services.decode.reservations import EndCause, Reservation, ReservationTable
 from services.decode.step_stream import StepStream
 from services.engine.async_engine import EngineDeadError, EngineFront, StepSubscriber
 from services.engine.block_manager import NoFreeBlocksError
-from services.engine.convert import layout_to_pb, params_from_pb
+from services.engine.convert import layout_to_pb
 from services.engine.device_defaults import batch_defaults
 from services.engine.engine import RequestOutput
 from services.engine.kv_transport.base import CLAIM_ACK, KVPoll
@@ -44,6 +44,7 @@ from services.engine.sequence import FinishReason
 from services.kv import registry
 from services.kv.offer import offered_pool
 from services.text.sampling_params import InvalidRequestError, SamplingParams
+from services.text.sampling_pb import params_from_pb
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

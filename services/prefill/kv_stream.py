@@ -28,7 +28,6 @@ import torch
 
 from services.common.pb import common_pb2
 from services.engine.async_engine import AsyncEngine
-from services.engine.convert import top_to_pb
 from services.engine.kv_layout import PageLayout, checksum
 from services.engine.kv_pages import KVPages, MessageExport, PageExport
 from services.engine.kv_transport import KVSender, TransferError
@@ -38,6 +37,7 @@ from services.engine.scheduler import ScheduledChunk
 from services.kv.claim import codec_pb
 from services.prefill.layer_export import armed, watch
 from services.text.sampling_params import Sampled, TopLogprobs
+from services.text.sampling_pb import top_to_pb
 
 CRC_IN_THREAD_BYTES = 1 << 18
 """Payloads at least this large are checksummed in a worker thread (zlib releases the GIL)."""

@@ -25,7 +25,6 @@ from services.common.metrics import PrefillMetrics
 from services.common.pb import prefill_pb2, prefill_pb2_grpc
 from services.common.tls import peer_role
 from services.engine.async_engine import AsyncEngine, EngineDeadError
-from services.engine.convert import params_from_pb, top_to_pb
 from services.engine.device_defaults import batch_defaults
 from services.engine.kv_layout import FP8_CODEC, PageLayout
 from services.engine.kv_pages import pages_of
@@ -49,6 +48,7 @@ from services.prefill.kvstore_prefix import KVStorePrefix
 from services.prefill.outcome import Handoff, handoff_detail, refusal, stream_times
 from services.prefill.request_checks import deadline_monotonic, layout_mismatch, problem
 from services.text.sampling_params import InvalidRequestError
+from services.text.sampling_pb import params_from_pb, top_to_pb
 
 log = logging.getLogger(__name__)
 

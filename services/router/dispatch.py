@@ -26,13 +26,13 @@ from services.common import tracing
 from services.common.block_hash import block_hashes
 from services.common.metrics import RouterMetrics
 from services.common.pb import decode_pb2
-from services.engine.convert import params_to_pb
 from services.router.handoff import Handoff, abort_quietly, exhausted, finish_of, pick, top_of
 from services.router.instances import InstancePool, inflight
 from services.router.pipeline import BackendError, TokenEvent
 from services.router.request_state import DecodeLostError, DispatchSettings, RequestState, token_stream
 from services.router.rpc_failure import RpcFailure
 from services.text.sampling_params import SamplingParams
+from services.text.sampling_pb import params_to_pb
 
 __all__ = ["DisaggregatedBackend", "DispatchSettings"]
 

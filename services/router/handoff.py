@@ -39,7 +39,6 @@ from services.common.block_hash import block_hashes
 from services.common.grpc_util import detail_of
 from services.common.metrics import RouterMetrics
 from services.common.pb import common_pb2, decode_pb2, prefill_pb2
-from services.engine.convert import params_to_pb
 from services.router.instances import Instance, InstancePool, Liveness, inflight
 from services.router.pipeline import BackendError, TokenEvent
 from services.router.policy import NoInstanceError, choose
@@ -58,6 +57,7 @@ from services.router.request_state import (
 )
 from services.router.rpc_failure import RpcFailure
 from services.text.sampling_params import SamplingParams, TopLogprobs
+from services.text.sampling_pb import params_to_pb
 
 log = logging.getLogger(__name__)
 

@@ -23,11 +23,11 @@ from services.common import tracing
 from services.common.grpc_util import Reason, abort, abort_if_draining, error_detail
 from services.common.metrics import RouterMetrics
 from services.common.pb import common_pb2, router_pb2, router_pb2_grpc
-from services.engine.convert import params_from_pb
 from services.router.auth import APIKeys
 from services.router.metering import RequestMeter, RequestRecord
 from services.router.pipeline import DEFAULT_RETRY_AFTER_S, BackendError, TextPipeline
 from services.text.sampling_params import InvalidRequestError, SamplingParams
+from services.text.sampling_pb import params_from_pb
 
 DEFAULT_MAX_TOKENS = 16
 DEADLINE_MARGIN_S = 0.05
