@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.config import env_name
+from services.common.kv_kinds import TRANSPORT_NAMES, transport_kind
 from services.common.server import is_loopback
 from services.engine.cpu.core_share import CoreShareError, create_group, remove_group
 from services.engine.cpu.cpu_features import engine_cpu_args, quiet_openmp_env
@@ -67,14 +68,10 @@ def kv_transport_args(transport: str, host: str) -> tuple[list[str], list[str]]:
     bytes in the stream; shm / cuda-ipc / auto share decode's pool on this host (auto: shm on CPU, cuda-ipc
     on GPU); mooncake registers decode's pool with the Mooncake Transfer Engine at ``host`` (loopback TCP
     here), and each prefill's engine binds ``host`` too."""
-    prefill = ["--kv-transport", transport]
-    if transport == "mooncake":
-        return [*prefill, "--kv-mooncake-host", host], ["--kv-mooncake-host", host]
-    if transport in ("shm", "cuda-ipc", "auto"):
-        return prefill, ["--kv-cache-shared"]
-    if transport == "grpc":
-        return prefill, []
-    raise ValueError(f"unknown KV transport {transport!r} (grpc, shm, cuda-ipc, mooncake, auto)")
+    kind = transport_kind(transport)
+    if kind is None:
+        raise ValueError(f"unknown KV transport {transport!r} ({', '.join(TRANSPORT_NAMES)})")
+    return kind.launch_args(host)
 
 
 class StartCancelled(RuntimeError):

@@ -30,6 +30,7 @@ from dataclasses import KW_ONLY, dataclass
 import grpc
 
 from services.common.grpc_util import Reason
+from services.common.kv_kinds import pool_id
 from services.common.pb import common_pb2, decode_pb2
 from services.decode.reservations import EndCause, Reservation, ReservationTable
 from services.engine.async_engine import EngineDeadError, EngineFront
@@ -37,7 +38,6 @@ from services.engine.kv_layout import PageLayout, checksum
 from services.engine.kv_transport.base import KVPoll, OnClaimed
 from services.engine.kv_transport.grpc_wire import WireChunk
 from services.engine.parallel.rank_pages import spec_of
-from services.engine.shared_kv import pool_id
 from services.kv import registry
 from services.kv.byte_stream import GRPC
 from services.kv.claim import CODEC_OF, check_claim
@@ -115,7 +115,7 @@ class DecodeKVReceiver:
         self.on_phase = on_phase
         """Observes a handoff phase (name, seconds): ``import`` = last chunk checked and its pages in -> the
         engine took the request into its batch (the engine-thread hop)."""
-        self.pool_id = pool_id(destination) if destination is not None and destination.WhichOneof("pool") else ""
+        self.pool_id = pool_id(destination) if destination is not None else ""
         """The pool side transports may claim (what Reserve offers); empty: none."""
         self.layout = layout
         # Layouts a chunk may arrive in: the cache's own, plus codecs decoded on arrival (fp8-e4m3).

@@ -21,7 +21,6 @@ token on every KVChunk), never by this module.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import math
 import mmap
@@ -34,6 +33,8 @@ from collections import OrderedDict
 
 import torch
 
+# pool_id lived here: benchmarks/cluster_bench.py still imports it from this module.
+from services.common.kv_kinds import pool_id, pool_kind  # noqa: F401
 from services.common.pb import decode_pb2
 
 log = logging.getLogger(__name__)
@@ -284,23 +285,6 @@ def open_cuda_pool(pool: decode_pb2.CudaIpcPool) -> torch.Tensor:
     return tensor
 
 
-def pool_id(dest: decode_pb2.KVDestination) -> str:
-    """A short name for the pool a destination opens (what a writer's claim carries): the shm file
-    name, the CUDA device and a digest of its IPC handle, the Mooncake segment and base address, or a digest
-    of every rank's pool id (a tensor-parallel decode's ShardedPool)."""
-    kind = dest.WhichOneof("pool")
-    if kind == "shm":
-        return f"shm:{dest.shm.name}"
-    if kind == "cuda_ipc":
-        return f"cuda-ipc:{dest.cuda_ipc.device}:{hashlib.sha256(dest.cuda_ipc.handle).hexdigest()[:16]}"
-    if kind == "mooncake":
-        return f"mooncake:{dest.mooncake.segment}@{dest.mooncake.base_address:x}"
-    if kind == "sharded":  # a tensor-parallel decode's per-rank pools, named together
-        ids = "|".join(pool_id(rp.pool) for rp in dest.sharded.ranks if rp.pool.WhichOneof("pool") != "sharded")
-        return f"tp{dest.sharded.tp_size}:{hashlib.sha256(ids.encode()).hexdigest()[:16]}"
-    return ""
-
-
 class SharedKVPools:
     """Prefill side: decode pools opened by destination, kept open (each decode's opened once).
 
@@ -311,7 +295,7 @@ class SharedKVPools:
         self._pools: OrderedDict[bytes, tuple[torch.Tensor, tuple[int, int] | None]] = OrderedDict()
 
     def attach(self, dest: decode_pb2.KVDestination) -> torch.Tensor:
-        kind = dest.WhichOneof("pool")
+        kind = pool_kind(dest)
         if kind is None:
             raise SharedKVAttachError("none", "the decode offers no shared pool")
         key = dest.SerializeToString(deterministic=True)
@@ -322,7 +306,7 @@ class SharedKVPools:
                 self._pools.move_to_end(key)
                 return tensor
             del self._pools[key]
-        if kind == "shm":
+        if kind.shm_file:
             tensor = open_shm_pool(dest.shm)
             ident = _inode(dest.shm.name)
         else:

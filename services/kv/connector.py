@@ -16,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from services.common.kv_kinds import PoolKind
 from services.common.pb import decode_pb2, prefill_pb2
 from services.engine.async_engine import EngineFront
 from services.engine.kv_layout import PageLayout
@@ -61,8 +62,9 @@ class Connector:
 
     name: str = ""
     """The transport's name: ``--kv-transport``, ``KVChunk.transport``, ``KVClaim.transport``, metric labels."""
-    pool_case: str = ""
-    """The ``KVDestination.pool`` case decode offers for it ("" none)."""
+    pool: PoolKind | None = None
+    """The kind of pool (``KVDestination.pool`` case, services/common/kv_kinds.py) decode offers for it (None:
+    none)."""
     writes_pages_itself: bool = False
     """Pages land in decode's pool before their descriptor is sent: the stream opens with a claim and its
     chunks carry descriptors only (no payload)."""

@@ -14,6 +14,7 @@ from collections.abc import Awaitable
 
 import torch
 
+from services.common import kv_kinds
 from services.common.pb import decode_pb2, prefill_pb2
 from services.engine.async_engine import EngineFront
 from services.engine.kv_layout import PageLayout
@@ -31,8 +32,8 @@ log = logging.getLogger(__name__)
 class MooncakeConnector(Connector):
     """Direct: from this prefill's host pool into decode's registered CPU pool (and its draft pool)."""
 
-    name = "mooncake"
-    pool_case = "mooncake"
+    name = kv_kinds.MOONCAKE.transport
+    pool = kv_kinds.MOONCAKE
     writes_pages_itself = True
     overlaps_compute = True
     crosses_hosts = True

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import logging
 
+from services.common.kv_kinds import pool_id
 from services.common.pb import decode_pb2
 from services.engine.kv_pages import KVPages
 from services.engine.kv_transport.mooncake_staged import HostLanding
-from services.engine.shared_kv import SharedKVAttachError, pool_id
+from services.engine.shared_kv import SharedKVAttachError
 from services.kv.mooncake import offer_mooncake_pool
 from services.kv.shards import SHARDS
 from services.kv.shared_pool import SHM

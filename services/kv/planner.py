@@ -13,6 +13,7 @@ import threading
 
 import torch
 
+from services.common.kv_kinds import pool_kind
 from services.common.metrics import PrefillMetrics
 from services.common.pb import prefill_pb2
 from services.engine.kv_layout import PageLayout
@@ -94,12 +95,12 @@ class DirectWrites:
                    ) -> tuple[Connector, Connector, list[int]] | None:
         """(connector, transport it writes over, destination blocks) when this mode writes the offered pool, else
         None (counted as a fallback)."""
-        offered = request.destination.WhichOneof("pool")
+        offered = pool_kind(request.destination)
         # Rank to rank (rank_pages.py): a tensor-parallel decode's pools, or any write of a tensor-parallel prefill.
-        ranks = self.shards is not None and (offered == SHARDS.pool_case or self.shards.collective)
+        ranks = self.shards is not None and (offered is SHARDS.pool or self.shards.collective)
         conn, over = registry.for_destination(request.destination, ranks)
         if conn is None or over is None or not self.modes.takes(over):
-            self._fallback(self.mode, "none", f"the decode offers {offered or 'no shared pool'}")
+            self._fallback(self.mode, "none", f"the decode offers {offered.case if offered else 'no shared pool'}")
             return None
         dest = list(request.dest_block_ids)
         if len(dest) != num_blocks:

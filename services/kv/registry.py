@@ -1,13 +1,16 @@
-"""The connector registry: every way KV pages travel, by name and by the pool case decode offers.
+"""The connector registry: every way KV pages travel, by name and by the kind of pool decode offers.
 
 The only place transport names are compared: elsewhere the tree asks a connector's flags
-(``writes_pages_itself``, ``overlaps_compute``, ``needs_host_staging``, ``crosses_hosts``) or a ``Mode``'s.
+(``writes_pages_itself``, ``overlaps_compute``, ``needs_host_staging``, ``crosses_hosts``) or a ``Mode``'s. The
+pool kinds and ``--kv-transport`` values themselves are one table, services/common/kv_kinds.py (torch-free, so
+the engine, decode and the launcher read it too): each connector names its pool kind from there.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common import kv_kinds
 from services.common.pb import decode_pb2
 from services.engine.parallel.rank_pages import transport_of
 from services.kv.byte_stream import FAKE, GRPC
@@ -22,11 +25,11 @@ BY_NAME: dict[str, Connector] = {c.name: c for c in (GRPC, SHM, CUDA_IPC, MOONCA
 """Transport name (``--kv-transport``, ``KVChunk.transport``) -> its connector (mooncake: the direct one)."""
 IN_PLACE: dict[str, Connector] = {n: c for n, c in BY_NAME.items() if c.writes_pages_itself}
 """Transports that write pages into decode's pool themselves; their chunks carry descriptors only."""
-AUTO = "auto"
+AUTO = kv_kinds.AUTO.name
 """``--kv-transport auto``: whichever side transport decode offers."""
 DEFAULT = GRPC
 """The transport a chunk naming none went by (bytes in the stream)."""
-_BY_POOL: dict[str, Connector] = {c.pool_case: c for c in (SHM, CUDA_IPC, MOONCAKE)}
+_BY_POOL: dict[kv_kinds.PoolKind, Connector] = {c.pool: c for c in (SHM, CUDA_IPC, MOONCAKE) if c.pool is not None}
 
 
 def by_name(name: str) -> Connector | None:
@@ -50,7 +53,8 @@ def for_destination(dest: decode_pb2.KVDestination, ranks: bool) -> tuple[Connec
     if ranks:
         over = BY_NAME.get(transport_of(dest))
         return (SHARDS, over) if over is not None else (None, None)
-    c = _BY_POOL.get(dest.WhichOneof("pool") or "")
+    kind = kv_kinds.pool_kind(dest)
+    c = _BY_POOL.get(kind) if kind is not None else None
     if c is MOONCAKE and dest.mooncake.page_major:
         return MOONCAKE_STAGED, MOONCAKE
     return c, c

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import asyncio
 
+from services.common import kv_kinds
+from services.common.kv_kinds import pool_id
 from services.common.pb import decode_pb2, prefill_pb2
 from services.engine.kv_pages import KVPages
 from services.engine.kv_transport import mooncake
 from services.engine.kv_transport.base import PageWriter
 from services.engine.parallel.rank_pages import MAX_TP, ShardWrites, pool_split, spec_of
 from services.engine.parallel.rank_writes import Attached, ShardWriter
-from services.engine.shared_kv import SharedKVAttachError, pool_id
+from services.engine.shared_kv import SharedKVAttachError
 from services.kv.connector import Connector
 
 
@@ -20,7 +22,7 @@ class ShardConnector(Connector):
     """Rank to rank. The transport each rank writes over is the destination's (``over``: its connector)."""
 
     name = "shards"
-    pool_case = "sharded"
+    pool = kv_kinds.SHARDED
     writes_pages_itself = True
 
     async def attach(self, shards: ShardWrites, request: prefill_pb2.PrefillRequest, over: Connector,

@@ -8,12 +8,13 @@ import asyncio
 
 import torch
 
+from services.common import kv_kinds
+from services.common.kv_kinds import PoolKind, pool_id
 from services.common.pb import decode_pb2, prefill_pb2
 from services.engine.kv_layout import PageLayout
 from services.engine.kv_pages import KVPages
 from services.engine.kv_transport.base import PageWriter
 from services.engine.kv_transport.shared_pool import SharedPoolWriter
-from services.engine.shared_kv import pool_id
 from services.engine.spec.pools import draft_writer
 from services.kv.connector import Connector, Export, Plan, PlanContext
 
@@ -21,9 +22,9 @@ from services.kv.connector import Connector, Export, Plan, PlanContext
 class SharedPoolConnector(Connector):
     writes_pages_itself = True
 
-    def __init__(self, name: str, pool_case: str) -> None:
-        self.name = name
-        self.pool_case = pool_case
+    def __init__(self, pool: PoolKind) -> None:
+        self.name = pool.transport
+        self.pool = pool
 
     async def probe(self, ctx: PlanContext, request: prefill_pb2.PrefillRequest, src: torch.Tensor,
                     num_blocks: int, export: Export | None, wire: PageLayout | None) -> Plan:
@@ -46,5 +47,5 @@ class SharedPoolConnector(Connector):
         return dest
 
 
-SHM = SharedPoolConnector("shm", "shm")
-CUDA_IPC = SharedPoolConnector("cuda-ipc", "cuda_ipc")
+SHM = SharedPoolConnector(kv_kinds.SHM)
+CUDA_IPC = SharedPoolConnector(kv_kinds.CUDA_IPC)

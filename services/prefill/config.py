@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.config import opt, require
+from services.common.kv_kinds import TRANSPORT_NAMES
 from services.common.kv_mooncake import MooncakeTransportConfig
 from services.common.server import ServerConfig
 from services.common.tracing import TracingConfig
@@ -22,7 +23,7 @@ class PrefillConfig(ServerConfig, TracingConfig, MooncakeTransportConfig):
                                     "the Mooncake Transfer Engine into the pool of a decode (any host) started "
                                     "with --kv-mooncake-host; auto: whichever of these the decode offers. Falls "
                                     "back to grpc (counted, logged once) when the decode offers none.",
-                            choices=("grpc", "shm", "cuda-ipc", "mooncake", "auto"))
+                            choices=TRANSPORT_NAMES)
     kv_mooncake_host: str = opt("127.0.0.1", "Address this prefill's Mooncake Transfer Engine binds and is "
                                              "reached at (--kv-transport mooncake/auto).")
     kv_mooncake_staging_bytes: int = opt(2 << 30, "Pinned host staging a GPU prefill registers with Mooncake "

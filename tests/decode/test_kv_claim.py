@@ -12,9 +12,9 @@ import asyncio
 import grpc
 
 from services.common.grpc_util import Reason
+from services.common.kv_kinds import pool_id
 from services.common.pb import common_pb2, decode_pb2_grpc
 from services.engine.kv_transport import CLAIM_ACK, KVPoll
-from services.engine.shared_kv import pool_id
 from tests.decode.kv_util import PROMPT, idle, prompt, refused, reserve
 
 SHARED = dict(kv_cache_shared=True)

@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from services.common.grpc_util import create_channel
+from services.common.kv_kinds import pool_id
 from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc
 from services.engine.convert import layout_from_pb
 from services.engine.kv_layout import Region, region_bytes
 from services.engine.kv_transport import mooncake
-from services.engine.shared_kv import SharedKVAttachError, pool_id
+from services.engine.shared_kv import SharedKVAttachError
 from services.engine.spec.pools import mooncake_draft, region_name
 from services.launcher import LocalCluster
 from services.text.sampling_params import SamplingParams

@@ -14,10 +14,10 @@ import grpc
 import pytest
 
 from services.common.grpc_util import create_channel
+from services.common.kv_kinds import pool_id
 from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc
 from services.engine.convert import layout_from_pb
 from services.engine.kv_layout import region_bytes
-from services.engine.shared_kv import pool_id
 from services.launcher import LocalCluster
 from services.text.sampling_params import SamplingParams
 from tests.e2e.cluster_util import CHAT_PROMPTS, generate_ids, metric_sum

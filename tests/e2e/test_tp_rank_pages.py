@@ -15,9 +15,9 @@ import grpc
 import pytest
 
 from services.common.grpc_util import create_channel
+from services.common.kv_kinds import pool_id
 from services.common.metrics import DECODE_KV_STREAMS_BROKEN_TOTAL, PREFILL_KV_RANK_PAGES_TOTAL
 from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc
-from services.engine.shared_kv import pool_id
 from services.launcher import LocalCluster
 from tests.e2e.cluster_util import load_sync, metric_sum, wait_idle
 from tests.e2e.test_handoff_errors import _abort

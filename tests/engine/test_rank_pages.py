@@ -11,6 +11,7 @@ import grpc
 import pytest
 import torch
 
+from services.common.kv_kinds import pool_id
 from services.common.pb import common_pb2, decode_pb2
 from services.engine.kv_layout import HeadSplitSpec, PageLayout
 from services.engine.kv_transport.shared_pool import copy_pages_peer
@@ -25,7 +26,7 @@ from services.engine.parallel.rank_pages import (
 )
 from services.engine.parallel.rank_writes import Shard, copy_heads, write_share
 from services.engine.parallel.split import HeadSplit
-from services.engine.shared_kv import SharedKVAttachError, create_shared_kv, open_shm_pool, pool_id
+from services.engine.shared_kv import SharedKVAttachError, create_shared_kv, open_shm_pool
 from services.kv.claim import check_claim
 
 L, BS, D, BLOCKS = 2, 4, 8, 12

@@ -100,9 +100,10 @@ def _decode_side(dest_q, done_q, result_q) -> None:
 def test_cuda_ipc_writes_both_regions_into_a_decode_in_another_process() -> None:
     import torch.multiprocessing as mp
 
+    from services.common.kv_kinds import pool_id
     from services.common.pb import decode_pb2
     from services.engine.kv_transport.base import KVPoll
-    from services.engine.shared_kv import SharedKVPools, pool_id
+    from services.engine.shared_kv import SharedKVPools
     from services.engine.spec.pools import draft_writer
 
     class _Open:

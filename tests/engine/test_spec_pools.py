@@ -10,12 +10,13 @@ import dataclasses
 import pytest
 import torch
 
+from services.common.kv_kinds import pool_id
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.kv_pages import pages_of
 from services.engine.kv_transport.base import KVPoll
 from services.engine.scheduler import ScheduledChunk
-from services.engine.shared_kv import SharedKVAttachError, SharedKVPools, pool_id
+from services.engine.shared_kv import SharedKVAttachError, SharedKVPools
 from services.engine.spec.pools import DraftPoolWriter, draft_writer, region_name
 from services.kv.offer import offered_pool
 from services.text.sampling_params import SamplingParams

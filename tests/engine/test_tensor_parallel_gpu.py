@@ -246,9 +246,10 @@ class _Open:
 
 
 def test_cuda_ipc_writes_from_cuda0_into_a_pool_exported_on_cuda1() -> None:
+    from services.common.kv_kinds import pool_id
     from services.common.pb import decode_pb2
     from services.engine.kv_transport.shared_pool import SharedPoolWriter
-    from services.engine.shared_kv import open_cuda_pool, pool_id
+    from services.engine.shared_kv import open_cuda_pool
 
     ctx = mp.get_context("spawn")
     dest_q, done_q, result_q = ctx.Queue(), ctx.Queue(), ctx.Queue()

@@ -6,11 +6,12 @@ import os
 
 import pytest
 
+from services.common.kv_kinds import pool_id
 from services.common.pb import common_pb2, decode_pb2
 from services.engine.kv_transport.grpc_wire import serialize
 from services.engine.kv_transport.grpc_wire import varint as _varint
 from services.engine.kv_transport.mooncake import check_pool
-from services.engine.shared_kv import SharedKVAttachError, pool_id
+from services.engine.shared_kv import SharedKVAttachError
 
 SHAPE = [2, 2, 8, 4, 2, 8]
 POOL_BYTES = 4 * 2 * 2 * 8 * 4 * 2 * 8

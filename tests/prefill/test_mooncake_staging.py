@@ -11,12 +11,12 @@ import grpc
 import pytest
 import torch
 
+from services.common.kv_kinds import pool_id
 from services.engine.engine import LLMEngine
 from services.engine.kv_pages import pages_of
 from services.engine.kv_transport import mooncake, mooncake_staged
 from services.engine.kv_transport.base import TransferError
 from services.engine.kv_transport.mooncake_staged import ALIGN, HostLanding, StagingRing
-from services.engine.shared_kv import pool_id
 from services.text.sampling_params import SamplingParams
 from tests.prefill import test_transports as transports
 from tests.prefill.test_transports import ENGINE, PROMPTS, Pair, _generate, _idle, _request, _reserve, pair

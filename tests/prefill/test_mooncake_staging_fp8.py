@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from services.common.grpc_util import Reason, detail_of
+from services.common.kv_kinds import pool_id
 from services.common.pb import common_pb2
 from services.engine.engine import LLMEngine
 from services.engine.kv_layout import FP8_CODEC, PageLayout
 from services.engine.kv_pages import PageExport, pages_of
 from services.engine.kv_transport import CLAIM_ACK, KVPoll, mooncake
 from services.engine.kv_transport.mooncake_staged import HostLanding, StagedWriter, StagingRing
-from services.engine.shared_kv import pool_id
 from services.kernels import pack_pages_fp8, unpack_pages_fp8
 from services.text.sampling_params import SamplingParams
 from tests.prefill import test_mooncake_staging as staging

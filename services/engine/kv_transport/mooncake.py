@@ -43,6 +43,7 @@ import time
 import grpc
 import torch
 
+from services.common.kv_kinds import pool_id
 from services.common.pb import decode_pb2
 from services.engine.kv_transport.base import KVSender, PageWriter, TransferError
 from services.engine.shared_kv import (
@@ -51,7 +52,6 @@ from services.engine.shared_kv import (
     _dtype_name,
     _runs,
     _shape_and_dtype,
-    pool_id,
 )
 
 METADATA_SERVER = "P2PHANDSHAKE"

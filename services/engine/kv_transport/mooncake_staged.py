@@ -41,13 +41,14 @@ from typing import Protocol
 import grpc
 import torch
 
+from services.common.kv_kinds import pool_id
 from services.common.pb import decode_pb2
 from services.engine.kv_layout import FP8_CODEC, PageLayout
 from services.engine.kv_pages import PageExport
 from services.engine.kv_transport.base import KVSender, PageWriter, TransferError
 from services.engine.kv_transport.mooncake import MooncakeEngine, segments_of, settle
 from services.engine.kv_transport.mooncake_groups import GroupWrite
-from services.engine.shared_kv import SharedKVAttachError, _dtype_name, _runs, pool_id
+from services.engine.shared_kv import SharedKVAttachError, _dtype_name, _runs
 
 ALIGN = 4096
 """Staging spans start on page boundaries (bytes)."""

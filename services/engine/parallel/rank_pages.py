@@ -44,6 +44,7 @@ from collections.abc import Callable
 import grpc
 import torch
 
+from services.common.kv_kinds import PoolKind, pool_kind
 from services.common.pb import decode_pb2
 from services.engine.errors import EngineDeadError
 from services.engine.kv_layout import HeadSplitSpec
@@ -72,8 +73,6 @@ MAX_TP = 64
 ATTACHED_MAX = 4096
 """Destinations a rank keeps attached (the most recently attached or written): far more than the requests one
 prefill runs at once."""
-PLAIN_POOLS = {"shm": "shm", "cuda_ipc": "cuda-ipc", "mooncake": "mooncake"}
-"""KVDestination.pool cases a rank's own pool may be -> the transport that writes it."""
 
 
 class Sub(enum.IntEnum):
@@ -93,11 +92,22 @@ def head_ranges(tp_size: int, num_kv_heads: int) -> list[tuple[int, int]]:
 
 def transport_of(dest: decode_pb2.KVDestination) -> str:
     """The side transport that writes a destination ("" for none / a pool of another kind)."""
-    kind = dest.WhichOneof("pool")
-    if kind == "sharded":
-        inner = {rp.pool.WhichOneof("pool") for rp in dest.sharded.ranks}
-        return PLAIN_POOLS.get(inner.pop(), "") if len(inner) == 1 else ""
-    return PLAIN_POOLS.get(kind or "", "")
+    kind = pool_kind(dest)
+    if kind is not None and kind.per_rank:
+        inner = {pool_kind(rp.pool) for rp in dest.sharded.ranks}
+        return _plain_transport(inner.pop()) if len(inner) == 1 else ""
+    return _plain_transport(kind)
+
+
+def _plain_transport(kind: PoolKind | None) -> str:
+    """The transport that writes a plain pool of ``kind`` (a rank's own pool may be one); "" for another kind."""
+    return kind.transport if kind is not None and kind.plain else ""
+
+
+def _plain(dest: decode_pb2.KVDestination) -> bool:
+    """Whether ``dest`` offers one plain pool (what a rank's own pool may be)."""
+    kind = pool_kind(dest)
+    return kind is not None and kind.plain
 
 
 def sharded_destination(split: HeadSplit, pools: list[decode_pb2.KVDestination]) -> decode_pb2.KVDestination:
@@ -112,7 +122,8 @@ def sharded_destination(split: HeadSplit, pools: list[decode_pb2.KVDestination])
 
 def pool_split(dest: decode_pb2.KVDestination, num_kv_heads: int) -> HeadSplitSpec:
     """The head split of the pool a destination names (a plain pool holds every head)."""
-    if dest.WhichOneof("pool") == "sharded":
+    kind = pool_kind(dest)
+    if kind is not None and kind.per_rank:
         sp = dest.sharded
         return HeadSplitSpec(sp.tp_size, max(1, num_kv_heads // max(1, sp.tp_size)), sp.kv_replicas)
     return HeadSplitSpec(1, num_kv_heads, 1)
@@ -125,16 +136,16 @@ def open_shards(dest: decode_pb2.KVDestination,
     those holding one of ``heads`` ([start, end), this rank's; None: all; a CUDA IPC open costs a context on
     the pool's device). Raises SharedKVAttachError (reason ``split``: a head split this prefill cannot write; ``shape``: a pool
     of another shape or dtype) so the pages go as bytes in the stream instead."""
-    kind = dest.WhichOneof("pool")
-    if kind in PLAIN_POOLS:
+    kind = pool_kind(dest)
+    if kind is not None and kind.plain:
         shards = [Shard((0, num_kv_heads), attach(dest))]
-    elif kind == "sharded":
+    elif kind is not None and kind.per_rank:
         want = _rank_heads(dest.sharded, num_kv_heads)
         lo, hi = heads or (0, num_kv_heads)
         shards = [Shard(want[i], attach(rp.pool)) for i, rp in enumerate(dest.sharded.ranks)
                   if max(lo, want[i][0]) < min(hi, want[i][1])]
     else:
-        raise SharedKVAttachError("none", f"the decode offers {kind or 'no shared pool'}")
+        raise SharedKVAttachError("none", f"the decode offers {kind.case if kind else 'no shared pool'}")
     for sh in shards:
         _check_shard(sh, cache)
     return shards
@@ -150,9 +161,9 @@ def _rank_heads(sp: decode_pb2.ShardedPool, num_kv_heads: int) -> list[tuple[int
         want = head_ranges(sp.tp_size, num_kv_heads)
     except TensorParallelError as e:
         raise SharedKVAttachError("split", f"decode's pool: {e}") from e
-    got = [(rp.rank, rp.kv_head_start, rp.kv_head_end, rp.pool.WhichOneof("pool")) for rp in sp.ranks]
+    got = [(rp.rank, rp.kv_head_start, rp.kv_head_end, _plain(rp.pool)) for rp in sp.ranks]
     if sp.kv_replicas != max(1, sp.tp_size // num_kv_heads) or len(got) != sp.tp_size or any(
-            (r, a, b) != (i, *want[i]) or k not in PLAIN_POOLS for i, (r, a, b, k) in enumerate(got)):
+            (r, a, b) != (i, *want[i]) or not plain for i, (r, a, b, plain) in enumerate(got)):
         raise SharedKVAttachError("split", f"decode's pool names ranks/heads {[g[:3] for g in got]} with "
                                            f"{sp.kv_replicas} replicas; TP={sp.tp_size} over {num_kv_heads} KV "
                                            f"heads splits them as {want}")
@@ -182,7 +193,8 @@ class RankPools:
         self._settler: Settler | None = None
 
     def _attach(self, dest: decode_pb2.KVDestination) -> torch.Tensor | RemotePool:
-        if dest.WhichOneof("pool") == "mooncake":
+        kind = pool_kind(dest)
+        if kind is not None and kind.remote:
             return self.mooncake.remote(dest, self.cache)
         return self.pools.attach(dest)
 
@@ -237,7 +249,7 @@ def _int64(raw: bytes) -> torch.Tensor:
 
 def _encode_dest(dest: decode_pb2.KVDestination | None) -> torch.Tensor:
     """A rank's own pool for the POOLS gather: [length, bytes...] padded to MAX_DEST_BYTES (length 0: none)."""
-    raw = dest.SerializeToString(deterministic=True) if dest is not None and dest.WhichOneof("pool") else b""
+    raw = dest.SerializeToString(deterministic=True) if dest is not None and pool_kind(dest) is not None else b""
     if len(raw) > MAX_DEST_BYTES:
         raw = b""
     out = torch.zeros(1 + MAX_DEST_BYTES, dtype=torch.int64)
@@ -317,7 +329,7 @@ class ShardWrites:
 
     def _pools(self, host: str, engines: int) -> decode_pb2.KVDestination | None:
         own = self.local.mooncake.offer(self.runner.kv_cache, host, engines) if host else self.runner.kv_destination
-        if not self.collective or own is None or own.WhichOneof("pool") not in PLAIN_POOLS:
+        if not self.collective or own is None or not _plain(own):
             return None
         group = self.runner.group
         raw = host.encode()
@@ -328,8 +340,8 @@ class ShardWrites:
             log.warning("a tensor-parallel rank's KV pool is not shared: prefills send page bytes instead")
             return None
         pools = [decode_pb2.KVDestination.FromString(r) for r in raws]
-        files = [os.path.join(SHM_DIR, p.shm.name) for p in pools[1:] if p.WhichOneof("pool") == "shm"
-                 and SHM_NAME_RE.fullmatch(p.shm.name)]
+        files = [os.path.join(SHM_DIR, p.shm.name) for p in pools[1:] if (k := pool_kind(p)) is not None
+                 and k.shm_file and SHM_NAME_RE.fullmatch(p.shm.name)]
         atexit.register(_unlink, files)  # a rank stopped by a signal (or SIGKILL) cannot remove its own file
         return sharded_destination(self.split, pools)
 

@@ -16,8 +16,11 @@ which decode checks against its own.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from services.common.kv_kinds import PoolKind, pool_kind
 from services.common.pb import decode_pb2
 from services.engine.kv_layout import Region
 from services.engine.kv_transport.mooncake import MooncakeEngine, check_pool, export_pool, segments_of
@@ -35,10 +38,11 @@ def with_draft_pool(dest: decode_pb2.KVDestination, draft: decode_pb2.KVDestinat
     """``dest`` (the target pool) with the draft pool ``draft`` (shm or cuda_ipc) and its region in ``draft``."""
     out = decode_pb2.KVDestination()
     out.CopyFrom(dest)
-    kind = draft.WhichOneof("pool")
-    if kind not in ("shm", "cuda_ipc"):
-        raise SharedKVAttachError("draft", f"a draft pool is offered over shm or cuda-ipc only, not {kind}")
-    getattr(out.draft, kind).CopyFrom(getattr(draft, kind))
+    kind = pool_kind(draft)
+    if kind is None or not kind.mapped:
+        raise SharedKVAttachError("draft", f"a draft pool is offered over shm or cuda-ipc only, "
+                                           f"not {kind.case if kind else None}")
+    getattr(out.draft, kind.case).CopyFrom(getattr(draft, kind.case))
     out.draft.region = region_name(region)
     return out
 
@@ -47,21 +51,22 @@ def attach_draft_pool(pools: SharedKVPools, dest: decode_pb2.KVDestination, regi
                       draft_cache: torch.Tensor) -> torch.Tensor:
     """Open decode's draft pool from ``dest`` for a writer whose draft region is ``region`` and whose draft
     cache is ``draft_cache``; SharedKVAttachError (reason "draft") when it is missing or differs."""
-    kind = _draft_kind(dest, region, ("shm", "cuda_ipc"))
+    kind = _draft_kind(dest, region, lambda k: k.mapped)
     inner = decode_pb2.KVDestination()
-    getattr(inner, kind).CopyFrom(getattr(dest.draft, kind))
+    getattr(inner, kind.case).CopyFrom(getattr(dest.draft, kind.case))
     pool = pools.attach(inner)
     _check_shape(tuple(pool.shape), pool.dtype, draft_cache)
     return pool
 
 
-def _draft_kind(dest: decode_pb2.KVDestination, region: Region, kinds: tuple[str, ...]) -> str:
-    """Which pool ``dest.draft`` offers, when it is one of ``kinds`` and names ``region`` (this writer's own draft
-    region); else SharedKVAttachError (reason "draft") naming both regions."""
-    kind = dest.draft.WhichOneof("pool") if dest.HasField("draft") else None
-    if kind not in kinds:
+def _draft_kind(dest: decode_pb2.KVDestination, region: Region, writes: Callable[[PoolKind], bool]) -> PoolKind:
+    """Which pool ``dest.draft`` offers, when this transport ``writes`` that kind and it names ``region`` (this
+    writer's own draft region); else SharedKVAttachError (reason "draft") naming both regions."""
+    kind = pool_kind(dest.draft) if dest.HasField("draft") else None
+    if kind is None or not writes(kind):
         raise SharedKVAttachError("draft", f"the decode offers no draft pool beside its KV pool that this transport "
-                                           f"writes ({kind or 'none'}; pages with a draft region go as bytes)")
+                                           f"writes ({kind.case if kind else 'none'}; pages with a draft region go "
+                                           f"as bytes)")
     ours = region_name(region)
     if dest.draft.region != ours:
         raise SharedKVAttachError("draft", f"the decode's draft region is {dest.draft.region!r}, this prefill's "
@@ -96,7 +101,7 @@ def mooncake_draft(dest: decode_pb2.KVDestination, region: Region, draft_cache: 
     names this prefill's draft ``region``, sits on the target pool's transfer engines (same sessions, so on the
     decode the stream goes to: check_pool, blocking when the host is a name), has the target pool's block count
     and holds ``draft_cache``'s pages; else SharedKVAttachError (reason "draft")."""
-    _draft_kind(dest, region, ("mooncake",))
+    _draft_kind(dest, region, lambda k: k.remote)
     pool = dest.draft.mooncake
     if segments_of(pool) != segments_of(dest.mooncake) or pool.page_major:
         raise SharedKVAttachError("draft", "the decode's draft pool is not registered with its KV pool's transfer "
