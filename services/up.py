@@ -48,14 +48,15 @@ from services.common.logging import LoggingConfig
 from services.common.server import port_problem
 from services.common.tls import make_certs
 from services.decode.config import DecodeConfig
-from services.engine.model_settings import CompileDecodeConfig, DeviceConfig, DtypeConfig, ModelConfig
-from services.engine.model_source import resolve
-from services.engine.weights.errors import ModelLoadError
+from services.engine.model_settings import CompileDecodeConfig, DeviceConfig, DtypeConfig
 from services.kvstore.config import BACKENDS
 from services.launcher import LocalCluster, RestartPolicy, StartCancelled, dial_host, served_model
 from services.prefill.config import PrefillConfig
 from services.process import emit
 from services.router.config import RouterConfig
+from services.text.model.errors import ModelLoadError
+from services.text.model.settings import ModelConfig
+from services.text.model.source import resolve
 
 # Serving settings pdserve up passes on to services, when given as its own flags (env vars and the
 # config file reach the services directly).

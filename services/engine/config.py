@@ -26,14 +26,9 @@ from services.engine.device_defaults import (
     cpu_kv_pool_bytes,
     host_memory,
 )
-from services.engine.model_settings import (
-    DTYPE_CHOICES,
-    CompileDecodeConfig,
-    DeviceConfig,
-    DtypeConfig,
-    ModelConfig,
-)
+from services.engine.model_settings import DTYPE_CHOICES, CompileDecodeConfig, DeviceConfig, DtypeConfig
 from services.engine.models.quant_linear import WEIGHT_FORMATS
+from services.text.model.settings import ModelConfig
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """`load_model(spec, dtype, device)`: one entry point for every model source.
 
-spec: as :func:`services.engine.model_source.resolve` reads it (None: the embedded GGUF, a ``.gguf``
+spec: as :func:`services.text.model.source.resolve` reads it (None: the embedded GGUF, a ``.gguf``
 path, an HF directory, ``random:NAME``). Weights are materialized directly in the target dtype on
 the target device (the module is built on the meta device first).
 """
@@ -13,16 +13,18 @@ from pathlib import Path
 
 import torch
 
-from services.engine.model_source import RANDOM_PREFIX, gguf_tokenizer, hf_tokenizer, resolve
-from services.engine.models.config import ModelArchConfig
 from services.engine.models.fp8_linear import KeptFp8, keep_fp8
 from services.engine.models.llama import LlamaForCausalLM
 from services.engine.models.registry import get_model_class
-from services.engine.weights.errors import ModelLoadError
 from services.engine.weights.fp8_block import dequantized, tensor_headers
 from services.engine.weights.gguf_loader import GGUFFile
-from services.engine.weights.hf_loader import iter_safetensors, read_hf_config, safetensors_files
-from services.engine.weights.random_weights import BYTE_EOS_ID, init_random_, random_arch
+from services.engine.weights.hf_loader import iter_safetensors, safetensors_files
+from services.engine.weights.random_weights import init_random_
+from services.text.model.config import ModelArchConfig
+from services.text.model.errors import ModelLoadError
+from services.text.model.hf_config import read_hf_config
+from services.text.model.random_shapes import BYTE_EOS_ID, random_arch
+from services.text.model.source import RANDOM_PREFIX, gguf_tokenizer, hf_tokenizer, resolve
 from services.text.tokenizer import Tokenizer
 
 __all__ = ["RANDOM_PREFIX", "LoadedModel", "ModelLoadError", "build_empty_model", "load_model"]

@@ -1,8 +1,8 @@
-"""Engine settings that processes running no model take too, declared once and without torch.
+"""Engine settings ``pdserve up`` takes too, declared once and without torch.
 
-The router reads its tokenizer and chat template from ``model``; ``pdserve up`` hands ``model``,
-``dtype`` and ``device`` on to every engine. EngineConfig, RouterConfig and UpConfig inherit or ``reuse`` these
-declarations, so each setting has one flag, one ``PDSERVE_*`` env var and one help text.
+``pdserve up`` hands ``dtype`` and ``device`` on to every engine (and ``model``, declared with the settings of
+processes that run no model: services/text/model/settings.py). EngineConfig and UpConfig inherit or ``reuse``
+these declarations, so each setting has one flag, one ``PDSERVE_*`` env var and one help text.
 """
 
 from __future__ import annotations
@@ -13,16 +13,6 @@ from services.common.config import opt
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 """``--dtype`` values; every name but auto is a torch dtype (EngineConfig maps them)."""
-
-
-@dataclass
-class ModelConfig:
-    """The model every service of a deployment serves."""
-
-    model: str | None = opt(None, "Model: a .gguf file, a Hugging Face directory, or random:NAME. Default: the "
-                                  "embedded SmolLM2-135M-Instruct GGUF. The router reads its tokenizer and chat "
-                                  "template from it: give the router and every engine the same spec (pdserve up "
-                                  "does).")
 
 
 @dataclass

@@ -27,8 +27,6 @@ from services.common.server import (
     server_ports,
 )
 from services.common.tracing import TracingUnavailableError
-from services.engine.model_source import load_tokenizer
-from services.engine.weights.errors import ModelLoadError
 from services.router.auth import APIKeys
 from services.router.config import RouterConfig
 from services.router.dispatch import DisaggregatedBackend, DispatchSettings
@@ -37,6 +35,8 @@ from services.router.metering import RequestMeter
 from services.router.openai_http import make_app, make_runner
 from services.router.pipeline import TextPipeline
 from services.router.servicer import RouterServicer
+from services.text.model.errors import ModelLoadError
+from services.text.model.source import load_tokenizer
 
 log = logging.getLogger(__name__)
 PROGRESS_EVERY_S = 5.0

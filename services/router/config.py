@@ -8,8 +8,8 @@ from services.common.config import ContextConfig, opt, require
 from services.common.lease import LeaseConfig
 from services.common.server import ServerConfig
 from services.common.tracing import TracingConfig
-from services.engine.model_settings import ModelConfig
 from services.router.policy import DEFAULT_PREFIX_CREDIT, POLICIES
+from services.text.model.settings import ModelConfig
 
 DECODE_STREAMS = ("step", "per-request")
 """Values of --decode-stream."""

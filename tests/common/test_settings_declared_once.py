@@ -12,7 +12,8 @@ from services.common.config import env_name
 
 CONFIG_MODULES = (
     "services.common.logging", "services.common.server", "services.common.tracing", "services.common.tls",
-    "services.common.config", "services.common.lease", "services.engine.model_settings", "services.engine.config",
+    "services.common.config", "services.common.lease", "services.text.model.settings",
+    "services.engine.model_settings", "services.engine.config",
     "services.router.config", "services.prefill.config", "services.decode.config", "services.kvstore.config",
     "services.up",
 )

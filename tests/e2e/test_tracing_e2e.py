@@ -39,7 +39,6 @@ from services.decode.servicer import DecodeServicer
 from services.engine.async_engine import AsyncEngine
 from services.engine.config import EngineConfig
 from services.engine.kv_transport import make_transport
-from services.engine.model_source import load_tokenizer
 from services.prefill.config import PrefillConfig
 from services.prefill.servicer import PrefillServicer
 from services.router.config import RouterConfig
@@ -47,6 +46,7 @@ from services.router.dispatch import DisaggregatedBackend, DispatchSettings
 from services.router.instances import InstancePool
 from services.router.pipeline import TextPipeline
 from services.router.servicer import RouterServicer
+from services.text.model.source import load_tokenizer
 from services.worker.admin import AdminServicer, TraceCapture
 
 pytest.importorskip("opentelemetry.sdk")

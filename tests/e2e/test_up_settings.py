@@ -16,9 +16,10 @@ from services.common.config import ConfigError, ContextConfig, add_dataclass_arg
 from services.common.config_file import ConfigFile, add_config_arg
 from services.common.lease import LeaseConfig
 from services.common.logging import LoggingConfig
-from services.engine.model_settings import DtypeConfig, ModelConfig
+from services.engine.model_settings import DtypeConfig
 from services.launcher import LocalCluster
 from services.router.config import RouterConfig
+from services.text.model.settings import ModelConfig
 from services.up import UpConfig, _forwarded, check_file
 
 

@@ -11,16 +11,16 @@ from typing import Any
 
 import pytest
 
-from services.engine.models.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelArchConfig, ModelConfigError
-from services.engine.models.config_fields import (
+from services.text.model.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelArchConfig, ModelConfigError
+from services.text.model.config_fields import (
     ARCH_SPECS,
     DENSE_READS,
     KNOWN_UNIMPLEMENTED,
     NO_MATH,
     gguf_unimplemented_field,
 )
-from services.engine.weights.errors import ModelLoadError
-from services.engine.weights.hf_loader import read_hf_config
+from services.text.model.errors import ModelLoadError
+from services.text.model.hf_config import read_hf_config
 
 transformers = pytest.importorskip("transformers")
 

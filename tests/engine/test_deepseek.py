@@ -17,9 +17,9 @@ from services.engine.engine import LLMEngine
 from services.engine.kv_layout import PageLayout
 from services.engine.model_loader import build_empty_model, load_model
 from services.engine.models.deepseek import MLAAttention
-from services.engine.models.mla_config import MLAConfig, MLAConfigError
-from services.engine.weights.errors import ModelLoadError
-from services.engine.weights.random_weights import random_arch
+from services.text.model.errors import ModelLoadError
+from services.text.model.mla_config import MLAConfig, MLAConfigError
+from services.text.model.random_shapes import random_arch
 from services.text.sampling_params import SamplingParams
 from tests.engine.test_moe_models import _ref_logits, assert_tokens_match_until_near_tie
 from tests.moe_checkpoints import write_tiny_moe

@@ -18,8 +18,8 @@ import pytest
 from services.engine.async_engine import AsyncEngine
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine, RequestOutput
-from services.engine.model_loader import ModelLoadError
 from services.engine.sequence import FinishReason
+from services.text.model.errors import ModelLoadError
 from services.text.sampling_params import InvalidRequestError, SamplingParams
 
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "

@@ -19,9 +19,9 @@ from services.engine.model_loader import load_model
 from services.engine.models.fp8_linear import Fp8BlockLinear
 from services.engine.models.quant_linear import install as install_weight_format
 from services.engine.parallel.group import TPGroup, building
-from services.engine.weights.errors import ModelLoadError
 from services.engine.weights.fp8_block import dequantize_block_fp8, dequantized
 from services.kernels.reference import ref_fp8_block_dequantize
+from services.text.model.errors import ModelLoadError
 from tests.moe_checkpoints import write_tiny_moe
 
 pytestmark = pytest.mark.slow

@@ -42,7 +42,7 @@ def write_moe_gguf(hf_dir: Path, model_type: str, out: Path, expert_type: Any = 
     import gguf
     from gguf.quants import quantize
 
-    from services.engine.weights.hf_loader import read_hf_config
+    from services.text.model.hf_config import read_hf_config
 
     arch = read_hf_config(hf_dir)
     moe = arch.moe

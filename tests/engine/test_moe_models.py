@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from services.engine.model_loader import load_model
-from services.engine.models.config import ModelArchConfig, ModelConfigError
 from services.engine.models.moe import SparseMoeBlock, grouped_experts, route
-from services.engine.models.moe_config import MoEConfig, MoEConfigError, moe_from_hf_config
 from services.engine.models.moe_model import MoEForCausalLM
-from services.engine.weights.errors import ModelLoadError
 from services.engine.weights.mxfp4 import dequantize_mxfp4
+from services.text.model.config import ModelArchConfig, ModelConfigError
+from services.text.model.errors import ModelLoadError
+from services.text.model.moe_config import MoEConfig, MoEConfigError, moe_from_hf_config
 from tests.moe_checkpoints import hf_config, write_tiny_moe
 
 pytestmark = pytest.mark.slow

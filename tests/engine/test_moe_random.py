@@ -10,8 +10,8 @@ import torch
 
 from services.engine.model_loader import load_model
 from services.engine.models.registry import get_model_class
-from services.engine.weights.errors import ModelLoadError
-from services.engine.weights.random_weights import random_arch
+from services.text.model.errors import ModelLoadError
+from services.text.model.random_shapes import random_arch
 
 
 @pytest.mark.parametrize(("name", "params", "active"), [

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from services.engine.model_loader import load_model
-from services.engine.models.config import SLIDING_ATTENTION
+from services.text.model.config import SLIDING_ATTENTION
 from tests.engine.test_engine_reference import Ref, _engine, _greedy, _hf_logits
 
 pytestmark = pytest.mark.slow

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from services.engine.model_loader import ModelLoadError, build_empty_model, load_model
+from services.engine.model_loader import build_empty_model, load_model
 from services.engine.weights.gguf_loader import GGUFFile, unpermute_qk
-from services.engine.weights.hf_loader import read_hf_config
-from services.engine.weights.random_weights import RANDOM_SHAPES, random_arch
+from services.text.model.errors import ModelLoadError
+from services.text.model.hf_config import read_hf_config
+from services.text.model.random_shapes import RANDOM_SHAPES, random_arch
 
 
 def test_gguf_config_equals_transformers(gguf_path: Path) -> None:
@@ -176,7 +177,7 @@ def test_sharded_hf_dir_loads_like_single_file(tiny_qwen3_dir: Path, tmp_path: P
 
 
 def test_load_tokenizer_without_weights(gguf_path: Path) -> None:
-    from services.engine.model_source import load_tokenizer
+    from services.text.model.source import load_tokenizer
 
     tok, model_id, max_len = load_tokenizer(None)
     assert (model_id, max_len) == ("SmolLM2-135M-Instruct.Q4_1", 8192)

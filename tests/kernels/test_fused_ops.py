@@ -123,7 +123,7 @@ def test_model_fused_path_matches_torch_path(device: torch.device, arch_name: st
     """The model's fused (GPU) forward at tiny shapes equals its plain torch forward: prefill + decode."""
     from services.engine.attention import AttentionMetadata, ForwardContext, TorchPagedAttention
     from services.engine.model_loader import build_empty_model
-    from services.engine.models.config import ModelArchConfig
+    from services.text.model.config import ModelArchConfig
 
     arch = ModelArchConfig(architecture=arch_name, vocab_size=64, hidden_size=64, intermediate_size=96,
                            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6,

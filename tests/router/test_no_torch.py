@@ -81,7 +81,7 @@ def test_entry_point_imports_no_torch(entry: str) -> None:
 
 _TOKENIZE = """
 import json, sys
-from services.engine.model_source import load_tokenizer
+from services.text.model.source import load_tokenizer
 tok, model_id, max_len = load_tokenizer(None if sys.argv[1] == "default" else sys.argv[1])
 texts, chats = json.loads(sys.argv[2]), json.loads(sys.argv[3])
 print(json.dumps({"ids": [tok.encode(t) for t in texts],
@@ -109,8 +109,8 @@ def test_gguf_tokenizer_equals_the_pre_change_path() -> None:
 @needs_gguf
 def test_router_tokenizer_equals_the_workers() -> None:
     """The tokenizer a worker's load path builds (GGUFFile + gguf_tokenizer, as load_model does)."""
-    from services.engine.model_source import gguf_tokenizer, resolve
     from services.engine.weights.gguf_loader import GGUFFile
+    from services.text.model.source import gguf_tokenizer, resolve
 
     src = resolve(None)
     assert src.path is not None

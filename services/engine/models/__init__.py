@@ -1,9 +1,3 @@
-"""Model architectures, one module per family. This package's own namespace is torch-free (the
-architecture description only), so a process that runs no model can read a model's shape;
-:mod:`services.engine.models.registry` picks the torch module of an architecture."""
-
-from __future__ import annotations
-
-from services.engine.models.config import ARCHITECTURES, ModelArchConfig, ModelConfigError
-
-__all__ = ["ARCHITECTURES", "ModelArchConfig", "ModelConfigError"]
+"""Model architectures, one torch module per family; :mod:`services.engine.models.registry` picks the one of an
+architecture. The architecture description they are built from (``ModelArchConfig``) is torch-free and lives in
+services/text/model/config.py, where a process that runs no model reads it too."""

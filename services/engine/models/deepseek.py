@@ -34,11 +34,11 @@ import torch
 from torch import nn
 
 from services.engine.attention import AttentionSpec, ForwardContext, IndexQuery
-from services.engine.models.config import ModelArchConfig, ModelConfigError
 from services.engine.models.llama import RMSNorm
 from services.engine.models.moe_model import MoEForCausalLM
 from services.engine.models.rope import RotaryEmbedding
 from services.engine.parallel.layers import column_linear, head_split, row_linear
+from services.text.model.config import ModelArchConfig, ModelConfigError
 
 LATENT_NORM_EPS = 1e-6
 """Epsilon of q_a_layernorm and kv_a_layernorm (transformers builds them with its RMSNorm default, not

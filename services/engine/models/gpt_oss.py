@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.models.config import ModelArchConfig, ModelConfigError
 from services.engine.models.llama import Attention
 from services.engine.models.moe_model import MoEForCausalLM, Piece
 from services.engine.parallel.layers import row_linear
+from services.text.model.config import ModelArchConfig, ModelConfigError
 
 
 class GptOssAttention(Attention):

@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.engine.attention import AttentionSpec, ForwardContext
-from services.engine.models.config import ModelArchConfig, ModelConfigError
 from services.engine.models.rope import RotaryEmbedding
 from services.engine.parallel.layers import (
     LogitsGather,
@@ -35,6 +34,7 @@ from services.engine.parallel.layers import (
 )
 from services.engine.parallel.weights import shard_weights
 from services.kernels import HAS_TRITON
+from services.text.model.config import ModelArchConfig, ModelConfigError
 
 
 class RMSNorm(nn.Module):

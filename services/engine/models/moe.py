@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.models.config import ModelArchConfig
-from services.engine.models.moe_config import MoEConfig
 from services.engine.parallel.group import building_group
 from services.engine.parallel.layers import local_intermediate
+from services.text.model.config import ModelArchConfig
+from services.text.model.moe_config import MoEConfig
 
 
 def route(logits: torch.Tensor, moe: MoEConfig, score_bias: torch.Tensor | None = None

@@ -27,11 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.models.config import ModelArchConfig
 from services.engine.models.llama import LlamaForCausalLM
 from services.engine.models.moe import SparseMoeBlock
 from services.engine.parallel.split import even_range
 from services.engine.weights.mxfp4 import dequantize_mxfp4
+from services.text.model.config import ModelArchConfig
 
 _MOE_RE = re.compile(r"(model\.layers\.\d+)\.(?:block_sparse_moe|mlp)\.(.+)")
 _PER_EXPERT_RE = re.compile(r"experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")

@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.model_source import resolve
 from services.engine.models.fp8_linear import Fp8BlockLinear
 from services.engine.models.llama import _STACKED
 from services.engine.weights.gguf_loader import Q4_1_GROUP, GGUFFile, Q4_1Blocks, Q8_0Blocks
+from services.text.model.source import resolve
 
 log = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.engine.models.config import ModelArchConfig
 from services.engine.models.llama import LlamaForCausalLM
+from services.text.model.config import ModelArchConfig
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.models.config import ModelArchConfig
 from services.engine.parallel.group import TPGroup, building_group
 from services.engine.parallel.split import HeadSplit, TensorParallelError, padded_range
+from services.text.model.config import ModelArchConfig
 
 
 def head_split(arch: ModelArchConfig) -> HeadSplit:

@@ -7,14 +7,14 @@ import dataclasses
 import torch
 
 from services.engine.model_loader import LoadedModel, build_empty_model, load_model
-from services.engine.model_source import resolve
-from services.engine.models.config import ModelArchConfig
 from services.engine.parallel.group import TPGroup, building
 from services.engine.parallel.split import HeadSplit, TensorParallelError
 from services.engine.parallel.weights import hf_named_tensors
 from services.engine.weights.gguf_loader import GGUFFile
-from services.engine.weights.hf_loader import read_hf_config
-from services.engine.weights.random_weights import random_arch
+from services.text.model.config import ModelArchConfig
+from services.text.model.hf_config import read_hf_config
+from services.text.model.random_shapes import random_arch
+from services.text.model.source import resolve
 
 
 def model_arch(spec: str | None) -> ModelArchConfig:

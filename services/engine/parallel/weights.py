@@ -14,8 +14,8 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from services.engine.models.config import ModelArchConfig
 from services.engine.parallel.split import HeadSplit, even_range, padded_range
+from services.text.model.config import ModelArchConfig
 
 _FUSED = {".qkv_proj.": (".q_proj.", ".k_proj.", ".v_proj."), ".gate_up_proj.": (".gate_proj.", ".up_proj.")}
 

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from services.engine.weights.errors import ModelLoadError
+from services.text.model.errors import ModelLoadError
 
 __all__ = ["ModelLoadError"]

@@ -1,9 +1,8 @@
-"""Errors raised while locating, reading or loading a model."""
+"""ModelLoadError moved to services/text/model/errors.py (the router raises it too); it stays importable here
+for the modules that still import it from the engine."""
 
 from __future__ import annotations
 
-from services.common.errors import OperatorError
+from services.text.model.errors import ModelLoadError
 
-
-class ModelLoadError(OperatorError, RuntimeError):
-    """A model spec or file cannot be loaded; the message names the spec or file and why."""
+__all__ = ["ModelLoadError"]

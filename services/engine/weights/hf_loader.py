@@ -1,4 +1,5 @@
-"""HF model directories: config.json -> ModelArchConfig, *.safetensors (single or sharded) -> tensors."""
+"""HF model directories: *.safetensors (single or sharded) -> tensors (their config.json:
+services/text/model/hf_config.py)."""
 
 from __future__ import annotations
 
@@ -8,30 +9,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services.engine.models.config import ModelArchConfig, ModelConfigError
-from services.engine.weights.errors import ModelLoadError
+from services.text.model.errors import ModelLoadError
 
 if TYPE_CHECKING:
     import torch
 
 _INDEX = "model.safetensors.index.json"
-
-
-def read_hf_config(model_dir: str | os.PathLike[str]) -> ModelArchConfig:
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise ModelLoadError(f"HF model directory {model_dir}: missing {path}")
-    try:
-        cfg = json.loads(path.read_text())
-        arch = ModelArchConfig.from_hf_config(cfg)
-    except (json.JSONDecodeError, ModelConfigError) as e:
-        raise ModelLoadError(f"{path}: {e}") from e
-    gen = Path(model_dir) / "generation_config.json"
-    if gen.is_file():  # generation_config's eos list (e.g. Llama-3 instruct) extends config.json's
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        extra = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        arch.eos_token_ids = sorted(set(arch.eos_token_ids) | {int(e) for e in extra})
-    return arch
 
 
 def safetensors_files(model_dir: str | os.PathLike[str]) -> list[Path]:
