@@ -25,9 +25,10 @@ import torch
 
 from services.common.cli_args import ArgParser
 from services.common.grpc_util import create_channel, payload_budget
+from services.common.kv_kinds import pool_id
 from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc
 from services.engine.kv_transport import CLAIM_ACK
-from services.engine.shared_kv import SharedKVPools, copy_pages, pool_id
+from services.engine.shared_kv import SharedKVPools, copy_pages
 from services.launcher import LocalCluster, served_model
 
 TOPIC = ("the history of bridges, from fallen logs across streams to stone arches, iron trusses and long "

@@ -294,8 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in QUIET_OPENMP_ENV.items():  # as pdserve up gives its engines; before torch loads OpenMP
         os.environ.setdefault(k, v)
     from benchmarks.engine_bench import _machine
-    from services.engine.model_source import load_tokenizer
-    from services.engine.weights.gguf_loader import default_gguf_path
+    from services.text.model.gguf_meta import default_gguf_path
+    from services.text.model.source import load_tokenizer
 
     p = ArgParser(prog="pdserve bench cpu-serving", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="a .gguf file (default: the embedded SmolLM2-135M Q4_1 GGUF)")

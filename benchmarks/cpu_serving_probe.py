@@ -147,7 +147,7 @@ def in_process(a: argparse.Namespace) -> None:
     from benchmarks.engine_bench import EngineBench
     from benchmarks.engine_bench import _prompts as token_prompts
     from services.engine.cpu.cpu_features import available_cpus
-    from services.engine.weights.gguf_loader import default_gguf_path
+    from services.text.model.gguf_meta import default_gguf_path
 
     threads = a.threads or len(available_cpus())
     bench = EngineBench(str(default_gguf_path()), "auto", a.prompt_len, 1, a.prompt_len + a.max_tokens + 64,

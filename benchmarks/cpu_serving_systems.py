@@ -60,7 +60,7 @@ def text_prompts(spec: str, n: int, length: int, seed: int) -> list[str]:
     """Texts of about ``length`` tokens (re-encoding may differ by a few): a unique numbered opening, so no
     prompt shares a cached prefix block with another, then plain prose (random token ids make the model
     emit special tokens, whose empty text would delay the first streamed event)."""
-    from services.engine.model_source import load_tokenizer
+    from services.text.model.source import load_tokenizer
 
     tok = load_tokenizer(spec).tokenizer
     body = tok.encode(_TOPIC * (length // 20 + 2), add_special_tokens=False)

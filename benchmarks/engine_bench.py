@@ -42,7 +42,7 @@ from services.engine.config import EngineConfig
 from services.engine.cpu.cpu_features import DTYPE_REASONS, host_cpu, torch_cpu_capability
 from services.engine.engine import LLMEngine
 from services.engine.models.quant_linear import WEIGHT_FORMAT_REASONS, WEIGHT_FORMATS
-from services.engine.weights.gguf_loader import default_gguf_path
+from services.text.model.gguf_meta import default_gguf_path
 from services.text.sampling_params import SamplingParams
 
 PREFILL_GOAL = 1.0

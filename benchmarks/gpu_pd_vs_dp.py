@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="", help="write the rows, ratios and run facts here")
     args = p.parse_args(argv)
     args.concurrencies = [int(x) for x in args.concurrency.split(",")]
-    from services.engine.model_source import load_tokenizer
+    from services.text.model.source import load_tokenizer
 
     tok = load_tokenizer(args.model).tokenizer
     texts, counter = WordText(tok), TokenCounter(tok)

@@ -112,7 +112,7 @@ def cpu_hog(on: bool = True) -> Iterator[subprocess.Popen[bytes] | None]:
 
 def make_prompts(n: int, prompt_tokens: int, model: str | None = None) -> list[list[int]]:
     """``n`` unique prompts of exactly ``prompt_tokens`` token ids (the router's tokenizer)."""
-    from services.engine.model_source import load_tokenizer  # the model's tokenizer, loaded once
+    from services.text.model.source import load_tokenizer  # the model's tokenizer, loaded once
 
     tok, _, _ = load_tokenizer(model)
     base = tok.encode(FILLER * (prompt_tokens // 8 + 8), add_special_tokens=False)

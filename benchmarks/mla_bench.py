@@ -43,8 +43,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.moe_bench import bench_us, ceilings
-from services.engine.weights.random_weights import RANDOM_SHAPES, random_arch
 from services.kernels.reference import ref_mla_decode_attention, ref_mla_prefill_attention
+from services.text.model.random_shapes import RANDOM_SHAPES, random_arch
 
 MODEL = "deepseek-v2-lite"
 HEADS, LORA, ROPE, BLOCK = 16, 512, 64, 16

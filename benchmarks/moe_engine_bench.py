@@ -27,8 +27,8 @@ from benchmarks.gpu_bench import kv_bytes_per_token, random_prompts, weight_byte
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.model_loader import LoadedModel, load_model
-from services.engine.weights.random_weights import RANDOM_SHAPES
 from services.kernels.fused_moe import fused_moe
+from services.text.model.random_shapes import RANDOM_SHAPES
 from services.text.sampling_params import SamplingParams
 
 MODELS = ("qwen3-30b-a3b", "mixtral-8x7b")

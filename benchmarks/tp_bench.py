@@ -46,13 +46,14 @@ from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.model_loader import LoadedModel, build_empty_model
 from services.engine.model_runner import ModelRunner
-from services.engine.model_source import resolve
-from services.engine.models.config import ModelArchConfig
 from services.engine.parallel.fast_allreduce import forbid_multicast
 from services.engine.parallel.group import TPGroup, building, connect, open_store
 from services.engine.parallel.worker import rank_device
 from services.engine.step_inputs import prepare_rows
-from services.engine.weights.random_weights import BYTE_EOS_ID, init_random_, random_arch
+from services.engine.weights.random_weights import init_random_
+from services.text.model.config import ModelArchConfig
+from services.text.model.random_shapes import BYTE_EOS_ID, random_arch
+from services.text.model.source import resolve
 from services.text.sampling_params import SamplingParams
 from services.text.tokenizer import Tokenizer
 

@@ -33,8 +33,7 @@ from collections import OrderedDict
 
 import torch
 
-# pool_id lived here: benchmarks/cluster_bench.py still imports it from this module.
-from services.common.kv_kinds import pool_id, pool_kind  # noqa: F401
+from services.common.kv_kinds import pool_kind
 from services.common.pb import decode_pb2
 
 log = logging.getLogger(__name__)

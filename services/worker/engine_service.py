@@ -37,8 +37,8 @@ from services.common.tracing import TracingUnavailableError
 from services.engine.async_engine import AsyncEngine, EngineFront
 from services.engine.config import EngineConfig
 from services.engine.core_client import EngineCoreClient
-from services.engine.model_source import resolve
-from services.engine.weights.errors import ModelLoadError
+from services.text.model.errors import ModelLoadError
+from services.text.model.source import resolve
 from services.worker.admin import AdminServicer, TraceCapture
 
 log = logging.getLogger(__name__)

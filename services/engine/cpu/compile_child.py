@@ -61,9 +61,9 @@ def _apply_weight_plan(model: Any, spec: str | None, dtype: Any, plan: dict[str,
     if not plan["linear_rows"] and not plan["head_rows"]:
         return
     # deferred: the child imports torch and the engine only after main() has set nice 19 (see run)
-    from services.engine.model_source import resolve
     from services.engine.models import quant_linear as q
     from services.engine.weights.gguf_loader import GGUFFile
+    from services.text.model.source import resolve
 
     src = resolve(spec)
     assert src.path is not None, "packed weights come from a GGUF file"

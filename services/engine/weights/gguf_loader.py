@@ -18,9 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from services.text.model.errors import ModelLoadError
-
-# default_gguf_path lived here: benchmarks still import it from this module.
-from services.text.model.gguf_meta import GGUFMetadata, default_gguf_path  # noqa: F401
+from services.text.model.gguf_meta import GGUFMetadata
 
 if TYPE_CHECKING:
     import torch

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-# The shapes lived here: benchmarks still import them from this module.
-from services.text.model.random_shapes import BYTE_EOS_ID, RANDOM_SHAPES, random_arch  # noqa: F401
-
 if TYPE_CHECKING:
     from torch import nn
 
