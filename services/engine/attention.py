@@ -21,6 +21,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from services.engine.cpu.native import NativeKernels
+
 
 @dataclass
 class AttentionMetadata:
@@ -43,6 +45,8 @@ class AttentionMetadata:
     the first such layer."""
     window_plans: dict[int, DecodePlan] = field(default_factory=dict)
     """The same per sliding window (tokens) of the step's sliding layers; filled by the CPU backend."""
+    native_first: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Per sliding window: int32 [num_decode] first key each decode row sees (the C decode kernel's input)."""
 
 
 @dataclass(frozen=True)
@@ -202,11 +206,14 @@ class ForwardContext:
 
 
 class TorchPagedAttention:
-    """Torch path over the paged cache (CPU default, and the reference on GPU)."""
+    """Torch path over the paged cache (CPU default, and the reference on GPU). ``native``: the host's C kernels
+    (cpu/native.py); given, the decode rows of plain and sliding-window layers read the pages in place through
+    them (one call per layer for all decode rows), the rest stays on torch."""
 
-    def __init__(self, kv_cache: torch.Tensor, scale: float) -> None:
+    def __init__(self, kv_cache: torch.Tensor, scale: float, native: NativeKernels | None = None) -> None:
         self.kv_cache = kv_cache
         self.scale = scale
+        self.native = native if native is not None and kv_cache.device.type == "cpu" else None
         _, _, _, self.block_size, self.num_kv_heads, self.head_dim = kv_cache.shape
         # Per layer: K and V as [slots, KVH, D] views (store) and [blocks, block_size * KVH * D] (gather), made
         # once so a step's ~30 layers slice nothing per call.
@@ -273,6 +280,23 @@ class TorchPagedAttention:
         mask = ((pos >= lo) & (pos < hi))[:, None, None, :]
         one = cpu and nd <= ONE_THREAD_MAX_BATCH and nb * bs <= ONE_THREAD_MAX_KEYS
         return DecodePlan(gather, nb, nb * bs, mask, threads=1 if one else 0)
+
+    def _native_decode(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, window: int,
+                       scale: float) -> torch.Tensor | None:
+        """The decode rows through the C kernel, or None where it does not apply (then torch's path runs)."""
+        native = self.native
+        if native is None or q.dtype != self.kv_cache.dtype or meta.block_tables.dtype != torch.int32 or \
+                not native.supports_decode(q.dtype, q.shape[1], self.num_kv_heads, self.head_dim, self.block_size):
+            return None
+        nd = meta.num_decode
+        ctx = meta.context_lens[:nd]
+        first = None
+        if window:
+            first = meta.native_first.get(window)
+            if first is None:
+                first = meta.native_first[window] = (ctx - window).clamp_(min=0).to(torch.int32)
+        return native.paged_decode_attention(q, self.kv_cache[layer, 0], self.kv_cache[layer, 1],
+                                             meta.block_tables[:nd], first, ctx, scale or self.scale)
 
     def _decode(self, layer: int, q: torch.Tensor, plan: DecodePlan, gqa: bool,
                 sinks: torch.Tensor | None = None, scale: float = 0.0, value_dim: int = 0,
@@ -344,13 +368,17 @@ class TorchPagedAttention:
         self._store(layer, k, v, meta.slot_mapping)
         nd = meta.num_decode
         gqa = q.shape[1] != self.num_kv_heads
+        plain = sinks is None and not value_dim and index is None
         if nd == len(meta.query_lens):  # a pure decode step
+            if plain and (o := self._native_decode(layer, q, meta, window, scale)) is not None:
+                return o
             return self._decode(layer, q, self._decode_plan(meta, window), gqa, sinks, scale, value_dim, index)
         scale = scale or self.scale
         out = q.new_empty(*q.shape[:2], value_dim) if value_dim else torch.empty_like(q)
         if nd:
-            out[:nd] = self._decode(layer, q[:nd], self._decode_plan(meta, window), gqa, sinks, scale, value_dim,
-                                    index)
+            o = self._native_decode(layer, q[:nd], meta, window, scale) if plain else None
+            out[:nd] = o if o is not None else self._decode(layer, q[:nd], self._decode_plan(meta, window), gqa,
+                                                            sinks, scale, value_dim, index)
         start = nd
         for i in range(nd, len(meta.query_lens)):
             qlen, clen = meta.query_lens[i], meta.context_lens_host[i]

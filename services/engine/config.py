@@ -84,7 +84,10 @@ class EngineConfig(ContextConfig, ModelConfig, DeviceConfig, DtypeConfig, Compil
     kv_export_layer_group_cpu: bool = opt(False, "Also use --kv-export-layer-group on CPU (tests: the CPU forward is "
                                                  "synchronous, so only the network start moves earlier).")
     enable_prefix_caching: bool = opt(True, "Reuse KV pages of identical prompt prefixes.")
-    attention_backend: str = opt("auto", "auto (Triton on CUDA, torch on CPU) or torch.", choices=("auto", "torch"))
+    attention_backend: str = opt("auto", "auto: Triton kernels on CUDA; on CPU the decode rows through C kernels "
+                                           "built at start with the host's C compiler (torch's kernels where there "
+                                           "is none, with a warning), the rest torch. torch: torch's kernels only.",
+                                 choices=("auto", "torch"))
     kv_cache_shared: bool = opt(False, "Share the KV pool with prefills on this host so they write pages straight "
                                        "into it: a /dev/shm file on CPU (prefill --kv-transport shm), a CUDA IPC "
                                        "handle on GPU (prefill --kv-transport cuda-ipc).")

@@ -18,7 +18,7 @@ import torch
 from services.common.pb import decode_pb2
 from services.engine.attention import AttentionMetadata, ForwardContext, TorchPagedAttention
 from services.engine.config import EngineConfig, EngineConfigError
-from services.engine.cpu import trace_fence
+from services.engine.cpu import native, trace_fence
 from services.engine.device_defaults import kv_pool_pages, step_activation_bytes
 from services.engine.kv_layout import FP8_CODEC
 from services.engine.layer_groups import LayerGroups
@@ -148,7 +148,8 @@ class ModelRunner:
             from services.engine.cuda.gpu_attention import TritonPagedAttention
 
             return TritonPagedAttention(kv_cache, scale)
-        return TorchPagedAttention(kv_cache, scale)
+        use_native = self.device.type == "cpu" and self.config.attention_backend == "auto"
+        return TorchPagedAttention(kv_cache, scale, native.load() if use_native else None)
 
     def _prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         rows = []

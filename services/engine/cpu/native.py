@@ -1,0 +1,134 @@
+"""The engine's C kernels (native_kernels.c): built once per host with its C compiler, loaded with ctypes.
+
+The source is small plain C (no torch headers), so a cold build takes about a second; the shared object is
+kept under ``~/.cache/pdserve/cpu-kernels`` (``PDSERVE_CPU_KERNEL_DIR`` elsewhere), named by a hash of the
+source, the compiler's version and this CPU's model and flags (``-march=native`` code must never run on
+another CPU model). A host without a C compiler, or whose build fails, keeps torch's kernels: one warning
+line says so, and ``attention_backend: torch`` asks for torch's kernels outright.
+
+OpenMP: the object is linked with -fopenmp, and its libgomp.so.1 resolves to the one torch has already
+loaded (same soname), so its parallel loops run on torch's thread pool at the thread count the step runs
+at; the call releases the GIL (ctypes.CDLL).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from services.engine.cpu.cpu_features import host_cpu
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("native_kernels.c")
+CACHE_ENV = "PDSERVE_CPU_KERNEL_DIR"
+DEFAULT_DIR = "~/.cache/pdserve/cpu-kernels"
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-shared", "-fPIC")
+"""-ffast-math lets the dot products reassociate and expf vectorize (glibc's vector math); infinities keep
+their meaning (-fno-finite-math-only): the online softmax starts from -inf."""
+ABI_VERSION = 1
+MAX_HEADS, MAX_HEADS_X_DIM, MAX_KV_ROW, MAX_BLOCK = 64, 16384, 4096, 64
+"""native_kernels.c's limits: query heads, query heads x head dim, KV heads x head dim, tokens per page (larger
+shapes use torch's kernels)."""
+
+_ARGS_DECODE = [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5 + \
+               [ctypes.c_float, ctypes.c_int]
+
+
+class NativeKernels:
+    """The loaded library's entry points."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        self._decode = {torch.bfloat16: lib.paged_decode_attention_bf16, torch.float32: lib.paged_decode_attention_f32}
+        for fn in self._decode.values():
+            fn.argtypes = _ARGS_DECODE
+            fn.restype = ctypes.c_int
+
+    def supports_decode(self, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int) -> bool:
+        return (dtype in self._decode and kv_heads > 0 and heads % kv_heads == 0 and heads <= MAX_HEADS
+                and heads * head_dim <= MAX_HEADS_X_DIM and kv_heads * head_dim <= MAX_KV_ROW
+                and block_size <= MAX_BLOCK)
+
+    def paged_decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor,
+                               first: torch.Tensor | None, ctx: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [B, H, D] (the cache's dtype), k/v [blocks, block_size, KVH, D], tables int32 [B, >= blocks of the
+        longest], first/ctx int32 [B] (keys first..ctx-1; first None: from 0) -> out [B, H, D]."""
+        b, h, d = q.shape
+        _, bs, kvh, _ = k.shape
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        rc = self._decode[q.dtype](q.data_ptr(), k.data_ptr(), v.data_ptr(), tables.data_ptr(), tables.stride(0),
+                                   first.data_ptr() if first is not None else None, ctx.data_ptr(), out.data_ptr(),
+                                   b, h, kvh, d, bs, scale, torch.get_num_threads())
+        if rc != 0:  # supports_decode was asked first: a failure here is a bug, never a silent wrong answer
+            raise RuntimeError(f"native paged decode attention refused shape B={b} H={h} KVH={kvh} D={d} (rc {rc})")
+        return out
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and (path := shutil.which(name)):
+            return path
+    return None
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or DEFAULT_DIR).expanduser()
+
+
+def _key(cc: str) -> str:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    cpu = host_cpu()
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), cpu.model.encode(),
+                 " ".join(sorted(cpu.flags)).encode()):
+        h.update(part)
+        h.update(b"\0")
+    return h.hexdigest()[:24]
+
+
+def _build(cc: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        r = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            raise RuntimeError(f"{cc} exited {r.returncode}: {r.stderr.strip()[-400:]}")
+        os.replace(tmp, target)  # atomic: a concurrent engine loads either the old file or the whole new one
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def load() -> NativeKernels | None:
+    """The kernels of this host, built on first use; None (after one warning) where they cannot be built."""
+    cc = _compiler()
+    if cc is None:
+        log.warning("engine: no C compiler on PATH (cc, gcc, clang or $CC): CPU decode attention stays on torch's "
+                    "kernels (slower at batches of several sequences)")
+        return None
+    try:
+        target = _cache_dir() / f"native-{_key(cc)}.so"
+        if not target.exists():
+            _build(cc, target)
+            log.info("engine: built the CPU kernels (%s) with %s", target, cc)
+        lib = ctypes.CDLL(str(target))
+        if lib.native_abi_version() != ABI_VERSION:
+            raise RuntimeError(f"{target} has ABI {lib.native_abi_version()}, expected {ABI_VERSION}")
+        return NativeKernels(lib, target)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("engine: the CPU kernels could not be built or loaded (%s): CPU decode attention stays on "
+                    "torch's kernels", e)
+        return None

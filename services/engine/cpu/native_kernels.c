@@ -1,0 +1,120 @@
+/* CPU kernels the engine compiles at start with the host's C compiler (services/engine/cpu/native.py) and calls
+ * through ctypes. Plain C, no torch headers: a build takes about a second. OpenMP comes from the libgomp.so.1
+ * torch has already loaded, so these loops share torch's thread pool instead of starting a second one.
+ *
+ * paged_decode_attention_{bf16,f32}: one query token per sequence against that sequence's keys in the paged KV
+ * cache, read in place (no gather, no padding). One task per sequence: it converts each token's key and value
+ * rows to fp32 once and uses them for every query head (GQA), with an online softmax over the pages.
+ * Layouts (all contiguous):
+ *   q, out      [B, H, D]
+ *   k, v        [num_blocks, block_size, KVH, D]   (one layer's half of the engine's KV tensor)
+ *   tables      int32 [B, table_stride]            (each sequence's blocks)
+ *   first, ctx  int32 [B]                          (keys first[b] .. ctx[b]-1 are attended; first = 0 unless
+ *                                                   the layer has a sliding window)
+ * Query head h reads KV head h / (H / KVH), as torch's scaled_dot_product_attention(enable_gqa=True) does.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define TILE 64        /* the largest page (block_size) these kernels take */
+#define MAX_HEADS 64   /* query heads of one sequence */
+#define MAX_HD 16384   /* query heads x head dim */
+
+static inline float bf16_load(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t bf16_store(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                                            /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+/* One sequence, every head: its pages are read front to back (each token's K row of all KV heads is one
+ * contiguous run), so the hardware prefetcher streams them; a task per (sequence, KV head) would read 1/KVH of
+ * every row and wait on memory per key. */
+#define DEFINE_TASK(NAME, T, LOAD, STORE, DC)                                                                     \
+    static void NAME(const T *q, const T *k, const T *v, const int32_t *table, int first, int ctx, T *out,        \
+                     int H, int KVH, int Dr, int bs, float scale) {                                               \
+        const int D = DC ? DC : Dr; /* a constant head dim unrolls the row loops */                               \
+        const int G = H / KVH;                                                                                    \
+        float qf[MAX_HD], acc[MAX_HD], row[MAX_HD / 4 > 4096 ? 4096 : MAX_HD / 4];                                \
+        float s[MAX_HEADS][TILE], m[MAX_HEADS], l[MAX_HEADS];                                                     \
+        for (int i = 0; i < H * D; i++) { qf[i] = LOAD(q[i]) * scale; acc[i] = 0.0f; }                           \
+        for (int h = 0; h < H; h++) { m[h] = -INFINITY; l[h] = 0.0f; }                                            \
+        const size_t tok = (size_t)KVH * D; /* one token's row: every KV head */                                  \
+        for (int t0 = first; t0 < ctx;) { /* one page (or the part of it in [first, ctx)) per tile */          \
+            int page = t0 / bs, n = (page + 1) * bs < ctx ? (page + 1) * bs - t0 : ctx - t0;                      \
+            size_t base = ((size_t)table[page] * bs + t0 % bs) * tok;                                             \
+            if (page + 1 < (ctx + bs - 1) / bs) __builtin_prefetch(k + (size_t)table[page + 1] * bs * tok);       \
+            for (int j = 0; j < n; j++) {                                                                         \
+                const T *kr = k + base + j * tok;                                                                 \
+                for (int i = 0; i < KVH * D; i++) row[i] = LOAD(kr[i]);                                           \
+                for (int h = 0; h < H; h++) {                                                                     \
+                    const float *qh = qf + h * D, *rk = row + (h / G) * D;                                        \
+                    float dot = 0.0f;                                                                             \
+                    _Pragma("omp simd reduction(+ : dot)")                                                        \
+                    for (int d = 0; d < D; d++) dot += qh[d] * rk[d];                                             \
+                    s[h][j] = dot;                                                                                \
+                }                                                                                                 \
+            }                                                                                                     \
+            for (int h = 0; h < H; h++) {                                                                         \
+                float mt = m[h];                                                                                  \
+                for (int j = 0; j < n; j++) mt = s[h][j] > mt ? s[h][j] : mt;                                     \
+                float corr = expf(m[h] - mt); /* m = -inf at the first tile: exp(-inf) = 0 */                     \
+                float sum = 0.0f;                                                                                 \
+                _Pragma("omp simd reduction(+ : sum)")                                                            \
+                for (int j = 0; j < n; j++) { s[h][j] = expf(s[h][j] - mt); sum += s[h][j]; }                     \
+                l[h] = l[h] * corr + sum;                                                                         \
+                m[h] = mt;                                                                                        \
+                if (corr != 1.0f) for (int d = 0; d < D; d++) acc[h * D + d] *= corr;                             \
+            }                                                                                                     \
+            for (int j = 0; j < n; j++) {                                                                         \
+                const T *vr = v + base + j * tok;                                                                 \
+                for (int i = 0; i < KVH * D; i++) row[i] = LOAD(vr[i]);                                           \
+                for (int h = 0; h < H; h++) {                                                                     \
+                    const float p = s[h][j], *rv = row + (h / G) * D;                                             \
+                    float *ah = acc + h * D;                                                                      \
+                    for (int d = 0; d < D; d++) ah[d] += p * rv[d];                                               \
+                }                                                                                                 \
+            }                                                                                                     \
+            t0 += n;                                                                                              \
+        }                                                                                                         \
+        for (int h = 0; h < H; h++) {                                                                             \
+            float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;                                                         \
+            for (int d = 0; d < D; d++) out[h * D + d] = STORE(acc[h * D + d] * inv);                             \
+        }                                                                                                         \
+    }
+
+#define DEFINE_DECODE(NAME, T, LOAD, STORE)                                                                       \
+    DEFINE_TASK(NAME##_any, T, LOAD, STORE, 0)                                                                    \
+    DEFINE_TASK(NAME##_d64, T, LOAD, STORE, 64)                                                                   \
+    DEFINE_TASK(NAME##_d128, T, LOAD, STORE, 128)                                                                 \
+    int NAME(const T *q, const T *k, const T *v, const int32_t *tables, int table_stride, const int32_t *first,   \
+             const int32_t *ctx, T *out, int B, int H, int KVH, int D, int bs, float scale, int threads) {       \
+        if (KVH <= 0 || H % KVH || H > MAX_HEADS || H * D > MAX_HD || KVH * D > 4096 || bs > TILE) return -1;     \
+        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")                                     \
+        for (int b = 0; b < B; b++) {                                                                             \
+            const T *qb = q + (size_t)b * H * D;                                                                  \
+            const int32_t *tb = tables + (size_t)b * table_stride;                                                \
+            int f = first ? first[b] : 0;                                                                         \
+            T *ob = out + (size_t)b * H * D;                                                                      \
+            if (D == 64) NAME##_d64(qb, k, v, tb, f, ctx[b], ob, H, KVH, D, bs, scale);                           \
+            else if (D == 128) NAME##_d128(qb, k, v, tb, f, ctx[b], ob, H, KVH, D, bs, scale);                    \
+            else NAME##_any(qb, k, v, tb, f, ctx[b], ob, H, KVH, D, bs, scale);                                   \
+        }                                                                                                         \
+        return 0;                                                                                                 \
+    }
+
+#define F32_LOAD(x) (x)
+#define F32_STORE(x) (x)
+DEFINE_DECODE(paged_decode_attention_bf16, uint16_t, bf16_load, bf16_store)
+DEFINE_DECODE(paged_decode_attention_f32, float, F32_LOAD, F32_STORE)
+
+int native_abi_version(void) { return 1; }

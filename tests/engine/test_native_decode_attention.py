@@ -1,0 +1,112 @@
+"""The C decode-attention kernel (services/engine/cpu/native*.py) against torch's paged path, and the engine
+falling back to torch where the kernel cannot be built."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+from services.engine.attention import AttentionMetadata, TorchPagedAttention
+from services.engine.cpu import native
+
+KERNELS = native.load()
+needs_kernels = pytest.mark.skipif(KERNELS is None, reason="no C compiler on this host")
+
+
+def _step(batch: int, ctx: list[int], heads: int, kv_heads: int, dim: int, dtype: torch.dtype, block: int = 16,
+          seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """A KV cache of random pages, each sequence's blocks scattered through the pool, and one decode token per
+    sequence (its K/V not stored yet: forward stores it)."""
+    g = torch.Generator().manual_seed(seed)
+    per = max((c + block - 1) // block for c in ctx)
+    blocks = max(batch * per + 8, 96)
+    kv = torch.randn(1, 2, blocks, block, kv_heads, dim, generator=g).to(dtype)
+    perm = torch.randperm(blocks - 1, generator=g)[: batch * per] + 1
+    tables = perm.view(batch, per).to(torch.int32)
+    slots = torch.tensor([int(tables[i, (c - 1) // block]) * block + (c - 1) % block for i, c in enumerate(ctx)])
+    meta = AttentionMetadata(slot_mapping=slots, block_tables=tables,
+                             context_lens=torch.tensor(ctx, dtype=torch.int32), query_lens=[1] * batch,
+                             context_lens_host=list(ctx), num_decode=batch)
+    return kv, torch.randn(batch, heads, dim, generator=g).to(dtype), meta
+
+
+def _both(kv, q, meta, window=0, kv_new=None):
+    k_new = kv_new if kv_new is not None else torch.randn(q.shape[0], kv.shape[4], q.shape[2]).to(q.dtype)
+    outs = []
+    for use in (KERNELS, None):
+        backend = TorchPagedAttention(kv.clone(), q.shape[-1] ** -0.5, use)
+        m = AttentionMetadata(**{f: getattr(meta, f) for f in ("slot_mapping", "block_tables", "context_lens",
+                                                              "query_lens", "context_lens_host", "num_decode")})
+        outs.append(backend.forward(0, q, k_new, k_new * 0.5, m, window=window))
+    return outs
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(9, 3, 64), (8, 8, 32), (16, 2, 128), (4, 1, 80)])
+def test_decode_rows_match_torch(dtype, shape):
+    heads, kv_heads, dim = shape
+    rng = random.Random(1)
+    ctx = [rng.randint(1, 300) for _ in range(7)]
+    kv, q, meta = _step(len(ctx), ctx, heads, kv_heads, dim, dtype)
+    got, want = _both(kv, q, meta)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol), (got.float() - want.float()).abs().max()
+
+
+@needs_kernels
+@pytest.mark.parametrize("window", [1, 5, 40])
+def test_sliding_window_rows_match_torch(window):
+    ctx = [3, 17, 64, 150, 33]
+    kv, q, meta = _step(len(ctx), ctx, 8, 2, 64, torch.float32, seed=3)
+    got, want = _both(kv, q, meta, window=window)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+def test_mixed_step_decode_rows_use_the_kernel_and_match():
+    """A step with decode rows and one prefill chunk: the decode rows go through the kernel, the chunk through
+    torch, and the whole output equals torch's."""
+    ctx = [20, 45]
+    kv, qd, meta = _step(2, ctx, 4, 2, 32, torch.float32, seed=5)
+    tables = torch.cat([meta.block_tables, torch.tensor([[90, 91, 0]], dtype=torch.int32)[:, : meta.block_tables.shape[1]]])
+    q = torch.cat([qd, torch.randn(5, 4, 32)])
+    slots = torch.cat([meta.slot_mapping, torch.arange(90 * 16, 90 * 16 + 5)])
+    mixed = dict(slot_mapping=slots, block_tables=tables, context_lens=torch.tensor([*ctx, 5], dtype=torch.int32),
+                 query_lens=[1, 1, 5], context_lens_host=[*ctx, 5], num_decode=2)
+    k_new = torch.randn(7, 2, 32)
+    outs = []
+    for use in (KERNELS, None):
+        outs.append(TorchPagedAttention(kv.clone(), 32 ** -0.5, use).forward(0, q, k_new, k_new * 0.5,
+                                                                            AttentionMetadata(**mixed)))
+    assert torch.allclose(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+def test_unsupported_shapes_and_dtypes_stay_on_torch():
+    assert not KERNELS.supports_decode(torch.float16, 8, 2, 64, 16)
+    assert not KERNELS.supports_decode(torch.float32, 8, 3, 64, 16)   # heads not a multiple of KV heads
+    assert not KERNELS.supports_decode(torch.float32, 128, 8, 64, 16)  # more query heads than the kernel holds
+    assert not KERNELS.supports_decode(torch.float32, 8, 2, 64, 128)   # pages larger than its tile
+    assert KERNELS.supports_decode(torch.bfloat16, 9, 3, 64, 16)
+
+
+def test_no_compiler_means_torch_kernels_and_one_warning(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger=native.log.name):
+        assert native.load.__wrapped__() is None
+    assert any("no C compiler" in r.getMessage() for r in caplog.records)
+
+
+def test_a_failed_build_means_torch_kernels(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", "false")   # a "compiler" that exits 1
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(native, "_key", lambda cc: "broken")
+    with caplog.at_level(logging.WARNING, logger=native.log.name):
+        assert native.load.__wrapped__() is None
+    assert any("could not be built" in r.getMessage() for r in caplog.records)
+    assert not list(tmp_path.glob("*.so"))
