@@ -114,6 +114,8 @@ class EngineConfig(ContextConfig, ModelConfig, DeviceConfig, DtypeConfig, Compil
                                          "low-priority child process fills with the decode-step variants before "
                                          "the engine builds them from it in seconds. Empty: "
                                          "~/.cache/pdserve/torch-compile.")
+    cpu_kernel_dir: str = opt("", "CPU: where the decode-attention C kernel is built at start and kept (one small "
+                                  "shared object per CPU model and compiler). Empty: ~/.cache/pdserve/cpu-kernels.")
     draft_model: str = opt("", "Draft model of speculative decoding: layers:N (the target's first N layers, "
                                "sharing its embeddings, final norm and LM head), a .gguf file, an HF directory, or "
                                "random:NAME. Set it on prefill AND decode: pages then carry a draft KV region. "

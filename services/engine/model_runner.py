@@ -149,7 +149,7 @@ class ModelRunner:
 
             return TritonPagedAttention(kv_cache, scale)
         use_native = self.device.type == "cpu" and self.config.attention_backend == "auto"
-        return TorchPagedAttention(kv_cache, scale, native.load() if use_native else None)
+        return TorchPagedAttention(kv_cache, scale, native.load(self.config.cpu_kernel_dir) if use_native else None)
 
     def _prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         rows = []

@@ -96,17 +96,22 @@ def test_unsupported_shapes_and_dtypes_stay_on_torch():
 
 def test_no_compiler_means_torch_kernels_and_one_warning(monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(native.shutil, "which", lambda name: None)
-    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
     with caplog.at_level(logging.WARNING, logger=native.log.name):
-        assert native.load.__wrapped__() is None
+        assert native.load.__wrapped__(str(tmp_path)) is None
     assert any("no C compiler" in r.getMessage() for r in caplog.records)
+
+
+def test_the_kernel_is_built_into_the_directory_given(tmp_path):
+    if native._compiler() is None:
+        pytest.skip("no C compiler on this host")
+    kernels = native.load.__wrapped__(str(tmp_path / "k"))
+    assert kernels is not None and kernels.path.parent == tmp_path / "k" and kernels.path.exists()
 
 
 def test_a_failed_build_means_torch_kernels(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CC", "false")   # a "compiler" that exits 1
-    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(native, "_key", lambda cc: "broken")
     with caplog.at_level(logging.WARNING, logger=native.log.name):
-        assert native.load.__wrapped__() is None
+        assert native.load.__wrapped__(str(tmp_path)) is None
     assert any("could not be built" in r.getMessage() for r in caplog.records)
     assert not list(tmp_path.glob("*.so"))

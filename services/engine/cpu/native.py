@@ -1,9 +1,9 @@
 """The engine's C kernels (native_kernels.c): built once per host with its C compiler, loaded with ctypes.
 
 The source is small plain C (no torch headers), so a cold build takes about a second; the shared object is
-kept under ``~/.cache/pdserve/cpu-kernels`` (``PDSERVE_CPU_KERNEL_DIR`` elsewhere), named by a hash of the
+kept under ``~/.cache/pdserve/cpu-kernels``, named by a hash of the
 source, the compiler's version and this CPU's model and flags (``-march=native`` code must never run on
-another CPU model). A host without a C compiler, or whose build fails, keeps torch's kernels: one warning
+another CPU model); ``--cpu-kernel-dir`` puts it elsewhere (a read-only root filesystem). A host without a C compiler, or whose build fails, keeps torch's kernels: one warning
 line says so, and ``attention_backend: torch`` asks for torch's kernels outright.
 
 OpenMP: the object is linked with -fopenmp, and its libgomp.so.1 resolves to the one torch has already
@@ -30,7 +30,6 @@ from services.engine.cpu.cpu_features import host_cpu
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native_kernels.c")
-CACHE_ENV = "PDSERVE_CPU_KERNEL_DIR"
 DEFAULT_DIR = "~/.cache/pdserve/cpu-kernels"
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-shared", "-fPIC")
 """-ffast-math lets the dot products reassociate and expf vectorize (glibc's vector math); infinities keep
@@ -82,8 +81,6 @@ def _compiler() -> str | None:
     return None
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or DEFAULT_DIR).expanduser()
 
 
 def _key(cc: str) -> str:
@@ -112,7 +109,7 @@ def _build(cc: str, target: Path) -> None:
 
 
 @functools.cache
-def load() -> NativeKernels | None:
+def load(cache_dir: str = "") -> NativeKernels | None:
     """The kernels of this host, built on first use; None (after one warning) where they cannot be built."""
     cc = _compiler()
     if cc is None:
@@ -120,7 +117,7 @@ def load() -> NativeKernels | None:
                     "kernels (slower at batches of several sequences)")
         return None
     try:
-        target = _cache_dir() / f"native-{_key(cc)}.so"
+        target = Path(cache_dir or DEFAULT_DIR).expanduser() / f"native-{_key(cc)}.so"
         if not target.exists():
             _build(cc, target)
             log.info("engine: built the CPU kernels (%s) with %s", target, cc)
