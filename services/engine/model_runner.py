@@ -149,7 +149,10 @@ class ModelRunner:
 
             return TritonPagedAttention(kv_cache, scale)
         use_native = self.device.type == "cpu" and self.config.attention_backend == "auto"
-        return TorchPagedAttention(kv_cache, scale, native.load(self.config.cpu_kernel_dir) if use_native else None)
+        kernels = native.load(self.config.cpu_kernel_dir) if use_native else None
+        if kernels is not None:
+            native.activate(kernels)  # the layers' norms, SiLU*mul and RoPE on CPU too
+        return TorchPagedAttention(kv_cache, scale, kernels)
 
     def _prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         rows = []

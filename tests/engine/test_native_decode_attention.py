@@ -115,3 +115,80 @@ def test_a_failed_build_means_torch_kernels(monkeypatch, tmp_path, caplog):
         assert native.load.__wrapped__(str(tmp_path)) is None
     assert any("could not be built" in r.getMessage() for r in caplog.records)
     assert not list(tmp_path.glob("*.so"))
+
+
+# ---- the layers' elementwise ops (RMSNorm, SiLU*mul, RoPE) -------------------------------------------------
+
+
+def _torch_and_native(fn):
+    """fn() with the C kernels active, then with torch's ops; the previous state restored."""
+    before = native.ACTIVE
+    try:
+        native.activate(KERNELS)
+        got = fn()
+        native.activate(None)
+        want = fn()
+    finally:
+        native.activate(before)
+    return got, want
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if dtype == torch.float32:
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+    else:  # the same roundings: equal bits but for rare last-place differences of expf / sqrtf
+        diff = (got.float() - want.float()).abs()
+        assert (diff > 0).float().mean() < 0.01 and diff.max() <= 0.0625 * want.float().abs().max(), diff.max()
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_torch(dtype):
+    from services.engine.models.llama import RMSNorm
+
+    norm = RMSNorm(576, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(576) + 0.5)
+    x = (torch.randn(37, 576) * 3).to(dtype)
+    heads = torch.randn(5, 12, 64).to(dtype)[:, 1:10]  # qwen3's per-head q/k norms: a strided 3-D view
+    got, want = _torch_and_native(lambda: norm(x))
+    _close(got, want, dtype)
+    norm64 = RMSNorm(64, 1e-6).to(dtype)
+    got, want = _torch_and_native(lambda: norm64(heads))
+    _close(got, want, dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_torch(dtype):
+    from services.engine.models.llama import MLP
+
+    mlp = MLP(64, 96).to(dtype)
+    x = torch.randn(11, 64).to(dtype)
+    with torch.no_grad():
+        got, want = _torch_and_native(lambda: mlp(x))
+    _close(got, want, dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_matches_torch_on_views_of_a_fused_projection(dtype):
+    from services.engine.models.rope import RotaryEmbedding
+
+    rot = RotaryEmbedding(64, 10000.0, None, 4096)
+    qkv = torch.randn(13, (9 + 3 + 3) * 64).to(dtype)
+    q, k, _ = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
+    q, k = q.view(13, 9, 64), k.view(13, 3, 64)  # strided rows, as the attention layer hands them over
+    pos = torch.randint(0, 4000, (13,))
+    (gq, gk), (wq, wk) = _torch_and_native(lambda: rot(pos, q, k))
+    _close(gq, wq, dtype)
+    _close(gk, wk, dtype)
+
+
+def test_ops_stay_on_torch_inside_a_compile_trace(monkeypatch):
+    monkeypatch.setattr(native, "ACTIVE", object())
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert native.active(torch.zeros(2)) is None
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    assert native.active(torch.zeros(2)) is not None

@@ -31,16 +31,29 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native_kernels.c")
 DEFAULT_DIR = "~/.cache/pdserve/cpu-kernels"
-FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-shared", "-fPIC")
-"""-ffast-math lets the dot products reassociate and expf vectorize (glibc's vector math); infinities keep
-their meaning (-fno-finite-math-only): the online softmax starts from -inf."""
-ABI_VERSION = 1
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+"""-ffast-math lets the dot products reassociate and expf vectorize (glibc's vector math needs all of it,
+finite-math included: the kernels use no infinities; the online softmax starts from -FLT_MAX)."""
+ABI_VERSION = 2
 MAX_HEADS, MAX_HEADS_X_DIM, MAX_KV_ROW, MAX_BLOCK = 64, 16384, 4096, 64
 """native_kernels.c's limits: query heads, query heads x head dim, KV heads x head dim, tokens per page (larger
 shapes use torch's kernels)."""
 
 _ARGS_DECODE = [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5 + \
                [ctypes.c_float, ctypes.c_int]
+
+
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+_ARGS = {"rms_norm": [_P, _L, _P, _P, _I, _I, _F, _I], "silu_mul": [_P, _L, _P, _I, _I, _I],
+         "rope": [_P, _L, _P, _P, _P, _P, _I, _I, _I, _I]}
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+
+
+def _rows(x: torch.Tensor) -> tuple[int, int] | None:
+    """(rows, row stride) of a 2-D view whose rows are contiguous, else None."""
+    if x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1):
+        return None
+    return x.shape[0], x.stride(0)
 
 
 class NativeKernels:
@@ -52,6 +65,47 @@ class NativeKernels:
         for fn in self._decode.values():
             fn.argtypes = _ARGS_DECODE
             fn.restype = ctypes.c_int
+        self._ops = {(name, dt): getattr(lib, f"{name}_{suf}") for name in _ARGS for dt, suf in _SUFFIX.items()}
+        for (name, _), fn in self._ops.items():
+            fn.argtypes = _ARGS[name]
+            fn.restype = ctypes.c_int
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+        """HF's RMSNorm over the last dim (fp32 inside, cast, times the weight); None where it does not apply."""
+        if x.dtype not in _SUFFIX or weight.dtype != x.dtype or not weight.is_contiguous() or x.shape[-1] == 0:
+            return None
+        flat = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x  # per-head norms of a strided q/k view: a copy
+        rs = _rows(flat)
+        if rs is None:
+            return None
+        out = torch.empty(x.shape, dtype=x.dtype)
+        self._ops["rms_norm", x.dtype](flat.data_ptr(), rs[1], weight.data_ptr(), out.data_ptr(), rs[0], x.shape[-1],
+                                       eps, torch.get_num_threads())
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor | None:
+        """silu(gate) * up of [T, 2 * inter] rows (gate first); None where it does not apply."""
+        rs = _rows(gate_up)
+        if gate_up.dtype not in _SUFFIX or rs is None or gate_up.shape[1] != 2 * inter:
+            return None
+        out = torch.empty(gate_up.shape[0], inter, dtype=gate_up.dtype)
+        self._ops["silu_mul", gate_up.dtype](gate_up.data_ptr(), rs[1], out.data_ptr(), rs[0], inter,
+                                             torch.get_num_threads())
+        return out
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+             ) -> torch.Tensor | None:
+        """RoPE (HF's rotate_half form) of x [T, H, D] at int64 positions [T] with fp32 [P, D] tables; None where
+        it does not apply."""
+        t, h, d = x.shape
+        if (x.dtype not in _SUFFIX or positions.dtype != torch.int64 or not positions.is_contiguous()
+                or cos.dtype != torch.float32 or not cos.is_contiguous() or not sin.is_contiguous()
+                or x.stride(2) != 1 or x.stride(1) != d or d % 2):
+            return None
+        out = torch.empty(t, h, d, dtype=x.dtype)
+        self._ops["rope", x.dtype](x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                   out.data_ptr(), t, h, d, torch.get_num_threads())
+        return out
 
     def supports_decode(self, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int) -> bool:
         return (dtype in self._decode and kv_heads > 0 and heads % kv_heads == 0 and heads <= MAX_HEADS
@@ -72,6 +126,24 @@ class NativeKernels:
         if rc != 0:  # supports_decode was asked first: a failure here is a bug, never a silent wrong answer
             raise RuntimeError(f"native paged decode attention refused shape B={b} H={h} KVH={kvh} D={d} (rc {rc})")
         return out
+
+
+ACTIVE: NativeKernels | None = None
+"""The kernels the model layers' elementwise ops use on CPU (rms_norm, silu_mul, rope), set by the model runner
+of an engine that loaded them; None: torch's ops. Never used while torch.compile traces (compiled decode)."""
+
+
+def activate(kernels: NativeKernels | None) -> None:
+    global ACTIVE
+    ACTIVE = kernels
+
+
+def active(x: torch.Tensor) -> NativeKernels | None:
+    """The kernels for an op on ``x``, or None (torch's op): not on CPU, no kernels, or inside a compile trace."""
+    k = ACTIVE
+    if k is None or x.device.type != "cpu" or x.requires_grad or torch.compiler.is_compiling():
+        return None
+    return k
 
 
 def _compiler() -> str | None:

@@ -13,6 +13,7 @@
  *                                                   the layer has a sliding window)
  * Query head h reads KV head h / (H / KVH), as torch's scaled_dot_product_attention(enable_gqa=True) does.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -31,9 +32,9 @@ static inline float bf16_load(uint16_t x) {
 static inline uint16_t bf16_store(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);                                            /* round to nearest even */
-    return (uint16_t)(u >> 16);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16; /* round to nearest even */
+    uint32_t quiet = (u >> 16) | 0x40u;                         /* NaN stays NaN */
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded); /* a select: loops stay vectorized */
 }
 
 /* One sequence, every head: its pages are read front to back (each token's K row of all KV heads is one
@@ -47,7 +48,7 @@ static inline uint16_t bf16_store(float f) {
         float qf[MAX_HD], acc[MAX_HD], row[MAX_HD / 4 > 4096 ? 4096 : MAX_HD / 4];                                \
         float s[MAX_HEADS][TILE], m[MAX_HEADS], l[MAX_HEADS];                                                     \
         for (int i = 0; i < H * D; i++) { qf[i] = LOAD(q[i]) * scale; acc[i] = 0.0f; }                           \
-        for (int h = 0; h < H; h++) { m[h] = -INFINITY; l[h] = 0.0f; }                                            \
+        for (int h = 0; h < H; h++) { m[h] = -FLT_MAX; l[h] = 0.0f; }                                            \
         const size_t tok = (size_t)KVH * D; /* one token's row: every KV head */                                  \
         for (int t0 = first; t0 < ctx;) { /* one page (or the part of it in [first, ctx)) per tile */          \
             int page = t0 / bs, n = (page + 1) * bs < ctx ? (page + 1) * bs - t0 : ctx - t0;                      \
@@ -67,7 +68,7 @@ static inline uint16_t bf16_store(float f) {
             for (int h = 0; h < H; h++) {                                                                         \
                 float mt = m[h];                                                                                  \
                 for (int j = 0; j < n; j++) mt = s[h][j] > mt ? s[h][j] : mt;                                     \
-                float corr = expf(m[h] - mt); /* m = -inf at the first tile: exp(-inf) = 0 */                     \
+                float corr = expf(m[h] - mt); /* m = -FLT_MAX at the first tile: exp underflows to 0 */                     \
                 float sum = 0.0f;                                                                                 \
                 _Pragma("omp simd reduction(+ : sum)")                                                            \
                 for (int j = 0; j < n; j++) { s[h][j] = expf(s[h][j] - mt); sum += s[h][j]; }                     \
@@ -117,4 +118,63 @@ static inline uint16_t bf16_store(float f) {
 DEFINE_DECODE(paged_decode_attention_bf16, uint16_t, bf16_load, bf16_store)
 DEFINE_DECODE(paged_decode_attention_f32, float, F32_LOAD, F32_STORE)
 
-int native_abi_version(void) { return 1; }
+/* Elementwise ops of the Llama-family layers, each rounding exactly where the torch ops they replace round (so a
+ * bf16 model computes the same bits up to the last-place differences of expf/sqrtf):
+ *   rms_norm:  y = w * T(x * 1/sqrt(mean(x^2) + eps))        (HF's RMSNorm: fp32 inside, cast, then the weight)
+ *   silu_mul:  out = T(T(silu(gate)) * up)                   (gate, up = the two halves of each row)
+ *   rope:      out = T(T(x * T(cos)) + T(rotate_half(x) * T(sin)))   (cos/sin fp32 [positions, D])
+ * x rows may be strided (views of a fused projection); outputs are contiguous. */
+#define DEFINE_ELEMENTWISE(SUF, T, LOAD, STORE)                                                                   \
+    int rms_norm_##SUF(const T *x, long x_stride, const T *w, T *out, int rows, int dim, float eps,              \
+                       int threads) {                                                                             \
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if (rows > 1)")                           \
+        for (int r = 0; r < rows; r++) {                                                                          \
+            const T *xr = x + (size_t)r * x_stride;                                                               \
+            T *o = out + (size_t)r * dim;                                                                         \
+            float ss = 0.0f;                                                                                      \
+            _Pragma("omp simd reduction(+ : ss)")                                                                 \
+            for (int i = 0; i < dim; i++) { float v = LOAD(xr[i]); ss += v * v; }                                 \
+            float inv = 1.0f / sqrtf(ss / (float)dim + eps);                                                      \
+            for (int i = 0; i < dim; i++) o[i] = STORE(LOAD(w[i]) * LOAD(STORE(LOAD(xr[i]) * inv)));              \
+        }                                                                                                         \
+        return 0;                                                                                                 \
+    }                                                                                                             \
+    int silu_mul_##SUF(const T *gu, long gu_stride, T *out, int rows, int inter, int threads) {                  \
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if (rows > 1)")                           \
+        for (int r = 0; r < rows; r++) {                                                                          \
+            const T *g = gu + (size_t)r * gu_stride, *u = g + inter;                                              \
+            T *o = out + (size_t)r * inter;                                                                       \
+            float act[256];                                                                                       \
+            for (int i0 = 0; i0 < inter; i0 += 256) { /* expf over a float buffer: glibc's vector expf */         \
+                int n = inter - i0 < 256 ? inter - i0 : 256;                                                      \
+                _Pragma("omp simd")                                                                               \
+                for (int i = 0; i < n; i++) { float a = LOAD(g[i0 + i]); act[i] = a / (1.0f + expf(-a)); }       \
+                for (int i = 0; i < n; i++) o[i0 + i] = STORE(LOAD(STORE(act[i])) * LOAD(u[i0 + i]));             \
+            }                                                                                                     \
+        }                                                                                                         \
+        return 0;                                                                                                 \
+    }                                                                                                             \
+    int rope_##SUF(const T *x, long x_stride, const int64_t *pos, const float *cos, const float *sin, T *out,     \
+                   int tokens, int heads, int dim, int threads) {                                                 \
+        int half = dim / 2;                                                                                       \
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if (tokens > 1)")                         \
+        for (int t = 0; t < tokens; t++) {                                                                        \
+            const float *c = cos + (size_t)pos[t] * dim, *sn = sin + (size_t)pos[t] * dim;                        \
+            for (int h = 0; h < heads; h++) {                                                                     \
+                const T *xh = x + (size_t)t * x_stride + (size_t)h * dim;                                         \
+                T *o = out + ((size_t)t * heads + h) * dim;                                                       \
+                for (int i = 0; i < dim; i++) {                                                                   \
+                    float rot = i < half ? -LOAD(xh[i + half]) : LOAD(xh[i - half]);                              \
+                    float a = LOAD(STORE(LOAD(xh[i]) * LOAD(STORE(c[i]))));                                       \
+                    float b = LOAD(STORE(rot * LOAD(STORE(sn[i]))));                                              \
+                    o[i] = STORE(a + b);                                                                          \
+                }                                                                                                 \
+            }                                                                                                     \
+        }                                                                                                         \
+        return 0;                                                                                                 \
+    }
+
+DEFINE_ELEMENTWISE(bf16, uint16_t, bf16_load, bf16_store)
+DEFINE_ELEMENTWISE(f32, float, F32_LOAD, F32_STORE)
+
+int native_abi_version(void) { return 2; }

@@ -10,7 +10,8 @@ fp32): each layer hands its ``AttentionSpec`` to ``ctx.attend``.
 On CUDA with triton, the forward takes a fused path (``*_fused`` methods): residual-add + RMSNorm,
 SiLU*mul and in-place RoPE as single Triton kernels (``services/kernels/rms_norm.py``, ``activation.py``,
 ``rotary.py``), the residual carried beside the hidden state. It computes the same bf16 sums; norms and
-RoPE round once in fp32 instead of per torch op. The CPU path is the plain torch code, unchanged.
+RoPE round once in fp32 instead of per torch op. On CPU, where the engine built its C kernels
+(``cpu/native.py``), RMSNorm, SiLU*mul and RoPE run as one C loop each, rounding where the torch ops do.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.engine.attention import AttentionSpec, ForwardContext
+from services.engine.cpu import native
 from services.engine.models.rope import RotaryEmbedding
 from services.engine.parallel.layers import (
     LogitsGather,
@@ -46,6 +48,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (k := native.active(x)) is not None and (y := k.rms_norm(x, self.weight, self.eps)) is not None:
+            return y
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -120,7 +124,10 @@ class MLP(nn.Module):
         self.down_proj = row_linear(self.inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
+        gu = self.gate_up_proj(x)
+        if (k := native.active(gu)) is not None and (y := k.silu_mul(gu, self.inter)) is not None:
+            return self.down_proj(y)
+        gate, up = gu.split([self.inter, self.inter], dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
     def forward_fused(self, x: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from services.engine.cpu import native
+
 
 def compute_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """float32 [head_dim // 2] inverse frequencies (radians per position), bit-equal to transformers'
@@ -112,6 +114,11 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        if (kern := native.active(q)) is not None and q.dim() == 3 and k.dim() == 3:
+            qo = kern.rope(q, positions, self.cos_cache, self.sin_cache)
+            ko = kern.rope(k, positions, self.cos_cache, self.sin_cache) if qo is not None else None
+            if qo is not None and ko is not None:
+                return qo, ko
         cos = self.cos_cache[positions][:, None, :]  # [T, 1, D] fp32
         sin = self.sin_cache[positions][:, None, :]
         q_out = (q * cos.to(q.dtype)) + (rotate_half(q) * sin.to(q.dtype))
