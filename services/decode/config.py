@@ -23,7 +23,7 @@ class DecodeConfig(ServerConfig, TracingConfig, LeaseConfig, MooncakeTransportCo
                               "Generate answer RESOURCE_EXHAUSTED (reason OVERLOADED). 0: the device's "
                               "default (256 on CPU, 1024 on CUDA).")
     overload_retry_after_ms: int = opt(1_000, "retry_after_ms suggested to callers refused as OVERLOADED (ms).")
-    reserve_wait_s: float = opt(20.0, "Longest a Reserve that finds too few free KV blocks may wait for blocks to "
+    reserve_wait_s: float = opt(60.0, "Longest a Reserve that finds too few free KV blocks may wait for blocks to "
                                       "free, in arrival order, before it answers RESOURCE_EXHAUSTED (seconds; 0: "
                                       "never wait). The caller asks for a wait (ReserveRequest.block_wait_ms: the "
                                       "router does when no other decode is left to try); this caps it, and the "

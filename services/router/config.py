@@ -49,7 +49,7 @@ class RouterConfig(ServerConfig, TracingConfig, ContextConfig, ModelConfig, Leas
                                       "a request waits up to this long, within its deadline, for one to come "
                                       "back (a supervisor's restart), probing every 0.25 s, instead of failing "
                                       "at once (seconds; 0: fail at once).")
-    block_wait_s: float = opt(20.0, "A Reserve sent to the last decode left to try asks it to wait this long, "
+    block_wait_s: float = opt(60.0, "A Reserve sent to the last decode left to try asks it to wait this long, "
                                     "within the request's deadline, for free KV blocks (its turn in arrival "
                                     "order) instead of refusing at once; earlier tries do not wait, so a full "
                                     "decode passes the request on (seconds; 0: never; decode's "
