@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import sys
@@ -251,6 +252,39 @@ def _add_compile_flags(extra: dict[str, list[str]], cfg: UpConfig, file: ConfigF
     extra.setdefault("decode", []).extend(["--cpu-compile-decode", str(cfg.cpu_compile_decode)])
 
 
+GPU_SHARES = {"prefill": 0.3, "decode": 0.6, "worker": 0.9}
+"""--gpu-memory-utilization of the engines of one role when several engines share one GPU, split evenly among the
+role's instances: each engine holds its own weights, a prefill's pool only needs its in-flight prompts, and one
+engine alone would take 0.9 and leave the next nothing (the CUDA out-of-memory of a first `pdserve up --device
+cuda`). Together they stay at the engine default's 0.9."""
+
+
+def gpu_memory_shares(cfg: UpConfig, file: ConfigFile | None = None) -> dict[str, float]:
+    """Per service module, the --gpu-memory-utilization pdserve up gives its engines: only with --device cuda[:N]
+    (all engines on that one GPU) and more than one engine, and only where the user set none (flag forwarded by a
+    config file or PDSERVE_GPU_MEMORY_UTILIZATION)."""
+    n_engines = cfg.decode + (0 if cfg.colocated else cfg.prefill)
+    if not (cfg.device or "").startswith("cuda") or n_engines < 2 or \
+            os.environ.get("PDSERVE_GPU_MEMORY_UTILIZATION"):
+        return {}
+    if file is not None and ("gpu_memory_utilization" in file.shared
+                             or any("gpu_memory_utilization" in sec for sec in file.sections.values())):
+        return {}
+    if cfg.colocated:
+        return {"decode": round(GPU_SHARES["worker"] / cfg.decode, 3)}
+    return {"prefill": round(GPU_SHARES["prefill"] / cfg.prefill, 3),
+            "decode": round(GPU_SHARES["decode"] / cfg.decode, 3)}
+
+
+def _add_gpu_memory_shares(extra: dict[str, list[str]], cfg: UpConfig, file: ConfigFile | None) -> None:
+    shares = gpu_memory_shares(cfg, file)
+    for module, share in shares.items():
+        extra.setdefault(module, []).extend(["--gpu-memory-utilization", str(share)])
+    if shares:
+        emit(f"pdserve up: {cfg.decode + (0 if cfg.colocated else cfg.prefill)} engines share {cfg.device}: "
+             + ", ".join(f"{m} --gpu-memory-utilization {v} each" for m, v in shares.items()))
+
+
 def check_file(file: ConfigFile) -> None:
     """Every key of a config file names a setting of some service (top level) or of its section's service;
     ConfigError naming the first that does not. Imports the engine's settings (and torch) to know them."""
@@ -405,6 +439,7 @@ def main(argv: list[str]) -> int:
         return 2
     extra = _forwarded(ns, cfg, ns.config)
     _add_compile_flags(extra, cfg, file, given=ns.cpu_compile_decode is not None)
+    _add_gpu_memory_shares(extra, cfg, file)
     tls_dir: Path | None = Path(cfg.tls_dir) if cfg.tls_dir else None
     tmp: str | None = None
     if tls_dir is None and not cfg.insecure_internal:
