@@ -277,6 +277,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         share = caller_share(total, holders, caller)
         need = -(-prompt_len // self.layout.block_size)
         held = holders.get(caller, 0)
+        if share >= total:  # the only caller waiting for KV: a full pool is the block wait's (or the engine's) answer
+            return
         if held and held + need > share:
             await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"decode is overloaded for this caller: its reservations waiting for KV hold {held} "

@@ -111,12 +111,7 @@ async def test_a_reserve_short_of_blocks_waits_its_turn_and_gives_up_clearly(dec
     """With the pool full, a Reserve that asks to wait (block_wait_ms) waits, holding nothing and counted as pending,
     until blocks free, then gets them; one that does not ask is refused at once; one whose wait (capped by
     --reserve-wait-s) runs out first answers OVERLOADED with Retry-After; nothing is held after."""
-    rig = await decode_rig(reserve_wait_s=10.0)
-
-    async def no_share_limit(*_: object) -> None:  # one loopback caller here: its share would refuse first
-        return None
-
-    rig.servicer._within_share = no_share_limit
+    rig = await decode_rig(reserve_wait_s=10.0)  # one caller (loopback): its share is the whole pool, never a refusal
     base = await idle(rig.engine)
     # 12 prompts of 5 distinct pages take 60 of the 64 blocks; a 13th needs 5.
     held = [await reserve(rig.stub, prompt(i, 80), request_id=f"h{i}") for i in range(12)]
