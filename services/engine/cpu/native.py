@@ -31,9 +31,12 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native_kernels.c")
 DEFAULT_DIR = "~/.cache/pdserve/cpu-kernels"
-FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-ffp-contract=off", "-fopenmp",
+         "-shared", "-fPIC")
 """-ffast-math lets the dot products reassociate and expf vectorize (glibc's vector math needs all of it,
-finite-math included: the kernels use no infinities; the online softmax starts from -FLT_MAX)."""
+finite-math included: the kernels use no infinities; the online softmax starts from -FLT_MAX); -ffp-contract=off
+keeps a*b + c*d as two rounded products and a rounded sum, as torch's separate ops compute it (RoPE in fp32 is then
+bit-identical to torch's)."""
 ABI_VERSION = 2
 MAX_HEADS, MAX_HEADS_X_DIM, MAX_KV_ROW, MAX_BLOCK = 64, 16384, 4096, 64
 """native_kernels.c's limits: query heads, query heads x head dim, KV heads x head dim, tokens per page (larger
