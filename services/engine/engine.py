@@ -17,7 +17,7 @@ from services.common.malloc_tuning import release_free_heap
 from services.engine.block_manager import BlockManager, NoFreeBlocksError
 from services.engine.config import EngineConfig
 from services.engine.kv_layout import FP8_CODEC, PageLayout
-from services.engine.kv_pages import pages_of
+from services.engine.kv_pages import KVPages, pages_of
 from services.engine.layer_groups import LayerListener, plan
 from services.engine.model_loader import LoadedModel, load_model
 from services.engine.model_runner import ModelRunner
@@ -108,6 +108,8 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(config.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len)
         self.runner = ModelRunner(self.loaded, config) if self.ranks is None else self.ranks.make_runner(self.loaded)
+        self.kv_pages = KVPages(self.runner)
+        """The pool's page API (export, import, shard writes; kv_pages.py)."""
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         sched_cfg = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,

@@ -203,8 +203,5 @@ class KVPages:
 
 
 def pages_of(engine) -> KVPages:
-    """The page API of an LLMEngine (made once per engine)."""
-    pages = getattr(engine, "_kv_pages", None)
-    if pages is None:
-        pages = engine._kv_pages = KVPages(engine.runner)
-    return pages
+    """The page API of an LLMEngine (``engine.kv_pages``, made with its runner)."""
+    return engine.kv_pages

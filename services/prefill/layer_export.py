@@ -93,11 +93,16 @@ def _cleared(stream: RequestKVStream | None) -> bool | None:
     return False if stream.ending or task is None or task.done() else None
 
 
+def _registered(engine: LLMEngine) -> LayerExports | None:
+    """This module's listener among the engine's layer listeners, if one was registered."""
+    return next((x for x in engine.layer_listeners if isinstance(x, LayerExports)), None)
+
+
 def exports_of(engine: LLMEngine) -> LayerExports:
-    """The engine's layer listener (registered once, like ``kv_pages.pages_of``)."""
-    exports = getattr(engine, "_layer_exports", None)
+    """The engine's layer listener of this module (registered once, in ``engine.layer_listeners``)."""
+    exports = _registered(engine)
     if exports is None:
-        exports = engine._layer_exports = LayerExports()
+        exports = LayerExports()
         engine.layer_listeners.append(exports)
     return exports
 
@@ -110,5 +115,5 @@ def watch(stream: RequestKVStream, sender: KVSender) -> None:
 
 def armed(stream: RequestKVStream, ch: ScheduledChunk, first: int, limit: int) -> object | None:
     """Engine thread: the layer-group write armed for the chunk's pages [first, limit), or None."""
-    exports = None if stream.engine is None else getattr(stream.engine.engine, "_layer_exports", None)
+    exports = None if stream.engine is None else _registered(stream.engine.engine)
     return None if exports is None else exports.take(stream, ch, first, limit)
