@@ -192,3 +192,18 @@ def test_ops_stay_on_torch_inside_a_compile_trace(monkeypatch):
     assert native.active(torch.zeros(2)) is None
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
     assert native.active(torch.zeros(2)) is not None
+
+
+@needs_kernels
+def test_loading_the_kernels_keeps_subnormal_floats():
+    """Fast-math code must not switch the process to flush-to-zero (a -ffast-math link adds crtfastmath.o, whose
+    constructor does): in a fresh interpreter, subnormals survive the load."""
+    import subprocess
+    import sys
+
+    code = ("from services.engine.cpu import native; import numpy as np; k = native.load(); "
+            "assert k is not None; print(5e-324 * 1.0 != 0.0, np.float32(1e-40) * np.float32(1.0) != 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=str(native.SOURCE.parents[3]))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "True"], out.stdout

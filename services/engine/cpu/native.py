@@ -32,11 +32,14 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("native_kernels.c")
 DEFAULT_DIR = "~/.cache/pdserve/cpu-kernels"
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-ffp-contract=off", "-fopenmp",
-         "-shared", "-fPIC")
+         "-fPIC")
 """-ffast-math lets the dot products reassociate and expf vectorize (glibc's vector math needs all of it,
 finite-math included: the kernels use no infinities; the online softmax starts from -FLT_MAX); -ffp-contract=off
 keeps a*b + c*d as two rounded products and a rounded sum, as torch's separate ops compute it (RoPE in fp32 is then
-bit-identical to torch's)."""
+bit-identical to torch's). These flags compile only: the link (LINK_FLAGS) names no fast-math option, because
+gcc then links crtfastmath.o, whose constructor sets flush-to-zero and denormals-are-zero for the whole process
+when the library loads (subnormal floats would silently become 0 everywhere)."""
+LINK_FLAGS = ("-shared", "-fopenmp")
 ABI_VERSION = 2
 MAX_HEADS, MAX_HEADS_X_DIM, MAX_KV_ROW, MAX_BLOCK = 64, 16384, 4096, 64
 """native_kernels.c's limits: query heads, query heads x head dim, KV heads x head dim, tokens per page (larger
@@ -162,7 +165,7 @@ def _key(cc: str) -> str:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     cpu = host_cpu()
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), cpu.model.encode(),
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS + LINK_FLAGS).encode(), version.encode(), cpu.model.encode(),
                  " ".join(sorted(cpu.flags)).encode()):
         h.update(part)
         h.update(b"\0")
@@ -174,13 +177,16 @@ def _build(cc: str, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        r = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=300)
-        if r.returncode != 0:
-            raise RuntimeError(f"{cc} exited {r.returncode}: {r.stderr.strip()[-400:]}")
+        obj = tmp + ".o"
+        for cmd in ([cc, *FLAGS, "-c", str(SOURCE), "-o", obj], [cc, *LINK_FLAGS, obj, "-o", tmp, "-lm", "-lmvec"]):
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            if r.returncode != 0:
+                raise RuntimeError(f"{cc} exited {r.returncode}: {r.stderr.strip()[-400:]}")
         os.replace(tmp, target)  # atomic: a concurrent engine loads either the old file or the whole new one
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for path in (tmp, tmp + ".o"):
+            if os.path.exists(path):
+                os.unlink(path)
 
 
 @functools.cache
