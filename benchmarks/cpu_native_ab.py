@@ -78,33 +78,28 @@ def prefill_ab(prompt: int, threads: int, rounds: int) -> dict[str, float]:
 
 
 def ops_ab(rounds: int) -> dict[str, tuple[float, float]]:
-    """us per call at 1 thread, [512 x 576] / [512 x 3072] bf16: (C, torch) for RMSNorm, SiLU*mul, RoPE."""
+    """us per call at 1 thread, [512 x 576] / [512 x 3072] bf16: (C, torch) for RMSNorm, SiLU*mul, RoPE, each the
+    model's own module run with the kernels active and then without them."""
     import torch
-    import torch.nn.functional as F
 
     from services.engine.cpu import native
-    from services.engine.models.rope import rotate_half
+    from services.engine.models.llama import MLP, RMSNorm
+    from services.engine.models.rope import RotaryEmbedding
 
     k = native.load()
     if k is None:
         return {}
     torch.set_num_threads(1)
-    x, w = torch.randn(512, 576).bfloat16(), torch.rand(576).bfloat16()
+    norm = RMSNorm(576, 1e-5).bfloat16()
+    mlp = MLP(576, 1536).bfloat16()
+    rot = RotaryEmbedding(64, 10000.0, None, 4096)
+    x = torch.randn(512, 576).bfloat16()
     gu = torch.randn(512, 3072).bfloat16()
-    q = torch.randn(512, 960).bfloat16()[:, :576].view(512, 9, 64)
-    pos, cos, sin = torch.arange(512), torch.randn(4096, 64), torch.randn(4096, 64)
-
-    def t_norm():
-        xf = x.float()
-        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
-
-    def t_rope():
-        c, s = cos[pos][:, None, :].to(q.dtype), sin[pos][:, None, :].to(q.dtype)
-        return q * c + rotate_half(q) * s
-
-    pairs = {"RMSNorm": (lambda: k.rms_norm(x, w, 1e-5), t_norm),
-             "SiLU*mul": (lambda: k.silu_mul(gu, 1536), lambda: F.silu(gu[:, :1536]) * gu[:, 1536:]),
-             "RoPE": (lambda: k.rope(q, pos, cos, sin), t_rope)}
+    qkv = torch.randn(512, 960).bfloat16()
+    q, kk = qkv[:, :576].view(512, 9, 64), qkv[:, 576:768].view(512, 3, 64)
+    pos = torch.arange(512)
+    mlp.gate_up_proj, mlp.down_proj = torch.nn.Identity(), torch.nn.Identity()  # its SiLU*mul step alone
+    ops = {"RMSNorm": lambda: norm(x), "SiLU*mul": lambda: mlp(gu), "RoPE": lambda: rot(pos, q, kk)}
 
     def us(f) -> float:
         f()
@@ -113,8 +108,16 @@ def ops_ab(rounds: int) -> dict[str, tuple[float, float]]:
             f()
         return (time.perf_counter() - t0) / 20 * 1e6
 
-    return {name: (statistics.median(us(c) for _ in range(rounds)), statistics.median(us(t) for _ in range(rounds)))
-            for name, (c, t) in pairs.items()}
+    def timed(f, kernels) -> float:
+        native.activate(kernels)
+        try:
+            return us(f)
+        finally:
+            native.activate(k)
+
+    with torch.inference_mode():
+        return {name: (statistics.median(timed(f, k) for _ in range(rounds)),
+                       statistics.median(timed(f, None) for _ in range(rounds))) for name, f in ops.items()}
 
 
 def main() -> None:
