@@ -49,6 +49,7 @@ class _Engine:
 
     def __init__(self) -> None:
         self.engine = self
+        self.layer_listeners: list[object] = []
         self.log: list[tuple[str, object]] = []
 
     def hold_blocks(self, seq) -> None:
