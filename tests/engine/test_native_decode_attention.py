@@ -184,6 +184,71 @@ def test_rope_matches_torch_on_views_of_a_fused_projection(dtype):
     (gq, gk), (wq, wk) = _torch_and_native(lambda: rot(pos, q, k))
     _close(gq, wq, dtype)
     _close(gk, wk, dtype)
+    # the engine's step-cached rotary (models/cpu_fast.py) takes the kernels too, with the same numbers
+    from services.engine.models.cpu_fast import StepCachedRotary
+
+    cached = StepCachedRotary(64, 10000.0, None, 4096)
+    (cq, ck), (tq, tk) = _torch_and_native(lambda: cached(pos, q, k))
+    assert torch.equal(cq, gq) and torch.equal(ck, gk)
+    _close(cq, tq, dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_is_the_add_then_the_norm(dtype):
+    from services.engine.models.llama import RMSNorm, add_rms_norm
+
+    norm = RMSNorm(576, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(576) + 0.5)
+    x, delta = (torch.randn(23, 576) * 3).to(dtype), torch.randn(23, 640).to(dtype)[:, :576]  # strided delta rows
+    (gs, gy), (ws, wy) = _torch_and_native(lambda: add_rms_norm(x, delta, norm))
+    assert torch.equal(gs, ws)  # the sum rounds once, as torch's add does
+    _close(gy, wy, dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_residual_carrying_forward_computes_the_layer_by_layer_numbers(dtype):
+    """LlamaForCausalLM with the kernels carries each layer's last delta into the next norm; hidden states equal
+    the plain per-layer forward with the same kernels up to last-place differences, and the prefill steps of a
+    whole engine give torch's greedy tokens."""
+    from services.engine.attention import ForwardContext
+    from services.engine.models.llama import LlamaForCausalLM
+    from services.text.model.config import ModelArchConfig
+
+    arch = ModelArchConfig(architecture="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=3,
+                           num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+                           max_position_embeddings=256, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(arch).to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p.float()).to(dtype) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+    model.init_buffers()
+    ids, pos = torch.randint(0, 97, (19,)), torch.arange(19)
+
+    def run(carry: bool) -> torch.Tensor:
+        kv = torch.zeros(arch.num_layers, 2, 4, 16, 2, 16, dtype=dtype)
+        backend = TorchPagedAttention(kv, 16 ** -0.5, KERNELS)
+        meta = AttentionMetadata(slot_mapping=torch.arange(19), block_tables=torch.tensor([[0, 1]], dtype=torch.int32),
+                                 context_lens=torch.tensor([19], dtype=torch.int32), query_lens=[19],
+                                 context_lens_host=[19], num_decode=0)
+        with torch.no_grad():
+            if carry:
+                return model.forward(ids, pos, ForwardContext(backend, meta))
+            h = model.model.embed_tokens(ids)
+            for layer in model.model.layers:
+                h = layer(h, pos, model.rotary, ForwardContext(backend, meta))
+            return model.model.norm(h)
+
+    before = native.ACTIVE
+    try:
+        native.activate(KERNELS)
+        got, want = run(True), run(False)
+    finally:
+        native.activate(before)
+    _close(got, want, dtype)
 
 
 def test_ops_stay_on_torch_inside_a_compile_trace(monkeypatch):

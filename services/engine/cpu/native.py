@@ -40,7 +40,7 @@ bit-identical to torch's). These flags compile only: the link (LINK_FLAGS) names
 gcc then links crtfastmath.o, whose constructor sets flush-to-zero and denormals-are-zero for the whole process
 when the library loads (subnormal floats would silently become 0 everywhere)."""
 LINK_FLAGS = ("-shared", "-fopenmp")
-ABI_VERSION = 2
+ABI_VERSION = 3
 MAX_HEADS, MAX_HEADS_X_DIM, MAX_KV_ROW, MAX_BLOCK = 64, 16384, 4096, 64
 """native_kernels.c's limits: query heads, query heads x head dim, KV heads x head dim, tokens per page (larger
 shapes use torch's kernels)."""
@@ -51,6 +51,7 @@ _ARGS_DECODE = [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 3 + 
 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _ARGS = {"rms_norm": [_P, _L, _P, _P, _I, _I, _F, _I], "silu_mul": [_P, _L, _P, _I, _I, _I],
+         "add_rms_norm": [_P, _L, _P, _L, _P, _P, _P, _I, _I, _F, _I],
          "rope": [_P, _L, _P, _P, _P, _P, _I, _I, _I, _I]}
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
@@ -88,6 +89,22 @@ class NativeKernels:
         self._ops["rms_norm", x.dtype](flat.data_ptr(), rs[1], weight.data_ptr(), out.data_ptr(), rs[0], x.shape[-1],
                                        eps, torch.get_num_threads())
         return out
+
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(x + delta, rms_norm(x + delta)) of [T, dim] rows in one pass, the sum rounded to the dtype first as
+        torch's add rounds it; None where it does not apply."""
+        if (x.dtype not in _SUFFIX or delta.dtype != x.dtype or weight.dtype != x.dtype or x.shape != delta.shape
+                or not weight.is_contiguous() or x.shape[-1] == 0):
+            return None
+        rx, rd = _rows(x), _rows(delta)
+        if rx is None or rd is None:
+            return None
+        total, out = torch.empty(x.shape, dtype=x.dtype), torch.empty(x.shape, dtype=x.dtype)
+        self._ops["add_rms_norm", x.dtype](x.data_ptr(), rx[1], delta.data_ptr(), rd[1], weight.data_ptr(),
+                                           total.data_ptr(), out.data_ptr(), rx[0], x.shape[1], eps,
+                                           torch.get_num_threads())
+        return total, out
 
     def silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor | None:
         """silu(gate) * up of [T, 2 * inter] rows (gate first); None where it does not apply."""

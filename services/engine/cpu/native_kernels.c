@@ -121,6 +121,7 @@ DEFINE_DECODE(paged_decode_attention_f32, float, F32_LOAD, F32_STORE)
 /* Elementwise ops of the Llama-family layers, each rounding exactly where the torch ops they replace round (so a
  * bf16 model computes the same bits up to the last-place differences of expf/sqrtf):
  *   rms_norm:  y = w * T(x * 1/sqrt(mean(x^2) + eps))        (HF's RMSNorm: fp32 inside, cast, then the weight)
+ *   add_rms_norm: s = T(x + d), y = rms_norm(s)               (a residual add and the next norm, one pass)
  *   silu_mul:  out = T(T(silu(gate)) * up)                   (gate, up = the two halves of each row)
  *   rope:      out = T(T(x * T(cos)) + T(rotate_half(x) * T(sin)))   (cos/sin fp32 [positions, D])
  * x rows may be strided (views of a fused projection); outputs are contiguous. */
@@ -136,6 +137,25 @@ DEFINE_DECODE(paged_decode_attention_f32, float, F32_LOAD, F32_STORE)
             for (int i = 0; i < dim; i++) { float v = LOAD(xr[i]); ss += v * v; }                                 \
             float inv = 1.0f / sqrtf(ss / (float)dim + eps);                                                      \
             for (int i = 0; i < dim; i++) o[i] = STORE(LOAD(w[i]) * LOAD(STORE(LOAD(xr[i]) * inv)));              \
+        }                                                                                                         \
+        return 0;                                                                                                 \
+    }                                                                                                             \
+    int add_rms_norm_##SUF(const T *x, long x_stride, const T *d, long d_stride, const T *w, T *sum, T *out,     \
+                           int rows, int dim, float eps, int threads) {                                           \
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if (rows > 1)")                           \
+        for (int r = 0; r < rows; r++) {                                                                          \
+            const T *xr = x + (size_t)r * x_stride, *dr = d + (size_t)r * d_stride;                               \
+            T *s = sum + (size_t)r * dim, *o = out + (size_t)r * dim;                                             \
+            float ss = 0.0f;                                                                                      \
+            _Pragma("omp simd reduction(+ : ss)")                                                                 \
+            for (int i = 0; i < dim; i++) {                                                                       \
+                T v = STORE(LOAD(xr[i]) + LOAD(dr[i]));                                                           \
+                s[i] = v;                                                                                         \
+                float f = LOAD(v);                                                                                \
+                ss += f * f;                                                                                      \
+            }                                                                                                     \
+            float inv = 1.0f / sqrtf(ss / (float)dim + eps);                                                      \
+            for (int i = 0; i < dim; i++) o[i] = STORE(LOAD(w[i]) * LOAD(STORE(LOAD(s[i]) * inv)));               \
         }                                                                                                         \
         return 0;                                                                                                 \
     }                                                                                                             \
@@ -177,4 +197,4 @@ DEFINE_DECODE(paged_decode_attention_f32, float, F32_LOAD, F32_STORE)
 DEFINE_ELEMENTWISE(bf16, uint16_t, bf16_load, bf16_store)
 DEFINE_ELEMENTWISE(f32, float, F32_LOAD, F32_STORE)
 
-int native_abi_version(void) { return 2; }
+int native_abi_version(void) { return 3; }

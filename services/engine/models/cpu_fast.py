@@ -4,7 +4,8 @@ A CPU decode step of a small model is bound by per-op dispatch (tens of ops per 
 microseconds), not by arithmetic. :class:`StepCachedRotary` builds a step's cos/sin rows once for all
 layers (the model runner hands every layer the same ``positions`` tensor) and applies RoPE with a flip
 of the two halves instead of slice/neg/cat: ``rotate_half(x) * sin == flip_halves(x) * [-sin1, sin2]``
-exactly (negation is exact in IEEE arithmetic), so outputs are bit-identical to RotaryEmbedding's.
+exactly (negation is exact in IEEE arithmetic), so outputs are bit-identical to RotaryEmbedding's. Where the
+engine built its C kernels (``cpu/native.py``) the rotation is their one pass instead, with the same numbers.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ class StepCachedRotary(RotaryEmbedding):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        if (r := self.native(positions, q, k)) is not None:  # the C kernels' one pass, where the engine has them
+            return r
         key = self._key
         # Same tensor object, same values (a reused buffer may be rewritten in place; inference tensors keep
         # no version counter) and same dtype; anything else recomputes.

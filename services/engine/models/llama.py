@@ -11,7 +11,9 @@ On CUDA with triton, the forward takes a fused path (``*_fused`` methods): resid
 SiLU*mul and in-place RoPE as single Triton kernels (``services/kernels/rms_norm.py``, ``activation.py``,
 ``rotary.py``), the residual carried beside the hidden state. It computes the same bf16 sums; norms and
 RoPE round once in fp32 instead of per torch op. On CPU, where the engine built its C kernels
-(``cpu/native.py``), RMSNorm, SiLU*mul and RoPE run as one C loop each, rounding where the torch ops do.
+(``cpu/native.py``), RMSNorm, SiLU*mul and RoPE run as one C loop each, rounding where the torch ops do, and
+each residual add is done in the same pass as the norm after it (the residual carried beside the layer's last
+delta, ``_forward_residual``).
 """
 
 from __future__ import annotations
@@ -54,6 +56,14 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, norm(x + delta)): one C pass where the CPU kernels apply, else torch's two ops."""
+    if (k := native.active(x)) is not None and (r := k.add_rms_norm(x, delta, norm.weight, norm.eps)) is not None:
+        return r
+    x = x + delta
+    return x, norm(x)
 
 
 class Attention(nn.Module):
@@ -150,6 +160,17 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), positions, rotary, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_residual(self, x: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
+                         rotary: RotaryEmbedding, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, delta) -> (x', mlp delta) with ``x + delta`` the layer's input (delta None: x is): ``forward``'s
+        numbers with each residual add done in one pass with the norm after it (CPU C kernels)."""
+        if delta is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = add_rms_norm(x, delta, self.input_layernorm)
+        x, h = add_rms_norm(x, self.self_attn(h, positions, rotary, ctx), self.post_attention_layernorm)
+        return x, self.mlp(h)
+
     def forward_fused(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                       rotary: RotaryEmbedding, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """(delta, residual) -> (mlp delta, new residual); the layer's output is their sum.
@@ -226,12 +247,30 @@ class LlamaForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         if self._use_fused(h):
             return self._forward_fused(h, positions, ctx)
+        if native.active(h) is not None and self._plain_layers():
+            return self._forward_residual(h, positions, ctx)
         hook = self.layer_hook
         for i, layer in enumerate(self.model.layers):
             h = layer(h, positions, self.rotary, ctx)
             if hook is not None:
                 hook(i)
         return self.model.norm(h)
+
+    def _plain_layers(self) -> bool:
+        layers = self.model.layers
+        return len(layers) > 0 and all(type(layer) is DecoderLayer for layer in layers)
+
+    def _forward_residual(self, h: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """CPU with the C kernels: the residual carried beside each layer's last delta, so every add is done
+        in one pass with the norm that follows it (same numbers as ``layer(h)`` in turn)."""
+        delta: torch.Tensor | None = None
+        hook = self.layer_hook
+        for i, layer in enumerate(self.model.layers):
+            h, delta = layer.forward_residual(h, delta, positions, self.rotary, ctx)
+            if hook is not None:
+                hook(i)
+        assert delta is not None
+        return add_rms_norm(h, delta, self.model.norm)[1]
 
     def _forward_fused(self, h: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         # deferred: a Triton kernel module, on the CUDA path only (triton is optional)

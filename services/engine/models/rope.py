@@ -112,13 +112,20 @@ class RotaryEmbedding(nn.Module):
         if max_positions > self.cos_cache.shape[0]:
             self._build(max_positions)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def native(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``forward`` by the CPU C kernels where they apply (the same numbers), else None."""
         if (kern := native.active(q)) is not None and q.dim() == 3 and k.dim() == 3:
             qo = kern.rope(q, positions, self.cos_cache, self.sin_cache)
             ko = kern.rope(k, positions, self.cos_cache, self.sin_cache) if qo is not None else None
             if qo is not None and ko is not None:
                 return qo, ko
+        return None
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if (r := self.native(positions, q, k)) is not None:
+            return r
         cos = self.cos_cache[positions][:, None, :]  # [T, 1, D] fp32
         sin = self.sin_cache[positions][:, None, :]
         q_out = (q * cos.to(q.dtype)) + (rotate_half(q) * sin.to(q.dtype))
