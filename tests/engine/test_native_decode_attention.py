@@ -191,6 +191,7 @@ def test_rope_matches_torch_on_views_of_a_fused_projection(dtype):
     (cq, ck), (tq, tk) = _torch_and_native(lambda: cached(pos, q, k))
     assert torch.equal(cq, gq) and torch.equal(ck, gk)
     _close(cq, tq, dtype)
+    _close(ck, tk, dtype)
 
 
 @needs_kernels
