@@ -142,14 +142,22 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
         assert (diff > 0).float().mean() < 0.01 and diff.max() <= 0.0625 * want.float().abs().max(), diff.max()
 
 
-@needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_matches_torch(dtype):
+def _norm(dtype: torch.dtype):
+    """An RMSNorm over 576 values with weights in [0.5, 1.5)."""
     from services.engine.models.llama import RMSNorm
 
     norm = RMSNorm(576, 1e-5).to(dtype)
     with torch.no_grad():
         norm.weight.copy_(torch.rand(576) + 0.5)
+    return norm
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_torch(dtype):
+    from services.engine.models.llama import RMSNorm
+
+    norm = _norm(dtype)
     x = (torch.randn(37, 576) * 3).to(dtype)
     heads = torch.randn(5, 12, 64).to(dtype)[:, 1:10]  # qwen3's per-head q/k norms: a strided 3-D view
     got, want = _torch_and_native(lambda: norm(x))
@@ -197,11 +205,9 @@ def test_rope_matches_torch_on_views_of_a_fused_projection(dtype):
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_add_rms_norm_is_the_add_then_the_norm(dtype):
-    from services.engine.models.llama import RMSNorm, add_rms_norm
+    from services.engine.models.llama import add_rms_norm
 
-    norm = RMSNorm(576, 1e-5).to(dtype)
-    with torch.no_grad():
-        norm.weight.copy_(torch.rand(576) + 0.5)
+    norm = _norm(dtype)
     x, delta = (torch.randn(23, 576) * 3).to(dtype), torch.randn(23, 640).to(dtype)[:, :576]  # strided delta rows
     (gs, gy), (ws, wy) = _torch_and_native(lambda: add_rms_norm(x, delta, norm))
     assert torch.equal(gs, ws)  # the sum rounds once, as torch's add does
