@@ -104,7 +104,7 @@ class LocalCluster:
                  api_key: str | None = None, api_key_file: str | None = None, supervise: bool = False,
                  restart_policy: RestartPolicy | None = None, pin_cores: bool = False,
                  metrics_port_base: int = 0, lend_cores: bool = True,
-                 log_dir: str | os.PathLike[str] | None = None) -> None:
+                 log_dir: str | os.PathLike[str] | None = None, own_cpu: frozenset[str] = frozenset()) -> None:
         self.n_prefill, self.n_decode, self.kvstore = prefill, decode, kvstore
         self.model, self.dtype, self.host = model, dtype, host
         self.http_port, self.grpc_port = http_port, grpc_port
@@ -116,6 +116,9 @@ class LocalCluster:
         # OpenMP workers sleep when idle (engines share the host's cores); set before torch loads.
         self.env = {**quiet_openmp_env(os.environ), "PYTHONUNBUFFERED": "1", **(env or {})}
         self.pin_cores = pin_cores
+        # Modules ("prefill", "decode") whose engines keep the CPU settings their user gave them (cpu_threads or
+        # cpu_affinity in a config file or PDSERVE_* variable): no computed share, no lending for those.
+        self.own_cpu = own_cpu
         # Engines lend each other idle cores through one share group (services/engine/cpu/core_share.py):
         # unpinned, more than one engine process; the group file is created at start, removed at stop.
         n_engines = self.n_decode + (0 if colocated else self.n_prefill)
@@ -282,6 +285,15 @@ class LocalCluster:
             self._watcher.start()
         return self
 
+    def engine_cpu_flags(self) -> list[list[str]]:
+        """Each engine process's CPU flags, prefills first: its share of this host's cores (--cpu-threads,
+        --cpu-affinity if pinned) and the share group it lends through, none for an engine of a module in
+        ``own_cpu`` (its user's settings stand). Creates the share group."""
+        cpu = self._join_cores(engine_cpu_args(0 if self.colocated else self.n_prefill, self.n_decode,
+                                               pin=self.pin_cores))
+        roles = ["decode"] * self.n_decode if self.colocated else ["prefill"] * self.n_prefill + ["decode"] * self.n_decode
+        return [[] if role in self.own_cpu else flags for role, flags in zip(roles, cpu, strict=True)]
+
     def _join_cores(self, cpu: list[list[str]]) -> list[list[str]]:
         """Each engine's CPU flags plus its share group, created now; the flags unchanged (lending off, with a
         warning) when the group file is refused (no or read-only /dev/shm): lending is an optimisation."""
@@ -309,9 +321,7 @@ class LocalCluster:
         prefill_kv, decode_kv = kv_transport_args(self.kv_transport, dial_host(self.host))
         kv_args += prefill_kv
         specs: list[_Spec] = []
-        # Each engine process gets its share of this host's cores (--cpu-threads, --cpu-affinity if pinned).
-        cpu = engine_cpu_args(0 if self.colocated else self.n_prefill, self.n_decode, pin=self.pin_cores)
-        cpu = self._join_cores(cpu)
+        cpu = self.engine_cpu_flags()
         if self.colocated:
             specs += [self._service(f"worker-{j}", "decode", ["--mode", "colocated", *self.model_args(), *cpu[j]])
                       for j in range(self.n_decode)]

@@ -28,6 +28,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -252,6 +253,24 @@ def _add_compile_flags(extra: dict[str, list[str]], cfg: UpConfig, file: ConfigF
     extra.setdefault("decode", []).extend(["--cpu-compile-decode", str(cfg.cpu_compile_decode)])
 
 
+CPU_FIELDS = ("cpu_threads", "cpu_affinity")
+"""Engine settings of the host's cores that pdserve up otherwise sets itself (each engine's share, lending)."""
+
+
+def own_cpu_modules(file: ConfigFile | None, env: Mapping[str, str] | None = None) -> frozenset[str]:
+    """The service modules whose engines keep the CPU settings the user gave (CPU_FIELDS in the config file's
+    shared part or the module's section, or a PDSERVE_CPU_* variable, which reaches every engine): pdserve up
+    passes them no --cpu-threads / --cpu-affinity / --cpu-share-group of its own, which would win over them."""
+    env = os.environ if env is None else env
+    if any(env.get(f"PDSERVE_{f.upper()}") for f in CPU_FIELDS):
+        return frozenset({"prefill", "decode"})
+    if file is None:
+        return frozenset()
+    if any(f in file.shared for f in CPU_FIELDS):
+        return frozenset({"prefill", "decode"})
+    return frozenset(m for m in ("prefill", "decode") if any(f in file.sections.get(m, {}) for f in CPU_FIELDS))
+
+
 GPU_SHARES = {"prefill": 0.3, "decode": 0.6, "worker": 0.9}
 """--gpu-memory-utilization of the engines of one role when several engines share one GPU, split evenly among the
 role's instances: each engine holds its own weights, a prefill's pool only needs its in-flight prompts, and one
@@ -344,7 +363,7 @@ def startup_problems(cfg: UpConfig) -> list[str]:
 
 
 def _run(cfg: UpConfig, tls_dir: Path | None, key: str | None,
-         extra: dict[str, list[str]] | None = None) -> int:
+         extra: dict[str, list[str]] | None = None, own_cpu: frozenset[str] = frozenset()) -> int:
     policy = RestartPolicy(max_restarts=cfg.max_restarts, window_s=cfg.restart_window_s,
                            max_backoff_s=cfg.max_restart_backoff_s)
     cluster = LocalCluster(prefill=cfg.prefill, decode=cfg.decode,
@@ -355,7 +374,7 @@ def _run(cfg: UpConfig, tls_dir: Path | None, key: str | None,
                            api_key_file=str(Path(cfg.api_key_file).resolve()) if cfg.api_key_file else None,
                            supervise=cfg.restart, restart_policy=policy, pin_cores=cfg.pin_cores,
                            metrics_port_base=cfg.metrics_port_base, extra=extra, lend_cores=cfg.lend_cores,
-                           log_dir=cfg.log_dir or None)
+                           log_dir=cfg.log_dir or None, own_cpu=own_cpu)
     stop = threading.Event()
 
     first_signal: list[float] = []  # monotonic time of the first stop signal
@@ -440,13 +459,17 @@ def main(argv: list[str]) -> int:
     extra = _forwarded(ns, cfg, ns.config)
     _add_compile_flags(extra, cfg, file, given=ns.cpu_compile_decode is not None)
     _add_gpu_memory_shares(extra, cfg, file)
+    own_cpu = own_cpu_modules(file)
+    if own_cpu:
+        emit(f"pdserve up: {', '.join(sorted(own_cpu))} engines keep the CPU settings given ("
+             + " / ".join(CPU_FIELDS) + "): no core share or lending of pdserve up's for them")
     tls_dir: Path | None = Path(cfg.tls_dir) if cfg.tls_dir else None
     tmp: str | None = None
     if tls_dir is None and not cfg.insecure_internal:
         tmp = tempfile.mkdtemp(prefix="pdserve-tls-")  # mode 0700: only this user reads the keys
         tls_dir = make_certs(tmp, hosts=tuple(dict.fromkeys(("localhost", "127.0.0.1", dial_host(cfg.host)))))
     try:
-        return _run(cfg, tls_dir, key, extra)
+        return _run(cfg, tls_dir, key, extra, own_cpu)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
