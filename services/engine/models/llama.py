@@ -260,28 +260,31 @@ class LlamaForCausalLM(nn.Module):
         layers = self.model.layers
         return len(layers) > 0 and all(type(layer) is DecoderLayer for layer in layers)
 
+    def _carried(self, h: torch.Tensor, step: Callable[[DecoderLayer, torch.Tensor, torch.Tensor | None],
+                                                    tuple[torch.Tensor, torch.Tensor]]
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every layer in turn as ``step(layer, h, carry) -> (h, carry)``, carry None before the first; the layer
+        hook after each."""
+        carry: torch.Tensor | None = None
+        hook = self.layer_hook
+        for i, layer in enumerate(self.model.layers):
+            h, carry = step(layer, h, carry)
+            if hook is not None:
+                hook(i)
+        return h, carry
+
     def _forward_residual(self, h: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """CPU with the C kernels: the residual carried beside each layer's last delta, so every add is done
         in one pass with the norm that follows it (same numbers as ``layer(h)`` in turn)."""
-        delta: torch.Tensor | None = None
-        hook = self.layer_hook
-        for i, layer in enumerate(self.model.layers):
-            h, delta = layer.forward_residual(h, delta, positions, self.rotary, ctx)
-            if hook is not None:
-                hook(i)
-        assert delta is not None
+        h, delta = self._carried(h, lambda layer, x, d: layer.forward_residual(x, d, positions, self.rotary, ctx))
+        assert delta is not None  # _plain_layers: at least one layer
         return add_rms_norm(h, delta, self.model.norm)[1]
 
     def _forward_fused(self, h: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         # deferred: a Triton kernel module, on the CUDA path only (triton is optional)
         from services.kernels.rms_norm import fused_add_rms_norm
 
-        residual: torch.Tensor | None = None
-        hook = self.layer_hook
-        for i, layer in enumerate(self.model.layers):
-            h, residual = layer.forward_fused(h, residual, positions, self.rotary, ctx)
-            if hook is not None:
-                hook(i)
+        h, residual = self._carried(h, lambda layer, x, r: layer.forward_fused(x, r, positions, self.rotary, ctx))
         norm = self.model.norm
         if residual is None:  # no layers
             return norm(h)
