@@ -2,6 +2,8 @@
 # One H200: the model-path GPU checks and benchmarks (latent attention, FP8 block-scaled weights), results under $OUT.
 #   bash benchmarks/h200_models.sh tests     # GPU tests: MLA kernels + DeepSeek-V2 engine, the Triton backend, FP8 GEMM + engine
 #   bash benchmarks/h200_models.sh bench     # mla_bench (kernels; engine decode step at batch 1/64/256), fp8_gemm_bench
+#   bash benchmarks/h200_models.sh moe       # fused MoE GPU tests (both paths, graph replay), the pair-path sweep in
+#                                            # CUDA graphs, kernel rows + engine decode/prefill (pdserve bench moe)
 # Each step has its own time limit, so one that hangs leaves the others their time.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -30,5 +32,11 @@ case "${1:-tests}" in
     step mla_kernels 120 python3 -m benchmarks.mla_bench --section kernels --out "$OUT/mla_kernels.json"
     step mla_engine 200 python3 -m benchmarks.mla_bench --section engine --batches 1,64,256 --out "$OUT/mla_engine.json"
     step fp8_gemm 200 python3 benchmarks/fp8_gemm_bench.py --out "$OUT/fp8_gemm.json"
+    ;;
+  moe)
+    step moe_pytest 150 "${PYTEST[@]}" -m gpu tests/kernels/test_fused_moe.py tests/kernels/test_fused_moe_graphs.py
+    step moe_sweep 170 python3 -m benchmarks.moe_bench --pair-sweep --skip-cases --skip-engine --skip-ref \
+      --out "$OUT/moe_sweep.json"
+    step moe_bench 260 python3 -m benchmarks.moe_bench --skip-ref --out "$OUT/moe.json"
     ;;
 esac

@@ -62,6 +62,7 @@ def _shape(text: str) -> tuple[int, int]:
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/h200_served"), help="output directory ($OUT)")
+    p.add_argument("--model", default=MODEL, help="model spec every engine loads (random:NAME gives real sizes)")
     p.add_argument("--modes", default="engine,colocated,1p1d", help="subset of engine,colocated,1p1d")
     p.add_argument("--shapes", default="1024x256,8192x256", help="INxOUT prompt/output tokens, comma-separated")
     p.add_argument("--concurrency", default="1,16,64,256,512")
@@ -170,7 +171,7 @@ def run_engine_phase(ns: argparse.Namespace, deadline: float) -> dict[str, Any]:
 
     out: dict[str, Any] = {"ceiling": ceiling(), "points": []}
     log(f"copy ceiling {out['ceiling']['copy_GBps']:.0f} GB/s")
-    engine = LLMEngine(EngineConfig(model=MODEL, dtype="bfloat16", device="cuda", max_model_len=MAX_MODEL_LEN,
+    engine = LLMEngine(EngineConfig(model=ns.model, dtype="bfloat16", device="cuda", max_model_len=MAX_MODEL_LEN,
                                     async_scheduling=ns.async_scheduling))
     weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
     kv_token = engine.runner.bytes_per_block // engine.config.block_size
@@ -215,10 +216,10 @@ def _cluster(mode: str, ns: argparse.Namespace, core: str = "thread") -> Any:
 
     common = ["--device", "cuda", "--max-model-len", str(MAX_MODEL_LEN), "--async-scheduling", ns.async_scheduling]
     if mode == "colocated":
-        return LocalCluster(prefill=0, decode=1, colocated=True, model=MODEL, dtype="bfloat16", kvstore=None,
+        return LocalCluster(prefill=0, decode=1, colocated=True, model=ns.model, dtype="bfloat16", kvstore=None,
                             quiet=True, extra={"decode": [*common, "--engine-core", core, *ns.decode_args_l]})
     decode_util = round(0.9 - ns.prefill_utilization, 3)
-    return LocalCluster(prefill=1, decode=1, model=MODEL, dtype="bfloat16", kvstore=None, quiet=True,
+    return LocalCluster(prefill=1, decode=1, model=ns.model, dtype="bfloat16", kvstore=None, quiet=True,
                         kv_transport="cuda-ipc",
                         extra={"prefill": [*common, "--gpu-memory-utilization", str(ns.prefill_utilization)],
                                "decode": [*common, "--gpu-memory-utilization", str(decode_util),
@@ -419,13 +420,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
-    result: dict[str, Any] = {"model": MODEL, "args": {k: v for k, v in vars(ns).items() if isinstance(v, (str, int, float))},
+    result: dict[str, Any] = {"model": ns.model, "args": {k: v for k, v in vars(ns).items() if isinstance(v, (str, int, float))},
                               "served": []}
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
         if "engine" in ns.modes_l:
             child = tmp / "engine.json"
-            cmd = [sys.executable, __file__, "--engine-child", str(child), "--shapes", ns.shapes, "--concurrency",
+            cmd = [sys.executable, __file__, "--engine-child", str(child), "--model", ns.model, "--shapes", ns.shapes, "--concurrency",
                    ns.concurrency, "--logprobs", ns.logprobs, "--min-requests", str(ns.min_requests),
                    "--max-prompt-tokens", str(ns.max_prompt_tokens), "--async-scheduling", ns.async_scheduling,
                    "--budget-s", str(max(1.0, ns.deadline - time.monotonic()))]

@@ -87,6 +87,22 @@ def bench_us(fn: Callable[[], Any], device: torch.device, rep_ms: int = 100) -> 
     return statistics.median(times) * 1e6
 
 
+def graph_us(fn: Callable[[], Any], device: torch.device, rep_ms: int = 100) -> float | None:
+    """Median microseconds of one replay of fn() captured in a CUDA graph (as the engine's decode steps run
+    it: no launch overhead per kernel); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return bench_us(graph.replay, device, rep_ms=rep_ms)
+
+
 def ceilings(device: torch.device) -> dict[str, float]:
     """copy_gbps (read + write of a device-to-device clone) and matmul_tflops (bf16 on CUDA, fp32 on CPU)."""
     n_bytes, n = (1 << 30, 8192) if device.type == "cuda" else (1 << 26, 512)
@@ -132,11 +148,57 @@ def sweep_configs(default: Any) -> list[Any]:
             for bn in (32, 64, 128) for bk in (64, 128) for warps, stages in ((4, 3), (4, 4), (8, 3))]
 
 
+PAIR_SWEEP_T = (1, 2, 4, 8, 16, 32)
+
+
+def pair_sweep(shape: MoEShape, device: torch.device, ceil: dict[str, float]) -> list[dict[str, Any]]:
+    """Both paths of the fused MoE in CUDA graphs at few tokens (the pair path with several tiles): where the
+    pair path stops winning (what `use_pair_path` must encode), each against the copy ceiling."""
+    e, h, i = shape.num_experts, shape.hidden, shape.inter
+    gen = torch.Generator(device=device).manual_seed(0)
+    w13 = (torch.randn((e, 2 * i, h), generator=gen, device=device) * h**-0.5).to(torch.bfloat16)
+    w2 = (torch.randn((e, h, i), generator=gen, device=device) * i**-0.5).to(torch.bfloat16)
+    out = []
+    for tokens in PAIR_SWEEP_T:
+        x = torch.randn((tokens, h), generator=gen, device=device).to(torch.bfloat16)
+        rec = _sweep_point(shape, x, w13, w2, *random_routing(tokens, shape, device, seed=tokens), ceil)
+        print(f"pair sweep {shape.name} T={tokens} hit={rec['experts_hit']} dup={rec['duplication']:.2f}: sorted "
+              f"{rec['sorted_us']:.1f} us, pair default {rec['pair_default_us']:.1f}, best {rec['pair_best_us']:.1f} "
+              f"({rec['pair_best']}); limit {rec['limit_us']:.1f} us (best of copy "
+              f"{rec['limit_us'] / min(rec['sorted_us'], rec['pair_best_us']):.2f}); auto {rec['auto']}", flush=True)
+        out.append(rec)
+    return out
+
+
+def _sweep_point(shape: MoEShape, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
+                 weights: torch.Tensor, ceil: dict[str, float]) -> dict[str, Any]:
+    """One token count of `pair_sweep`: graph replay times of the sorted path and of the pair path's tiles."""
+    from services.kernels.fused_moe import PairTileConfig, expected_distinct_experts, fused_moe, use_pair_path
+
+    tokens, k, e = x.shape[0], shape.top_k, shape.num_experts
+    configs = [PairTileConfig(gn, dn, bk, w, st) for gn in (8, 16, 32) for dn in (8, 16, 32) for bk in (128, 256)
+               for w, st in ((4, 3), (8, 3))]
+    hit = int(torch.unique(ids).numel())
+
+    def run(**kw: Any) -> float:
+        return graph_us(lambda: fused_moe(x, w13, w2, ids, weights, **kw), x.device, rep_ms=25) or 0.0
+
+    pair_us = {f"gu{c.gate_up_n} dn{c.down_n} bk{c.block_k} w{c.num_warps} s{c.num_stages}":
+               run(path="pair", pair_config=c) for c in configs}
+    best = min(pair_us, key=pair_us.__getitem__)
+    return {"shape": shape.name, "tokens": tokens, "experts_hit": hit, "sorted_us": run(path="sorted"),
+            "pair_default_us": run(path="pair"), "pair_best": best, "pair_best_us": pair_us[best],
+            "limit_us": hit * (w13[0].numel() + w2[0].numel()) * 2 / (ceil["copy_gbps"] * 1e9) * 1e6,
+            "auto": "pair" if use_pair_path(tokens, k, e) else "sorted",
+            "duplication": tokens * k / expected_distinct_experts(tokens * k, e), "pair_us": pair_us}
+
+
 def case(shape: MoEShape, tokens: int, phase: str, device: torch.device, ceil: dict[str, float],
          with_ref: bool = True, sweep: bool = False) -> Row:
     from services.kernels.fused_moe import (  # after main() chose the interpreter or the GPU
         fused_moe,
         tile_config,
+        use_pair_path,
     )
 
     row = Row(shape.name, tokens, phase)
@@ -152,6 +214,9 @@ def case(shape: MoEShape, tokens: int, phase: str, device: torch.device, ceil: d
     row.max_abs_err = float((out.float() - expected.float()).abs().max())
     row.extra["ref_abs_max"] = float(expected.float().abs().max())
     row.triton_us = bench_us(lambda: fused_moe(x, w13, w2, ids, weights), device)
+    if phase == "decode":
+        row.extra["graph_us"] = graph_us(lambda: fused_moe(x, w13, w2, ids, weights), device)
+        row.extra["path"] = "pair" if use_pair_path(tokens, k, e) else "sorted"
     default = tile_config(tokens, k, e, dtype)
     row.extra["config"] = asdict(default)
     if sweep:
@@ -170,6 +235,8 @@ def case(shape: MoEShape, tokens: int, phase: str, device: torch.device, ceil: d
     row.flops = 6.0 * tokens * k * h * i
     if phase == "decode":
         row.fraction_of_ceiling = row.bytes_read / (row.triton_us * 1e-6) / 1e9 / ceil["copy_gbps"]
+        if row.extra.get("graph_us"):
+            row.extra["graph_fraction"] = row.bytes_read / (row.extra["graph_us"] * 1e-6) / 1e9 / ceil["copy_gbps"]
     else:
         row.fraction_of_ceiling = row.flops / (row.triton_us * 1e-6) / 1e12 / ceil["matmul_tflops"]
     return row
@@ -210,6 +277,10 @@ def print_table(rows: list[Row], ceil: dict[str, float]) -> None:
               f"{_fmt(r.fraction_of_ceiling, '8.2f')}{_fmt(goal, '6.1f')}{_fmt(r.max_abs_err, '9.1e')}")
     print("of ceil: decode = bytes read / time / copy GB/s; prefill = active FLOPs / time / matmul TFLOP/s")
     for r in rows:
+        if r.extra.get("graph_us"):
+            print(f"in a CUDA graph: {r.shape} T={r.tokens} ({r.extra['path']} path): {r.extra['graph_us']:.1f} us, "
+                  f"{r.extra['graph_fraction']:.2f} of copy")
+    for r in rows:
         if "best_config" in r.extra:
             print(f"sweep {r.shape} {r.phase} T={r.tokens}: default {r.extra['config']} {r.triton_us:.1f} us, "
                   f"best {r.extra['best_config']} {r.extra['best_us']:.1f} us")
@@ -224,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-engine", action="store_true", help="skip the engine decode/prefill section")
     parser.add_argument("--skip-ref", action="store_true", help="skip the torch baselines (faster)")
     parser.add_argument("--sweep", action="store_true", help="also time 18 other tile configs per case")
+    parser.add_argument("--pair-sweep", action="store_true",
+                        help="CUDA: both paths in CUDA graphs at T=1..32, the pair path with 36 tile configs")
+    parser.add_argument("--skip-cases", action="store_true", help="skip the kernel rows (with --pair-sweep)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("pdserve bench moe: no CUDA device here (use --device cpu for the plumbing check)", file=sys.stderr)
@@ -241,7 +315,15 @@ def main(argv: list[str] | None = None) -> int:
     shapes = SHAPES if device.type == "cuda" else TINY
     decode_t, prefill_t = (DECODE_T, PREFILL_T) if device.type == "cuda" else ((1, 5), 40)
     rows: list[Row] = []
-    for shape in shapes:
+    sweeps: list[dict[str, Any]] = []
+    if args.pair_sweep and device.type == "cuda":
+        for shape in shapes:
+            try:
+                sweeps += pair_sweep(shape, device, ceil)
+            except Exception:
+                traceback.print_exc()
+            torch.cuda.empty_cache()
+    for shape in shapes if not args.skip_cases else ():
         for tokens, phase in [*((t, "decode") for t in decode_t), (prefill_t, "prefill")]:
             print(f"running {shape.name} {phase} T={tokens} ...", flush=True)
             try:
@@ -270,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         "goals": {**GOALS, **ENGINE_GOALS},
         "rows": [asdict(r) for r in rows],
         "engine": engine,
+        "pair_sweep": sweeps,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

@@ -11,6 +11,7 @@ package's `moe_experts`), so a model whose MoE does not call them is reported, n
 
 from __future__ import annotations
 
+import gc
 import math
 import statistics
 import sys
@@ -31,7 +32,7 @@ from services.kernels.fused_moe import fused_moe
 from services.text.model.random_shapes import RANDOM_SHAPES
 from services.text.sampling_params import SamplingParams
 
-MODELS = ("qwen3-30b-a3b", "mixtral-8x7b")
+MODELS = ("qwen3-30b-a3b", "mixtral-8x7b")  # mixtral's 93 GB of bf16 weights need an H200
 BATCHES, PREFILL_TOKENS, DECODE_CONTEXT, DECODE_STEPS = (1, 16, 64, 256), 8192, 1024, 20
 ENGINE_GOALS = {"engine decode B=1": 0.6, "engine decode B=64": 0.7, "engine prefill": 0.5}
 
@@ -127,7 +128,8 @@ def bench_prefill(loaded: LoadedModel, spec: str, ceil: dict[str, float], reps: 
                   max_prefill_chunk=tokens, num_kv_blocks=tokens // 16 + 16)
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     calls = MoECalls()
-    times = []
+    times: list[float] = []
+    step_counts: list[int] = []
     for r in range(reps + 1):
         eng.add_request(f"p{r}", random_prompts(1, tokens, loaded.arch.vocab_size, seed=1000 + r)[0], sp,
                         detokenize=False)
@@ -135,13 +137,13 @@ def bench_prefill(loaded: LoadedModel, spec: str, ceil: dict[str, float], reps: 
         t = time.perf_counter()
         if r == 0:  # warm-up, recorded
             with calls.record():
-                out = eng.step()
+                steps = _until_finished(eng, f"p{r}")
         else:
-            out = eng.step()
+            steps = _until_finished(eng, f"p{r}")
         torch.cuda.synchronize()
-        assert out and out[0].finished
         if r:
             times.append((time.perf_counter() - t) * 1e3)
+            step_counts.append(steps)
     ms = statistics.median(times)
     a = loaded.arch
     dense_params = sum(p.numel() for n, p in loaded.model.named_parameters()
@@ -149,12 +151,21 @@ def bench_prefill(loaded: LoadedModel, spec: str, ceil: dict[str, float], reps: 
     attn = 2.0 * tokens * tokens * a.num_heads * a.head_dim * a.num_layers
     flops = 2.0 * dense_params * tokens + calls.flops + attn + 2.0 * a.hidden_size * a.vocab_size
     res: dict[str, Any] = {"model": spec, "phase": "prefill", "tokens": tokens, "step_ms": ms, "flops": flops,
-                           "moe_flops": calls.flops, "moe_calls": calls.calls}
+                           "moe_flops": calls.flops, "moe_calls": calls.calls, "engine_steps": step_counts}
     if calls.calls == 0:
         res["error"] = "the model's MoE layers do not call kernels.fused_moe: active FLOPs unknown"
         return res
     res["fraction_of_ceiling"] = flops / (ms * 1e-3) / 1e12 / ceil["matmul_tflops"]
     return res
+
+
+def _until_finished(eng: LLMEngine, request_id: str, limit: int = 16) -> int:
+    """Steps the engine until request_id finishes (one step when the whole prompt fits one chunk and the
+    output comes back in the same step); the number of steps it took. Raises past `limit` steps."""
+    for n in range(1, limit + 1):
+        if any(o.request_id == request_id and o.finished for o in eng.step()):
+            return n
+    raise RuntimeError(f"{request_id} did not finish in {limit} steps")
 
 
 def engine_cases(ceil: dict[str, float]) -> list[dict[str, Any]]:
@@ -181,12 +192,16 @@ def engine_cases(ceil: dict[str, float]) -> list[dict[str, Any]]:
             print(f"engine section: {spec} {what} ...", flush=True)
             try:
                 rows.append(job())
+                print(f"engine section: {spec} {what}: " + ", ".join(
+                    f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in rows[-1].items()
+                    if k in ("step_ms", "fraction_of_ceiling", "bytes", "flops", "engine_steps", "error")), flush=True)
             except Exception:
                 err = traceback.format_exc()
                 print(err, file=sys.stderr)
                 rows.append({"model": spec, "phase": what, "error": err})
             torch.cuda.empty_cache()
-        del loaded
+        del loaded, jobs, job  # the jobs' default arguments hold the model too
+        gc.collect()
         torch.cuda.empty_cache()
     print_engine(rows)
     return rows

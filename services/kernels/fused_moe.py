@@ -12,6 +12,14 @@ allocation, so the whole layer can be captured in a CUDA graph):
    x (gate and up accumulate side by side), written as [T*K, I] rows indexed by pair id.
 3. `_moe_down_kernel`: per block, topk_weight * (act @ w2[e]^T + b2[e]) into [T*K, H] rows, then the
    K rows of each token are summed.
+
+Few pairs (decode at small batches) take a second path with no sorting at all (`pair_path`): every
+(token, slot) pair reads its expert's rows straight from topk_ids, one program per pair and gate/up column
+tile (`_moe_pair_gate_up_kernel`, a GEMV: a single token per program, so no tensor-core tile is wasted on
+padding rows), then one program per token and hidden column tile walks the token's K experts and sums
+their weighted outputs in fp32 (`_moe_pair_down_kernel`): two launches per layer instead of the ~13 of
+align + GEMMs + sum. It reads an expert once per pair that chose it, so it pays off only while few pairs
+share an expert; `use_pair_path` decides from the expected number of distinct experts.
 """
 
 from __future__ import annotations
@@ -51,6 +59,38 @@ def tile_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtyp
     if per_expert <= 256:
         return MoETileConfig(64, 64, 64, 4, 4, group_m=4)
     return MoETileConfig(128, 64, 64, 8, 3, group_m=8)
+
+
+@dataclass(frozen=True)
+class PairTileConfig:
+    """Tiles of the pair (GEMV) path: gate/up columns per program, hidden columns per program of the down
+    kernel, and the K slice each loads per iteration."""
+
+    gate_up_n: int = 16
+    down_n: int = 16
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+#: Pairs per expected distinct expert above which the sorted path wins (the pair path reads an expert once
+#: per pair that chose it). Measured on the GPU by `pdserve bench moe --pair-sweep`: docs/PERFORMANCE.md.
+PAIR_PATH_MAX_DUPLICATION = 1.25
+#: Never the pair path beyond this many pairs (its down kernel loops over a token's K experts serially).
+PAIR_PATH_MAX_PAIRS = 64
+
+
+def expected_distinct_experts(num_pairs: int, num_experts: int) -> float:
+    """Expected number of distinct experts among num_pairs uniform choices of num_experts."""
+    return num_experts * (1.0 - (1.0 - 1.0 / num_experts) ** num_pairs)
+
+
+def use_pair_path(num_tokens: int, top_k: int, num_experts: int) -> bool:
+    """True when the pair path should run: few pairs, few of them expected to share an expert."""
+    pairs = num_tokens * top_k
+    if pairs == 0 or pairs > PAIR_PATH_MAX_PAIRS:
+        return False
+    return pairs / expected_distinct_experts(pairs, num_experts) <= PAIR_PATH_MAX_DUPLICATION
 
 
 @dataclass
@@ -252,6 +292,111 @@ def _moe_down_kernel(
     tl.store(y_ptrs, acc.to(Y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
+@triton.jit
+def _moe_pair_gate_up_kernel(
+    X_ptr,
+    W_ptr,
+    B_ptr,
+    A_ptr,
+    Ids_ptr,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_be,
+    stride_at,
+    hidden,
+    inter,
+    swiglu_alpha,
+    swiglu_limit,
+    TOP_K: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Pair p = program 0 (token p // K, expert ids[p]), columns n of program 1's tile:
+
+        A[p, n] = act(x[t] . W[e, n] + b[e, n], x[t] . W[e, I + n] + b[e, I + n])
+
+    as a GEMV: products and sums in fp32 over BLOCK_K slices of the hidden dim."""
+    pair = tl.program_id(0)
+    token = (pair // TOP_K).to(tl.int64)
+    expert = tl.load(Ids_ptr + pair).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < inter
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = X_ptr + token * stride_xt + offs_k
+    wg_ptrs = W_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    wu_ptrs = wg_ptrs + inter * stride_wn
+    acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        mask_k = offs_k < hidden - k0
+        x = tl.load(x_ptrs, mask=mask_k, other=0.0).to(tl.float32)
+        wg = tl.load(wg_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+        wu = tl.load(wu_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+        acc_g += tl.sum(wg * x[None, :], axis=1)
+        acc_u += tl.sum(wu * x[None, :], axis=1)
+        x_ptrs += BLOCK_K
+        wg_ptrs += BLOCK_K
+        wu_ptrs += BLOCK_K
+    if HAS_BIAS:
+        b_base = B_ptr + expert * stride_be
+        acc_g += tl.load(b_base + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        acc_u += tl.load(b_base + inter + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    act = _activate(acc_g, acc_u, swiglu_alpha, swiglu_limit, ACTIVATION)
+    tl.store(A_ptr + pair.to(tl.int64) * stride_at + offs_n, act.to(A_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _moe_pair_down_kernel(
+    A_ptr,
+    W_ptr,
+    B_ptr,
+    Ids_ptr,
+    TW_ptr,
+    Out_ptr,
+    stride_at,
+    stride_we,
+    stride_wn,
+    stride_be,
+    stride_ot,
+    hidden,
+    inter,
+    TOP_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Token t = program 0, hidden columns n of program 1's tile, summed over the token's K pairs in fp32:
+
+        out[t, n] = sum_k topk_weight[t, k] * (A[t*K + k] . W2[e_k, n] + b2[e_k, n])
+
+    rounded once to out's dtype."""
+    token = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for slot in range(TOP_K):
+        pair = token * TOP_K + slot
+        expert = tl.load(Ids_ptr + pair).to(tl.int64)
+        a_ptrs = A_ptr + pair * stride_at + offs_k
+        w_ptrs = W_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            mask_k = offs_k < inter - k0
+            a = tl.load(a_ptrs, mask=mask_k, other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(w * a[None, :], axis=1)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        if HAS_BIAS:
+            acc += tl.load(B_ptr + expert * stride_be + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        total += tl.load(TW_ptr + pair) * acc
+    tl.store(Out_ptr + token * stride_ot + offs_n, total.to(Out_ptr.dtype.element_ty), mask=mask_n)
+
+
 def fused_moe(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -265,13 +410,15 @@ def fused_moe(
     swiglu_alpha: float | None = None,
     swiglu_limit: float | None = None,
     config: MoETileConfig | None = None,
+    path: str | None = None,
+    pair_config: PairTileConfig | None = None,
 ) -> torch.Tensor:
     """out[t] = sum_k topk_weights[t, k] * (w2[e] @ act(w13[e] @ x[t] + b13[e]) + b2[e]), e = topk_ids[t, k].
 
     x [T, H]; w13 [E, 2I, H] (rows 0..I-1 gate, I..2I-1 up); w2 [E, H, I]; topk_ids int32 [T, K] with
     values in [0, E) (not checked on the device: that would need a host sync); topk_weights fp32 [T, K].
-    Returns [T, H] in x's dtype. The intermediate act(...) is rounded to x's dtype. config overrides
-    the tile choice (tests, benchmarks).
+    Returns [T, H] in x's dtype. The intermediate act(...) is rounded to x's dtype. path: "pair" or "sorted"
+    (None: `use_pair_path` decides); config / pair_config override the tile choice (tests, benchmarks).
     """
     check_moe_args(x, w13, w2, topk_ids, topk_weights, activation, w13_bias, w2_bias, swiglu_alpha, swiglu_limit)
     for name, w in (("w13", w13), ("w2", w2)):
@@ -285,6 +432,13 @@ def fused_moe(
     x = x if x.stride(-1) == 1 else x.contiguous()
     w13_bias = None if w13_bias is None else w13_bias.contiguous()
     w2_bias = None if w2_bias is None else w2_bias.contiguous()
+    if path is None:
+        path = "pair" if use_pair_path(t, top_k, num_experts) else "sorted"
+    if path == "pair":
+        return _pair_path(x, w13, w2, topk_ids, topk_weights, out, activation, w13_bias, w2_bias,
+                          swiglu_alpha, swiglu_limit, pair_config or PairTileConfig())
+    if path != "sorted":
+        raise ValueError(f"fused_moe: path {path!r} is not 'pair' or 'sorted'")
     cfg = config or tile_config(t, top_k, num_experts, x.dtype)
     align = align_pairs(topk_ids, num_experts, cfg.block_m)
     num_pairs = t * top_k
@@ -316,3 +470,33 @@ def fused_moe(
     if top_k == 1:
         return out.copy_(y)
     return torch.sum(y.view(t, top_k, hidden), dim=1, out=out)
+
+
+def _pair_path(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+               topk_weights: torch.Tensor, out: torch.Tensor, activation: str, w13_bias: torch.Tensor | None,
+               w2_bias: torch.Tensor | None, swiglu_alpha: float | None, swiglu_limit: float | None,
+               cfg: PairTileConfig) -> torch.Tensor:
+    """The two-launch GEMV path of `fused_moe` (module docstring): act rows per pair, then per token the
+    weighted sum of its K experts' down projections, written into out."""
+    t, hidden = x.shape
+    inter, top_k = w13.shape[1] // 2, topk_ids.shape[1]
+    ids = topk_ids.contiguous()
+    weights = topk_weights.contiguous()
+    act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
+    b13 = w13_bias if w13_bias is not None else w13  # placeholder when HAS_BIAS is false
+    _moe_pair_gate_up_kernel[(t * top_k, triton.cdiv(inter, cfg.gate_up_n))](
+        x, w13, b13, act, ids,
+        x.stride(0), w13.stride(0), w13.stride(1), w13_bias.stride(0) if w13_bias is not None else 0, act.stride(0),
+        hidden, inter, float(swiglu_alpha or 0.0), float(swiglu_limit or 0.0),
+        TOP_K=top_k, ACTIVATION=ACTIVATIONS[activation], HAS_BIAS=w13_bias is not None,
+        BLOCK_N=cfg.gate_up_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    b2 = w2_bias if w2_bias is not None else w2
+    _moe_pair_down_kernel[(t, triton.cdiv(hidden, cfg.down_n))](
+        act, w2, b2, ids, weights, out,
+        act.stride(0), w2.stride(0), w2.stride(1), w2_bias.stride(0) if w2_bias is not None else 0, out.stride(0),
+        hidden, inter,
+        TOP_K=top_k, HAS_BIAS=w2_bias is not None, BLOCK_N=cfg.down_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out

@@ -9,13 +9,23 @@ from tests.kernels.kernel_cases import assert_close, requires_cuda
 
 pytest.importorskip("triton")
 
-from services.kernels.fused_moe import MoETileConfig, align_pairs, fused_moe
+from services.kernels.fused_moe import (
+    MoETileConfig,
+    PairTileConfig,
+    align_pairs,
+    expected_distinct_experts,
+    fused_moe,
+    use_pair_path,
+)
 from services.kernels.reference import fused_moe_ref
 
 #: Tiles small enough for the interpreter; block_k < H and block_n < I so the K and N loops run twice+.
 SMALL = MoETileConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2)
 #: Grouped program order: 3 blocks per group, so the last group is partial for most block counts.
 GROUPED = MoETileConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2, group_m=3)
+#: Pair path tiles smaller than H and I (N and K loops run twice+), down tile unlike the gate/up tile.
+PAIR_SMALL = PairTileConfig(gate_up_n=8, down_n=16, block_k=16, num_warps=4, num_stages=2)
+PATHS = ("sorted", "pair")
 
 
 def _case(t: int, h: int, inter: int, e: int, k: int, dtype: torch.dtype, device: torch.device,
@@ -37,8 +47,10 @@ def _case(t: int, h: int, inter: int, e: int, k: int, dtype: torch.dtype, device
     return args
 
 
-def _check(args: dict, dtype: torch.dtype, config: MoETileConfig | None = SMALL, **kw: object) -> None:
-    out = fused_moe(**args, config=config, **kw)
+def _check(args: dict, dtype: torch.dtype, config: MoETileConfig | None = SMALL, path: str | None = "sorted",
+           **kw: object) -> None:
+    pair_config = PAIR_SMALL if config is not None else None
+    out = fused_moe(**args, config=config, path=path, pair_config=pair_config, **kw)
     assert out.shape == args["x"].shape and out.dtype == dtype
     ref = fused_moe_ref(**args, **kw)
     assert_close(out, ref, dtype)
@@ -57,16 +69,42 @@ def _check(args: dict, dtype: torch.dtype, config: MoETileConfig | None = SMALL,
         torch.testing.assert_close(ref, dense, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("t", "e", "k"), [(1, 4, 1), (5, 6, 2), (19, 5, 4), (33, 12, 8)])
-def test_fused_moe_matches_reference(device: torch.device, dtype: torch.dtype, t: int, e: int, k: int) -> None:
-    _check(_case(t, 32, 48, e, k, dtype, device), dtype)
+def test_fused_moe_matches_reference(device: torch.device, dtype: torch.dtype, t: int, e: int, k: int,
+                                     path: str) -> None:
+    _check(_case(t, 32, 48, e, k, dtype, device), dtype, path=path)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_moe_odd_dims_and_bias(device: torch.device, dtype: torch.dtype) -> None:
+def test_fused_moe_odd_dims_and_bias(device: torch.device, dtype: torch.dtype, path: str) -> None:
     # H and I not multiples of the tiles (I an odd multiple of 8), biases on both GEMMs.
-    _check(_case(7, 40, 24, 3, 2, dtype, device, bias=True), dtype)
+    _check(_case(7, 40, 24, 3, 2, dtype, device, bias=True), dtype, path=path)
+
+
+def test_pair_path_equals_sorted_path_on_shared_experts(device: torch.device) -> None:
+    # Every token's slots on the same two experts: the pair path reads each expert once per pair, the sorted
+    # path once per block; both must agree (fp32, so only summation order differs).
+    args = _case(6, 32, 48, 5, 2, torch.float32, device, bias=True)
+    args["topk_ids"] = torch.tensor([[1, 3]] * 6, dtype=torch.int32, device=device)
+    pair = fused_moe(**args, path="pair", pair_config=PAIR_SMALL)
+    torch.testing.assert_close(pair, fused_moe(**args, path="sorted", config=SMALL), atol=1e-5, rtol=1e-5)
+
+
+def test_pair_path_choice() -> None:
+    assert abs(expected_distinct_experts(1, 128) - 1.0) < 1e-9
+    assert abs(expected_distinct_experts(128, 128) - 128 * (1 - (127 / 128) ** 128)) < 1e-9
+    assert use_pair_path(1, 8, 128) and use_pair_path(1, 2, 8)  # decode of one sequence: 8 / 2 pairs
+    assert not use_pair_path(64, 8, 128)  # 512 pairs over 128 experts: many share an expert
+    assert not use_pair_path(16, 2, 8)  # 32 pairs over 8 experts
+    assert not use_pair_path(0, 8, 128)
+
+
+def test_fused_moe_refuses_an_unknown_path(device: torch.device) -> None:
+    with pytest.raises(ValueError, match="path 'dense'"):
+        fused_moe(**_case(2, 16, 16, 3, 2, torch.float32, device), path="dense")
 
 
 @pytest.mark.parametrize(("t", "e", "k"), [(19, 5, 4), (40, 3, 2)])
@@ -80,12 +118,14 @@ def test_fused_moe_activations(device: torch.device, activation: str) -> None:
     if activation == "gpt_oss":
         kw |= {"swiglu_alpha": 1.702, "swiglu_limit": 0.5}  # a low limit so the clamps bite
     args = _case(9, 32, 16, 5, 2, torch.float32, device, bias=True)
-    _check(args, torch.float32, **kw)
+    for path in PATHS:
+        _check(args, torch.float32, path=path, **kw)
     assert not torch.allclose(fused_moe(**args, config=SMALL, **kw), fused_moe(**args, config=SMALL))
 
 
-def test_fused_moe_default_tiles(device: torch.device) -> None:
-    _check(_case(3, 64, 32, 4, 2, torch.bfloat16, device), torch.bfloat16, config=None)
+@pytest.mark.parametrize("path", [*PATHS, None])
+def test_fused_moe_default_tiles(device: torch.device, path: str | None) -> None:
+    _check(_case(3, 64, 32, 4, 2, torch.bfloat16, device), torch.bfloat16, config=None, path=path)
 
 
 def test_fused_moe_all_tokens_one_expert_and_skew(device: torch.device) -> None:
@@ -130,4 +170,8 @@ def test_fused_moe_empty_and_bad_args(device: torch.device) -> None:
     (2048, 128, 8, 2048, 768), (16, 8, 2, 4096, 1792), (700, 8, 2, 4096, 1792),
 ])
 def test_fused_moe_gpu_real_shapes(t: int, e: int, k: int, h: int, inter: int) -> None:
-    _check(_case(t, h, inter, e, k, torch.bfloat16, torch.device("cuda")), torch.bfloat16, config=None)
+    args = _case(t, h, inter, e, k, torch.bfloat16, torch.device("cuda"))
+    for path in (None, *PATHS):
+        if path == "pair" and t * k > 256:
+            continue  # the pair path's down kernel walks K experts per token: not meant for prefill sizes
+        _check(args, torch.bfloat16, config=None, path=path)
