@@ -29,8 +29,17 @@ def route(logits: torch.Tensor, moe: MoEConfig, score_bias: torch.Tensor | None 
     """Router logits [T, E] -> (weights fp32 [T, K], expert ids int32 [T, K]).
 
     With ``moe.n_group`` > 1 a token chooses among the experts of its ``topk_group`` best groups only;
-    ``score_bias`` (fp32 [E], DeepSeek-V3) is added to the scores for choosing, the weights stay the scores."""
+    ``score_bias`` (fp32 [E], DeepSeek-V3) is added to the scores for choosing, the weights stay the scores.
+    CUDA logits of a router without groups take the one-launch Triton form (``kernels/moe_route.py``)."""
     k = moe.top_k
+    if logits.is_cuda and moe.n_group == 1 and k & (k - 1) == 0:
+        # kernels.moe_route imports triton: only a CUDA engine loads it (as fused_moe below).
+        from services.kernels.moe_route import route_topk
+
+        if moe.scoring == "softmax_topk":
+            return route_topk(logits, k, moe.scoring)
+        return route_topk(logits, k, moe.scoring, score_bias=score_bias, normalize=moe.norm_topk_prob,
+                          scaling=moe.routed_scaling_factor)
     if moe.scoring == "softmax_topk":
         top, ids = torch.topk(logits, k, dim=-1)
         weights = torch.softmax(top.float(), dim=-1)
