@@ -34,9 +34,11 @@ case "${1:-tests}" in
     step fp8_gemm 200 python3 benchmarks/fp8_gemm_bench.py --out "$OUT/fp8_gemm.json"
     ;;
   moe)
-    step moe_pytest 150 "${PYTEST[@]}" -m gpu tests/kernels/test_fused_moe.py tests/kernels/test_fused_moe_graphs.py
-    step moe_sweep 170 python3 -m benchmarks.moe_bench --pair-sweep --skip-cases --skip-engine --skip-ref \
+    step moe_route 40 "${PYTEST[@]}" tests/kernels/test_moe_route.py
+    step moe_pytest 150 "${PYTEST[@]}" -m gpu tests/kernels/test_fused_moe.py tests/kernels/test_fused_moe_graphs.py \
+      tests/engine/test_moe_gpu.py
+    step moe_sweep 150 python3 -m benchmarks.moe_bench --pair-sweep --skip-cases --skip-engine --skip-ref \
       --out "$OUT/moe_sweep.json"
-    step moe_bench 260 python3 -m benchmarks.moe_bench --skip-ref --out "$OUT/moe.json"
+    step moe_bench 240 python3 -m benchmarks.moe_bench --skip-ref --out "$OUT/moe.json"
     ;;
 esac
