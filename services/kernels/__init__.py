@@ -3,7 +3,7 @@
 `services.kernels.reference` and `services.kernels.fp8_layout` are importable everywhere (torch only), and so are the
 device-dispatching page/fp8 helpers below (Triton for CUDA tensors, the torch reference otherwise). The Triton
 kernel modules (`paged_decode_attention`, `prefill_attention`, `mla_decode_attention`, `mla_prefill_attention`,
-`store_kv`, `page_pack`, `fp8_kv`, `fused_moe`, `fp8_block_gemm`) need triton; import them only when `HAS_TRITON` is true. On a machine without CUDA
+`index_topk`, `sparse_mla_attention`, `store_kv`, `page_pack`, `fp8_kv`, `fused_moe`, `fp8_block_gemm`) need triton; import them only when `HAS_TRITON` is true. On a machine without CUDA
 they run under the Triton interpreter when `TRITON_INTERPRET=1` is set before those modules are first imported.
 """
 

@@ -195,6 +195,69 @@ def ref_mla_prefill_attention(
     return out
 
 
+def _row_tables(block_tables: torch.Tensor, rows: int, row_seq: torch.Tensor | None) -> torch.Tensor:
+    """int64 [rows, max_blocks]: the block table row of each query row (row_seq[t], or row t when None)."""
+    seq = torch.arange(rows, device=block_tables.device) if row_seq is None else row_seq.long()
+    return block_tables.long()[seq]
+
+
+def ref_index_scores(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    row_end: torch.Tensor,
+    key_start: int,
+    scale: float,
+    max_context_len: int,
+    row_seq: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """DeepSeek-V3.2's index scores -> fp32 [rows, max_context_len]: S[t, n] = sum_h w[t, h] relu(scale q[t, h] .
+    I(n)) for n < row_end[t], -inf after, where I(n) is key n's index key (its cached values [key_start,
+    key_start + index_dim) of the joined planes) in row t's sequence (block table row row_seq[t], or t)."""
+    rows, _, dim = q.shape
+    block_size = k_cache.shape[1]
+    cols = max(1, max_context_len)
+    index_keys = torch.cat([k_cache, v_cache], dim=-1)[:, :, 0, key_start:key_start + dim]  # [NB, bs, dim]
+    tables = _row_tables(block_tables, rows, row_seq)[:, : -(-cols // block_size)]
+    keys = index_keys[tables].reshape(rows, -1, dim)[:, :cols].float()  # [rows, <= cols, dim]
+    s = torch.relu(torch.einsum("thd,tnd->thn", q.float(), keys) * scale)
+    total = torch.einsum("th,thn->tn", weights.float(), s)
+    out = torch.full((rows, cols), float("-inf"), device=q.device)
+    n = torch.arange(total.shape[1], device=q.device)
+    out[:, : total.shape[1]] = total.masked_fill(n[None, :] >= row_end[:, None].long(), float("-inf"))
+    return out
+
+
+def ref_sparse_mla_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    topk_indices: torch.Tensor,
+    scale: float,
+    value_dim: int,
+    row_seq: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Sparse latent attention -> [rows, H, value_dim]: row t attends to the keys topk_indices[t] (positions in its
+    sequence, -1: none), out = softmax(scale q[t, h] . L(n)[:key_dim]) L(n)[:value_dim] over them (0 with none),
+    L(n) key n's latent [K plane, V plane] in row t's sequence (block table row row_seq[t], or t)."""
+    rows, _, key_dim = q.shape
+    block_size = k_cache.shape[1]
+    keys, values = _latent(k_cache, v_cache, key_dim, value_dim)
+    pos = topk_indices.long()
+    valid = pos >= 0
+    pos = pos.clamp(min=0)
+    blocks = _row_tables(block_tables, rows, row_seq).gather(1, pos // block_size)
+    slots = blocks * block_size + pos % block_size  # [rows, K]
+    k = keys.reshape(-1, key_dim)[slots].float()  # [rows, K, key_dim]
+    v = values.reshape(-1, value_dim)[slots].float()
+    logits = torch.einsum("thd,tkd->thk", q.float(), k) * scale
+    p = torch.softmax(logits.masked_fill(~valid[:, None, :], float("-inf")), dim=-1).nan_to_num(0.0)
+    return torch.einsum("thk,tkd->thd", p, v).to(q.dtype)
+
+
 def ref_store_kv(
     k: torch.Tensor,
     v: torch.Tensor,

@@ -15,9 +15,8 @@ import torch
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.kv_layout import PageLayout
-from services.engine.model_loader import build_empty_model, load_model
+from services.engine.model_loader import load_model
 from services.engine.models.deepseek import MLAAttention
-from services.text.model.errors import ModelLoadError
 from services.text.model.mla_config import MLAConfig, MLAConfigError
 from services.text.model.random_shapes import random_arch
 from services.text.sampling_params import SamplingParams
@@ -98,17 +97,6 @@ def test_pages_hold_exactly_the_latent_and_the_layout_says_so(tiny_ds: tuple[str
     from services.engine.convert import layout_from_pb, layout_to_pb
 
     assert layout_from_pb(layout_to_pb(layout)).fingerprint == layout.fingerprint
-
-
-def test_sparse_mla_on_a_gpu_is_refused_in_one_line() -> None:
-    """Dense MLA runs on a GPU (tests/engine/test_deepseek_gpu.py); V3.2's top-k selection has no GPU kernel."""
-    arch = random_arch("tiny-deepseek")
-    assert arch.mla is not None
-    mla = dataclasses.replace(arch.mla, index_n_heads=2, index_head_dim=16, index_topk=4)
-    sparse = dataclasses.replace(arch, mla=mla, head_dim=mla.cached_dim // 2)
-    with pytest.raises(ModelLoadError) as e:
-        build_empty_model(sparse, torch.bfloat16, "cuda")
-    assert "index_topk=4" in str(e.value) and "runs on CPU only" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_random_deepseek_shapes(greedy: Any) -> None:

@@ -3,7 +3,8 @@
 A decode step of B sequences is padded to the smallest bucket >= B. The graph reads its inputs from
 static device buffers that the runner fills before each replay; padded rows get slot -1 (store_kv skips
 them) and context length 0 (attention writes zeros), so they never touch the cache. The decode kernel
-is captured with ``max_context_len = max_model_len`` so one graph serves every context length.
+is captured with ``max_context_len = max_model_len`` so one graph serves every context length; so is
+DeepSeek-V3.2's top-k selection (an fp32 [bucket, max_model_len] score buffer per layer, -inf past each context).
 
 The static inputs live in two device buffers mirrored by two pinned host buffers, so a step's inputs
 travel in two host->device copies and no copy kernels:

@@ -9,6 +9,12 @@ Latent attention (MLA, ``AttentionSpec.latent_value_dim``): k and v are the two 
 stored by the same ``store_kv`` into the K and V planes; the latent kernels (``mla_decode_attention``,
 ``mla_prefill_attention``) read it from there in place, the query [T, H, key_dim] meeting the whole latent and the
 output [T, H, value_dim] the weighted sum of its first value_dim values.
+
+Sparse latent attention (DeepSeek-V3.2, ``AttentionSpec.index``): per part of the step (decode rows, prefill
+tokens) `index_topk` scores every visible cached index key of each row (causal for prefill tokens) and keeps the
+top ``index.topk`` positions on the device, then `sparse_mla_attention` attends to those latents only. The decode
+part's sizes are the same host bound as the dense decode kernel's (a fixed one while CUDA graphs are captured);
+the prefill part finds each token's sequence and causal end on the device (`prefill_rows`), once per step.
 """
 
 from __future__ import annotations
@@ -18,10 +24,12 @@ from collections.abc import Callable
 import torch
 
 from services.engine.attention import AttentionMetadata, IndexQuery
+from services.kernels.index_topk import index_topk, prefill_rows
 from services.kernels.mla_decode_attention import mla_decode_attention
 from services.kernels.mla_prefill_attention import mla_prefill_attention
 from services.kernels.paged_decode_attention import paged_decode_attention
 from services.kernels.prefill_attention import prefill_attention
+from services.kernels.sparse_mla_attention import sparse_mla_attention
 from services.kernels.store_kv import store_kv
 
 
@@ -36,6 +44,8 @@ class TritonPagedAttention:
         captured split-K launch covers any context up to it; None: the step's own maximum."""
         self._meta: AttentionMetadata | None = None
         self._prefill_cu: torch.Tensor | None = None
+        self._rows_meta: AttentionMetadata | None = None
+        self._prefill_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _prefill_cu_seqlens(self, meta: AttentionMetadata) -> torch.Tensor:
         """cu_seqlens_q of the prefill sequences alone (starting at 0); built once per step, not per layer."""
@@ -55,13 +65,16 @@ class TritonPagedAttention:
         ``window`` (tokens, 0: full) is a Python int per layer, so a captured CUDA graph holds each layer's own;
         ``sinks`` is fp32 [H] (the layer's parameter: a graph replay reads its current values); ``scale``: the
         layer's softmax scale (0: this backend's). ``value_dim``: latent attention (k/v the latent's halves, q
-        [T, H, key_dim] -> out [T, H, value_dim]); ``index`` (DeepSeek-V3.2's top-k selection) has no GPU kernel:
-        the loader refuses such models on a GPU."""
+        [T, H, key_dim] -> out [T, H, value_dim]); ``index``: DeepSeek-V3.2's top-k selection over the index keys
+        cached after the latent (sparse latent attention)."""
         k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         scale = scale or self.scale
+        if value_dim and index is not None:
+            return self._rows(q, meta, value_dim,
+                              lambda qd: self._sparse_decode(qd, index, k_cache, v_cache, meta, scale, value_dim),
+                              lambda qp: self._sparse_prefill(qp, index, k_cache, v_cache, meta, scale, value_dim))
         if value_dim:
-            assert index is None, "sparse (indexed) latent attention has no GPU kernel (index_topk)"
             return self._rows(q, meta, value_dim,
                               lambda qd: self._latent_decode(qd, k_cache, v_cache, meta, scale, value_dim),
                               lambda qp: self._latent_prefill(qp, k_cache, v_cache, meta, scale, value_dim))
@@ -107,6 +120,33 @@ class TritonPagedAttention:
         nd = meta.num_decode
         return mla_prefill_attention(q, k_cache, v_cache, meta.block_tables[nd:], self._prefill_cu_seqlens(meta),
                                      meta.context_lens[nd:], scale, value_dim, max_seqlen_q=max(meta.query_lens[nd:]))
+
+    def _sparse_decode(self, q: torch.Tensor, index: IndexQuery, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       meta: AttentionMetadata, scale: float, value_dim: int) -> torch.Tensor:
+        """Decode rows: each sees its whole context; top-k over a [rows, decode bound] score buffer."""
+        nd = meta.num_decode
+        tables = meta.block_tables[:nd]
+        sel = index_topk(index.q[:nd], index.weights[:nd], k_cache, v_cache, tables, meta.context_lens[:nd],
+                         index.key_start, index.scale, index.topk, self._decode_bound(meta))
+        return sparse_mla_attention(q, k_cache, v_cache, tables, sel, scale, value_dim)
+
+    def _sparse_prefill(self, q: torch.Tensor, index: IndexQuery, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float, value_dim: int) -> torch.Tensor:
+        """Prefill tokens: token i of a chunk sees its sequence's keys up to its own position."""
+        nd = meta.num_decode
+        seq, end = self._token_rows(meta, q.shape[0])
+        tables = meta.block_tables[nd:]
+        sel = index_topk(index.q[nd:], index.weights[nd:], k_cache, v_cache, tables, end, index.key_start,
+                         index.scale, index.topk, max(meta.context_lens_host[nd:]), row_seq=seq)
+        return sparse_mla_attention(q, k_cache, v_cache, tables, sel, scale, value_dim, row_seq=seq)
+
+    def _token_rows(self, meta: AttentionMetadata, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sequence, causal key end) of each prefill token, on the device; built once per step, not per layer."""
+        if meta is not self._rows_meta or self._prefill_rows is None:
+            nd = meta.num_decode
+            self._prefill_rows = prefill_rows(self._prefill_cu_seqlens(meta), meta.context_lens[nd:], total)
+            self._rows_meta = meta
+        return self._prefill_rows
 
     def _decode_bound(self, meta: AttentionMetadata) -> int:
         """Host bound on the decode rows' contexts: the fixed one while graphs are captured, else the step's."""
