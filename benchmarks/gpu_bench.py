@@ -103,10 +103,12 @@ def bench_fused_kernels(copy_gbps: float) -> list[dict[str, Any]]:
 # --- model accounting ---
 
 def weight_bytes_per_decode_step(loaded: LoadedModel) -> int:
-    """Bytes of every parameter a decode step reads: all but the embedding table (B rows are gathered)."""
+    """Bytes of every parameter a decode step reads: all but the embedding table (B rows are gathered), each at
+    its element size (an FP8 linear's weight 1 byte), plus the FP8 linears' fp32 block scales (buffers)."""
     m = loaded.model
     emb = m.model.embed_tokens.weight
     total = sum(p.numel() * p.element_size() for p in m.parameters())
+    total += sum(b.numel() * b.element_size() for n, b in m.named_buffers() if n.endswith("weight_scale_inv"))
     if m.lm_head is None:  # tied: the embedding IS read in full as the LM head
         return total
     return total - emb.numel() * emb.element_size()

@@ -1,14 +1,17 @@
-"""MLA (DeepSeek latent attention) on a GPU: the Triton latent kernels at DeepSeek-V2-Lite shapes and the engine's
-decode step of ``random:deepseek-v2-lite``, each against a ceiling measured first in the same run.
+"""MLA (DeepSeek latent attention) on a GPU: the Triton latent kernels at a DeepSeek model's shapes and the engine's
+decode steps and prefill of that random model (``--model``, default ``random:deepseek-v2-lite``), each against a
+ceiling measured first in the same run.
 
     python -m benchmarks.mla_bench --section kernels --out results/mla_kernels.json
     python -m benchmarks.mla_bench --section engine --out results/mla_engine.json    (--batches 1,64 to split it)
+    python -m benchmarks.mla_bench --section engine --model random:deepseek-v3-cut --batches 1,64 \
+        --out results/mla_engine_v3cut.json    (DeepSeek-V3's widths, 3 layers: one 80 GB GPU; FP8 linears)
     python -m benchmarks.mla_bench --device cpu --out /tmp/mla.json    (tiny shapes under the Triton
                                                                         interpreter: the plumbing, not the speed)
 
 Ceilings: device-to-device copy bandwidth (clone of 1 GiB, read + write) and sustained bf16 matmul (8192^3).
 
-kernels: ``mla_decode_attention`` at 16 heads x (512 + 64)-value latent, bf16, 16-token pages scattered over the
+kernels: ``mla_decode_attention`` at the model's heads (V2-Lite 16, V3 128) x (512 + 64)-value latent, bf16, 16-token pages scattered over the
 pool, batch 1 / 64 / 256 x context 1024 / 4096: time, bytes read (the latents, B x ctx x 576 x 2 B, plus queries
 and outputs) and their ratio to the copy ceiling, the max error against the fp32 torch reference and the time of
 the torch reference in bf16 (gather + SDPA); one case launched with the fixed bound a CUDA graph is captured with
@@ -17,14 +20,22 @@ chunk after a 2048-token prefix: absorbed FLOPs (2 x H x (576 + 512) per causal 
 the matmul ceiling.
 
 engine: ``random:deepseek-v2-lite`` (27 layers, hidden 2048, 16 heads, kv_lora_rank 512, rope 64, nope 128, v 128,
-64 routed experts top-6 + 2 shared, layer 0 dense), 1024-token prompts, decode step at batch 1 / 64 / 256 as the
-engine runs it (CUDA graphs), against bytes read / copy ceiling (benchmarks/moe_engine_bench.py ``bench_decode``).
-The bytes a step reads:
-  - every weight but the embedding table and the routed experts: attention projections (q_proj, kv_a_proj_with_mqa,
-    kv_b_proj, o_proj, latent norms), layer 0's dense MLP, the shared experts, routers, norms and the LM head;
-  - the routed experts the step's routing hits, counted per MoE call on an eager step of the same batch;
-  - the latent KV of the batch: B x mean context x 27 layers x 576 values x 2 B (a page holds nothing else).
-Not counted: activations, the split-K partials (B x 16 heads x partitions x 512 fp32 per layer), sampling.
+64 routed experts top-6 + 2 shared, layer 0 dense) or ``random:deepseek-v3-cut`` (DeepSeek-V3: hidden 7168, 128
+heads, q_lora_rank 1536, 256 routed experts top-8 + 1 shared; 3 layers, layer 0 dense; its linears FP8
+block-scaled on CUDA, its experts bf16), 1024-token prompts, decode step at batch 1 / 64 / 256 as the engine runs
+it (CUDA graphs), against bytes read / copy ceiling (benchmarks/moe_engine_bench.py ``bench_decode``). The bytes a
+step reads, each tensor at its own element size (:func:`weight_classes` prints them by kind):
+  - every weight but the embedding table and the routed experts: attention projections, layer 0's dense MLP, the
+    shared experts (FP8 linears: 1 B per weight plus their fp32 128 x 128 block scales; plain ones 2 B), kv_b_proj,
+    routers, norms and the LM head (2 B);
+  - the routed experts the step's routing hits (bf16: 2 B per weight), counted per MoE call on an eager step of the
+    same batch;
+  - the latent KV of the batch: B x mean context x layers x 576 values x 2 B (a page holds nothing else).
+Not counted: activations, the split-K partials (B x heads x partitions x 512 fp32 per layer), sampling.
+Prefill: one 2048-token prompt, median of 3 after a recorded warm-up, against the bf16 matmul ceiling: FLOPs =
+2 x tokens x the decoder layers' 2-D weights (FP8 linears included: their w8a8 GEMM may run above the bf16
+ceiling), 6 T K H I per MoE call, the absorbed latent attention (2 x heads x (576 + 512) per causal (query, key)
+pair and layer) and the LM head for the one sampled row.
 Each case fails soft: its error is printed and recorded, and the run continues.
 """
 
@@ -33,7 +44,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -44,16 +57,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.moe_bench import bench_us, ceilings
 from services.kernels.reference import ref_mla_decode_attention, ref_mla_prefill_attention
+from services.text.model.config import ModelArchConfig
 from services.text.model.random_shapes import RANDOM_SHAPES, random_arch
 
-MODEL = "deepseek-v2-lite"
-HEADS, LORA, ROPE, BLOCK = 16, 512, 64, 16
+MODEL = "random:deepseek-v2-lite"
+BLOCK = 16
 DECODE = [(b, c) for b in (1, 64, 256) for c in (1024, 4096)]
 GRAPH_BOUND = (64, 1024, 32768)
 """(batch, context, max_context_len): the decode launch a CUDA graph captured for max_model_len 32768 replays."""
 PREFILL = ((4096, 4096), (2048, 4096))
 """(new tokens, context) of one sequence: a whole prompt, a chunk after a cached prefix."""
 ENGINE_BATCHES = (1, 64, 256)
+ENGINE_PREFILL_TOKENS, ENGINE_PREFILL_REPS = 2048, 3
 TINY_DECODE, TINY_PREFILL, TINY_HEADS, TINY_LATENT = [(1, 20), (3, 50)], ((9, 9), (5, 30)), 4, (32, 8)
 
 
@@ -126,11 +141,12 @@ def prefill_case(new: int, context: int, heads: int, latent: tuple[int, int], sc
     return row
 
 
-def kernel_cases(device: torch.device, ceil: dict[str, float]) -> list[dict[str, Any]]:
+def kernel_cases(arch: ModelArchConfig, device: torch.device, ceil: dict[str, float]) -> list[dict[str, Any]]:
+    """The latent kernels at ``arch``'s heads and latent on CUDA, at tiny ones elsewhere (the interpreter)."""
     cuda = device.type == "cuda"
-    mla = random_arch(MODEL).mla
+    mla = arch.mla
     assert mla is not None
-    heads, latent = (HEADS, (LORA, ROPE)) if cuda else (TINY_HEADS, TINY_LATENT)
+    heads, latent = (arch.num_heads, (mla.kv_lora_rank, mla.qk_rope_head_dim)) if cuda else (TINY_HEADS, TINY_LATENT)
     decode = [(b, c, None) for b, c in DECODE] + [GRAPH_BOUND] if cuda else [(b, c, None) for b, c in TINY_DECODE]
     jobs = [(f"decode B={b} ctx={c}" + (f" bound={m}" if m else ""),
              lambda b=b, c=c, m=m: decode_case(b, c, m, heads, latent, mla.scale, device, ceil)) for b, c, m in decode]
@@ -169,30 +185,106 @@ def print_kernels(rows: list[dict[str, Any]]) -> None:
     print("of ceil: decode = bytes read / time / copy GB/s; prefill = absorbed FLOPs / time / matmul TFLOP/s")
 
 
-def engine_section(ceil: dict[str, float], batches: tuple[int, ...] = ENGINE_BATCHES) -> list[dict[str, Any]]:
+def weight_classes(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes of the model's weights by kind, each tensor at its element size: FP8 linears' weights and their fp32
+    block scales, the routed experts, the embedding table (gathered, not read whole), and every other weight."""
+    out = {"fp8_linear_weights": 0, "fp8_block_scales": 0, "routed_experts": 0, "embedding": 0, "other_weights": 0}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        nbytes = t.numel() * t.element_size()
+        if name.endswith("weight_scale_inv"):
+            out["fp8_block_scales"] += nbytes
+        elif t.dtype == torch.float8_e4m3fn:
+            out["fp8_linear_weights"] += nbytes
+        elif ".mlp.experts." in name:
+            out["routed_experts"] += nbytes
+        elif name == "model.embed_tokens.weight":
+            out["embedding"] += nbytes
+        elif "rotary" not in name:  # RoPE tables: rows gathered by position
+            out["other_weights"] += nbytes
+    return out
+
+
+def latent_attention_flops(arch: ModelArchConfig, tokens: int, context: int) -> float:
+    """FLOPs of the absorbed latent attention of ``tokens`` new tokens ending a ``context``-token sequence, all
+    layers: 2 x heads x (latent + kv_lora_rank) per causal (query, key) pair."""
+    mla = arch.mla
+    assert mla is not None
+    pairs = tokens * (context - tokens) + tokens * (tokens + 1) // 2
+    return 2.0 * arch.num_heads * (mla.latent_dim + mla.kv_lora_rank) * pairs * arch.num_layers
+
+
+def bench_engine_prefill(loaded: Any, spec: str, ceil: dict[str, float], tokens: int = ENGINE_PREFILL_TOKENS
+                         ) -> dict[str, Any]:
+    """One ``tokens``-token prompt through the engine (one chunk), median of ENGINE_PREFILL_REPS after a warm-up
+    whose MoE calls are recorded; FLOPs / time against the bf16 matmul ceiling."""
+    # Imported here: they load the engine and the Triton kernel modules (CUDA only).
+    from benchmarks.gpu_bench import random_prompts
+    from benchmarks.moe_engine_bench import MoECalls
+    from services.engine.config import EngineConfig
+    from services.engine.engine import LLMEngine
+    from services.text.sampling_params import SamplingParams
+
+    eng = LLMEngine(EngineConfig(model=spec, dtype="bfloat16", device="cuda", block_size=BLOCK,
+                                 enable_prefix_caching=False, max_num_seqs=1, max_model_len=tokens + 64,
+                                 max_num_batched_tokens=tokens, max_prefill_chunk=tokens,
+                                 num_kv_blocks=tokens // BLOCK + 16), loaded=loaded)
+    sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    calls, times = MoECalls(), []
+    for r in range(ENGINE_PREFILL_REPS + 1):
+        eng.add_request(f"p{r}", random_prompts(1, tokens, loaded.arch.vocab_size, seed=1000 + r)[0], sp,
+                        detokenize=False)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        if r == 0:  # warm-up, recorded
+            with calls.record():
+                out = eng.step()
+        else:
+            out = eng.step()
+        torch.cuda.synchronize()
+        assert out and out[0].finished
+        if r:
+            times.append((time.perf_counter() - t) * 1e3)
+    ms = statistics.median(times)
+    a = loaded.arch
+    linear = sum(p.numel() for n, p in loaded.model.named_parameters()
+                 if n.startswith("model.layers.") and p.dim() == 2)
+    flops = (2.0 * linear * tokens + calls.flops + latent_attention_flops(a, tokens, tokens)
+             + 2.0 * a.hidden_size * a.vocab_size)
+    res: dict[str, Any] = {"model": spec, "phase": "prefill", "tokens": tokens, "step_ms": ms, "flops": flops,
+                           "moe_flops": calls.flops, "moe_calls": calls.calls}
+    if calls.calls == 0:
+        res["error"] = "the model's MoE layers do not call kernels.fused_moe: active FLOPs unknown"
+        return res
+    res["fraction_of_ceiling"] = flops / (ms * 1e-3) / 1e12 / ceil["matmul_tflops"]
+    return res
+
+
+def engine_section(ceil: dict[str, float], spec: str = MODEL, batches: tuple[int, ...] = ENGINE_BATCHES
+                   ) -> list[dict[str, Any]]:
     # Imported here: it loads the engine and the Triton kernel modules (CUDA only).
     from benchmarks.moe_engine_bench import bench_decode, print_engine
     from services.engine.model_loader import load_model
 
-    spec = f"random:{MODEL}"
-    if MODEL not in RANDOM_SHAPES:
-        print(f"engine: {spec} is not a random shape in this checkout; skipped", flush=True)
-        return [{"model": spec, "skipped": "not a random shape in this checkout"}]
     print(f"engine: loading {spec} ...", flush=True)
     try:
         loaded = load_model(spec, torch.bfloat16, "cuda")
     except Exception as e:
         print(f"engine: {spec} does not load: {e}", flush=True)
         return [{"model": spec, "error": f"load: {e}"}]
+    classes = weight_classes(loaded.model)
+    print(f"engine: {loaded.model_id} weights (GB): " + ", ".join(f"{k} {v / 1e9:.3f}" for k, v in classes.items()),
+          flush=True)
     rows: list[dict[str, Any]] = []
-    for batch in batches:
-        print(f"engine: {spec} decode B={batch} ...", flush=True)
+    jobs = [(f"decode B={b}", lambda b=b: bench_decode(loaded, spec, b, ceil)) for b in batches]
+    jobs.append((f"prefill T={ENGINE_PREFILL_TOKENS}", lambda: bench_engine_prefill(loaded, spec, ceil)))
+    for what, job in jobs:
+        print(f"engine: {spec} {what} ...", flush=True)
         try:
-            rows.append(bench_decode(loaded, spec, batch, ceil))
+            rows.append(job() | {"model_id": loaded.model_id, "weight_bytes": classes})
         except Exception:
             err = traceback.format_exc()
             print(err, file=sys.stderr)
-            rows.append({"model": spec, "phase": "decode", "batch": batch, "error": err})
+            rows.append({"model": spec, "phase": what, "error": err})
         torch.cuda.empty_cache()
     print_engine(rows)
     print("\nbytes a decode step reads (GB): weights but routed experts + routed experts hit + latent KV; "
@@ -205,6 +297,15 @@ def engine_section(ceil: dict[str, float], batches: tuple[int, ...] = ENGINE_BAT
     return rows
 
 
+def _mla_spec(spec: str) -> str:
+    """``spec`` if it names a random shape with latent attention; argparse's error otherwise."""
+    name = spec.removeprefix("random:")
+    if not spec.startswith("random:") or name not in RANDOM_SHAPES or random_arch(name).mla is None:
+        shapes = [f"random:{n}" for n in RANDOM_SHAPES if random_arch(n).mla is not None]
+        raise argparse.ArgumentTypeError(f"{spec!r}: expected a random shape with latent attention, one of {shapes}")
+    return spec
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.mla_bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -214,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="engine section: decode batch sizes, comma-separated (default %(default)s)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cuda: real shapes; cpu: tiny kernel shapes under the Triton interpreter (plumbing)")
+    parser.add_argument("--model", type=_mla_spec, default=MODEL,
+                        help="random MLA shape whose kernels and engine run (default %(default)s; "
+                             "random:deepseek-v3-cut: DeepSeek-V3's widths in 3 layers, FP8 linears)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("mla_bench: no CUDA device here (use --device cpu for the plumbing check)", file=sys.stderr)
@@ -229,15 +333,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ceilings: copy {ceil['copy_gbps']:.1f} GB/s, matmul {ceil['matmul_tflops']:.1f} TFLOP/s", flush=True)
     except Exception:
         traceback.print_exc()
-    kernels = kernel_cases(device, ceil) if args.section in ("all", "kernels") else []
+    arch = random_arch(args.model.removeprefix("random:"))
+    kernels = kernel_cases(arch, device, ceil) if args.section in ("all", "kernels") else []
     engine: list[dict[str, Any]] = []
     if args.section in ("all", "engine"):
         if device.type == "cuda" and ceil:
-            engine = engine_section(ceil, tuple(int(b) for b in args.batches.split(",")))
+            engine = engine_section(ceil, args.model, tuple(int(b) for b in args.batches.split(",")))
         else:
             print("engine: needs CUDA and the ceilings; skipped")
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
-              "ceilings": ceil, "kernels": kernels, "engine": engine}
+              "model": args.model, "ceilings": ceil, "kernels": kernels, "engine": engine}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")

@@ -168,6 +168,9 @@ class DeepseekForCausalLM(MoEForCausalLM):
     layers as ``arch.moe`` says."""
 
     _self_loaded = (*MoEForCausalLM._self_loaded, ".self_attn.")
+    _weight_read_linears = (".self_attn.kv_b_proj",)
+    """Linears whose weight the forward multiplies by directly (kv_b_proj: each head's W_UK and W_UV in the
+    absorbed form), never through the module: they stay dense in every weight format (models/fp8_linear.py)."""
 
     def __init__(self, arch: ModelArchConfig) -> None:
         if arch.mla is None:

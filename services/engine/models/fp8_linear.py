@@ -14,6 +14,11 @@ the grids stack as they are; otherwise the module's grid has one row per g = gcd
 rows (each block row repeated bn / g times; g = 1: a scale per weight row), which the kernel reads as
 g x bk blocks. Modules a model loads itself (``_self_loaded``: MoE experts, routers, shared experts, latent
 attention) and the LM head keep the dequantized path, and so does a tensor-parallel build (:func:`keep_fp8`).
+
+Random models whose shape declares FP8 blocks (``random:deepseek-v3-cut``) take the same decision
+(:func:`keep_fp8`) and modules without a checkpoint: :func:`swap_in_random_fp8` makes every plain linear of the
+decoder layers an :class:`Fp8BlockLinear` (one grid, no fused parts) but those whose weight the model reads as a
+tensor (``_weight_read_linears``: latent attention's kv_b_proj); weights/random_weights.py fills them.
 """
 
 from __future__ import annotations
@@ -128,6 +133,36 @@ def plan_fp8_linears(model: nn.Module, headers: dict[str, tuple[str, tuple[int, 
     return plans
 
 
+def swap_fp8_linears(model: nn.Module, plans: Iterable[Fp8LinearPlan], block: tuple[int, int]) -> None:
+    """Replace each planned linear of ``model`` (on the meta device, in its compute dtype) with an
+    :class:`Fp8BlockLinear` of the same shape and bias, its grid in (group_n, block[1]) blocks."""
+    for p in plans:
+        parent_name, _, child = p.module.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        dense = getattr(parent, child)
+        setattr(parent, child, Fp8BlockLinear(dense.in_features, dense.out_features, (p.group_n, block[1]),
+                                              dense.bias, device=dense.weight.device))
+
+
+def plan_random_fp8(model: nn.Module, block: tuple[int, int]) -> list[Fp8LinearPlan]:
+    """The linears an FP8 block-scaled checkpoint of this model would ship in fp8, for a random model: every plain
+    ``nn.Linear`` of the decoder layers (attention projections, dense and shared-expert MLPs; not the router, a
+    subclass, nor the 3-D experts, embedding or LM head) but the ``_weight_read_linears`` the model multiplies
+    by their weight tensor directly. One grid in ``block`` blocks each (a random weight has no fused parts)."""
+    skip: tuple[str, ...] = getattr(model, "_weight_read_linears", ())
+    return [Fp8LinearPlan(name, ((f"{name}.weight", mod.out_features),), block[0])
+            for name, mod in model.named_modules()
+            if type(mod) is nn.Linear and name.startswith("model.layers.") and not name.endswith(skip)]
+
+
+def swap_in_random_fp8(model: nn.Module, block: tuple[int, int]) -> int:
+    """Make the :func:`plan_random_fp8` linears of ``model`` (on the meta device) Fp8BlockLinear modules; returns
+    how many."""
+    plans = plan_random_fp8(model, block)
+    swap_fp8_linears(model, plans, block)
+    return len(plans)
+
+
 class KeptFp8:
     """One load's FP8 linears kept fp8: planned and swapped in on the meta model, then their scales placed."""
 
@@ -144,12 +179,7 @@ class KeptFp8:
         """Replace each planned linear of ``model`` (on the meta device, in its compute dtype) with an
         :class:`Fp8BlockLinear` of the same shape and bias."""
         self.plans = plan_fp8_linears(model, self.headers, self.block)
-        for p in self.plans:
-            parent_name, _, child = p.module.rpartition(".")
-            parent = model.get_submodule(parent_name)
-            dense = getattr(parent, child)
-            setattr(parent, child, Fp8BlockLinear(dense.in_features, dense.out_features, (p.group_n, self.block[1]),
-                                                  dense.bias, device=dense.weight.device))
+        swap_fp8_linears(model, self.plans, self.block)
         fp8 = sum(1 for dtype, _ in self.headers.values() if dtype == SAFETENSORS_FP8)
         log.info("engine: %d linears keep their FP8 block-scaled weights (%d of the checkpoint's %d fp8 tensors) "
                  "and run the FP8 block GEMM; the other fp8 tensors are dequantized at load",

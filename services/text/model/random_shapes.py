@@ -2,7 +2,9 @@
 specs (their context length), the engine builds the model (engine/weights/random_weights.py fills its weights).
 
 Random models pair with the byte-level tokenizer (ids 0..255 = bytes, 256 = eos), so every shape's vocab
-covers at least 257 ids.
+covers at least 257 ids. A shape with ``fp8_weight_block`` has FP8 block-scaled linears (random e4m3 weights and
+block scales) wherever the engine keeps a checkpoint's FP8 linears fp8, plain ones elsewhere
+(engine/weights/random_weights.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,12 @@ _LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
 
 _DSV2_YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
               "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}
+
+_DSV3_YARN = {**_DSV2_YARN, "mscale": 1.0, "mscale_all_dim": 1.0}
+"""DeepSeek-V3's rope_scaling: V2's YaRN with mscale = mscale_all_dim = 1 (the rotary tables unscaled, the softmax
+scale times (0.1 ln 40 + 1)^2)."""
+
+_DSV3_MLA = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, q_lora_rank=1536)
 
 RANDOM_SHAPES: dict[str, dict[str, object]] = {
     "smollm2-135m": dict(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -70,6 +78,38 @@ RANDOM_SHAPES: dict[str, dict[str, object]] = {
                                         routed_scaling_factor=2.5),
                           mla=MLAConfig(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
                                         q_lora_rank=24)),
+    # deepseek-ai/DeepSeek-V3's config.json with num_hidden_layers cut from 61 to 3 (first_k_dense_replace 3 -> 1:
+    # layer 0 dense, layers 1-2 MoE) so that it fits one 80 GB GPU. Bytes, with the linears fp8 (1 B per weight)
+    # and the experts bf16 (there is no fp8 fused-MoE kernel: the 3-D expert tensors stay bf16 on every device):
+    #   routed experts  256 x 3 x 7168 x 2048 x 2 B = 22.55 GB per MoE layer, x 2      = 45.10 GB
+    #   embedding + LM head  2 x 129280 x 7168 x 2 B                                     =  3.71 GB
+    #   attention  187.1M weights per layer (q_a, q_b, kv_a, o fp8; kv_b 16.8M bf16) x 3 =  0.61 GB
+    #   layer 0's dense MLP 3 x 7168 x 18432 fp8 + shared experts and routers            =  0.49 GB
+    # = 49.9 GB (50.9 GB with every linear bf16); the latent KV is 3 x 576 x 2 B = 3.5 KB per token (0.57 GB at
+    # 163840 tokens). A fourth layer (+22.8 GB = 72.7 GB) would leave no room for the KV cache, the fused MoE's
+    # buffers and a prefill's activations on an 80 GB card.
+    "deepseek-v3-cut": dict(architecture="deepseek", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+                            num_layers=3, num_heads=128, num_kv_heads=1, head_dim=288, rms_norm_eps=1e-6,
+                            rope_theta=10000.0, max_position_embeddings=163840, rope_scaling=_DSV3_YARN,
+                            moe=MoEConfig(num_experts=256, top_k=8, intermediate_size=2048, scoring="sigmoid",
+                                          norm_topk_prob=True, shared_expert_intermediate_size=2048,
+                                          mlp_only_layers=[0], n_group=8, topk_group=4, group_score="top2_sum",
+                                          score_bias=True, routed_scaling_factor=2.5),
+                            mla=MLAConfig(**_DSV3_MLA, softmax_scale=yarn_softmax_scale(192, _DSV3_YARN)),
+                            fp8_weight_block=[128, 128]),
+    # deepseek-v3-cut's layout at small widths, for tests: FP8 linears in the same 128 x 128 blocks (every width a
+    # multiple of 128 but kv_a_proj_with_mqa's 128 + 64 rows, a partial last block row as V3's 576 rows are),
+    # layer 0 dense, layer 1 routed through 8 experts in 4 groups.
+    "tiny-deepseek-v3-fp8": dict(architecture="deepseek", vocab_size=512, hidden_size=256, intermediate_size=256,
+                                 num_layers=2, num_heads=2, num_kv_heads=1, head_dim=96, rms_norm_eps=1e-6,
+                                 rope_theta=10000.0, max_position_embeddings=1024,
+                                 moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=128, scoring="sigmoid",
+                                               norm_topk_prob=True, shared_expert_intermediate_size=128,
+                                               mlp_only_layers=[0], n_group=4, topk_group=2, group_score="top2_sum",
+                                               score_bias=True, routed_scaling_factor=2.5),
+                                 mla=MLAConfig(kv_lora_rank=128, qk_rope_head_dim=64, qk_nope_head_dim=64,
+                                               v_head_dim=64, q_lora_rank=128),
+                                 fp8_weight_block=[128, 128]),
     "tiny-mixtral": dict(architecture="mixtral", vocab_size=512, hidden_size=64, intermediate_size=96,
                          num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
                          rope_theta=1e6, max_position_embeddings=1024,
@@ -93,4 +133,6 @@ def random_arch(name: str) -> ModelArchConfig:
         raise ModelLoadError(f"random:{name} needs {unknown}, which this engine does not support")
     if isinstance(shape.get("moe"), MoEConfig):  # each model its own copy
         shape["moe"] = dataclasses.replace(shape["moe"], mlp_only_layers=list(shape["moe"].mlp_only_layers))
+    if "fp8_weight_block" in shape:
+        shape["fp8_weight_block"] = list(shape["fp8_weight_block"])  # type: ignore[call-overload]
     return ModelArchConfig(**shape, eos_token_ids=[BYTE_EOS_ID])  # type: ignore[arg-type]
