@@ -111,6 +111,8 @@ def bench_decode(loaded: LoadedModel, spec: str, batch: int, ceil: dict[str, flo
     eng.runner.graphs = graphs
     res: dict[str, Any] = {"model": spec, "phase": "decode", "batch": batch, "step_ms": step_ms,
                            "avg_context": avg_ctx, "moe_calls": calls.calls, "cuda_graphs": graphs is not None}
+    if batch == 1:
+        res["eager_kernels"] = _kernel_profile(eng)
     if calls.calls == 0:
         res["error"] = "the model's MoE layers do not call kernels.fused_moe: experts hit unknown"
         return res
@@ -120,6 +122,24 @@ def bench_decode(loaded: LoadedModel, spec: str, batch: int, ceil: dict[str, flo
     res |= {"expert_bytes_hit": calls.hit_bytes, "dense_weight_bytes": dense, "kv_bytes": kv, "bytes": total,
             "fraction_of_ceiling": total / (step_ms * 1e-3) / 1e9 / ceil["copy_gbps"]}
     return res
+
+
+def _kernel_profile(eng: LLMEngine, steps: int = 3, top: int = 14) -> str:
+    """The GPU kernels of `steps` eager decode steps (graphs off: the same kernels without the replay), by total
+    device time: where a small-batch step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs, eng.runner.graphs = eng.runner.graphs, None
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                eng.step()
+            torch.cuda.synchronize()
+    finally:
+        eng.runner.graphs = graphs
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=60)
+    print(f"eager decode step kernels ({steps} steps):\n{table}", flush=True)
+    return table
 
 
 def bench_prefill(loaded: LoadedModel, spec: str, ceil: dict[str, float], reps: int = 3) -> dict[str, Any]:
