@@ -112,7 +112,10 @@ def bench_decode(loaded: LoadedModel, spec: str, batch: int, ceil: dict[str, flo
     res: dict[str, Any] = {"model": spec, "phase": "decode", "batch": batch, "step_ms": step_ms,
                            "avg_context": avg_ctx, "moe_calls": calls.calls, "cuda_graphs": graphs is not None}
     if batch == 1:
-        res["eager_kernels"] = _kernel_profile(eng)
+        try:
+            res["eager_kernels"] = _kernel_profile(eng)
+        except Exception as e:  # a profiler problem must not cost the row its figures
+            res["eager_kernels"] = f"profile failed: {e!r}"
     if calls.calls == 0:
         res["error"] = "the model's MoE layers do not call kernels.fused_moe: experts hit unknown"
         return res
@@ -137,7 +140,10 @@ def _kernel_profile(eng: LLMEngine, steps: int = 3, top: int = 14) -> str:
             torch.cuda.synchronize()
     finally:
         eng.runner.graphs = graphs
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=60)
+    try:
+        table = prof.key_averages().table(sort_by="device_time_total", row_limit=top, max_name_column_width=60)
+    except (KeyError, AttributeError, ValueError):  # torch before the device_* names
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=60)
     print(f"eager decode step kernels ({steps} steps):\n{table}", flush=True)
     return table
 
