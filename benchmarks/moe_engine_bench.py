@@ -25,6 +25,7 @@ import torch
 
 import services.kernels as kernels
 from benchmarks.gpu_bench import kv_bytes_per_token, random_prompts, weight_bytes_per_decode_step
+from benchmarks.moe_bench import MOE_ENGINE_MODELS
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.model_loader import LoadedModel, load_model
@@ -32,7 +33,7 @@ from services.kernels.fused_moe import fused_moe
 from services.text.model.random_shapes import RANDOM_SHAPES
 from services.text.sampling_params import SamplingParams
 
-MODELS = ("qwen3-30b-a3b", "mixtral-8x7b")  # mixtral's 93 GB of bf16 weights need an H200
+MODELS = MOE_ENGINE_MODELS  # mixtral's 93 GB of bf16 weights need an H200
 BATCHES, PREFILL_TOKENS, DECODE_CONTEXT, DECODE_STEPS = (1, 16, 64, 256), 8192, 1024, 20
 ENGINE_GOALS = {"engine decode B=1": 0.6, "engine decode B=64": 0.7, "engine prefill": 0.5}
 
@@ -194,10 +195,10 @@ def _until_finished(eng: LLMEngine, request_id: str, limit: int = 16) -> int:
     raise RuntimeError(f"{request_id} did not finish in {limit} steps")
 
 
-def engine_cases(ceil: dict[str, float]) -> list[dict[str, Any]]:
+def engine_cases(ceil: dict[str, float], models: tuple[str, ...] = MODELS) -> list[dict[str, Any]]:
     """Every model's decode batches and prefill; a shape this checkout lacks is one line and skipped."""
     rows: list[dict[str, Any]] = []
-    for name in MODELS:
+    for name in models:
         spec = f"random:{name}"
         if name not in RANDOM_SHAPES:
             print(f"engine section: {spec} is not a random shape in this checkout; skipped", flush=True)
