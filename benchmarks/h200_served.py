@@ -449,9 +449,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in result["summary"]:
         ratio = f"{r['served_over_engine']:.2f}" if r["served_over_engine"] else "-"
         eng = f"{r['engine_tok_s']:.0f}" if r["engine_tok_s"] else "-"
+        ms = [f"{r[k] * 1e3:7.{d}f}" if r[k] is not None else f"{'-':>7s}"
+              for k, d in (("ttft_p50_s", 0), ("ttft_p90_s", 0), ("tpot_p50_s", 1))]
         print(f"{r['mode']:17s} {r['shape']:9s} {r['concurrency']:4d} {int(r['logprobs']):3d} {r['served_tok_s']:8.0f} "
-              f"{eng:>8s} {ratio:>6s} {r['ttft_p50_s'] * 1e3:7.0f} {r['ttft_p90_s'] * 1e3:7.0f} "
-              f"{r['tpot_p50_s'] * 1e3:7.1f} {r['failed']}")
+              f"{eng:>8s} {ratio:>6s} {' '.join(ms)} {r['failed']}")
     for p in result.get("engine", {}).get("points", []):
         if p.get("fraction_of_bandwidth_limit"):
             print(f"engine {p['shape']} C{p['concurrency']} lp={int(p['logprobs'])}: full-batch step "

@@ -179,7 +179,7 @@ def _sweep_point(shape: MoEShape, x: torch.Tensor, w13: torch.Tensor, w2: torch.
     from services.kernels.fused_moe import PairTileConfig, expected_distinct_experts, fused_moe, use_pair_path
 
     tokens, k, e = x.shape[0], shape.top_k, shape.num_experts
-    configs = [PairTileConfig(gn, dn, bk, 4, 3) for gn in (8, 16, 32) for dn in (8, 16) for bk in (128, 256)]
+    configs = [PairTileConfig(gn, dn, bk, 4, 3) for gn in (4, 8, 16) for dn in (8, 16) for bk in (128, 256)]
     hit = int(torch.unique(ids).numel())
 
     def run(**kw: Any) -> float:
@@ -300,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pair-sweep", action="store_true",
                         help="CUDA: both paths in CUDA graphs at T=1..32, the pair path with 12 tile configs")
     parser.add_argument("--skip-cases", action="store_true", help="skip the kernel rows (with --pair-sweep)")
+    parser.add_argument("--engine-batches", default="1,16,64,256", help="the engine section's decode batches")
+    parser.add_argument("--skip-engine-prefill", action="store_true", help="no 8K-token engine prefill")
     parser.add_argument("--engine-models", default=",".join(MOE_ENGINE_MODELS),
                         help="random shapes the engine section loads (mixtral-8x7b's 93 GB need an H200)")
     args = parser.parse_args(argv)
@@ -346,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
 
     engine: list[dict[str, Any]] = []
     if not args.skip_engine and device.type == "cuda" and ceil:
-        engine = engine_cases(ceil, tuple(m for m in args.engine_models.split(",") if m))
+        engine = engine_cases(ceil, tuple(m for m in args.engine_models.split(",") if m),
+                              tuple(int(b) for b in args.engine_batches.split(",") if b), not args.skip_engine_prefill)
     elif not args.skip_engine:
         print("engine section: needs CUDA and the ceilings; skipped")
     result = {

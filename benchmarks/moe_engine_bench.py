@@ -195,7 +195,8 @@ def _until_finished(eng: LLMEngine, request_id: str, limit: int = 16) -> int:
     raise RuntimeError(f"{request_id} did not finish in {limit} steps")
 
 
-def engine_cases(ceil: dict[str, float], models: tuple[str, ...] = MODELS) -> list[dict[str, Any]]:
+def engine_cases(ceil: dict[str, float], models: tuple[str, ...] = MODELS, batches: tuple[int, ...] = BATCHES,
+                 prefill: bool = True) -> list[dict[str, Any]]:
     """Every model's decode batches and prefill; a shape this checkout lacks is one line and skipped."""
     rows: list[dict[str, Any]] = []
     for name in models:
@@ -212,9 +213,10 @@ def engine_cases(ceil: dict[str, float], models: tuple[str, ...] = MODELS) -> li
             rows.append({"model": spec, "error": f"load: {e}"})
             continue
         jobs: list[tuple[str, Callable[[], dict[str, Any]]]] = [
-            (f"decode B={b}", lambda b=b, m=loaded, s=spec: bench_decode(m, s, b, ceil)) for b in BATCHES
+            (f"decode B={b}", lambda b=b, m=loaded, s=spec: bench_decode(m, s, b, ceil)) for b in batches
         ]
-        jobs.append(("prefill", lambda m=loaded, s=spec: bench_prefill(m, s, ceil)))
+        if prefill:
+            jobs.append(("prefill", lambda m=loaded, s=spec: bench_prefill(m, s, ceil)))
         for what, job in jobs:
             print(f"engine section: {spec} {what} ...", flush=True)
             try:

@@ -16,9 +16,9 @@ allocation, so the whole layer can be captured in a CUDA graph):
 Few pairs (decode at small batches) take a second path with no sorting at all (`pair_path`): every
 (token, slot) pair reads its expert's rows straight from topk_ids, one program per pair and gate/up column
 tile (`_moe_pair_gate_up_kernel`, a GEMV: a single token per program, so no tensor-core tile is wasted on
-padding rows), then one program per token and hidden column tile walks the token's K experts and sums
-their weighted outputs in fp32 (`_moe_pair_down_kernel`): two launches per layer instead of the ~13 of
-align + GEMMs + sum. It reads an expert once per pair that chose it, so it pays off only while few pairs
+padding rows), then one program per pair and hidden column tile applies the expert's down projection and
+the routing weight (`_moe_pair_down_kernel`), and the K rows of each token are summed: three launches per
+layer instead of the ~13 of align + GEMMs + sum. It reads an expert once per pair that chose it, so it pays off only while few pairs
 share an expert; `use_pair_path` decides from the expected number of distinct experts.
 """
 
@@ -66,7 +66,7 @@ class PairTileConfig:
     """Tiles of the pair (GEMV) path: gate/up columns per program, hidden columns per program of the down
     kernel, and the K slice each loads per iteration."""
 
-    gate_up_n: int = 16
+    gate_up_n: int = 8
     down_n: int = 16
     block_k: int = 256
     num_warps: int = 4
@@ -75,7 +75,7 @@ class PairTileConfig:
 
 #: Pairs per expected distinct expert above which the sorted path wins (the pair path reads an expert once
 #: per pair that chose it). Measured on the GPU by `pdserve bench moe --pair-sweep`: docs/PERFORMANCE.md.
-PAIR_PATH_MAX_DUPLICATION = 1.25
+PAIR_PATH_MAX_DUPLICATION = 1.6
 #: Never the pair path beyond this many pairs (its down kernel loops over a token's K experts serially).
 PAIR_PATH_MAX_PAIRS = 64
 
@@ -355,46 +355,42 @@ def _moe_pair_down_kernel(
     B_ptr,
     Ids_ptr,
     TW_ptr,
-    Out_ptr,
+    Y_ptr,
     stride_at,
     stride_we,
     stride_wn,
     stride_be,
-    stride_ot,
+    stride_yt,
     hidden,
     inter,
-    TOP_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Token t = program 0, hidden columns n of program 1's tile, summed over the token's K pairs in fp32:
+    """Pair p = program 0 (expert ids[p]), hidden columns n of program 1's tile, as a GEMV in fp32:
 
-        out[t, n] = sum_k topk_weight[t, k] * (A[t*K + k] . W2[e_k, n] + b2[e_k, n])
+        Y[p, n] = topk_weight[p] * (A[p] . W2[e, n] + b2[e, n])
 
-    rounded once to out's dtype."""
-    token = tl.program_id(0).to(tl.int64)
+    stored in Y's dtype; the caller sums each token's K rows (as the sorted path does)."""
+    pair = tl.program_id(0).to(tl.int64)
+    expert = tl.load(Ids_ptr + pair).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
-    total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for slot in range(TOP_K):
-        pair = token * TOP_K + slot
-        expert = tl.load(Ids_ptr + pair).to(tl.int64)
-        a_ptrs = A_ptr + pair * stride_at + offs_k
-        w_ptrs = W_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
-            mask_k = offs_k < inter - k0
-            a = tl.load(a_ptrs, mask=mask_k, other=0.0).to(tl.float32)
-            w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(w * a[None, :], axis=1)
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-        if HAS_BIAS:
-            acc += tl.load(B_ptr + expert * stride_be + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        total += tl.load(TW_ptr + pair) * acc
-    tl.store(Out_ptr + token * stride_ot + offs_n, total.to(Out_ptr.dtype.element_ty), mask=mask_n)
+    a_ptrs = A_ptr + pair * stride_at + offs_k
+    w_ptrs = W_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        mask_k = offs_k < inter - k0
+        a = tl.load(a_ptrs, mask=mask_k, other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w * a[None, :], axis=1)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(B_ptr + expert * stride_be + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    acc = acc * tl.load(TW_ptr + pair)
+    tl.store(Y_ptr + pair * stride_yt + offs_n, acc.to(Y_ptr.dtype.element_ty), mask=mask_n)
 
 
 def fused_moe(
@@ -476,8 +472,8 @@ def _pair_path(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: t
                topk_weights: torch.Tensor, out: torch.Tensor, activation: str, w13_bias: torch.Tensor | None,
                w2_bias: torch.Tensor | None, swiglu_alpha: float | None, swiglu_limit: float | None,
                cfg: PairTileConfig) -> torch.Tensor:
-    """The two-launch GEMV path of `fused_moe` (module docstring): act rows per pair, then per token the
-    weighted sum of its K experts' down projections, written into out."""
+    """The GEMV path of `fused_moe` (module docstring): act rows per pair, weighted down rows per pair, then
+    each token's K rows summed into out."""
     t, hidden = x.shape
     inter, top_k = w13.shape[1] // 2, topk_ids.shape[1]
     ids = topk_ids.contiguous()
@@ -492,11 +488,12 @@ def _pair_path(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: t
         BLOCK_N=cfg.gate_up_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     b2 = w2_bias if w2_bias is not None else w2
-    _moe_pair_down_kernel[(t, triton.cdiv(hidden, cfg.down_n))](
-        act, w2, b2, ids, weights, out,
-        act.stride(0), w2.stride(0), w2.stride(1), w2_bias.stride(0) if w2_bias is not None else 0, out.stride(0),
+    y = out if top_k == 1 else torch.empty((t * top_k, hidden), dtype=x.dtype, device=x.device)
+    _moe_pair_down_kernel[(t * top_k, triton.cdiv(hidden, cfg.down_n))](
+        act, w2, b2, ids, weights, y,
+        act.stride(0), w2.stride(0), w2.stride(1), w2_bias.stride(0) if w2_bias is not None else 0, y.stride(0),
         hidden, inter,
-        TOP_K=top_k, HAS_BIAS=w2_bias is not None, BLOCK_N=cfg.down_n, BLOCK_K=cfg.block_k,
+        HAS_BIAS=w2_bias is not None, BLOCK_N=cfg.down_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    return out
+    return out if top_k == 1 else torch.sum(y.view(t, top_k, hidden), dim=1, out=out)

@@ -137,3 +137,13 @@ def test_cli_prints_the_refusal_as_one_line(tmp_path: Path) -> None:
     lines = [ln for ln in out.stderr.splitlines() if "attn_logit_softcapping=50.0" in ln]
     assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert lines[0].startswith("pdserve generate: error: ") and "'llama'" in lines[0]
+
+
+@pytest.mark.parametrize("name", ["indexed_attention", "deepseek_sparse_attention"])
+def test_deepseek_v32_layer_types_under_either_transformers_name(name: str) -> None:
+    # transformers releases spell DeepSeek-V3.2's indexed layer differently; both mean the same math.
+    cfg = _default("deepseek_v32")
+    arch = ModelArchConfig.from_hf_config({**cfg, "layer_types": [name] * cfg["num_hidden_layers"]})
+    assert arch.mla is not None and arch.mla.index_topk == cfg["index_topk"]
+    with pytest.raises(ModelConfigError, match="layer_types"):
+        ModelArchConfig.from_hf_config({**cfg, "layer_types": ["full_attention"] * cfg["num_hidden_layers"]})

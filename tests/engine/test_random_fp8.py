@@ -208,7 +208,7 @@ def test_gpu_random_fp8_decodes_the_same_with_and_without_cuda_graphs() -> None:
         assert got == want, f"step {i}: graph token {got}, eager {want}"
     _, forced = logits_trace(graphs, prompt, 16, forced=ref_tokens)
     rel = float((forced - ref).norm() / ref.norm())
-    assert torch.isfinite(forced).all() and rel < 1e-2, f"relative L2 {rel:.5f}"
+    assert torch.isfinite(forced).all() and rel < 2e-2, f"relative L2 {rel:.5f}"
     batch = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (12, 33, 50)]
     out = graphs.generate(batch, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
     assert [len(o) for o in out] == [10, 10, 10]

@@ -153,9 +153,9 @@ class ModelArchConfig:
         if (self.mla is not None) != (self.architecture in MLA_ARCHITECTURES):
             raise ModelConfigError(f"architecture={self.architecture!r} with mla={self.mla!r}: latent attention is "
                                    f"set exactly for {MLA_ARCHITECTURES}")
-        if self.mla is not None and (self.num_kv_heads, self.head_dim) != (1, self.mla.cached_dim // 2):
+        if self.mla is not None and (self.num_kv_heads, self.head_dim) != (1, self.mla.latent_dim // 2):
             raise ModelConfigError(f"MLA pages are one latent per token: num_kv_heads must be 1 and head_dim "
-                                   f"{self.mla.cached_dim // 2}, got {self.num_kv_heads} and {self.head_dim}")
+                                   f"{self.mla.latent_dim // 2}, got {self.num_kv_heads} and {self.head_dim}")
         self._validate_windows()
 
     def _validate_windows(self) -> None:
@@ -242,6 +242,9 @@ class ModelArchConfig:
 
 
 _FP8_QUANT_READS = frozenset({"quant_method", "weight_block_size", "activation_scheme", "fmt"})
+
+INDEXED_LAYER_TYPES = ("indexed_attention", "deepseek_sparse_attention")
+"""DeepSeek-V3.2's name for a layer with the indexer, as transformers releases spell it (5.25 / 5.17)."""
 
 
 def _fp8_block(quant: Any, model_type: str) -> list[int] | None:
@@ -404,9 +407,9 @@ def _mla_fields(cfg: Mapping[str, Any], model_type: str, rope_scaling: dict[str,
     index: dict[str, int] = {}
     if model_type == "deepseek_v32":  # DeepSeek Sparse Attention: an indexer in every layer
         types = cfg.get("layer_types") or ["indexed_attention"] * int(need("num_hidden_layers"))
-        if any(t != "indexed_attention" for t in types) or len(types) != int(need("num_hidden_layers")):
+        if any(t not in INDEXED_LAYER_TYPES for t in types) or len(types) != int(need("num_hidden_layers")):
             raise ModelConfigError(refuse_value("layer_types", types, model_type,
-                                                "'indexed_attention' on every layer"))
+                                                f"one of {INDEXED_LAYER_TYPES} on every layer"))
         index = {"index_n_heads": need("index_n_heads"), "index_head_dim": need("index_head_dim"),
                  "index_topk": need("index_topk")}
     try:
@@ -416,7 +419,7 @@ def _mla_fields(cfg: Mapping[str, Any], model_type: str, rope_scaling: dict[str,
                         softmax_scale=yarn_softmax_scale(rope + nope, rope_scaling), **index)
     except MLAConfigError as e:
         raise ModelConfigError(f"{model_type}: {e}") from e
-    return {"mla": mla, "num_kv_heads": 1, "head_dim": mla.cached_dim // 2}
+    return {"mla": mla, "num_kv_heads": 1, "head_dim": mla.latent_dim // 2}
 
 
 _MLA_READS = frozenset({"kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
