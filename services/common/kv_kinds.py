@@ -3,7 +3,7 @@
 A pool kind is a case of the ``pool`` oneof of ``KVDestination`` (and of ``DraftPool``): what a writer opens it
 with, its id, whether it holds every KV head. A transport kind is a ``--kv-transport`` value and the flags it
 implies for the decode and prefill a launcher starts together. The engine (shared_kv.py, parallel/rank_pages.py,
-spec/pools.py), decode and the launcher ask these entries; the connector registry (services/kv/registry.py) names
+region_pools.py), decode and the launcher ask these entries; the connector registry (services/kv/registry.py) names
 each connector's pool kind from here. Torch-free (protobuf messages only), so every package may import it.
 """
 
@@ -33,12 +33,12 @@ class PoolKind:
     mapped: bool = False
     """A same-host pool a prefill maps into its own process (shared_kv.SharedKVPools): a /dev/shm file or a CUDA
     IPC handle. A draft pool of a mapped kind is written beside the target pool by the same-host writer
-    (engine/spec/pools.py)."""
+    (engine/region_pools.py)."""
     shm_file: bool = False
     """The pool is the /dev/shm file ``shm.name`` (its inode tells a decode that went away)."""
     remote: bool = False
     """Registered with Mooncake transfer engines on decode's host and written over the network, never mapped; a
-    draft pool of this kind sits on the target pool's transfer engines (spec/pools.mooncake_draft)."""
+    draft pool of this kind sits on the target pool's transfer engines (region_pools.mooncake_region)."""
 
     def pool_id(self, dest: Any) -> str:
         """A short name for the pool ``dest`` (a destination of this kind) opens: what a writer's claim carries."""

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.cpu.native import NativeKernels
+from services.engine.index_keys import IndexKeys
 
 
 @dataclass
@@ -53,14 +54,15 @@ class AttentionMetadata:
 class IndexQuery:
     """DeepSeek-V3.2's sparse attention for one layer and step: each query attends only to the ``topk`` cached keys
     with the highest index score sum_h weights[t, h] * relu(scale * q[t, h] . index_key[k]) (all of them while fewer
-    are cached); the index keys are the cached values from ``key_start`` on."""
+    are cached). The backend caches the step's index keys in its index-key pool (index_keys.py, a page region of
+    their own) and scores the keys read back from there (fp8 ones dequantized with their scales)."""
 
     q: torch.Tensor
     """[T, index heads, index dim] of the step's tokens (rotated)."""
     weights: torch.Tensor
     """fp32 [T, index heads]: each head's weight per token."""
-    key_start: int
-    """Where the index key starts in a token's cached values (after the latent)."""
+    key: torch.Tensor
+    """[T, index dim] index keys of the step's tokens (rotated), stored at the step's slots."""
     topk: int
     scale: float
 
@@ -80,8 +82,7 @@ class AttentionSpec:
     backend attends with key = [k, v] (the whole latent) and value = its first ``latent_value_dim`` values, and
     returns [T, H, latent_value_dim]. 0: plain K/V."""
     index: IndexQuery | None = None
-    """Latent attention with an indexer (DeepSeek-V3.2): the key is the cached values before index.key_start, and
-    each query sees only its top-k keys by index score."""
+    """Latent attention with an indexer (DeepSeek-V3.2): each query sees only its top-k keys by index score."""
 
 
 @dataclass
@@ -154,18 +155,13 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     return out.view(b, h, lq, d).to(q.dtype)
 
 
-def latent_kv(k: torch.Tensor, v: torch.Tensor, value_dim: int, index: IndexQuery | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Key, value and index keys of latent attention from the two planes [B, 1, L, D] of the cached values:
-    joined = [k, v] [..., 2D]; key = joined (or its part before ``index.key_start``), value = its first
-    ``value_dim`` values, index keys [B, L, index dim] (None without an indexer). (k, v, None) when value_dim
-    is 0."""
+def latent_kv(k: torch.Tensor, v: torch.Tensor, value_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key and value of latent attention from the two planes [B, 1, L, D] of the cached latents: key = [k, v]
+    [..., 2D], value = its first ``value_dim`` values. (k, v) when value_dim is 0."""
     if not value_dim:
-        return k, v, None
+        return k, v
     joined = torch.cat([k, v], dim=-1)
-    if index is None:
-        return joined, joined[..., :value_dim], None
-    return joined[..., :index.key_start], joined[..., :value_dim], joined[:, 0, :, index.key_start:]
+    return joined, joined[..., :value_dim]
 
 
 def index_mask(index: IndexQuery, rows: slice, keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -210,9 +206,12 @@ class TorchPagedAttention:
     (cpu/native.py); given, the decode rows of plain and sliding-window layers read the pages in place through
     them (one call per layer for all decode rows), the rest stays on torch."""
 
-    def __init__(self, kv_cache: torch.Tensor, scale: float, native: NativeKernels | None = None) -> None:
+    def __init__(self, kv_cache: torch.Tensor, scale: float, native: NativeKernels | None = None,
+                 index_keys: IndexKeys | None = None) -> None:
         self.kv_cache = kv_cache
         self.scale = scale
+        self.index_keys = index_keys
+        """DeepSeek-V3.2's index-key pool (same block ids as kv_cache); None without an indexer."""
         self.native = native if native is not None and kv_cache.device.type == "cpu" else None
         _, _, _, self.block_size, self.num_kv_heads, self.head_dim = kv_cache.shape
         # Per layer: K and V as [slots, KVH, D] views (store) and [blocks, block_size * KVH * D] (gather), made
@@ -220,6 +219,11 @@ class TorchPagedAttention:
         self._slots = [(kv_cache[i, 0].view(-1, self.num_kv_heads, self.head_dim),
                         kv_cache[i, 1].view(-1, self.num_kv_heads, self.head_dim)) for i in range(kv_cache.shape[0])]
         self._pages = [(kv_cache[i, 0].flatten(1), kv_cache[i, 1].flatten(1)) for i in range(kv_cache.shape[0])]
+
+    def _index_pool(self) -> IndexKeys:
+        """The index-key pool a layer with an indexer reads (the runner gives one to a model with an indexer)."""
+        assert self.index_keys is not None, "sparse attention (AttentionSpec.index) needs the backend's index_keys"
+        return self.index_keys
 
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         kc, vc = self._slots[layer]
@@ -324,9 +328,10 @@ class TorchPagedAttention:
                 k, v = kc[s:s + n].unsqueeze(0).transpose(1, 2), vc[s:s + n].unsqueeze(0).transpose(1, 2)
                 if k.dtype != q.dtype:
                     k, v = k.to(q.dtype), v.to(q.dtype)
-                k, v, ik = latent_kv(k, v, value_dim, index)
-                mask = None if ik is None or index is None else index_mask(
-                    index, slice(i, i + 1), ik, torch.ones(1, 1, n, dtype=torch.bool, device=q.device))
+                k, v = latent_kv(k, v, value_dim)
+                mask = None if index is None else index_mask(
+                    index, slice(i, i + 1), self._index_pool().read_range(layer, s, n)[None],
+                    torch.ones(1, 1, n, dtype=torch.bool, device=q.device))
                 outs.append(sdpa(q[i:i + 1].unsqueeze(2), k, v, mask, scale, gqa, sinks))
             return (outs[0] if len(outs) == 1 else torch.cat(outs)).squeeze(2)
         assert plan.gather is not None
@@ -337,12 +342,13 @@ class TorchPagedAttention:
         v = vp.index_select(0, plan.gather).view(shape)[:, : plan.max_len].transpose(1, 2)
         if k.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)
-        k, v, ik = latent_kv(k, v, value_dim, index)
+        k, v = latent_kv(k, v, value_dim)
         mask = plan.mask
-        if ik is not None and index is not None:
+        if index is not None:
             valid = (plan.mask[:, 0] if plan.mask is not None
                      else torch.ones(nd, 1, plan.max_len, dtype=torch.bool, device=q.device))
-            mask = index_mask(index, slice(0, nd), ik, valid)
+            ik = self._index_pool().read_blocks(layer, plan.gather).view(nd, -1, index.q.shape[-1])
+            mask = index_mask(index, slice(0, nd), ik[:, :plan.max_len], valid)
         return sdpa(q.unsqueeze(2), k, v, mask, scale, gqa, sinks).squeeze(2)
 
     def _gather(self, layer: int, block_tables: torch.Tensor, max_len: int, first_block: int = 0
@@ -366,6 +372,8 @@ class TorchPagedAttention:
         """``scale``: the layer's softmax scale (0: this backend's); ``value_dim``: latent attention (k/v halves of
         one latent, AttentionSpec.latent_value_dim); ``index``: its sparse top-k selection (AttentionSpec.index)."""
         self._store(layer, k, v, meta.slot_mapping)
+        if index is not None:
+            self._index_pool().store(layer, index.key, meta.slot_mapping)
         nd = meta.num_decode
         gqa = q.shape[1] != self.num_kv_heads
         plain = sinks is None and not value_dim and index is None
@@ -384,16 +392,23 @@ class TorchPagedAttention:
             qlen, clen = meta.query_lens[i], meta.context_lens_host[i]
             qs = q[start:start + qlen].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
             qpos = torch.arange(clen - qlen, clen, device=q.device)
+            ik = None
             if clen == qlen:  # no cached prefix: attend to the new tokens directly
                 ks = k[start:start + qlen].transpose(0, 1).unsqueeze(0).to(q.dtype)
                 vs = v[start:start + qlen].transpose(0, 1).unsqueeze(0).to(q.dtype)
                 kpos = qpos
+                if index is not None:  # as stored (an fp8 codec's rounding included), like every later read
+                    ik = self._index_pool().read(layer, meta.slot_mapping[start:start + qlen])[None]
             else:  # from the first block any query's window reaches (block 0 under full attention)
                 first = max(0, clen - qlen - window + 1) // self.block_size if window else 0
                 ks, vs = self._gather(layer, meta.block_tables[i:i + 1], clen, first)
                 ks, vs = ks.to(q.dtype), vs.to(q.dtype)
                 kpos = torch.arange(first * self.block_size, clen, device=q.device)
-            ks, vs, ik = latent_kv(ks, vs, value_dim, index)
+                if index is not None:
+                    nb = (clen + self.block_size - 1) // self.block_size
+                    blocks = meta.block_tables[i, first:nb].to(torch.int64)
+                    ik = self._index_pool().read_blocks(layer, blocks)[None, :clen - first * self.block_size]
+            ks, vs = latent_kv(ks, vs, value_dim)
             if clen == qlen and (not window or qlen <= window) and ik is None:
                 o = sdpa(qs, ks, vs, None, scale, gqa, sinks, is_causal=True)
             else:

@@ -125,6 +125,10 @@ class EngineConfig(ContextConfig, ModelConfig, DeviceConfig, DtypeConfig, Compil
     draft_kv_codec: str = opt("fp8-e4m3", "Codec of the draft KV region on the wire and in the kvstore: fp8-e4m3 "
                                           "(per-token-per-head scales) or native (the cache's dtype).",
                               choices=("fp8-e4m3", "native"))
+    index_kv_codec: str = opt("native", "Codec of DeepSeek-V3.2's index-key region (its own pool and page region): "
+                                        "native (the cache's dtype) or fp8-e4m3 (e4m3 values and one fp32 scale "
+                                        "per token and layer, as DeepSeek-V3.2 caches them). Only for a model with "
+                                        "an indexer.", choices=("native", "fp8-e4m3"))
     spec_synthetic_acceptance: float = opt(0.0, "Benchmarks only: accept this mean number of draft tokens per "
                                                 "step without checking them (output is NOT the model's; metrics "
                                                 "carry acceptance=\"synthetic\"). 0: real verification.")

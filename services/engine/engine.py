@@ -70,11 +70,12 @@ class _Request:
 
 
 def _latent_widths(arch) -> tuple[int, ...]:
-    """PageLayout.latent of a latent-attention model: (kv_lora_rank, rope dims[, index key dims]); () otherwise."""
+    """PageLayout.latent of a latent-attention model: (kv_lora_rank, rope dims); () otherwise (DeepSeek-V3.2's
+    index keys are a region of their own)."""
     mla = arch.mla
     if mla is None:
         return ()
-    return (mla.kv_lora_rank, mla.qk_rope_head_dim, *((mla.index_head_dim,) if mla.index_head_dim else ()))
+    return (mla.kv_lora_rank, mla.qk_rope_head_dim)
 
 
 class LLMEngine:
@@ -153,9 +154,11 @@ class LLMEngine:
         self.fp8_layout = PageLayout.for_model(self.loaded.model_id, arch.num_layers, arch.num_kv_heads,
                                                arch.head_dim, config.block_size, FP8_CODEC, **attn)
         """The same pages on the wire as fp8-e4m3 with per-token-per-head scales (half the bytes of bf16)."""
-        if self.runner.spec is not None:  # every page also carries the draft's KV, in its own codec
-            self.layout = self.layout.with_region(self.runner.spec.region())
-            self.fp8_layout = self.fp8_layout.with_region(self.runner.spec.region())
+        # Every page also carries DeepSeek-V3.2's index keys and the draft's KV, each in its own codec (the fp8 wire
+        # codec of fp8_layout re-encodes the target region only: page_regions.py).
+        for region in [r for r, _ in self.kv_pages.region_pools]:
+            self.layout = self.layout.with_region(region)
+            self.fp8_layout = self.fp8_layout.with_region(region)
         log.info("engine: KV cache of %d pages x %d tokens (%.0f MiB), context %d tokens, ready in %.1f s "
                  "(%.1f s since loading began)", self.runner.num_blocks, config.block_size,
                  self.runner.num_blocks * self.layout.page_bytes / 2**20, self.max_model_len,

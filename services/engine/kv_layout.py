@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from services.common.checksum import checksum
 
-__all__ = ["FP8_CODEC", "HeadSplitSpec", "PageLayout", "Region", "checksum", "region_bytes"]
+__all__ = ["FP8_CODEC", "HeadSplitSpec", "PageLayout", "Region", "checksum", "index_region", "region_bytes"]
 
 _CODEC_ELEM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 FP8_CODEC = "fp8-e4m3"
@@ -34,11 +34,32 @@ def region_bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size: 
 
 @dataclass(frozen=True)
 class Region:
+    """One region of a page, in page order: its bytes follow the previous regions' in every page that crosses an
+    instance boundary (grpc bytes, the kvstore) and its own pool beside the target's on the side transports."""
+
     name: str
-    """"target" for the model's own KV; others (draft KV, indexer keys) are optional additions."""
+    """"target" for the model's own KV; the others name their kind and shape: "draft[<draft id> L<layers> kvh<heads>
+    d<head dim>]" (speculative decoding's draft KV), "index[L<layers> d<dim>]" (DeepSeek-V3.2's index keys)."""
     codec: str
-    """bf16 | fp16 | fp32 | fp8-e4m3 (values + fp32 per-token-per-head scales)."""
+    """bf16 | fp16 | fp32 | fp8-e4m3 (values + fp32 scales: per token and head for K/V, per token for index keys)."""
     bytes_per_page: int
+
+    @property
+    def kind(self) -> str:
+        """"target", "draft" or "index": the name before its shape."""
+        return self.name.split("[", 1)[0]
+
+
+def index_region(num_layers: int, block_size: int, dim: int, codec: str) -> Region:
+    """DeepSeek-V3.2's index-key region: one ``dim``-value key per token and layer in ``codec`` (the pool's dtype,
+    or fp8-e4m3: the e4m3 values, then one fp32 scale per token and layer)."""
+    if codec == FP8_CODEC:
+        row = dim + 4
+    elif codec in _CODEC_ELEM_BYTES:
+        row = dim * _CODEC_ELEM_BYTES[codec]
+    else:
+        raise ValueError(f"unknown index-key codec {codec!r}; known: {[*_CODEC_ELEM_BYTES, FP8_CODEC]}")
+    return Region(f"index[L{num_layers} d{dim}]", codec, num_layers * block_size * row)
 
 
 @dataclass(frozen=True)
@@ -71,9 +92,9 @@ class PageLayout:
     attention_sinks: bool = False
     """The layers have learned attention sinks."""
     latent: tuple[int, ...] = ()
-    """Latent attention (MLA): (kv_lora_rank, qk_rope_head_dim[, index key width]) of the one latent (and
-    DeepSeek-V3.2 index key) per token and layer a page holds as its K and V planes (one "head" of half of them
-    each); empty for per-head K/V."""
+    """Latent attention (MLA): (kv_lora_rank, qk_rope_head_dim) of the one latent per token and layer a page holds
+    as its K and V planes (one "head" of half of it each); empty for per-head K/V. DeepSeek-V3.2's index keys are a
+    region of their own (index_region)."""
 
     @staticmethod
     def for_model(model_id: str, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -110,6 +131,10 @@ class PageLayout:
     def target_codec(self) -> str:
         return self.regions[0].codec
 
+    def region(self, kind: str) -> Region | None:
+        """The region of ``kind`` ("target", "draft", "index"), or None when pages carry none."""
+        return next((r for r in self.regions if r.kind == kind), None)
+
     @property
     def fingerprint(self) -> str:
         fields = asdict(self)
@@ -132,10 +157,10 @@ class PageLayout:
 
 
 def _latent(widths: tuple[int, ...]) -> str:
-    """"latent c512+r64 " (kv_lora_rank + rope dims), "+i128" with an index key; "" for per-head K/V."""
+    """"latent c512+r64 " (kv_lora_rank + rope dims); "" for per-head K/V."""
     if not widths:
         return ""
-    return "latent " + "+".join(f"{k}{w}" for k, w in zip("cri", widths, strict=False)) + " "
+    return "latent " + "+".join(f"{k}{w}" for k, w in zip("cr", widths, strict=False)) + " "
 
 
 def _windows(windows: tuple[int, ...]) -> str:

@@ -26,6 +26,7 @@ from services.common.pb import decode_pb2
 from services.engine.kv_layout import FP8_CODEC
 from services.engine.kv_transport.grpc_wire import IN_PLACE, MessageBuffer
 from services.engine.parallel.rank_pages import ShardWrites
+from services.engine.region_pools import RegionPool
 from services.kernels import pack_pages, pack_pages_fp8
 
 
@@ -102,27 +103,40 @@ class KVPages:
         return getattr(self._runner, "split", None) is not None  # parallel.runner.TPModelRunner
 
     @property
-    def has_draft(self) -> bool:
-        """Pages carry a draft KV region (speculative decoding): they cross as uint8 [P, page bytes]."""
-        return self._runner.spec is not None
+    def composite(self) -> bool:
+        """Pages carry regions beside the target's (DeepSeek-V3.2's index keys, a draft's KV): they cross as uint8
+        [P, page bytes] of every region in layout order (page_regions.py)."""
+        return self._runner.composite
+
+    @property
+    def region_pools(self) -> list[RegionPool]:
+        """(region, pool) of each page region beside the target's, in layout order: what a side transport writes
+        besides the target pool (region_pools.py); empty for a target-only page."""
+        r = self._runner
+        pools: list[RegionPool] = []
+        if r.index_keys is not None:
+            pools.append((r.index_keys.region(), r.index_keys.kv_cache))
+        if r.spec is not None:
+            pools.append((r.spec.region(), r.spec.kv_cache))
+        return pools
 
     @property
     def page_shape(self) -> tuple[int, ...]:
-        """One page as it crosses the instance boundary: all KV heads, whatever the TP degree; with a draft
-        region, (page bytes,) of both regions (target in the cache's dtype, draft in its codec)."""
+        """One page as it crosses the instance boundary: all KV heads, whatever the TP degree; with more regions
+        than the target, (page bytes,) of all of them (target in the cache's dtype, the others in their codecs)."""
         r = self._runner
-        if r.spec is not None:
-            return (r.spec.page_bytes(r.kv_cache, None),)
+        if self.composite:
+            return (r.page_nbytes(None),)
         return (r.num_layers, 2, r.block_size, r.split.num_kv_heads if self.sharded else r.num_kv_heads, r.head_dim)
 
     @property
     def dtype(self) -> torch.dtype:
-        return torch.uint8 if self.has_draft else self._runner.dtype
+        return torch.uint8 if self.composite else self._runner.dtype
 
     @property
     def exports_layers(self) -> bool:
-        """``export`` may take a layer range (native pages of an unsharded pool without a draft region)."""
-        return not self.sharded and not self.has_draft
+        """``export`` may take a layer range (native pages of an unsharded pool of the target region alone)."""
+        return not self.sharded and not self.composite
 
     def export(self, block_ids: list[int], codec: str | None = None, out: torch.Tensor | None = None,
                layers: tuple[int, int] | None = None) -> PageExport:
@@ -135,7 +149,7 @@ class KVPages:
             assert codec != FP8_CODEC and self.exports_layers, "a layer range is exported in the native codec only"
         if self.sharded:  # every rank's heads, gathered by rank 0 (one collective, synchronous)
             return PageExport(self._runner.read_pages(block_ids, codec))
-        if self.has_draft:  # both regions packed synchronously (no side stream on this path)
+        if self.composite:  # every region packed synchronously (no side stream on this path)
             pages = self._runner.read_pages(block_ids, codec)
             return PageExport(pages if out is None else out.copy_(pages))
         pack = pack_pages_fp8 if codec == FP8_CODEC else pack_pages
@@ -171,8 +185,8 @@ class KVPages:
 
     @property
     def exports_messages(self) -> bool:
-        """``export_messages`` applies: CPU pages of an unsharded pool without a draft region, on CPython."""
-        return IN_PLACE and self.device.type == "cpu" and not self.sharded and not self.has_draft
+        """``export_messages`` applies: CPU pages of an unsharded pool of the target region alone, on CPython."""
+        return IN_PLACE and self.device.type == "cpu" and not self.sharded and not self.composite
 
     def export_messages(self, block_ids: list[int], codec: str | None, pages_per_message: int, room: int,
                         page_nbytes: int) -> MessageExport:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import math
 import os
 from collections.abc import Callable
 
@@ -20,9 +21,12 @@ from services.engine.attention import AttentionMetadata, ForwardContext, TorchPa
 from services.engine.config import EngineConfig, EngineConfigError
 from services.engine.cpu import native, trace_fence
 from services.engine.device_defaults import kv_pool_pages, step_activation_bytes
+from services.engine.index_keys import IndexKeys
 from services.engine.kv_layout import FP8_CODEC
 from services.engine.layer_groups import LayerGroups
 from services.engine.model_loader import LoadedModel
+from services.engine.page_regions import KVRegion, PageRegion, pack_regions, regions_nbytes, unpack_regions
+from services.engine.region_pools import with_region_pool
 from services.engine.sampler import Sampled, Sampler, SamplingRow
 from services.engine.scheduler import ScheduledChunk, SchedulerOutput
 from services.engine.shared_kv import allocate_kv
@@ -33,6 +37,17 @@ from services.engine.step_launch import launch as launch_step
 from services.kernels import pack_pages, pack_pages_fp8, unpack_pages, unpack_pages_fp8
 
 log = logging.getLogger(__name__)
+
+
+def _index_codec(arch, config: EngineConfig) -> str | None:
+    """The index-key region's codec (--index-kv-codec) of a model with an indexer, None without one; a codec
+    other than native for a model without an indexer is refused."""
+    if arch.mla is not None and arch.mla.index_head_dim:
+        return IndexKeys.resolve_codec(config.index_kv_codec, config.torch_dtype)
+    if config.index_kv_codec != "native":
+        raise EngineConfigError(f"--index-kv-codec / PDSERVE_INDEX_KV_CODEC={config.index_kv_codec}: this model "
+                                f"({arch.architecture}) has no indexer (DeepSeek-V3.2 index keys); leave it native")
+    return None
 
 
 class ModelRunner:
@@ -54,7 +69,10 @@ class ModelRunner:
         if config.draft_model:
             self.spec = SpecDecoder(loaded, config)
         draft_bytes = self.spec.bytes_per_block() if self.spec is not None else 0
-        self.num_blocks = self._num_blocks(loaded, self.bytes_per_block + draft_bytes)
+        self.index_codec = _index_codec(arch, config)
+        """Codec of DeepSeek-V3.2's index-key region (index_keys.py); None without an indexer."""
+        index_bytes = self._index_bytes_per_block(arch)
+        self.num_blocks = self._num_blocks(loaded, self.bytes_per_block + index_bytes + draft_bytes)
         shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_shm_path: str | None = None
         """The /dev/shm file backing the pool when it is shared (removed by release())."""
@@ -64,9 +82,19 @@ class ModelRunner:
                                                                            config.kv_cache_shared, "KV pool")
         if self.kv_shm_path is not None:
             atexit.register(self.release)
-        self.attn_backend = self._make_backend(self.kv_cache, self.head_dim)
+        self.index_keys: IndexKeys | None = None
+        """DeepSeek-V3.2's index keys, a pool of their own with the target pool's block ids (None: no indexer)."""
+        self.index_shm_path: str | None = None
+        if self.index_codec is not None:
+            self._allocate_index_keys(arch)
+        self.attn_backend = self._make_backend(self.kv_cache, self.head_dim, self.index_keys)
+        self.page_regions: list[PageRegion] = [KVRegion("target", self.kv_cache)]
+        """Every region of a page in layout order (page_regions.py): target, index keys, draft."""
+        if self.index_keys is not None:
+            self.page_regions.append(self.index_keys)
         if self.spec is not None:
             self.spec.allocate(self.num_blocks, self._make_backend)
+            self.page_regions.append(self.spec.page_region())
             self.kv_destination = self.spec.offer(self.kv_destination)  # + the draft pool when it is shared
         self.sampler = Sampler(config.seed)
         self.graphs = None
@@ -101,6 +129,10 @@ class ModelRunner:
             self.decode_compiler.stop()
         if self.spec is not None:
             self.spec.release()
+        if self.index_shm_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.index_shm_path)
+            self.index_shm_path = None
         if self.kv_shm_path is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.kv_shm_path)
@@ -141,18 +173,39 @@ class ModelRunner:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
 
-    def _make_backend(self, kv_cache: torch.Tensor, head_dim: int):
+    def _index_bytes_per_block(self, arch) -> int:
+        """Bytes of one page of the index-key region (0 without an indexer)."""
+        if self.index_codec is None:
+            return 0
+        return math.prod(IndexKeys.pool_shape(self.num_layers, 1, self.block_size, arch.mla.index_head_dim,
+                                              self.index_codec, self.dtype))
+
+    def _allocate_index_keys(self, arch) -> None:
+        """The index-key pool beside the target pool (same block ids; shared like it with --kv-cache-shared)."""
+        assert self.index_codec is not None
+        dim = arch.mla.index_head_dim
+        shape = IndexKeys.pool_shape(self.num_layers, self.num_blocks, self.block_size, dim, self.index_codec,
+                                     self.dtype)
+        pool, self.index_shm_path, dest = allocate_kv(shape, torch.uint8, self.device, self.config.kv_cache_shared,
+                                                      "index-key pool")
+        self.index_keys = IndexKeys(self.num_layers, self.num_blocks, self.block_size, dim, self.index_codec,
+                                    self.dtype, pool)
+        if self.kv_destination is not None and dest is not None:
+            self.kv_destination = with_region_pool(self.kv_destination, dest, self.index_keys.region())
+
+    def _make_backend(self, kv_cache: torch.Tensor, head_dim: int, index_keys: IndexKeys | None = None):
+        """The attention backend over ``kv_cache`` (and ``index_keys``, the target's with an indexer)."""
         scale = head_dim ** -0.5
         if self.device.type == "cuda" and self.config.attention_backend != "torch":
             # deferred: Triton kernel modules, on the CUDA path only (triton is optional)
             from services.engine.cuda.gpu_attention import TritonPagedAttention
 
-            return TritonPagedAttention(kv_cache, scale)
+            return TritonPagedAttention(kv_cache, scale, index_keys)
         use_native = self.device.type == "cpu" and self.config.attention_backend == "auto"
         kernels = native.load(self.config.cpu_kernel_dir) if use_native else None
         if kernels is not None:
             native.activate(kernels)  # the layers' norms, SiLU*mul and RoPE on CPU too
-        return TorchPagedAttention(kv_cache, scale, kernels)
+        return TorchPagedAttention(kv_cache, scale, kernels, index_keys)
 
     def _prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         rows = []
@@ -336,11 +389,22 @@ class ModelRunner:
 
     # --- page access for KV handoff (prefill packs, decode unpacks) ---
 
+    @property
+    def composite(self) -> bool:
+        """Pages carry more than the target region (index keys, draft KV): they cross as uint8 [P, page bytes]."""
+        return len(self.page_regions) > 1
+
+    def page_nbytes(self, codec: str | None = None) -> int:
+        """Bytes of one page of every region, the target's in ``codec`` (None: the cache's dtype)."""
+        return regions_nbytes(self.page_regions, codec)
+
     def read_pages(self, block_ids: list[int], codec: str | None = None) -> torch.Tensor:
         """Pages of ``block_ids`` on the host: [P, layers, 2, block_size, kv_heads, head_dim] in the cache's
-        dtype, or with ``codec="fp8-e4m3"`` uint8 [P, fp8 page bytes] (values then per-token-per-head scales)."""
-        if self.spec is not None:  # uint8 [P, page bytes]: target region, then draft region
-            return self.spec.pack(self.kv_cache, block_ids, codec).cpu()
+        dtype, or with ``codec="fp8-e4m3"`` uint8 [P, fp8 page bytes] (values then per-token-per-head scales);
+        with more regions than the target uint8 [P, page bytes] of every region in layout order."""
+        if self.composite:
+            with device_scope(self.device):  # the pack kernels launch on the pools' device
+                return pack_regions(self.page_regions, block_ids, codec).cpu()
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         pack = pack_pages_fp8 if codec == FP8_CODEC else pack_pages
         with device_scope(self.device):
@@ -348,8 +412,9 @@ class ModelRunner:
 
     def write_pages(self, block_ids: list[int], pages: torch.Tensor, codec: str | None = None) -> None:
         """The inverse of read_pages (fp8 pages are dequantized into the cache's dtype)."""
-        if self.spec is not None:
-            self.spec.unpack(pages, self.kv_cache, block_ids, codec)
+        if self.composite:
+            with device_scope(self.device):
+                unpack_regions(pages, self.page_regions, block_ids, codec)
             return
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         unpack = unpack_pages_fp8 if codec == FP8_CODEC else unpack_pages

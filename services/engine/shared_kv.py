@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 SHM_NAME_RE = re.compile(r"^pdserve-kv-[0-9]+-[0-9a-f]{12}$")
 """The only file names a prefill opens under SHM_DIR (what :func:`create_shared_kv` makes)."""
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8}
 POOL_DIMS = 6
 """[layers, 2, blocks, block_size, kv_heads, head_dim]."""
 CUDA_IPC_HANDLE_MAX_BYTES = 1024
@@ -336,7 +336,8 @@ def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
 
 
 def copy_pages(src_cache: torch.Tensor, src_blocks: list[int], dst_cache: torch.Tensor, dst_blocks: list[int]) -> None:
-    """dst_cache[:, :, dst_blocks[i]] = src_cache[:, :, src_blocks[i]] (both [L, 2, blocks, bs, kvh, hd]).
+    """dst_cache[:, :, dst_blocks[i]] = src_cache[:, :, src_blocks[i]] (both [L, planes, blocks, ...]: a K/V pool's
+    two planes, or an index-key pool's one).
 
     One strided copy per run of consecutive blocks: no gathered temporary (several times faster than
     advanced indexing on CPU). Every block id must be inside its cache (checked: a slice past the end
@@ -345,8 +346,8 @@ def copy_pages(src_cache: torch.Tensor, src_blocks: list[int], dst_cache: torch.
         bad = next((b for b in blocks if not 0 <= b < cache.shape[2]), None)
         if bad is not None:
             raise ValueError(f"{side} block {bad} is outside the pool's {cache.shape[2]} blocks")
-    layers2 = src_cache.shape[0] * 2
-    src = src_cache.view(layers2, src_cache.shape[2], -1)
-    dst = dst_cache.view(layers2, dst_cache.shape[2], -1)
+    planes = src_cache.shape[0] * src_cache.shape[1]
+    src = src_cache.view(planes, src_cache.shape[2], -1)
+    dst = dst_cache.view(planes, dst_cache.shape[2], -1)
     for a, b, n in _runs(src_blocks, dst_blocks):
         dst[:, b:b + n].copy_(src[:, a:a + n])

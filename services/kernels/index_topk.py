@@ -1,18 +1,21 @@
-"""DeepSeek-V3.2's top-k key selection (the lightning indexer's scores) over the paged latent cache, on the device.
+"""DeepSeek-V3.2's top-k key selection (the lightning indexer's scores) over the paged index keys, on the device.
 
-Each layer caches an index key of ``index_dim`` values per token right after its latent, in the same two planes
-(`mla_decode_attention.py`: value d of a token's cached values sits in the K plane below ``half``, in the V plane
-from there on). A query row t of the step sees keys [0, end_t) of its sequence (decode: its context; a prefill
-token: the keys up to its own position) and scores each
+Each layer caches an index key of ``index_dim`` values per token in the index-key pool (engine/index_keys.py), a
+region of its own beside the latent: ``keys`` [slots, index_dim] (slot = block id * block_size + offset) in the
+pool's dtype, or fp8-e4m3 with one fp32 scale per token in ``key_scales`` [slots] (both strided views of the pool's
+rows). A query row t of the step sees keys [0, end_t) of its sequence (decode: its context; a prefill token: the
+keys up to its own position) and scores each
 
-    score[t, k] = sum_h w[t, h] * relu(scale * q[t, h] . index_key[k])
+    score[t, k] = sum_h w[t, h] * relu(scale * q[t, h] . index_key[k])      index_key = keys[slot] * key_scales[slot]
 
 One program owns one (row, BLOCK_N keys): its index query [heads, index_dim] meets the tile of keys in one tl.dot
-and the head-weighted sum reduces it to BLOCK_N scores; keys past end_t (and past the tile of a padding row) get
--inf. The selection is torch.topk over the [rows, max_context] fp32 buffer, on the device. Every size comes from
-host values (the step's longest context, or a fixed bound while CUDA graphs are captured), so a decode step is
-graph-safe: no host sync, no size read from the device. Rows are scored in chunks whose score buffer stays under
-SCORE_BYTES, so a long prefill chunk at a long context does not allocate rows x context at once.
+(fp8 keys converted exactly to q's dtype, each key's column of products then times its scale) and the head-weighted
+sum reduces it to BLOCK_N scores; keys past end_t (and past
+the tile of a padding row) get -inf. The selection is torch.topk over the [rows, max_context] fp32 buffer, on the
+device. Every size comes from host values (the step's longest context, or a fixed bound while CUDA graphs are
+captured), so a decode step is graph-safe: no host sync, no size read from the device. Rows are scored in chunks
+whose score buffer stays under SCORE_BYTES, so a long prefill chunk at a long context does not allocate rows x
+context at once.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ import triton
 import triton.language as tl
 
 from services.kernels._triton_utils import _mma, dot_flags
-from services.kernels.mla_decode_attention import _latent_columns
 
 SCORE_BYTES = 1 << 28
 """Largest fp32 score buffer one chunk of rows allocates (256 MiB: 512 decode rows at 128K keys)."""
@@ -35,7 +37,7 @@ def _index_score_kernel(
     Q_ptr,
     W_ptr,
     K_ptr,
-    V_ptr,
+    KS_ptr,
     BT_ptr,
     SEQ_ptr,
     END_ptr,
@@ -43,8 +45,8 @@ def _index_score_kernel(
     stride_qt,
     stride_qh,
     stride_wt,
-    stride_cb,
-    stride_ct,
+    stride_ks,
+    stride_ss,
     stride_btb,
     stride_st,
     scale,
@@ -52,17 +54,16 @@ def _index_score_kernel(
     num_cols,
     HEADS: tl.constexpr,
     DIM: tl.constexpr,
-    KEY_START: tl.constexpr,
-    HALF: tl.constexpr,
     BLOCK_HI: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_SEQ: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """For row t (sequence b = SEQ[t], or t itself without HAS_SEQ) and keys n of tile j, with
-    key(b, n) = [K, V][BT[b, n // bs], n % bs, 0][KEY_START:KEY_START + DIM] (the two planes joined):
+    """For row t (sequence b = SEQ[t], or t itself without HAS_SEQ) and keys n of tile j, with slot(b, n) =
+    BT[b, n // bs] * bs + n % bs and key(b, n) = K[slot] (times KS[slot] with HAS_SCALE):
 
         S[t, n] = sum_h W[t, h] * max(0, scale * Q[t, h] . key(b, n))    for n < END[t]
         S[t, n] = -inf                                                  for END[t] <= n < num_cols
@@ -86,26 +87,32 @@ def _index_score_kernel(
         q = tl.load(q_ptrs, mask=mask_h[:, None] & mask_d[None, :], other=0.0)
         w = tl.load(W_ptr + t.to(tl.int64) * stride_wt + offs_h, mask=mask_h, other=0.0)
         blk = tl.load(BT_ptr + b.to(tl.int64) * stride_btb + offs_n // block_size, mask=mask_n, other=0)
-        rows = blk.to(tl.int64) * stride_cb + (offs_n % block_size) * stride_ct
-        cols = _latent_columns(K_ptr, V_ptr, KEY_START + offs_d, HALF)
-        k = tl.load(cols[None, :] + rows[:, None], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-        s = tl.maximum(_mma(q, tl.trans(k), UPCAST, DOT_PRECISION) * scale, 0.0)  # [BLOCK_HI, BLOCK_N]
+        slots = blk.to(tl.int64) * block_size + offs_n % block_size
+        k = tl.load(K_ptr + slots[:, None] * stride_ks + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :],
+                    other=0.0)
+        s = _mma(q, tl.trans(k.to(q.dtype)), UPCAST, DOT_PRECISION) * scale  # [BLOCK_HI, BLOCK_N]
+        if HAS_SCALE:  # fp8-e4m3 keys (exact in q's dtype): q . (k * ks) = (q . k) * ks, per key column
+            s = s * tl.load(KS_ptr + slots * stride_ss, mask=mask_n, other=0.0)[None, :]
+        s = tl.maximum(s, 0.0)
         total = tl.where(mask_n, tl.sum(s * w[:, None], 0), float("-inf"))
     tl.store(S_ptr + t.to(tl.int64) * stride_st + offs_n, total, mask=offs_n < num_cols)
 
 
-def _check(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-           block_tables: torch.Tensor, row_end: torch.Tensor, key_start: int, row_seq: torch.Tensor | None) -> None:
-    """The shape contract of the score kernel (index keys at [key_start, key_start + index_dim) of the planes)."""
+def _check(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_scales: torch.Tensor | None,
+           block_tables: torch.Tensor, row_end: torch.Tensor, row_seq: torch.Tensor | None) -> None:
+    """The shape contract of the score kernel (index keys [slots, index_dim], fp8 ones with fp32 scales [slots])."""
     rows = q.shape[0]
     assert q.dim() == 3 and q.stride(-1) == 1, "q: [rows, index heads, index dim], contiguous last dim"
     assert weights.dtype == torch.float32 and weights.shape == q.shape[:2] and weights.stride(-1) == 1, (
         "weights: fp32 [rows, index heads], contiguous last dim")
-    assert k_cache.dim() == 4 and k_cache.shape[2] == 1 and v_cache.shape == k_cache.shape
-    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1, "the planes must share their strides"
-    assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the cache must share a dtype"
-    assert 0 < key_start and key_start + q.shape[2] <= 2 * k_cache.shape[-1], (
-        f"index keys [{key_start}, {key_start + q.shape[2]}) do not fit the cached {2 * k_cache.shape[-1]} values")
+    assert keys.dim() == 2 and keys.stride(-1) == 1, "keys: [slots, index dim], contiguous last dim"
+    assert keys.shape[1] == q.shape[2], f"index keys of {keys.shape[1]} values do not fit queries of {q.shape[2]}"
+    if key_scales is None:
+        assert keys.dtype == q.dtype, "q and the index keys must share a dtype (or the keys be fp8 with scales)"
+    else:
+        assert keys.dtype == torch.float8_e4m3fn and key_scales.dtype == torch.float32, (
+            "scaled index keys: float8_e4m3fn values with fp32 scales")
+        assert key_scales.shape == keys.shape[:1], "key_scales: fp32 [slots], one per index key"
     assert block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1
     assert row_end.dtype == torch.int32 and row_end.shape == (rows,) and row_end.is_contiguous()
     if row_seq is None:
@@ -114,13 +121,14 @@ def _check(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, v_cach
         assert row_seq.dtype == torch.int32 and row_seq.shape == (rows,) and row_seq.is_contiguous()
 
 
-def index_scores(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_tables: torch.Tensor, row_end: torch.Tensor, key_start: int, scale: float,
+def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_scales: torch.Tensor | None,
+                 block_tables: torch.Tensor, row_end: torch.Tensor, block_size: int, scale: float,
                  max_context_len: int, row_seq: torch.Tensor | None = None, block_n: int = BLOCK_N) -> torch.Tensor:
     """fp32 [rows, max_context_len] index scores of q [rows, heads, index_dim] (weights fp32 [rows, heads]) against
-    the index keys of each row's sequence (block table row ``row_seq[t]``, or t when None), keys [0, row_end[t])
-    scored and the rest -inf. max_context_len (host int) bounds row_end."""
-    _check(q, weights, k_cache, v_cache, block_tables, row_end, key_start, row_seq)
+    the index keys (``keys`` [slots, index_dim], fp8 ones times ``key_scales`` [slots]) of each row's sequence (block
+    table row ``row_seq[t]``, or t when None; ``block_size`` slots per block), keys [0, row_end[t]) scored and the
+    rest -inf. max_context_len (host int) bounds row_end."""
+    _check(q, weights, keys, key_scales, block_tables, row_end, row_seq)
     rows, heads, dim = q.shape
     cols = max(1, max_context_len)
     scores = torch.empty((rows, cols), dtype=torch.float32, device=q.device)
@@ -130,8 +138,8 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, 
     _index_score_kernel[(rows, triton.cdiv(cols, block_n))](
         q,
         weights,
-        k_cache,
-        v_cache,
+        keys,
+        keys if key_scales is None else key_scales,
         block_tables,
         row_end if row_seq is None else row_seq,
         row_end,
@@ -139,21 +147,20 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, 
         q.stride(0),
         q.stride(1),
         weights.stride(0),
-        k_cache.stride(0),
-        k_cache.stride(1),
+        keys.stride(0),
+        0 if key_scales is None else key_scales.stride(0),
         block_tables.stride(0),
         scores.stride(0),
         scale,
-        k_cache.shape[1],
+        block_size,
         cols,
         HEADS=heads,
         DIM=dim,
-        KEY_START=key_start,
-        HALF=k_cache.shape[-1],
         BLOCK_HI=max(16, triton.next_power_of_2(heads)),
         BLOCK_D=max(16, triton.next_power_of_2(dim)),
         BLOCK_N=block_n,
         HAS_SEQ=row_seq is not None,
+        HAS_SCALE=key_scales is not None,
         UPCAST=upcast,
         DOT_PRECISION=dot_precision,
         num_warps=4,
@@ -161,8 +168,8 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, 
     return scores
 
 
-def index_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               block_tables: torch.Tensor, row_end: torch.Tensor, key_start: int, scale: float, topk: int,
+def index_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_scales: torch.Tensor | None,
+               block_tables: torch.Tensor, row_end: torch.Tensor, block_size: int, scale: float, topk: int,
                max_context_len: int, row_seq: torch.Tensor | None = None, max_rows: int | None = None,
                block_n: int = BLOCK_N) -> torch.Tensor:
     """int32 [rows, min(topk, max_context_len)]: the key positions of each row's top ``topk`` index scores
@@ -177,8 +184,8 @@ def index_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, v_
         r1 = min(q.shape[0], r0 + chunk)
         tables = block_tables if row_seq is not None else block_tables[r0:r1]
         seq = None if row_seq is None else row_seq[r0:r1]
-        scores = index_scores(q[r0:r1], weights[r0:r1], k_cache, v_cache, tables, row_end[r0:r1], key_start, scale,
-                              cols, seq, block_n)
+        scores = index_scores(q[r0:r1], weights[r0:r1], keys, key_scales, tables, row_end[r0:r1], block_size,
+                              scale, cols, seq, block_n)
         vals, idx = scores.topk(width, dim=-1, sorted=False)
         out[r0:r1] = idx.masked_fill_(vals == float("-inf"), -1)
     return out

@@ -204,24 +204,24 @@ def _row_tables(block_tables: torch.Tensor, rows: int, row_seq: torch.Tensor | N
 def ref_index_scores(
     q: torch.Tensor,
     weights: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    keys: torch.Tensor,
+    key_scales: torch.Tensor | None,
     block_tables: torch.Tensor,
     row_end: torch.Tensor,
-    key_start: int,
+    block_size: int,
     scale: float,
     max_context_len: int,
     row_seq: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """DeepSeek-V3.2's index scores -> fp32 [rows, max_context_len]: S[t, n] = sum_h w[t, h] relu(scale q[t, h] .
-    I(n)) for n < row_end[t], -inf after, where I(n) is key n's index key (its cached values [key_start,
-    key_start + index_dim) of the joined planes) in row t's sequence (block table row row_seq[t], or t)."""
+    I(n)) for n < row_end[t], -inf after, where I(n) is key n's index key keys[slot] (times key_scales[slot] for
+    fp8 keys), slot = its block id * block_size + offset in row t's sequence (block table row row_seq[t], or t)."""
     rows, _, dim = q.shape
-    block_size = k_cache.shape[1]
     cols = max(1, max_context_len)
-    index_keys = torch.cat([k_cache, v_cache], dim=-1)[:, :, 0, key_start:key_start + dim]  # [NB, bs, dim]
+    index_keys = keys.float() if key_scales is None else keys.float() * key_scales.float()[:, None]
+    index_keys = index_keys.reshape(-1, block_size, dim)  # [NB, bs, dim]
     tables = _row_tables(block_tables, rows, row_seq)[:, : -(-cols // block_size)]
-    keys = index_keys[tables].reshape(rows, -1, dim)[:, :cols].float()  # [rows, <= cols, dim]
+    keys = index_keys[tables].reshape(rows, -1, dim)[:, :cols]  # [rows, <= cols, dim]
     s = torch.relu(torch.einsum("thd,tnd->thn", q.float(), keys) * scale)
     total = torch.einsum("th,thn->tn", weights.float(), s)
     out = torch.full((rows, cols), float("-inf"), device=q.device)

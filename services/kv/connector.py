@@ -11,7 +11,7 @@ checks (services/decode/kv_receiver.py), the descriptor stream and its KVPoll st
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -39,14 +39,15 @@ class Plan:
     """An opened same-host pool (shm / cuda-ipc)."""
     engine: object = None
     """The Mooncake transfer engines writing it."""
-    draft: object = None
-    """The draft pool beside the target pool (speculative decoding, engine/spec/pools.py), if written."""
+    extras: list = field(default_factory=list)
+    """(own pool, decode's Mooncake pool) of each region beside the target's (engine/region_pools.py), if written."""
 
 
 class PlanContext(Protocol):
     """What the prefill's planner (services/kv/planner.py) lends a connector: opened pools, started engines."""
 
-    draft: object
+    regions: list
+    """(region, own pool) of each page region beside the target's (engine/region_pools.RegionPool)."""
     pools: SharedKVPools
     staging_bytes: int
 

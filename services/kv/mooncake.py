@@ -22,15 +22,15 @@ from services.engine.kv_pages import KVPages
 from services.engine.kv_transport import mooncake
 from services.engine.kv_transport.base import PageWriter
 from services.engine.kv_transport.mooncake_staged import HostLanding, StagedWriter, codec_fits
+from services.engine.region_pools import mooncake_region, offer_mooncake
 from services.engine.shared_kv import SharedKVAttachError
-from services.engine.spec.pools import mooncake_draft, offer_mooncake
 from services.kv.connector import Connector, Export, Plan, PlanContext
 
 log = logging.getLogger(__name__)
 
 
 class MooncakeConnector(Connector):
-    """Direct: from this prefill's host pool into decode's registered CPU pool (and its draft pool)."""
+    """Direct: from this prefill's host pool into decode's registered CPU pool (and its other regions' pools)."""
 
     name = kv_kinds.MOONCAKE.transport
     pool = kv_kinds.MOONCAKE
@@ -42,26 +42,23 @@ class MooncakeConnector(Connector):
                     num_blocks: int, export: Export | None, wire: PageLayout | None) -> Plan:
         shape, dtype = await asyncio.to_thread(mooncake.check_pool, request.destination.mooncake,
                                                request.decode_address)  # may resolve a host name
-        draft_plane = None if ctx.draft is None else await asyncio.to_thread(
-            mooncake_draft, request.destination, ctx.draft.region(), ctx.draft.kv_cache,
-            request.decode_address)  # the draft pool beside the target one (spec/pools.py)
+        extras = [await asyncio.to_thread(mooncake_region, request.destination, region, cache, request.decode_address)
+                  for region, cache in ctx.regions]  # the other regions' pools beside the target one (region_pools)
         if src.is_cuda:
             raise SharedKVAttachError("device", "this Mooncake build writes from host memory only and the "
                                                 "decode offers its pool, not a host landing area")
         engine = await asyncio.to_thread(ctx.mooncake_engine)
-        return Plan(shape, dtype, engine=engine, draft=draft_plane)
+        return Plan(shape, dtype, engine=engine, extras=extras)
 
     async def writer(self, ctx: PlanContext, request: prefill_pb2.PrefillRequest, plan: Plan, src: torch.Tensor,
                      export: Export | None, dest: list[int]) -> PageWriter:
         return await asyncio.to_thread(mooncake.MooncakeWriter, plan.engine, src, request.destination, dest,
-                                       plan.draft)
+                                       plan.extras)
 
     def offer(self, pages: KVPages, engine: mooncake.MooncakeEngine) -> decode_pb2.KVDestination | None:
-        """The engine's own CPU pool registered with ``engine`` (both pools on the same engines with a draft)."""
-        if pages.has_draft:
-            spec = pages._runner.spec  # the SpecDecoder whose draft pool KVPages.has_draft reports
-            return offer_mooncake(engine, mooncake.export_pool(engine, pages.pool), spec.kv_cache, spec.region())
-        return mooncake.export_pool(engine, pages.pool)
+        """The engine's own CPU pool registered with ``engine`` (every region's pool on the same engines)."""
+        dest = mooncake.export_pool(engine, pages.pool)
+        return offer_mooncake(engine, dest, pages.region_pools) if pages.region_pools else dest
 
 
 class StagedMooncakeConnector(MooncakeConnector):
@@ -73,8 +70,8 @@ class StagedMooncakeConnector(MooncakeConnector):
                     num_blocks: int, export: Export | None, wire: PageLayout | None) -> Plan:
         shape, dtype = await asyncio.to_thread(mooncake.check_pool, request.destination.mooncake,
                                                request.decode_address)  # may resolve a host name
-        if ctx.draft is not None:
-            raise SharedKVAttachError("draft", "a host landing area carries the target region only")
+        if ctx.regions:
+            raise SharedKVAttachError(ctx.regions[0][0].kind, "a host landing area carries the target region only")
         page_bytes = src[:, :, 0].numel() * src.element_size()
         if wire is not None and codec_fits(wire, page_bytes):
             page_bytes = wire.page_bytes
@@ -118,5 +115,5 @@ def offer_mooncake_pool(pages: KVPages, host: str, engines: int) -> decode_pb2.K
         raise SharedKVAttachError("unavailable", why)
     engine = mooncake.MooncakeEngine(host, count=engines)
     pages.exporters.append(engine)  # the engine serves the registered pool as long as it lives
-    staged = pages.pool.is_cuda and not pages.has_draft  # both pools on the same engines: a device pool, none
+    staged = pages.pool.is_cuda and not pages.region_pools  # several pools on the same engines: host pools only
     return (MOONCAKE_STAGED if staged else MOONCAKE).offer(pages, engine)

@@ -2,7 +2,7 @@
 
 Side transports (shm, cuda-ipc, mooncake, shard writes) write pages straight into this decode's pool; which
 one decode offers follows from how it runs (``--kv-mooncake-host``, ``--kv-cache-shared``, tensor
-parallelism, a draft pool), each connector making its own offer (its ``offer``).
+parallelism, pools of other page regions), each connector making its own offer (its ``offer``).
 """
 
 from __future__ import annotations
@@ -26,16 +26,20 @@ def offered_pool(pages: KVPages, mooncake_host: str, mooncake_engines: int = 1) 
     set (any host may write; a device pool through a pinned host landing area, kv_transport/mooncake_staged;
     with ``mooncake_engines`` transfer engines, all offered), else the engine's same-host shm / CUDA IPC pool,
     else None."""
-    if pages.has_draft and not mooncake_host:  # a second pool, offered with the target pool (KVDestination.draft)
+    if pages.region_pools and not mooncake_host:  # more pools, offered with the target pool (index, draft)
         return SHM.offer(pages)
     if pages.sharded:  # TP>1: every rank's own pool, written rank to rank (parallel/rank_pages.py)
+        if pages.region_pools:
+            log.warning("KV pool not offered: the %s region is not carried by rank-to-rank shard writes (prefills "
+                        "send page bytes instead)", "+".join(r.kind for r, _ in pages.region_pools))
+            return None
         return SHARDS.offer(pages, mooncake_host, mooncake_engines)
     if mooncake_host:
         try:
             return offer_mooncake_pool(pages, mooncake_host, mooncake_engines)
         except SharedKVAttachError as e:
             log.warning("KV pool not offered over Mooncake (prefills send page bytes instead): %s", e)
-            if pages.has_draft:
+            if pages.region_pools:
                 return None
     return SHM.offer(pages)  # the same-host pool, whichever kind the engine made (shm or cuda-ipc)
 

@@ -21,6 +21,7 @@ from services.engine.kv_transport import mooncake
 from services.engine.kv_transport.base import PageWriter
 from services.engine.kv_transport.mooncake_staged import StagingRing
 from services.engine.parallel.rank_pages import ShardWrites
+from services.engine.region_pools import RegionPool
 from services.engine.shared_kv import SharedKVAttachError, SharedKVPools
 from services.kv import registry
 from services.kv.connector import Connector, Export, Plan
@@ -50,9 +51,9 @@ class DirectWrites:
         """Pinned host staging registered with Mooncake (made on the first write into a host landing area)."""
         self._lock = threading.Lock()  # attach() and the Mooncake start run in worker threads
         self._logged: set[tuple[str, str]] = set()
-        self.draft = None
-        """This prefill's draft (services/engine/spec SpecDecoder) when its pages carry a draft region: a side
-        transport then also writes that region into decode's draft pool (spec/pools.py), or falls back."""
+        self.regions: list[RegionPool] = []
+        """(region, pool) of each page region beside the target's (index keys, draft KV): a side transport then also
+        writes each into decode's pool of it (region_pools.py), or falls back."""
         self.shards: ShardWrites | None = None
         """This instance's rank-to-rank writes (set by the servicer): used for a tensor-parallel decode's pool,
         and for every side-transport write of a tensor-parallel prefill."""
@@ -124,6 +125,11 @@ class DirectWrites:
             return None
         conn, over, dest = chosen
         if conn is SHARDS:
+            if self.regions:  # rank-to-rank writes move the target's heads only
+                kinds = "+".join(r.kind for r, _ in self.regions)
+                self._fallback(over.name, self.regions[0][0].kind, f"the {kinds} region is not carried by "
+                                                                   f"rank-to-rank shard writes")
+                return None
             return await self._shard_writer(request, over, dest)
         try:
             plan = await conn.probe(self, request, src, num_blocks, export, wire)

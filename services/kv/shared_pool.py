@@ -1,6 +1,7 @@
 """``shm`` (CPU) and ``cuda-ipc`` (GPUs of one host): the prefill copies pages straight into a same-host
 decode's pool, opened from its typed destination (engine/shared_kv.py, engine/kv_transport/shared_pool.py);
-with a draft region, into decode's draft pool too (engine/spec/pools.py)."""
+with more regions than the target's (index keys, draft KV), into decode's pools of them too
+(engine/region_pools.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from services.engine.kv_layout import PageLayout
 from services.engine.kv_pages import KVPages
 from services.engine.kv_transport.base import PageWriter
 from services.engine.kv_transport.shared_pool import SharedPoolWriter
-from services.engine.spec.pools import draft_writer
+from services.engine.region_pools import region_writer
 from services.kv.connector import Connector, Export, Plan, PlanContext
 
 
@@ -33,17 +34,17 @@ class SharedPoolConnector(Connector):
 
     async def writer(self, ctx: PlanContext, request: prefill_pb2.PrefillRequest, plan: Plan, src: torch.Tensor,
                      export: Export | None, dest: list[int]) -> PageWriter:
-        if ctx.draft is not None:
-            return await asyncio.to_thread(draft_writer, ctx.pools, request.destination, ctx.draft, self.name,
+        if ctx.regions:
+            return await asyncio.to_thread(region_writer, ctx.pools, request.destination, ctx.regions, self.name,
                                            pool_id(request.destination), src, plan.pool, dest)
         return SharedPoolWriter(self.name, pool_id(request.destination), src, plan.pool, dest)
 
     def offer(self, pages: KVPages, *args: object) -> decode_pb2.KVDestination | None:
-        """The engine's same-host pool (made with ``--kv-cache-shared``), with its draft pool when the engine has
-        one (a pool without it is not offered then)."""
+        """The engine's same-host pool (made with ``--kv-cache-shared``), with the pool of each other region the
+        engine's pages carry (index keys, draft KV; a pool without them all is not offered then)."""
         dest = pages.destination
-        if pages.has_draft:
-            return dest if dest is not None and dest.HasField("draft") else None
+        if dest is not None and not all(dest.HasField(r.kind) for r, _ in pages.region_pools):
+            return None
         return dest
 
 

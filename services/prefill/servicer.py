@@ -89,7 +89,7 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
         self.max_queued = self.config.max_queued or batch_defaults(engine.device).prefill_queue
         shards = self.direct.shards = pages_of(engine.engine).shard_writes()  # rank to rank (parallel/rank_pages)
         shards.on_pages = lambda rank, n: self.metrics.kv_rank_pages_total.labels(str(rank)).inc(n)
-        self.direct.draft = engine.engine.runner.spec  # side transports write its draft region too (spec/pools.py)
+        self.direct.regions = pages_of(engine.engine).region_pools  # side transports write them too (region_pools.py)
         self.model = engine.engine.loaded.model_id
         self.layout = engine.engine.layout
         engine.engine.chunk_listeners.append(self._on_chunk)

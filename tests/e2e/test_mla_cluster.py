@@ -1,12 +1,14 @@
 """Tiny DeepSeek checkpoints (transformers-built; multi-head latent attention, so the pages hold one latent per
-token, and for V3.2 the indexer's key beside it) served by real 1P1D clusters: DeepSeek-V3.2's greedy tokens
+token, and for V3.2 the indexer's keys in a region of their own) served by real 1P1D clusters: DeepSeek-V3.2's greedy tokens
 over the grpc, shm and mooncake KV transports equal transformers fp32 up to the first near-tie; with the kvstore, a second prefill loads the latent pages the first
-one wrote and gives the same tokens; a TP=2 prefill hands the pages to a TP=1 decode and back."""
+one wrote and gives the same tokens (for V3.2 with the index-key region); the prefill's and decode's index-key
+codecs must agree (the fingerprint names it); a TP=2 prefill hands the pages to a TP=1 decode and back."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
@@ -61,6 +63,43 @@ def test_mla_1p1d_tokens_equal_transformers(v32: tuple[Path, object], transport:
             _check_against_transformers(ref, ids, got, f"deepseek_v32 {transport} prompt {i}")
         pm = c.get("prefill-0").ready["metrics"]
         assert metric_sum(pm, "pdserve_prefill_kv_sent_bytes_total", transport=transport) > 0
+        # shm and mooncake write the index-key pool beside the latent pool in place: no fallback to bytes
+        assert metric_sum(pm, "pdserve_prefill_kv_transport_fallbacks_total") == 0
+        rep = wait_idle(c.get("decode-0").ready["grpc"])
+        assert rep.free_blocks == rep.total_blocks
+
+
+def _fingerprint(model_dir: Path, index_codec: str) -> str:
+    return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=16,
+                                  index_kv_codec=index_codec)).layout.fingerprint
+
+
+@pytest.mark.parametrize(("prefill_codec", "transport"), [("fp8-e4m3", "shm"), ("native", "shm"), ("native", "grpc")])
+def test_v32_index_codec_must_agree(v32: tuple[Path, object], prefill_codec: str, transport: str) -> None:
+    """Decode caches index keys in fp8-e4m3 (--index-kv-codec). A prefill with the pool-dtype codec is refused before
+    any page moves (shm or grpc), the error naming both layout fingerprints; one with the same codec hands off over
+    shm and the
+    tokens equal the colocated engine's with that codec (fp8 keys may flip a near-tied top-k choice, so not
+    necessarily transformers')."""
+    model_dir, _ = v32
+    extra = {"prefill": ["--max-prefill-chunk", "29", "--index-kv-codec", prefill_codec, *SMALL_KV],
+             "decode": ["--index-kv-codec", "fp8-e4m3", *SMALL_KV]}
+    ids = _prompts()[0]
+    with LocalCluster(prefill=1, decode=1, kvstore=None, model=str(model_dir), dtype="float32", extra=extra,
+                      quiet=True, kv_transport=transport) as c:
+        if prefill_codec == "native":
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                _generate(c.router["grpc"], ids)
+            msg = e.value.details() or ""
+            assert _fingerprint(model_dir, "native") in msg and _fingerprint(model_dir, "fp8-e4m3") in msg, msg
+        else:
+            want = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64,
+                                          index_kv_codec="fp8-e4m3")).generate(
+                [ids], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
+            assert _generate(c.router["grpc"], ids) == want
+            pm = c.get("prefill-0").ready["metrics"]
+            assert metric_sum(pm, "pdserve_prefill_kv_sent_bytes_total", transport="shm") > 0
+            assert metric_sum(pm, "pdserve_prefill_kv_transport_fallbacks_total") == 0
         rep = wait_idle(c.get("decode-0").ready["grpc"])
         assert rep.free_blocks == rep.total_blocks
 
@@ -69,6 +108,14 @@ def test_mla_kvstore_pages_reused_across_two_prefills(v2: tuple[Path, object]) -
     model_dir, ref = v2
     ids = _prompts()[0]
     _check_against_transformers(ref, ids, kvstore_reuse_tokens(model_dir, ids), "deepseek_v2 kvstore")
+
+
+def test_v32_kvstore_pages_carry_the_index_region(v32: tuple[Path, object]) -> None:
+    """DeepSeek-V3.2: the pages one prefill writes to the kvstore (latent + index-key region) are the ones the other
+    loads; the decode's top-k selection over the loaded index keys gives transformers' tokens."""
+    model_dir, ref = v32
+    ids = _prompts()[0]
+    _check_against_transformers(ref, ids, kvstore_reuse_tokens(model_dir, ids), "deepseek_v32 kvstore")
 
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])

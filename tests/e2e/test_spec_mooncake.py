@@ -3,7 +3,7 @@
 Cluster: 1 prefill (chunked transfer on, 37-token chunks) x 1 decode speculating with K = 3, both with the
 draft ``layers:6``, ``--kv-transport mooncake``: decode registers its target AND draft pools with its transfer
 engines and offers both (``DraftPool.mooncake``); the prefill writes both regions of every page straight into
-them (spec/pools.py); the PushKV stream carries the claim and descriptors only.
+them (region_pools.py); the PushKV stream carries the claim and descriptors only.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc
 from services.engine.convert import layout_from_pb
 from services.engine.kv_layout import Region, region_bytes
 from services.engine.kv_transport import mooncake
+from services.engine.region_pools import mooncake_region, region_name
 from services.engine.shared_kv import SharedKVAttachError
-from services.engine.spec.pools import mooncake_draft, region_name
 from services.launcher import LocalCluster
 from services.text.sampling_params import SamplingParams
 from tests.e2e.cluster_util import CHAT_PROMPTS, generate_ids, metric_sum, wait_idle
@@ -83,19 +83,19 @@ def test_offered_draft_pool_is_checked_against_the_writers_draft(mc_cluster):
     cache = torch.zeros(layers, two, 4, bs, kvh, hd)
     region = Region(name, codec, 0)
     host = dest.mooncake.segment.rsplit(":", 1)[0]
-    _, pool = mooncake_draft(dest, region, cache, host)
+    _, pool = mooncake_region(dest, region, cache, host)
     assert pool.base_address == dest.draft.mooncake.base_address
     fp32 = dataclasses.replace(region, codec="fp32")
     with pytest.raises(SharedKVAttachError) as e:
-        mooncake_draft(dest, fp32, cache, host)
+        mooncake_region(dest, fp32, cache, host)
     assert e.value.reason == "draft" and dest.draft.region in str(e.value) and region_name(fp32) in str(e.value)
     with pytest.raises(SharedKVAttachError, match="draft cache"):
-        mooncake_draft(dest, region, torch.zeros(layers + 1, two, 4, bs, kvh, hd), host)
+        mooncake_region(dest, region, torch.zeros(layers + 1, two, 4, bs, kvh, hd), host)
     moved = decode_pb2.KVDestination()
     moved.CopyFrom(dest)
     moved.draft.mooncake.segment = f"{host}:1"
     with pytest.raises(SharedKVAttachError, match="transfer engines"):
-        mooncake_draft(moved, region, cache, host)
+        mooncake_region(moved, region, cache, host)
 
 
 def test_mooncake_descriptor_with_another_draft_codec_is_refused(mc_cluster):

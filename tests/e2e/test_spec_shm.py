@@ -2,7 +2,7 @@
 
 Cluster: 1 prefill (chunked transfer on, 37-token chunks) x 1 decode speculating with K = 3, both with the
 draft ``layers:6``, ``--kv-transport shm``: decode offers its target AND draft pools, the prefill writes
-both regions of every page straight into them (spec/pools.py); the PushKV stream carries descriptors.
+both regions of every page straight into them (region_pools.py); the PushKV stream carries descriptors.
 """
 
 from __future__ import annotations

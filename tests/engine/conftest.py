@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from services.engine.attention import AttentionMetadata, ForwardContext, TorchPagedAttention
+from services.engine.index_keys import IndexKeys
+from services.engine.kv_layout import PageLayout
 from services.engine.models.llama import LlamaForCausalLM
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -33,7 +35,13 @@ class PagedHarness:
         self.max_blocks = (max_len + block_size - 1) // block_size
         self.kv = torch.zeros(a.num_layers, 2, num_seqs * self.max_blocks, block_size, a.num_kv_heads,
                               a.head_dim, dtype=p.dtype, device=p.device)
-        self.backend = TorchPagedAttention(self.kv, scale=a.head_dim ** -0.5)
+        index = None
+        if a.mla is not None and a.mla.index_head_dim:  # DeepSeek-V3.2: the index keys' own pool (pool dtype)
+            nb, codec = num_seqs * self.max_blocks, PageLayout.codec_for_dtype(p.dtype)
+            shape = IndexKeys.pool_shape(a.num_layers, nb, block_size, a.mla.index_head_dim, codec, p.dtype)
+            index = IndexKeys(a.num_layers, nb, block_size, a.mla.index_head_dim, codec, p.dtype,
+                              torch.zeros(shape, dtype=torch.uint8, device=p.device))
+        self.backend = TorchPagedAttention(self.kv, scale=a.head_dim ** -0.5, index_keys=index)
         self.lens = [0] * num_seqs
 
     def block_table(self, seq: int) -> list[int]:

@@ -26,8 +26,10 @@ from tests.moe_checkpoints import write_tiny_moe
 pytestmark = pytest.mark.slow
 
 DEEPSEEK = ("deepseek_v2", "deepseek_v3", "deepseek_v32")
-CACHED = {"deepseek_v2": (32, 8), "deepseek_v3": (32, 8), "deepseek_v32": (32, 8, 16)}
-"""PageLayout.latent of each tiny checkpoint: kv_lora_rank, rope dims (, the V3.2 index key)."""
+CACHED = {"deepseek_v2": (32, 8), "deepseek_v3": (32, 8), "deepseek_v32": (32, 8)}
+"""PageLayout.latent of each tiny checkpoint: kv_lora_rank, rope dims (the V3.2 index key is a region of its own)."""
+INDEX_DIM = 16
+"""index_head_dim of the tiny V3.2 checkpoint."""
 
 
 @pytest.fixture(scope="module", params=DEEPSEEK)
@@ -90,10 +92,17 @@ def test_pages_hold_exactly_the_latent_and_the_layout_says_so(tiny_ds: tuple[str
     layout = engine.layout
     cached = sum(CACHED[model_type])
     assert layout.latent == CACHED[model_type] and (layout.num_kv_heads, layout.head_dim) == (1, cached // 2)
-    assert layout.page_bytes == 2 * 16 * cached * 4  # layers x tokens x cached values x fp32: no padding
-    assert ("latent c32+r8+i16 " if model_type == "deepseek_v32" else "latent c32+r8 ") in layout.describe()
+    assert layout.regions[0].bytes_per_page == 2 * 16 * cached * 4  # layers x tokens x latent x fp32: no padding
+    assert "latent c32+r8 " in layout.describe()
+    index = layout.region("index")
+    if model_type == "deepseek_v32":  # the index keys: a region of their own, one key per token and layer
+        assert index is not None and index.name == f"index[L2 d{INDEX_DIM}]" and index.codec == "fp32"
+        assert index.bytes_per_page == 2 * 16 * INDEX_DIM * 4 and "+index[L2 d16]:fp32 " in layout.describe()
+    else:
+        assert index is None and len(layout.regions) == 1
     plain = PageLayout.for_model(layout.model_id, 2, 1, cached // 2, 16, "fp32")
-    assert plain.page_bytes == layout.page_bytes and plain.fingerprint != layout.fingerprint
+    assert plain.regions[0].bytes_per_page == layout.regions[0].bytes_per_page
+    assert plain.fingerprint != layout.fingerprint
     from services.engine.convert import layout_from_pb, layout_to_pb
 
     assert layout_from_pb(layout_to_pb(layout)).fingerprint == layout.fingerprint

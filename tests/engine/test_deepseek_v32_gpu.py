@@ -48,21 +48,22 @@ def _on_gpu(cpu: LoadedModel, dtype: torch.dtype) -> LoadedModel:
 
 @pytest.mark.skipif(not interpret_mode(), reason="runs the Triton kernels on CPU tensors (interpreter); the GPU "
                                                  "tests below run them on a GPU")
-@pytest.mark.parametrize("graph_bound", [0, 256])
-def test_triton_sparse_path_equals_torch_backend_on_cpu(tiny_v32: Path, graph_bound: int) -> None:
+@pytest.mark.parametrize(("graph_bound", "index_codec"), [(0, "native"), (256, "native"), (256, "fp8-e4m3")])
+def test_triton_sparse_path_equals_torch_backend_on_cpu(tiny_v32: Path, graph_bound: int, index_codec: str) -> None:
     """fp32: a 40-token prompt in 13-token chunks (causal selection over a cached prefix), decode steps, then a batch
     whose steps mix decode rows and prompt chunks. ``graph_bound``: decode scored against a fixed maximum context,
-    as under CUDA-graph capture (-inf columns past every context)."""
+    as under CUDA-graph capture (-inf columns past every context). ``index_codec``: the index keys' region codec
+    (fp8-e4m3: the kernel dequantizes them with their per-token scales, as the torch path does)."""
     from services.engine.cuda.gpu_attention import TritonPagedAttention  # needs triton (the interpreter here)
 
     ref = _engine(str(tiny_v32), load_model(str(tiny_v32), torch.float32, "cpu"), "cpu", "float32",
-                  max_prefill_chunk=13)
+                  max_prefill_chunk=13, index_kv_codec=index_codec)
     tri = _engine(str(tiny_v32), load_model(str(tiny_v32), torch.float32, "cpu"), "cpu", "float32",
-                  max_prefill_chunk=13)
+                  max_prefill_chunk=13, index_kv_codec=index_codec)
     assert tri.runner.model.arch.mla.index_topk == 8
     runner = tri.runner
     runner.model.fused_kernels = True
-    runner.attn_backend = TritonPagedAttention(runner.kv_cache, runner.head_dim ** -0.5)
+    runner.attn_backend = TritonPagedAttention(runner.kv_cache, runner.head_dim ** -0.5, runner.index_keys)
     runner.attn_backend.decode_max_context_len = graph_bound or None
     prompt = _prompt(40, 1)
     ref_tokens, want = logits_trace(ref, prompt, 6)

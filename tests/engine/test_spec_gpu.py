@@ -102,9 +102,10 @@ def test_cuda_ipc_writes_both_regions_into_a_decode_in_another_process() -> None
 
     from services.common.kv_kinds import pool_id
     from services.common.pb import decode_pb2
+    from services.engine.kv_pages import pages_of
     from services.engine.kv_transport.base import KVPoll
+    from services.engine.region_pools import region_writer
     from services.engine.shared_kv import SharedKVPools
-    from services.engine.spec.pools import draft_writer
 
     class _Open:
         @staticmethod
@@ -125,7 +126,7 @@ def test_cuda_ipc_writes_both_regions_into_a_decode_in_another_process() -> None
         src.normal_()
         draft_src.normal_()
         pools = SharedKVPools()
-        writer = draft_writer(pools, dest, prefill.runner.spec, "cuda-ipc", pool_id(dest), src, pools.attach(dest),
+        writer = region_writer(pools, dest, pages_of(prefill).region_pools, "cuda-ipc", pool_id(dest), src, pools.attach(dest),
                               [5, 6, 2])
         writer.sender = _Open()  # type: ignore[assignment]
         writer.write(0, [1, 2])

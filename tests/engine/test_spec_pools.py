@@ -1,5 +1,5 @@
 """The draft region over the shm side transport, in one process: decode shares its target AND draft pools,
-a prefill engine writes both regions of its pages straight into the reserved blocks (spec/pools.py), and
+a prefill engine writes both regions of its pages straight into the reserved blocks (region_pools.py), and
 decode then speculates: greedy output equals plain decoding. A writer whose draft region differs (another
 codec) or a decode without a draft pool is refused before anything is written."""
 
@@ -15,9 +15,9 @@ from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.kv_pages import pages_of
 from services.engine.kv_transport.base import KVPoll
+from services.engine.region_pools import RegionPoolWriter, region_name, region_writer
 from services.engine.scheduler import ScheduledChunk
 from services.engine.shared_kv import SharedKVAttachError, SharedKVPools
-from services.engine.spec.pools import DraftPoolWriter, draft_writer, region_name
 from services.kv.offer import offered_pool
 from services.text.sampling_params import SamplingParams
 
@@ -55,9 +55,9 @@ def _handoff_in_place(prefill: LLMEngine, decode: LLMEngine, prompt: list[int], 
     assert dest is not None and dest.HasField("draft")
     seq, cached = decode.add_kv_import(rid, prompt, GREEDY, detokenize=False)
     pools = SharedKVPools()
-    writer = draft_writer(pools, dest, prefill.runner.spec, "shm", pool_id(dest), prefill.runner.kv_cache,
+    writer = region_writer(pools, dest, pages_of(prefill).region_pools, "shm", pool_id(dest), prefill.runner.kv_cache,
                           pools.attach(dest), list(seq.block_table))
-    assert isinstance(writer, DraftPoolWriter)
+    assert isinstance(writer, RegionPoolWriter)
     writer.sender = _Open()  # type: ignore[assignment]
     sent = [cached]
     first: list[int] = []
@@ -110,7 +110,7 @@ def test_writer_with_another_draft_codec_is_refused(decode: LLMEngine) -> None:
     assert other.layout.fingerprint != decode.layout.fingerprint
     pools = SharedKVPools()
     with pytest.raises(SharedKVAttachError) as e:
-        draft_writer(pools, dest, other.runner.spec, "shm", pool_id(dest), other.runner.kv_cache,
+        region_writer(pools, dest, pages_of(other).region_pools, "shm", pool_id(dest), other.runner.kv_cache,
                      pools.attach(dest), [0, 1])
     msg = str(e.value)
     assert e.value.reason == "draft" and ":fp8-e4m3" in msg and ":fp32" in msg
@@ -126,7 +126,7 @@ def test_decode_without_a_shared_draft_pool_offers_none() -> None:
         pools = SharedKVPools()
         dest = eng.runner.kv_destination
         with pytest.raises(SharedKVAttachError, match="no draft pool"):
-            draft_writer(pools, dest, eng.runner.spec, "shm", pool_id(dest), eng.runner.kv_cache,
+            region_writer(pools, dest, pages_of(eng).region_pools, "shm", pool_id(dest), eng.runner.kv_cache,
                          pools.attach(dest), [0])
     finally:
         eng.runner.release()

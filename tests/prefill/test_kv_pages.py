@@ -23,6 +23,7 @@ def _runner(cache: torch.Tensor) -> SimpleNamespace:
 
     return SimpleNamespace(kv_cache=cache, device=cache.device, kv_destination=None, num_layers=SHAPE[0],
                            block_size=SHAPE[3], num_kv_heads=SHAPE[4], head_dim=SHAPE[5], dtype=cache.dtype, spec=None,
+                           index_keys=None, composite=False,
                            write_pages=write_pages)
 
 

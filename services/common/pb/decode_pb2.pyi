@@ -82,18 +82,20 @@ class MooncakePool(_message.Message):
     def __init__(self, segment: _Optional[str] = ..., base_address: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., protocol: _Optional[str] = ..., page_major: _Optional[bool] = ..., extra_segments: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KVDestination(_message.Message):
-    __slots__ = ("shm", "cuda_ipc", "mooncake", "sharded", "draft")
+    __slots__ = ("shm", "cuda_ipc", "mooncake", "sharded", "draft", "index")
     SHM_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     MOONCAKE_FIELD_NUMBER: _ClassVar[int]
     SHARDED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     shm: ShmPool
     cuda_ipc: CudaIpcPool
     mooncake: MooncakePool
     sharded: ShardedPool
     draft: DraftPool
-    def __init__(self, shm: _Optional[_Union[ShmPool, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcPool, _Mapping]] = ..., mooncake: _Optional[_Union[MooncakePool, _Mapping]] = ..., sharded: _Optional[_Union[ShardedPool, _Mapping]] = ..., draft: _Optional[_Union[DraftPool, _Mapping]] = ...) -> None: ...
+    index: DraftPool
+    def __init__(self, shm: _Optional[_Union[ShmPool, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcPool, _Mapping]] = ..., mooncake: _Optional[_Union[MooncakePool, _Mapping]] = ..., sharded: _Optional[_Union[ShardedPool, _Mapping]] = ..., draft: _Optional[_Union[DraftPool, _Mapping]] = ..., index: _Optional[_Union[DraftPool, _Mapping]] = ...) -> None: ...
 
 class DraftPool(_message.Message):
     __slots__ = ("shm", "cuda_ipc", "mooncake", "region")

@@ -10,9 +10,11 @@ stored by the same ``store_kv`` into the K and V planes; the latent kernels (``m
 ``mla_prefill_attention``) read it from there in place, the query [T, H, key_dim] meeting the whole latent and the
 output [T, H, value_dim] the weighted sum of its first value_dim values.
 
-Sparse latent attention (DeepSeek-V3.2, ``AttentionSpec.index``): per part of the step (decode rows, prefill
-tokens) `index_topk` scores every visible cached index key of each row (causal for prefill tokens) and keeps the
-top ``index.topk`` positions on the device, then `sparse_mla_attention` attends to those latents only. The decode
+Sparse latent attention (DeepSeek-V3.2, ``AttentionSpec.index``): the step's index keys go into the index-key pool
+(``IndexKeys.store``: fixed-size torch ops and, for fp8, the quantize kernel, so graph-safe); per part of the step
+(decode rows, prefill tokens) `index_topk` scores every visible cached index key of each row (causal for prefill
+tokens; fp8 keys dequantized with their per-token scale in the kernel) and keeps the top ``index.topk`` positions on
+the device, then `sparse_mla_attention` attends to those latents only. The decode
 part's sizes are the same host bound as the dense decode kernel's (a fixed one while CUDA graphs are captured);
 the prefill part finds each token's sequence and causal end on the device (`prefill_rows`), once per step.
 """
@@ -24,6 +26,7 @@ from collections.abc import Callable
 import torch
 
 from services.engine.attention import AttentionMetadata, IndexQuery
+from services.engine.index_keys import IndexKeys
 from services.kernels.index_topk import index_topk, prefill_rows
 from services.kernels.mla_decode_attention import mla_decode_attention
 from services.kernels.mla_prefill_attention import mla_prefill_attention
@@ -32,13 +35,18 @@ from services.kernels.prefill_attention import prefill_attention
 from services.kernels.sparse_mla_attention import sparse_mla_attention
 from services.kernels.store_kv import store_kv
 
+IndexPlanes = tuple[torch.Tensor, torch.Tensor | None]
+"""One layer's index keys as `index_topk` reads them: values [slots, dim] and fp32 scales [slots] (None: unscaled)."""
+
 
 class TritonPagedAttention:
     """Paged attention over ``kv_cache[L, 2, num_blocks, block_size, kv_heads, head_dim]`` with Triton kernels."""
 
-    def __init__(self, kv_cache: torch.Tensor, scale: float) -> None:
+    def __init__(self, kv_cache: torch.Tensor, scale: float, index_keys: IndexKeys | None = None) -> None:
         self.kv_cache = kv_cache
         self.scale = scale
+        self.index_keys = index_keys
+        """DeepSeek-V3.2's index-key pool (same block ids as kv_cache); None without an indexer."""
         self.decode_max_context_len: int | None = None
         """Fixed upper bound on decode context lengths, set while CUDA graphs are captured so the
         captured split-K launch covers any context up to it; None: the step's own maximum."""
@@ -66,14 +74,18 @@ class TritonPagedAttention:
         ``sinks`` is fp32 [H] (the layer's parameter: a graph replay reads its current values); ``scale``: the
         layer's softmax scale (0: this backend's). ``value_dim``: latent attention (k/v the latent's halves, q
         [T, H, key_dim] -> out [T, H, value_dim]); ``index``: DeepSeek-V3.2's top-k selection over the index keys
-        cached after the latent (sparse latent attention)."""
+        cached in the index-key pool (sparse latent attention)."""
         k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         scale = scale or self.scale
         if value_dim and index is not None:
+            assert self.index_keys is not None, "sparse attention (AttentionSpec.index) needs the backend's index_keys"
+            self.index_keys.store(layer, index.key, meta.slot_mapping)
+            keys = (self.index_keys.values(layer), self.index_keys.scales(layer))
             return self._rows(q, meta, value_dim,
-                              lambda qd: self._sparse_decode(qd, index, k_cache, v_cache, meta, scale, value_dim),
-                              lambda qp: self._sparse_prefill(qp, index, k_cache, v_cache, meta, scale, value_dim))
+                              lambda qd: self._sparse_decode(qd, index, keys, k_cache, v_cache, meta, scale, value_dim),
+                              lambda qp: self._sparse_prefill(qp, index, keys, k_cache, v_cache, meta, scale,
+                                                              value_dim))
         if value_dim:
             return self._rows(q, meta, value_dim,
                               lambda qd: self._latent_decode(qd, k_cache, v_cache, meta, scale, value_dim),
@@ -121,23 +133,23 @@ class TritonPagedAttention:
         return mla_prefill_attention(q, k_cache, v_cache, meta.block_tables[nd:], self._prefill_cu_seqlens(meta),
                                      meta.context_lens[nd:], scale, value_dim, max_seqlen_q=max(meta.query_lens[nd:]))
 
-    def _sparse_decode(self, q: torch.Tensor, index: IndexQuery, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       meta: AttentionMetadata, scale: float, value_dim: int) -> torch.Tensor:
+    def _sparse_decode(self, q: torch.Tensor, index: IndexQuery, keys: IndexPlanes, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, value_dim: int) -> torch.Tensor:
         """Decode rows: each sees its whole context; top-k over a [rows, decode bound] score buffer."""
         nd = meta.num_decode
         tables = meta.block_tables[:nd]
-        sel = index_topk(index.q[:nd], index.weights[:nd], k_cache, v_cache, tables, meta.context_lens[:nd],
-                         index.key_start, index.scale, index.topk, self._decode_bound(meta))
+        sel = index_topk(index.q[:nd], index.weights[:nd], *keys, tables, meta.context_lens[:nd], k_cache.shape[1],
+                         index.scale, index.topk, self._decode_bound(meta))
         return sparse_mla_attention(q, k_cache, v_cache, tables, sel, scale, value_dim)
 
-    def _sparse_prefill(self, q: torch.Tensor, index: IndexQuery, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float, value_dim: int) -> torch.Tensor:
+    def _sparse_prefill(self, q: torch.Tensor, index: IndexQuery, keys: IndexPlanes, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, value_dim: int) -> torch.Tensor:
         """Prefill tokens: token i of a chunk sees its sequence's keys up to its own position."""
         nd = meta.num_decode
         seq, end = self._token_rows(meta, q.shape[0])
         tables = meta.block_tables[nd:]
-        sel = index_topk(index.q[nd:], index.weights[nd:], k_cache, v_cache, tables, end, index.key_start,
-                         index.scale, index.topk, max(meta.context_lens_host[nd:]), row_seq=seq)
+        sel = index_topk(index.q[nd:], index.weights[nd:], *keys, tables, end, k_cache.shape[1], index.scale,
+                         index.topk, max(meta.context_lens_host[nd:]), row_seq=seq)
         return sparse_mla_attention(q, k_cache, v_cache, tables, sel, scale, value_dim, row_seq=seq)
 
     def _token_rows(self, meta: AttentionMetadata, total: int) -> tuple[torch.Tensor, torch.Tensor]:

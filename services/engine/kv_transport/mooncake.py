@@ -26,7 +26,7 @@ many (own engine, decode segment) pairs as both sides have, all batches in fligh
 (benchmarks/mooncake_tcp_probe.py ``--engines``).
 
 Speculative decoding: a decode with a draft region registers its draft pool with the same engines and offers it
-beside the target pool (``DraftPool.mooncake``, spec/pools.py); a writer then fills both pools, each run of
+beside the target pool (``DraftPool.mooncake``, region_pools.py); a writer then fills both pools, each run of
 blocks one range per (layer, K|V) of each. Tensor parallelism: every rank has its own engines
 (parallel/mooncake_ranks.py).
 """
@@ -236,7 +236,8 @@ class MooncakeWriter(PageWriter):
     overlaps_compute = True
 
     def __init__(self, engine: MooncakeEngine, src: torch.Tensor, dest: decode_pb2.KVDestination,
-                 dest_blocks: list[int], draft: tuple[torch.Tensor, decode_pb2.MooncakePool] | None = None) -> None:
+                 dest_blocks: list[int], extras: list[tuple[torch.Tensor, decode_pb2.MooncakePool]] | None = None
+                 ) -> None:
         pool = dest.mooncake
         self.engine = engine
         self.src = src
@@ -245,10 +246,10 @@ class MooncakeWriter(PageWriter):
         self.dest = dest_blocks
         self.pool_id = pool_id(dest)
         self.planes = [_Plane(engine, src, pool)]
-        """The pools each page is written into: the target pool, then (speculative decoding, spec/pools.py) the
-        draft pool at the same block ids (registered with the same engines: its checks are the caller's)."""
-        if draft is not None:
-            self.planes.append(_Plane(engine, *draft))
+        """The pools each page is written into: the target pool, then each other region's pool (index keys, draft
+        KV; region_pools.py) at the same block ids (registered with the same engines: their checks are the
+        caller's)."""
+        self.planes.extend(_Plane(engine, *extra) for extra in extras or ())
         self.sender: KVSender | None = None
         self._batches: list[_Batch] = []
         self._lock = threading.Lock()
@@ -300,8 +301,9 @@ class MooncakeWriter(PageWriter):
 
 
 class _Plane:
-    """One pool a writer fills: source cache [layers, 2, blocks, ...] here, the same layout at decode (shapes
-    checked by the caller), both registered; a run of n blocks is one range per (layer, K|V) region."""
+    """One pool a writer fills: source cache [layers, planes, blocks, ...] here (2 planes: K and V; 1: index keys),
+    the same layout at decode (shapes checked by the caller), both registered; a run of n blocks is one range per
+    (layer, plane) region."""
 
     def __init__(self, engine: MooncakeEngine, src: torch.Tensor, pool: decode_pb2.MooncakePool) -> None:
         self.src_base = engine.register(src)
@@ -309,8 +311,8 @@ class _Plane:
         self.dst_base = pool.base_address
         self.dst_blocks = int(pool.shape[2])
         self.region_bytes = src[0, 0, 0].numel() * src.element_size()
-        """Bytes of one block of one (layer, K|V) region: equal on both sides."""
-        self.regions = src.shape[0] * 2
+        """Bytes of one block of one (layer, plane) region: equal on both sides."""
+        self.regions = src.shape[0] * src.shape[1]
 
 
 class _Batch:

@@ -50,7 +50,7 @@ def copy_pages_peer(src_cache: torch.Tensor, src_blocks: list[int], dst_cache: t
     (a kernel there, in the context that holds the pool's IPC mapping). One copy per run and (layer, K/V) plane
     instead costs ~100 us of host time each across devices: with decode's blocks fragmented, ~0.5 s per
     2048-token chunk. Block ids are checked against both caches. The one gather-copy-scatter of the side
-    transports: a whole pool (cuda-ipc), a draft pool (spec/pools.py), a rank's heads (parallel/rank_pages.py)."""
+    transports: a whole pool (cuda-ipc), another region's pool (region_pools.py), a rank's heads (parallel/rank_pages.py)."""
     check_blocks(src_blocks, src_cache.shape[2], "source")
     check_blocks(dst_blocks, dst_cache.shape[2], "destination")
     src = src_cache if src_heads is None else src_cache[:, :, :, :, src_heads[0]:src_heads[1]]

@@ -15,9 +15,9 @@ join the planes into the key and read the value as the key's first ``kv_lora_ran
 CPU, the Triton latent kernels on a GPU (``services/kernels/mla_decode_attention.py``, ``mla_prefill_attention.py``),
 where the model takes the fused path of the Llama decoder (Triton norms, the fused MoE) around the same attention.
 
-DeepSeek-V3.2 adds an indexer per layer (``Indexer``): its index key is cached after the latent (the same two
-planes, wider), and each query attends only to its ``index_topk`` keys of highest index score
-(``AttentionSpec.index``).
+DeepSeek-V3.2 adds an indexer per layer (``Indexer``): its index key goes with the step's query to the backend
+(``AttentionSpec.index``), which caches it in the index-key pool, a page region of its own in its own codec
+(engine/index_keys.py), and each query attends only to its ``index_topk`` keys of highest index score.
 
 RoPE on the rope dims is DeepSeek's interleaved pairs (``rope_interleave``, always for V2), with YaRN's
 cos/sin factor; the softmax scale carries YaRN's ``mscale_all_dim`` (mla_config.py). MoE layers (from
@@ -151,10 +151,9 @@ class MLAAttention(nn.Module):
         if self.indexer is not None:
             assert q_resid is not None
             iq, ik, iw = self.indexer(x, q_resid, positions, rotary)
-            latent = torch.cat([latent, ik.to(latent.dtype)], dim=-1)  # the index key is cached after the latent
             spec = AttentionSpec(scale=mla.scale, latent_value_dim=lora, index=IndexQuery(
-                iq, iw, mla.latent_dim, mla.index_topk, mla.index_head_dim ** -0.5))
-        half = mla.cached_dim // 2
+                iq, iw, ik.to(latent.dtype), mla.index_topk, mla.index_head_dim ** -0.5))
+        half = mla.latent_dim // 2
         out = ctx.attend(self.layer_idx, query, latent[:, None, :half], latent[:, None, half:], spec)
         o = torch.bmm(out.transpose(0, 1), w[:, nope:].transpose(1, 2))  # [H, T, v]: through W_UV per head
         return self.o_proj(o.transpose(0, 1).reshape(t, h * mla.v_head_dim))

@@ -148,12 +148,20 @@ class TPModelRunner(ModelRunner):
         if codec == FP8_CODEC:
             with device_scope(self.device):  # the kernel launches on rank 0's device, not the thread's current one
                 full = pack_pages_fp8(as_cache(full), torch.arange(len(block_ids), device=full.device))
-        return full.cpu()
+        if not self.composite:
+            return full.cpu()
+        with device_scope(self.device):  # the other regions (index keys) are replicated: rank 0's are every rank's
+            rest = [r.pack(idx, codec) for r in self.page_regions[1:]]
+        return torch.cat([full.contiguous().view(torch.uint8).reshape(len(block_ids), -1), *rest], dim=1).cpu()
 
     @torch.inference_mode()
     def write_pages(self, block_ids: list[int], pages: torch.Tensor, codec: str | None = None) -> None:
-        """Full-head pages (the layout read_pages returns) into every rank's shard of ``block_ids``."""
+        """Full-head pages (the layout read_pages returns) into every rank's shard of ``block_ids``; the regions
+        beside the target's (index keys) go to every rank whole, broadcast after the target's scatter."""
         pages = pages.to(self.device)
+        rest: list[torch.Tensor] = []
+        if self.composite:
+            pages, rest = self._split_regions(pages.reshape(len(block_ids), -1).view(torch.uint8), codec)
         if codec == FP8_CODEC:
             L, _, _, bs, _, d = self.kv_cache.shape
             cache = torch.empty((L, 2, len(block_ids), bs, self.split.num_kv_heads, d), dtype=self.dtype,
@@ -167,6 +175,23 @@ class TPModelRunner(ModelRunner):
             mine = pages.new_empty((len(block_ids), *self.kv_cache.shape[:2], *self.kv_cache.shape[3:]))
             self.group.scatter_from_root(mine, per_rank_heads(pages, self.split))
             unpack_pages(mine, self.kv_cache, idx)
+            for region, data in zip(self.page_regions[1:], rest, strict=True):  # worker.py receives them in order
+                region.unpack(self.group.broadcast(data.contiguous()), idx)
+
+    def _split_regions(self, pages: torch.Tensor, codec: str | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """uint8 [P, page bytes] -> (the target region's pages as read_pages gives them alone, each other region's
+        uint8 [P, bytes])."""
+        sizes = [r.nbytes(codec) for r in self.page_regions[1:]]
+        cut = pages.shape[1] - sum(sizes)
+        rest, start = [], cut
+        for n in sizes:
+            rest.append(pages[:, start:start + n])
+            start += n
+        target = pages[:, :cut].contiguous()
+        if codec != FP8_CODEC:
+            L, _, _, bs, _, d = self.kv_cache.shape
+            target = target.view(self.dtype).view(len(pages), L, 2, bs, self.split.num_kv_heads, d)
+        return target, rest
 
     def announce_trace(self, start_unix: float, duration_s: float, stem: str) -> None:
         """Ranks 1..N-1 start profiling the window and write ``<stem>-rank<r>.trace.json`` (parallel/trace.py)."""

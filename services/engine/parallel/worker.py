@@ -94,6 +94,9 @@ def serve(runner: ModelRunner, group: TPGroup) -> None:
         else:
             mine = torch.empty((n, L, 2, bs, split.local_kv_heads, d), dtype=runner.dtype, device=dev)
             unpack_pages(group.scatter_from_root(mine), runner.kv_cache, idx)
+            for region in runner.page_regions[1:]:  # replicated regions (index keys), whole from rank 0
+                data = torch.empty((n, region.nbytes()), dtype=torch.uint8, device=dev)
+                region.unpack(group.broadcast(data), idx)
 
 
 def worker_main(rank: int, size: int, port: int, config: EngineConfig) -> None:

@@ -35,15 +35,15 @@ import torch
 
 from services.common.pb import decode_pb2
 from services.engine.attention import ForwardContext, TorchPagedAttention
-from services.engine.kv_layout import FP8_CODEC, PageLayout, Region
+from services.engine.kv_layout import PageLayout, Region
+from services.engine.page_regions import KVRegion
+from services.engine.region_pools import with_region_pool
 from services.engine.sampler import SamplingRow
 from services.engine.scheduler import ScheduledChunk, SchedulerOutput
 from services.engine.shared_kv import allocate_kv
 from services.engine.spec.attention import UniformQueryAttention
 from services.engine.spec.draft import Draft, DraftConfigError, load_draft
 from services.engine.spec.graphs import GraphStep, SpecGraphs
-from services.engine.spec.pages import pack_composite, region_nbytes, unpack_composite
-from services.engine.spec.pools import with_draft_pool
 from services.engine.spec.verify import (
     draw,
     greedy_accept,
@@ -53,7 +53,7 @@ from services.engine.spec.verify import (
     synthetic_count,
     with_logprobs,
 )
-from services.engine.step_inputs import device_scope, prepare_rows
+from services.engine.step_inputs import prepare_rows
 from services.text.sampling_params import Sampled
 
 log = logging.getLogger(__name__)
@@ -144,11 +144,11 @@ class SpecDecoder:
         self.backend = _batched(make_backend(self.kv_cache, d.head_dim))
 
     def offer(self, dest: decode_pb2.KVDestination | None) -> decode_pb2.KVDestination | None:
-        """The runner's shared target pool ``dest`` with this draft pool beside it (spec/pools.py); ``dest``
+        """The runner's shared target pool ``dest`` with this draft pool beside it (region_pools.py); ``dest``
         unchanged when the draft pool is private (side transports then see no draft pool: page bytes)."""
         if dest is None or self.pool_destination is None:
             return dest
-        return with_draft_pool(dest, self.pool_destination, self.region())
+        return with_region_pool(dest, self.pool_destination, self.region())
 
     def release(self) -> None:
         """Remove the shared draft pool's /dev/shm file."""
@@ -168,26 +168,10 @@ class SpecDecoder:
         spec.capture()
         self.graphs = spec
 
-    # --- pages (both regions) ---
-
-    def page_bytes(self, target_cache: torch.Tensor, codec: str | None) -> int:
-        """Bytes of one page of both regions, the target's in ``codec`` (None: the cache's dtype)."""
+    def page_region(self) -> KVRegion:
+        """The draft region of every page, packed in the draft codec (page_regions.py)."""
         assert self.kv_cache is not None
-        return (region_nbytes(target_cache, codec == FP8_CODEC)
-                + region_nbytes(self.kv_cache, self.draft_codec == FP8_CODEC))
-
-    def pack(self, target_cache: torch.Tensor, block_ids: list[int], codec: str | None) -> torch.Tensor:
-
-        assert self.kv_cache is not None
-        with device_scope(self.kv_cache.device):  # the pack kernels launch on the caches' device
-            return pack_composite(target_cache, self.kv_cache, block_ids, codec, self.draft_codec)
-
-    def unpack(self, pages: torch.Tensor, target_cache: torch.Tensor, block_ids: list[int], codec: str | None
-               ) -> None:
-
-        assert self.kv_cache is not None
-        with device_scope(self.kv_cache.device):
-            unpack_composite(pages, target_cache, self.kv_cache, block_ids, codec, self.draft_codec)
+        return KVRegion("draft", self.kv_cache, self.draft_codec)
 
     # --- the step ---
 

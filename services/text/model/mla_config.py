@@ -7,10 +7,11 @@ a query of ``kv_lora_rank + qk_rope_head_dim`` values meets the cached latent di
 ``c_kv`` is multiplied by the head's value up-projection afterwards. That is multi-query attention with one
 key of ``latent_dim`` values whose first ``kv_lora_rank`` values are also the value.
 
-The pool keeps the engine's K/V page shape with one KV "head" of ``cached_dim // 2`` values per plane: the K
-plane holds the first half of [latent, index key], the V plane the second half, so a page holds exactly the
-latent (and DeepSeek-V3.2's index key; no copy of c_kv, no zero padding) and every transport, the kvstore and
-the fp8 wire codec move it unchanged.
+The pool keeps the engine's K/V page shape with one KV "head" of ``latent_dim // 2`` values per plane: the K
+plane holds the first half of the latent, the V plane the second half, so a page's target region holds exactly the
+latent (no copy of c_kv, no zero padding) and every transport, the kvstore and the fp8 wire codec move it
+unchanged. DeepSeek-V3.2's index key (``index_head_dim`` values per token and layer) is a page region of its own,
+in its own pool and codec (engine/index_keys.py).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class MLAConfig:
     index_n_heads: int = 0
     """Sparse attention (DeepSeek-V3.2's indexer): heads of the index query; 0: dense attention (no indexer)."""
     index_head_dim: int = 0
-    """Width of the index key cached per token beside the latent (its first qk_rope_head_dim values rotated)."""
+    """Width of the index key cached per token in its own region (its first qk_rope_head_dim values rotated)."""
     index_topk: int = 0
     """Keys each query attends to: the top index_topk by index score (all of them while fewer are cached)."""
 
@@ -64,19 +65,14 @@ class MLAConfig:
                                  f"{self.qk_rope_head_dim} (its first qk_rope_head_dim values are rotated)")
         if self.index_n_heads and not self.q_lora_rank:
             raise MLAConfigError("an indexer reads the compressed query: q_lora_rank must be set")
-        if self.cached_dim % 2:
-            raise MLAConfigError(f"kv_lora_rank + qk_rope_head_dim + index_head_dim = {self.cached_dim}: the cached "
-                                 "values are two equal halves (K and V planes), so they must be even")
+        if self.latent_dim % 2:
+            raise MLAConfigError(f"kv_lora_rank + qk_rope_head_dim = {self.latent_dim}: the cached latent is two "
+                                 "equal halves (K and V planes), so it must be even")
 
     @property
     def latent_dim(self) -> int:
         """Cached values per token and layer: c_kv then k_pe."""
         return self.kv_lora_rank + self.qk_rope_head_dim
-
-    @property
-    def cached_dim(self) -> int:
-        """Values a page holds per token and layer: the latent, then the index key when there is an indexer."""
-        return self.latent_dim + self.index_head_dim
 
     @property
     def qk_head_dim(self) -> int:
