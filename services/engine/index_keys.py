@@ -73,14 +73,28 @@ class IndexKeys:
         return None if self._scales is None else self._scales[layer]
 
     def store(self, layer: int, keys: torch.Tensor, slots: torch.Tensor) -> None:
-        """Write ``keys`` [T, dim] at cache ``slots`` (int64 [T]) of ``layer``, quantized for fp8 (fixed sizes:
-        CUDA-graph safe)."""
-        if not self.fp8:
-            self._values[layer].index_copy_(0, slots, keys.to(self.dtype))
+        """Write ``keys`` [T, dim] at cache ``slots`` (int64 [T]) of ``layer``, quantized for fp8; slot -1 (a CUDA
+        graph's padding row) writes nothing. On CUDA one ``store_kv`` launch of the rows' bytes (fixed sizes, no
+        host sync: CUDA-graph safe); on the CPU an index copy of the rows whose slot is set."""
+        rows = self._row_bytes(keys)
+        plane = self.kv_cache[layer, 0]  # uint8 [blocks, block_size, 1, row bytes]
+        if plane.is_cuda:
+            # kernels.store_kv imports triton: only a CUDA pool reaches it (as in cuda/gpu_attention.py).
+            from services.kernels.store_kv import store_kv
+
+            r = rows.view(rows.shape[0], 1, rows.shape[1])
+            store_kv(r, r, plane, plane, slots)  # the same bytes as "K" and "V" of the one plane
             return
+        keep = slots >= 0
+        plane.view(-1, rows.shape[1]).index_copy_(0, slots[keep], rows[keep])
+
+    def _row_bytes(self, keys: torch.Tensor) -> torch.Tensor:
+        """uint8 [T, row bytes] of ``keys`` [T, dim] as the pool stores them: the pool dtype's values, or the e4m3
+        values followed by their fp32 scale."""
+        if not self.fp8:
+            return keys.reshape(-1, self.dim).to(self.dtype).contiguous().view(torch.uint8)
         q, s = fp8_quantize(keys.reshape(-1, 1, self.dim))
-        self._values[layer].index_copy_(0, slots, q.view(torch.uint8).view(-1, self.dim))
-        self._scales[layer].index_copy_(0, slots, s.view(-1))  # type: ignore[index]
+        return torch.cat([q.view(torch.uint8).reshape(-1, self.dim), s.reshape(-1, 1).view(torch.uint8)], dim=1)
 
     def read(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """[N, dim] keys at ``slots`` (int64 [N]) of ``layer``: the pool dtype's values, or fp8 ones dequantized with

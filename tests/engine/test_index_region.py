@@ -134,3 +134,17 @@ def test_index_keys_hold_the_fp8_rounding_of_the_keys(tiny_v32: Path) -> None:
     amax = a.abs().amax(dim=-1, keepdim=True)
     assert ((a - b).abs() <= a.abs() / 16 + amax / 448 * 2 ** -6 + 1e-6).all()
     assert not torch.equal(a, b)
+
+
+@pytest.mark.parametrize("codec", ["fp32", FP8_CODEC])
+def test_store_skips_padding_slots_and_reads_back_what_it_wrote(codec: str) -> None:
+    # A CUDA graph's padding rows carry slot -1: they must write nothing (the GPU path is store_kv's skip).
+    pool = torch.zeros(IndexKeys.pool_shape(L, NB, BS, INDEX_DIM, codec, torch.float32), dtype=torch.uint8)
+    keys = IndexKeys(L, NB, BS, INDEX_DIM, codec, torch.float32, pool)
+    new = torch.randn((3, INDEX_DIM), generator=torch.Generator().manual_seed(3))
+    keys.store(1, new, torch.tensor([-1, 5, 9]))
+    got = keys.read(1, torch.tensor([5, 9]))
+    tol = {"atol": 0.0, "rtol": 0.0} if codec == "fp32" else {"atol": 1e-2, "rtol": 1 / 16}
+    torch.testing.assert_close(got, new[1:], **tol)
+    written = pool.view(L, NB * BS, -1)[1].any(dim=1).nonzero().flatten().tolist()
+    assert written == [5, 9] and not pool[0].any()
