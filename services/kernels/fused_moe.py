@@ -66,18 +66,20 @@ class PairTileConfig:
     """Tiles of the pair (GEMV) path: gate/up columns per program, hidden columns per program of the down
     kernel, and the K slice each loads per iteration."""
 
-    gate_up_n: int = 8
-    down_n: int = 16
+    gate_up_n: int = 4
+    down_n: int = 8
     block_k: int = 256
     num_warps: int = 4
     num_stages: int = 3
 
 
 #: Pairs per expected distinct expert above which the sorted path wins (the pair path reads an expert once
-#: per pair that chose it). Measured on the GPU by `pdserve bench moe --pair-sweep`: docs/PERFORMANCE.md.
-PAIR_PATH_MAX_DUPLICATION = 1.6
-#: Never the pair path beyond this many pairs (its down kernel loops over a token's K experts serially).
-PAIR_PATH_MAX_PAIRS = 64
+#: per pair that chose it). `pdserve bench moe --pair-sweep` on an H100, both paths in CUDA graphs: the pair path
+#: won up to 1.58 (qwen3-30b-a3b shapes, 16 tokens: 270 vs 324 us) and 1.52 (mixtral, 4 tokens: 587 vs 639 us),
+#: tied at 2.27 (mixtral, 8 tokens) and lost from 4 on (docs/PERFORMANCE.md, "MoE on one GPU").
+PAIR_PATH_MAX_DUPLICATION = 2.0
+#: Never the pair path beyond this many pairs (a prefill's pairs share experts whatever the count of experts).
+PAIR_PATH_MAX_PAIRS = 256
 
 
 def expected_distinct_experts(num_pairs: int, num_experts: int) -> float:
