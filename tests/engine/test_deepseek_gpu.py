@@ -43,6 +43,29 @@ def _assert_rows_close(got: torch.Tensor, ref: torch.Tensor, rel_tol: float) -> 
     return rel
 
 
+def on_gpu(cpu: LoadedModel, dtype: torch.dtype) -> LoadedModel:
+    """The CPU model's weights in ``dtype`` on the GPU (the same weights for both engines of a comparison)."""
+    model = build_empty_model(cpu.arch, dtype, "cuda")
+    model.load_state_dict(cpu.model.state_dict())
+    model.eval().requires_grad_(False)
+    return LoadedModel(model, cpu.arch, cpu.tokenizer, cpu.model_id, cpu.max_model_len)
+
+
+def assert_tokens_track(tokens: list[int], ref: torch.Tensor, rel: torch.Tensor, near_tie: float, rel_tol: float
+                        ) -> None:
+    """Each step's token equals the reference logits' argmax wherever that choice is no near-tie (top-2 margin
+    >= near_tie) and the step's logits are within rel_tol."""
+    for i, tok in enumerate(tokens):
+        top2 = ref[i].topk(2).values
+        if float(top2[0] - top2[1]) >= near_tie and rel[i] < rel_tol:
+            assert tok == int(ref[i].argmax()), f"step {i}: GPU token {tok}, reference argmax {int(ref[i].argmax())}"
+
+
+def agreeing_tokens(a: list[list[int]], b: list[list[int]]) -> int:
+    """Greedy tokens at the same position of the same sequence that two engines agree on."""
+    return sum(x == y for xs, ys in zip(a, b, strict=True) for x, y in zip(xs, ys, strict=True))
+
+
 @pytest.fixture(scope="module")
 def tiny_v2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("transformers")
@@ -94,10 +117,7 @@ def test_triton_path_equals_torch_backend_on_cpu(tiny_v2: Path, graph_bound: int
 def cpu_and_gpu(tiny_v2: Path) -> tuple[LoadedModel, LoadedModel]:
     """The same weights twice: fp32 on the CPU and bf16 on the GPU."""
     cpu = load_model(str(tiny_v2), torch.float32, "cpu")
-    gpu_model = build_empty_model(cpu.arch, torch.bfloat16, "cuda")
-    gpu_model.load_state_dict(cpu.model.state_dict())
-    gpu_model.eval().requires_grad_(False)
-    return cpu, LoadedModel(gpu_model, cpu.arch, cpu.tokenizer, cpu.model_id, cpu.max_model_len)
+    return cpu, on_gpu(cpu, torch.bfloat16)
 
 
 @pytest.mark.gpu
@@ -114,10 +134,8 @@ def test_gpu_bf16_with_graphs_matches_cpu_fp32(tiny_v2: Path, cpu_and_gpu: tuple
     gpu_tokens, got = logits_trace(gpu, prompt, 16)
     _, ref = logits_trace(cpu, prompt, 16, forced=gpu_tokens)
     rel = _assert_rows_close(got, ref, 5e-2)
-    for i, tok in enumerate(gpu_tokens):  # the CPU engine was fed the GPU's tokens: the same history each step
-        top2 = ref[i].topk(2).values
-        if float(top2[0] - top2[1]) >= BF16_NEAR_TIE and rel[i] < 5e-2:
-            assert tok == int(ref[i].argmax()), f"step {i}: GPU token {tok}, CPU argmax {int(ref[i].argmax())}"
+    # The CPU engine was fed the GPU's tokens: the same history each step.
+    assert_tokens_track(gpu_tokens, ref, rel, BF16_NEAR_TIE, 5e-2)
 
 
 @pytest.mark.gpu
@@ -138,5 +156,5 @@ def test_gpu_triton_backend_matches_torch_backend(tiny_v2: Path, cpu_and_gpu: tu
     a, b = tri.generate(prompts, sp), ref.generate(prompts, sp)
     assert all(len(x) == 12 for x in a)
     # Free-running: a flipped routing choice or near-tie makes a sequence diverge for its remaining tokens.
-    agree = sum(x == y for xs, ys in zip(a, b, strict=True) for x, y in zip(xs, ys, strict=True))
+    agree = agreeing_tokens(a, b)
     assert agree >= 0.6 * 12 * len(prompts), f"only {agree} of {12 * len(prompts)} greedy tokens agree"

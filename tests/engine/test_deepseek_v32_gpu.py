@@ -16,10 +16,17 @@ import pytest
 import torch
 
 from benchmarks.gpu_bench import logits_trace
-from services.engine.model_loader import LoadedModel, build_empty_model, load_model
+from services.engine.model_loader import LoadedModel, load_model
 from services.kernels._triton_utils import interpret_mode
 from services.text.sampling_params import SamplingParams
-from tests.engine.test_deepseek_gpu import _assert_rows_close, _engine, _prompt
+from tests.engine.test_deepseek_gpu import (
+    _assert_rows_close,
+    _engine,
+    _prompt,
+    agreeing_tokens,
+    assert_tokens_track,
+    on_gpu,
+)
 from tests.moe_checkpoints import write_tiny_moe
 
 pytestmark = pytest.mark.slow
@@ -33,14 +40,6 @@ FP32_NEAR_TIE = 1e-3
 def tiny_v32(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("transformers")
     return write_tiny_moe(tmp_path_factory.mktemp("deepseek_v32"), "deepseek_v32")
-
-
-def _on_gpu(cpu: LoadedModel, dtype: torch.dtype) -> LoadedModel:
-    """The CPU model's weights in ``dtype`` on the GPU."""
-    model = build_empty_model(cpu.arch, dtype, "cuda")
-    model.load_state_dict(cpu.model.state_dict())
-    model.eval().requires_grad_(False)
-    return LoadedModel(model, cpu.arch, cpu.tokenizer, cpu.model_id, cpu.max_model_len)
 
 
 # -- the GPU path on CPU tensors (Triton interpreter) ------------------------------------------------------------
@@ -90,20 +89,17 @@ def test_gpu_fp32_matches_cpu_fp32(tiny_v32: Path, cpu_fp32: LoadedModel, cuda_g
     replayed from the CUDA graphs: logits within fp32 tolerance of the CPU engine on the same token history, greedy
     tokens equal wherever the CPU's choice is not a near-tie."""
     cpu = _engine(str(tiny_v32), cpu_fp32, "cpu", "float32")
-    gpu = _engine(str(tiny_v32), _on_gpu(cpu_fp32, torch.float32), "cuda", "float32", cuda_graphs=cuda_graphs)
+    gpu = _engine(str(tiny_v32), on_gpu(cpu_fp32, torch.float32), "cuda", "float32", cuda_graphs=cuda_graphs)
     assert (gpu.runner.graphs is not None and bool(gpu.runner.graphs.graphs)) == cuda_graphs
     prompt = _prompt(150, 1)
     gpu_tokens, got = logits_trace(gpu, prompt, 16)
     _, ref = logits_trace(cpu, prompt, 16, forced=gpu_tokens)
     rel = _assert_rows_close(got, ref, 1e-2)
-    for i, tok in enumerate(gpu_tokens):
-        top2 = ref[i].topk(2).values
-        if float(top2[0] - top2[1]) >= FP32_NEAR_TIE and rel[i] < 1e-2:
-            assert tok == int(ref[i].argmax()), f"step {i}: GPU token {tok}, CPU argmax {int(ref[i].argmax())}"
+    assert_tokens_track(gpu_tokens, ref, rel, FP32_NEAR_TIE, 1e-2)
     prompts = [_prompt(n, 10 + n) for n in (5, 40, 77, 130, 16)]
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     a, b = gpu.generate(prompts, sp), cpu.generate(prompts, sp)
-    agree = sum(x == y for xs, ys in zip(a, b, strict=True) for x, y in zip(xs, ys, strict=True))
+    agree = agreeing_tokens(a, b)
     assert agree >= 0.9 * 12 * len(prompts), f"only {agree} of {12 * len(prompts)} greedy tokens agree"
 
 
@@ -112,7 +108,7 @@ def test_gpu_fp32_matches_cpu_fp32(tiny_v32: Path, cpu_fp32: LoadedModel, cuda_g
 def test_gpu_bf16_with_graphs_matches_torch_backend(tiny_v32: Path, cpu_fp32: LoadedModel) -> None:
     """Same bf16 weights on the GPU: the sparse Triton kernels (+ CUDA graphs) against the torch backend's
     index_mask + SDPA, one prompt teacher-forced, a batch whose steps mix decode rows and prompt chunks."""
-    loaded = _on_gpu(cpu_fp32, torch.bfloat16)
+    loaded = on_gpu(cpu_fp32, torch.bfloat16)
     tri = _engine(str(tiny_v32), loaded, "cuda", "bfloat16")
     ref = _engine(str(tiny_v32), loaded, "cuda", "bfloat16", attention_backend="torch", cuda_graphs=False)
     assert tri.runner.graphs is not None and tri.runner.graphs.graphs, "decode CUDA graphs were not captured"
@@ -124,5 +120,5 @@ def test_gpu_bf16_with_graphs_matches_torch_backend(tiny_v32: Path, cpu_fp32: Lo
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     a, b = tri.generate(prompts, sp), ref.generate(prompts, sp)
     assert all(len(x) == 12 for x in a)
-    agree = sum(x == y for xs, ys in zip(a, b, strict=True) for x, y in zip(xs, ys, strict=True))
+    agree = agreeing_tokens(a, b)
     assert agree >= 0.6 * 12 * len(prompts), f"only {agree} of {12 * len(prompts)} greedy tokens agree"

@@ -9,11 +9,17 @@ import pytest
 import torch
 
 from benchmarks.gpu_bench import logits_trace
-from services.engine.config import EngineConfig
-from services.engine.engine import LLMEngine
-from services.engine.model_loader import LoadedModel, build_empty_model, load_model
+from services.engine.model_loader import load_model
 from services.text.sampling_params import SamplingParams
-from tests.engine.test_deepseek_gpu import BF16_NEAR_TIE, _assert_rows_close
+from tests.engine.test_deepseek_gpu import (
+    BF16_NEAR_TIE,
+    _assert_rows_close,
+    _engine,
+    _prompt,
+    agreeing_tokens,
+    assert_tokens_track,
+    on_gpu,
+)
 from tests.moe_checkpoints import write_tiny_moe
 
 pytestmark = [pytest.mark.slow, pytest.mark.gpu,
@@ -24,25 +30,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.gpu,
 FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss", "qwen2_moe", "deepseek_v3")
 
 
-def _engine(model: str, loaded: LoadedModel, device: str, dtype: str, **kw: object) -> LLMEngine:
-    opts: dict[str, object] = dict(block_size=16, num_kv_blocks=96, max_num_seqs=8, max_model_len=256,
-                                   max_num_batched_tokens=256, max_prefill_chunk=64, cpu_compile_decode=0)
-    return LLMEngine(EngineConfig(model=model, dtype=dtype, device=device, **{**opts, **kw}),  # type: ignore[arg-type]
-                     loaded=loaded)
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _both(path: Path) -> tuple[LoadedModel, LoadedModel]:
-    cpu = load_model(str(path), torch.float32, "cpu")
-    gpu_model = build_empty_model(cpu.arch, torch.bfloat16, "cuda")
-    gpu_model.load_state_dict(cpu.model.state_dict())
-    gpu_model.eval().requires_grad_(False)
-    return cpu, LoadedModel(gpu_model, cpu.arch, cpu.tokenizer, cpu.model_id, cpu.max_model_len)
-
-
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_moe_gpu_bf16_with_graphs_matches_cpu_fp32(tmp_path: Path, model_type: str) -> None:
     """A 100-token prompt in 64-token chunks (the sorted path), then 16 decode steps of one sequence replayed from
@@ -51,7 +38,8 @@ def test_moe_gpu_bf16_with_graphs_matches_cpu_fp32(tmp_path: Path, model_type: s
     sequences: the sorted path in the graphs) whose greedy tokens mostly agree with the CPU engine's."""
     pytest.importorskip("transformers")
     path = write_tiny_moe(tmp_path, model_type)
-    cpu_loaded, gpu_loaded = _both(path)
+    cpu_loaded = load_model(str(path), torch.float32, "cpu")
+    gpu_loaded = on_gpu(cpu_loaded, torch.bfloat16)
     cpu = _engine(str(path), cpu_loaded, "cpu", "float32")
     gpu = _engine(str(path), gpu_loaded, "cuda", "bfloat16")
     assert gpu.runner.graphs is not None and gpu.runner.graphs.graphs, "decode CUDA graphs were not captured"
@@ -59,13 +47,10 @@ def test_moe_gpu_bf16_with_graphs_matches_cpu_fp32(tmp_path: Path, model_type: s
     gpu_tokens, got = logits_trace(gpu, prompt, 16)
     _, ref = logits_trace(cpu, prompt, 16, forced=gpu_tokens)
     rel = _assert_rows_close(got, ref, 5e-2)
-    for i, tok in enumerate(gpu_tokens):
-        top2 = ref[i].topk(2).values
-        if float(top2[0] - top2[1]) >= BF16_NEAR_TIE and rel[i] < 5e-2:
-            assert tok == int(ref[i].argmax()), f"step {i}: GPU token {tok}, CPU argmax {int(ref[i].argmax())}"
+    assert_tokens_track(gpu_tokens, ref, rel, BF16_NEAR_TIE, 5e-2)
     prompts = [_prompt(n, 10 + n) for n in (5, 40, 77, 30, 16)]
     sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     a, b = gpu.generate(prompts, sp), cpu.generate(prompts, sp)
     assert all(len(x) == 10 for x in a)
-    agree = sum(x == y for xs, ys in zip(a, b, strict=True) for x, y in zip(xs, ys, strict=True))
+    agree = agreeing_tokens(a, b)
     assert agree >= 0.6 * 10 * len(prompts), f"only {agree} of {10 * len(prompts)} greedy tokens agree"
