@@ -122,7 +122,21 @@ def test_v32_kvstore_pages_carry_the_index_region(v32: tuple[Path, object]) -> N
 def test_mla_pages_cross_tensor_parallel_degrees(v3: tuple[Path, object], prefill_tp: int, decode_tp: int) -> None:
     """A TP=2 prefill (gloo) hands latent pages to a TP=1 decode and back: every rank holds the same latent, the
     heads split over the ranks; tokens equal the colocated TP=1 engine's."""
-    model_dir, _ = v3
+    _cross_tensor_parallel(v3[0], prefill_tp, decode_tp)
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+def test_v32_index_region_crosses_tensor_parallel_degrees(v32: tuple[Path, object], prefill_tp: int,
+                                                          decode_tp: int) -> None:
+    """DeepSeek-V3.2 across TP degrees: rank shard writes do not carry the index-key region, so the handoff goes as
+    page bytes of every region (rank 0 exports its copy; a TP=2 decode imports and gives every rank the keys);
+    tokens equal the colocated TP=1 engine's."""
+    _cross_tensor_parallel(v32[0], prefill_tp, decode_tp)
+
+
+def _cross_tensor_parallel(model_dir: Path, prefill_tp: int, decode_tp: int) -> None:
+    """Two prompts through a 1P1D cluster over shm, prefill and decode at the given TP degrees (gloo), against the
+    colocated TP=1 engine's greedy tokens."""
     prompts = _prompts()[:2]
     engine = ["--cpu-threads", "1", "--num-kv-blocks", "64"]
     want = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64, cpu_threads=1)).generate(
