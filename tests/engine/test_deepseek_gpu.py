@@ -93,13 +93,21 @@ def test_triton_path_equals_torch_backend_on_cpu(tiny_v2: Path, graph_bound: int
     """The Triton latent kernels behind TritonPagedAttention and the fused forward, fp32: a chunked prompt (prefill
     after a cached prefix), a decode batch with a prompt chunk in the same step. ``graph_bound``: decode launched
     for a fixed maximum context, as under CUDA-graph capture (partitions past a sequence's end)."""
-    from services.engine.cuda.gpu_attention import TritonPagedAttention  # needs triton (the interpreter here)
-
     ref = _engine(str(tiny_v2), load_model(str(tiny_v2), torch.float32, "cpu"), "cpu", "float32", max_prefill_chunk=13)
     tri = _engine(str(tiny_v2), load_model(str(tiny_v2), torch.float32, "cpu"), "cpu", "float32", max_prefill_chunk=13)
+    assert_triton_path_matches(ref, tri, graph_bound)
+
+
+def assert_triton_path_matches(ref: LLMEngine, tri: LLMEngine, graph_bound: int) -> None:
+    """``tri`` switched to the CUDA forward (Triton norms, activation and attention backend, on CPU tensors under
+    the interpreter) against ``ref``'s torch path: a 40-token prompt teacher-forced (logits within 2e-3), then a batch
+    of three prompts (greedy tokens equal). ``graph_bound``: decode launched for a fixed maximum context, as under
+    CUDA-graph capture (0: the step's own)."""
+    from services.engine.cuda.gpu_attention import TritonPagedAttention  # needs triton (the interpreter here)
+
     runner = tri.runner
     runner.model.fused_kernels = True  # the CUDA forward: Triton norms and activation around the same attention
-    runner.attn_backend = TritonPagedAttention(runner.kv_cache, runner.head_dim ** -0.5)
+    runner.attn_backend = TritonPagedAttention(runner.kv_cache, runner.head_dim ** -0.5, runner.index_keys)
     runner.attn_backend.decode_max_context_len = graph_bound or None
     prompt = _prompt(40, 1)
     ref_tokens, want = logits_trace(ref, prompt, 6)

@@ -25,6 +25,7 @@ from tests.engine.test_deepseek_gpu import (
     _prompt,
     agreeing_tokens,
     assert_tokens_track,
+    assert_triton_path_matches,
     on_gpu,
 )
 from tests.moe_checkpoints import write_tiny_moe
@@ -53,24 +54,12 @@ def test_triton_sparse_path_equals_torch_backend_on_cpu(tiny_v32: Path, graph_bo
     whose steps mix decode rows and prompt chunks. ``graph_bound``: decode scored against a fixed maximum context,
     as under CUDA-graph capture (-inf columns past every context). ``index_codec``: the index keys' region codec
     (fp8-e4m3: the kernel dequantizes them with their per-token scales, as the torch path does)."""
-    from services.engine.cuda.gpu_attention import TritonPagedAttention  # needs triton (the interpreter here)
-
     ref = _engine(str(tiny_v32), load_model(str(tiny_v32), torch.float32, "cpu"), "cpu", "float32",
                   max_prefill_chunk=13, index_kv_codec=index_codec)
     tri = _engine(str(tiny_v32), load_model(str(tiny_v32), torch.float32, "cpu"), "cpu", "float32",
                   max_prefill_chunk=13, index_kv_codec=index_codec)
     assert tri.runner.model.arch.mla.index_topk == 8
-    runner = tri.runner
-    runner.model.fused_kernels = True
-    runner.attn_backend = TritonPagedAttention(runner.kv_cache, runner.head_dim ** -0.5, runner.index_keys)
-    runner.attn_backend.decode_max_context_len = graph_bound or None
-    prompt = _prompt(40, 1)
-    ref_tokens, want = logits_trace(ref, prompt, 6)
-    _, got = logits_trace(tri, prompt, 6, forced=ref_tokens)
-    assert (got - want).abs().max() < 2e-3, f"max |logit diff| {(got - want).abs().max():.2e}"
-    prompts = [_prompt(n, 10 + n) for n in (5, 30, 17)]
-    sp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-    assert tri.generate(prompts, sp) == ref.generate(prompts, sp)
+    assert_triton_path_matches(ref, tri, graph_bound)
 
 
 # -- the GPU ------------------------------------------------------------------------------------------------------
