@@ -142,11 +142,18 @@ def loop_bf16(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.T
     return out
 
 
-def sweep_configs(default: Any) -> list[Any]:
-    """Tile configs tried beside the default with --sweep: the default's block_m, other N/K tiles,
-    warps and stages (a MoETileConfig list; 18 configs)."""
+def sweep_configs(default: Any, phase: str = "decode") -> list[Any]:
+    """Tile configs tried beside the default with --sweep (a MoETileConfig list). Decode: the default's
+    block_m, other N/K tiles, warps and stages (18 configs); prefill: block_m 64/128 too and the program
+    grouping (35 configs)."""
     from services.kernels.fused_moe import MoETileConfig  # after main() chose the interpreter or the GPU
 
+    if phase == "prefill":
+        return [*(MoETileConfig(bm, bn, bk, warps, stages, 8)
+                  for bm in (64, 128) for bn in (64, 128) for bk in (32, 64)
+                  for warps, stages in ((4, 3), (4, 4), (8, 3), (8, 4))),
+                *(MoETileConfig(default.block_m, default.block_n, default.block_k, default.num_warps,
+                                default.num_stages, g) for g in (1, 4, 16))]
     return [MoETileConfig(default.block_m, bn, bk, warps, stages, default.group_m)
             for bn in (32, 64, 128) for bk in (64, 128) for warps, stages in ((4, 3), (4, 4), (8, 3))]
 
@@ -223,9 +230,13 @@ def case(shape: MoEShape, tokens: int, phase: str, device: torch.device, ceil: d
     row.extra["config"] = asdict(default)
     if sweep:
         times = {}
-        for cfg in sweep_configs(default):
-            times[f"bm{cfg.block_m} bn{cfg.block_n} bk{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} g{cfg.group_m}"] = bench_us(
-                lambda cfg=cfg: fused_moe(x, w13, w2, ids, weights, config=cfg), device, rep_ms=25)
+        for cfg in sweep_configs(default, phase):
+            key = f"bm{cfg.block_m} bn{cfg.block_n} bk{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} g{cfg.group_m}"
+            try:
+                times[key] = bench_us(lambda cfg=cfg: fused_moe(x, w13, w2, ids, weights, config=cfg), device,
+                                      rep_ms=25)
+            except Exception as exc:  # e.g. a tile past the shared memory
+                print(f"  sweep {key}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}", flush=True)
         best = min(times, key=times.__getitem__)
         row.extra |= {"sweep_us": times, "best_config": best, "best_us": times[best]}
     if with_ref:
@@ -296,7 +307,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="cuda: real shapes; cpu: tiny shapes under the Triton interpreter (plumbing check)")
     parser.add_argument("--skip-engine", action="store_true", help="skip the engine decode/prefill section")
     parser.add_argument("--skip-ref", action="store_true", help="skip the torch baselines (faster)")
-    parser.add_argument("--sweep", action="store_true", help="also time 18 other tile configs per case")
+    parser.add_argument("--sweep", action="store_true", help="also time other tile configs per case (18 decode, 35 prefill)")
+    parser.add_argument("--sweep-phase", choices=("decode", "prefill", "all"), default="all",
+                        help="with --sweep: which phase's cases sweep")
     parser.add_argument("--pair-sweep", action="store_true",
                         help="CUDA: both paths in CUDA graphs at T=1..32, the pair path with 12 tile configs")
     parser.add_argument("--skip-cases", action="store_true", help="skip the kernel rows (with --pair-sweep)")
@@ -333,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
         for tokens, phase in [*((t, "decode") for t in decode_t), (prefill_t, "prefill")]:
             print(f"running {shape.name} {phase} T={tokens} ...", flush=True)
             try:
-                rows.append(case(shape, tokens, phase, device, ceil, with_ref=not args.skip_ref, sweep=args.sweep))
+                rows.append(case(shape, tokens, phase, device, ceil, with_ref=not args.skip_ref,
+                                 sweep=args.sweep and args.sweep_phase in (phase, "all")))
             except Exception:
                 err = traceback.format_exc()
                 print(err, file=sys.stderr)

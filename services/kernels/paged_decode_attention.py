@@ -233,11 +233,14 @@ def paged_decode_attention(
     *,
     window: int = 0,
     sinks: torch.Tensor | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """Decode attention for q [B, num_heads, hd] over paged K/V -> out [B, num_heads, hd] (q's dtype).
 
     max_context_len: an upper bound on context_lens (host int, avoids a device sync); defaults to the
-    block table capacity. partition_size / block_n override the split-K and tile choices (tests).
+    block table capacity. partition_size / block_n / num_warps / num_stages override the split-K and tile
+    choices (tests, benchmarks).
     window: 0 for full attention, else the query at position p sees key k iff 0 <= p - k < window.
     sinks: fp32 [num_heads] logits of a virtual zero-value key per head, or None.
     """
@@ -277,7 +280,6 @@ def paged_decode_attention(
     num_parts = triton.cdiv(span, partition_size)
     split = num_parts > 1
     upcast, dot_precision = dot_flags(q.dtype)
-    num_warps = 4
 
     if split:
         m_part = torch.empty((bsz, num_heads, num_parts), dtype=torch.float32, device=q.device)
@@ -328,7 +330,7 @@ def paged_decode_attention(
         UPCAST=upcast,
         DOT_PRECISION=dot_precision,
         num_warps=num_warps,
-        num_stages=2,
+        num_stages=num_stages,
     )
     if split:
         _paged_decode_reduce_kernel[(bsz, num_heads)](

@@ -116,6 +116,7 @@ def _prefill_attention_kernel(
     HAS_SINKS: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr,
 ):
     """For query i of sequence b at position p_i = ctx_b - q_len_b + i and head h (kv head h // G):
 
@@ -126,6 +127,8 @@ def _prefill_attention_kernel(
     with HAS_SINKS the softmax denominator also counts exp(sink_h - max).
     """
     pid_m = tl.program_id(0)
+    if HEAVY_FIRST:  # the last query tiles see the most keys: start them first, the short ones fill the tail
+        pid_m = tl.num_programs(0) - 1 - pid_m
     h = tl.program_id(1)
     b = tl.program_id(2)
 
@@ -222,12 +225,16 @@ def prefill_attention(
     *,
     window: int = 0,
     sinks: torch.Tensor | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    heavy_first: bool = True,
 ) -> torch.Tensor:
     """Extend attention for q [total_new_tokens, num_heads, hd] -> out of the same shape and dtype.
 
     cu_seqlens_q int32 [B+1] delimits each sequence's new tokens; context_lens int32 [B] counts all its
     tokens (prefix + new), all already in the paged cache. max_seqlen_q (host int) avoids a device sync.
-    block_m / block_n override the tile sizes (tests).
+    block_m / block_n / num_warps / num_stages override the tile config (tests, benchmarks); heavy_first
+    launches each sequence's query tiles last-first (most keys first).
     window: 0 for full attention, else the query at position p sees key k iff 0 <= p - k < window.
     sinks: fp32 [num_heads] logits of a virtual zero-value key per head, or None.
     """
@@ -256,9 +263,11 @@ def prefill_attention(
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
 
-    cfg_m, cfg_n, num_warps, num_stages = _tile_config(q.dtype, head_dim)
+    cfg_m, cfg_n, cfg_warps, cfg_stages = _tile_config(q.dtype, head_dim)
     block_m = block_m or cfg_m
     block_n = block_n or cfg_n
+    num_warps = num_warps or cfg_warps
+    num_stages = num_stages or cfg_stages
     upcast, dot_precision = dot_flags(q.dtype)
     grid = (triton.cdiv(max(1, max_seqlen_q), block_m), num_heads, bsz)
     _prefill_attention_kernel[grid](
@@ -292,6 +301,7 @@ def prefill_attention(
         HAS_SINKS=sinks is not None,
         UPCAST=upcast,
         DOT_PRECISION=dot_precision,
+        HEAVY_FIRST=heavy_first,
         num_warps=num_warps,
         num_stages=num_stages,
     )
