@@ -272,10 +272,15 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     block_g = max(16, triton.next_power_of_2(group))
     block_d = max(16, triton.next_power_of_2(head_dim))
+    tile_given = block_n is not None
     if block_n is None:
         block_n = 64 if q.dtype != torch.float32 else 32
     if partition_size is None:
         partition_size = _choose_partition(bsz, num_kv_heads, span, block_n, q.device)
+        if not tile_given and partition_size < span:
+            # Split launches: 32-token tiles. H100 sweep (benchmarks/attention_sweep.py, Llama-3-8B heads, bf16):
+            # batch 16 at 2K contexts 68.6 against 119-142 us with 64-token tiles, batch 1 38.8 against 46-50 us.
+            block_n = 32
     assert partition_size % block_n == 0, "partition_size must be a multiple of block_n"
     num_parts = triton.cdiv(span, partition_size)
     split = num_parts > 1

@@ -1,6 +1,6 @@
 """Tiny DeepSeek checkpoints (transformers-built; multi-head latent attention, so the pages hold one latent per
 token, and for V3.2 the indexer's keys in a region of their own) served by real 1P1D clusters: DeepSeek-V3.2's greedy tokens
-over the grpc, shm and mooncake KV transports equal transformers fp32 up to the first near-tie; with the kvstore, a second prefill loads the latent pages the first
+over the grpc, shm and mooncake KV transports (and cuda-ipc on a GPU) equal transformers fp32 up to the first near-tie; with the kvstore, a second prefill loads the latent pages the first
 one wrote and gives the same tokens (for V3.2 with the index-key region); the prefill's and decode's index-key
 codecs must agree (the fingerprint names it); a TP=2 prefill hands the pages to a TP=1 decode and back."""
 
@@ -64,6 +64,31 @@ def test_mla_1p1d_tokens_equal_transformers(v32: tuple[Path, object], transport:
         pm = c.get("prefill-0").ready["metrics"]
         assert metric_sum(pm, "pdserve_prefill_kv_sent_bytes_total", transport=transport) > 0
         # shm and mooncake write the index-key pool beside the latent pool in place: no fallback to bytes
+        assert metric_sum(pm, "pdserve_prefill_kv_transport_fallbacks_total") == 0
+        rep = wait_idle(c.get("decode-0").ready["grpc"])
+        assert rep.free_blocks == rep.total_blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuda-ipc needs an NVIDIA GPU")
+@pytest.mark.parametrize("index_codec", ["native", "fp8-e4m3"])
+def test_v32_1p1d_over_cuda_ipc_writes_the_index_region_in_place(v32: tuple[Path, object], index_codec: str) -> None:
+    """DeepSeek-V3.2 with prefill and decode on one GPU: the prefill writes the latent and the index-key pools that
+    decode exported over CUDA IPC (no page bytes, no fallback); tokens follow transformers fp32 (native index keys:
+    up to the first near-tie; fp8 ones flip near-tied top-k choices, so only the pools and the transport are checked)."""
+    model_dir, ref = v32
+    engine = ["--device", "cuda", "--index-kv-codec", index_codec, *SMALL_KV]
+    sizes = {"prefill": [*engine, "--max-prefill-chunk", "29"], "decode": engine}
+    with LocalCluster(prefill=1, decode=1, kvstore=None, model=str(model_dir), dtype="float32", extra=sizes,
+                      quiet=True, kv_transport="cuda-ipc") as c:
+        for i, ids in enumerate(_prompts()):
+            got = _generate(c.router["grpc"], ids)
+            assert len(got) == 16
+            if index_codec == "native":
+                _check_against_transformers(ref, ids, got, f"deepseek_v32 cuda-ipc prompt {i}")
+        pm, dm = c.get("prefill-0").ready["metrics"], c.get("decode-0").ready["metrics"]
+        assert metric_sum(dm, "pdserve_decode_kv_received_bytes_total", transport="cuda-ipc") > 0
+        assert metric_sum(dm, "pdserve_decode_kv_received_bytes_total", transport="grpc") == 0
         assert metric_sum(pm, "pdserve_prefill_kv_transport_fallbacks_total") == 0
         rep = wait_idle(c.get("decode-0").ready["grpc"])
         assert rep.free_blocks == rep.total_blocks

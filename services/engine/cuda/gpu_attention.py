@@ -17,6 +17,12 @@ tokens; fp8 keys dequantized with their per-token scale in the kernel) and keeps
 the device, then `sparse_mla_attention` attends to those latents only. The decode
 part's sizes are the same host bound as the dense decode kernel's (a fixed one while CUDA graphs are captured);
 the prefill part finds each token's sequence and causal end on the device (`prefill_rows`), once per step.
+
+Fresh prompts (every prefill sequence of the step starts at position 0, full attention, no sinks, bf16/fp16, at
+most `SDPA_MAX_SEQS` sequences of at least `SDPA_MIN_TOKENS` tokens) skip the paged extend kernel: their keys are
+exactly the step's own k/v, so torch's SDPA runs on them contiguous, cuDNN's fused attention first (on an H100 at
+8192 tokens, 32/4 heads of 128: 553 TFLOP/s against the extend kernel's 304 at its best tiles, `benchmarks/
+attention_sweep.py`). Chunks after a prefix, windows and sinks stay on the Triton kernel.
 """
 
 from __future__ import annotations
@@ -34,6 +40,11 @@ from services.kernels.paged_decode_attention import paged_decode_attention
 from services.kernels.prefill_attention import prefill_attention
 from services.kernels.sparse_mla_attention import sparse_mla_attention
 from services.kernels.store_kv import store_kv
+
+#: The fresh-prompt SDPA route: at most this many prefill sequences in the step (one SDPA call each) ...
+SDPA_MAX_SEQS = 16
+#: ... each of at least this many tokens (shorter ones cost more in launches than the fused kernel saves).
+SDPA_MIN_TOKENS = 256
 
 IndexPlanes = tuple[torch.Tensor, torch.Tensor | None]
 """One layer's index keys as `index_topk` reads them: values [slots, dim] and fp32 scales [slots] (None: unscaled)."""
@@ -90,9 +101,28 @@ class TritonPagedAttention:
             return self._rows(q, meta, value_dim,
                               lambda qd: self._latent_decode(qd, k_cache, v_cache, meta, scale, value_dim),
                               lambda qp: self._latent_prefill(qp, k_cache, v_cache, meta, scale, value_dim))
+        if not window and sinks is None and self._fresh_prompts(meta, q):
+            nd = meta.num_decode
+            return self._rows(q, meta, q.shape[-1],
+                              lambda qd: self._decode(qd, k_cache, v_cache, meta, scale, window, sinks),
+                              lambda qp: fresh_prompt_attention(qp, k[nd:], v[nd:], meta.query_lens[nd:], scale))
         return self._rows(q, meta, q.shape[-1],
                           lambda qd: self._decode(qd, k_cache, v_cache, meta, scale, window, sinks),
                           lambda qp: self._prefill(qp, k_cache, v_cache, meta, scale, window, sinks))
+
+    @staticmethod
+    def _fresh_prompts(meta: AttentionMetadata, q: torch.Tensor) -> bool:
+        """True when the step's prefill sequences all start at position 0 and fit the SDPA route (see the module
+        docstring); never while a CUDA graph is being captured."""
+        nd = meta.num_decode
+        lens = meta.query_lens[nd:]
+        if not lens or len(lens) > SDPA_MAX_SEQS or min(lens) < SDPA_MIN_TOKENS:
+            return False
+        if q.dtype not in (torch.bfloat16, torch.float16):
+            return False
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+            return False
+        return all(c == n for c, n in zip(meta.context_lens_host[nd:], lens, strict=True))
 
     @staticmethod
     def _rows(q: torch.Tensor, meta: AttentionMetadata, width: int, decode: Callable[[torch.Tensor], torch.Tensor],
@@ -163,3 +193,30 @@ class TritonPagedAttention:
     def _decode_bound(self, meta: AttentionMetadata) -> int:
         """Host bound on the decode rows' contexts: the fixed one while graphs are captured, else the step's."""
         return self.decode_max_context_len or max(meta.context_lens_host[:meta.num_decode])
+
+
+def fresh_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], scale: float
+                           ) -> torch.Tensor:
+    """Causal self-attention of whole prompts laid end to end: q [T, H, D], k/v [T, KVH, D] with T = sum(lens),
+    sequence i the rows [sum(lens[:i]), sum(lens[:i+1])). One SDPA call per sequence, cuDNN's kernel preferred
+    (then flash, then memory-efficient); K/V heads are repeated to the query heads (GQA)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    heads, kv_heads = q.shape[1], k.shape[1]
+    group = heads // kv_heads
+    out = torch.empty_like(q)
+    start = 0
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION],
+                     set_priority=True):
+        for n in lens:
+            rows = slice(start, start + n)
+            qi = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            ki, vi = (t[rows].transpose(0, 1) for t in (k, v))  # [KVH, n, D]
+            if group > 1:
+                ki = ki.repeat_interleave(group, dim=0)
+                vi = vi.repeat_interleave(group, dim=0)
+            oi = torch.nn.functional.scaled_dot_product_attention(qi, ki.unsqueeze(0), vi.unsqueeze(0),
+                                                                  is_causal=True, scale=scale)
+            out[rows] = oi[0].transpose(0, 1)
+            start += n
+    return out
