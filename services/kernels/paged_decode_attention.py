@@ -272,15 +272,15 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     block_g = max(16, triton.next_power_of_2(group))
     block_d = max(16, triton.next_power_of_2(head_dim))
-    tile_given = block_n is not None
     if block_n is None:
-        block_n = 64 if q.dtype != torch.float32 else 32
+        # 32-token tiles where the batch alone leaves SMs idle (the launches that split long contexts), else 64.
+        # H100 sweep (benchmarks/attention_sweep.py, Llama-3-8B heads, bf16): batch 16 at 2K contexts 68.6 against
+        # 119-142 us with 64-token tiles, batch 1 38.8 against 46-50 us; batch >= 64 even. Chosen by the batch, not
+        # by the context bound, so a CUDA graph (captured with a long bound) and an eager step pick the same tile.
+        few = bsz * num_kv_heads < 2 * _num_sms(q.device)
+        block_n = 32 if q.dtype == torch.float32 or few else 64
     if partition_size is None:
         partition_size = _choose_partition(bsz, num_kv_heads, span, block_n, q.device)
-        if not tile_given and partition_size < span:
-            # Split launches: 32-token tiles. H100 sweep (benchmarks/attention_sweep.py, Llama-3-8B heads, bf16):
-            # batch 16 at 2K contexts 68.6 against 119-142 us with 64-token tiles, batch 1 38.8 against 46-50 us.
-            block_n = 32
     assert partition_size % block_n == 0, "partition_size must be a multiple of block_n"
     num_parts = triton.cdiv(span, partition_size)
     split = num_parts > 1
