@@ -158,6 +158,28 @@ def sweep_configs(default: Any, phase: str = "decode") -> list[Any]:
             for bn in (32, 64, 128) for bk in (64, 128) for warps, stages in ((4, 3), (4, 4), (8, 3))]
 
 
+def down_sweep(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+               gate_up: Any, device: torch.device) -> dict[str, Any]:
+    """The down projection's own tiles under the gate/up kernel's `gate_up` config (prefill): the layer's time
+    with each of 16 down configs of the same block_m."""
+    from services.kernels.fused_moe import MoETileConfig, fused_moe
+
+    times: dict[str, float] = {}
+    for bn in (64, 128, 256):
+        for bk, warps, stages in ((32, 4, 4), (64, 4, 3), (64, 8, 3), (64, 8, 4), (128, 8, 3)):
+            if bn == 256 and bk == 128:
+                continue
+            cfg = MoETileConfig(gate_up.block_m, bn, bk, warps, stages, gate_up.group_m)
+            key = f"down bn{bn} bk{bk} w{warps} s{stages}"
+            try:
+                times[key] = bench_us(lambda cfg=cfg: fused_moe(x, w13, w2, ids, weights, config=gate_up,
+                                                                down_config=cfg), device, rep_ms=25)
+            except Exception as exc:
+                print(f"  {key}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}", flush=True)
+    best = min(times, key=times.__getitem__) if times else None
+    return {"down_sweep_us": times, "down_best": best, "down_best_us": times.get(best) if best else None}
+
+
 PAIR_SWEEP_T = (1, 2, 4, 8, 16, 32)
 
 
@@ -239,6 +261,8 @@ def case(shape: MoEShape, tokens: int, phase: str, device: torch.device, ceil: d
                 print(f"  sweep {key}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}", flush=True)
         best = min(times, key=times.__getitem__)
         row.extra |= {"sweep_us": times, "best_config": best, "best_us": times[best]}
+        if phase == "prefill":
+            row.extra |= down_sweep(x, w13, w2, ids, weights, default, device)
     if with_ref:
         row.ref_us = bench_us(lambda: fused_moe_ref(x, w13, w2, ids, weights), device, rep_ms=50)
         row.loop_bf16_us = bench_us(lambda: loop_bf16(x, w13, w2, ids, weights), device, rep_ms=50)
@@ -297,6 +321,8 @@ def print_table(rows: list[Row], ceil: dict[str, float]) -> None:
         if "best_config" in r.extra:
             print(f"sweep {r.shape} {r.phase} T={r.tokens}: default {r.extra['config']} {r.triton_us:.1f} us, "
                   f"best {r.extra['best_config']} {r.extra['best_us']:.1f} us")
+        if r.extra.get("down_best"):
+            print(f"down sweep {r.shape} T={r.tokens}: best {r.extra['down_best']} {r.extra['down_best_us']:.1f} us")
 
 
 def main(argv: list[str] | None = None) -> int:

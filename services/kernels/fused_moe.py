@@ -412,13 +412,15 @@ def fused_moe(
     config: MoETileConfig | None = None,
     path: str | None = None,
     pair_config: PairTileConfig | None = None,
+    down_config: MoETileConfig | None = None,
 ) -> torch.Tensor:
     """out[t] = sum_k topk_weights[t, k] * (w2[e] @ act(w13[e] @ x[t] + b13[e]) + b2[e]), e = topk_ids[t, k].
 
     x [T, H]; w13 [E, 2I, H] (rows 0..I-1 gate, I..2I-1 up); w2 [E, H, I]; topk_ids int32 [T, K] with
     values in [0, E) (not checked on the device: that would need a host sync); topk_weights fp32 [T, K].
     Returns [T, H] in x's dtype. The intermediate act(...) is rounded to x's dtype. path: "pair" or "sorted"
-    (None: `use_pair_path` decides); config / pair_config override the tile choice (tests, benchmarks).
+    (None: `use_pair_path` decides); config / pair_config override the tile choice (tests, benchmarks);
+    down_config, the sorted path's down-projection tiles where they differ from config's (same block_m).
     """
     check_moe_args(x, w13, w2, topk_ids, topk_weights, activation, w13_bias, w2_bias, swiglu_alpha, swiglu_limit)
     for name, w in (("w13", w13), ("w2", w2)):
@@ -458,14 +460,16 @@ def fused_moe(
     )  # fmt: skip
     y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
     b2 = w2_bias if w2_bias is not None else w2
-    _moe_down_kernel[(align.max_blocks * triton.cdiv(hidden, cfg.block_n),)](
+    down = down_config or cfg
+    assert down.block_m == cfg.block_m, f"down_config.block_m {down.block_m} != config.block_m {cfg.block_m}"
+    _moe_down_kernel[(align.max_blocks * triton.cdiv(hidden, down.block_n),)](
         act, w2, b2, weights, y, align.sorted_pair_ids, align.block_experts, align.num_blocks,
         act.stride(0), w2.stride(0), w2.stride(1),
         w2_bias.stride(0) if w2_bias is not None else 0, y.stride(0),
         num_pairs, align.max_blocks, hidden, inter,
-        HAS_BIAS=w2_bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
-        UPCAST=upcast, DOT_PRECISION=dot_precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HAS_BIAS=w2_bias is not None, BLOCK_M=down.block_m, BLOCK_N=down.block_n, BLOCK_K=down.block_k,
+        GROUP_M=down.group_m,
+        UPCAST=upcast, DOT_PRECISION=dot_precision, num_warps=down.num_warps, num_stages=down.num_stages,
     )  # fmt: skip
     if top_k == 1:
         return out.copy_(y)

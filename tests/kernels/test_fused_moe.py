@@ -112,6 +112,17 @@ def test_fused_moe_grouped_program_order(device: torch.device, t: int, e: int, k
     _check(_case(t, 32, 48, e, k, torch.float32, device), torch.float32, config=GROUPED)
 
 
+def test_fused_moe_down_tiles_of_their_own(device: torch.device) -> None:
+    """The down projection with tiles unlike the gate/up kernel's (same block_m) gives the same layer; another
+    block_m is refused."""
+    args = _case(19, 32, 48, 5, 4, torch.float32, device, bias=True)
+    down = MoETileConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2, group_m=2)
+    out = fused_moe(**args, config=SMALL, path="sorted", down_config=down)
+    assert_close(out, fused_moe_ref(**args), torch.float32)
+    with pytest.raises(AssertionError, match="down_config.block_m 32 != config.block_m 16"):
+        fused_moe(**args, config=SMALL, path="sorted", down_config=MoETileConfig(32, 16, 16, 4, 2))
+
+
 @pytest.mark.parametrize("activation", ["gelu", "gpt_oss"])
 def test_fused_moe_activations(device: torch.device, activation: str) -> None:
     kw: dict = {"activation": activation}
