@@ -1,4 +1,5 @@
-"""Rotary position embedding (neox / HF rotate_half layout) applied to q and k in place."""
+"""Rotary position embedding (neox / HF rotate_half layout) applied to q and k in place, optionally after a per-head
+RMSNorm of each (Qwen3's q_norm / k_norm): one launch for what torch does in a dozen."""
 
 from __future__ import annotations
 
@@ -8,14 +9,23 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate_heads(X_ptr, stride_h, NUM_HEADS: tl.constexpr, offs_h, offs_d, dmask, c, s, HALF: tl.constexpr):
+def _rotate_heads(X_ptr, stride_h, NUM_HEADS: tl.constexpr, offs_h, offs_d, dmask, c, s, HALF: tl.constexpr,
+                  W_ptr, eps, NORM: tl.constexpr):
     """In place, for the first NUM_HEADS heads of one token's rows at X_ptr (head stride ``stride_h``):
-    x1' = x1 * c - x2 * s, x2' = x2 * c + x1 * s in fp32, stored back in x's dtype."""
+    x1' = x1 * c - x2 * s, x2' = x2 * c + x1 * s in fp32, stored back in x's dtype. With NORM, each head is first
+    RMS-normed over its 2 * HALF values with weight W (fp32 math, rounded to x's dtype after the scaling and after
+    the weight, as HF's RMSNorm), and rotated from those rounded values."""
     mask = (offs_h < NUM_HEADS)[:, None] & dmask[None, :]
     x1p = X_ptr + offs_h[:, None] * stride_h + offs_d[None, :]
     x1 = tl.load(x1p, mask=mask, other=0.0)
     x2 = tl.load(x1p + HALF, mask=mask, other=0.0)
     x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    if NORM:
+        rstd = tl.rsqrt((tl.sum(x1f * x1f, axis=1) + tl.sum(x2f * x2f, axis=1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(W_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(W_ptr + HALF + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+        x1f = ((x1f * rstd).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype).to(tl.float32)
+        x2f = ((x2f * rstd).to(x1.dtype).to(tl.float32) * w2).to(x1.dtype).to(tl.float32)
     tl.store(x1p, (x1f * c - x2f * s).to(x1.dtype), mask=mask)
     tl.store(x1p + HALF, (x2f * c + x1f * s).to(x1.dtype), mask=mask)
 
@@ -27,6 +37,10 @@ def _rotary_kernel(
     P_ptr,
     COS_ptr,
     SIN_ptr,
+    QW_ptr,
+    KW_ptr,
+    q_eps,
+    k_eps,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -37,9 +51,11 @@ def _rotary_kernel(
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     """Token t at position p = P[t], with c = COS[p, :HALF], s = SIN[p, :HALF] (fp32), for every head:
-        x1' = x1 * c - x2 * s,   x2' = x2 * c + x1 * s     (x1 = x[:HALF], x2 = x[HALF:]), fp32 math."""
+        x1' = x1 * c - x2 * s,   x2' = x2 * c + x1 * s     (x1 = x[:HALF], x2 = x[HALF:]), fp32 math;
+    with NORM, x is each head RMS-normed first (q with QW, q_eps; k with KW, k_eps)."""
     t = tl.program_id(0).to(tl.int64)
     p = tl.load(P_ptr + t).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
@@ -48,16 +64,20 @@ def _rotary_kernel(
     s = tl.load(SIN_ptr + p * stride_cos + offs_d, mask=dmask, other=0.0)[None, :]
     offs_h = tl.arange(0, BLOCK_H)
 
-    _rotate_heads(Q_ptr + t * stride_qt, stride_qh, NUM_Q_HEADS, offs_h, offs_d, dmask, c, s, HALF)
-    _rotate_heads(K_ptr + t * stride_kt, stride_kh, NUM_K_HEADS, offs_h, offs_d, dmask, c, s, HALF)
+    _rotate_heads(Q_ptr + t * stride_qt, stride_qh, NUM_Q_HEADS, offs_h, offs_d, dmask, c, s, HALF, QW_ptr, q_eps,
+                  NORM)
+    _rotate_heads(K_ptr + t * stride_kt, stride_kh, NUM_K_HEADS, offs_h, offs_d, dmask, c, s, HALF, KW_ptr, k_eps,
+                  NORM)
 
 
 def apply_rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
-                  sin_cache: torch.Tensor) -> None:
+                  sin_cache: torch.Tensor, q_norm: tuple[torch.Tensor, float] | None = None,
+                  k_norm: tuple[torch.Tensor, float] | None = None) -> None:
     """Rotate q [T, H, D] and k [T, KVH, D] in place at int64 positions [T].
 
     cos_cache/sin_cache: fp32 [max_positions, D] with both halves equal (HF layout); only the first D/2
     columns are read. q/k may be strided views (e.g. of a fused qkv projection) with contiguous D.
+    q_norm / k_norm: (weight [D] in q's dtype, eps) of a per-head RMSNorm applied first (both or neither).
     """
     assert q.dim() == 3 and k.dim() == 3 and q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2]
     t, hq, d = q.shape
@@ -67,6 +87,11 @@ def apply_rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
     assert cos_cache.shape == sin_cache.shape and cos_cache.shape[1] == d
     assert cos_cache.dtype == sin_cache.dtype == torch.float32 and cos_cache.stride() == sin_cache.stride()
     assert cos_cache.stride(-1) == 1
+    assert (q_norm is None) == (k_norm is None), "q_norm and k_norm come together"
+    for norm in (q_norm, k_norm):
+        if norm is not None:
+            assert norm[0].shape == (d,) and norm[0].dtype == q.dtype and norm[0].is_contiguous(), (
+                f"norm weight must be contiguous [{d}] in {q.dtype}, got {norm[0].dtype} {tuple(norm[0].shape)}")
     if t == 0:
         return
     half = d // 2
@@ -78,6 +103,10 @@ def apply_rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
         positions,
         cos_cache,
         sin_cache,
+        q_norm[0] if q_norm else cos_cache,  # placeholders when NORM is off
+        k_norm[0] if k_norm else cos_cache,
+        float(q_norm[1]) if q_norm else 0.0,
+        float(k_norm[1]) if k_norm else 0.0,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -88,5 +117,6 @@ def apply_rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
         HALF=half,
         BLOCK_H=block_h,
         BLOCK_D=block_d,
+        NORM=q_norm is not None,
         num_warps=4 if block_h * block_d >= 2048 else 2,
     )

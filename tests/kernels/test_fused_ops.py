@@ -92,6 +92,37 @@ def test_rotary_matches_reference(device: torch.device, dtype: torch.dtype, t: i
     _check_rotary(device, dtype, t, hq, hk, d, max_pos=64)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("t", "hq", "hk", "d"), [(1, 2, 1, 16), (6, 4, 2, 64), (3, 3, 1, 48)])
+def test_rotary_after_per_head_norms_matches_the_model_ops(device: torch.device, dtype: torch.dtype, t: int, hq: int,
+                                                         hk: int, d: int) -> None:
+    """Qwen3's q_norm / k_norm then RoPE in one launch equal the model's RMSNorm modules then the RoPE reference,
+    on strided views of a qkv projection; v untouched."""
+    from services.engine.models.llama import RMSNorm
+
+    rope = RotaryEmbedding(d, 10000.0, None, 64).to(device)
+    qkv = _randn((t, (hq + 2 * hk) * d), dtype, device, 11) * 3
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+    v_before = qkv[:, (hq + hk) * d :].clone()
+    norms = []
+    for seed, eps in ((12, 1e-6), (13, 1e-5)):
+        m = RMSNorm(d, eps).to(device)
+        m.weight.data = (1 + 0.5 * _randn((d,), torch.float32, device, seed)).to(dtype)
+        norms.append(m)
+    pos = torch.randint(0, 64, (t,), generator=torch.Generator().manual_seed(14)).to(device)
+    with torch.no_grad():
+        q_ref, k_ref = norms[0](q.clone()), norms[1](k.clone())
+    ref_apply_rotary_(q_ref, k_ref, pos, rope.cos_cache, rope.sin_cache)
+    apply_rotary_(q, k, pos, rope.cos_cache, rope.sin_cache, q_norm=(norms[0].weight.data, norms[0].eps),
+                  k_norm=(norms[1].weight.data, norms[1].eps))
+    assert_close(q, q_ref, dtype)
+    assert_close(k, k_ref, dtype)
+    assert torch.equal(qkv[:, (hq + hk) * d :], v_before), "v must be untouched"
+    with pytest.raises(AssertionError, match="come together"):
+        apply_rotary_(q, k, pos, rope.cos_cache, rope.sin_cache, q_norm=(norms[0].weight.data, 1e-6))
+
+
 def test_rotary_matches_module_forward(device: torch.device) -> None:
     """The kernel agrees with `RotaryEmbedding.forward` (the CPU engine path) in fp32."""
     t, hq, hk, d = 5, 4, 2, 32

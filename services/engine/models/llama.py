@@ -94,14 +94,15 @@ class Attention(nn.Module):
             return self._spec
         return AttentionSpec(self.window, self.sinks if self.sinks.dtype == torch.float32 else self.sinks.float())
 
-    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [T, H, D], k and v [T, KVH, D]: views of the qkv projection (q and k normed when the model has it)."""
+    def _qkv(self, x: torch.Tensor, norm: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k and v [T, KVH, D]: views of the qkv projection (q and k normed when the model has it and
+        ``norm``)."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        if norm and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
@@ -114,12 +115,16 @@ class Attention(nn.Module):
 
     def forward_fused(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                       ctx: ForwardContext) -> torch.Tensor:
-        """`forward` with RoPE applied in place by one Triton kernel (q/k stay views of the qkv output)."""
+        """`forward` with RoPE (after Qwen3's per-head q/k norms, where the model has them) applied in place by one
+        Triton kernel (q/k stay views of the qkv output)."""
         # deferred: a Triton kernel module, on the CUDA path only (triton is optional)
         from services.kernels.rotary import apply_rotary_
 
-        q, k, v = self._qkv(x)
-        apply_rotary_(q, k, positions, rotary.cos_cache, rotary.sin_cache)
+        q, k, v = self._qkv(x, norm=False)
+        norms = {}
+        if self.q_norm is not None and self.k_norm is not None:
+            norms = {"q_norm": (self.q_norm.weight, self.q_norm.eps), "k_norm": (self.k_norm.weight, self.k_norm.eps)}
+        apply_rotary_(q, k, positions, rotary.cos_cache, rotary.sin_cache, **norms)
         out = ctx.attend(self.layer_idx, q, k, v, self.spec())  # [T, H, D]
         return self.o_proj(out.reshape(x.shape[0], self.q_size))
 
