@@ -26,7 +26,7 @@ from services.common.pb import decode_pb2
 from services.engine.kv_layout import FP8_CODEC
 from services.engine.kv_transport.grpc_wire import IN_PLACE, MessageBuffer
 from services.engine.parallel.rank_pages import ShardWrites
-from services.engine.region_pools import RegionPool
+from services.engine.region_pools import RegionPool, runner_regions
 from services.kernels import pack_pages, pack_pages_fp8
 
 
@@ -112,13 +112,7 @@ class KVPages:
     def region_pools(self) -> list[RegionPool]:
         """(region, pool) of each page region beside the target's, in layout order: what a side transport writes
         besides the target pool (region_pools.py); empty for a target-only page."""
-        r = self._runner
-        pools: list[RegionPool] = []
-        if r.index_keys is not None:
-            pools.append((r.index_keys.region(), r.index_keys.kv_cache))
-        if r.spec is not None:
-            pools.append((r.spec.region(), r.spec.kv_cache))
-        return pools
+        return runner_regions(self._runner)
 
     @property
     def page_shape(self) -> tuple[int, ...]:

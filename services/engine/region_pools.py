@@ -4,7 +4,8 @@ writes every region of every page straight into the reserved blocks (same block 
 ``mooncake`` (any host) decode registers those pools with the transfer engines that serve its target pool and
 offers them as ``DraftPool.mooncake``, and the prefill's MooncakeWriter writes each page's regions at the same block
 id (host pools only: a device pool's landing area carries the target region alone, so such a decode offers no pool
-with another region).
+with another region). Tensor-parallel rank writes over shm / cuda-ipc carry the index keys too, into every decode
+rank's pool of them (parallel/rank_regions.py).
 
 Decode: ``KVDestination.index`` / ``KVDestination.draft`` (a DraftPool: the region pool's shm file, CUDA IPC handle
 or Mooncake pool, and the region as decode's layout names it, ``region_name``) ride in the destination Reserve
@@ -34,6 +35,18 @@ RegionPool = tuple[Region, torch.Tensor]
 
 POOL_FIELDS = ("index", "draft")
 """KVDestination fields of the region pools, by Region.kind."""
+
+
+def runner_regions(runner) -> list[RegionPool]:
+    """(region, pool) of each page region beside the target's that a model runner (of an engine, or of one
+    tensor-parallel rank) holds, in layout order: DeepSeek-V3.2's index keys, then a draft's KV; empty for a
+    target-only page."""
+    pools: list[RegionPool] = []
+    if runner.index_keys is not None:
+        pools.append((runner.index_keys.region(), runner.index_keys.kv_cache))
+    if runner.spec is not None:
+        pools.append((runner.spec.region(), runner.spec.kv_cache))
+    return pools
 
 
 def region_name(region: Region) -> str:
@@ -67,7 +80,7 @@ def attach_region_pool(pools: SharedKVPools, dest: decode_pb2.KVDestination, reg
                        ) -> torch.Tensor:
     """Open decode's pool of ``region`` from ``dest`` for a writer whose own pool of it is ``cache``;
     SharedKVAttachError (reason: the region's kind) when it is missing or differs."""
-    kind = _region_kind(dest, region, lambda k: k.mapped)
+    kind = region_kind(dest, region, lambda k: k.mapped)
     inner = decode_pb2.KVDestination()
     getattr(inner, kind.case).CopyFrom(getattr(getattr(dest, _field(region)), kind.case))
     pool = pools.attach(inner)
@@ -75,7 +88,7 @@ def attach_region_pool(pools: SharedKVPools, dest: decode_pb2.KVDestination, reg
     return pool
 
 
-def _region_kind(dest: decode_pb2.KVDestination, region: Region, writes: Callable[[PoolKind], bool]) -> PoolKind:
+def region_kind(dest: decode_pb2.KVDestination, region: Region, writes: Callable[[PoolKind], bool]) -> PoolKind:
     """Which pool ``dest`` offers for ``region``, when this transport ``writes`` that kind and it names ``region``
     (this writer's own); else SharedKVAttachError (reason: the region's kind) naming both regions."""
     field = _field(region)
@@ -120,7 +133,7 @@ def mooncake_region(dest: decode_pb2.KVDestination, region: Region, cache: torch
     this prefill's ``region``, sits on the target pool's transfer engines (same sessions, so on the decode the
     stream goes to: check_pool, blocking when the host is a name), has the target pool's block count and holds
     ``cache``'s pages; else SharedKVAttachError (reason: the region's kind)."""
-    _region_kind(dest, region, lambda k: k.remote)
+    region_kind(dest, region, lambda k: k.remote)
     kind = region.kind
     pool = getattr(dest, _field(region)).mooncake
     if segments_of(pool) != segments_of(dest.mooncake) or pool.page_major:
@@ -151,14 +164,21 @@ class RegionPoolWriter(SharedPoolWriter):
         self._check_write(first_block, len(src_blocks))
         dest = self.dest[first_block:first_block + len(src_blocks)]
         for src, pool in self.extras:
-            bad = next((b for b in dest if not 0 <= b < pool.shape[2]), None)
-            if bad is not None:
-                raise ValueError(f"destination block {bad} is outside a region pool's {pool.shape[2]} blocks")
-            if pool.device != src.device:
-                copy_pages_peer(src, src_blocks, pool, dest)
-            else:
-                copy_pages(src, src_blocks, pool, dest)
+            copy_region(src, src_blocks, pool, dest)
         return super().write(first_block, src_blocks)  # the target region; synchronizes a CUDA copy
+
+
+def copy_region(src: torch.Tensor, src_blocks: list[int], pool: torch.Tensor, dst_blocks: list[int]) -> None:
+    """pool[:, :, dst_blocks[i]] = src[:, :, src_blocks[i]] for a region's pools (blocks at dim 2): across GPUs one
+    gather-copy-scatter (copy_pages_peer), else one copy per run of blocks (copy_pages); ValueError, before any
+    byte moves, for a block outside either pool. A CUDA copy is only queued (the caller waits for it)."""
+    bad = next((b for b in dst_blocks if not 0 <= b < pool.shape[2]), None)
+    if bad is not None:
+        raise ValueError(f"destination block {bad} is outside a region pool's {pool.shape[2]} blocks")
+    if pool.device != src.device:
+        copy_pages_peer(src, src_blocks, pool, dst_blocks)
+    else:
+        copy_pages(src, src_blocks, pool, dst_blocks)
 
 
 def region_writer(pools: SharedKVPools, dest: decode_pb2.KVDestination, regions: list[RegionPool], transport: str,

@@ -26,14 +26,10 @@ def offered_pool(pages: KVPages, mooncake_host: str, mooncake_engines: int = 1) 
     set (any host may write; a device pool through a pinned host landing area, kv_transport/mooncake_staged;
     with ``mooncake_engines`` transfer engines, all offered), else the engine's same-host shm / CUDA IPC pool,
     else None."""
+    if pages.sharded:  # TP>1: every rank's own pool (and its index-key pool), written rank to rank (rank_pages.py)
+        return SHARDS.offer(pages, mooncake_host, mooncake_engines)
     if pages.region_pools and not mooncake_host:  # more pools, offered with the target pool (index, draft)
         return SHM.offer(pages)
-    if pages.sharded:  # TP>1: every rank's own pool, written rank to rank (parallel/rank_pages.py)
-        if pages.region_pools:
-            log.warning("KV pool not offered: the %s region is not carried by rank-to-rank shard writes (prefills "
-                        "send page bytes instead)", "+".join(r.kind for r, _ in pages.region_pools))
-            return None
-        return SHARDS.offer(pages, mooncake_host, mooncake_engines)
     if mooncake_host:
         try:
             return offer_mooncake_pool(pages, mooncake_host, mooncake_engines)

@@ -124,12 +124,7 @@ class DirectWrites:
         if chosen is None:
             return None
         conn, over, dest = chosen
-        if conn is SHARDS:
-            if self.regions:  # rank-to-rank writes move the target's heads only
-                kinds = "+".join(r.kind for r, _ in self.regions)
-                self._fallback(over.name, self.regions[0][0].kind, f"the {kinds} region is not carried by "
-                                                                   f"rank-to-rank shard writes")
-                return None
+        if conn is SHARDS:  # index keys too; a region rank writes do not carry is refused at attach (its kind)
             return await self._shard_writer(request, over, dest)
         try:
             plan = await conn.probe(self, request, src, num_blocks, export, wire)

@@ -9,4 +9,5 @@ runner.py  rank 0's model runner: broadcasts each plan, assembles full-head page
 worker.py  ranks 1..N-1: the process main and its loop
 launch.py  rank 0 starts the other ranks and watches them
 rank_pages.py  pages rank to rank over shm / cuda-ipc (each rank writes its heads into the decode ranks holding them)
+rank_regions.py  replicated page regions (index keys) rank to rank: each rank's page share into every decode rank
 """

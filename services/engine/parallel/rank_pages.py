@@ -11,10 +11,12 @@ by every rank under the attach id rank 0 gave it. For each chunk rank 0 announce
 id, the chunk's sequence number, source and destination block ids: never the destination again); every rank
 starts writing the intersection of its heads with each decode rank's heads straight into that rank's pool (a
 head replicated on the prefill side: its replicas split the pages; replicated on the decode side: written into
-every replica) and goes on with the next plan. Each rank finishes its share off its engine thread and
-acknowledges the chunk to rank 0 (rank_writes.py: a key on the instance's TCPStore, no collective); rank 0's
-writer waits for its own share and every acknowledgement in the request's pump thread (``PageWriter.wait``),
-and only then sends the chunk's descriptor on the PushKV stream. No page passes through rank 0.
+every replica), and its share of the pages of each replicated region (DeepSeek-V3.2's index keys) into every
+decode rank's pool of it (rank_regions.py), and goes on with the next plan. Each rank finishes its share off its
+engine thread and acknowledges the chunk to rank 0 (rank_writes.py: a key on the instance's TCPStore, no
+collective); rank 0's writer waits for its own share and every acknowledgement in the request's pump thread
+(``PageWriter.wait``), and only then sends the chunk's descriptor on the PushKV stream. No page passes through
+rank 0.
 
 Over mooncake (mooncake_ranks.py) each rank uses its own transfer engines: rank 0 hands every rank the host
 and engine count (POOLS on decode, ATTACH on prefill) and each rank starts its engines there (rank 0's are the
@@ -51,10 +53,12 @@ from services.engine.kv_layout import HeadSplitSpec
 from services.engine.kv_transport.base import TransferError
 from services.engine.parallel.mooncake_ranks import RankMooncake, RemotePool, host_text
 from services.engine.parallel.plan import Op
+from services.engine.parallel.rank_regions import check_regions, open_regions, shm_files
 from services.engine.parallel.rank_writes import (
     Acks,
     Attached,
     ChunkWrite,
+    Opened,
     Settler,
     Shard,
     ShareWrite,
@@ -62,7 +66,8 @@ from services.engine.parallel.rank_writes import (
     start_share,
 )
 from services.engine.parallel.split import HeadSplit, TensorParallelError
-from services.engine.shared_kv import SHM_DIR, SHM_NAME_RE, SharedKVAttachError, SharedKVPools
+from services.engine.region_pools import RegionPool, runner_regions
+from services.engine.shared_kv import SharedKVAttachError, SharedKVPools
 
 log = logging.getLogger(__name__)
 
@@ -180,16 +185,19 @@ def _check_shard(sh: Shard, cache: torch.Tensor) -> None:
 
 
 class RankPools:
-    """One rank's opened destinations (each decode pool mapped once, shared_kv.SharedKVPools), those attached for
-    a request (by attach id, the ATTACHED_MAX most recently attached or written), and (ranks 1..N-1) its write settler."""
+    """One rank's opened destinations (each decode pool mapped once, shared_kv.SharedKVPools; the region pools in a
+    cache of their own, so a decode's rank pools and index-key pools stay mapped together), those attached for a
+    request (by attach id, the ATTACHED_MAX most recently attached or written), and (ranks 1..N-1) its write
+    settler."""
 
     def __init__(self, cache: torch.Tensor, split: HeadSplit) -> None:
         self.cache = cache
         self.split = split
         self.pools = SharedKVPools()
+        self.region_pools = SharedKVPools()
         self.mooncake = RankMooncake()
         self._lock = threading.Lock()  # ATTACH runs in a worker thread, WRITE on the engine thread
-        self._attached: OrderedDict[int, list[Shard]] = OrderedDict()
+        self._attached: OrderedDict[int, Opened] = OrderedDict()
         self._settler: Settler | None = None
 
     def _attach(self, dest: decode_pb2.KVDestination) -> torch.Tensor | RemotePool:
@@ -198,28 +206,31 @@ class RankPools:
             return self.mooncake.remote(dest, self.cache)
         return self.pools.attach(dest)
 
-    def shards(self, raw: bytes) -> list[Shard]:
+    def shards(self, raw: bytes, regions: list[RegionPool]) -> Opened:
+        """Open ``raw``: the shards of this rank's heads, and every decode pool of each of ``regions`` (this rank's
+        region pools beside the target's); SharedKVAttachError when any is refused."""
         dest = decode_pb2.KVDestination.FromString(raw)
         with self._lock:
-            return open_shards(dest, self._attach, self.cache, self.split.num_kv_heads, self.split.kv_range)
+            opened = open_regions(dest, regions, self.region_pools)  # first: a region refused opens nothing
+            return open_shards(dest, self._attach, self.cache, self.split.num_kv_heads, self.split.kv_range), opened
 
-    def attach(self, aid: int, raw: bytes) -> list[Shard]:
-        """Open ``raw`` and keep its shards as ``aid`` (beyond ATTACHED_MAX the least recently used are dropped)."""
-        shards = self.shards(raw)
+    def attach(self, aid: int, raw: bytes, regions: list[RegionPool]) -> Opened:
+        """Open ``raw`` and keep it as ``aid`` (beyond ATTACHED_MAX the least recently used are dropped)."""
+        opened = self.shards(raw, regions)
         with self._lock:
-            self._attached[aid] = shards
+            self._attached[aid] = opened
             while len(self._attached) > ATTACHED_MAX:  # the least recently written (``attached`` touches)
                 self._attached.popitem(last=False)
-        return shards
+        return opened
 
-    def attached(self, aid: int) -> list[Shard]:
+    def attached(self, aid: int) -> Opened:
         with self._lock:
-            shards = self._attached.get(aid)
-            if shards is not None:  # a request still writing is never the one evicted
+            opened = self._attached.get(aid)
+            if opened is not None:  # a request still writing is never the one evicted
                 self._attached.move_to_end(aid)
-        if shards is None:
+        if opened is None:
             raise ValueError(f"no destination attached as {aid} on this rank (kept: the {ATTACHED_MAX} last used)")
-        return shards
+        return opened
 
     def settler(self, group) -> Settler:
         """Ranks 1..N-1: the thread that finishes this rank's shares and acknowledges them (made on first use)."""
@@ -277,7 +288,7 @@ def serve_op(runner, group, header: torch.Tensor) -> None:
         try:
             if k:
                 pools.mooncake.start(host_text(payload[:k]), n)
-            pools.attach(a, bytes(payload[k:].tolist()))
+            pools.attach(a, bytes(payload[k:].tolist()), runner_regions(runner))
         except (SharedKVAttachError, ValueError, OSError, RuntimeError) as e:
             log.warning("tensor-parallel rank %d cannot open the decode's pools: %s", group.rank, e)
             flag[0] = 1
@@ -286,7 +297,8 @@ def serve_op(runner, group, header: torch.Tensor) -> None:
     ids = payload.tolist()
     share: ShareWrite | BaseException
     try:  # started here, finished and acknowledged by the settler: this loop goes on with the next plan
-        share = start_share(runner.kv_cache, runner.model.tp_split, pools.attached(b), ids[:n], ids[n:])
+        shards, regions = pools.attached(b)
+        share = start_share(runner.kv_cache, runner.model.tp_split, shards, ids[:n], ids[n:], regions)
     except Exception as e:
         share = e
     pools.settler(group).put(a, share)
@@ -340,30 +352,31 @@ class ShardWrites:
             log.warning("a tensor-parallel rank's KV pool is not shared: prefills send page bytes instead")
             return None
         pools = [decode_pb2.KVDestination.FromString(r) for r in raws]
-        files = [os.path.join(SHM_DIR, p.shm.name) for p in pools[1:] if (k := pool_kind(p)) is not None
-                 and k.shm_file and SHM_NAME_RE.fullmatch(p.shm.name)]
-        atexit.register(_unlink, files)  # a rank stopped by a signal (or SIGKILL) cannot remove its own file
+        files = [f for p in pools[1:] for f in shm_files(p)]  # each rank's KV pool and its index-key pool
+        atexit.register(_unlink, files)  # a rank stopped by a signal (or SIGKILL) cannot remove its own files
         return sharded_destination(self.split, pools)
 
     def attach(self, dest: decode_pb2.KVDestination, mooncake: tuple[str, int] | None = None) -> Attached:
-        """Worker thread: every rank opens ``dest``'s pools and keeps them for the request's chunks (``mooncake``:
-        (host, engines) every rank starts its transfer engines at first); raises SharedKVAttachError if any rank
-        cannot."""
+        """Worker thread: every rank opens ``dest``'s pools (and every decode pool of each replicated region its
+        pages carry) and keeps them for the request's chunks (``mooncake``: (host, engines) every rank starts its
+        transfer engines at first); raises SharedKVAttachError if any rank cannot, or (before any rank opens
+        anything) if a region of the pages is not carried this way or decode offers another (check_regions)."""
         raw = dest.SerializeToString(deterministic=True)
         host, engines = mooncake or ("", 0)
+        regions = runner_regions(self.runner)
+        check_regions(dest, regions)
         aid = next(self._ids)
         if host:
             self.local.mooncake.start(host, engines)
         if not self.collective:
-            shards = self.local.shards(raw)
-            return Attached(aid, shards, min(sh.pool.shape[2] for sh in shards))
+            return Attached.of(aid, self.local.shards(raw, regions))
         err: SharedKVAttachError | None = None
         flag = torch.zeros(1, dtype=torch.int64)
         hb = host.encode()
-        shards: list[Shard] = []
+        opened: Opened = ([], [])
         with self.runner._sequence(_header(Sub.ATTACH, engines, len(raw), len(hb), aid), _int64(hb + raw)):
             try:
-                shards = self.local.shards(raw)
+                opened = self.local.shards(raw, regions)
             except Exception as e:  # any failure: rank 0 still joins the all-reduce the other ranks wait in
                 err = e if isinstance(e, SharedKVAttachError) else SharedKVAttachError("rank", f"rank 0: {e!r}")
                 flag[0] = 1
@@ -373,7 +386,7 @@ class ShardWrites:
         if failed:
             raise SharedKVAttachError("rank", f"{failed} of {self.split.tp_size} tensor-parallel ranks cannot open "
                                               "the decode's pools (their logs say why)")
-        return Attached(aid, shards, min(sh.pool.shape[2] for sh in shards))
+        return Attached.of(aid, opened)
 
     def start(self, attached: Attached, src_blocks: list[int], dst_blocks: list[int]) -> ChunkWrite:
         """Engine thread: announce the chunk to every rank (the plan broadcast, no other collective) and start rank
@@ -385,7 +398,7 @@ class ShardWrites:
                 pass
         try:
             return ChunkWrite(seq, start_share(self.runner.kv_cache, self.split, attached.shards, src_blocks,
-                                               dst_blocks), None)
+                                               dst_blocks, attached.regions), None)
         except Exception as e:  # raised by finish, after every other rank's share is accounted for
             return ChunkWrite(seq, None, e)
 

@@ -32,6 +32,7 @@ from services.engine.kv_transport.base import PageWriter, TransferError
 from services.engine.kv_transport.shared_pool import check_blocks, copy_pages_peer
 from services.engine.parallel.group import COLLECTIVE_TIMEOUT_S, open_store
 from services.engine.parallel.mooncake_ranks import RemotePool, settle_writes
+from services.engine.parallel.rank_regions import RegionShard, write_regions
 from services.engine.parallel.split import HeadSplit
 from services.engine.shared_kv import _runs
 
@@ -96,11 +97,12 @@ class ShareWrite:
 
 
 def start_share(cache: torch.Tensor, split: HeadSplit, shards: list[Shard], src_blocks: list[int],
-                dst_blocks: list[int]) -> ShareWrite:
+                dst_blocks: list[int], regions: list[RegionShard] | None = None) -> ShareWrite:
     """Start this rank's part of a chunk: its heads' intersection with every shard, over its share of the pages
     (replicas of a head split the pages evenly; which replica takes the larger share turns with the first
-    destination block, so one-page chunks do not all fall to one replica). A failure (ValueError for block ids
-    outside a pool) settles whatever this share had submitted, then raises."""
+    destination block, so one-page chunks do not all fall to one replica), and its share of the pages of every
+    replicated region into every decode pool of it (``regions``: rank_regions.py). A failure (ValueError for
+    block ids outside a pool) settles whatever this share had submitted, then raises."""
     a, b = split.kv_range
     reps = split.kv_replicas
     k, n = (split.rank + (dst_blocks[0] if dst_blocks else 0)) % reps, len(src_blocks)
@@ -123,10 +125,11 @@ def start_share(cache: torch.Tensor, split: HeadSplit, shards: list[Shard], src_
             else:
                 copy_heads(cache, src, heads, sh.pool, dst, dst_heads)
             out.written += hi - lo
+        write_regions(split, regions or [], src_blocks, dst_blocks)
     except BaseException:
         settle_writes(out.batches)  # a failed start leaves nothing in flight
         raise
-    for dev in {t.device for t in (cache, *(sh.pool for sh in shards))}:
+    for dev in {t.device for t in (cache, *(sh.pool for sh in shards), *(r.pool for r in regions or []))}:
         if dev.type == "cuda":  # the pages must have landed before rank 0 is told they have
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(dev))
@@ -135,9 +138,9 @@ def start_share(cache: torch.Tensor, split: HeadSplit, shards: list[Shard], src_
 
 
 def write_share(cache: torch.Tensor, split: HeadSplit, shards: list[Shard], src_blocks: list[int],
-                dst_blocks: list[int]) -> int:
+                dst_blocks: list[int], regions: list[RegionShard] | None = None) -> int:
     """start_share and finish in one (the pages have landed when it returns); page slices written."""
-    return start_share(cache, split, shards, src_blocks, dst_blocks).finish()
+    return start_share(cache, split, shards, src_blocks, dst_blocks, regions).finish()
 
 
 def _key(seq: int, rank: int) -> str:
@@ -235,14 +238,28 @@ class Settler:
                 os._exit(ACK_FAILED_EXIT)
 
 
+Opened = tuple[list[Shard], list[RegionShard]]
+"""A destination as one rank opened it: the KV shards this rank writes, and every decode pool of each replicated
+region (rank_regions.py)."""
+
+
 @dataclass(frozen=True)
 class Attached:
-    """A destination every rank opened for one request: its attach id, rank 0's own shards of it, and the blocks of
-    its smallest pool (a destination block id must be below it)."""
+    """A destination every rank opened for one request: its attach id, rank 0's own shards of it, the blocks of
+    its smallest pool (a destination block id must be below it) and rank 0's opened pools of the replicated regions
+    (index keys; rank_regions.py)."""
 
     id: int
     shards: list[Shard]
     blocks: int
+    regions: list[RegionShard] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, aid: int, opened: Opened) -> Attached:
+        """Rank 0's ``opened`` destination as ``aid``; its blocks: its smallest pool's (region pools included)."""
+        shards, regions = opened
+        return cls(aid, shards, min(p.shape[2] for p in [*(s.pool for s in shards), *(r.pool for r in regions)]),
+                   regions)
 
 
 class ChunkWrite:
