@@ -2,7 +2,8 @@
 token, and for V3.2 the indexer's keys in a region of their own) served by real 1P1D clusters: DeepSeek-V3.2's greedy tokens
 over the grpc, shm and mooncake KV transports (and cuda-ipc on a GPU) equal transformers fp32 up to the first near-tie; with the kvstore, a second prefill loads the latent pages the first
 one wrote and gives the same tokens (for V3.2 with the index-key region); the prefill's and decode's index-key
-codecs must agree (the fingerprint names it); a TP=2 prefill hands the pages to a TP=1 decode and back."""
+codecs must agree (the fingerprint names it); a TP=2 prefill hands the pages to a TP=1 decode and back, and to a TP=2
+decode, rank to rank over shm (V3.2: with the index-key region, whose codec must agree there too)."""
 
 from __future__ import annotations
 
@@ -71,21 +72,19 @@ def test_mla_1p1d_tokens_equal_transformers(v32: tuple[Path, object], transport:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuda-ipc needs an NVIDIA GPU")
-@pytest.mark.parametrize("index_codec", ["native", "fp8-e4m3"])
-def test_v32_1p1d_over_cuda_ipc_writes_the_index_region_in_place(v32: tuple[Path, object], index_codec: str) -> None:
+def test_v32_1p1d_over_cuda_ipc_writes_the_index_region_in_place(v32: tuple[Path, object]) -> None:
     """DeepSeek-V3.2 with prefill and decode on one GPU: the prefill writes the latent and the index-key pools that
-    decode exported over CUDA IPC (no page bytes, no fallback); tokens follow transformers fp32 (native index keys:
-    up to the first near-tie; fp8 ones flip near-tied top-k choices, so only the pools and the transport are checked)."""
+    decode exported over CUDA IPC (no page bytes, no fallback); tokens follow transformers fp32 up to the first
+    near-tie. (fp8-e4m3 index keys are a CPU-engine codec: a CUDA engine refuses them.)"""
     model_dir, ref = v32
-    engine = ["--device", "cuda", "--index-kv-codec", index_codec, *SMALL_KV]
+    engine = ["--device", "cuda", *SMALL_KV]
     sizes = {"prefill": [*engine, "--max-prefill-chunk", "29"], "decode": engine}
     with LocalCluster(prefill=1, decode=1, kvstore=None, model=str(model_dir), dtype="float32", extra=sizes,
                       quiet=True, kv_transport="cuda-ipc") as c:
         for i, ids in enumerate(_prompts()):
             got = _generate(c.router["grpc"], ids)
             assert len(got) == 16
-            if index_codec == "native":
-                _check_against_transformers(ref, ids, got, f"deepseek_v32 cuda-ipc prompt {i}")
+            _check_against_transformers(ref, ids, got, f"deepseek_v32 cuda-ipc prompt {i}")
         pm, dm = c.get("prefill-0").ready["metrics"], c.get("decode-0").ready["metrics"]
         assert metric_sum(dm, "pdserve_decode_kv_received_bytes_total", transport="cuda-ipc") > 0
         assert metric_sum(dm, "pdserve_decode_kv_received_bytes_total", transport="grpc") == 0
@@ -150,18 +149,37 @@ def test_mla_pages_cross_tensor_parallel_degrees(v3: tuple[Path, object], prefil
     _cross_tensor_parallel(v3[0], prefill_tp, decode_tp)
 
 
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2), (2, 2)])
 def test_v32_index_region_crosses_tensor_parallel_degrees(v32: tuple[Path, object], prefill_tp: int,
                                                           decode_tp: int) -> None:
-    """DeepSeek-V3.2 across TP degrees: rank shard writes do not carry the index-key region, so the handoff goes as
-    page bytes of every region (rank 0 exports its copy; a TP=2 decode imports and gives every rank the keys);
-    tokens equal the colocated TP=1 engine's."""
+    """DeepSeek-V3.2 across TP degrees: the index keys are replicated, so the prefill ranks split each chunk's pages
+    and write the latent and the index keys straight into every decode rank's pools (no page bytes, no fallback);
+    the decode's top-k selection reads them, so its tokens equal the colocated TP=1 engine's."""
     _cross_tensor_parallel(v32[0], prefill_tp, decode_tp)
+
+
+def test_v32_index_codec_mismatch_is_refused_across_tensor_parallel_ranks(v32: tuple[Path, object]) -> None:
+    """A TP=2 prefill with fp8-e4m3 index keys facing a TP=2 decode with pool-dtype ones: refused before any page
+    moves (the layout decode expects names its own index codec), the error naming both fingerprints; no rank writes
+    a page into decode's pools. (Past that check, the rank writes' attach refuses the other region too, reason
+    index: tests/engine/test_rank_pages.py.)"""
+    model_dir, _ = v32
+    engine = ["--cpu-threads", "1", "--num-kv-blocks", "64", "--tensor-parallel-size", "2"]
+    extra = {"prefill": [*engine, "--max-prefill-chunk", "32", "--index-kv-codec", "fp8-e4m3"], "decode": engine}
+    with LocalCluster(prefill=1, decode=1, kvstore=None, model=str(model_dir), dtype="float32", extra=extra,
+                      quiet=True, kv_transport="shm") as c:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            _generate(c.router["grpc"], _prompts()[0])
+        msg = e.value.details() or ""
+        assert _fingerprint(model_dir, "native") in msg and _fingerprint(model_dir, "fp8-e4m3") in msg, msg
+        assert metric_sum(c.get("prefill-0").ready["metrics"], "pdserve_prefill_kv_rank_pages_total") == 0
+        rep = wait_idle(c.get("decode-0").ready["grpc"])
+        assert rep.free_blocks == rep.total_blocks
 
 
 def _cross_tensor_parallel(model_dir: Path, prefill_tp: int, decode_tp: int) -> None:
     """Two prompts through a 1P1D cluster over shm, prefill and decode at the given TP degrees (gloo), against the
-    colocated TP=1 engine's greedy tokens."""
+    colocated TP=1 engine's greedy tokens; the pages go rank to rank in place (every prefill rank writes some)."""
     prompts = _prompts()[:2]
     engine = ["--cpu-threads", "1", "--num-kv-blocks", "64"]
     want = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64, cpu_threads=1)).generate(
@@ -172,3 +190,11 @@ def _cross_tensor_parallel(model_dir: Path, prefill_tp: int, decode_tp: int) -> 
                       quiet=True, kv_transport="shm") as c:
         for ids, expect in zip(prompts, want, strict=True):
             assert _generate(c.router["grpc"], ids) == expect, (prefill_tp, decode_tp)
+        pm, dm = c.get("prefill-0").ready["metrics"], c.get("decode-0").ready["metrics"]
+        assert metric_sum(pm, "pdserve_prefill_kv_transport_fallbacks_total") == 0
+        assert metric_sum(dm, "pdserve_decode_kv_received_bytes_total", transport="shm") > 0
+        assert metric_sum(dm, "pdserve_decode_kv_received_bytes_total", transport="grpc") == 0
+        for rank in range(prefill_tp):
+            assert metric_sum(pm, "pdserve_prefill_kv_rank_pages_total", rank=str(rank)) > 0, rank
+        rep = wait_idle(c.get("decode-0").ready["grpc"])
+        assert rep.free_blocks == rep.total_blocks

@@ -96,4 +96,7 @@ def test_cuda_graphs_match_eager(models: tuple[LoadedModel, LoadedModel]) -> Non
     ref_tokens, ref = _logits_trace(eager, prompts[1], STEPS)
     _, got = _logits_trace(graphs, prompts[1], STEPS, forced=ref_tokens)
     rel = float((got - ref).norm() / ref.norm())
-    assert rel < 1e-2, f"relative L2 {rel:.5f}"
+    # Not bit-equal: the graph was captured with a long context bound (split-K decode launches, merged by the
+    # reduce kernel) while eager steps run one partition, so fp32 partial sums round apart and the random bf16
+    # model carries it (H100: 0.011); a wrong replay differs by O(1).
+    assert rel < 2e-2, f"relative L2 {rel:.5f}"

@@ -119,7 +119,7 @@ def test_fused_moe_down_tiles_of_their_own(device: torch.device) -> None:
     down = MoETileConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2, group_m=2)
     out = fused_moe(**args, config=SMALL, path="sorted", down_config=down)
     assert_close(out, fused_moe_ref(**args), torch.float32)
-    with pytest.raises(AssertionError, match="down_config.block_m 32 != config.block_m 16"):
+    with pytest.raises(AssertionError, match=r"down_config\.block_m 32 != config\.block_m 16"):
         fused_moe(**args, config=SMALL, path="sorted", down_config=MoETileConfig(32, 16, 16, 4, 2))
 
 
