@@ -209,6 +209,8 @@ class LocalCluster:
             while not p.wait_ready(min(0.25, max(0.0, deadline - time.monotonic()))):
                 if self._stopping.is_set():
                     raise StartCancelled("stop requested while starting")
+                if p.ready:  # the ready line landed just after that wait timed out: the next wait returns at once
+                    continue
                 if p.event.is_set() or time.monotonic() >= deadline:
                     raise RuntimeError(f"{p.name} did not become ready (exit code {p.popen.poll()}):\n{p.tail(30)}")
 
