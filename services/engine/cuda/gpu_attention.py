@@ -101,14 +101,12 @@ class TritonPagedAttention:
             return self._rows(q, meta, value_dim,
                               lambda qd: self._latent_decode(qd, k_cache, v_cache, meta, scale, value_dim),
                               lambda qp: self._latent_prefill(qp, k_cache, v_cache, meta, scale, value_dim))
-        if not window and sinks is None and self._fresh_prompts(meta, q):
-            nd = meta.num_decode
-            return self._rows(q, meta, q.shape[-1],
-                              lambda qd: self._decode(qd, k_cache, v_cache, meta, scale, window, sinks),
-                              lambda qp: fresh_prompt_attention(qp, k[nd:], v[nd:], meta.query_lens[nd:], scale))
+        nd = meta.num_decode
+        fresh = not window and sinks is None and self._fresh_prompts(meta, q)
         return self._rows(q, meta, q.shape[-1],
                           lambda qd: self._decode(qd, k_cache, v_cache, meta, scale, window, sinks),
-                          lambda qp: self._prefill(qp, k_cache, v_cache, meta, scale, window, sinks))
+                          (lambda qp: fresh_prompt_attention(qp, k[nd:], v[nd:], meta.query_lens[nd:], scale)) if fresh
+                          else (lambda qp: self._prefill(qp, k_cache, v_cache, meta, scale, window, sinks)))
 
     @staticmethod
     def _fresh_prompts(meta: AttentionMetadata, q: torch.Tensor) -> bool:
