@@ -45,27 +45,27 @@ DECODE_CASES = ((1, 2048), (16, 2048), (64, 2048), (64, 1152), (256, 1152))
 
 
 def paged_cache(tokens_per_seq: list[int], kv_heads: int, head_dim: int, device: torch.device, seed: int
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-    """(k_cache, v_cache, block_tables, context_lens, contiguous K per sequence, V per sequence), pages of every
-    sequence drawn from a random permutation of the pool."""
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(k_cache, v_cache, block_tables, context_lens), the pages of every sequence drawn from a random permutation
+    of the pool."""
     gen = torch.Generator(device=device).manual_seed(seed)
     blocks = [(n + BLOCK_SIZE - 1) // BLOCK_SIZE for n in tokens_per_seq]
-    total = sum(blocks)
-    perm = torch.randperm(total, generator=gen, device=device).to(torch.int32)
-    width = max(blocks)
-    tables = torch.zeros((len(blocks), width), dtype=torch.int32, device=device)
-    k_cache = torch.randn((total, BLOCK_SIZE, kv_heads, head_dim), generator=gen, device=device).to(torch.bfloat16)
+    perm = torch.randperm(sum(blocks), generator=gen, device=device).to(torch.int32)
+    tables = torch.zeros((len(blocks), max(blocks)), dtype=torch.int32, device=device)
+    k_cache = torch.randn((sum(blocks), BLOCK_SIZE, kv_heads, head_dim), generator=gen, device=device).to(torch.bfloat16)
     v_cache = torch.randn_like(k_cache, dtype=torch.float32).to(torch.bfloat16)
-    ks, vs = [], []
     at = 0
-    for i, (n, nb) in enumerate(zip(tokens_per_seq, blocks, strict=True)):
-        ids = perm[at:at + nb]
-        tables[i, :nb] = ids
+    for i, nb in enumerate(blocks):
+        tables[i, :nb] = perm[at:at + nb]
         at += nb
-        ks.append(k_cache[ids.long()].reshape(nb * BLOCK_SIZE, kv_heads, head_dim)[:n])
-        vs.append(v_cache[ids.long()].reshape(nb * BLOCK_SIZE, kv_heads, head_dim)[:n])
     lens = torch.tensor(tokens_per_seq, dtype=torch.int32, device=device)
-    return k_cache, v_cache, tables, lens, ks, vs
+    return k_cache, v_cache, tables, lens
+
+
+def contiguous(cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor) -> list[torch.Tensor]:
+    """Each sequence's keys (or values) of a paged ``cache`` gathered contiguous: [len, kv_heads, head_dim]."""
+    return [cache[row[:-(-n // BLOCK_SIZE)].long()].flatten(0, 1)[:n] for row, n in zip(tables, lens.tolist(),
+                                                                                           strict=True)]
 
 
 def prefill_points(ceil: dict[str, float], device: torch.device) -> list[dict[str, Any]]:
@@ -83,7 +83,8 @@ def prefill_case(shape: str, dims: tuple[int, int, int], case: tuple[str, int, i
 
     heads, kv_heads, hd = dims
     name, new, prefix, seqs = case
-    k_cache, v_cache, tables, lens, ks, vs = paged_cache([prefix + new] * seqs, kv_heads, hd, device, seed=new)
+    k_cache, v_cache, tables, lens = paged_cache([prefix + new] * seqs, kv_heads, hd, device, seed=new)
+    ks, vs = contiguous(k_cache, tables, lens), contiguous(v_cache, tables, lens)
     q = torch.randn((seqs * new, heads, hd), device=device).to(torch.bfloat16)
     cu = torch.arange(0, seqs + 1, dtype=torch.int32, device=device) * new
     visible = seqs * (new * prefix + new * (new + 1) / 2)
@@ -168,7 +169,7 @@ def decode_case(shape: str, batch: int, ctx: int, ceil: dict[str, float], device
     from services.kernels.paged_decode_attention import paged_decode_attention
 
     heads, kv_heads, hd = HEADS[shape]
-    k_cache, v_cache, tables, lens, _, _ = paged_cache([ctx] * batch, kv_heads, hd, device, seed=batch)
+    k_cache, v_cache, tables, lens = paged_cache([ctx] * batch, kv_heads, hd, device, seed=batch)
     q = torch.randn((batch, heads, hd), device=device).to(torch.bfloat16)
     kv_bytes = 2 * batch * ctx * kv_heads * hd * 2
     scale = hd**-0.5
