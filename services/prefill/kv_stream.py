@@ -73,8 +73,10 @@ class PagesReady:
     """Source block ids of pages computed before decode acknowledged the claim: the sender issues their
     write once it has (``write`` is None until then); the blocks are held until that write landed."""
     last: bool = False
-    writeback: tuple[int, torch.Tensor] | None = None
+    writeback: tuple[int, PageExport] | None = None
     """(first block, pages) of full blocks the kvstore lacks, on the last item only."""
+    writeback_dropped: bool = False
+    """Pages were due to the kvstore but its writer had no room (never exported; counted by the servicer)."""
     first_token: int = 0
     first_logprob: float = 0.0
     first_top: TopLogprobs | None = None
@@ -87,15 +89,20 @@ class RequestKVStream:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, export: Callable[[list[int]], PageExport], block_size: int,
                  num_skip_blocks: int, chunked: bool, arrival: float, writer: PageWriter | None = None,
-                 read_native: Callable[[list[int]], torch.Tensor] | None = None, engine: AsyncEngine | None = None,
-                 claim_wait_s: float = 0.0, pending: bool = False) -> None:
+                 export_native: Callable[[list[int]], PageExport] | None = None, engine: AsyncEngine | None = None,
+                 claim_wait_s: float = 0.0, pending: bool = False,
+                 writeback_room: Callable[[], bool] | None = None) -> None:
         """``pending``: an early Prefill whose reservation is not known yet (``attach`` names it); until its
         claim is acknowledged every computed page is deferred exactly as for an unanswered writer claim."""
         self.loop = loop
         self.export = export
         """Starts a chunk's page export for the wire (the cache's dtype, or a codec such as fp8-e4m3)."""
-        self.read_native = read_native or (lambda ids: export(ids).wait())
-        """Pages in the cache's own layout, on the host (what the kvstore keeps)."""
+        self.export_native = export_native or export
+        """Starts copying pages in the cache's own layout to the host (what the kvstore keeps); the kvstore's
+        writer waits for them on a worker thread, never the engine thread."""
+        self.writeback_room = writeback_room
+        """Whether the kvstore writer takes one more write now (asked on the engine thread before the pages are
+        exported, so a write that would be dropped costs no device-to-host copy); None: always."""
         self.writer = writer
         """Writes pages straight into decode's pool (shm, cuda-ipc, mooncake), or None."""
         self.block_size = block_size
@@ -240,7 +247,10 @@ class RequestKVStream:
         item.prefill_done_unix = done_unix
         full = end // self.block_size
         if self.writeback_from is not None and full > self.writeback_from:
-            item.writeback = (self.writeback_from, self.read_native(ch.seq.block_table[self.writeback_from:full]))
+            if self.writeback_room is None or self.writeback_room():
+                item.writeback = (self.writeback_from, self.export_native(ch.seq.block_table[self.writeback_from:full]))
+            else:
+                item.writeback_dropped = True
 
     def fail(self, exc: BaseException) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, exc)

@@ -28,6 +28,7 @@ from services.common.grpc_util import create_channel, rpc_error_summary
 from services.common.kvstore_client import KVStoreClient
 from services.common.tls import TLSConfig
 from services.engine.kv_layout import PageLayout
+from services.engine.kv_pages import PageExport
 
 log = logging.getLogger(__name__)
 
@@ -122,21 +123,33 @@ class KVStorePrefix:
         flat = torch.frombuffer(bytearray(b"".join(good)), dtype=self.dtype)
         return present, flat.view(len(good), *self.page_shape)
 
-    def write_back(self, hashes: list[bytes], first_block: int, pages: torch.Tensor) -> None:
-        """Put pages of blocks [first_block, first_block + P) in the background (dropped, and counted,
-        while the store is backing off or ``max_pending_writes`` are already under way)."""
-        if not self.available or len(self._bg) >= self.max_pending_writes:
+    def write_back_room(self) -> bool:
+        """Whether ``write_back`` would take one more write now (any thread: the prefill's engine thread asks
+        before exporting a request's pages, so pages a full writer would drop are never copied off the device).
+        Advisory: requests finishing in one step may all see room; ``write_back`` still drops the excess."""
+        return self.available and len(self._bg) < self.max_pending_writes
+
+    def write_back_skipped(self) -> None:
+        """Count a write-back the engine thread skipped for want of room (``write_back_room`` was False)."""
+        self._count("write_back_dropped")
+
+    def write_back(self, hashes: list[bytes], first_block: int, pages: PageExport) -> None:
+        """Put the pages of blocks [first_block, first_block + P) in the background, once their export (started
+        on the engine thread) reaches the host; dropped, and counted, while the store is backing off or
+        ``max_pending_writes`` are already under way."""
+        if not self.write_back_room():
             self._count("write_back_dropped")
             return
-        task = asyncio.create_task(self._put(hashes[first_block:first_block + pages.shape[0]], pages))
+        task = asyncio.create_task(self._put(hashes[first_block:], pages))
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)
 
-    async def _put(self, hashes: list[bytes], pages: torch.Tensor) -> None:
+    async def _put(self, hashes: list[bytes], export: PageExport) -> None:
         def encode() -> list[tuple[bytes, bytes, int]]:
+            pages = export.wait()  # a worker thread waits for the device-to-host copy, not the engine thread
             raw = pages.contiguous().view(torch.uint8).numpy()
             out = []
-            for h, row in zip(hashes, raw, strict=True):
+            for h, row in zip(hashes[:raw.shape[0]], raw, strict=True):
                 data = row.tobytes()
                 out.append((h, data, checksum(data)))
             return out

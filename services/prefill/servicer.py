@@ -243,8 +243,9 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
         chunked = request.chunked_transfer if request.HasField("chunked_transfer") else self.config.chunked_transfer
         rid = f"{request.request_id}/{uuid.uuid4().hex[:8]}"
         stream = RequestKVStream(asyncio.get_running_loop(), export, self.layout.block_size, request.num_skip_blocks,
-                                 chunked, arrival, writer, lambda b: self.pages.export(b).wait(), self.engine,
-                                 self.config.claim_wait_s, pending=waiting is not None)
+                                 chunked, arrival, writer, self.pages.export, self.engine,
+                                 self.config.claim_wait_s, pending=waiting is not None,
+                                 writeback_room=None if self.kvstore is None else self.kvstore.write_back_room)
         transport = writer.transport if writer is not None else self.transport.name
         return Handoff(request, rid, stream, writer, wire, transport, waiting)
 
@@ -274,8 +275,11 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
         last, page_bytes = await pump(h.stream, h.sender, r.request_id, r.reservation_id, r.reservation_token, h.wire,
                                       payload_budget(self.config.max_message_bytes), h.transport)
         await self._finish(h)
-        if last.writeback is not None and self.kvstore is not None:
-            self.kvstore.write_back(h.stream.hashes, *last.writeback)
+        if self.kvstore is not None:
+            if last.writeback is not None:
+                self.kvstore.write_back(h.stream.hashes, *last.writeback)
+            elif last.writeback_dropped:
+                self.kvstore.write_back_skipped()
         return last, page_bytes, loaded
 
     async def _finish(self, h: Handoff) -> None:

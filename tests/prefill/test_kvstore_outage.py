@@ -98,3 +98,40 @@ async def test_kvstore_outage_then_recovery(make_prefill) -> None:
         if store.server is not None:
             await store.stop()
         await store.backend.close()
+
+
+async def test_write_back_without_room_copies_nothing(make_prefill) -> None:
+    """A writer whose pending write-backs are at their bound skips a finished prompt's pages on the engine
+    thread (no page export for the kvstore, counted as dropped); with room again the next prompt is written."""
+    store = Store()
+    await store.start()
+    rig = await make_prefill(config=PrefillConfig(kvstore_address=f"127.0.0.1:{store.port}",
+                                                  kvstore_max_pending_writes=1))
+    kv = rig.servicer.kvstore
+    exported: list[int] = []
+    real_export = rig.servicer.pages.export
+
+    def counting_export(block_ids, *args, **kwargs):
+        exported.append(len(block_ids))
+        return real_export(block_ids, *args, **kwargs)
+
+    rig.servicer.pages.export = counting_export
+    blocker = asyncio.get_running_loop().create_future()
+    kv._bg.add(blocker)  # one write-back "under way": no room
+    try:
+        dropped = rig.metric(PREFILL_KVSTORE_ERRORS_TOTAL, reason="write_back_dropped")
+        await rig.stub.Prefill(prefill_request(_prompt(0), request_id="full"))
+        # the chunks' own exports to decode are of 1-2 pages; the kvstore's would be the prompt's 4 full pages
+        assert 4 not in exported and exported and not kv.write_back_room()
+        assert rig.metric(PREFILL_KVSTORE_ERRORS_TOTAL, reason="write_back_dropped") == dropped + 1
+        assert not await store.backend.locate(rig.servicer.layout.fingerprint, kv.hashes(_prompt(0)))
+
+        kv._bg.discard(blocker)
+        blocker.cancel()
+        exported.clear()
+        await rig.stub.Prefill(prefill_request(_prompt(1), request_id="room"))
+        assert exported.count(4) == 1  # the four full pages, exported once for the store
+        await _written(store, rig, _prompt(1))
+    finally:
+        await store.stop()
+        await store.backend.close()
