@@ -2,7 +2,10 @@
 
 Each program owns one (sequence, kv head, context partition) and all G = num_heads / num_kv_heads
 query heads of that kv head, so every K/V tile is read once per group. Partitions (flash-decoding)
-are used when batch * kv_heads alone would leave most SMs idle; a reduce kernel merges them.
+are used when batch * kv_heads alone would leave most SMs idle; a reduce kernel merges them. A
+partition's length comes from its own sequence's length on the device (the span over the partitions
+the batch calls for, >= 128 keys), not from the host's bound: a CUDA graph captured with the longest
+context as its bound splits a 1K-token context as an eager step does, and computes the same sums.
 
 A sliding window (the query at position ctx - 1 sees keys k > ctx - 1 - window) starts the key range
 at ctx - window: blocks wholly before it are never read, and partitions cover only the window.
@@ -20,6 +23,16 @@ from services.kernels._triton_utils import _mma, dot_flags
 LOG2E = 1.4426950408889634
 _MIN_PARTITION = 128
 _MAX_PARTITIONS = 32
+
+
+@triton.jit
+def _partition_len(span, partition_size, spread, BLOCK: tl.constexpr, MIN_PART: tl.constexpr):
+    """Keys per partition of a sequence that sees ``span`` keys: ``partition_size`` when > 0 (fixed), else the
+    span spread over ``spread`` partitions, in whole BLOCK tiles and at least MIN_PART keys. Computed from
+    the sequence's own length on the device, so a CUDA graph captured for the longest context still splits a
+    short one across the partitions its grid has (a fixed length would leave one program walking it alone)."""
+    spread_len = tl.maximum(tl.cdiv(tl.cdiv(span, spread), BLOCK) * BLOCK, MIN_PART)
+    return tl.where(partition_size > 0, partition_size, spread_len)
 
 
 @triton.jit
@@ -53,19 +66,21 @@ def _paged_decode_attention_kernel(
     qk_scale_log2,
     block_size,
     partition_size,
+    spread,
     window,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK: tl.constexpr,
+    MIN_PART: tl.constexpr,
     SPLIT: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """For heads h = kvh * G + g, keys n in [lo + part * P, min(ctx, lo + (part + 1) * P)), where
-    lo = max(0, ctx - window) with a window (window > 0), else 0:
+    lo = max(0, ctx - window) with a window (window > 0), else 0, and P is `_partition_len` of this sequence:
 
         s[g, n] = scale * q[b, h] . K[page(b, n), n % bs, kvh]          page(b, n) = BT[b, n // bs]
         m = max_n s,  l = sum_n 2^(log2e * (s - m)),  acc = sum_n 2^(log2e * (s - m)) V[page, n % bs, kvh]
@@ -80,8 +95,9 @@ def _paged_decode_attention_kernel(
 
     ctx = tl.load(CL_ptr + b)
     lo = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)
-    start = lo + part * partition_size
-    end = tl.minimum(ctx, start + partition_size)
+    psize = _partition_len(ctx - lo, partition_size, spread, BLOCK, MIN_PART)
+    start = lo + part * psize
+    end = tl.minimum(ctx, start + psize)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -161,10 +177,13 @@ def _paged_decode_reduce_kernel(
     stride_ah,
     stride_ap,
     partition_size,
+    spread,
     window,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK: tl.constexpr,
+    TILE: tl.constexpr,
+    MIN_PART: tl.constexpr,
     HAS_SINKS: tl.constexpr,
 ):
     """Merge partitions j < cdiv(ctx - lo, P) of one (b, h) (lo as in the attention kernel):
@@ -176,7 +195,7 @@ def _paged_decode_reduce_kernel(
     h = tl.program_id(1)
     ctx = tl.load(CL_ptr + b)
     lo = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)
-    num_parts = tl.cdiv(ctx - lo, partition_size)
+    num_parts = tl.cdiv(ctx - lo, _partition_len(ctx - lo, partition_size, spread, TILE, MIN_PART))
 
     offs_p = tl.arange(0, BLOCK)
     offs_d = tl.arange(0, BLOCK_D)
@@ -206,6 +225,11 @@ def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
+
+
+def _spread(batch: int, num_kv_heads: int, device: torch.device) -> int:
+    """Partitions per sequence that bring batch x kv heads programs to about two per SM (1: no split)."""
+    return min(_MAX_PARTITIONS, triton.cdiv(2 * _num_sms(device), max(1, batch * num_kv_heads)))
 
 
 def _choose_partition(
@@ -279,10 +303,20 @@ def paged_decode_attention(
         # by the context bound, so a CUDA graph (captured with a long bound) and an eager step pick the same tile.
         few = bsz * num_kv_heads < 2 * _num_sms(q.device)
         block_n = 32 if q.dtype == torch.float32 or few else 64
+    spread = 0
     if partition_size is None:
-        partition_size = _choose_partition(bsz, num_kv_heads, span, block_n, q.device)
-    assert partition_size % block_n == 0, "partition_size must be a multiple of block_n"
-    num_parts = triton.cdiv(span, partition_size)
+        # Split each sequence over `spread` partitions (sized on the device from its own length, _partition_len)
+        # where the batch alone leaves SMs idle; the grid holds as many as the bound on the span can fill.
+        spread = _spread(bsz, num_kv_heads, q.device)
+        if spread <= 1:
+            spread, partition_size = 0, triton.cdiv(span, block_n) * block_n
+            num_parts = 1
+        else:
+            partition_size = 0
+            num_parts = min(spread, triton.cdiv(span, _MIN_PARTITION))
+    else:
+        assert partition_size % block_n == 0, "partition_size must be a multiple of block_n"
+        num_parts = triton.cdiv(span, partition_size)
     split = num_parts > 1
     upcast, dot_precision = dot_flags(q.dtype)
 
@@ -324,12 +358,14 @@ def paged_decode_attention(
         scale * LOG2E,
         block_size,
         partition_size,
+        max(spread, 1),
         window,
         GROUP=group,
         BLOCK_G=block_g,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK=block_n,
+        MIN_PART=_MIN_PARTITION,
         SPLIT=split,
         HAS_SINKS=sinks is not None,
         UPCAST=upcast,
@@ -353,10 +389,13 @@ def paged_decode_attention(
             a_part.stride(1),
             a_part.stride(2),
             partition_size,
+            max(spread, 1),
             window,
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             BLOCK=max(2, triton.next_power_of_2(num_parts)),
+            TILE=block_n,
+            MIN_PART=_MIN_PARTITION,
             HAS_SINKS=sinks is not None,
             num_warps=4,
         )

@@ -96,6 +96,26 @@ def test_decode_window_never_reads_outside_it(device: torch.device) -> None:
     assert torch.equal(out, clean)
 
 
+@pytest.mark.parametrize("window", [0, 200])
+def test_decode_partitions_follow_each_sequence_not_the_bound(device: torch.device, window: int) -> None:
+    """Default partitions are sized from each sequence's own length on the device: a launch with a far larger
+    bound on the contexts (a CUDA graph's, captured for the longest context) splits them exactly as a launch with
+    the step's own bound does, so both give bit-equal outputs, and both match the reference."""
+    from services.kernels import paged_decode_attention as pda
+
+    contexts = [150, 200, 1]
+    assert pda._spread(len(contexts), 1, device) > 1  # a split launch on this device (else nothing is tested)
+    kv = make_paged_kv(contexts, 1, 64, 16, torch.float32, device)
+    q = torch.randn((len(contexts), 4, 64), generator=torch.Generator().manual_seed(3)).to(device)
+    outs = [paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, 0.125,
+                                   max_context_len=bound, window=window)
+            for bound in (200, 4096)]
+    assert torch.equal(outs[0], outs[1])
+    ref = ref_paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, 0.125,
+                                     window=window)
+    assert_close(outs[1], ref, torch.float32)
+
+
 def test_decode_empty_batch(device: torch.device) -> None:
     kv = make_paged_kv([3], 1, 64, 16, torch.float32, device)
     q = torch.empty((0, 2, 64), device=device)
