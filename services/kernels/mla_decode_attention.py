@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from services.kernels._triton_utils import _mma, dot_flags
-from services.kernels.paged_decode_attention import _choose_partition
+from services.kernels.paged_decode_attention import _MIN_PARTITION, _partition_len, _spread
 
 LOG2E = 1.4426950408889634
 #: Query heads per program: the M side of both tl.dots (16 is tl.dot's smallest M).
@@ -107,6 +107,7 @@ def _mla_decode_kernel(
     qk_scale_log2,
     block_size,
     partition_size,
+    spread,
     NUM_HEADS: tl.constexpr,
     HALF: tl.constexpr,
     VALUE_DIM: tl.constexpr,
@@ -115,11 +116,13 @@ def _mla_decode_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    MIN_PART: tl.constexpr,
     SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """For heads h in group hg and keys n in [part * P, min(ctx, (part + 1) * P)), with
+    """For heads h in group hg and keys n in [part * P, min(ctx, (part + 1) * P)) (P: `_partition_len` of this
+    sequence, paged_decode_attention.py), with
     latent(b, n) = [K, V][BT[b, n // bs], n % bs, 0] (the two planes joined):
 
         s[h, n] = scale * q[b, h, :KEY_DIM] . latent(b, n)[:KEY_DIM]
@@ -133,8 +136,9 @@ def _mla_decode_kernel(
     part = tl.program_id(2)
 
     ctx = tl.load(CL_ptr + b)
-    start = part * partition_size
-    end = tl.minimum(ctx, start + partition_size)
+    psize = _partition_len(ctx, partition_size, spread, BLOCK_N, MIN_PART)
+    start = part * psize
+    end = tl.minimum(ctx, start + psize)
 
     heads = hg * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = heads < NUM_HEADS
@@ -196,9 +200,12 @@ def _mla_decode_reduce_kernel(
     stride_ah,
     stride_ap,
     partition_size,
+    spread,
     VALUE_DIM: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    TILE: tl.constexpr,
+    MIN_PART: tl.constexpr,
 ):
     """Merge partitions j < cdiv(ctx, P) of one (b, h):
 
@@ -208,7 +215,7 @@ def _mla_decode_reduce_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     ctx = tl.load(CL_ptr + b)
-    num_parts = tl.cdiv(ctx, partition_size)
+    num_parts = tl.cdiv(ctx, _partition_len(ctx, partition_size, spread, TILE, MIN_PART))
 
     offs_p = tl.arange(0, BLOCK_P)
     mask_p = offs_p < num_parts
@@ -284,10 +291,16 @@ def mla_decode_attention(
     block_r = max(16, triton.next_power_of_2(key_dim - value_dim))
     if block_n is None:
         block_n = 32 if q.dtype != torch.float32 else 16
-    if partition_size is None:
-        partition_size = _choose_partition(bsz, groups, max_context_len, block_n, q.device)
-    assert partition_size % block_n == 0, "partition_size must be a multiple of block_n"
-    num_parts = triton.cdiv(max_context_len, partition_size)
+    spread = 0
+    if partition_size is None:  # partitions sized per sequence on the device, as paged_decode_attention's
+        spread = _spread(bsz, groups, q.device)
+        if spread <= 1:
+            spread, partition_size, num_parts = 0, triton.cdiv(max_context_len, block_n) * block_n, 1
+        else:
+            partition_size, num_parts = 0, min(spread, triton.cdiv(max_context_len, _MIN_PARTITION))
+    else:
+        assert partition_size % block_n == 0, "partition_size must be a multiple of block_n"
+        num_parts = triton.cdiv(max_context_len, partition_size)
     split = num_parts > 1
     upcast, dot_precision = dot_flags(q.dtype)
 
@@ -322,6 +335,7 @@ def mla_decode_attention(
         scale * LOG2E,
         block_size,
         partition_size,
+        max(spread, 1),
         NUM_HEADS=num_heads,
         HALF=half,
         VALUE_DIM=value_dim,
@@ -330,6 +344,7 @@ def mla_decode_attention(
         BLOCK_C=block_c,
         BLOCK_R=block_r,
         BLOCK_N=block_n,
+        MIN_PART=_MIN_PARTITION,
         SPLIT=split,
         UPCAST=upcast,
         DOT_PRECISION=dot_precision,
@@ -351,9 +366,12 @@ def mla_decode_attention(
             a_part.stride(1),
             a_part.stride(2),
             partition_size,
+            max(spread, 1),
             VALUE_DIM=value_dim,
             BLOCK_C=block_c,
             BLOCK_P=max(2, triton.next_power_of_2(num_parts)),
+            TILE=block_n,
+            MIN_PART=_MIN_PARTITION,
             num_warps=4,
         )
     return out

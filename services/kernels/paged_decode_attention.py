@@ -232,18 +232,6 @@ def _spread(batch: int, num_kv_heads: int, device: torch.device) -> int:
     return min(_MAX_PARTITIONS, triton.cdiv(2 * _num_sms(device), max(1, batch * num_kv_heads)))
 
 
-def _choose_partition(
-    batch: int, num_kv_heads: int, max_context_len: int, block_n: int, device: torch.device
-) -> int:
-    """Partition length in tokens (multiple of block_n); >= max_context_len means no split."""
-    target_programs = 2 * _num_sms(device)
-    parts = min(_MAX_PARTITIONS, triton.cdiv(target_programs, max(1, batch * num_kv_heads)))
-    if parts <= 1:
-        return triton.cdiv(max_context_len, block_n) * block_n
-    partition = triton.cdiv(triton.cdiv(max_context_len, parts), block_n) * block_n
-    return max(partition, _MIN_PARTITION)
-
-
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

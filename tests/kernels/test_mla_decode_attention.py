@@ -81,6 +81,22 @@ def test_padding_rows_write_zeros(device: torch.device, split: bool) -> None:
     assert_close(out[[0, 2]], ref[[0, 2]], torch.float32)
 
 
+def test_partitions_follow_each_sequence_not_the_bound(device: torch.device) -> None:
+    """Default partitions are sized per sequence on the device: a launch with a CUDA graph's far larger bound on
+    the contexts splits them as a launch with the step's own bound does (bit-equal), padding row included."""
+    from services.kernels import paged_decode_attention as pda
+
+    case = make_latent_cache([150, 200, 1, 0], TINY, 16, torch.float32, device)
+    kv = case.kv
+    q = latent_query(4, 4, case.key_dim, torch.float32, device)
+    assert pda._spread(4, 1, device) > 1  # a split launch on this device (else nothing is tested)
+    outs = [mla_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, 0.2, 32,
+                                 max_context_len=bound) for bound in (200, 4096)]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1][3], torch.zeros_like(outs[1][3]))
+    ref = ref_mla_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, 0.2, 32)
+    assert_close(outs[1][:3], ref[:3], torch.float32)
+
+
 def test_empty_batch_and_bad_shapes(device: torch.device) -> None:
     case = make_latent_cache([3], TINY, 16, torch.float32, device)
     kv = case.kv
