@@ -413,6 +413,7 @@ def fused_moe(
     path: str | None = None,
     pair_config: PairTileConfig | None = None,
     down_config: MoETileConfig | None = None,
+    reduce: bool = True,
 ) -> torch.Tensor:
     """out[t] = sum_k topk_weights[t, k] * (w2[e] @ act(w13[e] @ x[t] + b13[e]) + b2[e]), e = topk_ids[t, k].
 
@@ -421,6 +422,8 @@ def fused_moe(
     Returns [T, H] in x's dtype. The intermediate act(...) is rounded to x's dtype. path: "pair" or "sorted"
     (None: `use_pair_path` decides); config / pair_config override the tile choice (tests, benchmarks);
     down_config, the sorted path's down-projection tiles where they differ from config's (same block_m).
+    reduce=False returns the K weighted rows of each token unsummed, [T, K, H] (x's dtype), for a consumer that
+    sums them itself (kernels/rms_norm.fused_add_rms_norm does, in the pass that adds the residual).
     """
     check_moe_args(x, w13, w2, topk_ids, topk_weights, activation, w13_bias, w2_bias, swiglu_alpha, swiglu_limit)
     for name, w in (("w13", w13), ("w2", w2)):
@@ -430,7 +433,7 @@ def fused_moe(
     top_k = topk_ids.shape[1]
     out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
     if t == 0 or top_k == 0:
-        return out.zero_()
+        return out.zero_() if reduce else out.zero_().view(t, 1, hidden)
     x = x if x.stride(-1) == 1 else x.contiguous()
     w13_bias = None if w13_bias is None else w13_bias.contiguous()
     w2_bias = None if w2_bias is None else w2_bias.contiguous()
@@ -438,7 +441,7 @@ def fused_moe(
         path = "pair" if use_pair_path(t, top_k, num_experts) else "sorted"
     if path == "pair":
         return _pair_path(x, w13, w2, topk_ids, topk_weights, out, activation, w13_bias, w2_bias,
-                          swiglu_alpha, swiglu_limit, pair_config or PairTileConfig())
+                          swiglu_alpha, swiglu_limit, pair_config or PairTileConfig(), reduce)
     if path != "sorted":
         raise ValueError(f"fused_moe: path {path!r} is not 'pair' or 'sorted'")
     cfg = config or tile_config(t, top_k, num_experts, x.dtype)
@@ -471,6 +474,8 @@ def fused_moe(
         GROUP_M=down.group_m,
         UPCAST=upcast, DOT_PRECISION=dot_precision, num_warps=down.num_warps, num_stages=down.num_stages,
     )  # fmt: skip
+    if not reduce:
+        return y.view(t, top_k, hidden)
     if top_k == 1:
         return out.copy_(y)
     return torch.sum(y.view(t, top_k, hidden), dim=1, out=out)
@@ -479,9 +484,9 @@ def fused_moe(
 def _pair_path(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                topk_weights: torch.Tensor, out: torch.Tensor, activation: str, w13_bias: torch.Tensor | None,
                w2_bias: torch.Tensor | None, swiglu_alpha: float | None, swiglu_limit: float | None,
-               cfg: PairTileConfig) -> torch.Tensor:
+               cfg: PairTileConfig, reduce: bool = True) -> torch.Tensor:
     """The GEMV path of `fused_moe` (module docstring): act rows per pair, weighted down rows per pair, then
-    each token's K rows summed into out."""
+    each token's K rows summed into out (``reduce``; else returned unsummed, [T, K, H])."""
     t, hidden = x.shape
     inter, top_k = w13.shape[1] // 2, topk_ids.shape[1]
     ids = topk_ids.contiguous()
@@ -504,4 +509,6 @@ def _pair_path(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: t
         HAS_BIAS=w2_bias is not None, BLOCK_N=cfg.down_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+    if not reduce:
+        return y.view(t, top_k, hidden)
     return out if top_k == 1 else torch.sum(y.view(t, top_k, hidden), dim=1, out=out)

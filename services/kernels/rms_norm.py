@@ -1,4 +1,8 @@
-"""RMSNorm, optionally fused with the residual add that precedes it (one read, two writes per row)."""
+"""RMSNorm, optionally fused with the residual add that precedes it (one read, two writes per row).
+
+The added delta may come unreduced: [T, P, N], P partial rows per token (a mixture-of-experts block's K weighted
+expert rows), summed in fp32 and rounded once in the same pass, so the block needs no launch of its own to sum
+them."""
 
 from __future__ import annotations
 
@@ -21,14 +25,23 @@ def _rms_norm_kernel(
     N,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    PARTS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Row t:  s = x[t] (+ r[t], rounded to the input dtype; stored to RO[t])
+    """Row t:  x[t] = sum_p X[t * PARTS + p] in fp32, rounded to the input dtype (PARTS 1: X[t] as is)
+               s = x[t] (+ r[t], rounded to the input dtype; stored to RO[t])
                y[t] = w * (s * rsqrt(mean(s^2) + eps)).to(dtype)   (fp32 math, two roundings, as HF)."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
-    x = tl.load(X_ptr + t * stride_x + offs, mask=mask, other=0.0)
+    if PARTS == 1:
+        x = tl.load(X_ptr + t * stride_x + offs, mask=mask, other=0.0)
+    else:
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for p in tl.static_range(PARTS):
+            x = tl.load(X_ptr + (t * PARTS + p) * stride_x + offs, mask=mask, other=0.0)
+            acc += x.to(tl.float32)
+        x = acc.to(x.dtype)
     if HAS_RESIDUAL:
         r = tl.load(R_ptr + t * stride_r + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
@@ -48,8 +61,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-            out: torch.Tensor, res_out: torch.Tensor | None) -> None:
-    t, n = x.shape
+            out: torch.Tensor, res_out: torch.Tensor | None, parts: int = 1) -> None:
+    t, n = out.shape
     if t == 0:
         return
     block = triton.next_power_of_2(n)
@@ -68,6 +81,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         n,
         eps,
         HAS_RESIDUAL=residual is not None,
+        PARTS=parts,
         BLOCK=block,
         num_warps=max(1, min(16, block // 512)),
     )
@@ -83,10 +97,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual) for x, residual [T, N]; both outputs are new tensors."""
+    """(rms_norm(x + residual), x + residual) for x, residual [T, N]; both outputs are new tensors.
+
+    x may also be [T, P, N]: P partial rows per token, summed first (fp32, rounded once to x's dtype, as
+    ``x.sum(1)`` rounds) in the same pass."""
+    parts = 1
+    if x.dim() == 3:
+        parts = x.shape[1]
+        assert x.is_contiguous(), "partial rows [T, P, N] must be contiguous"
+        x = x.view(-1, x.shape[2])
+        assert residual.dim() == 2 and x.shape[0] == parts * residual.shape[0], (
+            f"{parts} partial rows per token do not match residual {tuple(residual.shape)}")
+    else:
+        assert residual.shape == x.shape, f"x {tuple(x.shape)} does not match residual {tuple(residual.shape)}"
     _check(x, weight)
-    assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    res_out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    _launch(x, residual, weight, eps, out, res_out)
+    assert residual.dtype == x.dtype and residual.stride(-1) == 1 and residual.shape[1] == x.shape[1]
+    out = torch.empty_like(residual, memory_format=torch.contiguous_format)
+    res_out = torch.empty_like(residual, memory_format=torch.contiguous_format)
+    _launch(x, residual, weight, eps, out, res_out, parts)
     return out, res_out

@@ -93,6 +93,33 @@ def test_pair_path_equals_sorted_path_on_shared_experts(device: torch.device) ->
     torch.testing.assert_close(pair, fused_moe(**args, path="sorted", config=SMALL), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("t", "k"), [(1, 1), (3, 4), (5, 2)])
+def test_unreduced_rows_then_fused_add_norm(device: torch.device, dtype: torch.dtype, path: str, t: int,
+                                            k: int) -> None:
+    """reduce=False gives each token's K weighted rows [T, K, H] that sum to the reduced output (fp32 sum, one
+    rounding), and fused_add_rms_norm taking them [T, K, H] equals taking the reduced [T, H] delta."""
+    from services.kernels.rms_norm import fused_add_rms_norm
+
+    args = _case(t, 32, 48, 6, k, dtype, device, bias=True)
+    rows = fused_moe(**args, config=SMALL, path=path, pair_config=PAIR_SMALL, reduce=False)
+    out = fused_moe(**args, config=SMALL, path=path, pair_config=PAIR_SMALL)
+    assert rows.shape == (t, k, 32) and rows.dtype == dtype
+    assert_close(rows.float().sum(1).to(dtype), out, dtype)
+    residual = torch.randn((t, 32), generator=torch.Generator().manual_seed(9)).to(dtype).to(device)
+    w = (1 + 0.1 * torch.randn(32, generator=torch.Generator().manual_seed(8))).to(dtype).to(device)
+    n1, r1 = fused_add_rms_norm(rows, residual, w, 1e-6)
+    n2, r2 = fused_add_rms_norm(rows.float().sum(1).to(dtype), residual, w, 1e-6)
+    assert n1.shape == r1.shape == (t, 32)
+    if device.type == "cuda" or dtype != torch.bfloat16:  # the interpreter truncates fp32 -> bf16
+        assert torch.equal(r1, r2) and torch.equal(n1, n2)
+    assert_close(r1, r2, dtype)
+    assert_close(n1, n2, dtype)
+    with pytest.raises(AssertionError, match="partial rows"):
+        fused_add_rms_norm(rows, residual[:0] if t > 1 else torch.cat([residual, residual]), w, 1e-6)
+
+
 def test_pair_path_choice() -> None:
     assert abs(expected_distinct_experts(1, 128) - 1.0) < 1e-9
     assert abs(expected_distinct_experts(128, 128) - 128 * (1 - (127 / 128) ** 128)) < 1e-9

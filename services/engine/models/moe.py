@@ -119,18 +119,20 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_i
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor, *, activation: str = "silu", w13_bias: torch.Tensor | None = None,
                 w2_bias: torch.Tensor | None = None, swiglu_alpha: float | None = None,
-                swiglu_limit: float | None = None) -> torch.Tensor:
+                swiglu_limit: float | None = None, reduce: bool = True) -> torch.Tensor:
     """x [T, H] through the experts each token chose -> [T, H] (the dispatch point for CUDA kernels).
 
     topk_ids int32 [T, K], topk_weights fp32 [T, K]. The signature is the Triton fused MoE's: CUDA tensors run
-    it (no host sync, so the layer lives inside the decode CUDA graphs); CPU tensors run the grouped torch path."""
+    it (no host sync, so the layer lives inside the decode CUDA graphs); CPU tensors run the grouped torch path.
+    reduce=False (CUDA only): each token's K weighted expert rows unsummed, [T, K, H] (fused_moe's)."""
     if x.is_cuda:
         # kernels.fused_moe imports triton: only a CUDA engine loads it (as the other GPU kernels in llama.py).
         from services.kernels.fused_moe import fused_moe
 
         return fused_moe(x, w13, w2, topk_ids.to(torch.int32), topk_weights.float(), activation=activation,
                          w13_bias=w13_bias, w2_bias=w2_bias, swiglu_alpha=swiglu_alpha,
-                         swiglu_limit=swiglu_limit)
+                         swiglu_limit=swiglu_limit, reduce=reduce)
+    assert reduce, "unsummed expert rows are a CUDA path"
     return grouped_experts(x, w13, w2, topk_ids, topk_weights, activation=activation, w13_bias=w13_bias,
                            w2_bias=w2_bias, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
 
@@ -190,4 +192,14 @@ class SparseMoeBlock(nn.Module):
             out = out + shared
         return out if self.group is None else self.group.all_reduce(out)
 
-    forward_fused = forward  # the CUDA path dispatches inside moe_experts
+    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        """The CUDA path (the decoder layer's forward_fused): without a shared expert or tensor-parallel ranks,
+        each token's K weighted expert rows come back unsummed, [T, K, H], and the next fused residual-add +
+        RMSNorm sums them in its own pass (one launch fewer per layer); else ``forward``."""
+        if self.shared_expert is not None or self.group is not None or not x.is_cuda:
+            return self.forward(x)
+        moe, ex = self.moe, self.experts
+        weights, ids = route(self.gate(x), moe, self.gate.e_score_correction_bias)
+        return moe_experts(x, ex.w13, ex.w2, ids, weights, activation=moe.activation, w13_bias=ex.w13_bias,
+                           w2_bias=ex.w2_bias, swiglu_alpha=moe.swiglu_alpha, swiglu_limit=moe.swiglu_limit,
+                           reduce=False)
