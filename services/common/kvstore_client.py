@@ -18,6 +18,9 @@ class KVStoreClient:
     def __init__(self, channel: grpc.aio.Channel, *, piece_bytes: int = DEFAULT_PIECE_BYTES,
                  max_page_bytes: int = 1 << 40) -> None:
         self.stub = pb_grpc.KVStoreStub(channel)
+        self._put_serialized = channel.stream_unary("/pdserve.v1.KVStore/Put", request_serializer=None,
+                                                    response_deserializer=pb.PutResponse.FromString)
+        """Put with messages the caller serialized (``kvstore_pages.serialized_pieces``): sent as they are."""
         self.piece_bytes = piece_bytes
         self.max_page_bytes = max_page_bytes
 
@@ -41,6 +44,13 @@ class KVStoreClient:
                 for piece in split_page(fp, h, data, crc, self.piece_bytes):
                     yield piece
         return await self.stub.Put(pieces())
+
+    async def put_serialized(self, messages: Iterable[bytes]) -> pb.PutResponse:
+        """Put of Page messages already serialized (``kvstore_pages.serialized_pieces``), in order."""
+        async def pieces() -> AsyncIterator[bytes]:
+            for m in messages:
+                yield m
+        return await self._put_serialized(pieces())
 
     async def delete(self, fp: str, hashes: Sequence[bytes] = (), *, all_for_layout: bool = False) -> int:
         resp = await self.stub.Delete(pb.DeleteRequest(layout_fingerprint=fp, block_hashes=list(hashes),

@@ -39,6 +39,41 @@ def split_page(fp: str, h: bytes, data: bytes, crc: int, piece_bytes: int = DEFA
             return
 
 
+PAYLOAD_TAG = bytes([(3 << 3) | 2])
+"""Page.payload: field 3, wire type 2 (length-delimited)."""
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        out.append(b | 0x80 if n else b)
+        if not n:
+            return bytes(out)
+
+
+def serialized_pieces(fp: str, h: bytes, data: bytes | memoryview, crc: int, piece_bytes: int = DEFAULT_PIECE_BYTES
+                      ) -> Iterator[bytes]:
+    """``split_page``'s messages already serialized, each payload copied once from ``data`` (any buffer, e.g. a
+    row of pinned host pages): the other fields, then the payload field (protobuf takes fields in any order).
+    ``bytes.join`` copies a large payload without holding the GIL, so a worker thread builds them while the
+    process's event loop and engine thread run."""
+    if piece_bytes <= 0:
+        raise ValueError(f"piece_bytes must be > 0, got {piece_bytes}")
+    view = memoryview(data).cast("B")
+    total = len(view)
+    offset = 0
+    while True:
+        end = min(offset + piece_bytes, total)
+        head = pb.Page(layout_fingerprint=fp, block_hash=h, checksum=crc, offset=offset, total_size=total,
+                       last_piece=end == total).SerializeToString()
+        yield b"".join((head, PAYLOAD_TAG, _varint(end - offset), view[offset:end])) if end > offset else head
+        offset = end
+        if offset >= total:
+            return
+
+
 class PageStreamError(ValueError):
     """A piece stream is malformed; ``kind`` picks the gRPC status (see servicer)."""
 

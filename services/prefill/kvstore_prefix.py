@@ -26,6 +26,7 @@ from services.common.block_hash import block_hashes
 from services.common.checksum import checksum
 from services.common.grpc_util import create_channel, rpc_error_summary
 from services.common.kvstore_client import KVStoreClient
+from services.common.kvstore_pages import serialized_pieces
 from services.common.tls import TLSConfig
 from services.engine.kv_layout import PageLayout
 from services.engine.kv_pages import PageExport
@@ -145,18 +146,23 @@ class KVStorePrefix:
         task.add_done_callback(self._bg.discard)
 
     async def _put(self, hashes: list[bytes], export: PageExport) -> None:
-        def encode() -> list[tuple[bytes, bytes, int]]:
-            pages = export.wait()  # a worker thread waits for the device-to-host copy, not the engine thread
+        fp = self.layout.fingerprint
+
+        def encode() -> list[bytes]:
+            """A worker thread: wait for the device-to-host copy, then each page's CRC and its Put messages,
+            serialized with the page bytes copied once from the host pages (``serialized_pieces``), so the
+            process's event loop and engine thread never copy or serialize page bytes."""
+            pages = export.wait()
             raw = pages.contiguous().view(torch.uint8).numpy()
-            out = []
+            out: list[bytes] = []
             for h, row in zip(hashes[:raw.shape[0]], raw, strict=True):
-                data = row.tobytes()
-                out.append((h, data, checksum(data)))
+                view = memoryview(row)
+                out.extend(serialized_pieces(fp, h, view, checksum(view), self.client.piece_bytes))
             return out
 
         try:
-            items = await asyncio.to_thread(encode)
-            await asyncio.wait_for(self.client.put(self.layout.fingerprint, items), WRITE_BACK_TIMEOUT_S)
+            messages = await asyncio.to_thread(encode)
+            await asyncio.wait_for(self.client.put_serialized(messages), WRITE_BACK_TIMEOUT_S)
         except (grpc.aio.AioRpcError, TimeoutError) as e:
             self._failed("put", f"write-back of {len(hashes)} pages", e)
 
