@@ -32,6 +32,7 @@ def logits_linear(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """hidden @ weight.T for the LM head (tied or not), on the skinny GEMM where it wins (as ``linear``)."""
     if hidden.is_cuda and hidden.dim() == 2 and hidden.shape[0] <= 16 and weight.dtype in _HALF \
             and hidden.dtype == weight.dtype:
+        # deferred: a Triton kernel module, on the CUDA path only (triton is optional)
         from services.kernels.skinny_gemm import skinny_gemm, use_skinny
 
         if use_skinny(hidden.shape[0], weight.shape[0], weight.shape[1]):
