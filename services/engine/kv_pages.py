@@ -25,6 +25,7 @@ import torch
 from services.common.pb import decode_pb2
 from services.engine.kv_layout import FP8_CODEC
 from services.engine.kv_transport.grpc_wire import IN_PLACE, MessageBuffer
+from services.engine.page_regions import pack_regions
 from services.engine.parallel.rank_pages import ShardWrites
 from services.engine.region_pools import RegionPool, runner_regions
 from services.kernels import pack_pages, pack_pages_fp8
@@ -136,20 +137,23 @@ class KVPages:
                layers: tuple[int, int] | None = None) -> PageExport:
         """Engine thread: start copying the pages of ``block_ids`` to the host (see the module docstring);
         into ``out`` when given (host memory of the pages' shape, pinned on GPU: a transport's registered
-        staging buffer). ``layers`` (a, b): only those layers of each page, [P, b - a, 2, bs, kvh, hd] (native
-        codec, ``exports_layers``), e.g. inside a layer sink once the forward queued them (layer_groups.py): the
-        gather waits on the compute stream for what it queued so far."""
+        staging buffer); pages of several regions (``composite``) are uint8 [P, page bytes of every region].
+        ``layers`` (a, b): only those layers of each page, [P, b - a, 2, bs, kvh, hd] (native codec,
+        ``exports_layers``), e.g. inside a layer sink once the forward queued them (layer_groups.py): the gather
+        waits on the compute stream for what it queued so far."""
         if layers is not None:
             assert codec != FP8_CODEC and self.exports_layers, "a layer range is exported in the native codec only"
         if self.sharded:  # every rank's heads, gathered by rank 0 (one collective, synchronous)
             return PageExport(self._runner.read_pages(block_ids, codec))
-        if self.composite:  # every region packed synchronously (no side stream on this path)
-            pages = self._runner.read_pages(block_ids, codec)
-            return PageExport(pages if out is None else out.copy_(pages))
+        # Pages of several regions: each region packed and the page's bytes joined (page_regions.py), on the same
+        # side streams as a target-only page on GPU.
+        regions = self._runner.page_regions if self.composite else None
         pack = pack_pages_fp8 if codec == FP8_CODEC else pack_pages
         cache = self._runner.kv_cache if layers is None else self._runner.kv_cache[layers[0]:layers[1]]  # contiguous
         if not cache.is_cuda:
             idx = torch.tensor(block_ids, dtype=torch.int64)
+            if regions is not None:  # joined straight into ``out`` when given
+                return PageExport(pack_regions(regions, idx, codec, out))
             if codec != FP8_CODEC:  # gathered straight into ``out`` when given
                 pages = pack(cache, idx, out)
                 return PageExport(pages if out is None else out)
@@ -162,7 +166,7 @@ class KVPages:
         gather.wait_stream(compute)  # the chunk's KV is written
         with torch.cuda.stream(gather):
             idx = torch.tensor(block_ids, dtype=torch.int64).pin_memory().to(cache.device, non_blocking=True)
-            staged = pack(cache, idx)
+            staged = pack(cache, idx) if regions is None else pack_regions(regions, idx, codec)
             gathered = torch.cuda.Event()
             gathered.record(gather)
         copy.wait_event(gathered)

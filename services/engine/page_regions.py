@@ -85,10 +85,14 @@ def regions_nbytes(regions: Sequence[PageRegion], target_codec: str | None) -> i
     return sum(r.nbytes(target_codec) for r in regions)
 
 
-def pack_regions(regions: Sequence[PageRegion], block_ids: list[int], target_codec: str | None) -> torch.Tensor:
-    """Pages of ``block_ids`` from every region as uint8 [P, page bytes], on the pools' device."""
-    idx = torch.tensor(block_ids, dtype=torch.int64, device=regions[0].cache.device)  # type: ignore[attr-defined]
-    return torch.cat([r.pack(idx, target_codec) for r in regions], dim=1)
+def pack_regions(regions: Sequence[PageRegion], block_ids: list[int] | torch.Tensor, target_codec: str | None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Pages of ``block_ids`` (a list, or int64 ids on the pools' device) from every region as uint8 [P, page
+    bytes], on the pools' device, or into ``out`` (uint8 [P, page bytes] on that device)."""
+    idx = block_ids if isinstance(block_ids, torch.Tensor) else \
+        torch.tensor(block_ids, dtype=torch.int64, device=regions[0].device)
+    parts = [r.pack(idx, target_codec) for r in regions]
+    return torch.cat(parts, dim=1) if out is None else torch.cat(parts, dim=1, out=out)
 
 
 def unpack_regions(pages: torch.Tensor, regions: Sequence[PageRegion], block_ids: list[int],

@@ -3,9 +3,9 @@ such region (DeepSeek-V3.2's index keys, speculative decoding's draft KV) beside
 writes every region of every page straight into the reserved blocks (same block ids in every pool); over
 ``mooncake`` (any host) decode registers those pools with the transfer engines that serve its target pool and
 offers them as ``DraftPool.mooncake``, and the prefill's MooncakeWriter writes each page's regions at the same block
-id (host pools only: a device pool's landing area carries the target region alone, so such a decode offers no pool
-with another region). Tensor-parallel rank writes over shm / cuda-ipc carry the index keys too, into every decode
-rank's pool of them (parallel/rank_regions.py).
+id (host pools; a device pool is offered as a host landing area whose every slot holds a whole page of every region,
+kv_transport/mooncake_staged.py, so its region pools are not offered on their own). Tensor-parallel rank writes
+over shm / cuda-ipc carry the index keys too, into every decode rank's pool of them (parallel/rank_regions.py).
 
 Decode: ``KVDestination.index`` / ``KVDestination.draft`` (a DraftPool: the region pool's shm file, CUDA IPC handle
 or Mooncake pool, and the region as decode's layout names it, ``region_name``) ride in the destination Reserve
@@ -114,13 +114,14 @@ def _check_shape(shape: tuple[int, ...], dtype: torch.dtype, cache: torch.Tensor
 def offer_mooncake(engine: MooncakeEngine, dest: decode_pb2.KVDestination, regions: list[RegionPool]
                    ) -> decode_pb2.KVDestination:
     """Decode: ``dest`` (its target pool over Mooncake, export_pool) with each region pool registered with the same
-    engines beside it (``DraftPool.mooncake``; blocking). SharedKVAttachError for a device pool."""
+    engines beside it (``DraftPool.mooncake``; blocking). SharedKVAttachError for a device pool or a landing area
+    (a device pool's regions travel in its landing slots, mooncake_staged.HostLanding)."""
     out = decode_pb2.KVDestination()
     out.CopyFrom(dest)
     for region, cache in regions:
         if cache.is_cuda or dest.mooncake.page_major:
-            raise SharedKVAttachError(region.kind, "a device KV pool's Mooncake landing area carries the target "
-                                                   "region only")
+            raise SharedKVAttachError(region.kind, f"a {region.kind} pool beside a device KV pool travels in its "
+                                                   "Mooncake landing slots (HostLanding), not as a pool of its own")
         field = getattr(out, _field(region))
         field.mooncake.CopyFrom(export_pool(engine, cache).mooncake)
         field.region = region_name(region)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Awaitable
 
 import torch
@@ -21,7 +22,13 @@ from services.engine.kv_layout import PageLayout
 from services.engine.kv_pages import KVPages
 from services.engine.kv_transport import mooncake
 from services.engine.kv_transport.base import PageWriter
-from services.engine.kv_transport.mooncake_staged import HostLanding, StagedWriter, codec_fits
+from services.engine.kv_transport.mooncake_staged import (
+    HostLanding,
+    StagedWriter,
+    check_landing,
+    codec_fits,
+    slot_of,
+)
 from services.engine.region_pools import mooncake_region, offer_mooncake
 from services.engine.shared_kv import SharedKVAttachError
 from services.kv.connector import Connector, Export, Plan, PlanContext
@@ -62,7 +69,9 @@ class MooncakeConnector(Connector):
 
 
 class StagedMooncakeConnector(MooncakeConnector):
-    """Staged: prefill pages -> pinned staging ring -> decode's pinned landing area -> decode's device pool."""
+    """Staged: prefill pages -> pinned staging ring -> decode's pinned landing area -> decode's device pool. A page
+    carries every region of the layout (index keys, draft KV after the target's): each landing slot holds one whole
+    page (engine/kv_transport/mooncake_staged.py)."""
 
     needs_host_staging = True
 
@@ -70,10 +79,10 @@ class StagedMooncakeConnector(MooncakeConnector):
                     num_blocks: int, export: Export | None, wire: PageLayout | None) -> Plan:
         shape, dtype = await asyncio.to_thread(mooncake.check_pool, request.destination.mooncake,
                                                request.decode_address)  # may resolve a host name
-        if ctx.regions:
-            raise SharedKVAttachError(ctx.regions[0][0].kind, "a host landing area carries the target region only")
-        page_bytes = src[:, :, 0].numel() * src.element_size()
-        if wire is not None and codec_fits(wire, page_bytes):
+        regions = [region for region, _ in ctx.regions]
+        # Decode's slots must hold this prefill's pages: the same regions (names, codecs), the same bytes.
+        page_bytes = check_landing(request.destination.mooncake, (src.shape[0], 2, *src.shape[3:]), src.dtype, regions)
+        if wire is not None and codec_fits(wire, page_bytes, regions):
             page_bytes = wire.page_bytes
         if export is None or num_blocks * page_bytes > ctx.staging_bytes:
             raise SharedKVAttachError("staging", f"{num_blocks} pages of {page_bytes} bytes do not fit the "
@@ -85,12 +94,18 @@ class StagedMooncakeConnector(MooncakeConnector):
                      export: Export | None, dest: list[int]) -> PageWriter:
         ring = await asyncio.to_thread(ctx.staging_ring, plan.engine)
         return StagedWriter(plan.engine, ring, (src.shape[0], 2, *src.shape[3:]), src.dtype, export,
-                            request.destination, dest)
+                            request.destination, dest, [region for region, _ in ctx.regions])
 
     def offer(self, pages: KVPages, engine: mooncake.MooncakeEngine) -> decode_pb2.KVDestination | None:
-        """A pinned host landing area mirroring the engine's device pool (this Mooncake build moves host memory
-        only); kept alive with the engine's exporters."""
-        landing = HostLanding(engine, pages.pool, pages.import_pages)
+        """A pinned host landing area mirroring the engine's device pool and its other regions' pools, a whole page
+        a slot (this Mooncake build moves host memory only); kept alive with the engine's exporters."""
+        regions = [region for region, _ in pages.region_pools]
+        pool = pages.pool
+        _, slot = slot_of((pool.shape[0], 2, *pool.shape[3:]), pool.dtype, regions)
+        page = math.prod(pages.page_shape) * torch.empty((), dtype=pages.dtype).element_size()
+        if slot != page:  # a slot holds a page exactly as the page API imports it (checked before registering)
+            raise SharedKVAttachError("shape", f"landing slots of {slot} bytes for pages of {page} bytes")
+        landing = HostLanding(engine, pool, pages.import_pages, regions)
         pages.exporters.append(landing)
         return landing.destination
 
@@ -115,5 +130,5 @@ def offer_mooncake_pool(pages: KVPages, host: str, engines: int) -> decode_pb2.K
         raise SharedKVAttachError("unavailable", why)
     engine = mooncake.MooncakeEngine(host, count=engines)
     pages.exporters.append(engine)  # the engine serves the registered pool as long as it lives
-    staged = pages.pool.is_cuda and not pages.region_pools  # several pools on the same engines: host pools only
-    return (MOONCAKE_STAGED if staged else MOONCAKE).offer(pages, engine)
+    # A device pool: one landing area, each slot a whole page of every region; host pools are registered themselves.
+    return (MOONCAKE_STAGED if pages.pool.is_cuda else MOONCAKE).offer(pages, engine)

@@ -80,6 +80,58 @@ def test_gpu_back_to_back_exports_into_one_staging_buffer_each_get_their_pages()
     assert out[:5].data_ptr() == a.host.data_ptr()  # written in place: the staging view, no copy of it
 
 
+def _region_pages(device: str) -> tuple[SimpleNamespace, list]:
+    """A runner whose pages carry DeepSeek-V3.2-style index keys beside the target (bf16 keys, 8 per token)."""
+    from services.engine.index_keys import IndexKeys
+    from services.engine.page_regions import KVRegion
+
+    cache = torch.randn(SHAPE, device=device, dtype=torch.bfloat16)
+    pool = torch.randint(0, 256, IndexKeys.pool_shape(SHAPE[0], SHAPE[2], SHAPE[3], 8, "bf16", torch.bfloat16),
+                         dtype=torch.uint8, device=device)
+    regions = [KVRegion("target", cache), IndexKeys(SHAPE[0], SHAPE[2], SHAPE[3], 8, "bf16", torch.bfloat16, pool)]
+    runner = _runner(cache)
+    runner.composite, runner.page_regions = True, regions
+    return runner, regions
+
+
+@pytest.mark.parametrize("codec", [None, "fp8-e4m3"])
+def test_pages_of_several_regions_export_straight_into_a_staging_view(codec: str | None) -> None:
+    """Every region of each page, back to back as page_regions packs them, written in place into ``out`` (a
+    staging view, as the Mooncake staged writer hands it), in the target's wire codec."""
+    from services.engine.page_regions import pack_regions
+
+    runner, regions = _region_pages("cpu")
+    pages = KVPages(runner)
+    ids = [5, 6, 7, 1, 9]
+    want = pack_regions(regions, ids, codec)
+    assert want.shape[1] == regions[0].nbytes(codec) + regions[1].nbytes()
+    out = torch.zeros(8, want.shape[1], dtype=torch.uint8)
+    got = pages.export(ids, codec, out[2:7])
+    assert got.host.data_ptr() == out[2:7].data_ptr()  # written in place: no copy of it
+    assert torch.equal(out[2:7], want) and not out[:2].any() and not out[7:].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_export_of_several_regions_is_on_the_side_streams_and_ordered_before_reuse() -> None:
+    """Pages with index keys beside the target take the target-only page's side streams: the export is only queued
+    (a pinned host copy with its event) and later compute that reuses the blocks cannot overtake it."""
+    from services.engine.page_regions import pack_regions
+
+    runner, regions = _region_pages("cuda")
+    pages = KVPages(runner)
+    ids = [2, 3, 4, 10]
+    want = pack_regions(regions, ids, None).cpu()
+    torch.cuda._sleep(50_000_000)  # the "step" is still running on the compute stream when export is called
+    exp = pages.export(ids)
+    assert exp.done is not None and exp.host.is_pinned()
+    regions[0].cache[:, :, ids] = 0  # the next step reuses the blocks: it must run after the gather
+    regions[1].kv_cache[:, :, ids] = 0
+    assert torch.equal(exp.wait(), want)
+    torch.cuda.synchronize()
+    assert not regions[0].cache[:, :, ids].any() and not regions[1].kv_cache[:, :, ids].any()
+
+
 class _Recorder:
     """A KVSender stand-in that keeps what pump hands it."""
 

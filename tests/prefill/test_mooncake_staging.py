@@ -17,6 +17,7 @@ from services.engine.kv_pages import pages_of
 from services.engine.kv_transport import mooncake, mooncake_staged
 from services.engine.kv_transport.base import TransferError
 from services.engine.kv_transport.mooncake_staged import ALIGN, HostLanding, StagingRing
+from services.kv.mooncake import MOONCAKE_STAGED
 from services.text.sampling_params import SamplingParams
 from tests.prefill import test_transports as transports
 from tests.prefill.test_transports import ENGINE, PROMPTS, Pair, _generate, _idle, _request, _reserve, pair
@@ -27,11 +28,13 @@ __all__ = ["pair"]  # the fixture, shared with tests/prefill/test_transports.py
 
 
 def _offer_landing(p: Pair) -> HostLanding:
-    """Have the decode offer a host landing area in front of its pool, as a GPU decode does."""
+    """Have the decode offer a host landing area in front of its pool (and its other regions' pools), as a GPU
+    decode does: the staged connector's own offer."""
     engine = next(e for e in pages_of(p.decode.engine.engine).exporters if isinstance(e, mooncake.MooncakeEngine))
     pages = pages_of(p.decode.engine.engine)
-    landing = HostLanding(engine, pages.pool, pages.import_pages)
-    pages.exporters.append(landing)
+    destination = MOONCAKE_STAGED.offer(pages, engine)
+    landing = pages.exporters[-1]
+    assert isinstance(landing, HostLanding) and landing.destination == destination
     p.decode.destination = landing.destination
     p.decode.receiver.pool_id = pool_id(landing.destination)
     p.decode.receiver.landing = landing

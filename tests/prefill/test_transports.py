@@ -64,10 +64,12 @@ async def pair() -> AsyncIterator:
     made: list[Pair] = []
     channels: list[grpc.aio.Channel] = []
 
-    async def make(transport: str, slowdown_ms: int = 0, prefill_engine: EngineConfig = ENGINE) -> Pair:
+    async def make(transport: str, slowdown_ms: int = 0, prefill_engine: EngineConfig = ENGINE,
+                   decode_engine: EngineConfig | None = None) -> Pair:
         decode = DecodeServicer(DecodeConfig(kv_mooncake_host="127.0.0.1" if transport == "mooncake" else ""),
                                 DecodeMetrics(CollectorRegistry()), asyncio.Event())
-        decode.bind(await asyncio.to_thread(AsyncEngine, dataclasses.replace(ENGINE, kv_cache_shared=transport == "shm")))
+        decode.bind(await asyncio.to_thread(AsyncEngine, dataclasses.replace(decode_engine or ENGINE,
+                                                                             kv_cache_shared=transport == "shm")))
         dserver, daddr = await _serve(decode, add_decode_servicer)
         registry = CollectorRegistry()
         prefill = PrefillServicer(PrefillConfig(kv_transport=transport, slowdown_ms_per_chunk=slowdown_ms),

@@ -62,7 +62,7 @@ class CudaIpcPool(_message.Message):
     def __init__(self, host_id: _Optional[str] = ..., device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_bytes: _Optional[int] = ..., storage_offset: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class MooncakePool(_message.Message):
-    __slots__ = ("segment", "base_address", "pool_bytes", "shape", "dtype", "protocol", "page_major", "extra_segments")
+    __slots__ = ("segment", "base_address", "pool_bytes", "shape", "dtype", "protocol", "page_major", "extra_segments", "regions", "slot_bytes")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,8 @@ class MooncakePool(_message.Message):
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     PAGE_MAJOR_FIELD_NUMBER: _ClassVar[int]
     EXTRA_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     segment: str
     base_address: int
     pool_bytes: int
@@ -79,7 +81,9 @@ class MooncakePool(_message.Message):
     protocol: str
     page_major: bool
     extra_segments: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, segment: _Optional[str] = ..., base_address: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., protocol: _Optional[str] = ..., page_major: _Optional[bool] = ..., extra_segments: _Optional[_Iterable[str]] = ...) -> None: ...
+    regions: _containers.RepeatedScalarFieldContainer[str]
+    slot_bytes: int
+    def __init__(self, segment: _Optional[str] = ..., base_address: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., protocol: _Optional[str] = ..., page_major: _Optional[bool] = ..., extra_segments: _Optional[_Iterable[str]] = ..., regions: _Optional[_Iterable[str]] = ..., slot_bytes: _Optional[int] = ...) -> None: ...
 
 class KVDestination(_message.Message):
     __slots__ = ("shm", "cuda_ipc", "mooncake", "sharded", "draft", "index")

@@ -205,7 +205,8 @@ def _addresses(host: str) -> set[str]:
 def check_pool(pool: decode_pb2.MooncakePool, decode_address: str) -> tuple[tuple[int, ...], torch.dtype]:
     """Every check of a Mooncake destination: each of its segments is on the decode the stream goes to (its
     host is ``decode_address``'s host or an address that name resolves to; blocking when it is a name), its
-    shape and dtype are a pool's and its size matches them. Returns (shape, dtype)."""
+    shape and dtype are a pool's and its size matches them (a landing area's: its slots, each a page of the pool's
+    shape and dtype and the page's other regions, ``slot_bytes``). Returns (shape, dtype)."""
     shape, dtype = _shape_and_dtype(list(pool.shape), pool.dtype)
     decode_host = _host(decode_address)
     resolved: set[str] | None = None
@@ -219,9 +220,17 @@ def check_pool(pool: decode_pb2.MooncakePool, decode_address: str) -> tuple[tupl
         port = segment.rsplit(":", 1)[-1]
         if not port.isdigit() or not 0 < int(port) < 65536:
             raise SharedKVAttachError("segment", f"Mooncake segment {segment!r} has no valid port")
-    if pool.pool_bytes != math.prod(shape) * torch.empty((), dtype=dtype).element_size() or not pool.base_address:
+    target = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    page = target // shape[2]
+    slot = pool.slot_bytes or page
+    if pool.slot_bytes and (not pool.page_major or pool.slot_bytes < page):
+        raise SharedKVAttachError("shape", f"Mooncake pool with slots of {pool.slot_bytes} bytes (a landing area's "
+                                           f"slot holds a page of shape {list(shape)} {pool.dtype}: {page} bytes "
+                                           f"and its other regions)")
+    if pool.pool_bytes != shape[2] * slot or not pool.base_address:
         raise SharedKVAttachError("shape", f"Mooncake pool of {pool.pool_bytes} bytes at {pool.base_address:#x} "
-                                           f"does not hold shape {list(shape)} {pool.dtype}")
+                                           f"does not hold shape {list(shape)} {pool.dtype}"
+                                           f"{f' in slots of {slot} bytes' if pool.slot_bytes else ''}")
     if pool.dtype not in DTYPES:
         raise SharedKVAttachError("dtype", f"unknown pool dtype {pool.dtype!r}")
     return shape, dtype

@@ -9,22 +9,32 @@ and one transfer-engine entry). ``write`` (engine thread) only enqueues that GPU
 decode's landing area, then frees the span. The compute stream waits for the gather only, never for
 the host copy or the network.
 
-Decode: a pinned host **landing area** mirrors the device pool page by page ([blocks, layers, 2,
-block_size, kv_heads, head_dim]; landing block b belongs to pool block b, so the reservation and claim
-checks that guard the pool guard it unchanged) and is what decode registers and offers
-(``MooncakePool.page_major``). When a chunk's descriptor arrives the pages are in the landing area; the
-engine thread imports them into the device pool (one host-to-device copy per run plus the page
+Decode: a pinned host **landing area** mirrors the device pool page by page and is what decode registers and
+offers (``MooncakePool.page_major``): landing slot b belongs to pool block b, so the reservation and claim
+checks that guard the pool guard it unchanged. When a chunk's descriptor arrives the pages are in the landing
+area; the engine thread imports them into the device pool (one host-to-device copy per run plus the page
 scatter, queued on the compute stream ahead of any step that reads them).
+
+Page regions (kv_layout.PageLayout.regions: the target's K/V or latent, then DeepSeek-V3.2's index keys, then a
+draft's KV): a slot holds the block's whole page, every region's bytes back to back in layout order, exactly as
+the page crosses the grpc stream (page_regions.py: the target in the pool's dtype, each other region in its own
+codec). So a run of consecutive blocks is still one contiguous range and one entry; the prefill's page export
+packs every region of the run into the staging span, and decode's import scatters each region into its pool. A
+target-only slot is [layers, 2, block_size, kv_heads, head_dim] of the pool's dtype. The landing names its slot's
+regions and size (``MooncakePool.regions``, ``slot_bytes``); a writer whose pages have other regions or another size
+refuses it, naming both (``check_landing``: the pages then go as bytes).
 
 Codec (negotiated at Reserve, independent of the transport): a request whose prefill and decode agreed on
 fp8-e4m3 (decode lists its fingerprint in ``accepted_wire_fingerprints``, the prefill is configured for it,
 the claim names it) stages quantized pages (``export`` with the codec: the Triton pack on the side stream
 on GPU, the torch reference on CPU): uint8 [P, fp8 page bytes], values then per-token-per-head scales.
-The landing keeps its native page-major slots; a run of m consecutive destination blocks starting at b
-lands its m fp8 pages back to back from slot b's first byte (both sides cut one descriptor's blocks into
-the same maximal runs, shared_kv._runs). fp8 page bytes <= native page bytes (``codec_fits``), so a run's fp8 bytes stay inside its own blocks' slots: the claim and
-reservation checks guard them unchanged, and one run is still one contiguous range on both sides. Decode
-imports such a run with the codec (dequantized into the pool on the engine thread).
+With other regions an fp8 page is the target's fp8 bytes then every other region as stored (the wire codec
+re-encodes the target region only, page_regions.py). The landing keeps its native page-major slots; a run of m
+consecutive destination blocks starting at b lands its m fp8 pages back to back from slot b's first byte (both
+sides cut one descriptor's blocks into the same maximal runs, shared_kv._runs). fp8 page bytes <= native page
+bytes (``codec_fits``), so a run's fp8 bytes stay inside its own blocks' slots: the claim and reservation checks
+guard them unchanged, and one run is still one contiguous range on both sides. Decode imports such a run with the
+codec (the target dequantized into the pool, the other regions copied, on the engine thread).
 
 Both sides work with host tensors standing in for the device (CPU tests exercise the whole path).
 """
@@ -32,9 +42,11 @@ Both sides work with host tensors standing in for the device (CPU tests exercise
 from __future__ import annotations
 
 import enum
+import itertools
+import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -43,12 +55,13 @@ import torch
 
 from services.common.kv_kinds import pool_id
 from services.common.pb import decode_pb2
-from services.engine.kv_layout import FP8_CODEC, PageLayout
+from services.engine.kv_layout import FP8_CODEC, PageLayout, Region
 from services.engine.kv_pages import PageExport
 from services.engine.kv_transport.base import KVSender, PageWriter, TransferError
 from services.engine.kv_transport.mooncake import MooncakeEngine, segments_of, settle
 from services.engine.kv_transport.mooncake_groups import GroupWrite
-from services.engine.shared_kv import SharedKVAttachError, _dtype_name, _runs
+from services.engine.region_pools import region_name
+from services.engine.shared_kv import SharedKVAttachError, _dtype_name, _runs, _shape_and_dtype
 
 ALIGN = 4096
 """Staging spans start on page boundaries (bytes)."""
@@ -130,10 +143,46 @@ class StagingRing:
         return self.buf[off:off + nbytes].view(dtype).view(shape)
 
 
-def codec_fits(layout: PageLayout, slot_bytes: int) -> bool:
-    """Whether pages in ``layout`` may travel through landing slots of ``slot_bytes`` (one native page): fp8-e4m3
-    of the target region only, no larger than a slot (module docstring)."""
-    return layout.target_codec == FP8_CODEC and len(layout.regions) == 1 and layout.page_bytes <= slot_bytes
+def codec_fits(layout: PageLayout, slot_bytes: int, regions: Sequence[Region] = ()) -> bool:
+    """Whether pages in ``layout`` may travel through landing slots of ``slot_bytes`` (one native page of every
+    region) that hold ``regions`` beside the target: fp8-e4m3 of the target region, the slots' other regions as
+    stored, a page no larger than a slot (module docstring)."""
+    return layout.target_codec == FP8_CODEC and layout.regions[1:] == tuple(regions) and \
+        layout.page_bytes <= slot_bytes
+
+
+def _codec_of(dtype: object) -> str:
+    """The codec a target region in ``dtype`` (a torch dtype or its name) is named with; the name when none."""
+    try:
+        return PageLayout.codec_for_dtype(dtype)
+    except ValueError:
+        return str(dtype).removeprefix("torch.")
+
+
+def slot_of(page_shape: tuple[int, ...], dtype: torch.dtype, regions: Sequence[Region]) -> tuple[list[str], int]:
+    """(names, bytes) of a landing slot holding one page of a target region of ``page_shape`` / ``dtype`` and then
+    of each of ``regions``: the names as ``MooncakePool.regions`` lists them (region_pools.region_name)."""
+    target = Region("target", _codec_of(dtype), math.prod(page_shape) * torch.empty((), dtype=dtype).element_size())
+    every = (target, *regions)
+    return [region_name(r) for r in every], sum(r.bytes_per_page for r in every)
+
+
+def check_landing(pool: decode_pb2.MooncakePool, page_shape: tuple[int, ...], dtype: torch.dtype,
+                  regions: Sequence[Region]) -> int:
+    """Bytes of one slot of the landing area ``pool`` when its slots hold this writer's pages (a target region of
+    ``page_shape`` / ``dtype``, then ``regions``); else SharedKVAttachError naming both (reason: the kind of the
+    first region that differs, ``shape`` for the target's or the sizes alone)."""
+    ours, slot = slot_of(page_shape, dtype, regions)
+    shape, their_dtype = _shape_and_dtype(list(pool.shape), pool.dtype)
+    theirs = list(pool.regions) or [f"target:{_codec_of(their_dtype)}"]
+    their_slot = pool.slot_bytes or slot_of((*shape[:2], *shape[3:]), their_dtype, ())[1]
+    if theirs == ours and their_slot == slot:
+        return slot
+    at = next((i for i, (a, b) in enumerate(itertools.zip_longest(theirs, ours)) if a != b), 0)
+    differs = (theirs[at] if at < len(theirs) else ours[at]) if at else "shape"
+    raise SharedKVAttachError(differs.split("[", 1)[0].split(":", 1)[0] or "shape",
+                              f"the decode's Mooncake landing area holds pages of {'+'.join(theirs)} ({their_slot} "
+                              f"bytes a slot), this prefill's pages are {'+'.join(ours)} ({slot} bytes)")
 
 
 class _State(enum.Enum):
@@ -173,19 +222,26 @@ class PageExporter(Protocol):
 class StagedWriter(PageWriter):
     """Prefill side, one request: pages -> staging span (export API) -> decode's landing area (TE write).
 
-    ``export(block_ids, codec, out[, layers])`` is the engine's page export into ``out`` (a staging view)."""
+    ``export(block_ids, codec, out[, layers])`` is the engine's page export into ``out`` (a staging view): pages
+    [P, *page_shape] of ``dtype`` for the target region alone, else uint8 [P, page bytes of every region] (and uint8
+    [P, codec page bytes] in a wire codec). SharedKVAttachError when decode's landing slots do not hold this
+    writer's pages (check_landing)."""
 
     transport = "mooncake"
     overlaps_compute = True
 
     def __init__(self, engine: MooncakeEngine, ring: StagingRing, page_shape: tuple[int, ...], dtype: torch.dtype,
                  export: PageExporter, dest: decode_pb2.KVDestination,
-                 dest_blocks: list[int]) -> None:
+                 dest_blocks: list[int], regions: Sequence[Region] = ()) -> None:
         pool = dest.mooncake
         self.engine, self.ring, self.export = engine, ring, export
         self.page_shape, self.dtype = page_shape, dtype
-        self.slot_bytes = torch.Size(page_shape).numel() * torch.empty((), dtype=dtype).element_size()
-        """Bytes of one landing slot (one native page): destination block b starts at b * slot_bytes."""
+        """The target region's page (the pool's [layers, 2, block_size, kv_heads, head_dim]) and dtype."""
+        self.regions = tuple(regions)
+        """The page's regions beside the target's (index keys, draft KV), in layout order: each staged page and each
+        landing slot holds them after the target region."""
+        self.slot_bytes = check_landing(pool, page_shape, dtype, self.regions)
+        """Bytes of one landing slot (one native page of every region): destination block b starts at b * slot_bytes."""
         self.page_bytes = self.slot_bytes
         """Bytes of one staged page in the codec this request carries (native until ``carry``)."""
         self.segment, self.dst_base = pool.segment, pool.base_address
@@ -199,10 +255,10 @@ class StagedWriter(PageWriter):
         self._closed = False
 
     def carry(self, layout: PageLayout) -> bool:
-        """Stage and send pages in ``layout``'s codec (fp8-e4m3, target region only) for this request; called
-        before the claim and the first write. False (nothing changes) for a layout whose pages would not fit
-        the landing slots."""
-        if not codec_fits(layout, self.slot_bytes):
+        """Stage and send pages in ``layout``'s codec (fp8-e4m3 of the target region, the other regions as stored)
+        for this request; called before the claim and the first write. False (nothing changes) for a layout whose
+        pages would not fit the landing slots or whose other regions are not theirs."""
+        if not codec_fits(layout, self.slot_bytes, self.regions):
             return False
         self.wire_codec, self.page_bytes = FP8_CODEC, layout.page_bytes
         return True
@@ -221,7 +277,7 @@ class StagedWriter(PageWriter):
         off = self.ring.take(nbytes, self._broken)
         pieces: list[tuple[PageExport, int]] = []
         try:
-            out = self.ring.view(off, (n, pb), torch.uint8) if self.wire_codec else \
+            out = self.ring.view(off, (n, pb), torch.uint8) if self.wire_codec or self.regions else \
                 self.ring.view(off, (n, *self.page_shape), self.dtype)
             step = max(1, PIECE_BYTES // pb)  # pages per piece
             for i in range(0, n, step):
@@ -233,8 +289,8 @@ class StagedWriter(PageWriter):
             self.ring.give(off, nbytes)
             raise
         srcs, dsts, lens = [], [], []
-        # Page-major on both sides: a run of consecutive destination blocks is one contiguous range (in a
-        # codec, its pages back to back from the run's first slot: inside the run's own slots).
+        # Page-major on both sides (each page every region's bytes): a run of consecutive destination blocks is one
+        # contiguous range (in a codec, its pages back to back from the run's first slot: inside the run's own slots).
         for a, b, m in _runs(list(range(n)), self.dest[first_block:first_block + n]):
             src, dst, left = self.ring.base + off + a * pb, self.dst_base + b * self.slot_bytes, m * pb
             while left:  # entries of at most ENTRY_BYTES
@@ -253,11 +309,12 @@ class StagedWriter(PageWriter):
         """Engine thread, before the forward that computes these pages (a request's last chunk): stage and send
         them layer group by layer group as the forward hands the groups over (mooncake_groups.py); the returned
         sink's ``handle`` goes where ``write``'s would. None (nothing taken) when this request carries a wire
-        codec: an fp8-e4m3 page is all layers' values then all layers' scales, so a layer group of it is not one
-        range of decode's landing slot; such pages go whole through ``write`` once the chunk is computed.
+        codec or its pages other regions: an fp8-e4m3 page is all layers' values then all layers' scales, and a page
+        of several regions is each region's layers after the other's, so a layer group of either is not one range
+        of decode's landing slot; such pages go whole through ``write`` once the chunk is computed.
         ``cleared`` / ``clear_wait_s``: nothing is submitted before the claim is acknowledged (GroupWrite)."""
         n = len(src_blocks)
-        if self.wire_codec or not n:
+        if self.wire_codec or self.regions or not n:
             return None
         self._check_write(first_block, n)
         nbytes = n * self.page_bytes
@@ -362,35 +419,44 @@ class StagedWriter(PageWriter):
 
 
 class HostLanding:
-    """Decode side: a registered pinned host mirror of a device pool, page by page (module docstring)."""
+    """Decode side: a registered pinned host mirror of a device pool and its other regions' pools, page by page
+    (module docstring)."""
 
     def __init__(self, engine: MooncakeEngine, pool: torch.Tensor,
-                 import_pages: Callable[..., None]) -> None:
+                 import_pages: Callable[..., None], regions: Sequence[Region] = ()) -> None:
+        """``pool``: the target region's pool [layers, 2, blocks, ...]; ``regions``: the page's other regions in
+        layout order (their pools have the target pool's block ids; the page import writes them)."""
         layers, two, blocks, *rest = pool.shape
         self.page_shape = (layers, two, *rest)
-        self.host = _pinned(pool.numel() * pool.element_size(), "landing").view(pool.dtype).view(blocks,
-                                                                                              *self.page_shape)
+        self.regions = tuple(regions)
+        names, self.slot_bytes = slot_of(self.page_shape, pool.dtype, self.regions)
+        """Bytes of one slot: one page of every region (slot b at b * slot_bytes)."""
+        buf = _pinned(blocks * self.slot_bytes, "landing")
+        self.slots = buf.view(blocks, self.slot_bytes)
+        """uint8 [blocks, slot_bytes]: slot b holds pool block b's page."""
+        self.host = self.slots if self.regions else buf.view(pool.dtype).view(blocks, *self.page_shape)
+        """The slots as the page import takes them: [blocks, layers, 2, bs, kvh, hd] of the pool's dtype (the target
+        region alone), else uint8 [blocks, page bytes of every region]."""
         self.engine = engine
         self.import_pages = import_pages
-        """The engine's page import (engine thread): pages [P, layers, 2, bs, kvh, hd] (or uint8 [P, codec page
-        bytes] with the codec as third argument) -> pool blocks."""
+        """The engine's page import (engine thread): pages [P, layers, 2, bs, kvh, hd] or uint8 [P, page bytes of
+        every region] (or uint8 [P, codec page bytes] with the codec as third argument) -> pool blocks."""
         self.destination = decode_pb2.KVDestination(mooncake=decode_pb2.MooncakePool(
-            segment=engine.segment, base_address=engine.register(self.host), pool_bytes=pool.numel() *
-            pool.element_size(), shape=list(pool.shape), dtype=_dtype_name(pool.dtype), protocol=engine.protocol,
-            page_major=True, extra_segments=engine.segments[1:]))
+            segment=engine.segment, base_address=engine.register(buf), pool_bytes=blocks * self.slot_bytes,
+            shape=list(pool.shape), dtype=_dtype_name(pool.dtype), protocol=engine.protocol,
+            page_major=True, extra_segments=engine.segments[1:], regions=names, slot_bytes=self.slot_bytes))
 
     def accepts(self, layout: PageLayout) -> bool:
         """Whether a writer may land pages in ``layout`` (a wire codec) here."""
-        return codec_fits(layout, self.host[0].numel() * self.host.element_size())
+        return codec_fits(layout, self.slot_bytes, self.regions)
 
     def land(self, block_ids: list[int], layout: PageLayout | None = None) -> None:
-        """Engine thread: copy the pages the writer put into ``block_ids``' landing slots into the pool
-        (``layout``: the codec they are in when not the pool's own; dequantized on the way). Queued on the
-        compute stream before any step that reads them; the slots are not written again until the blocks
-        are freed and reserved anew (after those steps ran)."""
+        """Engine thread: copy the pages the writer put into ``block_ids``' landing slots into the pool, each other
+        region into its own pool (``layout``: the codec they are in when not the pool's own; the target region
+        dequantized on the way). Queued on the compute stream before any step that reads them; the slots are not
+        written again until the blocks are freed and reserved anew (after those steps ran)."""
         codec = layout.target_codec if layout is not None and self.accepts(layout) else None
-        flat = self.host.view(-1).view(torch.uint8)
-        slot = self.host[0].numel() * self.host.element_size()
+        flat, slot = self.slots.view(-1), self.slot_bytes
         for a, _, m in _runs(block_ids, block_ids):
             if codec is None:
                 self.import_pages(list(range(a, a + m)), self.host[a:a + m])
