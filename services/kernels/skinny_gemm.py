@@ -2,14 +2,14 @@
 
 At one to a few rows a linear layer is a read of its weight matrix and nothing else, so what counts is how many
 bytes of it are in flight on every SM. cuBLAS picks tiles for arbitrary shapes; at M = 1 on an H100 it reached 0.56
-of the copy rate on a 4096 -> 2048 projection (a split-K launch and its reduce) and 0.5 on a 0.5 MB router GEMV,
-where the launch alone costs most of the time (docs/PERFORMANCE.md). Here each program owns BLOCK_N output columns
+of the copy rate on a 4096 -> 2048 projection in an eager step (a split-K launch and its reduce) and ~0.5 on a
+vocabulary-sized LM head. Here each program owns BLOCK_N output columns
 of every row and walks the K dimension in BLOCK_K slices, pipelined ``num_stages`` deep; the row block is padded to
 16 for ``tl.dot`` (the padding reads no memory). No split-K: every output is one program's fp32 sum, so results do
 not depend on the launch, and a CUDA graph replays the same kernel at any batch up to its bound.
 
 ``skinny_tiles`` picks the tiles from measurements (benchmarks/skinny_gemm_bench.py); ``use_skinny`` says where
-this kernel beats the library GEMM (measured per shape class on an H100).
+this kernel beats the library GEMM (measured per shape class on an H100: the LM head).
 """
 
 from __future__ import annotations
@@ -75,13 +75,18 @@ def _skinny_gemm_kernel(
     tl.store(y_ptrs, acc.to(Y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-RULE: dict[str, int] = {"max_rows": 0}
-"""Where ``use_skinny`` sends a product: at most ``max_rows`` rows (0: nowhere). Benchmarks set it to compare."""
+RULE: dict[str, int] = {"max_rows": MAX_ROWS, "min_n": 32768}
+"""Where ``use_skinny`` sends a product: at most ``max_rows`` rows and at least ``min_n`` output columns. Measured
+on an H100 in CUDA graphs (benchmarks/skinny_gemm_bench.py, bf16, M 1-16): the LM heads ran 6-8% faster here
+(Qwen3's 151936 x 2048: 200.6-211 us against cuBLAS's 217-223; Llama-3-8B's 128256 x 4096: 338-351 against
+369-375); cuBLAS won the attention projections and routers (qkv 5.8-6.9 us against 8.2, o 7.3-7.5 against
+8.8-9.4) and tied the MLP, so only vocabulary-sized products come here. Benchmarks set max_rows / min_n to
+compare (``--skinny-rows``)."""
 
 
 def use_skinny(m: int, n: int, k: int) -> bool:
     """Whether an [m, k] x [n, k]^T product runs here rather than in the library GEMM."""
-    return 0 < m <= min(RULE["max_rows"], MAX_ROWS)
+    return 0 < m <= min(RULE["max_rows"], MAX_ROWS) and n >= RULE["min_n"]
 
 
 def skinny_tiles(n: int, k: int, num_sms: int) -> SkinnyTiles:
