@@ -3,7 +3,8 @@
 The indexer caches one ``dim``-value key per token and layer. Its pool has the target pool's block ids and is
 allocated with it (model_runner.py): uint8 ``[layers, 1, blocks, block_size, 1, row bytes]``, each row one token's
 key in the region's codec, either the pool dtype (``dim`` values) or fp8-e4m3 (``dim`` e4m3 values, then one fp32
-scale: DeepSeek-V3.2's own cache form, amax / 448 per token). Rows are raw bytes, so a page's region is a byte
+scale: DeepSeek-V3.2's own cache form, amax / 448 per token; zero-padded to a multiple of 16 bytes so that every row,
+and so every vector load of its values, starts 16-byte aligned: kv_layout.fp8_index_row). Rows are raw bytes, so a page's region is a byte
 copy (``pack`` / ``unpack``, the side transports' page copies) and never re-encoded on the way; the attention
 backends store keys (``store``, quantizing for fp8) and read them back dequantized (``read``), the Triton index
 scores through ``values`` / ``scales`` views of the same bytes. The six dimensions are the K/V pools' (a layer
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.kv_layout import FP8_CODEC, PageLayout, Region, index_region
+from services.engine.kv_layout import FP8_CODEC, PageLayout, Region, fp8_index_row, index_region
 from services.kernels import fp8_quantize
 
 FP8_SCALE_BYTES = 4
@@ -42,7 +43,7 @@ class IndexKeys:
         rows = pool.view(num_layers, num_blocks * block_size, pool.shape[-1])
         if self.fp8:  # e4m3 values moved as bytes (torch has no CPU index_copy_ of float8), viewed as float8
             self._values = rows[..., :dim]
-            self._scales: torch.Tensor | None = rows[..., dim:].view(torch.float32)[..., 0]
+            self._scales: torch.Tensor | None = rows[..., dim:dim + FP8_SCALE_BYTES].view(torch.float32)[..., 0]
         else:
             self._values = rows.view(dtype)
             self._scales = None
@@ -51,7 +52,7 @@ class IndexKeys:
     def pool_shape(num_layers: int, num_blocks: int, block_size: int, dim: int, codec: str, dtype: torch.dtype
                    ) -> tuple[int, ...]:
         """The uint8 pool's shape: one row per token and layer of ``dim`` values in ``codec`` (+ its scale)."""
-        row = dim + FP8_SCALE_BYTES if codec == FP8_CODEC else dim * torch.empty((), dtype=dtype).element_size()
+        row = fp8_index_row(dim) if codec == FP8_CODEC else dim * torch.empty((), dtype=dtype).element_size()
         return (num_layers, 1, num_blocks, block_size, 1, row)
 
     @staticmethod
@@ -90,11 +91,15 @@ class IndexKeys:
 
     def _row_bytes(self, keys: torch.Tensor) -> torch.Tensor:
         """uint8 [T, row bytes] of ``keys`` [T, dim] as the pool stores them: the pool dtype's values, or the e4m3
-        values followed by their fp32 scale."""
+        values followed by their fp32 scale and the row's zero padding."""
         if not self.fp8:
             return keys.reshape(-1, self.dim).to(self.dtype).contiguous().view(torch.uint8)
         q, s = fp8_quantize(keys.reshape(-1, 1, self.dim))
-        return torch.cat([q.view(torch.uint8).reshape(-1, self.dim), s.reshape(-1, 1).view(torch.uint8)], dim=1)
+        pad = self.kv_cache.shape[-1] - self.dim - FP8_SCALE_BYTES
+        parts = [q.view(torch.uint8).reshape(-1, self.dim), s.reshape(-1, 1).view(torch.uint8)]
+        if pad:
+            parts.append(torch.zeros((q.shape[0], pad), dtype=torch.uint8, device=q.device))
+        return torch.cat(parts, dim=1)
 
     def read(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """[N, dim] keys at ``slots`` (int64 [N]) of ``layer``: the pool dtype's values, or fp8 ones dequantized with

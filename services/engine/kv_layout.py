@@ -39,7 +39,8 @@ class Region:
 
     name: str
     """"target" for the model's own KV; the others name their kind and shape: "draft[<draft id> L<layers> kvh<heads>
-    d<head dim>]" (speculative decoding's draft KV), "index[L<layers> d<dim>]" (DeepSeek-V3.2's index keys)."""
+    d<head dim>]" (speculative decoding's draft KV), "index[L<layers> d<dim>]" (DeepSeek-V3.2's index keys; fp8 ones
+    add their row bytes, "r<bytes>")."""
     codec: str
     """bf16 | fp16 | fp32 | fp8-e4m3 (values + fp32 scales: per token and head for K/V, per token for index keys)."""
     bytes_per_page: int
@@ -50,16 +51,27 @@ class Region:
         return self.name.split("[", 1)[0]
 
 
+FP8_INDEX_ROW_ALIGN = 16
+"""Bytes an fp8 index-key row is padded to a multiple of: every row then starts 16-byte aligned, so a kernel's
+vector loads of a row's e4m3 values stay aligned whatever row it reads (DeepSeek-V3.2's 128 values + a 4-byte scale
+are 132 bytes, padded to 144)."""
+
+
+def fp8_index_row(dim: int) -> int:
+    """Bytes of one fp8 index-key row: ``dim`` e4m3 values, one fp32 scale, zero padding to FP8_INDEX_ROW_ALIGN."""
+    return -(-(dim + 4) // FP8_INDEX_ROW_ALIGN) * FP8_INDEX_ROW_ALIGN
+
+
 def index_region(num_layers: int, block_size: int, dim: int, codec: str) -> Region:
     """DeepSeek-V3.2's index-key region: one ``dim``-value key per token and layer in ``codec`` (the pool's dtype,
-    or fp8-e4m3: the e4m3 values, then one fp32 scale per token and layer)."""
+    or fp8-e4m3: rows of ``fp8_index_row(dim)`` bytes, the e4m3 values, then one fp32 scale per token and layer,
+    then padding; the row size is in the name, so it is in the fingerprint)."""
     if codec == FP8_CODEC:
-        row = dim + 4
-    elif codec in _CODEC_ELEM_BYTES:
-        row = dim * _CODEC_ELEM_BYTES[codec]
-    else:
+        row = fp8_index_row(dim)
+        return Region(f"index[L{num_layers} d{dim} r{row}]", codec, num_layers * block_size * row)
+    if codec not in _CODEC_ELEM_BYTES:
         raise ValueError(f"unknown index-key codec {codec!r}; known: {[*_CODEC_ELEM_BYTES, FP8_CODEC]}")
-    return Region(f"index[L{num_layers} d{dim}]", codec, num_layers * block_size * row)
+    return Region(f"index[L{num_layers} d{dim}]", codec, num_layers * block_size * dim * _CODEC_ELEM_BYTES[codec])
 
 
 @dataclass(frozen=True)

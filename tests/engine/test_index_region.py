@@ -73,8 +73,8 @@ def test_target_wire_codec_leaves_the_index_region_as_stored() -> None:
 def test_fingerprint_covers_the_index_codec() -> None:
     fp8, plain = _layout(FP8_CODEC), _layout("fp32")
     assert fp8.fingerprint != plain.fingerprint
-    assert "+index[L2 d16]:fp8-e4m3+draft[" in fp8.describe() and "+index[L2 d16]:fp32+" in plain.describe()
-    assert fp8.region("index").bytes_per_page == L * BS * (INDEX_DIM + 4)
+    assert "+index[L2 d16 r32]:fp8-e4m3+draft[" in fp8.describe() and "+index[L2 d16]:fp32+" in plain.describe()
+    assert fp8.region("index").bytes_per_page == L * BS * 32  # 16 values + a 4-byte scale, padded to 16 bytes
     assert plain.region("index").bytes_per_page == L * BS * INDEX_DIM * 4
 
 

@@ -20,7 +20,7 @@ import torch
 
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
-from services.engine.kv_layout import FP8_CODEC, PageLayout
+from services.engine.kv_layout import FP8_CODEC, PageLayout, fp8_index_row
 from services.engine.kv_pages import KVPages, pages_of
 from services.engine.kv_transport import KVPoll, mooncake, mooncake_staged
 from services.engine.kv_transport.mooncake_staged import HostLanding, StagedWriter, StagingRing, check_landing
@@ -137,7 +137,8 @@ def test_a_landing_whose_regions_differ_is_refused_naming_both() -> None:
     fp8_index, fp32_index = _layout(FP8_CODEC), _layout("fp32")
     landing = HostLanding(decode, pool, lambda *a: None, fp8_index.regions[1:])
     theirs = "+".join(f"{r.name}:{r.codec}" for r in fp8_index.regions)
-    assert theirs == f"target:fp32+index[L{L} d{INDEX_DIM}]:fp8-e4m3+draft[v32 L1 kvh2 d8]:fp8-e4m3"
+    assert theirs == (f"target:fp32+index[L{L} d{INDEX_DIM} r{fp8_index_row(INDEX_DIM)}]:fp8-e4m3"
+                      "+draft[v32 L1 kvh2 d8]:fp8-e4m3")
     dest = landing.destination.mooncake
     assert check_landing(dest, PAGE, torch.float32, fp8_index.regions[1:]) == fp8_index.page_bytes
     for regions, reason in ((fp32_index.regions[1:], "index"), (fp8_index.regions[1:2], "draft"), ((), "index")):
