@@ -43,11 +43,6 @@ def _index_codec(arch, config: EngineConfig) -> str | None:
     """The index-key region's codec (--index-kv-codec) of a model with an indexer, None without one; a codec
     other than native for a model without an indexer is refused."""
     if arch.mla is not None and arch.mla.index_head_dim:
-        if config.index_kv_codec != "native" and config.device.startswith("cuda"):
-            # Run once on an H100: a 1P1D of the tiny V3.2 died of a CUDA misaligned address in its prefill forward
-            # with fp8-e4m3 index keys (native ones passed); refused on CUDA until that path runs clean there.
-            raise EngineConfigError(f"--index-kv-codec / PDSERVE_INDEX_KV_CODEC={config.index_kv_codec}: fp8-e4m3 "
-                                    "index keys run on CPU engines only; on CUDA use native")
         return IndexKeys.resolve_codec(config.index_kv_codec, config.torch_dtype)
     if config.index_kv_codec != "native":
         raise EngineConfigError(f"--index-kv-codec / PDSERVE_INDEX_KV_CODEC={config.index_kv_codec}: this model "

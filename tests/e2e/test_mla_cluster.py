@@ -72,19 +72,32 @@ def test_mla_1p1d_tokens_equal_transformers(v32: tuple[Path, object], transport:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuda-ipc needs an NVIDIA GPU")
-def test_v32_1p1d_over_cuda_ipc_writes_the_index_region_in_place(v32: tuple[Path, object]) -> None:
+@pytest.mark.parametrize("index_codec", ["native", "fp8-e4m3"])
+def test_v32_1p1d_over_cuda_ipc_writes_the_index_region_in_place(v32: tuple[Path, object], index_codec: str) -> None:
     """DeepSeek-V3.2 with prefill and decode on one GPU: the prefill writes the latent and the index-key pools that
-    decode exported over CUDA IPC (no page bytes, no fallback); tokens follow transformers fp32 up to the first
-    near-tie. (fp8-e4m3 index keys are a CPU-engine codec: a CUDA engine refuses them.)"""
+    decode exported over CUDA IPC (no page bytes, no fallback). Native index keys: tokens follow transformers fp32 up
+    to the first near-tie; fp8-e4m3 ones (which may flip a near-tied top-k choice): tokens equal the same codec's
+    engine in process on the GPU."""
     model_dir, ref = v32
-    engine = ["--device", "cuda", *SMALL_KV]
+    engine = ["--device", "cuda", *SMALL_KV, "--index-kv-codec", index_codec]
     sizes = {"prefill": [*engine, "--max-prefill-chunk", "29"], "decode": engine}
+    want = None
+    if index_codec != "native":
+        local = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", device="cuda", num_kv_blocks=64,
+                                       index_kv_codec=index_codec, max_prefill_chunk=29))
+        want = [local.generate([ids], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
+                for ids in _prompts()]
+        del local
+        torch.cuda.empty_cache()
     with LocalCluster(prefill=1, decode=1, kvstore=None, model=str(model_dir), dtype="float32", extra=sizes,
                       quiet=True, kv_transport="cuda-ipc") as c:
         for i, ids in enumerate(_prompts()):
             got = _generate(c.router["grpc"], ids)
             assert len(got) == 16
-            _check_against_transformers(ref, ids, got, f"deepseek_v32 cuda-ipc prompt {i}")
+            if want is None:
+                _check_against_transformers(ref, ids, got, f"deepseek_v32 cuda-ipc prompt {i}")
+            else:
+                assert got == want[i], f"prompt {i}: cluster {got} != in-process engine {want[i]} ({index_codec})"
         pm, dm = c.get("prefill-0").ready["metrics"], c.get("decode-0").ready["metrics"]
         assert metric_sum(dm, "pdserve_decode_kv_received_bytes_total", transport="cuda-ipc") > 0
         assert metric_sum(dm, "pdserve_decode_kv_received_bytes_total", transport="grpc") == 0

@@ -84,16 +84,15 @@ def test_index_codec_is_refused_for_a_model_without_an_indexer() -> None:
                                index_kv_codec=FP8_CODEC))
 
 
-def test_fp8_index_codec_is_refused_on_cuda() -> None:
-    """fp8-e4m3 index keys are a CPU-engine codec; a CUDA engine refuses them in one line (native is accepted)."""
+def test_index_codec_on_cuda() -> None:
+    """A CUDA engine takes either index-key codec (fp8 rows are 16-byte aligned, kv_layout.fp8_index_row)."""
     from types import SimpleNamespace
 
     from services.engine.model_runner import _index_codec
 
     arch = SimpleNamespace(mla=SimpleNamespace(index_head_dim=16), architecture="DeepseekV32ForCausalLM")
     config = EngineConfig(model="random:tiny-llama", dtype="bfloat16", device="cuda", index_kv_codec=FP8_CODEC)
-    with pytest.raises(EngineConfigError, match=r"fp8-e4m3 index keys run on CPU engines only; on CUDA use native"):
-        _index_codec(arch, config)
+    assert _index_codec(arch, config) == FP8_CODEC
     assert _index_codec(arch, EngineConfig(model="random:tiny-llama", dtype="bfloat16", device="cuda")) == "bf16"
 
 
