@@ -72,13 +72,15 @@ def cpu_fp32(tiny_v32: Path) -> LoadedModel:
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("cuda_graphs", [False, True])
-def test_gpu_fp32_matches_cpu_fp32(tiny_v32: Path, cpu_fp32: LoadedModel, cuda_graphs: bool) -> None:
+@pytest.mark.parametrize(("cuda_graphs", "index_codec"), [(False, "native"), (True, "native"), (False, "fp8-e4m3"),
+                                                         (True, "fp8-e4m3")])
+def test_gpu_fp32_matches_cpu_fp32(tiny_v32: Path, cpu_fp32: LoadedModel, cuda_graphs: bool, index_codec: str) -> None:
     """150-token prompt in 64-token chunks (sparse prefill over a cached prefix), then 16 decode steps, eager or
-    replayed from the CUDA graphs: logits within fp32 tolerance of the CPU engine on the same token history, greedy
-    tokens equal wherever the CPU's choice is not a near-tie."""
-    cpu = _engine(str(tiny_v32), cpu_fp32, "cpu", "float32")
-    gpu = _engine(str(tiny_v32), on_gpu(cpu_fp32, torch.float32), "cuda", "float32", cuda_graphs=cuda_graphs)
+    replayed from the CUDA graphs: logits within fp32 tolerance of the CPU engine on the same token history (same
+    index-key codec), greedy tokens equal wherever the CPU's choice is not a near-tie."""
+    cpu = _engine(str(tiny_v32), cpu_fp32, "cpu", "float32", index_kv_codec=index_codec)
+    gpu = _engine(str(tiny_v32), on_gpu(cpu_fp32, torch.float32), "cuda", "float32", cuda_graphs=cuda_graphs,
+                  index_kv_codec=index_codec)
     assert (gpu.runner.graphs is not None and bool(gpu.runner.graphs.graphs)) == cuda_graphs
     prompt = _prompt(150, 1)
     gpu_tokens, got = logits_trace(gpu, prompt, 16)
