@@ -27,3 +27,18 @@ def test_moe_greedy_with_a_same_family_draft_equals_plain_decoding(model: str, t
         assert st.steps > 0 and st.proposed > 0 and st.accepted > 0
         eng.scheduler.check_invariants()
         assert eng.block_manager.num_free_blocks == eng.runner.num_blocks
+
+
+@pytest.mark.parametrize("draft", ["layers:1", "self"])
+def test_a_draft_with_an_indexer_is_refused_at_start(draft: str, tmp_path: Path) -> None:
+    """DeepSeek-V3.2 as its own draft (its first layer, or the same checkpoint): the draft's sparse attention would
+    need an index-key pool of its own, so the engine refuses it in one line at start instead of failing in the
+    draft's first forward."""
+    from services.engine.config import EngineConfig
+    from services.engine.engine import LLMEngine
+    from services.engine.spec.draft import DraftConfigError
+
+    model = write_tiny_moe(tmp_path, "deepseek_v32")
+    spec = "layers:1" if draft == "layers:1" else str(model)
+    with pytest.raises(DraftConfigError, match=r"sparse attention \(an indexer, index_head_dim\) is not supported"):
+        LLMEngine(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=64, draft_model=spec, spec_tokens=3))

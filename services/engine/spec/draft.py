@@ -71,10 +71,20 @@ class Draft:
         return self.num_layers * 2 * block_size * self.num_kv_heads * self.head_dim * elem
 
 
+def _refuse_indexer(spec: str, arch) -> None:
+    """A draft whose layers run DeepSeek-V3.2's sparse attention would need index keys of its own (a pool and a page
+    region the draft does not have): refused at start rather than failing in its first forward."""
+    if arch.mla is not None and arch.mla.index_head_dim:
+        raise DraftConfigError(f"--draft-model / PDSERVE_DRAFT_MODEL: {spec!r}: a draft with DeepSeek-V3.2's sparse "
+                               "attention (an indexer, index_head_dim) is not supported (a draft has no index-key "
+                               "pool); use a draft model without an indexer")
+
+
 def load_draft(spec: str, target: LoadedModel, dtype: torch.dtype, device: str | torch.device) -> Draft:
     """The draft ``spec`` names (see the module docstring); DraftConfigError when it cannot pair."""
     arch = target.arch
     if spec.startswith(LAYERS_PREFIX):
+        _refuse_indexer(spec, arch)
         try:
             n = int(spec.removeprefix(LAYERS_PREFIX))
         except ValueError:
@@ -91,5 +101,6 @@ def load_draft(spec: str, target: LoadedModel, dtype: torch.dtype, device: str |
                                f"{loaded.arch.vocab_size} tokens, the target {target.model_id} has "
                                f"{arch.vocab_size}: a draft must share the target's tokenizer")
     a = loaded.arch
+    _refuse_indexer(spec, a)
     loaded.model.rotary.ensure(target.max_model_len)  # positions up to the target's context
     return Draft(loaded.model, loaded.model_id, a.num_layers, a.num_kv_heads, a.head_dim)
