@@ -45,7 +45,7 @@ KNOWN_SERIES: dict[str, tuple[Mapping[str, tuple[str, ...]], ...]] = {
     PREFILL_REQUESTS_ABORTED_TOTAL: ({"reason": ("overloaded", "invalid", "deadline", "cancelled", "kv_handoff",
                                                  "permission", "internal")},),
     PREFILL_KVSTORE_ERRORS_TOTAL: ({"reason": ("lookup", "get", "put", "bad_page", "down",
-                                               "write_back_dropped")},),
+                                               "write_back_dropped", "writer")},),
     DECODE_KV_CHUNKS_REJECTED_TOTAL: ({"reason": ("fingerprint", "checksum", "unknown_reservation", "order",
                                                   "range", "size", "incomplete", "permission", "state",
                                                   "malformed", "claim")},),

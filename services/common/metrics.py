@@ -256,7 +256,7 @@ SPECS: tuple[MetricSpec, ...] = (
        "cancelled, kv_handoff, attach_timeout, permission, internal)."),
     _s(PREFILL_KVSTORE_ERRORS_TOTAL, "counter", ["reason"], "prefill",
        "kvstore calls that failed or were skipped (the request went on without reuse), by reason "
-       "(lookup, get, put, bad_page, down, write_back_dropped)."),
+       "(lookup, get, put, bad_page, down, write_back_dropped, writer)."),
     _s(PREFILL_KV_TRANSPORT_FALLBACKS_TOTAL, "counter", ["transport", "reason"], "prefill",
        "Requests whose side transport (shm, cuda-ipc, mooncake) was refused or not offered, so pages went "
        "as bytes in the stream."),

@@ -10,6 +10,10 @@ from services.common.kv_mooncake import MooncakeTransportConfig
 from services.common.server import ServerConfig
 from services.common.tracing import TracingConfig
 
+KVSTORE_WRITE_BACK_BYTES = {"cuda": 1 << 30, "cpu": 256 << 20}
+"""``--kvstore-write-back-bytes 0``, by device: a GPU prefill's ring holds eight 128 MiB write-backs (a 1024-token
+prompt of an 8B Llama in bf16; ``--kvstore-max-pending-writes``' default), a CPU prefill's models are smaller."""
+
 
 @dataclass
 class PrefillConfig(ServerConfig, TracingConfig, MooncakeTransportConfig):
@@ -43,6 +47,11 @@ class PrefillConfig(ServerConfig, TracingConfig, MooncakeTransportConfig):
                                       "no request waits on a store that is down; then try again.")
     kvstore_max_pending_writes: int = opt(8, "Background kvstore write-backs under way at once (count); more are "
                                              "dropped (counted), bounding the host memory they hold.")
+    kvstore_write_back_bytes: int = opt(0, "Shared-memory ring through which write-back pages go to this prefill's "
+                                           "kvstore writer process (bytes; a /dev/shm file, page-locked on CUDA, "
+                                           "allocated at start): a write-back that finds no room in it is dropped "
+                                           "(counted). 0: 1 GiB on CUDA (eight 128 MiB write-backs, a 1024-token "
+                                           "prompt of an 8B Llama in bf16 each), 256 MiB on CPU.")
     claim_wait_s: float = opt(30.0, "Longest a request whose prompt is computed waits for decode to acknowledge a "
                                     "side transport's claim (seconds; its KV blocks stay held meanwhile, no other "
                                     "request waits). Past it the request fails UNAVAILABLE, retryable: the router "
@@ -64,5 +73,11 @@ class PrefillConfig(ServerConfig, TracingConfig, MooncakeTransportConfig):
         require(self.kvstore_retry_s >= 0, self, "kvstore_retry_s", f"must be >= 0, got {self.kvstore_retry_s}")
         require(self.kvstore_max_pending_writes > 0, self, "kvstore_max_pending_writes",
                 f"must be > 0, got {self.kvstore_max_pending_writes}")
+        require(self.kvstore_write_back_bytes >= 0, self, "kvstore_write_back_bytes",
+                f"must be >= 0 (0: the device's default), got {self.kvstore_write_back_bytes}")
         require(self.slowdown_ms_per_chunk >= 0, self, "slowdown_ms_per_chunk",
                 f"must be >= 0, got {self.slowdown_ms_per_chunk}")
+
+    def write_back_bytes(self, device_type: str) -> int:
+        """The kvstore write-back ring's size on a ``device_type`` ("cuda", "cpu") engine."""
+        return self.kvstore_write_back_bytes or KVSTORE_WRITE_BACK_BYTES.get(device_type, KVSTORE_WRITE_BACK_BYTES["cpu"])

@@ -35,6 +35,7 @@ from services.engine.kv_transport.base import PageWriter
 from services.engine.kv_transport.grpc_wire import MessageBuffer
 from services.engine.scheduler import ScheduledChunk
 from services.kv.claim import codec_pb
+from services.prefill.kvstore_writeback import WriteBackSpan
 from services.prefill.layer_export import armed, watch
 from services.text.sampling_params import Sampled, TopLogprobs
 from services.text.sampling_pb import top_to_pb
@@ -73,10 +74,6 @@ class PagesReady:
     """Source block ids of pages computed before decode acknowledged the claim: the sender issues their
     write once it has (``write`` is None until then); the blocks are held until that write landed."""
     last: bool = False
-    writeback: tuple[int, PageExport] | None = None
-    """(first block, pages) of full blocks the kvstore lacks, on the last item only."""
-    writeback_dropped: bool = False
-    """Pages were due to the kvstore but its writer had no room (never exported; counted by the servicer)."""
     first_token: int = 0
     first_logprob: float = 0.0
     first_top: TopLogprobs | None = None
@@ -89,20 +86,21 @@ class RequestKVStream:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, export: Callable[[list[int]], PageExport], block_size: int,
                  num_skip_blocks: int, chunked: bool, arrival: float, writer: PageWriter | None = None,
-                 export_native: Callable[[list[int]], PageExport] | None = None, engine: AsyncEngine | None = None,
-                 claim_wait_s: float = 0.0, pending: bool = False,
-                 writeback_room: Callable[[], bool] | None = None) -> None:
+                 engine: AsyncEngine | None = None, claim_wait_s: float = 0.0, pending: bool = False,
+                 writeback_begin: Callable[[list[int]], WriteBackSpan | str] | None = None) -> None:
         """``pending``: an early Prefill whose reservation is not known yet (``attach`` names it); until its
         claim is acknowledged every computed page is deferred exactly as for an unanswered writer claim."""
         self.loop = loop
         self.export = export
         """Starts a chunk's page export for the wire (the cache's dtype, or a codec such as fp8-e4m3)."""
-        self.export_native = export_native or export
-        """Starts copying pages in the cache's own layout to the host (what the kvstore keeps); the kvstore's
-        writer waits for them on a worker thread, never the engine thread."""
-        self.writeback_room = writeback_room
-        """Whether the kvstore writer takes one more write now (asked on the engine thread before the pages are
-        exported, so a write that would be dropped costs no device-to-host copy); None: always."""
+        self.writeback_begin = writeback_begin
+        """Engine thread, last chunk: takes a span of the kvstore write-back ring and starts the export of the pages
+        due to the kvstore into it (KVStorePrefix.write_back_begin), or says why not (then nothing is copied)."""
+        self.writeback: tuple[int, WriteBackSpan] | None = None
+        """(first block, ring span) of the full blocks the kvstore lacks, once the last chunk is computed; the
+        servicer hands it to the writer after the handoff, or gives the span back when the request failed."""
+        self.writeback_skipped = ""
+        """Why pages due to the kvstore were not exported (a kvstore-errors reason; counted by the servicer)."""
         self.writer = writer
         """Writes pages straight into decode's pool (shm, cuda-ipc, mooncake), or None."""
         self.block_size = block_size
@@ -246,11 +244,12 @@ class RequestKVStream:
         item.last, item.first_token, item.first_logprob, item.first_top = True, s.token, s.logprob or 0.0, s.top
         item.prefill_done_unix = done_unix
         full = end // self.block_size
-        if self.writeback_from is not None and full > self.writeback_from:
-            if self.writeback_room is None or self.writeback_room():
-                item.writeback = (self.writeback_from, self.export_native(ch.seq.block_table[self.writeback_from:full]))
+        if self.writeback_from is not None and full > self.writeback_from and self.writeback_begin is not None:
+            got = self.writeback_begin(ch.seq.block_table[self.writeback_from:full])
+            if isinstance(got, str):
+                self.writeback_skipped = got
             else:
-                item.writeback_dropped = True
+                self.writeback = (self.writeback_from, got)
 
     def fail(self, exc: BaseException) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, exc)

@@ -1,11 +1,13 @@
 """Prefill's use of the kvstore: load prefix pages other instances computed, write new ones back.
 
 Lookups and loads happen before the request is admitted (only when the store holds more leading
-blocks than the local prefix cache); write-back runs in the background after the handoff, so the
-first token never waits for it. Any kvstore failure is a miss, logged and counted, never an error
-for the request. After a failure the store is skipped for ``retry_s`` (no request waits on a dead
+blocks than the local prefix cache), in this process. Write-back runs in the background after the
+handoff, so the first token never waits for it, and its data path is out of this process: the engine
+thread exports the pages into a shared-memory ring and a writer process puts them
+(kvstore_writeback.py, kvstore_writer.py). Any kvstore failure is a miss, logged and counted, never an
+error for the request. After a failure the store is skipped for ``retry_s`` (no request waits on a dead
 store), then tried again: the channel reconnects on its own (backoff capped at a few seconds), so
-reuse resumes once the store is back.
+reuse resumes once the store is back; a Put that found the store unreachable backs off the same way.
 
 Pages loaded are checked before they enter the prefix cache: the key (layout fingerprint and block
 hash) must be the one asked for, the size one page of this layout, and the CRC-32 must verify.
@@ -26,17 +28,14 @@ from services.common.block_hash import block_hashes
 from services.common.checksum import checksum
 from services.common.grpc_util import create_channel, rpc_error_summary
 from services.common.kvstore_client import KVStoreClient
-from services.common.kvstore_pages import serialized_pieces
 from services.common.tls import TLSConfig
 from services.engine.kv_layout import PageLayout
 from services.engine.kv_pages import PageExport
+from services.prefill.kvstore_writeback import KVStoreWriter, RingError, WriteBackSpan
+from services.prefill.kvstore_writer import RECONNECT_BACKOFF_MS
 
 log = logging.getLogger(__name__)
 
-RECONNECT_BACKOFF_MS = (500, 2000)
-"""(first, longest) wait between reconnect attempts to a kvstore that went away (milliseconds)."""
-WRITE_BACK_TIMEOUT_S = 60.0
-"""Longest one background Put may take (seconds)."""
 _UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
@@ -55,11 +54,13 @@ class KVStorePrefix:
     max_pending_writes: int = 8
     on_error: Callable[[str], None] | None = None
     failures: int = field(default=0, init=False)
-    _bg: set[asyncio.Task] = field(default_factory=set, init=False, repr=False)
+    writer: KVStoreWriter | None = field(default=None, init=False)
+    """The write-back's ring and writer process (``start_writer``); None: no write-back."""
     _down_until: float = field(default=0.0, init=False, repr=False)
     """time.monotonic() before which the store is not asked."""
 
     def __post_init__(self, tls: TLSConfig | None) -> None:
+        self._tls = tls
         first, longest = RECONNECT_BACKOFF_MS
         self._channel = create_channel(self.address, tls=tls, options=[
             ("grpc.initial_reconnect_backoff_ms", first), ("grpc.min_reconnect_backoff_ms", first),
@@ -71,13 +72,16 @@ class KVStorePrefix:
 
     def _failed(self, reason: str, what: str, err: BaseException) -> None:
         """Count a failure; one that says the store is unreachable or stuck also backs off ``retry_s``."""
-        self.failures += 1
-        self._count(reason)
         unreachable = isinstance(err, TimeoutError) or (
             isinstance(err, grpc.aio.AioRpcError) and err.code() in _UNREACHABLE)
+        self._failure(reason, what, rpc_error_summary(err), unreachable)
+
+    def _failure(self, reason: str, what: str, summary: str, unreachable: bool) -> None:
+        self.failures += 1
+        self._count(reason)
         if unreachable:
             self._down_until = time.monotonic() + self.retry_s
-        log.warning("kvstore %s: %s failed (%s)%s", self.address, what, rpc_error_summary(err),
+        log.warning("kvstore %s: %s failed (%s)%s", self.address, what, summary,
                     f"; going on without it for {self.retry_s:.1f} s" if unreachable else "")
 
     def _count(self, reason: str) -> None:
@@ -124,52 +128,62 @@ class KVStorePrefix:
         flat = torch.frombuffer(bytearray(b"".join(good)), dtype=self.dtype)
         return present, flat.view(len(good), *self.page_shape)
 
-    def write_back_room(self) -> bool:
-        """Whether ``write_back`` would take one more write now (any thread: the prefill's engine thread asks
-        before exporting a request's pages, so pages a full writer would drop are never copied off the device).
-        Advisory: requests finishing in one step may all see room; ``write_back`` still drops the excess."""
-        return self.available and len(self._bg) < self.max_pending_writes
+    def start_writer(self, export: Callable[[list[int], torch.Tensor], PageExport], device: torch.device,
+                     ring_bytes: int) -> bool:
+        """Make the write-back ring (``ring_bytes``) and start the writer process (event loop); False, logged, when
+        the ring cannot be made (write-back is then off). ``export(block_ids, out)``: the engine's page export
+        in the cache's own layout into ``out``."""
+        try:
+            self.writer = KVStoreWriter(
+                address=self.address, tls=self._tls, fingerprint=self.layout.fingerprint,
+                page_bytes=self.layout.page_bytes, page_shape=self.page_shape, dtype=self.dtype, device=device,
+                ring_bytes=ring_bytes, max_pending_writes=self.max_pending_writes, export=export,
+                on_skip=self._count, on_put_failed=self._put_failed)
+        except RingError as e:
+            log.error("kvstore write-back is off: %s", e)
+            return False
+        self.writer.start()
+        return True
 
-    def write_back_skipped(self) -> None:
-        """Count a write-back the engine thread skipped for want of room (``write_back_room`` was False)."""
-        self._count("write_back_dropped")
+    @property
+    def writes_back(self) -> bool:
+        """Whether new pages may go to the store now: a writer exists and the store is not backing off."""
+        return self.writer is not None and self.available
 
-    def write_back(self, hashes: list[bytes], first_block: int, pages: PageExport) -> None:
-        """Put the pages of blocks [first_block, first_block + P) in the background, once their export (started
-        on the engine thread) reaches the host; dropped, and counted, while the store is backing off or
-        ``max_pending_writes`` are already under way."""
-        if not self.write_back_room():
+    def _put_failed(self, status: str, detail: str) -> None:
+        """The writer process's Put failed: ``unreachable`` (no answer, or a timeout) backs off like a failed
+        Lookup; ``refused`` (any other error) is counted only."""
+        self._failure("put", "Put", detail, status == "unreachable")
+
+    def write_back_begin(self, block_ids: list[int]) -> WriteBackSpan | str:
+        """Engine thread: take a ring span for the pages of ``block_ids`` and start their export into it; else the
+        reason the write-back is skipped (counted by ``write_back_skipped``), so pages a full ring or a missing
+        writer would drop are never copied off the device. Never waits."""
+        if self.writer is None or not self.available:
+            return "write_back_dropped"
+        return self.writer.begin(block_ids)
+
+    def write_back_skipped(self, reason: str) -> None:
+        """Count a write-back ``write_back_begin`` skipped (``write_back_dropped``: no span or too many under way;
+        ``writer``: the writer process is down)."""
+        self._count(reason)
+
+    def write_back(self, hashes: list[bytes], first_block: int, span: WriteBackSpan) -> None:
+        """Put the span's pages (blocks [first_block, first_block + P)) in the background through the writer
+        process; dropped, and counted, while the store is backing off."""
+        assert self.writer is not None
+        if not self.available:
+            self.writer.abandon(span)
             self._count("write_back_dropped")
             return
-        task = asyncio.create_task(self._put(hashes[first_block:], pages))
-        self._bg.add(task)
-        task.add_done_callback(self._bg.discard)
+        self.writer.submit(hashes[first_block:first_block + span.pages], span)
 
-    async def _put(self, hashes: list[bytes], export: PageExport) -> None:
-        fp = self.layout.fingerprint
-
-        def encode() -> list[bytes]:
-            """A worker thread: wait for the device-to-host copy, then each page's CRC and its Put messages,
-            serialized with the page bytes copied once from the host pages (``serialized_pieces``), so the
-            process's event loop and engine thread never copy or serialize page bytes."""
-            pages = export.wait()
-            raw = pages.contiguous().view(torch.uint8).numpy()
-            out: list[bytes] = []
-            for h, row in zip(hashes[:raw.shape[0]], raw, strict=True):
-                view = memoryview(row)
-                out.extend(serialized_pieces(fp, h, view, checksum(view), self.client.piece_bytes))
-            return out
-
-        try:
-            messages = await asyncio.to_thread(encode)
-            await asyncio.wait_for(self.client.put_serialized(messages), WRITE_BACK_TIMEOUT_S)
-        except (grpc.aio.AioRpcError, TimeoutError) as e:
-            self._failed("put", f"write-back of {len(hashes)} pages", e)
+    def write_back_abandon(self, span: WriteBackSpan) -> None:
+        """The request ended without a handoff: its span goes back once its export landed, unwritten."""
+        if self.writer is not None:
+            self.writer.abandon(span)
 
     async def close(self) -> None:
-        for t in list(self._bg):
-            await asyncio.wait({t}, timeout=5.0)
-        for t in list(self._bg):
-            t.cancel()
-        await asyncio.gather(*self._bg, return_exceptions=True)
+        if self.writer is not None:
+            await self.writer.close()
         await self._channel.close()

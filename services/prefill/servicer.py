@@ -101,6 +101,9 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
                 self.pages.dtype, tls=cfg if cfg.tls_enabled else None, timeout_s=cfg.kvstore_timeout_s,
                 retry_s=cfg.kvstore_retry_s, max_pending_writes=cfg.kvstore_max_pending_writes,
                 on_error=lambda reason: self.metrics.kvstore_errors_total.labels(reason).inc())
+            if cfg.kvstore_write_back:  # the write-back's ring and writer process (kvstore_writeback.py)
+                self.kvstore.start_writer(lambda block_ids, out: self.pages.export(block_ids, None, out),
+                                          self.pages.device, cfg.write_back_bytes(self.pages.device.type))
 
     async def close(self) -> None:
         if self.kvstore is not None:
@@ -243,9 +246,9 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
         chunked = request.chunked_transfer if request.HasField("chunked_transfer") else self.config.chunked_transfer
         rid = f"{request.request_id}/{uuid.uuid4().hex[:8]}"
         stream = RequestKVStream(asyncio.get_running_loop(), export, self.layout.block_size, request.num_skip_blocks,
-                                 chunked, arrival, writer, self.pages.export, self.engine,
-                                 self.config.claim_wait_s, pending=waiting is not None,
-                                 writeback_room=None if self.kvstore is None else self.kvstore.write_back_room)
+                                 chunked, arrival, writer, engine=self.engine, claim_wait_s=self.config.claim_wait_s,
+                                 pending=waiting is not None,
+                                 writeback_begin=None if self.kvstore is None else self.kvstore.write_back_begin)
         transport = writer.transport if writer is not None else self.transport.name
         return Handoff(request, rid, stream, writer, wire, transport, waiting)
 
@@ -275,11 +278,12 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
         last, page_bytes = await pump(h.stream, h.sender, r.request_id, r.reservation_id, r.reservation_token, h.wire,
                                       payload_budget(self.config.max_message_bytes), h.transport)
         await self._finish(h)
-        if self.kvstore is not None:
-            if last.writeback is not None:
-                self.kvstore.write_back(h.stream.hashes, *last.writeback)
-            elif last.writeback_dropped:
-                self.kvstore.write_back_skipped()
+        if self.kvstore is not None:  # handed off: the new full pages go to the kvstore (writer process)
+            writeback, h.stream.writeback = h.stream.writeback, None
+            if writeback is not None:
+                self.kvstore.write_back(h.stream.hashes, *writeback)
+            elif h.stream.writeback_skipped:
+                self.kvstore.write_back_skipped(h.stream.writeback_skipped)
         return last, page_bytes, loaded
 
     async def _finish(self, h: Handoff) -> None:
@@ -305,8 +309,12 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
 
     async def _ended(self, h: Handoff) -> None:
         """However the call ended: the stream leaves the engine-thread routing; an attach it had taken is answered;
-        the claim's outcome was read or no longer matters."""
+        the claim's outcome was read or no longer matters; a kvstore write-back span not handed to the writer
+        goes back."""
         self.streams.pop(h.rid, None)
+        if h.stream.writeback is not None and self.kvstore is not None:  # failed: its ring span goes back unwritten
+            self.kvstore.write_back_abandon(h.stream.writeback[1])
+            h.stream.writeback = None
         if h.waiting is not None:
             self.attachments.remove(h.waiting)
         for task in (h.attach, h.claim):
@@ -388,7 +396,7 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
             hashes = self.kvstore.hashes(ids)
             first = await self.engine.call(eng.cached_prefix_blocks, ids)
             present, pages = await self.kvstore.fetch(hashes, len(ids), first)
-            if self.config.kvstore_write_back and self.kvstore.available:
+            if self.kvstore.writes_back:
                 stream.writeback_from = max(present, 0)
                 stream.hashes = hashes
 

@@ -106,8 +106,9 @@ async def test_write_back_without_room_copies_nothing(make_prefill) -> None:
     store = Store()
     await store.start()
     rig = await make_prefill(config=PrefillConfig(kvstore_address=f"127.0.0.1:{store.port}",
-                                                  kvstore_max_pending_writes=1))
+                                                  kvstore_max_pending_writes=1, kvstore_write_back_bytes=16 * MiB))
     kv = rig.servicer.kvstore
+    assert await kv.writer.wait_up()
     exported: list[int] = []
     real_export = rig.servicer.pages.export
 
@@ -116,18 +117,21 @@ async def test_write_back_without_room_copies_nothing(make_prefill) -> None:
         return real_export(block_ids, *args, **kwargs)
 
     rig.servicer.pages.export = counting_export
-    blocker = asyncio.get_running_loop().create_future()
-    kv._bg.add(blocker)  # one write-back "under way": no room
+    held = await rig.engine.call(kv.write_back_begin, [0])  # one write-back "under way" (its span out): no room
+    assert not isinstance(held, str) and exported == [1]
     try:
         dropped = rig.metric(PREFILL_KVSTORE_ERRORS_TOTAL, reason="write_back_dropped")
         await rig.stub.Prefill(prefill_request(_prompt(0), request_id="full"))
         # the chunks' own exports to decode are of 1-2 pages; the kvstore's would be the prompt's 4 full pages
-        assert 4 not in exported and exported and not kv.write_back_room()
+        assert 4 not in exported[1:] and exported[1:]
         assert rig.metric(PREFILL_KVSTORE_ERRORS_TOTAL, reason="write_back_dropped") == dropped + 1
         assert not await store.backend.locate(rig.servicer.layout.fingerprint, kv.hashes(_prompt(0)))
 
-        kv._bg.discard(blocker)
-        blocker.cancel()
+        kv.write_back_abandon(held)  # its span goes back unwritten
+        for _ in range(200):
+            if kv.writer.ring.free_bytes == kv.writer.ring.capacity:
+                break
+            await asyncio.sleep(0.01)
         exported.clear()
         await rig.stub.Prefill(prefill_request(_prompt(1), request_id="room"))
         assert exported.count(4) == 1  # the four full pages, exported once for the store
