@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 SHM_NAME_RE = re.compile(r"^pdserve-kv-[0-9]+-[0-9a-f]{12}$")
+_POOL_PID_RE = re.compile(r"pdserve-kv-([0-9]+)-[0-9a-f]{12}")
+"""SHM_NAME_RE with the owner's pid as group 1."""
 """The only file names a prefill opens under SHM_DIR (what :func:`create_shared_kv` makes)."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8}
 POOL_DIMS = 6
@@ -94,20 +96,19 @@ def _map(fd: int, nbytes: int, shape: tuple[int, ...], dtype: torch.dtype) -> to
 # --- decode side: make and export the pool ------------------------------------------------------
 
 
-def remove_orphaned_pools(shm_dir: str = SHM_DIR) -> list[str]:
-    """Unlink pool files left by decodes that died without cleaning up (kill -9): our uid's regular files
-    named ``pdserve-kv-<pid>-<hex>`` whose pid no longer exists. Returns the names removed. A pid reused by
-    another process keeps its file (conservative); a file of another user is never touched."""
+def remove_orphaned_files(shm_dir: str, name_re: re.Pattern[str], what: str) -> list[str]:
+    """Unlink files of ``shm_dir`` left by processes that died without cleaning up (kill -9): our uid's regular
+    files whose whole name matches ``name_re``, its group 1 the owner's pid, when that pid no longer exists.
+    Returns the names removed (logged once as ``what``). A pid reused by another process keeps its file
+    (conservative); a file of another user is never touched."""
     removed: list[str] = []
     try:
         names = os.listdir(shm_dir)
     except OSError:
         return removed
     for n in names:
-        if not SHM_NAME_RE.fullmatch(n):
-            continue
-        pid = int(n.split("-")[2])
-        if pid == os.getpid() or os.path.exists(f"/proc/{pid}"):
+        m = name_re.fullmatch(n)
+        if m is None or int(m.group(1)) == os.getpid() or os.path.exists(f"/proc/{m.group(1)}"):
             continue
         path = os.path.join(shm_dir, n)
         try:
@@ -118,8 +119,13 @@ def remove_orphaned_pools(shm_dir: str = SHM_DIR) -> list[str]:
         except OSError:
             continue
     if removed:
-        log.info("removed %d KV pool file(s) of decodes that are gone: %s", len(removed), ", ".join(removed))
+        log.info("removed %d %s: %s", len(removed), what, ", ".join(removed))
     return removed
+
+
+def remove_orphaned_pools(shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink pool files (``pdserve-kv-<pid>-<hex>``) left by decodes that are gone (remove_orphaned_files)."""
+    return remove_orphaned_files(shm_dir, _POOL_PID_RE, "KV pool file(s) of decodes that are gone")
 
 
 def create_shared_kv(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, str, decode_pb2.KVDestination]:

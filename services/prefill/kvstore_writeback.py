@@ -40,7 +40,6 @@ import mmap
 import os
 import re
 import socket
-import stat
 import subprocess
 import sys
 import threading
@@ -58,6 +57,7 @@ from services.engine.device_defaults import host_memory
 from services.engine.kv_pages import PageExport
 from services.engine.kv_transport.base import TransferError
 from services.engine.kv_transport.mooncake_staged import StagingRing
+from services.engine.shared_kv import remove_orphaned_files
 from services.prefill import kvstore_writer as wire
 
 log = logging.getLogger(__name__)
@@ -91,28 +91,8 @@ class RingError(OSError):
 
 def remove_orphaned_rings(shm_dir: str = SHM_DIR) -> list[str]:
     """Remove ring files left by prefills that are gone (a crash between creating and unlinking one); a file
-    of a live process or of another user is never touched."""
-    removed: list[str] = []
-    try:
-        names = os.listdir(shm_dir)
-    except OSError:
-        return removed
-    for n in names:
-        m = RING_NAME_RE.fullmatch(n)
-        if m is None or int(m.group(1)) == os.getpid() or os.path.exists(f"/proc/{m.group(1)}"):
-            continue
-        path = os.path.join(shm_dir, n)
-        try:
-            st = os.lstat(path)
-            if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
-                os.unlink(path)
-                removed.append(n)
-        except OSError:
-            continue
-    if removed:
-        log.info("removed %d kvstore write-back ring file(s) of prefills that are gone: %s", len(removed),
-                 ", ".join(removed))
-    return removed
+    of a live process or of another user is never touched (shared_kv.remove_orphaned_files)."""
+    return remove_orphaned_files(shm_dir, RING_NAME_RE, "kvstore write-back ring file(s) of prefills that are gone")
 
 
 def _shm_file(nbytes: int, shm_dir: str) -> tuple[int, str]:
@@ -127,15 +107,22 @@ def _shm_file(nbytes: int, shm_dir: str) -> tuple[int, str]:
     path = os.path.join(shm_dir, f"pdserve-kvwb-{os.getpid()}-{uuid.uuid4().hex[:12]}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        os.ftruncate(fd, nbytes)
-        os.posix_fallocate(fd, 0, nbytes)
-    except OSError as e:
-        os.close(fd)
-        raise RingError(f"{shm_dir}: {e.strerror or e}") from e
+        _allocate(fd, nbytes, shm_dir)
     finally:
         with contextlib.suppress(OSError):
             os.unlink(path)
     return fd, path
+
+
+def _allocate(fd: int, nbytes: int, where: str) -> None:
+    """Size the ring file ``fd`` and allocate its pages now (a full tmpfs fails here, not with a SIGBUS later);
+    on failure close it and raise RingError naming ``where``."""
+    try:
+        os.ftruncate(fd, nbytes)
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        os.close(fd)
+        raise RingError(f"{where}: {e.strerror or e}") from e
 
 
 def _memfd(nbytes: int) -> tuple[int, str]:
@@ -149,12 +136,7 @@ def _memfd(nbytes: int) -> tuple[int, str]:
         fd = os.memfd_create("pdserve-kvwb", os.MFD_CLOEXEC)
     except (AttributeError, OSError) as e:
         raise RingError(f"memfd_create: {e}") from e
-    try:
-        os.ftruncate(fd, nbytes)
-        os.posix_fallocate(fd, 0, nbytes)
-    except OSError as e:
-        os.close(fd)
-        raise RingError(f"memfd: {e.strerror or e}") from e
+    _allocate(fd, nbytes, "memfd")
     return fd, "/memfd:pdserve-kvwb"
 
 
