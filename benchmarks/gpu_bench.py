@@ -413,8 +413,8 @@ def main() -> int:
     ap.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--skip-unfused", action="store_true", help="skip the unfused-elementwise decode ablation")
     ap.add_argument("--skinny-rows", type=int, default=None,
-                    help="every linear layer of at most N rows on the skinny GEMM (kernels/skinny_gemm.py RULE; 0: none; "
-                         "default: the module's rule, LM heads)")
+                    help="the LM head of at most N rows on the skinny GEMM (kernels/skinny_gemm.py RULE; 0: always cuBLAS; "
+                         "default: 16)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "gpu_bench needs a CUDA device"
     import triton
@@ -422,7 +422,7 @@ def main() -> int:
     if args.skinny_rows is not None:
         from services.kernels.skinny_gemm import RULE
 
-        RULE.update(max_rows=args.skinny_rows, min_n=0 if args.skinny_rows else RULE["min_n"])
+        RULE["max_rows"] = args.skinny_rows
 
     res: dict[str, Any] = {"quick": args.quick, "device": torch.cuda.get_device_name(),
                            "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),

@@ -344,13 +344,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-models", default=",".join(MOE_ENGINE_MODELS),
                         help="random shapes the engine section loads (mixtral-8x7b's 93 GB need an H200)")
     parser.add_argument("--skinny-rows", type=int, default=None,
-                        help="CUDA: every linear layer of at most N rows on the skinny GEMM (kernels/skinny_gemm.py RULE; "
-                             "0: none; default: the kernel module's own rule, LM heads)")
+                        help="CUDA: the LM head of at most N rows on the skinny GEMM (kernels/skinny_gemm.py RULE; "
+                             "0: always cuBLAS; default: 16)")
     args = parser.parse_args(argv)
     if args.skinny_rows is not None:
         from services.kernels.skinny_gemm import RULE
 
-        RULE.update(max_rows=args.skinny_rows, min_n=0 if args.skinny_rows else RULE["min_n"])
+        RULE["max_rows"] = args.skinny_rows
     if args.device == "cuda" and not torch.cuda.is_available():
         print("pdserve bench moe: no CUDA device here (use --device cpu for the plumbing check)", file=sys.stderr)
         return 2

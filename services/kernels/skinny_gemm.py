@@ -9,7 +9,7 @@ of every row and walks the K dimension in BLOCK_K slices, pipelined ``num_stages
 not depend on the launch, and a CUDA graph replays the same kernel at any batch up to its bound.
 
 ``skinny_tiles`` picks the tiles from measurements (benchmarks/skinny_gemm_bench.py); ``use_skinny`` says where
-this kernel beats the library GEMM (measured per shape class on an H100: the LM head).
+this kernel beats the library GEMM (measured per shape class on an H100: the LM head, its only caller).
 """
 
 from __future__ import annotations
@@ -75,18 +75,17 @@ def _skinny_gemm_kernel(
     tl.store(y_ptrs, acc.to(Y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-RULE: dict[str, int] = {"max_rows": MAX_ROWS, "min_n": 32768}
-"""Where ``use_skinny`` sends a product: at most ``max_rows`` rows and at least ``min_n`` output columns. Measured
-on an H100 in CUDA graphs (benchmarks/skinny_gemm_bench.py, bf16, M 1-16): the LM heads ran 6-8% faster here
-(Qwen3's 151936 x 2048: 200.6-211 us against cuBLAS's 217-223; Llama-3-8B's 128256 x 4096: 338-351 against
-369-375); cuBLAS won the attention projections and routers (qkv 5.8-6.9 us against 8.2, o 7.3-7.5 against
-8.8-9.4) and tied the MLP, so only vocabulary-sized products come here. Benchmarks set max_rows / min_n to
-compare (``--skinny-rows``)."""
+RULE: dict[str, int] = {"max_rows": MAX_ROWS}
+"""Where ``use_skinny`` sends an LM head (models/gpu_linear.py): at most ``max_rows`` rows (0: never). Measured on an
+H100 in CUDA graphs (benchmarks/skinny_gemm_bench.py, bf16, M 1-16): the LM heads ran 6-8% faster here (Qwen3's
+151936 x 2048: 200.6-211 us against cuBLAS's 217-223; Llama-3-8B's 128256 x 4096: 338-351 against 369-375), where
+cuBLAS won the attention projections and routers (qkv 5.8-6.9 us against 8.2, o 7.3-7.5 against 8.8-9.4) and tied the
+MLP: so only the LM head calls it. Benchmarks set max_rows to compare (``--skinny-rows``)."""
 
 
 def use_skinny(m: int, n: int, k: int) -> bool:
-    """Whether an [m, k] x [n, k]^T product runs here rather than in the library GEMM."""
-    return 0 < m <= min(RULE["max_rows"], MAX_ROWS) and n >= RULE["min_n"]
+    """Whether an LM head's [m, k] x [n, k]^T product runs here rather than in the library GEMM."""
+    return 0 < m <= min(RULE["max_rows"], MAX_ROWS)
 
 
 def skinny_tiles(n: int, k: int, num_sms: int) -> SkinnyTiles:

@@ -26,7 +26,7 @@ from torch import nn
 
 from services.engine.attention import AttentionSpec, ForwardContext
 from services.engine.cpu import native
-from services.engine.models.gpu_linear import linear, logits_linear
+from services.engine.models.gpu_linear import logits_linear
 from services.engine.models.rope import RotaryEmbedding
 from services.engine.parallel.layers import (
     LogitsGather,
@@ -95,13 +95,11 @@ class Attention(nn.Module):
             return self._spec
         return AttentionSpec(self.window, self.sinks if self.sinks.dtype == torch.float32 else self.sinks.float())
 
-    def _qkv(self, x: torch.Tensor, norm: bool = True, fused: bool = False
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _qkv(self, x: torch.Tensor, norm: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, H, D], k and v [T, KVH, D]: views of the qkv projection (q and k normed when the model has it and
-        ``norm``; ``fused``: the CUDA path's projection, gpu_linear.linear)."""
+        ``norm``)."""
         t = x.shape[0]
-        qkv = linear(self.qkv_proj, x) if fused else self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -123,13 +121,13 @@ class Attention(nn.Module):
         # deferred: a Triton kernel module, on the CUDA path only (triton is optional)
         from services.kernels.rotary import apply_rotary_
 
-        q, k, v = self._qkv(x, norm=False, fused=True)
+        q, k, v = self._qkv(x, norm=False)
         norms = {}
         if self.q_norm is not None and self.k_norm is not None:
             norms = {"q_norm": (self.q_norm.weight, self.q_norm.eps), "k_norm": (self.k_norm.weight, self.k_norm.eps)}
         apply_rotary_(q, k, positions, rotary.cos_cache, rotary.sin_cache, **norms)
         out = ctx.attend(self.layer_idx, q, k, v, self.spec())  # [T, H, D]
-        return linear(self.o_proj, out.reshape(x.shape[0], self.q_size))
+        return self.o_proj(out.reshape(x.shape[0], self.q_size))
 
 
 class MLP(nn.Module):
@@ -152,7 +150,7 @@ class MLP(nn.Module):
         # deferred: a Triton kernel module, on the CUDA path only (triton is optional)
         from services.kernels.activation import silu_and_mul
 
-        return linear(self.down_proj, silu_and_mul(linear(self.gate_up_proj, x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

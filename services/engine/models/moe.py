@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.models.gpu_linear import linear
 from services.engine.parallel.group import building_group
 from services.engine.parallel.layers import local_intermediate
 from services.text.model.config import ModelArchConfig
@@ -200,7 +199,7 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None or self.group is not None or not x.is_cuda:
             return self.forward(x)
         moe, ex = self.moe, self.experts
-        weights, ids = route(linear(self.gate, x), moe, self.gate.e_score_correction_bias)
+        weights, ids = route(self.gate(x), moe, self.gate.e_score_correction_bias)
         return moe_experts(x, ex.w13, ex.w2, ids, weights, activation=moe.activation, w13_bias=ex.w13_bias,
                            w2_bias=ex.w2_bias, swiglu_alpha=moe.swiglu_alpha, swiglu_limit=moe.swiglu_limit,
                            reduce=False)
