@@ -180,11 +180,16 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = nn.Linear(arch.hidden_size, 1, bias=False) if moe.shared_expert_gate else None
         self.group = building_group()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _routed(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """The routed experts' weighted sum [T, H] (``reduce``), or each token's K weighted rows [T, K, H]."""
         moe, ex = self.moe, self.experts
         weights, ids = route(self.gate(x), moe, self.gate.e_score_correction_bias)
-        out = moe_experts(x, ex.w13, ex.w2, ids, weights, activation=moe.activation, w13_bias=ex.w13_bias,
-                          w2_bias=ex.w2_bias, swiglu_alpha=moe.swiglu_alpha, swiglu_limit=moe.swiglu_limit)
+        return moe_experts(x, ex.w13, ex.w2, ids, weights, activation=moe.activation, w13_bias=ex.w13_bias,
+                           w2_bias=ex.w2_bias, swiglu_alpha=moe.swiglu_alpha, swiglu_limit=moe.swiglu_limit,
+                           reduce=reduce)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._routed(x)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
@@ -198,8 +203,4 @@ class SparseMoeBlock(nn.Module):
         RMSNorm sums them in its own pass (one launch fewer per layer); else ``forward``."""
         if self.shared_expert is not None or self.group is not None or not x.is_cuda:
             return self.forward(x)
-        moe, ex = self.moe, self.experts
-        weights, ids = route(self.gate(x), moe, self.gate.e_score_correction_bias)
-        return moe_experts(x, ex.w13, ex.w2, ids, weights, activation=moe.activation, w13_bias=ex.w13_bias,
-                           w2_bias=ex.w2_bias, swiglu_alpha=moe.swiglu_alpha, swiglu_limit=moe.swiglu_limit,
-                           reduce=False)
+        return self._routed(x, reduce=False)
