@@ -224,6 +224,29 @@ def _sweep_point(shape: MoEShape, x: torch.Tensor, w13: torch.Tensor, w2: torch.
             "duplication": tokens * k / expected_distinct_experts(tokens * k, e), "pair_us": pair_us}
 
 
+def align_rows(device: torch.device) -> list[dict[str, Any]]:
+    """The alignment step alone, both forms replayed from CUDA graphs (as the engine's decode steps run them):
+    the one-launch kernel (kernels/moe_align.py) against the torch form, per shape and token count."""
+    from services.kernels.fused_moe import align_pairs_torch, tile_config
+    from services.kernels.moe_align import FUSED_ALIGN_MAX_PAIRS, align_pairs_fused
+
+    out = []
+    for shape in SHAPES:
+        for tokens in (1, 16, 64, 256, 512, 1024):
+            if tokens * shape.top_k > FUSED_ALIGN_MAX_PAIRS:
+                continue
+            ids, _ = random_routing(tokens, shape, device, seed=tokens)
+            bm = tile_config(tokens, shape.top_k, shape.num_experts, torch.bfloat16).block_m
+            e = shape.num_experts
+            fused = graph_us(lambda ids=ids, e=e, bm=bm: align_pairs_fused(ids, e, bm), device, rep_ms=25)
+            torch_us = graph_us(lambda ids=ids, e=e, bm=bm: align_pairs_torch(ids, e, bm), device, rep_ms=25)
+            row = {"shape": shape.name, "tokens": tokens, "block_m": bm, "fused_us": fused, "torch_us": torch_us}
+            print(f"align {shape.name} T={tokens} block_m={bm}: one launch {fused or 0:.1f} us, "
+                  f"torch {torch_us or 0:.1f} us", flush=True)
+            out.append(row)
+    return out
+
+
 def case(shape: MoEShape, tokens: int, phase: str, device: torch.device, ceil: dict[str, float],
          with_ref: bool = True, sweep: bool = False) -> Row:
     from services.kernels.fused_moe import (  # after main() chose the interpreter or the GPU
@@ -338,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --sweep: which phase's cases sweep")
     parser.add_argument("--pair-sweep", action="store_true",
                         help="CUDA: both paths in CUDA graphs at T=1..32, the pair path with 12 tile configs")
+    parser.add_argument("--align", action="store_true",
+                        help="CUDA: the alignment step alone, one-launch kernel against the torch form, in CUDA graphs")
     parser.add_argument("--skip-cases", action="store_true", help="skip the kernel rows (with --pair-sweep)")
     parser.add_argument("--engine-batches", default="1,16,64,256", help="the engine section's decode batches")
     parser.add_argument("--skip-engine-prefill", action="store_true", help="no 8K-token engine prefill")
@@ -375,6 +400,12 @@ def main(argv: list[str] | None = None) -> int:
             except Exception:
                 traceback.print_exc()
             torch.cuda.empty_cache()
+    aligns: list[dict[str, Any]] = []
+    if args.align and device.type == "cuda":
+        try:
+            aligns = align_rows(device)
+        except Exception:
+            traceback.print_exc()
     for shape in shapes if not args.skip_cases else ():
         for tokens, phase in [*((t, "decode") for t in decode_t), (prefill_t, "prefill")]:
             print(f"running {shape.name} {phase} T={tokens} ...", flush=True)
@@ -407,6 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": [asdict(r) for r in rows],
         "engine": engine,
         "pair_sweep": sweeps,
+        "align": aligns,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

@@ -3,9 +3,9 @@
 Three steps, all on the device with fixed-size buffers sized from T*K (no host sync, no data-dependent
 allocation, so the whole layer can be captured in a CUDA graph):
 
-1. align: the T*K (token, slot) pairs are sorted by expert with torch ops; each expert's run is padded
-   to a multiple of BLOCK_M with a sentinel pair id (T*K), so every BLOCK_M block of the sorted list
-   belongs to one expert. At most cdiv(T*K, BLOCK_M) + min(E, T*K) blocks exist; the grid covers that
+1. align: the T*K (token, slot) pairs are sorted by expert (one launch, ``moe_align.py``, for decode-sized
+   batches; torch ops beyond); each expert's run is padded to a multiple of BLOCK_M with a sentinel pair id
+   (T*K), so every BLOCK_M block of the sorted list belongs to one expert. At most cdiv(T*K, BLOCK_M) + min(E, T*K) blocks exist; the grid covers that
    bound and programs past the real block count return at once. Both GEMMs run on a 1-D grid walked in
    groups of group_m blocks x every N tile, so a group's x rows and expert weights stay in L2.
 2. `_moe_gate_up_kernel`: per block, act(x @ w13[e, :I]^T + b, x @ w13[e, I:]^T + b) in one pass over
@@ -18,7 +18,7 @@ Few pairs (decode at small batches) take a second path with no sorting at all (`
 tile (`_moe_pair_gate_up_kernel`, a GEMV: a single token per program, so no tensor-core tile is wasted on
 padding rows), then one program per pair and hidden column tile applies the expert's down projection and
 the routing weight (`_moe_pair_down_kernel`), and the K rows of each token are summed: three launches per
-layer instead of the ~13 of align + GEMMs + sum. It reads an expert once per pair that chose it, so it pays off only while few pairs
+layer instead of the four of align + GEMMs + sum. It reads an expert once per pair that chose it, so it pays off only while few pairs
 share an expert; `use_pair_path` decides from the expected number of distinct experts.
 """
 
@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from services.kernels._triton_utils import _mma, dot_flags
+from services.kernels.moe_align import FUSED_ALIGN_MAX_PAIRS, align_pairs_fused
 from services.kernels.moe_args import ACTIVATIONS, check_moe_args
 
 
@@ -110,8 +111,16 @@ class MoEAlignment:
 def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
     """Sort the T*K pairs of topk_ids [T, K] by expert, each expert's run padded to block_m rows.
 
-    Stable sort, so within an expert pairs keep token order. Uses only device ops of fixed output size.
+    Within an expert pairs keep token order. Decode-sized batches take the one-launch kernel of
+    ``moe_align.py`` (int32 ids, as the router gives them); others the torch form.
     """
+    if topk_ids.dtype == torch.int32 and 0 < topk_ids.numel() <= FUSED_ALIGN_MAX_PAIRS:
+        return MoEAlignment(*align_pairs_fused(topk_ids, num_experts, block_m))
+    return align_pairs_torch(topk_ids, num_experts, block_m)
+
+
+def align_pairs_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
+    """`align_pairs` in torch ops of fixed output size (a stable sort: pairs keep token order per expert)."""
     pairs = topk_ids.numel()
     device = topk_ids.device
     flat = topk_ids.reshape(-1).to(torch.int64)

@@ -13,10 +13,12 @@ from services.kernels.fused_moe import (
     MoETileConfig,
     PairTileConfig,
     align_pairs,
+    align_pairs_torch,
     expected_distinct_experts,
     fused_moe,
     use_pair_path,
 )
+from services.kernels.moe_align import align_pairs_fused
 from services.kernels.reference import fused_moe_ref
 
 #: Tiles small enough for the interpreter; block_k < H and block_n < I so the K and N loops run twice+.
@@ -183,6 +185,24 @@ def test_align_pairs_layout(device: torch.device) -> None:
     assert a.sorted_pair_ids[:8].tolist() == [1, 4, 3, pad, 0, 2, 5, pad]
     assert a.block_experts[:4].tolist() == [0, 1, 2, 2]
     assert a.max_blocks == 3 + 4 and a.sorted_pair_ids[8:].eq(pad).all()
+
+
+@pytest.mark.parametrize(("t", "k", "e", "block_m"), [(1, 8, 128, 16), (3, 2, 4, 2), (64, 8, 128, 16),
+                                                      (37, 2, 8, 32), (200, 8, 256, 64), (5, 1, 3, 16)])
+def test_align_pairs_one_launch_equals_torch(device: torch.device, t: int, k: int, e: int, block_m: int) -> None:
+    g = torch.Generator().manual_seed(t * 131 + e)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(torch.int32)
+    if t > 4:  # skew: a quarter of the tokens on expert 1 (runs of several blocks, empty experts)
+        ids[: t // 4, 0] = 1
+    ids = ids.to(device)
+    fused = align_pairs_fused(ids, e, block_m)
+    ref = align_pairs_torch(ids, e, block_m)
+    assert fused[3] == ref.max_blocks
+    assert torch.equal(fused[0].cpu(), ref.sorted_pair_ids.cpu())
+    assert torch.equal(fused[1].cpu(), ref.block_experts.cpu())
+    assert torch.equal(fused[2].cpu(), ref.num_blocks.cpu())
+    # align_pairs takes it for int32 ids of a decode-sized batch
+    assert torch.equal(align_pairs(ids, e, block_m).sorted_pair_ids.cpu(), ref.sorted_pair_ids.cpu())
 
 
 def test_fused_moe_empty_and_bad_args(device: torch.device) -> None:
