@@ -112,7 +112,7 @@ def bench_decode(loaded: LoadedModel, spec: str, batch: int, ceil: dict[str, flo
     eng.runner.graphs = graphs
     res: dict[str, Any] = {"model": spec, "phase": "decode", "batch": batch, "step_ms": step_ms,
                            "avg_context": avg_ctx, "moe_calls": calls.calls, "cuda_graphs": graphs is not None}
-    if batch == 1:
+    if batch in (1, 64):
         try:
             res["eager_kernels"] = _kernel_profile(eng)
         except Exception as e:  # a profiler problem must not cost the row its figures
@@ -128,7 +128,7 @@ def bench_decode(loaded: LoadedModel, spec: str, batch: int, ceil: dict[str, flo
     return res
 
 
-def _kernel_profile(eng: LLMEngine, steps: int = 3, top: int = 14) -> str:
+def _kernel_profile(eng: LLMEngine, steps: int = 3, top: int = 22) -> str:
     """The GPU kernels of `steps` eager decode steps (graphs off: the same kernels without the replay), by total
     device time: where a small-batch step's time goes."""
     from torch.profiler import ProfilerActivity, profile

@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from services.kernels import moe_align
 from services.kernels._triton_utils import _mma, dot_flags
-from services.kernels.moe_align import FUSED_ALIGN_MAX_PAIRS, align_pairs_fused
 from services.kernels.moe_args import ACTIVATIONS, check_moe_args
 
 
@@ -114,8 +114,8 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAl
     Within an expert pairs keep token order. Decode-sized batches take the one-launch kernel of
     ``moe_align.py`` (int32 ids, as the router gives them); others the torch form.
     """
-    if topk_ids.dtype == torch.int32 and 0 < topk_ids.numel() <= FUSED_ALIGN_MAX_PAIRS:
-        return MoEAlignment(*align_pairs_fused(topk_ids, num_experts, block_m))
+    if topk_ids.dtype == torch.int32 and 0 < topk_ids.numel() <= moe_align.FUSED_ALIGN_MAX_PAIRS:
+        return MoEAlignment(*moe_align.align_pairs_fused(topk_ids, num_experts, block_m))
     return align_pairs_torch(topk_ids, num_experts, block_m)
 
 

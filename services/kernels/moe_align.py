@@ -20,12 +20,15 @@ whose launches are then a small part of the layer.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 #: Pairs (T*K) up to which the one-program alignment runs; past it the torch form does (a prefill's pairs).
-FUSED_ALIGN_MAX_PAIRS = 8192
+#: PDSERVE_MOE_ALIGN_MAX_PAIRS overrides it (0: always the torch form, for A/B runs).
+FUSED_ALIGN_MAX_PAIRS = int(os.environ.get("PDSERVE_MOE_ALIGN_MAX_PAIRS", "8192"))
 _ONE_HOT_ELEMENTS = 8192
 """Elements of one chunk's [CHUNK, experts] one-hot matrix (registers of the program's threads)."""
 
