@@ -16,7 +16,7 @@ The CPU path is plain torch; the GPU path swaps in the Triton kernels behind the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -180,7 +180,8 @@ class AttentionBackend(Protocol):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] for the new tokens -> out [T, H, D]; also stores k/v in the cache.
-        ``window`` / ``sinks``: the layer's AttentionSpec."""
+        ``window`` / ``sinks``: the layer's AttentionSpec. A backend with a ``store_target(layer, meta)`` method
+        (the Triton one) also takes ``stored=True``: the caller's kernel wrote k/v into that target already."""
         ...
 
 
@@ -192,13 +193,20 @@ class ForwardContext:
     meta: AttentionMetadata
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               spec: AttentionSpec | None = None) -> torch.Tensor:
+               spec: AttentionSpec | None = None, stored: bool = False) -> torch.Tensor:
+        """``stored``: the caller already wrote k/v at the step's slots (into `store_target`'s caches)."""
+        kw: dict[str, Any] = {"stored": True} if stored else {}
         if spec is None:
-            return self.backend.forward(layer, q, k, v, self.meta)
+            return self.backend.forward(layer, q, k, v, self.meta, **kw)
         if spec.scale or spec.latent_value_dim:  # backends that take a layer's scale and latent attention
-            return self.backend.forward(layer, q, k, v, self.meta, window=spec.window, sinks=spec.sinks,
-                                        scale=spec.scale, value_dim=spec.latent_value_dim, index=spec.index)
-        return self.backend.forward(layer, q, k, v, self.meta, window=spec.window, sinks=spec.sinks)
+            kw.update(scale=spec.scale, value_dim=spec.latent_value_dim, index=spec.index)
+        return self.backend.forward(layer, q, k, v, self.meta, window=spec.window, sinks=spec.sinks, **kw)
+
+    def store_target(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(k_cache, v_cache, slot_mapping) of ``layer`` where the backend lets a kernel before it write the step's
+        new K/V itself (then `attend(..., stored=True)`); None where the backend stores them."""
+        target = getattr(self.backend, "store_target", None)
+        return None if target is None else target(layer, self.meta)
 
 
 class TorchPagedAttention:

@@ -1,5 +1,7 @@
 """Rotary position embedding (neox / HF rotate_half layout) applied to q and k in place, optionally after a per-head
-RMSNorm of each (Qwen3's q_norm / k_norm): one launch for what torch does in a dozen."""
+RMSNorm of each (Qwen3's q_norm / k_norm): one launch for what torch does in a dozen. Optionally the same launch
+writes the rotated k and the v rows into the paged K/V cache at each token's slot (what ``store_kv`` does next
+otherwise: one launch per layer fewer)."""
 
 from __future__ import annotations
 
@@ -26,8 +28,11 @@ def _rotate_heads(X_ptr, stride_h, NUM_HEADS: tl.constexpr, offs_h, offs_d, dmas
         w2 = tl.load(W_ptr + HALF + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
         x1f = ((x1f * rstd).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype).to(tl.float32)
         x2f = ((x2f * rstd).to(x1.dtype).to(tl.float32) * w2).to(x1.dtype).to(tl.float32)
-    tl.store(x1p, (x1f * c - x2f * s).to(x1.dtype), mask=mask)
-    tl.store(x1p + HALF, (x2f * c + x1f * s).to(x1.dtype), mask=mask)
+    y1 = (x1f * c - x2f * s).to(x1.dtype)
+    y2 = (x2f * c + x1f * s).to(x1.dtype)
+    tl.store(x1p, y1, mask=mask)
+    tl.store(x1p + HALF, y2, mask=mask)
+    return y1, y2, mask
 
 
 @triton.jit
@@ -39,6 +44,10 @@ def _rotary_kernel(
     SIN_ptr,
     QW_ptr,
     KW_ptr,
+    V_ptr,
+    KC_ptr,
+    VC_ptr,
+    S_ptr,
     q_eps,
     k_eps,
     stride_qt,
@@ -46,16 +55,25 @@ def _rotary_kernel(
     stride_kt,
     stride_kh,
     stride_cos,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    block_size,
     NUM_Q_HEADS: tl.constexpr,
     NUM_K_HEADS: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NORM: tl.constexpr,
+    STORE: tl.constexpr,
 ):
     """Token t at position p = P[t], with c = COS[p, :HALF], s = SIN[p, :HALF] (fp32), for every head:
         x1' = x1 * c - x2 * s,   x2' = x2 * c + x1 * s     (x1 = x[:HALF], x2 = x[HALF:]), fp32 math;
-    with NORM, x is each head RMS-normed first (q with QW, q_eps; k with KW, k_eps)."""
+    with NORM, x is each head RMS-normed first (q with QW, q_eps; k with KW, k_eps). With STORE and slot
+    s = S[t] >= 0: KC[s // bs, s % bs] = k' and VC[s // bs, s % bs] = V[t] (caches of one layout, strides
+    stride_c*)."""
     t = tl.program_id(0).to(tl.int64)
     p = tl.load(P_ptr + t).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
@@ -66,18 +84,31 @@ def _rotary_kernel(
 
     _rotate_heads(Q_ptr + t * stride_qt, stride_qh, NUM_Q_HEADS, offs_h, offs_d, dmask, c, s, HALF, QW_ptr, q_eps,
                   NORM)
-    _rotate_heads(K_ptr + t * stride_kt, stride_kh, NUM_K_HEADS, offs_h, offs_d, dmask, c, s, HALF, KW_ptr, k_eps,
-                  NORM)
+    k1, k2, kmask = _rotate_heads(K_ptr + t * stride_kt, stride_kh, NUM_K_HEADS, offs_h, offs_d, dmask, c, s, HALF,
+                                  KW_ptr, k_eps, NORM)
+    if STORE:
+        slot = tl.load(S_ptr + t)
+        if slot >= 0:
+            row = (slot // block_size) * stride_cb + (slot % block_size) * stride_ct
+            at = row + offs_h[:, None] * stride_ch + offs_d[None, :]
+            tl.store(KC_ptr + at, k1, mask=kmask)
+            tl.store(KC_ptr + at + HALF, k2, mask=kmask)
+            vp = V_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
+            tl.store(VC_ptr + at, tl.load(vp, mask=kmask), mask=kmask)
+            tl.store(VC_ptr + at + HALF, tl.load(vp + HALF, mask=kmask), mask=kmask)
 
 
 def apply_rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
                   sin_cache: torch.Tensor, q_norm: tuple[torch.Tensor, float] | None = None,
-                  k_norm: tuple[torch.Tensor, float] | None = None) -> None:
+                  k_norm: tuple[torch.Tensor, float] | None = None,
+                  store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """Rotate q [T, H, D] and k [T, KVH, D] in place at int64 positions [T].
 
     cos_cache/sin_cache: fp32 [max_positions, D] with both halves equal (HF layout); only the first D/2
     columns are read. q/k may be strided views (e.g. of a fused qkv projection) with contiguous D.
     q_norm / k_norm: (weight [D] in q's dtype, eps) of a per-head RMSNorm applied first (both or neither).
+    store: (v [T, KVH, D], k_cache, v_cache [blocks, block_size, KVH, D], slot_mapping int64 [T]): also write the
+    rotated k and v at each token's slot (slot -1 skips the token), as ``store_kv`` does.
     """
     assert q.dim() == 3 and k.dim() == 3 and q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2]
     t, hq, d = q.shape
@@ -92,6 +123,13 @@ def apply_rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
         if norm is not None:
             assert norm[0].shape == (d,) and norm[0].dtype == q.dtype and norm[0].is_contiguous(), (
                 f"norm weight must be contiguous [{d}] in {q.dtype}, got {norm[0].dtype} {tuple(norm[0].shape)}")
+    if store is not None:
+        v, k_cache, v_cache, slots = store
+        assert v.shape == k.shape and v.stride(-1) == 1, f"v {tuple(v.shape)} must match k {tuple(k.shape)}"
+        assert k_cache.dim() == 4 and v_cache.shape == k_cache.shape and k_cache.shape[2:] == (hk, d)
+        assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+        assert k.dtype == v.dtype == k_cache.dtype == v_cache.dtype, "k, v and caches must share a dtype"
+        assert slots.dtype == torch.int64 and slots.shape == (t,) and slots.is_contiguous()
     if t == 0:
         return
     half = d // 2
@@ -105,6 +143,7 @@ def apply_rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
         sin_cache,
         q_norm[0] if q_norm else cos_cache,  # placeholders when NORM is off
         k_norm[0] if k_norm else cos_cache,
+        *(store if store is not None else (k, k, k, positions)),  # placeholders when STORE is off
         float(q_norm[1]) if q_norm else 0.0,
         float(k_norm[1]) if k_norm else 0.0,
         q.stride(0),
@@ -112,11 +151,14 @@ def apply_rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
         k.stride(0),
         k.stride(1),
         cos_cache.stride(0),
+        *((store[0].stride(0), store[0].stride(1), *store[1].stride()[:3], store[1].shape[1]) if store is not None
+          else (0, 0, 0, 0, 0, 1)),
         NUM_Q_HEADS=hq,
         NUM_K_HEADS=hk,
         HALF=half,
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         NORM=q_norm is not None,
+        STORE=store is not None,
         num_warps=4 if block_h * block_d >= 2048 else 2,
     )

@@ -123,6 +123,44 @@ def test_rotary_after_per_head_norms_matches_the_model_ops(device: torch.device,
         apply_rotary_(q, k, pos, rope.cos_cache, rope.sin_cache, q_norm=(norms[0].weight.data, 1e-6))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("t", "hq", "hk", "d", "norm"), [(1, 2, 1, 16, False), (6, 4, 2, 64, True), (5, 3, 3, 48, False)])
+def test_rotary_with_store_equals_rotary_then_store_kv(device: torch.device, dtype: torch.dtype, t: int, hq: int,
+                                                       hk: int, d: int, norm: bool) -> None:
+    """The store folded into the RoPE launch writes the caches exactly as RoPE then ``store_kv`` do (rotated k, v
+    as given, slot -1 skipped, other slots untouched), and q/k come out the same."""
+    from services.kernels.store_kv import store_kv
+
+    rope = RotaryEmbedding(d, 10000.0, None, 64).to(device)
+    qkv = _randn((t, (hq + 2 * hk) * d), dtype, device, 21)
+    blocks, bs = 4, 4
+    pos = torch.randint(0, 64, (t,), generator=torch.Generator().manual_seed(22)).to(device)
+    slots = torch.randperm(blocks * bs, generator=torch.Generator().manual_seed(23))[:t].to(device)
+    if t > 1:
+        slots[t // 2] = -1
+    norms = {}
+    if norm:
+        w = (1 + 0.5 * _randn((d,), torch.float32, device, 24)).to(dtype)
+        norms = {"q_norm": (w, 1e-6), "k_norm": (w.flip(0).contiguous(), 1e-5)}
+    outs = []
+    for fused in (False, True):
+        x = qkv.clone()
+        q = x[:, : hq * d].view(t, hq, d)
+        k = x[:, hq * d : (hq + hk) * d].view(t, hk, d)
+        v = x[:, (hq + hk) * d :].view(t, hk, d)
+        kc = _randn((blocks, bs, hk, d), dtype, device, 25)
+        vc = _randn((blocks, bs, hk, d), dtype, device, 26)
+        if fused:
+            apply_rotary_(q, k, pos, rope.cos_cache, rope.sin_cache, **norms, store=(v, kc, vc, slots))
+        else:
+            apply_rotary_(q, k, pos, rope.cos_cache, rope.sin_cache, **norms)
+            store_kv(k, v, kc, vc, slots)
+        outs.append((x, kc, vc))
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(outs[1][1], _randn((blocks, bs, hk, d), dtype, device, 25)), "k was stored"
+
+
 def test_rotary_matches_module_forward(device: torch.device) -> None:
     """The kernel agrees with `RotaryEmbedding.forward` (the CPU engine path) in fp32."""
     t, hq, hk, d = 5, 4, 2, 32
@@ -167,10 +205,12 @@ def test_model_fused_path_matches_torch_path(device: torch.device, arch_name: st
             p.copy_(torch.randn(p.shape, generator=gen) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
     bs, nblk = 4, 4
 
-    def run(fused: bool) -> list[torch.Tensor]:
+    def run(fused: bool, triton_backend: bool = False) -> list[torch.Tensor]:
+        from services.engine.cuda.gpu_attention import TritonPagedAttention
+
         model.fused_kernels = fused
         kv = torch.zeros(arch.num_layers, 2, nblk * 2, bs, arch.num_kv_heads, arch.head_dim, device=device)
-        backend = TorchPagedAttention(kv, arch.head_dim ** -0.5)
+        backend = (TritonPagedAttention if triton_backend else TorchPagedAttention)(kv, arch.head_dim ** -0.5)
         tables = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32, device=device)
         outs = []
         # Prefill 5 + 3 tokens, then one decode step of both sequences.
@@ -179,7 +219,8 @@ def test_model_fused_path_matches_torch_path(device: torch.device, arch_name: st
         slots = torch.tensor([0, 1, 2, 3, 4, 16, 17, 18], device=device)
         meta = AttentionMetadata(slot_mapping=slots, block_tables=tables,
                                  context_lens=torch.tensor([5, 3], dtype=torch.int32, device=device),
-                                 query_lens=[5, 3], context_lens_host=[5, 3], num_decode=0)
+                                 query_lens=[5, 3], context_lens_host=[5, 3], num_decode=0,
+                                 cu_seqlens_q=torch.tensor([0, 5, 8], dtype=torch.int32, device=device))
         with torch.no_grad():
             outs.append(model(ids, pos, ForwardContext(backend, meta)))
             meta = AttentionMetadata(slot_mapping=torch.tensor([5, 19], device=device), block_tables=tables,
@@ -189,5 +230,9 @@ def test_model_fused_path_matches_torch_path(device: torch.device, arch_name: st
                               ForwardContext(backend, meta)))
         return outs
 
-    for got, ref in zip(run(True), run(False), strict=True):
-        assert_close(got, ref, torch.float32)
+    ref = run(False)
+    for got, want in zip(run(True), ref, strict=True):
+        assert_close(got, want, torch.float32)
+    # the Triton backend: the RoPE kernel writes the new K/V into the pages itself (ForwardContext.store_target)
+    for got, want in zip(run(True, triton_backend=True), ref, strict=True):
+        assert_close(got, want, torch.float32)

@@ -79,15 +79,17 @@ class TritonPagedAttention:
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, window: int = 0, sinks: torch.Tensor | None = None, scale: float = 0.0,
-                value_dim: int = 0, index: IndexQuery | None = None) -> torch.Tensor:
-        """q [T, H, D], k/v [T, KVH, D] -> out [T, H, D]; k/v are stored at meta.slot_mapping first.
+                value_dim: int = 0, index: IndexQuery | None = None, stored: bool = False) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] -> out [T, H, D]; k/v are stored at meta.slot_mapping first (``stored``: the
+        caller's kernel did, into `store_target`'s caches).
         ``window`` (tokens, 0: full) is a Python int per layer, so a captured CUDA graph holds each layer's own;
         ``sinks`` is fp32 [H] (the layer's parameter: a graph replay reads its current values); ``scale``: the
         layer's softmax scale (0: this backend's). ``value_dim``: latent attention (k/v the latent's halves, q
         [T, H, key_dim] -> out [T, H, value_dim]); ``index``: DeepSeek-V3.2's top-k selection over the index keys
         cached in the index-key pool (sparse latent attention)."""
         k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if not stored:
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         scale = scale or self.scale
         if value_dim and index is not None:
             assert self.index_keys is not None, "sparse attention (AttentionSpec.index) needs the backend's index_keys"
@@ -107,6 +109,10 @@ class TritonPagedAttention:
                           lambda qd: self._decode(qd, k_cache, v_cache, meta, scale, window, sinks),
                           (lambda qp: fresh_prompt_attention(qp, k[nd:], v[nd:], meta.query_lens[nd:], scale)) if fresh
                           else (lambda qp: self._prefill(qp, k_cache, v_cache, meta, scale, window, sinks)))
+
+    def store_target(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(k_cache, v_cache, slot_mapping) of ``layer``: the RoPE kernel writes the step's K/V there itself."""
+        return self.kv_cache[layer, 0], self.kv_cache[layer, 1], meta.slot_mapping
 
     @staticmethod
     def _fresh_prompts(meta: AttentionMetadata, q: torch.Tensor) -> bool:

@@ -117,7 +117,8 @@ class Attention(nn.Module):
     def forward_fused(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                       ctx: ForwardContext) -> torch.Tensor:
         """`forward` with RoPE (after Qwen3's per-head q/k norms, where the model has them) applied in place by one
-        Triton kernel (q/k stay views of the qkv output)."""
+        Triton kernel (q/k stay views of the qkv output), which also writes the new K/V into the layer's pages
+        where the backend lets it (`ForwardContext.store_target`)."""
         # deferred: a Triton kernel module, on the CUDA path only (triton is optional)
         from services.kernels.rotary import apply_rotary_
 
@@ -125,8 +126,10 @@ class Attention(nn.Module):
         norms = {}
         if self.q_norm is not None and self.k_norm is not None:
             norms = {"q_norm": (self.q_norm.weight, self.q_norm.eps), "k_norm": (self.k_norm.weight, self.k_norm.eps)}
-        apply_rotary_(q, k, positions, rotary.cos_cache, rotary.sin_cache, **norms)
-        out = ctx.attend(self.layer_idx, q, k, v, self.spec())  # [T, H, D]
+        target = ctx.store_target(self.layer_idx)
+        apply_rotary_(q, k, positions, rotary.cos_cache, rotary.sin_cache, **norms,
+                      store=None if target is None else (v, *target))
+        out = ctx.attend(self.layer_idx, q, k, v, self.spec(), stored=target is not None)  # [T, H, D]
         return self.o_proj(out.reshape(x.shape[0], self.q_size))
 
 
