@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.kernels import moe_align
+import services.kernels.moe_align as moe_align
 from services.kernels._triton_utils import _mma, dot_flags
 from services.kernels.moe_args import ACTIVATIONS, check_moe_args
 
