@@ -1,7 +1,8 @@
 """Tensor-parallel shard writes: every rank writes its KV heads straight into the decode ranks that hold them
-(over shm, cuda-ipc or mooncake: engine/parallel/rank_pages.py and rank_writes.py), and over shm / cuda-ipc its
-share of the pages of DeepSeek-V3.2's index-key region into every decode rank's pool of it (rank_regions.py). Used
-for a tensor-parallel decode's ``ShardedPool`` and for every side-transport write of a tensor-parallel prefill."""
+(over shm, cuda-ipc or mooncake: engine/parallel/rank_pages.py and rank_writes.py), and its share of the pages of
+DeepSeek-V3.2's index-key region into every decode rank's pool of it, over the same transport (rank_regions.py).
+Used for a tensor-parallel decode's ``ShardedPool`` and for every side-transport write of a tensor-parallel
+prefill."""
 
 from __future__ import annotations
 
@@ -53,16 +54,15 @@ class ShardConnector(Connector):
     def offer(self, pages: KVPages, mooncake_host: str = "", mooncake_engines: int = 1
               ) -> decode_pb2.KVDestination | None:
         """TP>1: every rank's own pool, each with its pool of every region beside the target's (index keys); with
-        ``mooncake_host`` each rank's shard through its own transfer engines (parallel/mooncake_ranks.py). None
-        (logged) when rank writes do not carry a region of the pages, or a rank's region pool is not shared."""
+        ``mooncake_host`` each rank's shard and region pools through its own transfer engines
+        (parallel/mooncake_ranks.py). None (logged) when rank writes do not carry a region of the pages, or a rank's
+        region pool is not shared."""
         regions = pages.region_pools
-        why = refused(regions, bool(mooncake_host))
+        why = refused(regions)
         if why is not None:
             log.warning("KV pool not offered (prefills send page bytes instead): %s", why)
             return None
-        if mooncake_host:
-            return pages.shard_writes().offer(mooncake_host, mooncake_engines)
-        dest = pages.destination
+        dest = pages.shard_writes().offer(mooncake_host, mooncake_engines) if mooncake_host else pages.destination
         if dest is not None and not offers(dest, regions):
             log.warning("KV pool not offered (prefills send page bytes instead): a tensor-parallel rank's %s pool is "
                         "not shared", "+".join(r.kind for r, _ in regions))

@@ -3,7 +3,7 @@ token, and for V3.2 the indexer's keys in a region of their own) served by real 
 over the grpc, shm and mooncake KV transports (and cuda-ipc on a GPU) equal transformers fp32 up to the first near-tie; with the kvstore, a second prefill loads the latent pages the first
 one wrote and gives the same tokens (for V3.2 with the index-key region); the prefill's and decode's index-key
 codecs must agree (the fingerprint names it); a TP=2 prefill hands the pages to a TP=1 decode and back, and to a TP=2
-decode, rank to rank over shm (V3.2: with the index-key region, whose codec must agree there too)."""
+decode, rank to rank over shm and mooncake (V3.2: with the index-key region, whose codec must agree there too)."""
 
 from __future__ import annotations
 
@@ -171,6 +171,17 @@ def test_v32_index_region_crosses_tensor_parallel_degrees(v32: tuple[Path, objec
     _cross_tensor_parallel(v32[0], prefill_tp, decode_tp)
 
 
+@pytest.mark.skipif(NO_MOONCAKE is not None, reason=f"the Mooncake wheel cannot load here: {NO_MOONCAKE}")
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 2), pytest.param(2, 1, marks=pytest.mark.slow),
+                                                       pytest.param(1, 2, marks=pytest.mark.slow)])
+def test_v32_index_region_crosses_tensor_parallel_degrees_over_mooncake(v32: tuple[Path, object], prefill_tp: int,
+                                                                        decode_tp: int) -> None:
+    """The same over Mooncake (loopback TCP): every decode rank registers its latent shard and its index-key pool
+    with its own transfer engine and offers both, and every prefill rank writes its share of both regions through
+    its own engine (no page bytes, no fallback); tokens equal the colocated TP=1 engine's."""
+    _cross_tensor_parallel(v32[0], prefill_tp, decode_tp, "mooncake")
+
+
 def test_v32_index_codec_mismatch_is_refused_across_tensor_parallel_ranks(v32: tuple[Path, object]) -> None:
     """A TP=2 prefill with fp8-e4m3 index keys facing a TP=2 decode with pool-dtype ones: refused before any page
     moves (the layout decode expects names its own index codec), the error naming both fingerprints; no rank writes
@@ -190,9 +201,10 @@ def test_v32_index_codec_mismatch_is_refused_across_tensor_parallel_ranks(v32: t
         assert rep.free_blocks == rep.total_blocks
 
 
-def _cross_tensor_parallel(model_dir: Path, prefill_tp: int, decode_tp: int) -> None:
-    """Two prompts through a 1P1D cluster over shm, prefill and decode at the given TP degrees (gloo), against the
-    colocated TP=1 engine's greedy tokens; the pages go rank to rank in place (every prefill rank writes some)."""
+def _cross_tensor_parallel(model_dir: Path, prefill_tp: int, decode_tp: int, transport: str = "shm") -> None:
+    """Two prompts through a 1P1D cluster over ``transport`` (shm or mooncake), prefill and decode at the given TP
+    degrees (gloo), against the colocated TP=1 engine's greedy tokens; the pages go rank to rank in place (every
+    prefill rank writes some)."""
     prompts = _prompts()[:2]
     engine = ["--cpu-threads", "1", "--num-kv-blocks", "64"]
     want = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64, cpu_threads=1)).generate(
@@ -200,12 +212,12 @@ def _cross_tensor_parallel(model_dir: Path, prefill_tp: int, decode_tp: int) -> 
     extra = {"prefill": [*engine, "--max-prefill-chunk", "32", "--tensor-parallel-size", str(prefill_tp)],
              "decode": [*engine, "--tensor-parallel-size", str(decode_tp)]}
     with LocalCluster(prefill=1, decode=1, kvstore=None, model=str(model_dir), dtype="float32", extra=extra,
-                      quiet=True, kv_transport="shm") as c:
+                      quiet=True, kv_transport=transport) as c:
         for ids, expect in zip(prompts, want, strict=True):
-            assert _generate(c.router["grpc"], ids) == expect, (prefill_tp, decode_tp)
+            assert _generate(c.router["grpc"], ids) == expect, (prefill_tp, decode_tp, transport)
         pm, dm = c.get("prefill-0").ready["metrics"], c.get("decode-0").ready["metrics"]
         assert metric_sum(pm, "pdserve_prefill_kv_transport_fallbacks_total") == 0
-        assert metric_sum(dm, "pdserve_decode_kv_received_bytes_total", transport="shm") > 0
+        assert metric_sum(dm, "pdserve_decode_kv_received_bytes_total", transport=transport) > 0
         assert metric_sum(dm, "pdserve_decode_kv_received_bytes_total", transport="grpc") == 0
         for rank in range(prefill_tp):
             assert metric_sum(pm, "pdserve_prefill_kv_rank_pages_total", rank=str(rank)) > 0, rank

@@ -292,13 +292,11 @@ def test_an_index_region_that_differs_or_is_missing_is_refused(decode_tp: int) -
             os.unlink(f)
 
 
-def test_draft_and_mooncake_regions_are_refused() -> None:
-    """A draft region (never in a TP engine) is not carried, naming the draft region only; over Mooncake rank writes
-    carry the target region alone."""
+def test_a_draft_region_is_refused_and_index_keys_are_carried() -> None:
+    """A draft region (never in a TP engine) is not carried, naming the draft region only; index keys are carried by
+    every rank-write transport (shm, cuda-ipc, and Mooncake: tests/engine/parallel/test_mooncake_regions.py)."""
     keys = _index("fp32")
     draft = Region("draft[m L1 kvh2 d8]", FP8_CODEC, 1)
-    why = refused([(keys.region(), keys.kv_cache), (draft, torch.zeros(1))], False)
+    why = refused([(keys.region(), keys.kv_cache), (draft, torch.zeros(1))])
     assert why is not None and why.reason == "draft" and "draft" in str(why) and "index" not in str(why)
-    why = refused([(keys.region(), keys.kv_cache)], True)
-    assert why is not None and why.reason == "index" and "Mooncake" in str(why)
-    assert refused([(keys.region(), keys.kv_cache)], False) is None and refused([], True) is None
+    assert refused([(keys.region(), keys.kv_cache)]) is None and refused([]) is None

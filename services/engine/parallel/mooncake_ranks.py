@@ -15,6 +15,13 @@ rank's shard is whole but the writer holds more heads (a lower prefill TP, e.g. 
 gathered into registered staging bytes in the shard's layout (one range per (layer, K|V) and piece of the
 run); otherwise (the shard holds more heads than the writer sends, e.g. (2, 1)) each token's slice of heads
 is its own range (head_dim x heads contiguous, token rows strided).
+
+Regions beside the target's that every rank holds whole (DeepSeek-V3.2's index keys, rank_regions.CARRIED): a
+decode rank registers its pool of each with the engines that serve its shard and offers it in the rank's
+``KVDestination.index`` (region_pools.offer_mooncake, as a plain Mooncake decode does); a writer rank sees each
+decode rank's one as a :class:`RemoteRegion` (region_pools.mooncake_region's checks) and writes its share of a
+chunk's pages into it, one range per (layer, plane) and run of blocks, submitted with its target writes and settled
+with them before the chunk is acknowledged.
 """
 
 from __future__ import annotations
@@ -27,9 +34,11 @@ import grpc
 import torch
 
 from services.common.pb import decode_pb2
+from services.engine.kv_layout import Region
 from services.engine.kv_transport import mooncake
 from services.engine.kv_transport.base import TransferError
 from services.engine.kv_transport.shared_pool import check_blocks
+from services.engine.region_pools import RegionPool, mooncake_region, offer_mooncake
 from services.engine.shared_kv import SharedKVAttachError, _runs
 
 log = logging.getLogger(__name__)
@@ -69,11 +78,15 @@ class RankMooncake:
                 self.engine = mooncake.MooncakeEngine(host, count=max(1, count))
             return self.engine
 
-    def offer(self, cache: torch.Tensor, host: str, count: int) -> decode_pb2.KVDestination | None:
-        """Decode rank: its own shard registered with its engines, as a MooncakePool; None (logged) when it
-        cannot be (no Mooncake here, a device cache)."""
+    def offer(self, cache: torch.Tensor, host: str, count: int, regions: list[RegionPool] | None = None
+              ) -> decode_pb2.KVDestination | None:
+        """Decode rank: its own shard registered with its engines, as a MooncakePool, with its pool of each of
+        ``regions`` (index keys) registered with the same engines beside it; None (logged) when any cannot be (no
+        Mooncake here, a device cache)."""
         try:
-            return mooncake.export_pool(self.start(host, count), cache)
+            engine = self.start(host, count)
+            dest = mooncake.export_pool(engine, cache)
+            return offer_mooncake(engine, dest, regions) if regions else dest
         except SharedKVAttachError as e:
             log.warning("this tensor-parallel rank's KV shard is not offered over Mooncake: %s", e)
             return None
@@ -89,6 +102,18 @@ class RankMooncake:
         self.engine.register(cache)
         return RemotePool(self.engine, dest.mooncake, self.staging)
 
+    def region(self, dest: decode_pb2.KVDestination, region: Region, cache: torch.Tensor) -> RemoteRegion:
+        """Prefill rank: a decode rank's (or a plain decode's) Mooncake pool of ``region`` beside its target pool
+        ``dest.mooncake``, checked, for writes from ``cache`` (this rank's own pool of it); SharedKVAttachError
+        (reason: the region's kind; ``device`` for a device cache or a landing area)."""
+        if self.engine is None:
+            raise SharedKVAttachError("unavailable", "this rank started no Mooncake transfer engine")
+        host_pool(dest.mooncake)
+        if cache.is_cuda:
+            raise SharedKVAttachError("device", f"this Mooncake build writes from host memory only; this rank's "
+                                                f"{region.kind} pool is on a device")
+        return RemoteRegion(self.engine, dest, region, cache)
+
     def staging(self) -> Staging:
         """This rank's gather buffer (allocated and registered on first use)."""
         with self._lock:
@@ -103,9 +128,7 @@ class RemotePool:
 
     def __init__(self, engine: mooncake.MooncakeEngine, pool: decode_pb2.MooncakePool,
                  staging: Callable[[], Staging]) -> None:
-        if pool.page_major:
-            raise SharedKVAttachError("device", "a decode rank's Mooncake pool is a host landing area (page major); "
-                                                "ranks write only into host pools")
+        host_pool(pool)
         # The segments' host is checked against the decode's address by rank 0 (services/kv/shards.py); here against
         # itself: shape, dtype, size and ports.
         self.shape, self.dtype = mooncake.check_pool(pool, mooncake._host(pool.segment))
@@ -179,6 +202,49 @@ class RemotePool:
                     srcs = [stage.base + p * k * block_bytes for p in range(planes)]
                     dsts = [self.base + (p * self.shape[2] + t + i) * block_bytes for p in range(planes)]
                     settle_writes(self.engine.submit(self.segments, srcs, dsts, [k * block_bytes] * planes))
+
+
+class RemoteRegion:
+    """A decode pool of a region every rank holds whole (index keys: [layers, planes, blocks, ...], the target pool's
+    block ids) as a writer rank sees it, on the engines of the target pool beside it (region_pools.mooncake_region:
+    the region's name and codec, the segments, the block count, the shape and dtype)."""
+
+    def __init__(self, engine: mooncake.MooncakeEngine, dest: decode_pb2.KVDestination, region: Region,
+                 cache: torch.Tensor) -> None:
+        # The target pool's segments are on the decode the stream goes to (checked by rank 0); the region's equal them.
+        _, pool = mooncake_region(dest, region, cache, dest.mooncake.segment)
+        self.engine = engine
+        self.segments = mooncake.segments_of(pool)
+        self.plane = mooncake._Plane(engine, cache, pool)
+        """Both pools' registered bases and one (layer, plane) block's bytes (the MooncakeWriter's own)."""
+        self.shape = tuple(int(x) for x in pool.shape)
+        self.device = torch.device("cpu")
+        """Where the pool's bytes are (host memory, written by the transfer engine; nothing to synchronize)."""
+
+    def write(self, src_blocks: list[int], dst_blocks: list[int]) -> list[tuple[object, int]]:
+        """Start writing this rank's pool of the region at ``src_blocks`` into the decode's at ``dst_blocks`` (one
+        range per run of blocks and (layer, plane)); returns the transfer batches in flight (mooncake.settle). Block
+        ids are checked against both pools before anything is submitted."""
+        p = self.plane
+        check_blocks(src_blocks, p.src_blocks, "source")
+        check_blocks(dst_blocks, p.dst_blocks, "destination")
+        srcs: list[int] = []
+        dsts: list[int] = []
+        lens: list[int] = []
+        for s, t, n in _runs(src_blocks, dst_blocks):
+            for r in range(p.regions):
+                srcs.append(p.src_base + (r * p.src_blocks + s) * p.region_bytes)
+                dsts.append(p.dst_base + (r * p.dst_blocks + t) * p.region_bytes)
+                lens.append(n * p.region_bytes)
+        return self.engine.submit(self.segments, srcs, dsts, lens) if srcs else []
+
+
+def host_pool(pool: decode_pb2.MooncakePool) -> None:
+    """SharedKVAttachError (reason ``device``) unless ``pool`` is a host pool ranks write into: a landing area
+    (page major) of a device pool is written by the staged writer only."""
+    if pool.page_major:
+        raise SharedKVAttachError("device", "a decode rank's Mooncake pool is a host landing area (page major); "
+                                            "ranks write only into host pools")
 
 
 def host_text(payload: torch.Tensor) -> str:

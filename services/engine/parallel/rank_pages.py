@@ -20,7 +20,8 @@ rank 0.
 
 Over mooncake (mooncake_ranks.py) each rank uses its own transfer engines: rank 0 hands every rank the host
 and engine count (POOLS on decode, ATTACH on prefill) and each rank starts its engines there (rank 0's are the
-only ones its prefill uses, for plain pools as well: services/kv/shards.py).
+only ones its prefill uses, for plain pools as well: services/kv/shards.py); a decode rank registers its index-key
+pool with them too, beside its shard, and a prefill rank writes it there (rank_regions.py).
 
 Plan message: header [Op.RANK_PAGES, sub, n, m, k, a, b, 0] and an int64 payload. WRITE: n pages, a the chunk's
 sequence number, b the attach id; payload source block ids[n] | destination block ids[n]. ATTACH: n Mooncake
@@ -49,9 +50,9 @@ import torch
 from services.common.kv_kinds import PoolKind, pool_kind
 from services.common.pb import decode_pb2
 from services.engine.errors import EngineDeadError
-from services.engine.kv_layout import HeadSplitSpec
+from services.engine.kv_layout import HeadSplitSpec, Region
 from services.engine.kv_transport.base import TransferError
-from services.engine.parallel.mooncake_ranks import RankMooncake, RemotePool, host_text
+from services.engine.parallel.mooncake_ranks import RankMooncake, RemotePool, RemoteRegion, host_text
 from services.engine.parallel.plan import Op
 from services.engine.parallel.rank_regions import check_regions, open_regions, shm_files
 from services.engine.parallel.rank_writes import (
@@ -66,7 +67,7 @@ from services.engine.parallel.rank_writes import (
     start_share,
 )
 from services.engine.parallel.split import HeadSplit, TensorParallelError
-from services.engine.region_pools import RegionPool, runner_regions
+from services.engine.region_pools import RegionPool, attach_region_pool, runner_regions
 from services.engine.shared_kv import SharedKVAttachError, SharedKVPools
 
 log = logging.getLogger(__name__)
@@ -206,12 +207,20 @@ class RankPools:
             return self.mooncake.remote(dest, self.cache)
         return self.pools.attach(dest)
 
+    def _attach_region(self, dest: decode_pb2.KVDestination, region: Region, cache: torch.Tensor
+                       ) -> torch.Tensor | RemoteRegion:
+        """A decode pool's pool of ``region`` (check_regions has checked it is written as the target pool is)."""
+        kind = pool_kind(dest)
+        if kind is not None and kind.remote:
+            return self.mooncake.region(dest, region, cache)
+        return attach_region_pool(self.region_pools, dest, region, cache)
+
     def shards(self, raw: bytes, regions: list[RegionPool]) -> Opened:
         """Open ``raw``: the shards of this rank's heads, and every decode pool of each of ``regions`` (this rank's
         region pools beside the target's); SharedKVAttachError when any is refused."""
         dest = decode_pb2.KVDestination.FromString(raw)
         with self._lock:
-            opened = open_regions(dest, regions, self.region_pools)  # first: a region refused opens nothing
+            opened = open_regions(dest, regions, self._attach_region)  # first: a region refused opens nothing
             return open_shards(dest, self._attach, self.cache, self.split.num_kv_heads, self.split.kv_range), opened
 
     def attach(self, aid: int, raw: bytes, regions: list[RegionPool]) -> Opened:
@@ -276,9 +285,9 @@ def serve_op(runner, group, header: torch.Tensor) -> None:
     pools = rank_pools(runner)
     if sub == Sub.POOLS:
         own = runner.kv_destination
-        if m:  # Mooncake: this rank's shard through its own engines at the host rank 0 hands over
+        if m:  # Mooncake: this rank's shard (and index keys) through its own engines at the host rank 0 hands over
             host = host_text(group.broadcast(torch.empty(m, dtype=torch.int64, device=group.device)).cpu())
-            own = pools.mooncake.offer(runner.kv_cache, host, n)
+            own = pools.mooncake.offer(runner.kv_cache, host, n, runner_regions(runner))
         group.gather_to_root(_encode_dest(own).to(group.device))
         return
     size = 2 * n if sub == Sub.WRITE else k + m
@@ -332,15 +341,17 @@ class ShardWrites:
 
     def offer(self, mooncake_host: str = "", engines: int = 1) -> decode_pb2.KVDestination | None:
         """Decode: the ShardedPool of every rank's own pool (shm / CUDA IPC, or with ``mooncake_host`` each
-        rank's shard registered with its own ``engines`` transfer engines there); None unless every rank has
-        one (one collective sequence, the first time)."""
+        rank's shard and its index-key pool registered with its own ``engines`` transfer engines there); None
+        unless every rank has one (one collective sequence, the first time)."""
         key = (mooncake_host, engines)
         if key not in self._offers:
             self._offers[key] = self._pools(*key)
         return self._offers[key]
 
     def _pools(self, host: str, engines: int) -> decode_pb2.KVDestination | None:
-        own = self.local.mooncake.offer(self.runner.kv_cache, host, engines) if host else self.runner.kv_destination
+        runner = self.runner
+        own = (self.local.mooncake.offer(runner.kv_cache, host, engines, runner_regions(runner)) if host
+               else runner.kv_destination)
         if not self.collective or own is None or not _plain(own):
             return None
         group = self.runner.group

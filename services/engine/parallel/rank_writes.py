@@ -125,7 +125,7 @@ def start_share(cache: torch.Tensor, split: HeadSplit, shards: list[Shard], src_
             else:
                 copy_heads(cache, src, heads, sh.pool, dst, dst_heads)
             out.written += hi - lo
-        write_regions(split, regions or [], src_blocks, dst_blocks)
+        out.batches += write_regions(split, regions or [], src_blocks, dst_blocks)
     except BaseException:
         settle_writes(out.batches)  # a failed start leaves nothing in flight
         raise
