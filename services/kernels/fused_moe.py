@@ -114,7 +114,7 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAl
     Within an expert pairs keep token order. Decode-sized batches take the one-launch kernel of
     ``moe_align.py`` (int32 ids, as the router gives them); others the torch form.
     """
-    if topk_ids.dtype == torch.int32 and 0 < topk_ids.numel() <= moe_align.FUSED_ALIGN_MAX_PAIRS:
+    if topk_ids.dtype == torch.int32 and moe_align.use_fused_align(topk_ids.numel(), num_experts):
         return MoEAlignment(*moe_align.align_pairs_fused(topk_ids, num_experts, block_m))
     return align_pairs_torch(topk_ids, num_experts, block_m)
 
