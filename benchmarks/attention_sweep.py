@@ -21,6 +21,7 @@ import argparse
 import json
 import sys
 import traceback
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.moe_bench import bench_us, ceilings
+from benchmarks.moe_bench import bench_us, ceilings, graph_us
 
 HEADS = {"llama-3-8b": (32, 8, 128), "qwen3-30b-a3b": (32, 4, 128)}
 BLOCK_SIZE = 16
@@ -204,10 +205,43 @@ def decode_case(shape: str, batch: int, ctx: int, ceil: dict[str, float], device
     return rec
 
 
+#: (batch, context) of the few-row decode cases timed from CUDA graphs with fixed partition sizes.
+FEW_ROW_CASES = ((1, 1024), (1, 4096), (4, 1024))
+FEW_ROW_PARTITIONS = (None, 32, 64, 128, 256)
+
+
+def few_row_points(ceil: dict[str, float], device: torch.device) -> list[dict[str, Any]]:
+    """Decode of 1-4 rows, replayed from CUDA graphs as the engine's decode steps run (an eager loop would time the
+    host's launches): the default split against fixed partition sizes (the keys each program walks)."""
+    from services.kernels.paged_decode_attention import paged_decode_attention
+
+    out: list[dict[str, Any]] = []
+    for shape in ("qwen3-30b-a3b", "llama-3-8b"):
+        heads, kv_heads, hd = HEADS[shape]
+        for batch, ctx in FEW_ROW_CASES:
+            k_cache, v_cache, tables, lens = paged_cache([ctx] * batch, kv_heads, hd, device, seed=batch)
+            q = torch.randn((batch, heads, hd), device=device).to(torch.bfloat16)
+            rec: dict[str, Any] = {"shape": shape, "batch": batch, "context": ctx, "us": {}}
+            for part in FEW_ROW_PARTITIONS:
+                kw = {} if part is None else {"partition_size": part, "block_n": 32}
+                fn = partial(paged_decode_attention, q, k_cache, v_cache, tables, lens, hd**-0.5, max_context_len=ctx,
+                             **kw)
+                try:
+                    rec["us"][str(part or "default")] = graph_us(fn, device, rep_ms=25)
+                except Exception as exc:
+                    print(f"  few-row {shape} part {part}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
+            print(f"decode (graph) {shape} B={batch} ctx={ctx}: " +
+                  ", ".join(f"{k} {v:.1f} us" for k, v in rec["us"].items() if v), flush=True)
+            out.append(rec)
+            torch.cuda.empty_cache()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("attention_sweep.json"))
-    parser.add_argument("--sections", default="prefill,decode")
+    parser.add_argument("--sections", default="prefill,decode",
+                        help="comma-separated: prefill, decode, few-rows (1-4 row decode from CUDA graphs)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("attention_sweep: needs a CUDA device", file=sys.stderr)
@@ -222,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         result["prefill"] = prefill_points(ceil, device)
     if "decode" in sections:
         result["decode"] = decode_points(ceil, device)
+    if "few-rows" in sections:
+        result["few_rows"] = few_row_points(ceil, device)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
