@@ -64,6 +64,8 @@ class Row:
     w8a8_us: float | None = None
     graph_us: float | None = None
     quant_us: float | None = None
+    cublas_us: float | None = None
+    """cuBLAS's blockwise FP8 GEMM (backend="cublas") at M >= CUBLAS_MIN_M, where this torch and GPU run it."""
     bf16_us: float | None = None
     rel_err: float | None = None
     error: str | None = None
@@ -101,9 +103,11 @@ def _weights(n: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.
 def case(n: int, k: int, m: int, w: torch.Tensor, s: torch.Tensor, w_bf16: torch.Tensor, device: torch.device,
          ceil: dict[str, float], sweep: bool) -> Row:
     from services.kernels.fp8_block_gemm import (  # after main() chose the interpreter or the GPU
+        CUBLAS_MIN_M,
         W8A16_MAX_M,
         Fp8GemmConfig,
         act_quant,
+        cublas_blockwise_available,
         fp8_block_gemm,
         tile_config,
         w8a8_supported,
@@ -115,11 +119,13 @@ def case(n: int, k: int, m: int, w: torch.Tensor, s: torch.Tensor, w_bf16: torch
     row.path = "w8a16" if w8a16 else "w8a8"
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     row.extra["config"] = asdict(tile_config(m, n, k, BLOCK, w8a16, sms))
-    y = fp8_block_gemm(x, w, s, BLOCK)
+    y = fp8_block_gemm(x, w, s, BLOCK, backend="triton")
     ref = ref_fp8_block_gemm(x, w, s, BLOCK).float()
     row.rel_err = float((y.float() - ref).norm() / ref.norm().clamp(min=1e-30))
     del ref
-    row.us = bench_us(lambda: fp8_block_gemm(x, w, s, BLOCK), device)
+    row.us = bench_us(lambda: fp8_block_gemm(x, w, s, BLOCK, backend="triton"), device)
+    if m >= CUBLAS_MIN_M and n % 128 == 0 and k % 128 == 0 and cublas_blockwise_available(device):
+        row.cublas_us = bench_us(lambda: fp8_block_gemm(x, w, s, BLOCK, backend="cublas"), device)
     flops = 2.0 * m * n * k
     row.tflops = flops / (row.us * 1e-6) / 1e12
     row.of_fp8 = row.tflops / ceil["fp8_tflops"] if ceil.get("fp8_tflops") else None
@@ -168,7 +174,8 @@ def print_table(rows: list[Row], ceil: dict[str, float]) -> None:
           f"{_fmt(ceil.get('bf16_tflops'), '.0f')} TFLOP/s, fp8 _scaled_mm {_fmt(ceil.get('fp8_tflops'), '.0f')} "
           f"TFLOP/s (fast accum {_fmt(ceil.get('fp8_fast_tflops'), '.0f')})")
     hdr = (f"{'N x K':<13}{'M':>6}{'path':>7}{'us':>9}{'TFLOP/s':>9}{'of fp8':>8}{'of bf16':>8}{'MB':>8}"
-           f"{'of copy':>8}{'w8a16':>9}{'w8a8':>9}{'graph':>8}{'quant':>8}{'bf16 mm':>9}{'x bf16':>7}{'rel err':>9}")
+           f"{'of copy':>8}{'w8a16':>9}{'w8a8':>9}{'graph':>8}{'quant':>8}{'bf16 mm':>9}{'x bf16':>7}{'rel err':>9}"
+           f"{'cublas':>9}{'TFLOP/s':>9}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
@@ -180,10 +187,12 @@ def print_table(rows: list[Row], ceil: dict[str, float]) -> None:
         print(f"{name:<13}{r.m:>6}{r.path:>7}{_fmt(r.us, '9.1f')}{_fmt(r.tflops, '9.1f')}{_fmt(r.of_fp8, '8.2f')}"
               f"{_fmt(r.of_bf16, '8.2f')}{_fmt(r.bytes_read / 1e6 if r.bytes_read else None, '8.1f')}"
               f"{_fmt(r.of_copy, '8.2f')}{_fmt(r.w8a16_us, '9.1f')}{_fmt(r.w8a8_us, '9.1f')}"
-              f"{_fmt(r.graph_us, '8.1f')}{_fmt(r.quant_us, '8.1f')}{_fmt(r.bf16_us, '9.1f')}{_fmt(speedup, '7.2f')}{_fmt(r.rel_err, '9.1e')}")
+              f"{_fmt(r.graph_us, '8.1f')}{_fmt(r.quant_us, '8.1f')}{_fmt(r.bf16_us, '9.1f')}{_fmt(speedup, '7.2f')}{_fmt(r.rel_err, '9.1e')}"
+              f"{_fmt(r.cublas_us, '9.1f')}{_fmt(2.0 * r.m * r.n * r.k / (r.cublas_us * 1e6) if r.cublas_us else None, '9.1f')}")
     print("of fp8 / of bf16: TFLOP/s over the _scaled_mm / bf16 matmul ceilings; of copy: (fp8 weight + scales + x "
           "+ y bytes) / time / copy GB/s; w8a16, w8a8: both paths forced; graph: the M=1 call replayed from a CUDA "
-          "graph; quant: the activation-quant kernel alone (w8a8 rows); x bf16: torch bf16 matmul time (dequantized weight) / ours")
+          "graph; quant: the activation-quant kernel alone (w8a8 rows); x bf16: torch bf16 matmul time (dequantized weight) / ours; "
+          "cublas: the same product through cuBLAS's blockwise FP8 GEMM (activation quant included) and its TFLOP/s")
     for r in rows:
         if r.extra.get("best_config"):
             print(f"sweep {r.n}x{r.k} M={r.m}: default {r.extra['config']} {r.us:.1f} us, best "

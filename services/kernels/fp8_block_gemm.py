@@ -17,11 +17,21 @@ partial). Two kernels:
 Both read each weight byte once per M tile: at decode sizes the step costs the bytes of W (+ Ws), half
 of a bf16 weight. Nothing syncs with the host and every buffer is sized from shapes, so both paths can
 be captured in CUDA graphs.
+
+Prefill-sized w8a8 products with DeepSeek-V3's 128 x 128 weight blocks may instead go to cuBLAS's
+blockwise-scaled FP8 GEMM (``torch.nn.functional.scaled_mm`` with 1 x 128 activation and 128 x 128 weight
+scales: the same quantized operands and scales as the w8a8 kernel, another accumulation order): where
+``PDSERVE_FP8_GEMM`` is ``cublas``, or ``auto`` (the default) and ``CUBLAS_AUTO`` says so, for at least
+``CUBLAS_MIN_M`` rows, once a probe on the device (a small product against the w8a8 kernel, outside any
+CUDA graph capture) found this torch and GPU run it; otherwise the w8a8 kernel runs, as it does for every
+other block shape.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +43,7 @@ from services.kernels.fp8_kv import _quantize_rows  # the KV codec's row quantiz
 from services.kernels.fp8_layout import FP8_E4M3_MAX
 
 FP8_DTYPE = torch.float8_e4m3fn
+log = logging.getLogger(__name__)
 
 W8A16_MAX_M = 32
 """Calls with at most this many rows take the w8a16 path (when w8a16 is not forced either way). Up to here
@@ -40,6 +51,67 @@ the GEMM is bound by the weight bytes on an H100/H200 (2*M FLOP per weight byte,
 ridge of ~200 FLOP/byte), so converting the weight tile to bf16 costs no time, skips the activation-quant
 kernel and keeps x unrounded; above it the fp8 tensor cores' 2x FLOP rate starts to count.
 ``benchmarks/fp8_gemm_bench.py`` times both paths at every M to check this choice."""
+
+
+FP8_GEMM_BACKENDS = ("auto", "triton", "cublas")
+FP8_GEMM_BACKEND = os.environ.get("PDSERVE_FP8_GEMM", "auto")
+"""Which kernel runs prefill-sized w8a8 products with 128 x 128 blocks: ``triton`` (always the w8a8 kernel),
+``cublas`` (cuBLAS's blockwise GEMM where the probe passes) or ``auto`` (cuBLAS when ``CUBLAS_AUTO``)."""
+CUBLAS_AUTO = False
+"""Whether ``auto`` takes cuBLAS's blockwise GEMM (set from ``benchmarks/fp8_gemm_bench.py`` runs: off until
+it measured faster than the w8a8 kernel at prefill sizes)."""
+CUBLAS_MIN_M = 256
+"""Fewest rows that go to cuBLAS's blockwise GEMM (below, the w8a8 kernel, or w8a16 up to W8A16_MAX_M)."""
+_CUBLAS_BLOCK = (128, 128)
+_cublas_probed: dict[int, bool] = {}
+
+
+def _cublas_blockwise(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                      out_dtype: torch.dtype) -> torch.Tensor:
+    """cuBLAS's FP8 GEMM with 1 x 128 scales on xq [M, K] (xs [M, K / 128]) and 128 x 128 ones on weight [N, K]
+    (weight_scale [N / 128, K / 128]): scaled_mm wants the activation scales column-major and the weight as a
+    column-major [K, N] with its scale grid transposed alike (views, but the one small copy of xs)."""
+    from torch.nn.functional import ScalingType, scaled_mm
+
+    return scaled_mm(xq, weight.t(), xs.t().contiguous().t(), ScalingType.Blockwise_1x128, weight_scale.t(),
+                     ScalingType.Blockwise_128x128, output_dtype=out_dtype)
+
+
+def cublas_blockwise_available(device: torch.device) -> bool:
+    """Whether cuBLAS's blockwise FP8 GEMM runs on ``device`` with this torch and agrees with the w8a8 kernel on
+    a small product (probed once per device, never while a CUDA graph is being captured: then False for now)."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in _cublas_probed:
+        return _cublas_probed[index]
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    ok = False
+    try:
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        x = torch.randn((256, 512), generator=gen).to(device=device, dtype=torch.bfloat16)
+        weight = (torch.randn((256, 512), generator=gen) * 100).clamp(-448, 448).to(device=device, dtype=FP8_DTYPE)
+        scale = (torch.rand((2, 4), generator=gen) * 1e-3 + 1e-4).to(device)
+        xq, xs = act_quant(x, 128)
+        got = _cublas_blockwise(xq, xs, weight, scale, torch.bfloat16).float()
+        want = fp8_block_gemm(x, weight, scale, _CUBLAS_BLOCK, w8a16=False, backend="triton").float()
+        err = float((got - want).norm() / want.norm().clamp_min(1e-30))
+        ok = err < 1e-2
+        if not ok:
+            log.warning("cuBLAS blockwise FP8 GEMM disagrees with the w8a8 kernel (relative error %.2e): not used", err)
+    except Exception as e:  # an older torch or cuBLAS, or a GPU without the kernel: the w8a8 kernel runs
+        log.info("cuBLAS blockwise FP8 GEMM not available here (%s): the Triton w8a8 kernel runs", str(e)[:200])
+    _cublas_probed[index] = ok
+    return ok
+
+
+def _takes_cublas(m: int, n: int, k: int, block: tuple[int, int], dtype: torch.dtype, device: torch.device,
+                  backend: str) -> bool:
+    """Whether a w8a8 product of this shape goes to cuBLAS's blockwise GEMM (module docstring)."""
+    wanted = backend == "cublas" or (backend == "auto" and CUBLAS_AUTO)
+    return (wanted and m >= CUBLAS_MIN_M and tuple(block) == _CUBLAS_BLOCK and n % 128 == 0 and k % 128 == 0
+            and dtype in (torch.bfloat16, torch.float16) and cublas_blockwise_available(device))
 
 
 @dataclass(frozen=True)
@@ -302,14 +374,19 @@ def fp8_block_gemm(
     *,
     w8a16: bool | None = None,
     config: Fp8GemmConfig | None = None,
+    backend: str | None = None,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] @ (weight [N, K] * weight_scale[n // bn, k // bk])^T in x's dtype.
 
     weight float8_e4m3fn with contiguous rows; weight_scale fp32 [cdiv(N, bn), cdiv(K, bk)] with contiguous
     rows; block = (bn, bk), any positive sizes. w8a16: None picks by M (w8a16 for M <= W8A16_MAX_M, and
     whenever bk has no power-of-two divisor >= 32), True/False forces a path (False needs
-    ``w8a8_supported(bk)``). config overrides the tiles (tests, benchmarks).
+    ``w8a8_supported(bk)``). config overrides the tiles (tests, benchmarks). backend: the w8a8 products'
+    kernel, ``triton``, ``cublas`` or ``auto`` (None: ``FP8_GEMM_BACKEND``; module docstring).
     """
+    backend = backend or FP8_GEMM_BACKEND
+    if backend not in FP8_GEMM_BACKENDS:
+        raise ValueError(f"FP8 GEMM backend {backend!r} (PDSERVE_FP8_GEMM) is not one of {', '.join(FP8_GEMM_BACKENDS)}")
     assert x.dim() == 2 and x.stride(-1) == 1, "x must be [M, K] with contiguous K"
     assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), f"unsupported dtype {x.dtype}"
     assert weight.dim() == 2 and weight.dtype == FP8_DTYPE and weight.stride(-1) == 1, \
@@ -337,6 +414,8 @@ def fp8_block_gemm(
         return _w8a16(x, weight, weight_scale, block, cfg, y)
     assert bk % cfg.block_k == 0 and cfg.block_k >= 16, f"BLOCK_K {cfg.block_k} must divide bk={bk}"
     xq, xs = act_quant(x, bk)
+    if config is None and _takes_cublas(m, n, k, block, x.dtype, x.device, backend):
+        return _cublas_blockwise(xq, xs, weight, weight_scale, x.dtype)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _fp8_block_gemm_kernel[grid](
         xq, xs, weight, weight_scale, y, m, n, k,

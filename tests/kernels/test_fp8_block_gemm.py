@@ -20,9 +20,11 @@ from tests.kernels.kernel_cases import TOL, requires_cuda
 pytest.importorskip("triton")
 
 from services.kernels.fp8_block_gemm import (
+    CUBLAS_MIN_M,
     W8A16_MAX_M,
     Fp8GemmConfig,
     act_quant,
+    cublas_blockwise_available,
     fp8_block_gemm,
     tile_config,
     w8a8_supported,
@@ -174,6 +176,32 @@ def test_gpu_shapes(m: int, n: int, k: int, block: tuple[int, int]) -> None:
     y = fp8_block_gemm(x, w, s, block)  # the automatic choice
     torch.testing.assert_close(y, fp8_block_gemm(x, w, s, block, w8a16=m <= W8A16_MAX_M or not
                                                  w8a8_supported(block[1])), atol=0, rtol=0)
+
+
+def test_unknown_backend_is_refused(device: torch.device) -> None:
+    x, w, s = _case(4, 64, 128, (128, 128), torch.float32, device)
+    with pytest.raises(ValueError, match=r"'cutlass'.*auto, triton, cublas"):
+        fp8_block_gemm(x, w, s, (128, 128), backend="cutlass")
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("m,n,k", [(CUBLAS_MIN_M, 384, 512), (1000, 256, 1024), (2048, 2048, 7168)])
+def test_gpu_cublas_blockwise_matches_the_w8a8_kernel(m: int, n: int, k: int) -> None:
+    """cuBLAS's blockwise FP8 GEMM takes the w8a8 kernel's quantized operands and scales: the two agree to
+    accumulation order, and both stay within the w8a8 error of the exact product."""
+    dev = torch.device("cuda")
+    if not cublas_blockwise_available(dev):
+        pytest.skip("cuBLAS blockwise FP8 GEMM (torch.nn.functional.scaled_mm, 1x128 / 128x128) not available here")
+    x, w, s = _case(m, n, k, (128, 128), torch.bfloat16, dev, seed=m)
+    got = fp8_block_gemm(x, w, s, (128, 128), backend="cublas")
+    kernel = fp8_block_gemm(x, w, s, (128, 128), backend="triton")
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    assert _rel_err(got, kernel) < 1e-2
+    assert _rel_err(got, ref_fp8_block_gemm(x, w, s, (128, 128))) < W8A8_REL_ERR
+    # other blocks, and fewer rows than CUBLAS_MIN_M, stay on the kernels
+    assert torch.equal(fp8_block_gemm(x[:8], w, s, (128, 128), backend="cublas"),
+                       fp8_block_gemm(x[:8], w, s, (128, 128), backend="triton"))
 
 
 @pytest.mark.gpu
