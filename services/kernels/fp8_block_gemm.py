@@ -19,8 +19,8 @@ of a bf16 weight. Nothing syncs with the host and every buffer is sized from sha
 be captured in CUDA graphs.
 
 Prefill-sized w8a8 products with DeepSeek-V3's 128 x 128 weight blocks may instead go to cuBLAS's
-blockwise-scaled FP8 GEMM (``torch.nn.functional.scaled_mm`` with 1 x 128 activation and 128 x 128 weight
-scales: the same quantized operands and scales as the w8a8 kernel, another accumulation order): where
+blockwise-scaled FP8 GEMM (``torch._scaled_mm`` with 1 x 128 activation and 128 x 128 weight scales: the
+same quantized operands and scales as the w8a8 kernel, another accumulation order): where
 ``PDSERVE_FP8_GEMM`` is ``cublas``, or ``auto`` (the default) and ``CUBLAS_AUTO`` says so, for at least
 ``CUBLAS_MIN_M`` rows, once a probe on the device (a small product against the w8a8 kernel, outside any
 CUDA graph capture) found this torch and GPU run it; otherwise the w8a8 kernel runs, as it does for every
@@ -57,9 +57,10 @@ FP8_GEMM_BACKENDS = ("auto", "triton", "cublas")
 FP8_GEMM_BACKEND = os.environ.get("PDSERVE_FP8_GEMM", "auto")
 """Which kernel runs prefill-sized w8a8 products with 128 x 128 blocks: ``triton`` (always the w8a8 kernel),
 ``cublas`` (cuBLAS's blockwise GEMM where the probe passes) or ``auto`` (cuBLAS when ``CUBLAS_AUTO``)."""
-CUBLAS_AUTO = False
-"""Whether ``auto`` takes cuBLAS's blockwise GEMM (set from ``benchmarks/fp8_gemm_bench.py`` runs: off until
-it measured faster than the w8a8 kernel at prefill sizes)."""
+CUBLAS_AUTO = True
+"""Whether ``auto`` takes cuBLAS's blockwise GEMM. Measured on an H100 (torch 2.11, CUDA 13; activation quant
+included in both): 1.3-2.2x the w8a8 kernel at 256-8192 rows on DeepSeek-V3's shapes (18432 x 7168 at 2048 rows
+1223 against 590 TFLOP/s), the two within 2e-5 of each other (docs/PERFORMANCE.md)."""
 CUBLAS_MIN_M = 256
 """Fewest rows that go to cuBLAS's blockwise GEMM (below, the w8a8 kernel, or w8a16 up to W8A16_MAX_M)."""
 _CUBLAS_BLOCK = (128, 128)
@@ -69,12 +70,11 @@ _cublas_probed: dict[int, bool] = {}
 def _cublas_blockwise(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                       out_dtype: torch.dtype) -> torch.Tensor:
     """cuBLAS's FP8 GEMM with 1 x 128 scales on xq [M, K] (xs [M, K / 128]) and 128 x 128 ones on weight [N, K]
-    (weight_scale [N / 128, K / 128]): scaled_mm wants the activation scales column-major and the weight as a
-    column-major [K, N] with its scale grid transposed alike (views, but the one small copy of xs)."""
-    from torch.nn.functional import ScalingType, scaled_mm
-
-    return scaled_mm(xq, weight.t(), xs.t().contiguous().t(), ScalingType.Blockwise_1x128, weight_scale.t(),
-                     ScalingType.Blockwise_128x128, output_dtype=out_dtype)
+    (weight_scale [N / 128, K / 128]): ``torch._scaled_mm`` tells the blockwise recipes from the scales' shapes and
+    wants the activation scales column-major and the weight as a column-major [K, N] with its scale grid
+    transposed alike (views, but the one small copy of xs)."""
+    return torch._scaled_mm(xq, weight.t(), scale_a=xs.t().contiguous().t(), scale_b=weight_scale.t(),
+                            out_dtype=out_dtype)
 
 
 def cublas_blockwise_available(device: torch.device) -> bool:

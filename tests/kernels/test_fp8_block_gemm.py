@@ -192,7 +192,7 @@ def test_gpu_cublas_blockwise_matches_the_w8a8_kernel(m: int, n: int, k: int) ->
     accumulation order, and both stay within the w8a8 error of the exact product."""
     dev = torch.device("cuda")
     if not cublas_blockwise_available(dev):
-        pytest.skip("cuBLAS blockwise FP8 GEMM (torch.nn.functional.scaled_mm, 1x128 / 128x128) not available here")
+        pytest.skip("cuBLAS blockwise FP8 GEMM (torch._scaled_mm, 1x128 / 128x128 scales) not available here")
     x, w, s = _case(m, n, k, (128, 128), torch.bfloat16, dev, seed=m)
     got = fp8_block_gemm(x, w, s, (128, 128), backend="cublas")
     kernel = fp8_block_gemm(x, w, s, (128, 128), backend="triton")
