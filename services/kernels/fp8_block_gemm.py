@@ -64,6 +64,9 @@ included in both): 1.3-2.2x the w8a8 kernel at 256-8192 rows on DeepSeek-V3's sh
 CUBLAS_MIN_M = 256
 """Fewest rows that go to cuBLAS's blockwise GEMM (below, the w8a8 kernel, or w8a16 up to W8A16_MAX_M)."""
 _CUBLAS_BLOCK = (128, 128)
+_CUBLAS_ROWS = 16
+"""Row counts cuBLAS's blockwise GEMM is given are padded to a multiple of this (H100, torch 2.11: 1037 rows found
+no algorithm, 1000 and 16000 did)."""
 _cublas_probed: dict[int, bool] = {}
 
 
@@ -73,8 +76,14 @@ def _cublas_blockwise(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, 
     (weight_scale [N / 128, K / 128]): ``torch._scaled_mm`` tells the blockwise recipes from the scales' shapes and
     wants the activation scales column-major and the weight as a column-major [K, N] with its scale grid
     transposed alike (views, but the one small copy of xs)."""
-    return torch._scaled_mm(xq, weight.t(), scale_a=xs.t().contiguous().t(), scale_b=weight_scale.t(),
-                            out_dtype=out_dtype)
+    m = xq.shape[0]
+    rows = -(-m // _CUBLAS_ROWS) * _CUBLAS_ROWS
+    if rows != m:  # cuBLASLt finds no algorithm for row counts off the alignment: zero rows, scale 1, cut after
+        xq = torch.cat((xq, xq.new_zeros((rows - m, xq.shape[1]))))
+        xs = torch.cat((xs, xs.new_ones((rows - m, xs.shape[1]))))
+    y = torch._scaled_mm(xq, weight.t(), scale_a=xs.t().contiguous().t(), scale_b=weight_scale.t(),
+                         out_dtype=out_dtype)
+    return y if rows == m else y[:m]
 
 
 def cublas_blockwise_available(device: torch.device) -> bool:

@@ -186,7 +186,7 @@ def test_unknown_backend_is_refused(device: torch.device) -> None:
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("m,n,k", [(CUBLAS_MIN_M, 384, 512), (1000, 256, 1024), (2048, 2048, 7168)])
+@pytest.mark.parametrize("m,n,k", [(CUBLAS_MIN_M, 384, 512), (1000, 256, 1024), (1037, 1536, 7168), (2048, 2048, 7168)])
 def test_gpu_cublas_blockwise_matches_the_w8a8_kernel(m: int, n: int, k: int) -> None:
     """cuBLAS's blockwise FP8 GEMM takes the w8a8 kernel's quantized operands and scales: the two agree to
     accumulation order, and both stay within the w8a8 error of the exact product."""
