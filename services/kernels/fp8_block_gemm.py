@@ -119,8 +119,6 @@ def _takes_cublas(m: int, n: int, k: int, block: tuple[int, int], dtype: torch.d
                   backend: str) -> bool:
     """Whether a w8a8 product of this shape goes to cuBLAS's blockwise GEMM (module docstring)."""
     wanted = backend == "cublas" or (backend == "auto" and CUBLAS_AUTO)
-    if wanted and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return False  # cuBLASLt found no blockwise algorithm inside a CUDA graph capture (H100, torch 2.11)
     return (wanted and m >= CUBLAS_MIN_M and tuple(block) == _CUBLAS_BLOCK and n % 128 == 0 and k % 128 == 0
             and dtype in (torch.bfloat16, torch.float16) and cublas_blockwise_available(device))
 
