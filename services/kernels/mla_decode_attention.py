@@ -23,7 +23,10 @@ import triton
 import triton.language as tl
 
 from services.kernels._triton_utils import _mma, dot_flags
-from services.kernels.paged_decode_attention import _MIN_PARTITION, _partition_len, _spread
+from services.kernels.paged_decode_attention import _partition_len, _spread
+
+_MIN_PARTITION = 128
+"""Fewest latent keys a split sequence's partition holds (the dense kernel's shorter ones are not measured here)."""
 
 LOG2E = 1.4426950408889634
 #: Query heads per program: the M side of both tl.dots (16 is tl.dot's smallest M).
