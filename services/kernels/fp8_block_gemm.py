@@ -21,10 +21,11 @@ be captured in CUDA graphs.
 Prefill-sized w8a8 products with DeepSeek-V3's 128 x 128 weight blocks may instead go to cuBLAS's
 blockwise-scaled FP8 GEMM (``torch._scaled_mm`` with 1 x 128 activation and 128 x 128 weight scales: the
 same quantized operands and scales as the w8a8 kernel, another accumulation order): where
-``PDSERVE_FP8_GEMM`` is ``cublas``, or ``auto`` (the default) and ``CUBLAS_AUTO`` says so, for at least
-``CUBLAS_MIN_M`` rows, once a probe on the device (a small product against the w8a8 kernel, outside any
-CUDA graph capture) found this torch and GPU run it; otherwise the w8a8 kernel runs, as it does for every
-other block shape.
+``PDSERVE_FP8_GEMM`` is ``cublas``, or ``auto`` (the default) and ``CUBLAS_AUTO`` says so for products of at
+least ``CUBLAS_AUTO_MIN_FLOP``, for at least ``CUBLAS_MIN_M`` rows, once a probe on the device (a small
+product against the w8a8 kernel, outside any CUDA graph capture) found this torch and GPU run it; otherwise
+the w8a8 kernel runs, as it does for every other block shape. Row counts are padded to a multiple of 16 for
+cuBLAS (it found no algorithm for 1037 rows).
 """
 
 from __future__ import annotations
@@ -58,11 +59,16 @@ FP8_GEMM_BACKEND = os.environ.get("PDSERVE_FP8_GEMM", "auto")
 """Which kernel runs prefill-sized w8a8 products with 128 x 128 blocks: ``triton`` (always the w8a8 kernel),
 ``cublas`` (cuBLAS's blockwise GEMM where the probe passes) or ``auto`` (cuBLAS when ``CUBLAS_AUTO``)."""
 CUBLAS_AUTO = True
-"""Whether ``auto`` takes cuBLAS's blockwise GEMM. Measured on an H100 (torch 2.11, CUDA 13; activation quant
-included in both): 1.3-2.2x the w8a8 kernel at 256-8192 rows on DeepSeek-V3's shapes (18432 x 7168 at 2048 rows
-1223 against 590 TFLOP/s), the two within 2e-5 of each other (docs/PERFORMANCE.md)."""
+"""Whether ``auto`` takes cuBLAS's blockwise GEMM (for products of at least ``CUBLAS_AUTO_MIN_FLOP``). Measured
+on an H100 (torch 2.11, CUDA 13; activation quant included in both): 1.3-2.2x the w8a8 kernel there on
+DeepSeek-V3's shapes (18432 x 7168 at 2048 rows 1223 against 590 TFLOP/s), the two within 2e-5 of each other
+(docs/PERFORMANCE.md)."""
 CUBLAS_MIN_M = 256
 """Fewest rows that go to cuBLAS's blockwise GEMM (below, the w8a8 kernel, or w8a16 up to W8A16_MAX_M)."""
+CUBLAS_AUTO_MIN_FLOP = 64e9
+"""``auto`` also wants at least this much work (2 M N K): on the H100 cuBLAS's call (activation quant, scale copy,
+algorithm lookup) lost to the w8a8 kernel on 7168 x 2048 and 2048 x 7168 at 2048 rows (60 GFLOP: 217 / 128 us
+against 120 / 120) and won from 67 GFLOP up (7168 x 18432 at 256 rows: 81 against 134 us)."""
 _CUBLAS_BLOCK = (128, 128)
 _CUBLAS_ROWS = 16
 """Row counts cuBLAS's blockwise GEMM is given are padded to a multiple of this (H100, torch 2.11: 1037 rows found
@@ -118,7 +124,7 @@ def cublas_blockwise_available(device: torch.device) -> bool:
 def _takes_cublas(m: int, n: int, k: int, block: tuple[int, int], dtype: torch.dtype, device: torch.device,
                   backend: str) -> bool:
     """Whether a w8a8 product of this shape goes to cuBLAS's blockwise GEMM (module docstring)."""
-    wanted = backend == "cublas" or (backend == "auto" and CUBLAS_AUTO)
+    wanted = backend == "cublas" or (backend == "auto" and CUBLAS_AUTO and 2.0 * m * n * k >= CUBLAS_AUTO_MIN_FLOP)
     return (wanted and m >= CUBLAS_MIN_M and tuple(block) == _CUBLAS_BLOCK and n % 128 == 0 and k % 128 == 0
             and dtype in (torch.bfloat16, torch.float16) and cublas_blockwise_available(device))
 
