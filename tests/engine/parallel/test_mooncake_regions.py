@@ -22,6 +22,7 @@ from services.engine.parallel.rank_writes import write_share
 from services.engine.parallel.split import HeadSplit
 from services.engine.region_pools import region_name
 from services.engine.shared_kv import SharedKVAttachError
+from tests.engine.test_rank_pages import _index as index_pool
 
 NO_MOONCAKE = mooncake.available()
 pytestmark = pytest.mark.skipif(NO_MOONCAKE is not None, reason=f"the Mooncake wheel cannot load here: {NO_MOONCAKE}")
@@ -57,14 +58,9 @@ def _keep(t: torch.Tensor) -> torch.Tensor:
 
 
 def _index(codec: str, seed: int | None = None) -> IndexKeys:
-    """An index-key pool of BLOCKS blocks (``seed``: filled with keys, else zero)."""
-    pool = _keep(torch.zeros(IndexKeys.pool_shape(L, BLOCKS, BS, INDEX_DIM, codec, torch.float32),
-                             dtype=torch.uint8))
-    keys = IndexKeys(L, BLOCKS, BS, INDEX_DIM, codec, torch.float32, pool)
-    if seed is not None:
-        g = torch.Generator().manual_seed(seed)
-        for layer in range(L):
-            keys.store(layer, torch.randn(BLOCKS * BS, INDEX_DIM, generator=g), torch.arange(BLOCKS * BS))
+    """An index-key pool of BLOCKS blocks (``seed``: filled with keys, else zero), kept alive while registered."""
+    keys = index_pool(codec, seed)
+    _keep(keys.kv_cache)
     return keys
 
 
