@@ -74,6 +74,7 @@ _CUBLAS_ROWS = 16
 """Row counts cuBLAS's blockwise GEMM is given are padded to a multiple of this (H100, torch 2.11: 1037 rows found
 no algorithm, 1000 and 16000 did)."""
 _cublas_probed: dict[int, bool] = {}
+_warned_unavailable: list[bool] = []
 
 
 def _cublas_blockwise(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -125,8 +126,17 @@ def _takes_cublas(m: int, n: int, k: int, block: tuple[int, int], dtype: torch.d
                   backend: str) -> bool:
     """Whether a w8a8 product of this shape goes to cuBLAS's blockwise GEMM (module docstring)."""
     wanted = backend == "cublas" or (backend == "auto" and CUBLAS_AUTO and 2.0 * m * n * k >= CUBLAS_AUTO_MIN_FLOP)
-    return (wanted and m >= CUBLAS_MIN_M and tuple(block) == _CUBLAS_BLOCK and n % 128 == 0 and k % 128 == 0
-            and dtype in (torch.bfloat16, torch.float16) and cublas_blockwise_available(device))
+    fits = (wanted and m >= CUBLAS_MIN_M and tuple(block) == _CUBLAS_BLOCK and n % 128 == 0 and k % 128 == 0
+            and dtype in (torch.bfloat16, torch.float16))
+    if not fits:
+        return False
+    if cublas_blockwise_available(device):
+        return True
+    if backend == "cublas" and not _warned_unavailable:
+        _warned_unavailable.append(True)
+        log.warning("PDSERVE_FP8_GEMM=cublas: cuBLAS's blockwise FP8 GEMM does not run on this torch/GPU; the Triton "
+                    "w8a8 kernel runs instead")
+    return False
 
 
 @dataclass(frozen=True)
