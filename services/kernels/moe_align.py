@@ -38,6 +38,8 @@ FUSED_ALIGN_MAX_WORK = 1 << 17
 def use_fused_align(pairs: int, num_experts: int) -> bool:
     """True when the one-launch alignment runs for ``pairs`` (token, slot) pairs over ``num_experts`` experts."""
     return 0 < pairs <= FUSED_ALIGN_MAX_PAIRS and pairs * triton.next_power_of_2(num_experts) <= FUSED_ALIGN_MAX_WORK
+
+
 _ONE_HOT_ELEMENTS = 8192
 """Elements of one chunk's [CHUNK, experts] one-hot matrix (registers of the program's threads)."""
 
@@ -94,9 +96,9 @@ def align_pairs_fused(topk_ids: torch.Tensor, num_experts: int, block_m: int
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """(sorted_pair_ids int32 [max_blocks * block_m], block_experts int32 [max_blocks], num_blocks int32 [1],
     max_blocks) of topk_ids [T, K] (int32, values in [0, num_experts)), as ``fused_moe.align_pairs`` returns
-    them, in one launch. For at most ``FUSED_ALIGN_MAX_PAIRS`` pairs."""
+    them, in one launch (any count of pairs; `use_fused_align` says where it is the faster form)."""
     pairs = topk_ids.numel()
-    assert 0 < pairs <= FUSED_ALIGN_MAX_PAIRS, f"align_pairs_fused: {pairs} pairs (1..{FUSED_ALIGN_MAX_PAIRS})"
+    assert pairs > 0, "align_pairs_fused: no pairs"
     assert topk_ids.dtype == torch.int32, f"align_pairs_fused: topk_ids dtype {topk_ids.dtype}, not int32"
     ids = topk_ids.reshape(-1)
     ids = ids if ids.is_contiguous() else ids.contiguous()
