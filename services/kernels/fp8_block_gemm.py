@@ -74,7 +74,7 @@ _CUBLAS_ROWS = 16
 """Row counts cuBLAS's blockwise GEMM is given are padded to a multiple of this (H100, torch 2.11: 1037 rows found
 no algorithm, 1000 and 16000 did)."""
 _cublas_probed: dict[int, bool] = {}
-_warned_unavailable: list[bool] = []
+_warned_unavailable = False
 
 
 def _cublas_blockwise(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -132,8 +132,9 @@ def _takes_cublas(m: int, n: int, k: int, block: tuple[int, int], dtype: torch.d
         return False
     if cublas_blockwise_available(device):
         return True
+    global _warned_unavailable
     if backend == "cublas" and not _warned_unavailable:
-        _warned_unavailable.append(True)
+        _warned_unavailable = True
         log.warning("PDSERVE_FP8_GEMM=cublas: cuBLAS's blockwise FP8 GEMM does not run on this torch/GPU; the Triton "
                     "w8a8 kernel runs instead")
     return False
