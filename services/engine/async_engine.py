@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 
 from services.engine.config import EngineConfig
 from services.engine.cpu.core_share import CoreShare, CoreShareError
+from services.engine.cpu.cpu_features import available_cpus
 from services.engine.engine import LLMEngine, RequestOutput
 from services.engine.errors import EngineDeadError
 from services.engine.kv_pages import pages_of
@@ -146,7 +147,8 @@ def _join_share_group(config: EngineConfig) -> CoreShare | None:
         log.info("core share group %s: lending off (%s)", group, why_not)
         return None
     try:
-        return CoreShare.join(group, config.resolved_cpu_threads, _set_torch_threads)
+        return CoreShare.join(group, config.resolved_cpu_threads, _set_torch_threads,
+                              max_threads=len(available_cpus()))
     except CoreShareError as e:
         log.warning("core share group %s: lending off: %s", group, e)
         return None

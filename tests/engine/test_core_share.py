@@ -60,6 +60,24 @@ def test_an_idle_peer_is_borrowed_after_the_hold_a_busy_one_never(tmp_path: Path
     assert rec_a.calls == [4, 1]
 
 
+def test_borrowing_stops_at_the_hosts_cpus(tmp_path: Path, live_pids: list[int]) -> None:
+    """A one-thread decode beside a prefill widened over both cores of a 2-core host borrows up to 2 threads, not
+    its share plus the prefill's (3); the prefill borrows nothing beyond its 2."""
+    rec = Threads()
+    decode = cs.CoreShare.join("g1", 1, rec, shm_dir=tmp_path, pid=live_pids[0], max_threads=2)
+    prefill = cs.CoreShare.join("g1", 2, Threads(), shm_dir=tmp_path, pid=live_pids[1], max_threads=2)
+    prefill.idle(T0)
+    decode.idle(T0)
+    assert decode.busy(T0 + HOLD) == 2
+    assert rec.calls == [2]
+    decode.idle(T0 + HOLD + 1)
+    assert prefill.busy(T0 + 3 * HOLD) == 2
+    unbounded, _ = _join(tmp_path, 1, os.getpid(), group="g2")
+    other, _ = _join(tmp_path, 2, os.getppid(), group="g2")
+    other.idle(T0)
+    assert unbounded.busy(T0 + HOLD) == 3  # max_threads 0: no bound
+
+
 def test_a_dead_peer_is_borrowed_at_once(tmp_path: Path) -> None:
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True)

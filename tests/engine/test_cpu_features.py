@@ -115,8 +115,21 @@ def test_cpu_list_rejects_garbage(bad: str) -> None:
         cf.parse_cpu_list(bad)
 
 
+def test_widen_prefills_gives_a_one_thread_prefill_the_cores() -> None:
+    assert cf.widen_prefills(cf.split_cores(2, 1, 1), 2, 1) == [2, 1]
+    assert cf.widen_prefills(cf.split_cores(4, 2, 2), 4, 2) == [2, 2, 1, 1]  # one core each: 4 cores / 2 prefills
+    assert cf.widen_prefills(cf.split_cores(2, 2, 2), 2, 2) == [1, 1, 1, 1]  # 2 // 2 = 1: nothing to widen
+    assert cf.widen_prefills(cf.split_cores(16, 1, 1), 16, 1) == [8, 8]  # a prefill with 2+ threads keeps them
+    assert cf.widen_prefills(cf.split_cores(1, 1, 1), 1, 1) == [1, 1]
+    assert cf.widen_prefills([1], 2, 0) == [1]  # no prefill (colocated workers)
+
+
 def test_engine_cpu_args_split_and_pin() -> None:
     assert cf.engine_cpu_args(1, 1, cpus=[0, 1, 2]) == [["--cpu-threads", "2"], ["--cpu-threads", "1"]]
+    assert cf.engine_cpu_args(1, 1, cpus=[0, 1]) == [["--cpu-threads", "2"], ["--cpu-threads", "1"]]  # widened
+    assert cf.engine_cpu_args(1, 1, pin=True, cpus=[0, 1]) == [  # pinned: disjoint, not widened
+        ["--cpu-threads", "1", "--cpu-affinity", "0"], ["--cpu-threads", "1", "--cpu-affinity", "1"]]
+    assert cf.engine_cpu_args(0, 2, cpus=[0, 1]) == [["--cpu-threads", "1"], ["--cpu-threads", "1"]]
     assert cf.engine_cpu_args(1, 1, pin=True, cpus=[0, 1, 2, 3]) == [
         ["--cpu-threads", "2", "--cpu-affinity", "0-1"], ["--cpu-threads", "2", "--cpu-affinity", "2-3"]]
     assert cf.engine_cpu_args(0, 0) == []

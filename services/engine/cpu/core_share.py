@@ -16,7 +16,9 @@ step out of date)::
             state = last change (CLOCK_MONOTONIC ns, one clock for all processes) << 1 | busy
 
 Invariants: an engine uses its own share whenever it works, so when every engine works the threads add up
-to the shares given (the cores); a busy peer is never borrowed from, and what working peers borrowed
+to the shares given (the cores, or more where ``pdserve up`` widened a one-thread prefill over the decodes'
+cores: cpu_features.widen_prefills); no engine runs more threads than the host's CPUs (``max_threads``,
+however much is lendable); a busy peer is never borrowed from, and what working peers borrowed
 already is not lent twice (two borrowers reading at the same instant may still both take it, until their
 next steps); a peer is lent from only once it has been idle for ``HOLD_NS`` (or its pid is gone: a crashed
 peer's stale slot counts as idle), so a peer that pauses for less than that is never borrowed from and
@@ -200,8 +202,10 @@ class CoreShare:
     Used by one thread (the engine loop); :meth:`peers` reads every slot."""
 
     def __init__(self, mm: mmap.mmap, slot: int, share: int, set_threads: Callable[[int], None],
-                 hold_ns: int = HOLD_NS, pid: int | None = None) -> None:
+                 hold_ns: int = HOLD_NS, pid: int | None = None, max_threads: int = 0) -> None:
         self._mm = mm
+        self.max_threads = max_threads
+        """Most threads a step runs with, borrowed ones included (the host's CPUs; 0: no bound)."""
         self._words = (ctypes.c_int64 * FILE_WORDS).from_buffer(mm)
         self.slot, self.share, self.hold_ns = slot, share, hold_ns
         self.pid = pid if pid is not None else os.getpid()
@@ -216,9 +220,10 @@ class CoreShare:
 
     @classmethod
     def join(cls, group: str, share: int, set_threads: Callable[[int], None], *, hold_ns: int = HOLD_NS,
-             shm_dir: Path = SHM_DIR, pid: int | None = None) -> CoreShare:
+             shm_dir: Path = SHM_DIR, pid: int | None = None, max_threads: int = 0) -> CoreShare:
         """Claim a slot of ``group`` (creating its file if absent): this pid's own slot again, else an
-        empty one or one whose process is gone. CoreShareError when the file is refused or full."""
+        empty one or one whose process is gone. CoreShareError when the file is refused or full.
+        ``max_threads``: the most threads a step may run with (0: no bound)."""
         if share < 1:
             raise CoreShareError(f"share must be >= 1 thread, got {share}")
         me = pid if pid is not None else os.getpid()
@@ -238,7 +243,7 @@ class CoreShare:
             mm.close()
             raise CoreShareError(f"share group {group!r} is full ({SLOTS} live processes)")
         log.info("core share group %s: slot %d, own share %d thread(s)", group, slot, share)
-        return cls(mm, slot, share, set_threads, hold_ns, me)
+        return cls(mm, slot, share, set_threads, hold_ns, me, max_threads)
 
     def _base(self, slot: int) -> int:
         return _HEADER_WORDS + slot * _SLOT_WORDS
@@ -278,6 +283,8 @@ class CoreShare:
         now = time.monotonic_ns() if now_ns is None else now_ns
         self._mark(True, now)
         total = self.share + (lendable_threads(self.peers(), now, self.hold_ns) if borrow else 0)
+        if self.max_threads:
+            total = max(self.share, min(total, self.max_threads))
         return self._apply(total if not exactly or total == exactly else self.share)
 
     def idle(self, now_ns: int | None = None) -> int:

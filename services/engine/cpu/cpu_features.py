@@ -154,6 +154,20 @@ def split_cores(n_cores: int, n_prefill: int, n_decode: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(n)]
 
 
+def widen_prefills(shares: list[int], n_cores: int, n_prefill: int) -> list[int]:
+    """``shares`` (split_cores's, prefills first) with every prefill that would run on one thread given the
+    host's cores divided among the prefills instead (at least 1): the prefill then overlaps the decodes' cores.
+
+    A prompt's matmuls scale with threads, and where the even split leaves a prefill one core, a prompt-heavy
+    load is bound by it while its decode spends its own core on small batches: on a 2-core host (Zen 4 EPYC,
+    SmolLM2-135M bf16, 1P1D, 512-token prompts, 32 output tokens, C16) the prefill on both cores and the decode on
+    one served 71.6 output tok/s against 53.3 with one core each (TPOT 25 against 24 ms, C1 TTFT 375 against
+    368 ms). Spawned engines wait passively in OpenMP (QUIET_OPENMP_ENV), so the decode's short steps interleave
+    with the prefill's threads instead of spinning against them. Prefills with two or more threads keep theirs."""
+    wide = max(1, n_cores // n_prefill) if n_prefill else 1
+    return [wide if i < n_prefill and s == 1 else s for i, s in enumerate(shares)]
+
+
 def assign_cpus(cpus: Iterable[int], shares: list[int]) -> list[list[int]]:
     """Disjoint runs of ``cpus`` of sizes ``shares`` (in order); where the shares ask for more CPUs
     than there are, they wrap around (processes then share CPUs)."""
@@ -202,11 +216,15 @@ def format_cpu_list(cpus: Iterable[int]) -> str:
 def engine_cpu_args(n_prefill: int, n_decode: int, *, pin: bool = False,
                     cpus: Iterable[int] | None = None) -> list[list[str]]:
     """Engine flags giving each of the processes ``pdserve up`` starts its share of this host's CPUs
-    (prefills first, then decodes): ``--cpu-threads N``, plus ``--cpu-affinity LIST`` when ``pin``."""
+    (prefills first, then decodes): ``--cpu-threads N``, plus ``--cpu-affinity LIST`` when ``pin``. Unpinned,
+    a prefill the even split leaves one thread runs on the cores of the host divided among the prefills
+    (widen_prefills)."""
     if n_prefill + n_decode == 0:
         return []
     ids = list(cpus) if cpus is not None else list(available_cpus())
     shares = split_cores(len(ids), n_prefill, n_decode)
+    if not pin:  # pinned shares stay disjoint: each process has the CPUs it is pinned to
+        shares = widen_prefills(shares, len(ids), n_prefill)
     args = [["--cpu-threads", str(s)] for s in shares]
     if pin:
         for a, cpu_set in zip(args, assign_cpus(ids, shares), strict=True):
