@@ -113,6 +113,10 @@ class ModelRunner:
 
             if CompiledDecode.supported(self.model):
                 self.compiled_decode = CompiledDecode(self.model, self.kv_cache, config.cpu_compile_decode)
+                kernels = getattr(self.attn_backend, "native", None)  # the C decode attention, where it applies
+                if kernels is not None and kernels.supports_decode(self.kv_cache.dtype, loaded.arch.num_heads,
+                                                                   self.num_kv_heads, self.head_dim, self.block_size):
+                    self.compiled_decode.eager_kernels = kernels
                 self.decode_compiler = DecodeCompiler(self.compiled_decode, config.resolved_cpu_threads,
                                                      config)
                 self.decode_compiler.start()

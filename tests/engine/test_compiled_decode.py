@@ -101,6 +101,43 @@ def test_a_variant_past_its_crossover_gives_way_to_eager_views(tiny_llama3_dir: 
     assert compiled.accepts([_Chunk(_Seq(600, 0)), _Chunk(_Seq(200, 100, gap=True))])
     compiled.activate(1)  # no limit given: the earlier one stays
     assert compiled.max_keys[(1, torch.get_num_threads())] == 100
+    compiled.eager_kernels = object()  # the C kernels read every key in place: past the limit, always eager
+    assert not compiled.accepts([_Chunk(_Seq(300, 0, gap=True))])
+    assert not compiled.accepts([_Chunk(_Seq(300, 0)), _Chunk(_Seq(200, 40))])
+    assert compiled.accepts([_Chunk(_Seq(99, 0))])
+
+
+@torch.inference_mode()
+def test_the_compilers_eager_step_attends_through_the_engines_kernels(tiny_llama3_dir: Path) -> None:
+    """The variants are timed against the eager step the engine takes: with the C decode kernels (where they
+    load and serve the model), the compile judge's eager step attends through them too, not through torch."""
+    from services.engine.cpu import native
+
+    kernels = native.load()
+    if kernels is None:
+        pytest.skip("no C compiler for the native kernels")
+    eng = LLMEngine(EngineConfig(model=str(tiny_llama3_dir), device="cpu", dtype="float32", num_kv_blocks=32,
+                                 cpu_compile_decode=0))
+    cd = CompiledDecode(eng.runner.model, eng.runner.kv_cache, max_batch=1)
+    assert cd.eager_kernels is None  # set by the model runner only
+    backend = eng.runner.attn_backend
+    assert backend.native is not None
+    step = decode_compiler._EagerStep(eng.runner.model, cd.scratch_pool(8), cd.block_size, backend.native)
+    assert step.backend.native is backend.native
+    calls = []
+    real = backend.native.paged_decode_attention
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    backend.native.paged_decode_attention = counted
+    try:
+        step.prefill([3, 4, 5, 6, 7], [0, 1])
+        logits = step.decode([(8, 5, [0, 1])])
+    finally:
+        del backend.native.paged_decode_attention
+    assert calls and torch.isfinite(logits).all()
 
 
 def test_crossover_keys() -> None:

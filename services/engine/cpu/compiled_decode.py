@@ -38,6 +38,7 @@ import torch._inductor.exc
 import torch.nn.functional as F
 
 from services.engine.attention import VIEWS_MIN_KEYS_BATCHED, consecutive_starts
+from services.engine.cpu.native import NativeKernels
 from services.engine.models.rope import rotate_half
 from services.engine.scheduler import ScheduledChunk
 
@@ -81,6 +82,10 @@ class CompiledDecode:
         mutated: one reference read). Dynamo guards on the thread count (its global state guard), so each
         variant is compiled at a count (the code object holds one cache entry per count compiled) and a step
         at a count without a variant of its size runs eager."""
+        self.eager_kernels: NativeKernels | None = None
+        """The C kernels the engine's eager steps attend through (set by the model runner where they serve this
+        model's decode rows): they read every key in place, so past a variant's ``max_keys`` the eager step
+        is taken whatever the block layout, and the decode compiler times its eager steps with them."""
         self.max_keys: dict[tuple[int, int], float] = {}
         """(batch size, torch threads) -> the longest context (keys) at which that variant is preferred to an eager
         step that reads its keys as views of the pool (every sequence's blocks consecutive): past it, the compiled
@@ -145,7 +150,7 @@ class CompiledDecode:
     def accepts(self, chunks: list[ScheduledChunk]) -> bool:
         """A pure-decode step of a batch size whose variant is switched on at the calling thread's torch
         thread count (engine thread, once per step), unless its context is past the variant's ``max_keys``
-        and the eager step would read the keys as views."""
+        and the eager step reads the keys in place (the C kernels, or TorchPagedAttention's views)."""
         key = (len(chunks), torch.get_num_threads())
         if key not in self.on or not all(c.num_new_tokens == 1 and not c.spec_tokens for c in chunks):
             return False
@@ -153,7 +158,7 @@ class CompiledDecode:
         if limit is None:
             return True
         keys = max(c.seq.num_computed_tokens + 1 for c in chunks)
-        return keys <= limit or not self._eager_reads_views(chunks, keys)
+        return keys <= limit or (self.eager_kernels is None and not self._eager_reads_views(chunks, keys))
 
     def _eager_reads_views(self, chunks: list[ScheduledChunk], keys: int) -> bool:
         """Whether the eager step (TorchPagedAttention's decode plan) reads these sequences' keys as views."""

@@ -54,6 +54,7 @@ from services.engine.attention import ForwardContext, TorchPagedAttention
 from services.engine.config import EngineConfig
 from services.engine.cpu import compile_cache, trace_fence
 from services.engine.cpu.compiled_decode import _COMPILE_ERRORS, CompiledDecode
+from services.engine.cpu.native import NativeKernels
 from services.engine.step_inputs import prepare_rows
 
 log = logging.getLogger(__name__)
@@ -321,7 +322,7 @@ class DecodeCompiler:
         per_seq = pages // cd.max_batch
         scratch = cd.scratch_pool(pages)
         tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(cd.max_batch)]
-        eager = _EagerStep(cd.model, scratch, bs)
+        eager = _EagerStep(cd.model, scratch, bs, cd.eager_kernels)
         # Unequal contexts: sequence i holds CONTEXT_TOKENS - 5 i prompt tokens (fixed, in-vocabulary ids).
         vocab = cd.model.arch.vocab_size
         lens = [CONTEXT_TOKENS - 5 * i for i in range(cd.max_batch)]
@@ -455,7 +456,7 @@ class DecodeCompiler:
         rows = [(5 + i, keys - 1, tables[i]) for i in range(v.batch)]
         if cd.serves_engine_pool(v.batch, rows, pool) is False:
             return
-        eager = _EagerStep(cd.model, pool, bs)
+        eager = _EagerStep(cd.model, pool, bs, cd.eager_kernels)
         v.long_eager_ms, v.long_compiled_ms = self._timed_pairs(LONG_PAIRS, rows, eager, pool)
         v.long_keys = keys
         v.max_keys = crossover_keys(CONTEXT_TOKENS, v.eager_ms, v.compiled_ms, keys, v.long_eager_ms,
@@ -478,12 +479,15 @@ def crossover_keys(short_keys: int, short_eager_ms: float, short_compiled_ms: fl
 
 class _EagerStep:
     """The model runner's eager CPU step (paged attention, the model's forward) on the scratch pool, with a
-    private rotary module; it rewrites the same slots at every call (positions do not advance)."""
+    private rotary module; it rewrites the same slots at every call (positions do not advance). ``kernels``: the
+    C kernels the engine's own eager steps attend through, so the timings compare the compiled variant with the
+    step the engine would otherwise take (torch's attention costs several times more per key)."""
 
-    def __init__(self, model: torch.nn.Module, pool: torch.Tensor, block_size: int) -> None:
+    def __init__(self, model: torch.nn.Module, pool: torch.Tensor, block_size: int,
+                 kernels: NativeKernels | None = None) -> None:
         self.model, self.block_size = model, block_size
         self.rotary = copy.copy(model.rotary)  # own per-step cache attributes, shared (read-only) tables
-        self.backend = TorchPagedAttention(pool, pool.shape[-1] ** -0.5)
+        self.backend = TorchPagedAttention(pool, pool.shape[-1] ** -0.5, kernels)
 
     def _run(self, rows: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
 
