@@ -116,7 +116,7 @@ def _prefill_both(kv, q, k_new, meta, window=0):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(9, 3, 64), (8, 8, 32), (16, 2, 128), (4, 1, 80)])
+@pytest.mark.parametrize("shape", [(9, 3, 64), (8, 8, 32), (16, 2, 128), (4, 1, 80), (6, 2, 100), (3, 3, 7)])
 def test_prefill_rows_match_torch(dtype, shape):
     """Whole prompts (no cached prefix) and chunks after cached tokens, several sequences in one step."""
     heads, kv_heads, dim = shape

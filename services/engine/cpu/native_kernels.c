@@ -193,11 +193,11 @@ DEFINE_PV(prefill_pv_d128_, 128)
         for (int qb = 0; qb < nqb; qb++) {                                                                        \
             for (int kh = 0; kh < KVH; kh++) {                                                                    \
                 const int t0 = qb * PQB, tn = N - t0 < PQB ? N - t0 : PQB, R = tn * G;                            \
-                float *ws = (float *)aligned_alloc(64, sizeof(float) * ((size_t)R * D * 2 + (size_t)R * 2 +       \
-                                                   (size_t)D * PKT * 2 + PKT + 16 + 64));                          \
+                const size_t floats = (size_t)D * PKT * 2 + (size_t)R * D * 2 + (size_t)R * 2;                    \
+                float *ws = (float *)aligned_alloc(64, (sizeof(float) * floats + 63) / 64 * 64);                  \
                 if (!ws) { bad = 1; continue; }                                                                   \
-                float *qf = ws, *acc = qf + (size_t)R * D, *kt = acc + (size_t)R * D;                             \
-                float *vf = kt + (size_t)D * PKT, *m = vf + (size_t)PKT * D, *l = m + R, *s = l + R + 16;         \
+                float *kt = ws, *vf = kt + (size_t)D * PKT; /* 64-byte aligned: PKT floats per head-dim row */     \
+                float *qf = vf + (size_t)PKT * D, *acc = qf + (size_t)R * D, *m = acc + (size_t)R * D, *l = m + R;  \
                 for (int ti = 0; ti < tn; ti++)                                                                   \
                     for (int g = 0; g < G; g++) {                                                                 \
                         const T *qr = q + ((size_t)(t0 + ti) * H + kh * G + g) * D;                               \
