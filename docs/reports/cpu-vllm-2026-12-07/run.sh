@@ -37,6 +37,9 @@ bench() {  # label port
   grep -E "^\| $1" "$OUT/bench-$1.log"
 }
 run_vllm() {  # round
+  if curl -sf http://127.0.0.1:8021/v1/models > /dev/null; then  # a server left from an interrupted run
+    echo "port 8021 answers already: stop that server first" >&2; exit 1
+  fi
   VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=2 $VLLM serve "$HF" --served-model-name smol --dtype bfloat16 \
     --port 8021 --max-model-len 2048 > "$OUT/vllm-$1.log" 2>&1 &
   local pid=$!
@@ -46,6 +49,9 @@ run_vllm() {  # round
   kill -INT $pid; wait $pid 2>/dev/null; sleep 3
 }
 run_pdserve() {  # mode round
+  if curl -sf http://127.0.0.1:8011/v1/models > /dev/null; then
+    echo "port 8011 answers already: stop that server first" >&2; exit 1
+  fi
   local extra=(); [ "$1" = colocated ] && extra=(--colocated)
   python3 -m services.cli up --http-port 8011 --grpc-port 0 "${extra[@]}" > "$OUT/up-$1-$2.log" 2>&1 &
   local pid=$!
