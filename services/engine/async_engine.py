@@ -98,8 +98,8 @@ def _may_borrow(eng: LLMEngine) -> bool:
     the prefill and its decode take turns; with more requests they overlap, and a long borrowed step, a
     2048-token prefill, would overrun a peer that wakes mid-step), and never while a compiled decode step is
     switched on, unless every size switched on at its own share is switched on at the lent count too (a step
-    at a thread count without a variant runs eager; measured, c=1 on the shared 2-core box: 23.9 ms/token
-    borrowed and eager vs 18.8 ms compiled alone)."""
+    at a thread count without a variant runs eager; measured on a 2-core Xeon, c=1, when the compile judge still
+    timed torch's attention: 23.9 ms/token borrowed and eager vs 18.8 ms compiled alone)."""
     sch = eng.scheduler
     compiled = getattr(eng.runner, "compiled_decode", None)
     if compiled is not None and compiled.active:
