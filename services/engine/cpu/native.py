@@ -42,9 +42,10 @@ when the library loads (subnormal floats would silently become 0 everywhere)."""
 LINK_FLAGS = ("-shared", "-fopenmp")
 ABI_VERSION = 4
 MAX_HEADS, MAX_HEADS_X_DIM, MAX_KV_ROW, MAX_BLOCK = 64, 16384, 4096, 64
-MAX_PREFILL_HEAD_DIM = 512
 """native_kernels.c's limits: query heads, query heads x head dim, KV heads x head dim, tokens per page (larger
 shapes use torch's kernels)."""
+MAX_PREFILL_HEAD_DIM = 512
+"""The prefill kernel's largest head dim (its per-row accumulator)."""
 
 _ARGS_DECODE = [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5 + \
                [ctypes.c_float, ctypes.c_int]
@@ -155,7 +156,6 @@ class NativeKernels:
         if rc != 0:  # supports_decode was asked first: a failure here is a bug, never a silent wrong answer
             raise RuntimeError(f"native paged decode attention refused shape B={b} H={h} KVH={kvh} D={d} (rc {rc})")
         return out
-
 
     def supports_prefill(self, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int) -> bool:
         return (dtype in self._prefill and kv_heads > 0 and heads % kv_heads == 0 and heads <= MAX_HEADS
