@@ -2,7 +2,7 @@
 against torch's path (scaled_dot_product_attention over the new tokens, or over the gathered pages after a cached
 prefix), everything else equal, rounds alternating so drift hits both.
 
-    python -m benchmarks.cpu_prefill_ab --threads 1,2 --prompt 512 --rounds 6
+    python -m benchmarks.cpu_prefill_ab --threads 1,2 --prompt 512 --rounds 6 [--accuracy]
 """
 
 from __future__ import annotations
@@ -56,12 +56,54 @@ def run(model: str, threads: int, prompt: int, rounds: int) -> dict[str, list[fl
     return out
 
 
+PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.", "Explain gravity to a child.",
+           "List three prime numbers.", "Who wrote Hamlet?", "Translate 'good morning' to Spanish.")
+
+
+def accuracy(model: str) -> dict[str, float]:
+    """Mean |logprob - fp32's| of the first token's top-10 alternatives over PROMPTS (chat-wrapped), bf16 with the C
+    prefill kernel and with torch's path, the fp32 engine on torch's path as the reference."""
+    real = TorchPagedAttention._native_prefill
+    got: dict[tuple[str, str, str], dict[int, float]] = {}
+    params = SamplingParams(max_tokens=1, logprobs=True, top_logprobs=20, ignore_eos=True)
+    n = 0
+    try:
+        for dtype in ("float32", "bfloat16"):
+            eng = LLMEngine(EngineConfig(model=model, device="cpu", dtype=dtype, cpu_compile_decode=0,
+                                         enable_prefix_caching=False))
+            tok = eng.tokenizer
+            for p in PROMPTS:
+                ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
+                for name in ("C kernel", "torch"):
+                    TorchPagedAttention._native_prefill = real if name == "C kernel" else (lambda *a, **k: None)
+                    n += 1
+                    eng.add_request(f"a{n}", ids, params, False)
+                    outs = []
+                    while eng.has_work():
+                        outs += eng.step()
+                    top = [o for o in outs if o.new_token_ids][-1].new_top_logprobs[0]
+                    got[(dtype, name, p)] = dict(zip(top.token_ids, top.logprobs, strict=True))
+    finally:
+        TorchPagedAttention._native_prefill = real
+    err = {}
+    for name in ("C kernel", "torch"):
+        per = []
+        for p in PROMPTS:
+            ref, mine = got[("float32", "torch", p)], got[("bfloat16", name, p)]
+            common = [k for k in ref if k in mine][:10]
+            per.append(sum(abs(ref[k] - mine[k]) for k in common) / max(1, len(common)))
+        err[name] = sum(per) / len(per)
+    return err
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="", help="a .gguf file or HF directory (default: the embedded SmolLM2-135M)")
     ap.add_argument("--threads", default="1,2", help="torch thread counts, comma-separated")
     ap.add_argument("--prompt", type=int, default=512, help="prompt tokens")
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--accuracy", action="store_true",
+                    help="also: bf16 first-token logprobs of both paths against the fp32 engine's, six chat prompts")
     a = ap.parse_args(argv)
     cpu = host_cpu()
     print(f"CPU {cpu.model} [{', '.join(sorted(f for f in cpu.flags if f.startswith(('avx512', 'amx', 'avx2'))))}]")
@@ -70,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         c, tr = statistics.median(res["C kernel"]), statistics.median(res["torch"])
         print(f"{t} thread(s), {a.prompt}-token prefill: C kernel {c:.1f} ms, torch {tr:.1f} ms "
               f"(x{tr / c:.2f}); rounds {[round(x) for x in res['C kernel']]} / {[round(x) for x in res['torch']]}")
+    if a.accuracy:
+        err = accuracy(a.model or _default_model())
+        print("bf16 first-token top-10 logprobs, mean |difference| from the fp32 engine's: "
+              + ", ".join(f"{k} {v:.4f}" for k, v in err.items()))
     return 0
 
 
