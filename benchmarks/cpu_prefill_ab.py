@@ -8,6 +8,7 @@ prefix), everything else equal, rounds alternating so drift hits both.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import pathlib
 import statistics
@@ -27,11 +28,22 @@ def _default_model() -> str:
     return str(next(pathlib.Path(spec.origin).parent.glob("*.gguf")))
 
 
+@contextlib.contextmanager
+def _path(name: str):
+    """Prefill attention through the C kernel ("C kernel") or torch's path ("torch") inside the block."""
+    real = TorchPagedAttention._native_prefill
+    if name == "torch":
+        TorchPagedAttention._native_prefill = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        TorchPagedAttention._native_prefill = real
+
+
 def run(model: str, threads: int, prompt: int, rounds: int) -> dict[str, list[float]]:
     eng = LLMEngine(EngineConfig(model=model, device="cpu", cpu_threads=threads, num_kv_blocks=prompt // 16 + 64,
                                  cpu_compile_decode=0, enable_prefix_caching=False))
     params = SamplingParams(max_tokens=1, ignore_eos=True)
-    real = TorchPagedAttention._native_prefill
     n = 0
 
     def prefill() -> float:
@@ -44,15 +56,12 @@ def run(model: str, threads: int, prompt: int, rounds: int) -> dict[str, list[fl
         return (time.perf_counter() - t) * 1e3
 
     out: dict[str, list[float]] = {"C kernel": [], "torch": []}
-    try:
-        for _ in range(2):
-            prefill()
-        for r in range(rounds):
-            for name in ("C kernel", "torch") if r % 2 == 0 else ("torch", "C kernel"):
-                TorchPagedAttention._native_prefill = real if name == "C kernel" else (lambda *a, **k: None)
+    for _ in range(2):
+        prefill()
+    for r in range(rounds):
+        for name in ("C kernel", "torch") if r % 2 == 0 else ("torch", "C kernel"):
+            with _path(name):
                 out[name].append(prefill())
-    finally:
-        TorchPagedAttention._native_prefill = real
     return out
 
 
@@ -63,28 +72,24 @@ PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.", "Ex
 def accuracy(model: str) -> dict[str, float]:
     """Mean |logprob - fp32's| of the first token's top-10 alternatives over PROMPTS (chat-wrapped), bf16 with the C
     prefill kernel and with torch's path, the fp32 engine on torch's path as the reference."""
-    real = TorchPagedAttention._native_prefill
     got: dict[tuple[str, str, str], dict[int, float]] = {}
     params = SamplingParams(max_tokens=1, logprobs=True, top_logprobs=20, ignore_eos=True)
     n = 0
-    try:
-        for dtype in ("float32", "bfloat16"):
-            eng = LLMEngine(EngineConfig(model=model, device="cpu", dtype=dtype, cpu_compile_decode=0,
-                                         enable_prefix_caching=False))
-            tok = eng.tokenizer
-            for p in PROMPTS:
-                ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
-                for name in ("C kernel", "torch"):
-                    TorchPagedAttention._native_prefill = real if name == "C kernel" else (lambda *a, **k: None)
-                    n += 1
+    for dtype in ("float32", "bfloat16"):
+        eng = LLMEngine(EngineConfig(model=model, device="cpu", dtype=dtype, cpu_compile_decode=0,
+                                     enable_prefix_caching=False))
+        tok = eng.tokenizer
+        for p in PROMPTS:
+            ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
+            for name in ("C kernel", "torch"):
+                n += 1
+                outs = []
+                with _path(name):
                     eng.add_request(f"a{n}", ids, params, False)
-                    outs = []
                     while eng.has_work():
                         outs += eng.step()
-                    top = [o for o in outs if o.new_token_ids][-1].new_top_logprobs[0]
-                    got[(dtype, name, p)] = dict(zip(top.token_ids, top.logprobs, strict=True))
-    finally:
-        TorchPagedAttention._native_prefill = real
+                top = [o for o in outs if o.new_token_ids][-1].new_top_logprobs[0]
+                got[(dtype, name, p)] = dict(zip(top.token_ids, top.logprobs, strict=True))
     err = {}
     for name in ("C kernel", "torch"):
         per = []

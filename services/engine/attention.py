@@ -293,12 +293,20 @@ class TorchPagedAttention:
         one = cpu and nd <= ONE_THREAD_MAX_BATCH and nb * bs <= ONE_THREAD_MAX_KEYS
         return DecodePlan(gather, nb, nb * bs, mask, threads=1 if one else 0)
 
+    def native_for(self, dtype: torch.dtype, heads: int, prefill: bool = False) -> NativeKernels | None:
+        """The C kernels where they serve this pool's decode rows (``prefill``: prefill rows) for queries of
+        ``dtype`` with ``heads`` heads, else None (torch's path)."""
+        native = self.native
+        if native is None or dtype != self.kv_cache.dtype:
+            return None
+        supports = native.supports_prefill if prefill else native.supports_decode
+        return native if supports(dtype, heads, self.num_kv_heads, self.head_dim, self.block_size) else None
+
     def _native_decode(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, window: int,
                        scale: float) -> torch.Tensor | None:
         """The decode rows through the C kernel, or None where it does not apply (then torch's path runs)."""
-        native = self.native
-        if native is None or q.dtype != self.kv_cache.dtype or meta.block_tables.dtype != torch.int32 or \
-                not native.supports_decode(q.dtype, q.shape[1], self.num_kv_heads, self.head_dim, self.block_size):
+        native = self.native_for(q.dtype, q.shape[1])
+        if native is None or meta.block_tables.dtype != torch.int32:
             return None
         nd = meta.num_decode
         ctx = meta.context_lens[:nd]
@@ -314,9 +322,8 @@ class TorchPagedAttention:
                         window: int, scale: float) -> torch.Tensor | None:
         """Sequence ``i``'s new tokens (q [N, H, D]) through the C prefill kernel over its pages (its new K/V stored
         already), or None where it does not apply (then torch's path runs)."""
-        native = self.native
-        if native is None or q.dtype != self.kv_cache.dtype or meta.block_tables.dtype != torch.int32 or \
-                not native.supports_prefill(q.dtype, q.shape[1], self.num_kv_heads, self.head_dim, self.block_size):
+        native = self.native_for(q.dtype, q.shape[1], prefill=True)
+        if native is None or meta.block_tables.dtype != torch.int32:
             return None
         return native.paged_prefill_attention(q, self.kv_cache[layer, 0], self.kv_cache[layer, 1],
                                               meta.block_tables[i], first_position, window, scale)

@@ -113,10 +113,9 @@ class ModelRunner:
 
             if CompiledDecode.supported(self.model):
                 self.compiled_decode = CompiledDecode(self.model, self.kv_cache, config.cpu_compile_decode)
-                kernels = getattr(self.attn_backend, "native", None)  # the C decode attention, where it applies
-                if kernels is not None and kernels.supports_decode(self.kv_cache.dtype, loaded.arch.num_heads,
-                                                                   self.num_kv_heads, self.head_dim, self.block_size):
-                    self.compiled_decode.eager_kernels = kernels
+                # the C decode attention the eager steps take, where it serves this model (CPU: TorchPagedAttention)
+                self.compiled_decode.eager_kernels = self.attn_backend.native_for(self.kv_cache.dtype,
+                                                                                  loaded.arch.num_heads)
                 self.decode_compiler = DecodeCompiler(self.compiled_decode, config.resolved_cpu_threads,
                                                      config)
                 self.decode_compiler.start()
