@@ -92,3 +92,11 @@ def setup_logging(service: str, config: LoggingConfig | None = None) -> None:
     root.setLevel(cfg.log_level)
     # grpc's own Python logger is chatty at DEBUG about polling; keep it at WARNING unless asked.
     logging.getLogger("grpc").setLevel(max(logging.WARNING, root.level))
+
+
+def write_line(line: str) -> None:
+    """One whole line on stdout in one write. Services run unbuffered under the launcher, where ``print``
+    writes the text and its newline separately; a log line from another thread (or the engine-core process
+    sharing the log file) could land between the two and the launcher would read it as part of this line."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()

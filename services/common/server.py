@@ -40,6 +40,7 @@ from grpc_reflection.v1alpha import reflection
 from services.common.config import opt, require
 from services.common.errors import OperatorError, one_line
 from services.common.grpc_util import DEFAULT_MAX_MESSAGE_BYTES, server_options
+from services.common.logging import write_line
 from services.common.malloc_tuning import tune_malloc
 from services.common.parent_watch import wait_for_parent_exit
 from services.common.tls import TLSConfig
@@ -50,6 +51,7 @@ _STARTED = time.monotonic()
 
 Hook = Callable[[], Awaitable[None] | None]
 READY_PREFIX = "PDSERVE_READY"
+
 _WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]"}
 
 
@@ -319,7 +321,7 @@ class ServiceServer:
             return
         for name in (*self.service_names, ""):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        print(self.ready_line(), file=sys.stdout, flush=True)
+        write_line(self.ready_line())
         log.info("%s SERVING on %s", self.service, self.grpc_address)
 
     # -- shutdown ----------------------------------------------------------------------------------

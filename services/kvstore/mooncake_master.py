@@ -25,6 +25,7 @@ from types import TracebackType
 from typing import IO
 
 from services.common.cli_args import ArgParser
+from services.common.logging import write_line
 
 LOOPBACK = "127.0.0.1"
 
@@ -159,8 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                             extra_args=extra)
     master.start()
     # The same ready line as pdserve's services, so `pdserve up` can start and wait for it.
-    print(f"PDSERVE_READY service=mooncake-master rpc={master.address} "
-          f"metrics={args.host}:{master.metrics_port} pid={master.proc.pid if master.proc else 0}", flush=True)
+    write_line(f"PDSERVE_READY service=mooncake-master rpc={master.address} "
+               f"metrics={args.host}:{master.metrics_port} pid={master.proc.pid if master.proc else 0}")
     try:
         assert master.proc is not None
         while True:

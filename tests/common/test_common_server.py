@@ -202,3 +202,26 @@ async def test_channel_option_override(server: ServiceServer) -> None:
             await common_pb2_grpc.AdminStub(ch).CaptureTrace(
                 common_pb2.CaptureTraceRequest(out_dir="y" * 5000), timeout=5)
         assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class _Writes:
+    def __init__(self) -> None:
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+async def test_the_ready_line_leaves_in_one_write(server: ServiceServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Under the launcher stdout is unbuffered: a line written as text, then newline, can be split by another
+    # thread's log line, and the launcher then reads a log timestamp as part of the pid.
+    out = _Writes()
+    monkeypatch.setattr("sys.stdout", out)
+    await server.set_serving()
+    ready = [w for w in out.writes if w.startswith(READY_PREFIX)]
+    assert len(ready) == 1 and ready[0].endswith("\n") and ready[0].count("\n") == 1
+    assert ready[0].rstrip("\n").split()[-1] == f"pid={os.getpid()}"
