@@ -131,57 +131,88 @@ DEFINE_DECODE(paged_decode_attention_f32, float, F32_LOAD, F32_STORE)
  * task's rows. Keys go in tiles of PKT: each tile's K rows of the KV head are converted to fp32 once and
  * transposed to [D][PKT] (zero past the keys there are), so a row's scores over the tile are one fixed-width
  * vector per head-dim element, and its V rows once for every row's P*V; an online softmax per row over the
- * tiles (keys past a row's position, or before its window, get no weight and are never exponentiated). */
+ * tiles (keys past a row's position, or before its window, get no weight and are never exponentiated). Rows
+ * go through a tile PRB at a time, so each K and V vector loaded feeds PRB rows' multiply-adds. */
 #define PQB 16
 #define PKT 16
 
-/* sc[j] = q . kt[:, j] for the PKT keys of a tile (kt [D][PKT]): four independent accumulators over the head
- * dim, so the sums do not wait on one another (one vector of PKT floats each); fused multiply-adds (explicit
- * fmaf: the library compiles with -ffp-contract=off for the elementwise ops' torch-equal rounding). */
-static inline void prefill_scores(const float *q, const float *kt, int D, float *sc) {
-    float a0[PKT] __attribute__((aligned(64))) = {0}, a1[PKT] __attribute__((aligned(64))) = {0};
-    float a2[PKT] __attribute__((aligned(64))) = {0}, a3[PKT] __attribute__((aligned(64))) = {0};
-    int d = 0;
-    for (; d + 4 <= D; d += 4) {
-        const float *k0 = kt + (size_t)d * PKT;
-        const float q0 = q[d], q1 = q[d + 1], q2 = q[d + 2], q3 = q[d + 3];
+/* One row, any head dim (one not a multiple of 64): acc = acc * corr + sum over keys j0..j1-1 of p[j] * v[j]
+ * (v [PKT][D]). */
+static inline void prefill_pv_any(float *acc, const float *p, const float *vf, float corr, int j0, int j1, int D) {
+    _Pragma("omp simd")
+    for (int d = 0; d < D; d++) acc[d] *= corr;
+    for (int j = j0; j < j1; j++) {
+        const float pj = p[j], *vj = vf + (size_t)j * D;
         _Pragma("omp simd")
-        for (int j = 0; j < PKT; j++) {
-            a0[j] = fmaf(q0, k0[j], a0[j]);
-            a1[j] = fmaf(q1, k0[PKT + j], a1[j]);
-            a2[j] = fmaf(q2, k0[2 * PKT + j], a2[j]);
-            a3[j] = fmaf(q3, k0[3 * PKT + j], a3[j]);
+        for (int d = 0; d < D; d++) acc[d] = fmaf(pj, vj[d], acc[d]);
+    }
+}
+
+/* PRB rows at a time: a tile's K (or V) vectors are loaded once for PRB rows' fused multiply-adds instead of
+ * once per row, so the loads no longer bound the multiply-adds (one load per multiply-add before). */
+#define PRB 4
+
+/* sc[i][j] = q_i . kt[:, j] for the PRB rows at q (row i at q + i*D): two accumulator chains per row (even and
+ * odd head-dim elements), eight independent vectors in all; fused multiply-adds (explicit fmaf: the library
+ * compiles with -ffp-contract=off for the elementwise ops' torch-equal rounding). */
+static inline void prefill_scores_rows(const float *q, const float *kt, int D, float sc[PRB][PKT]) {
+    float a[PRB][PKT] __attribute__((aligned(64))) = {{0}}, b[PRB][PKT] __attribute__((aligned(64))) = {{0}};
+    int d = 0;
+    for (; d + 2 <= D; d += 2) {
+        const float *k0 = kt + (size_t)d * PKT, *k1 = k0 + PKT;
+        _Pragma("GCC unroll 4")
+        for (int i = 0; i < PRB; i++) {
+            const float x0 = q[(size_t)i * D + d], x1 = q[(size_t)i * D + d + 1];
+            _Pragma("omp simd")
+            for (int j = 0; j < PKT; j++) {
+                a[i][j] = fmaf(x0, k0[j], a[i][j]);
+                b[i][j] = fmaf(x1, k1[j], b[i][j]);
+            }
         }
     }
     for (; d < D; d++) {
-        _Pragma("omp simd")
-        for (int j = 0; j < PKT; j++) a0[j] = fmaf(q[d], kt[(size_t)d * PKT + j], a0[j]);
+        _Pragma("GCC unroll 4")
+        for (int i = 0; i < PRB; i++) {
+            const float x = q[(size_t)i * D + d];
+            _Pragma("omp simd")
+            for (int j = 0; j < PKT; j++) a[i][j] = fmaf(x, kt[(size_t)d * PKT + j], a[i][j]);
+        }
     }
-    _Pragma("omp simd")
-    for (int j = 0; j < PKT; j++) sc[j] = (a0[j] + a1[j]) + (a2[j] + a3[j]);
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < PRB; i++) {
+        _Pragma("omp simd")
+        for (int j = 0; j < PKT; j++) sc[i][j] = a[i][j] + b[i][j];
+    }
 }
 
-/* acc = acc * corr + sum over keys j0..j1-1 of p[j] * v[j] (v [PKT][D]); a constant D keeps acc in registers. */
-#define DEFINE_PV(NAME, DC)                                                                                       \
-    static inline void NAME(float *acc, const float *p, const float *vf, float corr, int j0, int j1, int Dr) {   \
-        const int D = DC ? DC : Dr;                                                                               \
-        float a[DC ? DC : 512] __attribute__((aligned(64)));                                                      \
-        _Pragma("omp simd")                                                                                       \
-        for (int d = 0; d < D; d++) a[d] = acc[d] * corr;                                                         \
-        for (int j = j0; j < j1; j++) {                                                                           \
-            const float pj = p[j], *vj = vf + (size_t)j * D;                                                      \
-            _Pragma("omp simd")                                                                                   \
-            for (int d = 0; d < D; d++) a[d] = fmaf(pj, vj[d], a[d]);                                             \
-        }                                                                                                         \
-        _Pragma("omp simd")                                                                                       \
-        for (int d = 0; d < D; d++) acc[d] = a[d];                                                                \
+/* acc_i = acc_i * corr_i + sum over keys j0..j1-1 of p_i[j] * v[j] for the PRB rows at acc (row i at
+ * acc + i*D), 64 head-dim elements at a time (D a multiple of 64): 16 accumulator vectors, each V vector loaded
+ * once for the PRB rows. A row's p is zero outside its own keys. */
+static inline void prefill_pv_rows(float *acc, const float p[PRB][PKT], const float *vf, const float corr[PRB],
+                                   int j0, int j1, int D) {
+    for (int dc = 0; dc < D; dc += 64) {
+        float a[PRB][64] __attribute__((aligned(64)));
+        _Pragma("GCC unroll 4")
+        for (int i = 0; i < PRB; i++) {
+            _Pragma("omp simd")
+            for (int d = 0; d < 64; d++) a[i][d] = acc[(size_t)i * D + dc + d] * corr[i];
+        }
+        for (int j = j0; j < j1; j++) {
+            const float *vj = vf + (size_t)j * D + dc;
+            _Pragma("GCC unroll 4")
+            for (int i = 0; i < PRB; i++) {
+                const float pj = p[i][j];
+                _Pragma("omp simd")
+                for (int d = 0; d < 64; d++) a[i][d] = fmaf(pj, vj[d], a[i][d]);
+            }
+        }
+        _Pragma("GCC unroll 4")
+        for (int i = 0; i < PRB; i++) {
+            _Pragma("omp simd")
+            for (int d = 0; d < 64; d++) acc[(size_t)i * D + dc + d] = a[i][d];
+        }
     }
-DEFINE_PV(prefill_pv_any_, 0)
-DEFINE_PV(prefill_pv_d64_, 64)
-DEFINE_PV(prefill_pv_d128_, 128)
-#define prefill_pv_any(acc, p, vf, corr, j0, j1, D) prefill_pv_any_(acc, p, vf, corr, j0, j1, D)
-#define prefill_pv_d64(acc, p, vf, corr, j0, j1) prefill_pv_d64_(acc, p, vf, corr, j0, j1, 64)
-#define prefill_pv_d128(acc, p, vf, corr, j0, j1) prefill_pv_d128_(acc, p, vf, corr, j0, j1, 128)
+}
 #define DEFINE_PREFILL(NAME, T, LOAD, STORE)                                                                      \
     int NAME(const T *q, const T *k, const T *v, const int32_t *table, int q0, int N, int window, T *out,        \
              int H, int KVH, int D, int bs, float scale, int threads) {                                           \
@@ -193,19 +224,22 @@ DEFINE_PV(prefill_pv_d128_, 128)
         for (int qb = 0; qb < nqb; qb++) {                                                                        \
             for (int kh = 0; kh < KVH; kh++) {                                                                    \
                 const int t0 = qb * PQB, tn = N - t0 < PQB ? N - t0 : PQB, R = tn * G;                            \
-                const size_t floats = (size_t)D * PKT * 2 + (size_t)R * D * 2 + (size_t)R * 2;                    \
+                const int Rp = (R + PRB - 1) / PRB * PRB; /* rows past R: zero queries that attend nothing */      \
+                const size_t floats = (size_t)D * PKT * 2 + (size_t)Rp * D * 2 + (size_t)Rp * 2;                  \
                 float *ws = (float *)aligned_alloc(64, (sizeof(float) * floats + 63) / 64 * 64);                  \
                 if (!ws) { bad = 1; continue; }                                                                   \
                 float *kt = ws, *vf = kt + (size_t)D * PKT; /* 64-byte aligned: PKT floats per head-dim row */     \
-                float *qf = vf + (size_t)PKT * D, *acc = qf + (size_t)R * D, *m = acc + (size_t)R * D, *l = m + R;  \
+                float *qf = vf + (size_t)PKT * D, *acc = qf + (size_t)Rp * D, *m = acc + (size_t)Rp * D;            \
+                float *l = m + Rp;                                                                                \
+                memset(qf + (size_t)R * D, 0, sizeof(float) * (size_t)(Rp - R) * D);                              \
                 for (int ti = 0; ti < tn; ti++)                                                                   \
                     for (int g = 0; g < G; g++) {                                                                 \
                         const T *qr = q + ((size_t)(t0 + ti) * H + kh * G + g) * D;                               \
                         float *qd = qf + (size_t)(ti * G + g) * D;                                                \
                         for (int d = 0; d < D; d++) { qd[d] = LOAD(qr[d]) * scale; }                              \
                     }                                                                                             \
-                for (int r = 0; r < R; r++) { m[r] = -FLT_MAX; l[r] = 0.0f; }                                    \
-                memset(acc, 0, sizeof(float) * (size_t)R * D);                                                    \
+                for (int r = 0; r < Rp; r++) { m[r] = -FLT_MAX; l[r] = 0.0f; }                                   \
+                memset(acc, 0, sizeof(float) * (size_t)Rp * D);                                                   \
                 const int last = q0 + t0 + tn - 1; /* the block's last query position: its last key */           \
                 int lo = window > 0 ? q0 + t0 - window + 1 : 0;                                                   \
                 if (lo < 0) lo = 0;                                                                               \
@@ -221,36 +255,47 @@ DEFINE_PV(prefill_pv_d128_, 128)
                             for (int d = 0; d < D; d++) { kt[(size_t)d * PKT + j] = 0.0f; }                      \
                         }                                                                                         \
                     }                                                                                             \
-                    for (int r = 0; r < R; r++) {                                                                 \
-                        const int pos = q0 + t0 + r / G;                                                          \
-                        int j0 = window > 0 ? pos - window + 1 - k0 : 0, j1 = pos + 1 - k0;                      \
-                        if (j0 < 0) j0 = 0;                                                                       \
-                        if (j1 > n) j1 = n;                                                                       \
-                        if (j0 >= j1) continue; /* every key of the tile is past this row or before its window */  \
-                        const float *qd = qf + (size_t)r * D;                                                     \
-                        float sc[PKT] __attribute__((aligned(64)));                                               \
-                        prefill_scores(qd, kt, D, sc);                                                            \
-                        float mt = m[r];                                                                          \
-                        _Pragma("omp simd reduction(max : mt)")                                                   \
-                        for (int j = 0; j < PKT; j++) {                                                           \
-                            const float x = (j >= j0 && j < j1) ? sc[j] : -FLT_MAX;                               \
-                            mt = x > mt ? x : mt;                                                                 \
+                    for (int rb = 0; rb < Rp; rb += PRB) {                                                        \
+                        float sc[PRB][PKT] __attribute__((aligned(64))), corr[PRB];                               \
+                        int jlo = PKT, jhi = 0;                                                                   \
+                        prefill_scores_rows(qf + (size_t)rb * D, kt, D, sc);                                      \
+                        for (int i = 0; i < PRB; i++) {                                                           \
+                            const int r = rb + i, pos = q0 + t0 + r / G;                                          \
+                            int j0 = window > 0 ? pos - window + 1 - k0 : 0, j1 = pos + 1 - k0;                  \
+                            if (j0 < 0) j0 = 0;                                                                   \
+                            if (j1 > n) j1 = n;                                                                   \
+                            corr[i] = 1.0f;                                                                       \
+                            if (r >= R || j0 >= j1) { /* a padding row, or every key of the tile is past this   \
+                                                         row or before its window: no weight, acc unchanged */ \
+                                memset(sc[i], 0, sizeof(sc[i]));                                                  \
+                                continue;                                                                         \
+                            }                                                                                     \
+                            float mt = m[r];                                                                      \
+                            _Pragma("omp simd reduction(max : mt)")                                               \
+                            for (int j = 0; j < PKT; j++) {                                                       \
+                                const float x = (j >= j0 && j < j1) ? sc[i][j] : -FLT_MAX;                        \
+                                mt = x > mt ? x : mt;                                                             \
+                            }                                                                                     \
+                            corr[i] = mt == m[r] ? 1.0f : expf(m[r] - mt);                                        \
+                            float sum = 0.0f;                                                                     \
+                            _Pragma("omp simd reduction(+ : sum)")                                                \
+                            for (int j = 0; j < PKT; j++) { /* keys outside [j0, j1) may score above mt */       \
+                                const int in = j >= j0 && j < j1;                                                 \
+                                const float e = expf(in ? sc[i][j] - mt : -80.0f);                                \
+                                sc[i][j] = in ? e : 0.0f;                                                         \
+                                sum += sc[i][j];                                                                  \
+                            }                                                                                     \
+                            l[r] = l[r] * corr[i] + sum;                                                          \
+                            m[r] = mt;                                                                            \
+                            jlo = j0 < jlo ? j0 : jlo;                                                            \
+                            jhi = j1 > jhi ? j1 : jhi;                                                            \
                         }                                                                                         \
-                        const float corr = mt == m[r] ? 1.0f : expf(m[r] - mt);                                   \
-                        float sum = 0.0f;                                                                         \
-                        _Pragma("omp simd reduction(+ : sum)")                                                    \
-                        for (int j = 0; j < PKT; j++) { /* keys outside [j0, j1) may score above mt: not exp'd */  \
-                            const int in = j >= j0 && j < j1;                                                     \
-                            const float e = expf(in ? sc[j] - mt : -80.0f);                                       \
-                            sc[j] = in ? e : 0.0f;                                                                \
-                            sum += sc[j];                                                                         \
-                        }                                                                                         \
-                        l[r] = l[r] * corr + sum;                                                                 \
-                        m[r] = mt;                                                                                \
-                        float *ar = acc + (size_t)r * D;                                                          \
-                        if (D == 64) prefill_pv_d64(ar, sc, vf, corr, j0, j1);                                    \
-                        else if (D == 128) prefill_pv_d128(ar, sc, vf, corr, j0, j1);                             \
-                        else prefill_pv_any(ar, sc, vf, corr, j0, j1, D);                                         \
+                        if (jlo >= jhi) continue; /* no row of this block has a key in this tile */              \
+                        float *ab = acc + (size_t)rb * D;                                                         \
+                        if (D % 64 == 0) prefill_pv_rows(ab, sc, vf, corr, jlo, jhi, D);                          \
+                        else                                                                                      \
+                            for (int i = 0; i < PRB; i++)                                                         \
+                                prefill_pv_any(ab + (size_t)i * D, sc[i], vf, corr[i], jlo, jhi, D);              \
                     }                                                                                             \
                 }                                                                                                 \
                 for (int r = 0; r < R; r++) {                                                                     \
