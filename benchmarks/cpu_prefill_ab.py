@@ -3,6 +3,10 @@ against torch's path (scaled_dot_product_attention over the new tokens, or over 
 prefix), everything else equal, rounds alternating so drift hits both.
 
     python -m benchmarks.cpu_prefill_ab --threads 1,2 --prompt 512 --rounds 6 [--accuracy]
+
+Also times one layer's prefill attention alone (``--layer-shape`` heads,kv_heads,head_dim; SmolLM2-135M's by
+default): the prompt's pages scattered through a pool of random bf16 pages, its new K/V stored first, median of
+many calls per path.
 """
 
 from __future__ import annotations
@@ -14,8 +18,11 @@ import pathlib
 import statistics
 import time
 
-from services.engine.attention import TorchPagedAttention
+import torch
+
+from services.engine.attention import AttentionMetadata, TorchPagedAttention
 from services.engine.config import EngineConfig
+from services.engine.cpu import native
 from services.engine.cpu.cpu_features import host_cpu
 from services.engine.engine import LLMEngine
 from services.text.sampling_params import SamplingParams
@@ -65,6 +72,38 @@ def run(model: str, threads: int, prompt: int, rounds: int) -> dict[str, list[fl
     return out
 
 
+def layer(shape: tuple[int, int, int], prompt: int, threads: int, calls: int = 40,
+          block: int = 16) -> dict[str, float]:
+    """Median ms of one layer's attention for a ``prompt``-token prefill, per path (bf16, pages shuffled)."""
+    heads, kv_heads, dim = shape
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(0)
+    per = (prompt + block - 1) // block
+    kv = torch.randn(1, 2, per + 9, block, kv_heads, dim, generator=g).to(torch.bfloat16)
+    table = (torch.randperm(per + 8, generator=g)[:per] + 1).view(1, per).to(torch.int32)
+    slots = torch.tensor([int(table[0, t // block]) * block + t % block for t in range(prompt)])
+    q = torch.randn(prompt, heads, dim, generator=g).to(torch.bfloat16)
+    k_new = torch.randn(prompt, kv_heads, dim, generator=g).to(torch.bfloat16)
+    kernels = native.load()
+    if kernels is None:
+        raise SystemExit("the C kernels did not build on this host (no C compiler?): nothing to compare")
+    out = {}
+    for name in ("C kernel", "torch"):
+        backend = TorchPagedAttention(kv.clone(), dim ** -0.5, kernels)
+        meta = AttentionMetadata(slot_mapping=slots, block_tables=table,
+                                 context_lens=torch.tensor([prompt], dtype=torch.int32), query_lens=[prompt],
+                                 context_lens_host=[prompt], num_decode=0)
+        with _path(name):
+            ts = []
+            for i in range(calls + 3):
+                t = time.perf_counter()
+                backend.forward(0, q, k_new, k_new, meta)
+                if i >= 3:
+                    ts.append((time.perf_counter() - t) * 1e3)
+        out[name] = statistics.median(ts)
+    return out
+
+
 PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.", "Explain gravity to a child.",
            "List three prime numbers.", "Who wrote Hamlet?", "Translate 'good morning' to Spanish.")
 
@@ -109,7 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--accuracy", action="store_true",
                     help="also: bf16 first-token logprobs of both paths against the fp32 engine's, six chat prompts")
+    ap.add_argument("--layer-shape", default="9,3,64", help="heads,kv_heads,head_dim of the one-layer timing")
     a = ap.parse_args(argv)
+    shape = tuple(int(x) for x in a.layer_shape.split(","))
+    if len(shape) != 3:
+        raise SystemExit(f"--layer-shape: three integers heads,kv_heads,head_dim, not {a.layer_shape!r}")
     cpu = host_cpu()
     print(f"CPU {cpu.model} [{', '.join(sorted(f for f in cpu.flags if f.startswith(('avx512', 'amx', 'avx2'))))}]")
     for t in (int(x) for x in a.threads.split(",") if x):
@@ -117,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         c, tr = statistics.median(res["C kernel"]), statistics.median(res["torch"])
         print(f"{t} thread(s), {a.prompt}-token prefill: C kernel {c:.1f} ms, torch {tr:.1f} ms "
               f"(x{tr / c:.2f}); rounds {[round(x) for x in res['C kernel']]} / {[round(x) for x in res['torch']]}")
+        one = layer(shape, a.prompt, t)  # type: ignore[arg-type]
+        print(f"{t} thread(s), one layer's attention ({a.prompt} tokens, heads {a.layer_shape}): C kernel "
+              f"{one['C kernel']:.2f} ms, torch {one['torch']:.2f} ms (x{one['torch'] / one['C kernel']:.2f})")
     if a.accuracy:
         err = accuracy(a.model or _default_model())
         print("bf16 first-token top-10 logprobs, mean |difference| from the fp32 engine's: "
