@@ -254,11 +254,11 @@ class MooncakeWriter(PageWriter):
         self.segments = segments_of(pool)
         self.dest = dest_blocks
         self.pool_id = pool_id(dest)
-        self.planes = [_Plane(engine, src, pool)]
+        self.planes = [PoolPlane(engine, src, pool)]
         """The pools each page is written into: the target pool, then each other region's pool (index keys, draft
         KV; region_pools.py) at the same block ids (registered with the same engines: their checks are the
         caller's)."""
-        self.planes.extend(_Plane(engine, *extra) for extra in extras or ())
+        self.planes.extend(PoolPlane(engine, *extra) for extra in extras or ())
         self.sender: KVSender | None = None
         self._batches: list[_Batch] = []
         self._lock = threading.Lock()
@@ -309,7 +309,7 @@ class MooncakeWriter(PageWriter):
             self._settle(batch)
 
 
-class _Plane:
+class PoolPlane:
     """One pool a writer fills: source cache [layers, planes, blocks, ...] here (2 planes: K and V; 1: index keys),
     the same layout at decode (shapes checked by the caller), both registered; a run of n blocks is one range per
     (layer, plane) region."""

@@ -215,7 +215,7 @@ class RemoteRegion:
         _, pool = mooncake_region(dest, region, cache, dest.mooncake.segment)
         self.engine = engine
         self.segments = mooncake.segments_of(pool)
-        self.plane = mooncake._Plane(engine, cache, pool)
+        self.plane = mooncake.PoolPlane(engine, cache, pool)
         """Both pools' registered bases and one (layer, plane) block's bytes (the MooncakeWriter's own)."""
         self.shape = tuple(int(x) for x in pool.shape)
         self.device = torch.device("cpu")
