@@ -257,11 +257,11 @@ static inline void prefill_pv_rows(float *acc, const float p[PRB][PKT], const fl
                     }                                                                                             \
                     for (int rb = 0; rb < Rp; rb += PRB) {                                                        \
                         /* rows run in position order: the block's last real row reaching no key of this tile   \
-                           means none of its rows does (causal), and its first one having every key of the tile \
-                           out of its window means none does */                                                 \
+                           means none of its rows does (tiles go in steps of PKT from the first row's first    \
+                           key, so the last one can begin past the block's early rows: after a cached prefix of  \
+                           a length not a multiple of PKT, or under a sliding window) */                         \
                         const int rl = rb + PRB - 1 < R ? rb + PRB - 1 : R - 1;                                   \
-                        if (q0 + t0 + rl / G < k0 || (window > 0 && q0 + t0 + rb / G - window + 1 > k0 + n - 1)) \
-                            continue;                                                                             \
+                        if (q0 + t0 + rl / G < k0) continue;                                                      \
                         float sc[PRB][PKT] __attribute__((aligned(64))), corr[PRB];                               \
                         int jlo = PKT, jhi = 0;                                                                   \
                         prefill_scores_rows(qf + (size_t)rb * D, kt, D, sc);                                      \
