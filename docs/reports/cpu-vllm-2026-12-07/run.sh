@@ -13,7 +13,7 @@ cd "$(dirname "$0")/../../.."
 OUT=${1:-/tmp/cpu-vllm}; mkdir -p "$OUT"
 VLLM=${VLLM:-/tmp/vllmenv/bin/vllm}
 HF=$OUT/smol-hf
-lscpu | grep -E "Model name|^Flags" > "$OUT/lscpu.txt"
+lscpu | grep -E "Model name|^CPU family|^Model:|^Flags" > "$OUT/lscpu.txt"
 prepare_hf() {
   [ -f "$HF/model.safetensors" ] && return
   python3 - "$HF" <<'PY'

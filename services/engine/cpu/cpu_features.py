@@ -159,7 +159,7 @@ def widen_prefills(shares: list[int], n_cores: int, n_prefill: int) -> list[int]
     host's cores divided among the prefills instead (at least 1): the prefill then overlaps the decodes' cores.
 
     A prompt's matmuls scale with threads, and where the even split leaves a prefill one core, a prompt-heavy
-    load is bound by it while its decode spends its own core on small batches: on a 2-core host (Zen 4 EPYC,
+    load is bound by it while its decode spends its own core on small batches: on a 2-core host (Zen 5 EPYC,
     SmolLM2-135M bf16, 1P1D, 512-token prompts, 32 output tokens, C16) the prefill on both cores and the decode on
     one served 71.6 output tok/s against 53.3 with one core each (TPOT 25 against 24 ms, C1 TTFT 375 against
     368 ms). Spawned engines wait passively in OpenMP (QUIET_OPENMP_ENV), so the decode's short steps interleave
