@@ -137,6 +137,27 @@ def test_sliding_window_prefill_rows_match_torch(window, dtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("window", [0, 37])
+@pytest.mark.parametrize("shape", [(9, 3, 64), (8, 8, 32), (16, 2, 128)])
+def test_long_prompts_match_torch_whatever_the_thread_count(shape, window):
+    """The kernel sizes its token blocks from the query heads per KV head and the thread count (fewer, longer
+    blocks on one thread): 300 new tokens after a cached prefix of 5, on one thread and on eight, both equal to
+    torch's path."""
+    heads, kv_heads, dim = shape
+    kv, q, k_new, meta = _prefill_step([(5, 300)], heads, kv_heads, dim, torch.float32, seed=9)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 8):
+            torch.set_num_threads(n)
+            outs.append(_prefill_both(kv, q, k_new, meta, window=window))
+    finally:
+        torch.set_num_threads(threads)
+    for got, want in outs:
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+
+
+@needs_kernels
 def test_mixed_step_rows_all_match_torch_with_pages_of_4():
     """Decode rows and prefill chunks in one step, pages smaller than the kernel's key tile."""
     kv, q, k_new, meta = _prefill_step([(9, 20), (0, 33)], 4, 2, 32, torch.float32, block=4, decode_ctx=(5, 30), seed=6)

@@ -127,14 +127,26 @@ DEFINE_DECODE(paged_decode_attention_f32, float, F32_LOAD, F32_STORE)
  * [lo, q0+i] with lo = 0, or q0+i-window+1 (at least 0) for a sliding window. Serves a whole prompt and a
  * chunk after a cached prefix alike, reading the pages in place.
  *   q, out   [N, H, D] (contiguous)       table  int32 [>= blocks of key q0+N-1]
- * One task per (block of PQB tokens, KV head): the G query heads of that KV head for those tokens are the
+ * One task per (block of tokens, KV head): the G query heads of that KV head for those tokens are the
  * task's rows. Keys go in tiles of PKT: each tile's K rows of the KV head are converted to fp32 once and
  * transposed to [D][PKT] (zero past the keys there are), so a row's scores over the tile are one fixed-width
  * vector per head-dim element, and its V rows once for every row's P*V; an online softmax per row over the
  * tiles (keys past a row's position, or before its window, get no weight and are never exponentiated). Rows
  * go through a tile PRB at a time, so each K and V vector loaded feeds PRB rows' multiply-adds. */
-#define PQB 16
-#define PKT 16
+#define PQB 16 /* a block's tokens: a multiple of PQB (prefill_block_tokens) */
+#define PRB_ROWS 192
+
+/* Tokens per block: a tile's K and V are converted and transposed once per task and serve the task's rows (tokens
+ * x G), so blocks of about PRB_ROWS rows (64 tokens at G = 3) spread that cost over more rows than 16 tokens would;
+ * shorter while there would be fewer than four tasks per thread, never under PQB. */
+static inline int prefill_block_tokens(int N, int G, int KVH, int threads) {
+    int t = G >= PRB_ROWS / PQB ? PQB : PRB_ROWS / G / PQB * PQB;
+    if (t > 4 * PQB) t = 4 * PQB;
+    if (t < PQB) t = PQB;
+    while (t > PQB && (long)((N + t - 1) / t) * KVH < 4L * (threads > 0 ? threads : 1)) t -= PQB;
+    return t;
+}
+#define PKT 32
 
 /* One row, any head dim (one not a multiple of 64): acc = acc * corr + sum over keys j0..j1-1 of p[j] * v[j]
  * (v [PKT][D]). */
@@ -185,6 +197,40 @@ static inline void prefill_scores_rows(const float *q, const float *kt, int D, f
     }
 }
 
+/* One row's online softmax over one tile: the scores of keys [j0, j1) become their weights exp(score - new max),
+ * every other key's 0 (those may score above the max: never exponentiated); the row's max m and sum l move on;
+ * returns the factor exp(old max - new max) its earlier P*V sum must take. A tile whole for the row (every tile
+ * but a row's first and last few) takes the loops without masks. */
+static inline float prefill_softmax_tile(float *sc, int j0, int j1, float *m, float *l) {
+    float mt = *m, sum = 0.0f;
+    if (j0 == 0 && j1 == PKT) {
+        _Pragma("omp simd reduction(max : mt)")
+        for (int j = 0; j < PKT; j++) mt = sc[j] > mt ? sc[j] : mt;
+        _Pragma("omp simd reduction(+ : sum)")
+        for (int j = 0; j < PKT; j++) {
+            sc[j] = expf(sc[j] - mt);
+            sum += sc[j];
+        }
+    } else {
+        _Pragma("omp simd reduction(max : mt)")
+        for (int j = 0; j < PKT; j++) {
+            const float x = (j >= j0 && j < j1) ? sc[j] : -FLT_MAX;
+            mt = x > mt ? x : mt;
+        }
+        _Pragma("omp simd reduction(+ : sum)")
+        for (int j = 0; j < PKT; j++) {
+            const int in = j >= j0 && j < j1;
+            const float e = expf(in ? sc[j] - mt : -80.0f);
+            sc[j] = in ? e : 0.0f;
+            sum += sc[j];
+        }
+    }
+    const float corr = mt == *m ? 1.0f : expf(*m - mt);
+    *l = *l * corr + sum;
+    *m = mt;
+    return corr;
+}
+
 /* acc_i = acc_i * corr_i + sum over keys j0..j1-1 of p_i[j] * v[j] for the PRB rows at acc (row i at
  * acc + i*D), 64 head-dim elements at a time (D a multiple of 64): 16 accumulator vectors, each V vector loaded
  * once for the PRB rows. A row's p is zero outside its own keys. */
@@ -217,13 +263,13 @@ static inline void prefill_pv_rows(float *acc, const float p[PRB][PKT], const fl
     int NAME(const T *q, const T *k, const T *v, const int32_t *table, int q0, int N, int window, T *out,        \
              int H, int KVH, int D, int bs, float scale, int threads) {                                           \
         if (KVH <= 0 || H % KVH || H > MAX_HEADS || D > 512 || bs <= 0 || N <= 0 || q0 < 0) return -1;           \
-        const int G = H / KVH, nqb = (N + PQB - 1) / PQB;                                                         \
+        const int G = H / KVH, bt = prefill_block_tokens(N, G, KVH, threads), nqb = (N + bt - 1) / bt;          \
         const size_t tok = (size_t)KVH * D;                                                                        \
         int bad = 0;                                                                                              \
         _Pragma("omp parallel for schedule(dynamic, 1) collapse(2) num_threads(threads) reduction(| : bad)")       \
         for (int qb = 0; qb < nqb; qb++) {                                                                        \
             for (int kh = 0; kh < KVH; kh++) {                                                                    \
-                const int t0 = qb * PQB, tn = N - t0 < PQB ? N - t0 : PQB, R = tn * G;                            \
+                const int t0 = qb * bt, tn = N - t0 < bt ? N - t0 : bt, R = tn * G;                              \
                 const int Rp = (R + PRB - 1) / PRB * PRB; /* rows past R: zero queries that attend nothing */      \
                 const size_t floats = (size_t)D * PKT * 2 + (size_t)Rp * D * 2 + (size_t)Rp * 2;                  \
                 float *ws = (float *)aligned_alloc(64, (sizeof(float) * floats + 63) / 64 * 64);                  \
@@ -256,12 +302,13 @@ static inline void prefill_pv_rows(float *acc, const float p[PRB][PKT], const fl
                         }                                                                                         \
                     }                                                                                             \
                     for (int rb = 0; rb < Rp; rb += PRB) {                                                        \
-                        /* rows run in position order: the block's last real row reaching no key of this tile   \
-                           means none of its rows does (tiles go in steps of PKT from the first row's first    \
-                           key, so the last one can begin past the block's early rows: after a cached prefix of  \
-                           a length not a multiple of PKT, or under a sliding window) */                         \
+                        /* rows run in position order: the row block's last real row reaching no key of this    \
+                           tile means none of its rows does (causal: the tiles past a block's early rows), and   \
+                           its first row's window starting past the tile means every row's does (the tiles     \
+                           before a sliding window's start for a block's later rows) */                         \
                         const int rl = rb + PRB - 1 < R ? rb + PRB - 1 : R - 1;                                   \
-                        if (q0 + t0 + rl / G < k0) continue;                                                      \
+                        if (q0 + t0 + rl / G < k0 || (window > 0 && q0 + t0 + rb / G - window + 1 > k0 + n - 1)) \
+                            continue;                                                                             \
                         float sc[PRB][PKT] __attribute__((aligned(64))), corr[PRB];                               \
                         int jlo = PKT, jhi = 0;                                                                   \
                         prefill_scores_rows(qf + (size_t)rb * D, kt, D, sc);                                      \
@@ -276,23 +323,7 @@ static inline void prefill_pv_rows(float *acc, const float p[PRB][PKT], const fl
                                 memset(sc[i], 0, sizeof(sc[i]));                                                  \
                                 continue;                                                                         \
                             }                                                                                     \
-                            float mt = m[r];                                                                      \
-                            _Pragma("omp simd reduction(max : mt)")                                               \
-                            for (int j = 0; j < PKT; j++) {                                                       \
-                                const float x = (j >= j0 && j < j1) ? sc[i][j] : -FLT_MAX;                        \
-                                mt = x > mt ? x : mt;                                                             \
-                            }                                                                                     \
-                            corr[i] = mt == m[r] ? 1.0f : expf(m[r] - mt);                                        \
-                            float sum = 0.0f;                                                                     \
-                            _Pragma("omp simd reduction(+ : sum)")                                                \
-                            for (int j = 0; j < PKT; j++) { /* keys outside [j0, j1) may score above mt */       \
-                                const int in = j >= j0 && j < j1;                                                 \
-                                const float e = expf(in ? sc[i][j] - mt : -80.0f);                                \
-                                sc[i][j] = in ? e : 0.0f;                                                         \
-                                sum += sc[i][j];                                                                  \
-                            }                                                                                     \
-                            l[r] = l[r] * corr[i] + sum;                                                          \
-                            m[r] = mt;                                                                            \
+                            corr[i] = prefill_softmax_tile(sc[i], j0, j1, m + r, l + r);                          \
                             jlo = j0 < jlo ? j0 : jlo;                                                            \
                             jhi = j1 > jhi ? j1 : jhi;                                                            \
                         }                                                                                         \
