@@ -135,6 +135,7 @@ DEFINE_DECODE(paged_decode_attention_f32, float, F32_LOAD, F32_STORE)
  * go through a tile PRB at a time, so each K and V vector loaded feeds PRB rows' multiply-adds. */
 #define PQB 16 /* a block's tokens: a multiple of PQB (prefill_block_tokens) */
 #define PRB_ROWS 192
+#define PKT 32 /* keys per tile */
 
 /* Tokens per block: a tile's K and V are converted and transposed once per task and serve the task's rows (tokens
  * x G), so blocks of about PRB_ROWS rows (64 tokens at G = 3) spread that cost over more rows than 16 tokens would;
@@ -146,7 +147,6 @@ static inline int prefill_block_tokens(int N, int G, int KVH, int threads) {
     while (t > PQB && (long)((N + t - 1) / t) * KVH < 4L * (threads > 0 ? threads : 1)) t -= PQB;
     return t;
 }
-#define PKT 32
 
 /* One row, any head dim (one not a multiple of 64): acc = acc * corr + sum over keys j0..j1-1 of p[j] * v[j]
  * (v [PKT][D]). */
@@ -165,7 +165,7 @@ static inline void prefill_pv_any(float *acc, const float *p, const float *vf, f
 #define PRB 4
 
 /* sc[i][j] = q_i . kt[:, j] for the PRB rows at q (row i at q + i*D): two accumulator chains per row (even and
- * odd head-dim elements), eight independent vectors in all; fused multiply-adds (explicit fmaf: the library
+ * odd head-dim elements), so no sum waits on the one before; fused multiply-adds (explicit fmaf: the library
  * compiles with -ffp-contract=off for the elementwise ops' torch-equal rounding). */
 static inline void prefill_scores_rows(const float *q, const float *kt, int D, float sc[PRB][PKT]) {
     float a[PRB][PKT] __attribute__((aligned(64))) = {{0}}, b[PRB][PKT] __attribute__((aligned(64))) = {{0}};
