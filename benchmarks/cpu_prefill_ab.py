@@ -72,17 +72,6 @@ def run(model: str, threads: int, prompt: int, rounds: int) -> dict[str, list[fl
     return out
 
 
-def _family() -> str:
-    """"family F model M" from /proc/cpuinfo (a model name such as "AMD EPYC" does not say which generation)."""
-    try:
-        text = pathlib.Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "family unknown"
-    got = dict(line.split(":", 1) for line in text.splitlines()[:30] if ":" in line)
-    got = {k.strip(): v.strip() for k, v in got.items()}
-    return f"family {got.get('cpu family', '?')} model {got.get('model', '?')}"
-
-
 def layer(shape: tuple[int, int, int], prompt: int, threads: int, calls: int = 40,
           block: int = 16) -> dict[str, float]:
     """Median ms of one layer's attention for a ``prompt``-token prefill, per path (bf16, pages shuffled)."""
@@ -98,12 +87,12 @@ def layer(shape: tuple[int, int, int], prompt: int, threads: int, calls: int = 4
     kernels = native.load()
     if kernels is None:
         raise SystemExit("the C kernels did not build on this host (no C compiler?): nothing to compare")
+    meta = AttentionMetadata(slot_mapping=slots, block_tables=table,
+                             context_lens=torch.tensor([prompt], dtype=torch.int32), query_lens=[prompt],
+                             context_lens_host=[prompt], num_decode=0)
     out = {}
     for name in ("C kernel", "torch"):
         backend = TorchPagedAttention(kv.clone(), dim ** -0.5, kernels)
-        meta = AttentionMetadata(slot_mapping=slots, block_tables=table,
-                                 context_lens=torch.tensor([prompt], dtype=torch.int32), query_lens=[prompt],
-                                 context_lens_host=[prompt], num_decode=0)
         with _path(name):
             ts = []
             for i in range(calls + 3):
@@ -165,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(shape) != 3:
         raise SystemExit(f"--layer-shape: three integers heads,kv_heads,head_dim, not {a.layer_shape!r}")
     cpu = host_cpu()
-    print(f"CPU {cpu.model} ({_family()}) [{', '.join(sorted(f for f in cpu.flags if f.startswith(('avx512', 'amx', 'avx2'))))}]")
+    print(f"CPU {cpu.model} ({cpu.family or 'family unknown'}) [{', '.join(sorted(f for f in cpu.flags if f.startswith(('avx512', 'amx', 'avx2'))))}]")
     for t in (int(x) for x in a.threads.split(",") if x):
         res = run(a.model or _default_model(), t, a.prompt, a.rounds)
         c, tr = statistics.median(res["C kernel"]), statistics.median(res["torch"])

@@ -69,7 +69,8 @@ def markdown(rep: Report, plots: list[Path]) -> str:
     rows = [(f"{s.sweep.label}, {p['point']['label']}", p) for s in rep.sides for p in s.sweep.points]
     hb, ha = rep.host_before, rep.host_after or rep.host_before
     out = [f"# {rep.title}", "", f"Made {rep.created} by:", "", "```", rep.command, "```", ""]
-    out += [f"Host: {hb['cpu']}, {hb['cores']} cores; load average (1/5/15 min) {hb['loadavg_1_5_15']} at the start, "
+    family = f" ({hb['cpu_family']})" if hb.get("cpu_family") else ""
+    out += [f"Host: {hb['cpu']}{family}, {hb['cores']} cores; load average (1/5/15 min) {hb['loadavg_1_5_15']} at the start, "
             f"{ha['loadavg_1_5_15']} at the end."]
     if rep.code.get("commit"):
         state = "with uncommitted changes to tracked files" if rep.code["dirty"] else "clean checkout"

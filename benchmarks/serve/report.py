@@ -70,15 +70,13 @@ def latencies(run: RunResult) -> dict[str, list[float]]:
 def host_info() -> dict[str, Any]:
     import os
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
+    from services.engine.cpu.cpu_features import host_cpu
+
+    cpu = host_cpu()
     load = os.getloadavg() if hasattr(os, "getloadavg") else (math.nan,) * 3
-    return {"cpu": cpu, "cores": os.cpu_count(), "loadavg_1_5_15": [round(x, 2) for x in load],
-            "python": platform.python_version(), "platform": platform.platform()}
+    return {"cpu": cpu.model, "cpu_family": cpu.family, "cores": os.cpu_count(),
+            "loadavg_1_5_15": [round(x, 2) for x in load], "python": platform.python_version(),
+            "platform": platform.platform()}
 
 
 def code_info() -> dict[str, Any]:

@@ -12,6 +12,8 @@ XEON_AMX = (*XEON_AVX512_BF16, "amx_tile", "amx_bf16", "amx_int8")
 
 CPUINFO = """processor\t: 0
 vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 1
 model name\t: AMD EPYC 7B13
 flags\t\t: fpu sse2 avx avx2 fma
 bugs\t\t: sysret_ss_attrs
@@ -65,6 +67,11 @@ def test_parse_cpuinfo_reads_the_first_processor() -> None:
     assert model == "AMD EPYC 7B13"
     assert flags == frozenset({"fpu", "sse2", "avx", "avx2", "fma"})
     assert cf.parse_cpuinfo("") == ("", frozenset())
+
+
+def test_cpu_family_names_the_generation_the_model_name_hides() -> None:
+    assert cf.cpu_family(CPUINFO) == "family 25 model 1"
+    assert cf.cpu_family("model name\t: AMD EPYC\n") == ""
 
 
 def test_host_cpu_reads_this_machine() -> None:

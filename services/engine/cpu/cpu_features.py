@@ -48,6 +48,9 @@ class CpuInfo:
     """/proc/cpuinfo ``flags`` of the first processor."""
     cpus: tuple[int, ...]
     """CPU ids this process may run on (os.sched_getaffinity) when it was read."""
+    family: str = ""
+    """"family F model M" of /proc/cpuinfo ("" if absent): a virtual machine's model name ("AMD EPYC") does not
+    say which generation it is; the family does (25: Zen 3/4, 26: Zen 5)."""
 
     def reported_flags(self) -> list[str]:
         return [f for f in REPORTED_FLAGS if f in self.flags]
@@ -67,6 +70,19 @@ def parse_cpuinfo(text: str) -> tuple[str, frozenset[str]]:
         if model and flags:
             break
     return model, flags
+
+
+def cpu_family(text: str) -> str:
+    """"family F model M" of the first processor in /proc/cpuinfo text; "" if either is absent."""
+    got: dict[str, str] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key in ("cpu family", "model") and key not in got:
+            got[key] = value.strip()
+        if len(got) == 2:
+            return f"family {got['cpu family']} model {got['model']}"
+    return ""
 
 
 def available_cpus() -> tuple[int, ...]:
@@ -89,16 +105,17 @@ def _torch_flags() -> frozenset[str]:
 def host_cpu() -> CpuInfo:
     """This machine's CPU, read once per process."""
     try:
-        model, flags = parse_cpuinfo(Path("/proc/cpuinfo").read_text())
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        model, flags = "", frozenset()
+        text = ""
+    model, flags = parse_cpuinfo(text)
     if not flags:
         flags = _torch_flags()
     if not model:
         import platform
 
         model = platform.processor() or platform.machine() or "unknown"
-    return CpuInfo(model=model, flags=flags, cpus=available_cpus())
+    return CpuInfo(model=model, flags=flags, cpus=available_cpus(), family=cpu_family(text))
 
 
 def torch_cpu_capability() -> str:
