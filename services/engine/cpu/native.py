@@ -45,7 +45,7 @@ MAX_HEADS, MAX_HEADS_X_DIM, MAX_KV_ROW, MAX_BLOCK = 64, 16384, 4096, 64
 """native_kernels.c's limits: query heads, query heads x head dim, KV heads x head dim, tokens per page (larger
 shapes use torch's kernels)."""
 MAX_PREFILL_HEAD_DIM = 512
-"""The prefill kernel's largest head dim (its per-row accumulator)."""
+"""The prefill kernel's largest head dim (it refuses larger ones, which take torch's path)."""
 
 _ARGS_DECODE = [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5 + \
                [ctypes.c_float, ctypes.c_int]
