@@ -64,7 +64,7 @@ from services.text.model.source import resolve
 # config file reach the services directly).
 _FORWARD: dict[str, tuple[str, ...]] = {
     "served_model_name": ("router",), "policy": ("router",), "lease_ms": ("router", "decode"),
-    "access_log": ("router",), "engine_core": ("decode",),
+    "access_log": ("router",), "engine_core": ("prefill", "decode"),
     "max_model_len": ("router", "prefill", "decode"), "device": ("prefill", "decode"), "log_level": ("router", "prefill", "decode", "kvstore"),
 }
 
@@ -110,7 +110,7 @@ class UpConfig:
     lease_ms: int = reuse(LeaseConfig, "lease_ms", group=_SERVING)
     access_log: bool = reuse(RouterConfig, "access_log", group=_SERVING)
     engine_core: str = reuse(DecodeConfig, "engine_core", group=_SERVING)
-    """Every decode's and colocated worker's --engine-core (prefill engines run on a thread of their service)."""
+    """Every prefill's, decode's and colocated worker's --engine-core (a CUDA prefill takes thread or auto)."""
     log_level: str = reuse(LoggingConfig, "log_level", group=_SERVING)
     host: str = opt("127.0.0.1", "Address every service binds (gRPC, metrics, the router's HTTP); 0.0.0.0 "
                                  "exposes internal RPCs to the network (mTLS guards them unless --insecure-internal).",

@@ -43,7 +43,7 @@ KNOWN_SERIES: dict[str, tuple[Mapping[str, tuple[str, ...]], ...]] = {
     PREFILL_KV_TRANSFER_FAILURES_TOTAL: ({"reason": ("unavailable", "not_found", "failed_precondition",
                                                      "data_loss", "permission_denied", "deadline_exceeded")},),
     PREFILL_REQUESTS_ABORTED_TOTAL: ({"reason": ("overloaded", "invalid", "deadline", "cancelled", "kv_handoff",
-                                                 "permission", "internal")},),
+                                                 "permission", "engine_dead", "internal")},),
     PREFILL_KVSTORE_ERRORS_TOTAL: ({"reason": ("lookup", "get", "put", "bad_page", "down",
                                                "write_back_dropped", "writer")},),
     DECODE_KV_CHUNKS_REJECTED_TOTAL: ({"reason": ("fingerprint", "checksum", "unknown_reservation", "order",

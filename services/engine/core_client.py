@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from services.common.logging import LoggingConfig
@@ -32,7 +33,7 @@ from services.engine.async_engine import EngineDeadError, EngineFront, StepRecor
 from services.engine.block_manager import NoFreeBlocksError
 from services.engine.config import EngineConfig
 from services.engine.convert import layout_from_pb
-from services.engine.core_process import config_to_wire
+from services.engine.core_process import PREFILL, THREAD_ONLY, config_to_wire
 from services.text.sampling_params import InvalidRequestError, SamplingParams, TopLogprobs
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,15 @@ STEP_RECORDS_KEPT = 65536
 
 class EngineCoreStartError(RuntimeError):
     """The engine core could not start (its model did not load, its config was refused): the core's own line."""
+
+
+class EngineCoreThreadOnly(EngineCoreStartError):
+    """A prefill's engine core loaded a model whose pages its front cannot read itself (core_process.thread_only):
+    that prefill's loop runs on a thread."""
+
+
+FDS_WAIT_S = 60.0
+"""How long a prefill front waits for its core's pool descriptor after HELLO (seconds; sent just before it)."""
 
 
 class CoreNoFreeBlocks(NoFreeBlocksError):
@@ -89,6 +99,13 @@ class EngineCoreClient(EngineFront):
         self.max_model_len = int(info["max_model_len"])
         pool = info["offered_pool"]
         self.offered_pool = decode_pb2.KVDestination.FromString(pool) if pool is not None else None
+        self.pool_spec: tuple[list[int], str] | None = tuple(info["pool"]) if info.get("pool") else None
+        """A prefill core's pool: (shape, dtype name), mapped from ``pool_fd``."""
+        self.pool_fd: int | None = None
+        """The memfd of a prefill core's pool (the front maps it; services/prefill/engine_port.py)."""
+        self.chunk_listener: Callable[[list[Any], float], float] | None = None
+        """A prefill front's: called on the event loop with each OUT frame's computed chunks (wire form) and the
+        step's start (monotonic); TAKEN goes back once it returned, or as many seconds later as it returns."""
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
         self._published: dict[str, float] = {}
@@ -105,22 +122,27 @@ class EngineCoreClient(EngineFront):
     # --- start / stop ---
 
     @classmethod
-    async def start(cls, config: EngineConfig, service: str, logging_config: LoggingConfig | None = None
-                    ) -> EngineCoreClient:
+    async def start(cls, config: EngineConfig, service: str, logging_config: LoggingConfig | None = None,
+                    role: str = "") -> EngineCoreClient:
         """Spawn the core, send its config, wait for the model to load (HELLO). Raises EngineCoreStartError
-        with the core's one line if it cannot start."""
+        with the core's one line if it cannot start (EngineCoreThreadOnly: a prefill core whose pages its front
+        cannot read). ``role`` "prefill": the core's pool comes back as a memfd (``pool_fd``)."""
         lcfg = logging_config or LoggingConfig(log_level=logging.getLevelName(logging.getLogger().level))
         front, core = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        fds_front, fds_core = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) if role == PREFILL else (None, None)
         w.tune(front)
+        ends = [core] + ([fds_core] if fds_core is not None else [])
         try:
             proc = await asyncio.to_thread(  # a fork of a large process: off the loop
-                subprocess.Popen, [sys.executable, "-m", "services.engine.core_process", str(core.fileno())],
-                pass_fds=(core.fileno(),), stdin=subprocess.DEVNULL)
+                subprocess.Popen, [sys.executable, "-m", "services.engine.core_process",
+                                   *(str(e.fileno()) for e in ends)],
+                pass_fds=tuple(e.fileno() for e in ends), stdin=subprocess.DEVNULL)
         finally:
-            core.close()
+            for e in ends:
+                e.close()
         try:
             reader, writer = await asyncio.open_unix_connection(sock=front, limit=STREAM_LIMIT)
-            for part in w.encode([w.CONFIG, config_to_wire(config), service, lcfg.log_level, lcfg.log_format]):
+            for part in w.encode([w.CONFIG, config_to_wire(config), service, lcfg.log_level, lcfg.log_format, role]):
                 writer.write(part)
             await writer.drain()
             msg = await _read_frame(reader)
@@ -129,11 +151,13 @@ class EngineCoreClient(EngineFront):
                                            f"{await asyncio.to_thread(proc.wait)})")
             body, _ = msg
             if body[0] == w.FATAL:
-                raise EngineCoreStartError(str(body[2]))
+                raise (EngineCoreThreadOnly if body[1] == THREAD_ONLY else EngineCoreStartError)(str(body[2]))
             if body[0] != w.HELLO:
                 raise EngineCoreStartError(f"engine core: expected HELLO, got frame type {body[0]}")
             client = cls(proc, reader, writer, body[1])
             client.device = config.device
+            if fds_front is not None:
+                client.pool_fd = await asyncio.to_thread(_receive_fd, fds_front, FDS_WAIT_S)
             seen = asyncio.ensure_future(client._stats_seen.wait())
             await asyncio.wait({seen, client._reader_task}, return_when=asyncio.FIRST_COMPLETED)
             seen.cancel()
@@ -146,6 +170,9 @@ class EngineCoreClient(EngineFront):
                 front.close()
             await asyncio.to_thread(_stop_process, proc, STOP_WAIT_S)
             raise
+        finally:
+            if fds_front is not None:
+                fds_front.close()
 
     def _stopping(self) -> bool:
         return self._stopping_now
@@ -196,6 +223,16 @@ class EngineCoreClient(EngineFront):
     def _dispatch(self, body: list[Any]) -> None:
         kind = body[0]
         if kind == w.OUT:
+            if len(body) > 3 and body[3]:  # a prefill core's chunks: the front reads their pages, then TAKEN
+                delay = 0.0
+                try:
+                    if self.chunk_listener is not None:
+                        delay = self.chunk_listener(body[3], float(body[4]))
+                finally:
+                    if delay > 0:  # a testing aid's slow chunk: the core waits, this loop does not
+                        self._loop.call_later(delay, self._send_taken)
+                    else:
+                        self._send_taken()
             outputs = [w.output_from_wire(v) for v in body[1]]
             if body[2]:
                 records = [StepRecord(*s) for s in body[2]]
@@ -220,6 +257,10 @@ class EngineCoreClient(EngineFront):
             self._fatal = f"{body[1]}: {body[2]}"
         else:
             raise w.WireError(f"unknown frame type {kind} from the engine core")
+
+    def _send_taken(self) -> None:
+        with contextlib.suppress(OSError, RuntimeError):  # a closed channel: the core is gone or stopping
+            self._writer.write(w.encode([w.TAKEN])[0])
 
     async def _command(self, op: int, *args: Any, payload: bytes | memoryview = b"") -> Any:
         self._check_alive()
@@ -268,6 +309,21 @@ class EngineCoreClient(EngineFront):
     async def import_payload(self, block_ids: list[int], payload: bytes | memoryview, fp8: bool) -> None:
         await self._command(w.PAGES, list(block_ids), fp8, payload=payload)
 
+    async def prefix_blocks(self, prompt_token_ids: list[int]) -> int:
+        """Leading full blocks of the prompt the core's prefix cache holds (LLMEngine.cached_prefix_blocks)."""
+        return int(await self._command(w.PREFIX, list(prompt_token_ids)))
+
+    async def admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, stream_kv: bool,
+                    first_block: int, pages: bytes | memoryview = b"") -> int:
+        """A prefill's prompt, after the kvstore's ``pages`` (blocks first_block.., the pool's layout) went into the
+        prefix cache; returns the blocks that loaded (LLMEngine.import_prefix_pages, add_request)."""
+        return int(await self._command(w.ADMIT, request_id, list(prompt_token_ids), w.params_to_wire(params),
+                                       stream_kv, first_block, payload=pages))
+
+    async def release(self, request_id: str) -> bool:
+        """Free the blocks the core held past the prompt's last chunk (LLMEngine.release_held)."""
+        return bool(await self._command(w.RELEASE, request_id))
+
     async def trace(self, duration_s: float, path: str) -> str:
         """Profile the core process (torch.profiler, CPU and CUDA) for ``duration_s``; its trace goes to ``path``."""
         return str(await self._command(w.TRACE, duration_s, path))
@@ -284,6 +340,18 @@ async def _read_frame(reader: asyncio.StreamReader) -> tuple[list[Any], bytes] |
     body = await reader.readexactly(n)
     payload = await reader.readexactly(p) if p else b""
     return w.decode_body(body), payload
+
+
+def _receive_fd(sock: socket.socket, timeout: float) -> int:
+    """The one descriptor the core sends over ``sock`` (blocking, bounded by ``timeout``)."""
+    sock.settimeout(timeout)
+    try:
+        _, fds, _, _ = socket.recv_fds(sock, 16, 1)
+    except (OSError, TimeoutError) as e:
+        raise EngineCoreStartError(f"engine core: its pool descriptor did not arrive ({e})") from None
+    if len(fds) != 1:
+        raise EngineCoreStartError("engine core: its pool descriptor did not arrive (the channel closed)")
+    return fds[0]
 
 
 def _wait_exit(proc: subprocess.Popen, timeout: float) -> int | None:

@@ -13,6 +13,14 @@ frame is CONFIG; the model loads; HELLO (or FATAL, then exit 2) answers. Then tw
   not read until IMPORT_DONE), as a decode's worker thread does in-process; TRACE profiles this process on a
   thread of its own.
 
+A prefill's core (``python -m services.engine.core_process FD FDS``, role "prefill" in CONFIG) keeps its KV pool in
+a memfd it passes to the front over the second socket FDS, so the front reads and writes pages itself (exports for
+the wire, side-transport writes, the kvstore write-back; services/prefill/engine_port.py). Each OUT frame lists
+the prompt chunks its step computed; the loop waits for the front's TAKEN before the next step, so no later step
+reuses a block whose pages the front is still reading (the in-process engine thread's own order: its chunk
+listeners run inside the step). A prompt's blocks are held past its last chunk until the front's RELEASE (or
+an ABORT). PREFIX and ADMIT (with the kvstore's pages as payload) run on the loop as commands.
+
 The channel closing (the front exited, or sent STOP) stops the loop and the process. SIGINT is ignored (a
 terminal's Ctrl-C reaches the front, which stops the core), and so is SIGTERM once the model is loaded: a
 group's SIGTERM reaches the core too, and the front stops it with STOP once it has drained (its in-flight
@@ -29,8 +37,11 @@ import socket
 import sys
 import threading
 import time
+import warnings
 from dataclasses import fields
 from typing import Any
+
+import torch
 
 from services.common.logging import LoggingConfig, setup_logging
 from services.engine import core_wire as w
@@ -40,12 +51,17 @@ from services.engine.config import EngineConfig
 from services.engine.convert import layout_to_pb
 from services.engine.engine import LLMEngine, RequestOutput
 from services.engine.kv_pages import pages_of
-from services.text.sampling_params import InvalidRequestError
+from services.engine.shared_kv import front_pool_fd, serve_pool_to_front
+from services.text.sampling_params import InvalidRequestError, Sampled
 
 log = logging.getLogger(__name__)
 
 EXIT_LOAD_FAILED = 2
 EXIT_LOOP_DIED = 3
+PREFILL = "prefill"
+"""The role of a prefill's core (CONFIG); any other role serves decode and colocated workers."""
+THREAD_ONLY = "ThreadOnly"
+"""FATAL kind of a prefill core whose engine its front cannot read pages of (its loop belongs on a thread)."""
 STATS_EVERY_S = 0.5
 """Idle: the stats go out at least this often (seconds) though nothing changed (published_unix moves)."""
 
@@ -68,7 +84,7 @@ def error_to_wire(e: BaseException) -> list[Any]:
 
 
 class Core:
-    def __init__(self, chan: w.BlockingChannel, cfg: EngineConfig, engine: LLMEngine) -> None:
+    def __init__(self, chan: w.BlockingChannel, cfg: EngineConfig, engine: LLMEngine, role: str = "") -> None:
         self.chan = chan
         self.engine = engine
         self._sent_stats: dict[str, float] = {}
@@ -76,13 +92,31 @@ class Core:
         self.loop: StepLoop | None = None
         self.loop = StepLoop(engine, cfg, self._deliver, self._on_publish)
         self._pages = None
+        self._chunks: list[list[Any]] = []
+        """A prefill core's chunks computed in the current step (wire form), sent with its OUT frame."""
+        self._taken = threading.Semaphore(0)
+        """Released by each TAKEN (and by the channel closing): the front has read the last OUT's chunk pages."""
+        self._closed = False
+        if role == PREFILL:
+            engine.chunk_listeners.append(self._on_chunk)
 
     # --- loop thread ---
 
+    def _on_chunk(self, ch: Any, sampled: Sampled | None) -> None:
+        """Inside the step: the chunk goes out with the step's OUT; a prompt's last chunk holds its blocks for the
+        front (RELEASE or ABORT frees them)."""
+        if ch.sample:
+            self.engine.hold_blocks(ch.seq)
+        self._chunks.append(w.chunk_to_wire(ch.seq, ch.num_new_tokens, ch.sample, sampled))
+
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         steps = [[s.seconds, s.tokens, s.sequences, s.graphed] for s in self.loop.take_steps()]
-        if outputs or steps:
-            self.chan.send([w.OUT, [w.output_to_wire(o) for o in outputs], steps])
+        chunks, self._chunks = self._chunks, []
+        if outputs or steps or chunks:
+            self.chan.send([w.OUT, [w.output_to_wire(o) for o in outputs], steps, chunks,
+                            self.engine.last_step_start])
+        while chunks and not self._taken.acquire(timeout=1.0) and not self._closed:
+            pass  # the front reads the chunks' pages (a busy host may take long); its death closes the channel
 
     def _on_publish(self, s: dict[str, float]) -> None:
         now = time.monotonic()
@@ -127,6 +161,20 @@ class Core:
             self._deliver([out])
         return out is not None
 
+    def _admit(self, rid: str, ids: list[int], params: list[Any], stream_kv: bool, first: int,
+               payload: bytearray) -> int:
+        """A prefill's prompt: the kvstore's pages for blocks [first, ...) into the prefix cache, then the request
+        (one loop command, so the loaded pages cannot be evicted in between). Returns the blocks loaded."""
+        loaded = 0
+        if payload:
+            pages = pages_of(self.engine)
+            with warnings.catch_warnings():  # a private buffer, only read
+                warnings.simplefilter("ignore", UserWarning)
+                flat = torch.frombuffer(payload, dtype=pages.dtype)
+            loaded = self.engine.import_prefix_pages(ids, first, flat.view(-1, *pages.page_shape))
+        self.engine.add_request(rid, ids, w.params_from_wire(params), False, stream_kv=stream_kv)
+        return loaded
+
     # --- reader thread ---
 
     def _import_pages(self, cid: int, block_ids: list[int], fp8: bool, payload: bytearray) -> None:
@@ -162,6 +210,9 @@ class Core:
                 op = msg[0]
                 if op == w.STOP:
                     return
+                if op == w.TAKEN:
+                    self._taken.release()
+                    continue
                 cid = msg[1]
                 if op == w.ADD:
                     self._submit(cid, lambda m=msg: self._add(*m[2:6]))
@@ -173,6 +224,12 @@ class Core:
                     self._submit(cid, lambda m=msg: self._abort(m[2]))
                 elif op == w.PAGES:
                     self._import_pages(cid, msg[2], bool(msg[3]), payload)
+                elif op == w.PREFIX:
+                    self._submit(cid, lambda m=msg: self.engine.cached_prefix_blocks(m[2]))
+                elif op == w.ADMIT:
+                    self._submit(cid, lambda m=msg, p=payload: self._admit(*m[2:7], p))
+                elif op == w.RELEASE:
+                    self._submit(cid, lambda m=msg: self.engine.release_held(m[2]))
                 elif op == w.TRACE:
                     threading.Thread(target=self._trace, args=(cid, float(msg[2]), str(msg[3])),
                                      name="pdserve-core-trace", daemon=True).start()
@@ -181,13 +238,29 @@ class Core:
         except (OSError, w.WireError, IndexError, TypeError, ValueError) as e:
             log.error("engine core: channel from the front failed (%s); stopping", e)
         finally:
+            self._closed = True
+            self._taken.release()
             self.loop.stopping = True
             self.loop.wake.set()
 
 
-def hello(engine: LLMEngine) -> list[Any]:
+def thread_only(engine: LLMEngine) -> str:
+    """Why a prefill's front cannot read this engine's pages itself ('' when it can): the pool must be one
+    memfd-backed target region of a CPU instance without layer-group exports."""
+    pages = pages_of(engine)
+    return ("the KV pool is not on the CPU" if pages.device.type != "cpu" else
+            "pages of several regions (index keys, a draft's KV)" if pages.composite else
+            "a tensor-parallel pool" if pages.sharded else
+            "layer-group exports (--layer-group)" if getattr(engine, "layer_group", 0) else
+            "the KV pool could not be shared with the front" if front_pool_fd() is None else "")
+
+
+def hello(engine: LLMEngine, role: str = "") -> list[Any]:
     dest = pages_of(engine).destination
+    pool = engine.runner.kv_cache
     return [w.HELLO, {
+        "pool": ([list(pool.shape), str(pool.dtype).removeprefix("torch."), engine.runner.model.tp_split.num_heads]
+                 if role == PREFILL else None),
         "pid": os.getpid(),
         "model_id": engine.loaded.model_id,
         "layout": layout_to_pb(engine.layout).SerializeToString(),
@@ -202,18 +275,22 @@ def hello(engine: LLMEngine) -> list[Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1 or not args[0].isdigit():
-        print("usage: python -m services.engine.core_process FD (started by a service's front)", file=sys.stderr)
+    if len(args) not in (1, 2) or not all(a.isdigit() for a in args):
+        print("usage: python -m services.engine.core_process FD [FDS] (started by a service's front)",
+              file=sys.stderr)
         return 2
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=int(args[0]))
+    fds = socket.socket(fileno=int(args[1])) if len(args) == 2 else None
     chan = w.BlockingChannel(sock)
     first = chan.recv()
     if first is None or first[0][0] != w.CONFIG:
         print("engine core: the front sent no CONFIG frame", file=sys.stderr)
         return 2
-    _, cfg_dict, service, log_level, log_format = first[0]
+    _, cfg_dict, service, log_level, log_format, role = first[0]
     setup_logging(f"{service}-core", LoggingConfig(log_level=log_level, log_format=log_format))
+    if role == PREFILL:
+        serve_pool_to_front()
     try:
         cfg = EngineConfig(**cfg_dict)
         engine = LLMEngine(cfg)
@@ -221,13 +298,20 @@ def main(argv: list[str] | None = None) -> int:
         log.debug("engine core: load failed", exc_info=True)
         chan.send([w.FATAL, type(e).__name__, str(e)])
         return EXIT_LOAD_FAILED
+    if role == PREFILL:
+        why = thread_only(engine)
+        if why or fds is None:
+            chan.send([w.FATAL, THREAD_ONLY, f"a prefill engine core's front reads its pages itself; not here: "
+                                             f"{why or 'no descriptor channel'}"])
+            return EXIT_LOAD_FAILED
+        socket.send_fds(fds, [b"P"], [front_pool_fd()])
     # Serving, the front owns the stop: a SIGTERM to the whole process group (a supervisor's, a container
     # runtime's) reaches this process too, and stopping here would cut the front's drain short. The front sends
     # STOP once it has drained; its death closes the channel, which stops the loop. (While the model loads,
     # SIGTERM still ends this process: nothing is in flight yet.)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    chan.send(hello(engine))
-    core = Core(chan, cfg, engine)
+    chan.send(hello(engine, role))
+    core = Core(chan, cfg, engine, role)
     reader = threading.Thread(target=core.read, name="pdserve-core-reader", daemon=True)
     reader.start()
     log.info("engine core: serving (pid %d)", os.getpid())

@@ -5,26 +5,32 @@ A frame is ``<u32 body length><u32 payload length>``, a msgpack body (a list who
 type), then the raw payload (page bytes, PAGES frames only). Both lengths are bounded; a frame that breaks
 a bound or does not parse ends the channel (:class:`WireError`), and the peer sees the channel close.
 
-Front -> core: CONFIG (first: the engine config and logging), ADD, RESERVE, IMPORT_DONE, ABORT, PAGES,
-TRACE (each with a call id answered by one REPLY), STOP. Core -> front: HELLO (the model's fixed facts,
-once loaded) or FATAL (why the core cannot run, then it exits), OUT (one step's outputs of every request,
-the stats after it and the step's record), STATS, REPLY.
+Front -> core: CONFIG (first: the engine config, logging and the core's role), ADD, RESERVE, IMPORT_DONE,
+ABORT, PAGES, TRACE, and a prefill's PREFIX, ADMIT (its kvstore pages as the payload), RELEASE (each with a call
+id answered by one REPLY), TAKEN (a prefill front has read the pages of the chunks an OUT frame announced), STOP.
+Core -> front: HELLO (the model's fixed facts, once loaded) or FATAL (why the core cannot run, then it exits),
+OUT (one step's outputs of every request, the step's record and, from a prefill core, the chunks it computed),
+STATS, REPLY.
 """
 
 from __future__ import annotations
 
 import socket
 import struct
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 
 from services.engine.engine import RequestOutput
 from services.engine.sequence import FinishReason
-from services.text.sampling_params import SamplingParams, TopLogprobs
+from services.text.sampling_params import Sampled, SamplingParams, TopLogprobs
 
 # Front -> core
 CONFIG, ADD, RESERVE, IMPORT_DONE, ABORT, PAGES, TRACE, STOP = range(8)
+PREFIX, ADMIT, RELEASE, TAKEN = range(8, 12)
+"""A prefill core's: cached prefix blocks of a prompt; admit a prompt (with kvstore pages); free the blocks held
+past a prompt's end; the pages of the last OUT frame's chunks are read."""
 # Core -> front
 HELLO, FATAL, OUT, STATS, REPLY = range(100, 105)
 
@@ -157,3 +163,38 @@ def output_from_wire(v: list[Any]) -> RequestOutput:
     return RequestOutput(rid, ids, text, lps, [top_from_wire(t) for t in tops] if tops else tops, finished,
                          _FINISH[reason] if reason is not None else None, n_prompt, n_cached, n_out, first_t,
                          proposed, accepted, synthetic)
+
+
+# --- a prefill core's computed chunks ---
+
+@dataclass
+class ChunkSeq:
+    """What a prefill front reads of a computed chunk's sequence (Sequence's fields of those names)."""
+
+    request_id: str
+    num_computed_tokens: int
+    """Tokens computed before the chunk."""
+    num_cached_tokens: int
+    block_table: list[int]
+
+
+@dataclass
+class ComputedChunk:
+    """A chunk a prefill core computed, as its front's chunk listeners read it (ScheduledChunk's fields)."""
+
+    seq: ChunkSeq
+    num_new_tokens: int
+    sample: bool
+    """The prompt's last chunk: the first token was sampled."""
+
+
+def chunk_to_wire(seq: Any, num_new_tokens: int, sample: bool, sampled: Sampled | None) -> list[Any]:
+    s = None if sampled is None else [sampled.token, sampled.logprob, top_to_wire(sampled.top)]
+    return [seq.request_id, seq.num_computed_tokens, seq.num_cached_tokens, list(seq.block_table), num_new_tokens,
+            sample, s]
+
+
+def chunk_from_wire(v: list[Any]) -> tuple[ComputedChunk, Sampled | None]:
+    rid, computed, cached, table, n, sample, s = v
+    chunk = ComputedChunk(ChunkSeq(str(rid), int(computed), int(cached), [int(b) for b in table]), int(n), bool(sample))
+    return chunk, None if s is None else Sampled(int(s[0]), s[1], top_from_wire(s[2]))

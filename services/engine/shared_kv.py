@@ -172,11 +172,56 @@ def export_cuda_kv(tensor: torch.Tensor) -> decode_pb2.KVDestination:
         event_handle=bytes(event_handle or b""), event_sync_required=bool(event_sync)))
 
 
+_FRONT_POOL: dict[str, int] = {}
+"""An engine core's pool for its front: {"fd": memfd} once made (see :func:`serve_pool_to_front`)."""
+_FRONT_POOL_WANTED = [False]
+
+
+def serve_pool_to_front() -> None:
+    """This process is an engine core whose front reads and writes its KV pool (a prefill's, services/prefill/
+    engine_port.py): the next "KV pool" :func:`allocate_kv` makes on CPU is an anonymous shared-memory file
+    (memfd: no /dev/shm space, no name) whose descriptor :func:`front_pool_fd` hands over."""
+    _FRONT_POOL_WANTED[0] = True
+
+
+def front_pool_fd() -> int | None:
+    """The memfd of the pool made for the front, or None (none was asked for, or the device is not a CPU)."""
+    return _FRONT_POOL.get("fd")
+
+
+def _memfd_pool(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed pool in a new memfd (pages allocated on first touch, as a private pool's are)."""
+    nbytes = math.prod(shape) * _itemsize(dtype)
+    fd = os.memfd_create("pdserve-kv-pool", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        tensor = _map(fd, nbytes, shape, dtype)
+    except BaseException:
+        os.close(fd)
+        raise
+    _FRONT_POOL["fd"] = fd
+    return tensor
+
+
+def open_front_pool(fd: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The front's mapping of its engine core's pool from the memfd the core passed (SharedKVAttachError unless
+    its size is the pool's)."""
+    nbytes = math.prod(shape) * _itemsize(dtype)
+    size = os.fstat(fd).st_size
+    if size != nbytes:
+        raise SharedKVAttachError("file", f"the engine core's pool file holds {size} bytes; its shape "
+                                          f"{list(shape)} of {dtype} needs {nbytes}")
+    return _map(fd, nbytes, shape, dtype)
+
+
 def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, shared: bool, what: str
                 ) -> tuple[torch.Tensor, str | None, decode_pb2.KVDestination | None]:
     """A zeroed pool (``what`` names it in logs): (tensor, its /dev/shm path, the destination to offer). With
     ``shared``, backed by a /dev/shm file on CPU or exported over CUDA IPC on GPU; a pool that cannot be
-    shared stays private (logged; prefills then send page bytes). The caller unlinks the path at exit."""
+    shared stays private (logged; prefills then send page bytes). The caller unlinks the path at exit. An
+    engine core serving its pool to its front (:func:`serve_pool_to_front`) makes its CPU "KV pool" a memfd."""
+    if _FRONT_POOL_WANTED[0] and device.type == "cpu" and what == "KV pool" and "fd" not in _FRONT_POOL:
+        return _memfd_pool(shape, dtype), None, None
     if shared and device.type == "cpu":
         try:
             return create_shared_kv(shape, dtype)

@@ -57,6 +57,9 @@ class DirectWrites:
         self.shards: ShardWrites | None = None
         """This instance's rank-to-rank writes (set by the servicer): used for a tensor-parallel decode's pool,
         and for every side-transport write of a tensor-parallel prefill."""
+        self.unavailable: dict[str, str] = {}
+        """Transports this prefill does not write through, and why (its engine's loop in a process of its own:
+        services/prefill/engine_port.py); an offer of one falls back to bytes in the stream (counted, logged)."""
 
     @property
     def modes(self) -> registry.Mode:
@@ -102,6 +105,9 @@ class DirectWrites:
         conn, over = registry.for_destination(request.destination, ranks)
         if conn is None or over is None or not self.modes.takes(over):
             self._fallback(self.mode, "none", f"the decode offers {offered.case if offered else 'no shared pool'}")
+            return None
+        if over.name in self.unavailable:
+            self._fallback(over.name, "engine_core", self.unavailable[over.name])
             return None
         dest = list(request.dest_block_ids)
         if len(dest) != num_blocks:

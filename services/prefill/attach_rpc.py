@@ -12,13 +12,13 @@ import grpc
 from services.common.grpc_util import Reason, abort, error_detail
 from services.common.pb import prefill_pb2
 from services.common.tls import peer_role
-from services.engine.async_engine import AsyncEngine
 from services.engine.kv_layout import PageLayout
 from services.engine.kv_pages import KVPages
 from services.engine.kv_transport.base import PageWriter
 from services.kv.planner import DirectWrites, InvalidDestinationError
 from services.prefill.attach import Attachments, AttachRefused, Waiting, ended, merged
 from services.prefill.config import PrefillConfig
+from services.prefill.engine_port import PrefillEngine
 from services.prefill.kv_stream import AttachTimeout, RequestKVStream
 from services.prefill.request_checks import ids_problem, layout_mismatch, reservation_problem
 
@@ -30,7 +30,7 @@ class EarlyAttach:
 
     attachments: Attachments
     config: PrefillConfig
-    engine: AsyncEngine
+    port: PrefillEngine
     direct: DirectWrites
     pages: KVPages
     layout: PageLayout
@@ -42,8 +42,8 @@ class EarlyAttach:
         export on (GPU), a prompt of one chunk leaves group by group only if its writer exists when that chunk's
         step starts (on the H200 at 2K: 1.21x colocated so, 1.45-1.50x when the step began before the attach);
         longer prompts take it long before their last chunk, and other transports gain nothing by waiting."""
-        eng = self.engine.engine
-        return self.direct.modes.overlaps_compute and eng.layer_group > 0 and len(ids) <= eng.config.max_prefill_chunk
+        port = self.port
+        return self.direct.modes.overlaps_compute and port.layer_group > 0 and len(ids) <= port.max_prefill_chunk
 
     async def _await_attach_first(self, waiting: Waiting, stream: RequestKVStream
                                   ) -> tuple[prefill_pb2.PrefillRequest, PageWriter | None]:

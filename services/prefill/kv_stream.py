@@ -5,7 +5,10 @@ starts writing the chunk's pages into decode's pool, or the page API starts expo
 memory (a gather; on GPU an async copy on a side stream). Nothing else happens on the step loop, and
 it never waits: when the last chunk is computed before decode acknowledged the writer's claim, the
 request's blocks are held past its end (``LLMEngine.hold_blocks``) and its unwritten pages go to the
-sender as a deferred write, issued on the engine thread once the claim is acknowledged.
+sender as a deferred write, issued on the engine thread once the claim is acknowledged. With the loop in an
+engine-core process, "engine thread" reads "the event loop, as each step's chunks arrive" (engine_port.py): the
+core steps again only once they were read, and holds every prompt's blocks past its last chunk until its last
+pages are out (``release_held``).
 
 Sender task (``pump``): waits for the write or the export in a worker thread, checksums the bytes
 there, and sends one message per piece, and the next piece is prepared while the previous one is on the
@@ -27,7 +30,6 @@ import grpc
 import torch
 
 from services.common.pb import common_pb2
-from services.engine.async_engine import AsyncEngine
 from services.engine.kv_layout import PageLayout, checksum
 from services.engine.kv_pages import KVPages, MessageExport, PageExport
 from services.engine.kv_transport import KVSender, TransferError
@@ -35,6 +37,7 @@ from services.engine.kv_transport.base import PageWriter
 from services.engine.kv_transport.grpc_wire import MessageBuffer
 from services.engine.scheduler import ScheduledChunk
 from services.kv.claim import codec_pb
+from services.prefill.engine_port import PrefillEngine
 from services.prefill.kvstore_writeback import WriteBackSpan
 from services.prefill.layer_export import armed, watch
 from services.text.sampling_params import Sampled, TopLogprobs
@@ -86,7 +89,7 @@ class RequestKVStream:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, export: Callable[[list[int]], PageExport], block_size: int,
                  num_skip_blocks: int, chunked: bool, arrival: float, writer: PageWriter | None = None,
-                 engine: AsyncEngine | None = None, claim_wait_s: float = 0.0, pending: bool = False,
+                 engine: PrefillEngine | None = None, claim_wait_s: float = 0.0, pending: bool = False,
                  writeback_begin: Callable[[list[int]], WriteBackSpan | str] | None = None) -> None:
         """``pending``: an early Prefill whose reservation is not known yet (``attach`` names it); until its
         claim is acknowledged every computed page is deferred exactly as for an unanswered writer claim."""
@@ -225,7 +228,7 @@ class RequestKVStream:
             return False
         if deferred:  # never wait here: the blocks outlive the request until the sender wrote them
             assert self.engine is not None, "a claim needs the engine to hold the request's blocks"
-            self.engine.engine.hold_blocks(seq)
+            self.engine.hold(seq)
             self.held_request = seq.request_id
             item.deferred = list(seq.block_table[first:limit])
         elif n and self.writer is not None:
@@ -234,6 +237,8 @@ class RequestKVStream:
             item.pages = self.export(seq.block_table[first:limit])
         if last and self.writer is not None and not deferred:
             self.writer.release_source()  # the request's blocks are freed after this step
+        if last and not deferred and self.engine is not None and self.engine.holds_last_chunk:
+            self.held_request = seq.request_id  # held by the engine core: freed once these pages are out
         return True
 
     def _last_item(self, item: PagesReady, ch: ScheduledChunk, sampled: Sampled | None, end: int, done_mono: float,
@@ -280,23 +285,17 @@ class RequestKVStream:
         if not item.num_pages:
             return
         if self.writer is not None:
-            item.write = await self.engine.call(self.writer.write, item.first_block, item.deferred)
+            item.write = await self.engine.run(self.writer.write, item.first_block, item.deferred)
         else:
-            item.pages = await self.engine.call(self.export, item.deferred)
+            item.pages = await self.engine.run(self.export, item.deferred)
 
     async def release_held(self) -> None:
-        """The deferred write landed (or its pages are on the host): let the writer drop its source and free
-        the held blocks (engine thread)."""
+        """The last pages landed (or are on the host): let the writer drop its source and free the held blocks
+        (engine thread, or the engine core)."""
         engine, writer, rid = self.engine, self.writer, self.held_request
         if engine is None or rid is None:
             return
-
-        def release() -> None:
-            if writer is not None:
-                writer.release_source()
-            engine.engine.release_held(rid)
-
-        await engine.call(release)
+        await engine.release(rid, writer.release_source if writer is not None else None)
         self.held_request = None
 
 
@@ -391,7 +390,7 @@ async def _pieces(stream: RequestKVStream, item: PagesReady, pages_per_msg: int)
         if item.write is not None:
             await asyncio.to_thread(stream.writer.wait, item.write)
         pages_per_msg = max(1, n)
-    if item.deferred is not None:
+    if item.last:  # a deferred write's blocks, or every last chunk's with an engine core
         await stream.release_held()
     if messages is not None:
         offsets = accumulate((cnt for cnt, _ in messages), initial=0)  # one more than messages

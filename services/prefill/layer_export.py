@@ -109,11 +109,13 @@ def exports_of(engine: LLMEngine) -> LayerExports:
 
 def watch(stream: RequestKVStream, sender: KVSender) -> None:
     """From the claim on, the stream's last chunk may leave layer group by layer group (module docstring)."""
-    if stream.engine is not None and sender.request_id and getattr(stream.engine.engine, "layer_group", 0):
-        exports_of(stream.engine.engine).watch(sender.request_id, stream)
+    eng = None if stream.engine is None else stream.engine.llm
+    if eng is not None and sender.request_id and getattr(eng, "layer_group", 0):
+        exports_of(eng).watch(sender.request_id, stream)
 
 
 def armed(stream: RequestKVStream, ch: ScheduledChunk, first: int, limit: int) -> object | None:
     """Engine thread: the layer-group write armed for the chunk's pages [first, limit), or None."""
-    exports = None if stream.engine is None else _registered(stream.engine.engine)
+    eng = None if stream.engine is None else stream.engine.llm
+    exports = None if eng is None else _registered(eng)
     return None if exports is None else exports.take(stream, ch, first, limit)

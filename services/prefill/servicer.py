@@ -24,10 +24,9 @@ from services.common.grpc_util import Reason, abort, abort_if_draining, error_de
 from services.common.metrics import PrefillMetrics
 from services.common.pb import prefill_pb2, prefill_pb2_grpc
 from services.common.tls import peer_role
-from services.engine.async_engine import AsyncEngine, EngineDeadError
+from services.engine.async_engine import EngineDeadError, EngineFront
 from services.engine.device_defaults import batch_defaults
 from services.engine.kv_layout import FP8_CODEC, PageLayout
-from services.engine.kv_pages import pages_of
 from services.engine.kv_transport import KVSender, KVTransport, TransferError
 from services.engine.kv_transport.base import PageWriter
 from services.engine.scheduler import ScheduledChunk
@@ -36,6 +35,7 @@ from services.kv.planner import DirectWrites, InvalidDestinationError
 from services.prefill.attach import Attachments, Waiting
 from services.prefill.attach_rpc import EarlyAttach
 from services.prefill.config import PrefillConfig
+from services.prefill.engine_port import PrefillEngine, prefill_engine
 from services.prefill.kv_stream import (
     AttachTimeout,
     PagesReady,
@@ -47,7 +47,7 @@ from services.prefill.kv_stream import (
 from services.prefill.kvstore_prefix import KVStorePrefix
 from services.prefill.outcome import Handoff, handoff_detail, refusal, stream_times
 from services.prefill.request_checks import deadline_monotonic, layout_mismatch, problem
-from services.text.sampling_params import InvalidRequestError
+from services.text.sampling_params import InvalidRequestError, Sampled
 from services.text.sampling_pb import params_from_pb, top_to_pb
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,8 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
         self.metrics = metrics
         self.transport = transport
         self.draining = draining
-        self.engine: AsyncEngine = None  # type: ignore[assignment]  # bound once the model is loaded
+        self.engine: EngineFront = None  # type: ignore[assignment]  # bound once the model is loaded
+        self.port: PrefillEngine = None  # type: ignore[assignment]  # the page-level reach into it (engine_port.py)
         self.streams: dict[str, RequestKVStream] = {}
         self.inflight = 0
         """Requests admitted and not finished (bounded by max_queued)."""
@@ -84,16 +85,23 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
         """True when a new request would be refused now (load reports read it)."""
         return self.inflight >= self.max_queued
 
-    def bind(self, engine: AsyncEngine) -> None:
+    def bind(self, engine: EngineFront) -> None:
+        """``engine``: an in-process AsyncEngine or an engine core's client (engine_port.py)."""
         self.engine = engine
+        self.port = prefill_engine(engine)
+        self.pages = self.port.pages
         self.max_queued = self.config.max_queued or batch_defaults(engine.device).prefill_queue
-        shards = self.direct.shards = pages_of(engine.engine).shard_writes()  # rank to rank (parallel/rank_pages)
+        shards = self.direct.shards = self.pages.shard_writes()  # rank to rank (parallel/rank_pages)
         shards.on_pages = lambda rank, n: self.metrics.kv_rank_pages_total.labels(str(rank)).inc(n)
-        self.direct.regions = pages_of(engine.engine).region_pools  # side transports write them too (region_pools.py)
-        self.model = engine.engine.loaded.model_id
-        self.layout = engine.engine.layout
-        engine.engine.chunk_listeners.append(self._on_chunk)
-        self.pages = pages_of(engine.engine)
+        self.direct.regions = self.pages.region_pools  # side transports write them too (region_pools.py)
+        if self.port.llm is None:
+            self.direct.unavailable = {"mooncake": "its transfer engine registers the pool in the process that "
+                                                   "steps (this prefill's loop runs in an engine core; "
+                                                   "--engine-core thread writes through it)"}
+        self.model = engine.model_id
+        self.layout = engine.layout
+        self.port.listen(self._on_chunk)
+        engine.add_death_callback(self._on_engine_death)
         if self.config.kvstore_address:
             cfg = self.config
             self.kvstore = KVStorePrefix(
@@ -109,15 +117,25 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
         if self.kvstore is not None:
             await self.kvstore.close()
 
-    # --- engine thread ---
+    def _on_engine_death(self, err: BaseException) -> None:
+        """Any thread: the step loop (or its core) died; every open request ends now with EngineDeadError
+        (UNAVAILABLE / ENGINE_DEAD, retryable) instead of waiting for a chunk that never comes."""
+        dead = err if isinstance(err, EngineDeadError) else EngineDeadError(f"engine loop died: {err!r}")
+        for stream in list(self.streams.values()):
+            stream.fail(dead)
 
-    def _on_chunk(self, ch: ScheduledChunk, sampled: tuple[int, float | None] | None) -> None:
-        """Engine thread: route a computed chunk to its request's stream."""
+    # --- engine thread (or, with an engine core, the event loop) ---
+
+    def _on_chunk(self, ch: ScheduledChunk, sampled: Sampled | None, step_start: float) -> None:
+        """Route a computed chunk to its request's stream (engine_port.py says where this runs)."""
         stream = self.streams.get(ch.seq.request_id)
-        if stream is not None:
-            stream.on_chunk(ch, sampled, self.engine.engine.last_step_start)
-            if self.config.slowdown_ms_per_chunk:
-                time.sleep(self.config.slowdown_ms_per_chunk / 1000.0)
+        if stream is None:
+            if ch.sample:
+                self.port.dropped(ch.seq.request_id)
+            return
+        stream.on_chunk(ch, sampled, step_start)
+        if self.config.slowdown_ms_per_chunk:
+            self.port.stall(self.config.slowdown_ms_per_chunk / 1000.0)
 
     # --- the RPC ---
 
@@ -138,7 +156,7 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
             await self._refuse(context, "permission", grpc.StatusCode.PERMISSION_DENIED,
                                "Prefill: only the router (client certificate role 'router') may call it",
                                Reason.ERROR_REASON_PERMISSION)
-        eng = self.engine.engine
+        eng = self.engine
         bad = problem(request, vocab_size=eng.vocab_size, max_model_len=eng.max_model_len,
                       block_size=self.layout.block_size)
         if bad is not None:
@@ -208,6 +226,11 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
                 await self._handoff_failed(h, context, refusal(h.claim) or err)  # decode's answer to the claim first
             except grpc.aio.AbortError:
                 raise
+            except EngineDeadError as e:  # the step loop (or its core) died: this instance is going down
+                await self._cleanup(h.rid, h.sender, "engine dead", h.writer, h.stream)
+                self.metrics.requests_aborted_total.labels("engine_dead").inc()
+                await abort(context, grpc.StatusCode.UNAVAILABLE, f"prefill's engine loop died ({e}); this instance "
+                            "is going down", error_detail(Reason.ERROR_REASON_ENGINE_DEAD, retryable=True, side=SIDE))
             except Exception as e:  # a page read or direct write failed on the engine thread
                 log.exception("prefill of %s failed", request.request_id)
                 await self._cleanup(h.rid, h.sender, repr(e), h.writer, h.stream)
@@ -246,7 +269,7 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
         chunked = request.chunked_transfer if request.HasField("chunked_transfer") else self.config.chunked_transfer
         rid = f"{request.request_id}/{uuid.uuid4().hex[:8]}"
         stream = RequestKVStream(asyncio.get_running_loop(), export, self.layout.block_size, request.num_skip_blocks,
-                                 chunked, arrival, writer, engine=self.engine, claim_wait_s=self.config.claim_wait_s,
+                                 chunked, arrival, writer, engine=self.port, claim_wait_s=self.config.claim_wait_s,
                                  pending=waiting is not None,
                                  writeback_begin=None if self.kvstore is None else self.kvstore.write_back_begin)
         transport = writer.transport if writer is not None else self.transport.name
@@ -362,7 +385,7 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
 
     def _fp8_agreed(self, request: prefill_pb2.PrefillRequest) -> PageLayout | None:
         """The fp8-e4m3 layout when this prefill is configured for it and decode accepted it at Reserve."""
-        fp8 = self.engine.engine.fp8_layout
+        fp8 = self.engine.fp8_layout
         agreed = self.config.kv_wire_codec == FP8_CODEC and fp8.fingerprint in request.accepted_wire_fingerprints
         return fp8 if agreed else None
 
@@ -389,12 +412,11 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
         """Load what the kvstore has beyond the local prefix, then admit the request (one engine-thread
         step, so the loaded pages cannot be evicted in between). Returns the blocks loaded. ``attach``: an
         early request's wait for its reservation (its writer decides tail splitting once it is known)."""
-        eng = self.engine.engine
         pages = None
         first = 0
         if self.kvstore is not None:
             hashes = self.kvstore.hashes(ids)
-            first = await self.engine.call(eng.cached_prefix_blocks, ids)
+            first = await self.port.prefix_blocks(ids)
             present, pages = await self.kvstore.fetch(hashes, len(ids), first)
             if self.kvstore.writes_back:
                 stream.writeback_from = max(present, 0)
@@ -409,13 +431,7 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
         else:  # an early request's writer is not known yet: its transport's (mooncake writers overlap compute)
             overlaps = stream.pending and self.direct.modes.overlaps_compute
         tail = stream.chunked and overlaps
-
-        def admit() -> int:
-            loaded = eng.import_prefix_pages(ids, first, pages) if pages is not None else 0
-            eng.add_request(rid, ids, params, False, stream_kv=tail)
-            return loaded
-
-        return await self.engine.call(admit)
+        return await self.port.admit(rid, ids, params, tail, first, pages)
 
     async def _cleanup(self, rid: str, sender: KVSender | None, reason: str, writer: PageWriter | None = None,
                        stream: RequestKVStream | None = None) -> None:
@@ -439,7 +455,7 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
             stream.stop_waiting()
         try:
             if writer is not None:  # a write the engine thread was already asked for (a deferred one) has started
-                await self.engine.call(_started)
+                await self.port.run(_started)
                 await asyncio.to_thread(writer.quiesce)  # ... and landed before its source blocks are freed
             await self.engine.abort(rid)  # frees blocks held for a deferred write too
         except EngineDeadError:  # nothing left to free

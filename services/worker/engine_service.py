@@ -36,7 +36,8 @@ from services.common.server import (
 from services.common.tracing import TracingUnavailableError
 from services.engine.async_engine import AsyncEngine, EngineFront
 from services.engine.config import EngineConfig
-from services.engine.core_client import EngineCoreClient
+from services.engine.core_client import EngineCoreClient, EngineCoreThreadOnly
+from services.engine.core_process import PREFILL
 from services.text.model.errors import ModelLoadError
 from services.text.model.source import resolve
 from services.worker.admin import AdminServicer, TraceCapture
@@ -142,10 +143,18 @@ class EngineService:
             t0 = time.monotonic()
             log.info("%s: loading %s on %s (stages follow)", self.name, self.ecfg.model or "the embedded default "
                      "model", self.ecfg.device)
-            if engine_core_mode(self.cfg, self.ecfg) == "process":
-                self.engine = await EngineCoreClient.start(self.ecfg, self.name, current_config())
-                trace.remote, trace.remote_loop = self.engine.trace, asyncio.get_running_loop()
-            else:
+            mode = engine_core_mode(self.cfg, self.ecfg, self.name)
+            if mode == "process":
+                try:
+                    self.engine = await EngineCoreClient.start(self.ecfg, self.name, current_config(),
+                                                               role=PREFILL if self.name == PREFILL else "")
+                    trace.remote, trace.remote_loop = self.engine.trace, asyncio.get_running_loop()
+                except EngineCoreThreadOnly as e:
+                    if getattr(self.cfg, "engine_core", "") != "auto":
+                        raise
+                    log.info("%s: %s; its step loop runs on a thread of this process", self.name, e)
+                    mode = "thread"
+            if mode == "thread":
                 self.engine = await asyncio.to_thread(AsyncEngine, self.ecfg)
             log.info("%s: engine up in %.1f s", self.name, time.monotonic() - t0)
             # The weight format is resolved while loading: replace the series set before (weight_format="pending").
@@ -168,15 +177,31 @@ class EngineService:
             raise EngineDiedError(f"{self.name}: engine loop died: {self.died!r}") from self.died
 
 
-def engine_core_mode(cfg: Any, ecfg: EngineConfig) -> str:
+def engine_core_mode(cfg: Any, ecfg: EngineConfig, name: str = "") -> str:
     """Where this service's step loop runs: "process" or "thread". ``--engine-core auto`` is process unless the
     loop must share this process with what lives here: the Mooncake transfer engine that registers the pool
-    (--kv-mooncake-host) or the tensor-parallel ranks this process drives. Services without the setting
-    (prefill) run the loop on a thread."""
+    (a decode's --kv-mooncake-host) or the tensor-parallel ranks this process drives; for a prefill, unless
+    :func:`prefill_thread_only` names a reason. Services without the setting run the loop on a thread."""
     mode = getattr(cfg, "engine_core", "thread")
     if mode != "auto":
         return mode
+    if name == PREFILL:
+        return "thread" if prefill_thread_only(cfg, ecfg) else "process"
     return "thread" if ecfg.tensor_parallel_size > 1 or getattr(cfg, "kv_mooncake_host", "") else "process"
+
+
+def prefill_thread_only(cfg: Any, ecfg: EngineConfig) -> str:
+    """Why a prefill's step loop must run on a thread of its service ('' when an engine core can serve it: its
+    front then reads and writes the pages itself, services/prefill/engine_port.py). A model whose pages have several
+    regions is found only once loaded (the core refuses it, and auto falls back to a thread)."""
+    return ("--device is not cpu (a CUDA pool's copies would need ordering against the core's stream)"
+            if not ecfg.device.startswith("cpu") else
+            "--tensor-parallel-size > 1 (the ranks are driven from this process)" if ecfg.tensor_parallel_size > 1 else
+            "--kv-transport mooncake (the transfer engine registers the pool where the loop runs)"
+            if getattr(cfg, "kv_transport", "") == "mooncake" else
+            "--kv-export-layer-group-cpu (layer groups leave from inside the step)"
+            if ecfg.kv_export_layer_group_cpu and ecfg.kv_export_layer_group else
+            "--draft-model (pages carry the draft's region)" if ecfg.draft_model else "")
 
 
 def parse_service_args(name: str, config_cls: type, argv: list[str] | None, description: str
@@ -221,13 +246,16 @@ def check_device(device: str) -> None:
                            f"cuda:0..cuda:{n - 1}")
 
 
-def preflight(cfg: ServerConfig, ecfg: EngineConfig) -> None:
+def preflight(cfg: ServerConfig, ecfg: EngineConfig, name: str = "") -> None:
     """What can fail before the model loads, checked before it does: ports, model spec, device, and the
-    settings an engine-core process does not take."""
+    settings an engine-core process does not take (``name``: the service's)."""
     check_ports(server_ports(cfg))
     if getattr(cfg, "engine_core", "thread") == "process" and ecfg.tensor_parallel_size > 1:
         raise StartupError("--engine-core process: not with --tensor-parallel-size > 1 (the ranks are driven "
                            "from this process); use --engine-core thread")
+    why = prefill_thread_only(cfg, ecfg) if name == PREFILL else ""
+    if getattr(cfg, "engine_core", "thread") == "process" and why:
+        raise StartupError(f"--engine-core process: not for this prefill: {why}; use --engine-core thread or auto")
     try:
         src = resolve(ecfg.model)
     except ModelLoadError as e:
@@ -237,8 +265,9 @@ def preflight(cfg: ServerConfig, ecfg: EngineConfig) -> None:
              f", {src.path}" if src.path is not None else "", ecfg.device, ecfg.resolved_dtype)
 
 
-async def _checked(amain: Callable[[Any, EngineConfig], Awaitable[None]], cfg: Any, ecfg: EngineConfig) -> None:
-    preflight(cfg, ecfg)
+async def _checked(name: str, amain: Callable[[Any, EngineConfig], Awaitable[None]], cfg: Any, ecfg: EngineConfig
+                   ) -> None:
+    preflight(cfg, ecfg, name)
     await amain(cfg, ecfg)
 
 
@@ -249,4 +278,4 @@ def service_main(name: str, config_cls: type, amain: Callable[[Any, EngineConfig
     parsed = parse_service_args(name, config_cls, argv, description)
     if parsed is None:
         return 2
-    return run_main(name, _checked(amain, *parsed), exit_codes={EngineDiedError: EXIT_ENGINE_DEAD})
+    return run_main(name, _checked(name, amain, *parsed), exit_codes={EngineDiedError: EXIT_ENGINE_DEAD})

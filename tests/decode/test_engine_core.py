@@ -22,7 +22,6 @@ from services.engine import core_wire as w
 from services.engine.core_client import EngineCoreClient, EngineCoreStartError
 from services.engine.engine import RequestOutput
 from services.engine.sequence import FinishReason
-from services.prefill.config import PrefillConfig
 from services.text.sampling_params import SamplingParams, TopLogprobs
 from services.worker.engine_service import EngineDiedError, engine_core_mode, preflight
 from tests.decode import test_kv_handoff as handoff
@@ -164,7 +163,6 @@ def test_auto_runs_the_loop_in_a_process_unless_this_process_must_hold_it():
     assert engine_core_mode(DecodeConfig(**base, kv_mooncake_host="127.0.0.1"), ecfg()) == "thread"
     assert engine_core_mode(DecodeConfig(**base), ecfg(tensor_parallel_size=2)) == "thread"
     assert engine_core_mode(DecodeConfig(**base, engine_core="thread"), ecfg()) == "thread"
-    assert engine_core_mode(PrefillConfig(**base), ecfg()) == "thread"
 
 
 def test_the_channel_carries_outputs_whole_and_refuses_malformed_frames():

@@ -15,8 +15,9 @@ from services.common.grpc_util import create_channel
 from services.common.metrics import PrefillMetrics
 from services.common.pb import common_pb2, decode_pb2, prefill_pb2, prefill_pb2_grpc
 from services.common.tls import TLSConfig
-from services.engine.async_engine import AsyncEngine
+from services.engine.async_engine import AsyncEngine, EngineFront
 from services.engine.config import EngineConfig
+from services.engine.core_client import EngineCoreClient
 from services.engine.kv_transport import FakeTransport
 from services.engine.kv_transport.fake import Faults
 from services.prefill.config import PrefillConfig
@@ -60,7 +61,7 @@ class PrefillRig:
     closers: list[Callable[[], Awaitable[Any]]] = field(default_factory=list)
 
     @property
-    def engine(self) -> AsyncEngine:
+    def engine(self) -> EngineFront:
         return self.servicer.engine
 
     def metric(self, name: str, **labels: str) -> float:
@@ -90,13 +91,16 @@ def prefill_request(ids: list[int], **overrides: Any) -> prefill_pb2.PrefillRequ
 
 
 async def start_prefill(config: PrefillConfig | None = None, engine: EngineConfig | None = None,
-                        server_tls: TLSConfig | None = None) -> PrefillRig:
+                        server_tls: TLSConfig | None = None, core: bool = False) -> PrefillRig:
+    """``core``: the step loop in an engine-core process whose pool the servicer maps (engine_port.py)."""
     registry = CollectorRegistry()
     receiver = RecordingReceiver()
     faults = Faults()
     servicer = PrefillServicer(config or PrefillConfig(), PrefillMetrics(registry),
                                FakeTransport({"decode-x": receiver}, faults), asyncio.Event())
-    servicer.bind(await asyncio.to_thread(AsyncEngine, engine or engine_config()))
+    ecfg = engine or engine_config()
+    servicer.bind(await EngineCoreClient.start(ecfg, "prefill", role="prefill") if core
+                  else await asyncio.to_thread(AsyncEngine, ecfg))
     server, address = await loopback_server(lambda s: prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, s),
                                             server_tls)
     channel = create_channel(address, tls=server_tls)
@@ -106,7 +110,7 @@ async def start_prefill(config: PrefillConfig | None = None, engine: EngineConfi
         await channel.close()
         await server.stop(None)
         await servicer.close()
-        servicer.engine.shutdown()
+        await asyncio.to_thread(servicer.engine.shutdown)  # an engine core's STOP is written on this loop
 
     rig.closers.append(close)
     return rig

@@ -14,6 +14,7 @@ import torch
 from services.common.pb import common_pb2
 from services.engine.kv_pages import PageExport
 from services.engine.kv_transport import TransferError
+from services.prefill.engine_port import PrefillEngine
 from services.prefill.kv_stream import ClaimTimeout, RequestKVStream
 
 BS = 4
@@ -44,22 +45,22 @@ class _Sender:
         await self.ack.wait()
 
 
-class _Engine:
-    """The two engine-thread calls a deferred write makes, recorded; ``call`` runs them in a worker thread."""
+class _Engine(PrefillEngine):
+    """The prefill engine's calls a deferred write makes, recorded; ``run`` runs them in a worker thread (as the
+    engine thread would, away from the event loop)."""
 
     def __init__(self) -> None:
-        self.engine = self
-        self.layer_listeners: list[object] = []
         self.log: list[tuple[str, object]] = []
 
-    def hold_blocks(self, seq) -> None:
+    def hold(self, seq) -> None:
         self.log.append(("hold", seq.request_id))
 
-    def release_held(self, request_id: str) -> bool:
+    async def release(self, request_id: str, before=None) -> None:
+        if before is not None:
+            await asyncio.to_thread(before)
         self.log.append(("release", request_id))
-        return True
 
-    async def call(self, fn, *args):
+    async def run(self, fn, *args):
         return await asyncio.to_thread(fn, *args)
 
 

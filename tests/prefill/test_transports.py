@@ -22,6 +22,7 @@ from services.decode.pushkv_wire import add_decode_servicer
 from services.decode.servicer import DecodeServicer
 from services.engine.async_engine import AsyncEngine
 from services.engine.config import EngineConfig
+from services.engine.core_client import EngineCoreClient
 from services.engine.engine import LLMEngine
 from services.engine.kv_transport import GrpcStreamTransport, mooncake
 from services.prefill import kv_stream
@@ -65,7 +66,8 @@ async def pair() -> AsyncIterator:
     channels: list[grpc.aio.Channel] = []
 
     async def make(transport: str, slowdown_ms: int = 0, prefill_engine: EngineConfig = ENGINE,
-                   decode_engine: EngineConfig | None = None) -> Pair:
+                   decode_engine: EngineConfig | None = None, core: bool = False) -> Pair:
+        """``core``: the prefill's step loop in an engine-core process (its front maps the pool)."""
         decode = DecodeServicer(DecodeConfig(kv_mooncake_host="127.0.0.1" if transport == "mooncake" else ""),
                                 DecodeMetrics(CollectorRegistry()), asyncio.Event())
         decode.bind(await asyncio.to_thread(AsyncEngine, dataclasses.replace(decode_engine or ENGINE,
@@ -74,7 +76,8 @@ async def pair() -> AsyncIterator:
         registry = CollectorRegistry()
         prefill = PrefillServicer(PrefillConfig(kv_transport=transport, slowdown_ms_per_chunk=slowdown_ms),
                                   PrefillMetrics(registry), GrpcStreamTransport(), asyncio.Event())
-        prefill.bind(await asyncio.to_thread(AsyncEngine, prefill_engine))
+        prefill.bind(await EngineCoreClient.start(prefill_engine, "prefill", role="prefill") if core
+                     else await asyncio.to_thread(AsyncEngine, prefill_engine))
         pserver, paddr = await _serve(prefill, prefill_pb2_grpc.add_PrefillServicer_to_server)
         dch, pch = grpc.aio.insecure_channel(daddr), grpc.aio.insecure_channel(paddr)
         channels.extend([dch, pch])
@@ -91,7 +94,7 @@ async def pair() -> AsyncIterator:
             await s.stop(None)
         await p.prefill.transport.close()
         p.decode.engine.shutdown()
-        p.prefill.engine.shutdown()
+        await asyncio.to_thread(p.prefill.engine.shutdown)  # an engine core's STOP is written on this loop
 
 
 async def _reserve(p: Pair, ids: list[int], n: int = 6) -> decode_pb2.ReserveResponse:
@@ -166,10 +169,12 @@ async def _until(cond, tries: int = 200) -> None:
         await asyncio.sleep(0.02)
 
 
-async def _mid_transfer(pair, transport: str):
+async def _mid_transfer(pair, transport: str, core: bool = False):
     """A slowed pair, one reservation, its Prefill call under way, and the decode-side reservation once some of
-    its KV landed."""
-    p = await pair(transport, slowdown_ms=150)
+    its KV landed (``core``: the prefill's loop in an engine core)."""
+    if core and transport == "mooncake":
+        pytest.skip("a prefill engine core does not write through mooncake (engine_port.py)")
+    p = await pair(transport, slowdown_ms=150, core=core)
     ids = PROMPTS[1]
     resv = await _reserve(p, ids)
     call = p.pstub.Prefill(_request(p, resv, ids))
@@ -179,8 +184,12 @@ async def _mid_transfer(pair, transport: str):
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-async def test_each_transport_gives_the_in_process_engines_tokens(pair, transport: str) -> None:
-    p = await pair(transport)
+@pytest.mark.parametrize("core", [False, True], ids=["thread", "core"])
+async def test_each_transport_gives_the_in_process_engines_tokens(pair, transport: str, core: bool) -> None:
+    """``core``: the prefill's loop in an engine-core process, its front reading the pages from the shared pool."""
+    if core and transport == "mooncake":
+        pytest.skip("a prefill engine core does not write through mooncake (engine_port.py)")
+    p = await pair(transport, core=core)
     offered = {"grpc": None, "shm": "shm", "mooncake": "mooncake"}[transport]
     sent = 0
     for ids in PROMPTS:
@@ -215,8 +224,10 @@ async def test_grpc_chunks_split_into_one_page_messages_land_identically(pair, m
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-async def test_a_prefill_gone_mid_transfer_keeps_the_reservation_then_abort_frees_it(pair, transport: str) -> None:
-    p, resv, call, r = await _mid_transfer(pair, transport)
+@pytest.mark.parametrize("core", [False, True], ids=["thread", "core"])
+async def test_a_prefill_gone_mid_transfer_keeps_the_reservation_then_abort_frees_it(pair, transport: str,
+                                                                                    core: bool) -> None:
+    p, resv, call, r = await _mid_transfer(pair, transport, core)
     assert r.next_chunk > 0
     call.cancel()  # the prefill's caller went away: prefill frees its work and breaks the stream
     await _until(lambda: not r.receiving)
@@ -229,8 +240,10 @@ async def test_a_prefill_gone_mid_transfer_keeps_the_reservation_then_abort_free
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-async def test_a_decode_gone_mid_transfer_fails_prefill_as_a_handoff_failure(pair, transport: str) -> None:
-    p, _resv, call, _r = await _mid_transfer(pair, transport)
+@pytest.mark.parametrize("core", [False, True], ids=["thread", "core"])
+async def test_a_decode_gone_mid_transfer_fails_prefill_as_a_handoff_failure(pair, transport: str, core: bool
+                                                                            ) -> None:
+    p, _resv, call, _r = await _mid_transfer(pair, transport, core)
     await p.servers[0].stop(None)  # decode's server goes away
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await call
