@@ -26,13 +26,36 @@ from services.engine.core_client import EngineCoreClient, EngineCoreThreadOnly
 from services.engine.kv_transport import FakeTransport
 from services.engine.kv_transport.fake import Faults
 from services.prefill.config import PrefillConfig
+from services.prefill.engine_port import CorePrefillEngine
 from services.prefill.servicer import PrefillServicer
 from services.text.sampling_params import Sampled, TopLogprobs
 from services.worker.engine_service import EngineDiedError, EngineService, engine_core_mode, preflight
+from tests.prefill import test_prefill_service as service
 from tests.prefill.conftest import RecordingReceiver, engine_config, prefill_request, start_prefill
 from tests.prefill.test_kvstore_outage import Store, _prompt, _reused, _written
 
 SERVER = dict(host="127.0.0.1", port=0, metrics_port=-1, drain_timeout_s=10.0, grace_s=2.0)
+
+SAME_CONTRACT = {
+    "every_chunk_carries_the_token": service.test_every_chunk_carries_the_reservation_token,
+    "queue_full_is_resource_exhausted": service.test_queue_full_is_resource_exhausted_with_retry_after,
+    "deadline_drops_a_queued_request": service.test_deadline_drops_a_queued_request_and_frees_its_blocks,
+    "grpc_deadline_mid_compute": service.test_grpc_deadline_drops_the_request_mid_compute,
+    "cancelled_frees_everything": service.test_a_cancelled_prefill_frees_everything,
+    "handoff_failure_typed": service.test_handoff_failure_is_typed_as_the_decode_side,
+    "shm_write_checks_block_ids": service.test_shm_direct_write_lands_the_pages_and_checks_block_ids,
+}
+"""Prefill tests written against the in-process engine, run again with the engine in its own process."""
+
+
+@pytest.mark.parametrize("case", list(SAME_CONTRACT.values()), ids=list(SAME_CONTRACT))
+async def test_the_prefill_contract_holds_with_the_engine_in_its_own_process(make_prefill, case) -> None:
+    async def make_core(**kwargs):
+        rig = await make_prefill(core=True, **kwargs)
+        assert isinstance(rig.servicer.port, CorePrefillEngine)
+        return rig
+
+    await case(make_core)
 
 
 async def test_a_failed_handoff_frees_the_blocks_held_past_the_last_chunk() -> None:

@@ -126,7 +126,7 @@ async def test_deadline_drops_a_queued_request_and_frees_its_blocks(make_prefill
 async def test_grpc_deadline_drops_the_request_mid_compute(make_prefill) -> None:
     rig = await make_prefill(config=PrefillConfig(slowdown_ms_per_chunk=40))
     computed: list[int] = []  # chunks the engine computed for any request (43 for LONG if never dropped)
-    rig.servicer.engine.engine.chunk_listeners.append(lambda ch, sampled: computed.append(ch.num_new_tokens))
+    rig.servicer.port.listen(lambda ch, sampled, start: computed.append(ch.num_new_tokens))
     err = await _fails(rig.stub.Prefill(prefill_request(LONG), timeout=0.5))  # ~43 chunks x >= 40 ms
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     s = await rig.idle(timeout_s=30.0)
@@ -148,7 +148,7 @@ async def test_a_deadline_already_past_is_refused_before_any_work(make_prefill) 
 async def test_a_cancelled_prefill_frees_everything(make_prefill) -> None:
     rig = await make_prefill(config=PrefillConfig(slowdown_ms_per_chunk=40))
     computed: list[int] = []
-    rig.servicer.engine.engine.chunk_listeners.append(lambda ch, sampled: computed.append(ch.num_new_tokens))
+    rig.servicer.port.listen(lambda ch, sampled, start: computed.append(ch.num_new_tokens))
     call = rig.stub.Prefill(prefill_request(LONG))
     await rig.receiver.first_chunk.wait()  # the first chunk's pages went out: mid-compute
     call.cancel()
@@ -234,7 +234,7 @@ async def test_cuda_ipc_descriptor_with_a_pickle_payload_runs_nothing(make_prefi
 
 async def test_shm_direct_write_lands_the_pages_and_checks_block_ids(make_prefill) -> None:
     rig = await make_prefill(config=PrefillConfig(kv_transport="shm"))
-    kv = rig.engine.engine.runner.kv_cache
+    kv = rig.servicer.pages.pool  # the engine's pool (mapped, when the loop runs in an engine core)
     shape = (kv.shape[0], 2, 8, *kv.shape[3:])
     pool, path, dest = create_shared_kv(shape, kv.dtype)
     try:
