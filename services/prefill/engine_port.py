@@ -173,9 +173,11 @@ class CorePrefillEngine(PrefillEngine):
         return None  # held by the core at the last chunk already
 
     async def release(self, request_id: str, before: Callable[[], None] | None = None) -> None:
+        """Sends RELEASE without waiting for it: the core runs it between steps (a step may last seconds on a CPU),
+        and the pages are out already."""
         if before is not None:
             before()
-        await self.front.release(request_id)
+        self.dropped(request_id)
 
     def dropped(self, request_id: str) -> None:
         task = asyncio.ensure_future(self._release_quietly(request_id))
