@@ -251,7 +251,7 @@ def thread_only(engine: LLMEngine) -> str:
     return ("the KV pool is not on the CPU" if pages.device.type != "cpu" else
             "pages of several regions (index keys, a draft's KV)" if pages.composite else
             "a tensor-parallel pool" if pages.sharded else
-            "layer-group exports (--layer-group)" if getattr(engine, "layer_group", 0) else
+            "layer-group exports (--kv-export-layer-group-cpu)" if getattr(engine, "layer_group", 0) else
             "the KV pool could not be shared with the front" if front_pool_fd() is None else "")
 
 

@@ -18,7 +18,6 @@ Both give the listeners what the engine thread gave them: ``(chunk, sampled, ste
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import time
 from collections.abc import Callable
@@ -34,8 +33,6 @@ from services.engine.kv_pages import KVPages, pages_of
 from services.engine.parallel.split import HeadSplit
 from services.engine.shared_kv import DTYPES, open_front_pool
 from services.text.sampling_params import Sampled, SamplingParams
-
-log = logging.getLogger(__name__)
 
 ChunkListener = Callable[[Any, Sampled | None, float], None]
 
@@ -83,9 +80,6 @@ class PrefillEngine:
         """The kvstore's ``pages`` (blocks first..) into the prefix cache, then the request, in one engine step;
         returns the blocks that loaded."""
         raise NotImplementedError
-
-    async def abort(self, request_id: str) -> Any:
-        return await self.front.abort(request_id)
 
 
 class ThreadPrefillEngine(PrefillEngine):
