@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.config import opt, require
+from services.common.engine_core import EngineCoreConfig
 from services.common.kv_mooncake import MooncakeTransportConfig
 from services.common.lease import LeaseConfig
 from services.common.server import ServerConfig
@@ -12,7 +13,7 @@ from services.common.tracing import TracingConfig
 
 
 @dataclass
-class DecodeConfig(ServerConfig, TracingConfig, LeaseConfig, MooncakeTransportConfig):
+class DecodeConfig(ServerConfig, TracingConfig, LeaseConfig, MooncakeTransportConfig, EngineCoreConfig):
     port: int = opt(50062, "gRPC port; 0 picks a free one (reported in the ready line).")
     mode: str = opt("disaggregated", "disaggregated: KV comes from prefill; colocated: this service also "
                                      "prefills (the A/B baseline).", choices=("disaggregated", "colocated"))
@@ -33,13 +34,6 @@ class DecodeConfig(ServerConfig, TracingConfig, LeaseConfig, MooncakeTransportCo
                                     "host prefills reach this decode at; TCP, RDMA where the NIC has it) and offer "
                                     "it to prefills (--kv-transport mooncake), instead of a same-host shm/CUDA IPC "
                                     "pool; empty: off.")
-    engine_core: str = opt("auto", "Where the step loop runs. process: in an engine-core process of its own that "
-                                   "owns the device, reached over a local socket pair with typed frames (the front "
-                                   "and the step loop never share an interpreter); thread: on a thread of this "
-                                   "process, beside the gRPC front; auto: process, except with --kv-mooncake-host or "
-                                   "--tensor-parallel-size > 1 (the transfer engine and the ranks live in this "
-                                   "process), where it is thread.",
-                           choices=("auto", "thread", "process"))
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.config import opt, require
+from services.common.engine_core import EngineCoreConfig
 from services.common.kv_kinds import TRANSPORT_NAMES
 from services.common.kv_mooncake import MooncakeTransportConfig
 from services.common.server import ServerConfig
@@ -16,7 +17,7 @@ prompt of an 8B Llama in bf16; ``--kvstore-max-pending-writes``' default), a CPU
 
 
 @dataclass
-class PrefillConfig(ServerConfig, TracingConfig, MooncakeTransportConfig):
+class PrefillConfig(ServerConfig, TracingConfig, MooncakeTransportConfig, EngineCoreConfig):
     port: int = opt(50061, "gRPC port; 0 picks a free one (reported in the ready line).")
     chunked_transfer: bool = opt(True, "Send each chunk's KV pages as soon as the chunk is computed (on), or "
                                        "everything after the last chunk (off: the A/B baseline). A request "
@@ -39,13 +40,6 @@ class PrefillConfig(ServerConfig, TracingConfig, MooncakeTransportConfig):
                                        "dtype) or fp8-e4m3 (per-token-per-head scales; about half of bf16's bytes, "
                                        "decoded on arrival; used only when the decode accepts it).",
                              choices=("native", "fp8-e4m3"))
-    engine_core: str = opt("auto", "Where the step loop runs. process: in an engine-core process of its own whose "
-                                   "KV pool this front maps (it exports and writes the pages; the front and the "
-                                   "step loop never share an interpreter); thread: on a thread of this process; "
-                                   "auto: process on CPU, except with --tensor-parallel-size > 1, --kv-transport "
-                                   "mooncake, --kv-export-layer-group-cpu, --draft-model or a model whose pages "
-                                   "have several regions (then thread); thread on CUDA.",
-                           choices=("auto", "thread", "process"))
     kvstore_address: str = opt("", "kvstore host:port for cross-instance prefix reuse; empty: none.")
     kvstore_write_back: bool = opt(True, "Write newly computed full pages to the kvstore (asynchronously).")
     kvstore_timeout_s: float = opt(2.0, "Longest wait for one kvstore Lookup or Get (seconds); past it the "

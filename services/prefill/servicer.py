@@ -21,6 +21,7 @@ import grpc
 
 from services.common import tracing
 from services.common.grpc_util import Reason, abort, abort_if_draining, error_detail, payload_budget
+from services.common.kv_kinds import MOONCAKE
 from services.common.metrics import PrefillMetrics
 from services.common.pb import prefill_pb2, prefill_pb2_grpc
 from services.common.tls import peer_role
@@ -95,7 +96,7 @@ class PrefillServicer(EarlyAttach, prefill_pb2_grpc.PrefillServicer):
         shards.on_pages = lambda rank, n: self.metrics.kv_rank_pages_total.labels(str(rank)).inc(n)
         self.direct.regions = self.pages.region_pools  # side transports write them too (region_pools.py)
         if self.port.llm is None:
-            self.direct.unavailable = {"mooncake": "its transfer engine registers the pool in the process that "
+            self.direct.unavailable = {MOONCAKE.transport: "its transfer engine registers the pool in the process that "
                                                    "steps (this prefill's loop runs in an engine core; "
                                                    "--engine-core thread writes through it)"}
         self.model = engine.model_id

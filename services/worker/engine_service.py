@@ -21,6 +21,7 @@ from typing import Any
 
 from services.common.config import ConfigError
 from services.common.config_file import parse_settings
+from services.common.kv_kinds import transport_kind
 from services.common.logging import LoggingConfig, current_config, setup_logging
 from services.common.metric_series import initialise
 from services.common.pb import common_pb2_grpc
@@ -198,7 +199,7 @@ def prefill_thread_only(cfg: Any, ecfg: EngineConfig) -> str:
             if not ecfg.device.startswith("cpu") else
             "--tensor-parallel-size > 1 (the ranks are driven from this process)" if ecfg.tensor_parallel_size > 1 else
             "--kv-transport mooncake (the transfer engine registers the pool where the loop runs)"
-            if getattr(cfg, "kv_transport", "") == "mooncake" else
+            if getattr(transport_kind(getattr(cfg, "kv_transport", "")), "mooncake_host", False) else
             "--kv-export-layer-group-cpu (layer groups leave from inside the step)"
             if ecfg.kv_export_layer_group_cpu and ecfg.kv_export_layer_group else
             "--draft-model (pages carry the draft's region)" if ecfg.draft_model else "")

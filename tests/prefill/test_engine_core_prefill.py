@@ -1,7 +1,7 @@
 """The prefill service with its step loop in an engine-core process (``--engine-core process``; auto on CPU): the
 front maps the core's KV pool and moves the pages itself (services/prefill/engine_port.py). Greedy tokens equal
-the in-process engine's over grpc and shm, and a prefill cancelled or a decode gone mid-prompt frees every block
-(test_transports.py, ``core``); here: a handoff failing after the last chunk frees the blocks the core held for
+the in-process engine's over grpc and shm (test_transports.py, ``core``); here: a prefill cancelled or a decode gone
+mid-prompt frees every block as with the loop on a thread, a handoff failing after the last chunk frees the blocks the core held for
 the front, kvstore pages go in
 with the admit and come back out through the write-back, a core killed mid-prompt ends the call UNAVAILABLE /
 ENGINE_DEAD and takes the service down, and what a core cannot serve is refused in one line (auto: a thread)."""
@@ -31,8 +31,12 @@ from services.prefill.servicer import PrefillServicer
 from services.text.sampling_params import Sampled, TopLogprobs
 from services.worker.engine_service import EngineDiedError, EngineService, engine_core_mode, preflight
 from tests.prefill import test_prefill_service as service
+from tests.prefill import test_transports as transports
 from tests.prefill.conftest import RecordingReceiver, engine_config, prefill_request, start_prefill
 from tests.prefill.test_kvstore_outage import Store, _prompt, _reused, _written
+from tests.prefill.test_transports import pair
+
+__all__ = ["pair"]  # the fixture, shared with tests/prefill/test_transports.py
 
 SERVER = dict(host="127.0.0.1", port=0, metrics_port=-1, drain_timeout_s=10.0, grace_s=2.0)
 
@@ -46,6 +50,14 @@ SAME_CONTRACT = {
     "shm_write_checks_block_ids": service.test_shm_direct_write_lands_the_pages_and_checks_block_ids,
 }
 """Prefill tests written against the in-process engine, run again with the engine in its own process."""
+
+
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+@pytest.mark.parametrize("case", [transports.test_a_prefill_gone_mid_transfer_keeps_the_reservation_then_abort_frees_it,
+                                  transports.test_a_decode_gone_mid_transfer_fails_prefill_as_a_handoff_failure],
+                         ids=["prefill-gone", "decode-gone"])
+async def test_a_transfer_broken_mid_prompt_ends_as_with_the_loop_on_a_thread(pair, case, transport: str) -> None:
+    await case(pair, transport, True)
 
 
 @pytest.mark.parametrize("case", list(SAME_CONTRACT.values()), ids=list(SAME_CONTRACT))

@@ -174,7 +174,7 @@ async def _mid_transfer(pair, transport: str, core: bool = False):
     its KV landed (``core``: the prefill's loop in an engine core)."""
     if core and transport == "mooncake":
         pytest.skip("a prefill engine core does not write through mooncake (engine_port.py)")
-    p = await pair(transport, slowdown_ms=150, core=core)
+    p = await (pair(transport, slowdown_ms=150, core=True) if core else pair(transport, slowdown_ms=150))
     ids = PROMPTS[1]
     resv = await _reserve(p, ids)
     call = p.pstub.Prefill(_request(p, resv, ids))
@@ -224,9 +224,9 @@ async def test_grpc_chunks_split_into_one_page_messages_land_identically(pair, m
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("core", [False, True], ids=["thread", "core"])
 async def test_a_prefill_gone_mid_transfer_keeps_the_reservation_then_abort_frees_it(pair, transport: str,
-                                                                                    core: bool) -> None:
+                                                                                    core: bool = False) -> None:
+    """``core``: the prefill's loop in an engine core (test_engine_core_prefill.py runs it so)."""
     p, resv, call, r = await _mid_transfer(pair, transport, core)
     assert r.next_chunk > 0
     call.cancel()  # the prefill's caller went away: prefill frees its work and breaks the stream
@@ -240,9 +240,9 @@ async def test_a_prefill_gone_mid_transfer_keeps_the_reservation_then_abort_free
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("core", [False, True], ids=["thread", "core"])
-async def test_a_decode_gone_mid_transfer_fails_prefill_as_a_handoff_failure(pair, transport: str, core: bool
+async def test_a_decode_gone_mid_transfer_fails_prefill_as_a_handoff_failure(pair, transport: str, core: bool = False
                                                                             ) -> None:
+    """``core``: the prefill's loop in an engine core (test_engine_core_prefill.py runs it so)."""
     p, _resv, call, _r = await _mid_transfer(pair, transport, core)
     await p.servers[0].stop(None)  # decode's server goes away
     with pytest.raises(grpc.aio.AioRpcError) as e:
