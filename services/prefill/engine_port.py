@@ -17,6 +17,7 @@ Both give the listeners what the engine thread gave them: ``(chunk, sampled, ste
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import os
 import time
@@ -37,7 +38,7 @@ from services.text.sampling_params import Sampled, SamplingParams
 ChunkListener = Callable[[Any, Sampled | None, float], None]
 
 
-class PrefillEngine:
+class PrefillEngine(abc.ABC):
     """What the prefill reaches of its engine (see the module docstring)."""
 
     front: EngineFront
@@ -50,36 +51,39 @@ class PrefillEngine:
     llm: Any = None
     """The in-process LLMEngine (layer-group exports reach it on its thread); None with an engine core."""
 
+    @abc.abstractmethod
     def listen(self, fn: ChunkListener) -> None:
-        raise NotImplementedError
+        """``fn(chunk, sampled, step_start)`` for every chunk computed (where: the module docstring)."""
 
+    @abc.abstractmethod
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Page work (a deferred write or export): where the chunk listeners run."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def hold(self, seq: Any) -> None:
         """Listener: keep seq's blocks past its end (a deferred write reads them later)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def release(self, request_id: str, before: Callable[[], None] | None = None) -> None:
         """Free the blocks held past the prompt's end, after ``before()`` ran where the listeners run."""
-        raise NotImplementedError
 
     def dropped(self, request_id: str) -> None:
         """Listener: a prompt's last chunk for which no stream waits any more (its request ended here)."""
+        return None  # an engine that holds no last chunk by itself has nothing to free
 
+    @abc.abstractmethod
     def stall(self, seconds: float) -> None:
         """Listener, testing aid (--slowdown-ms-per-chunk): the step loop waits ``seconds`` more."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def prefix_blocks(self, ids: list[int]) -> int:
-        raise NotImplementedError
+        """Leading full blocks of the prompt the engine's prefix cache holds."""
 
+    @abc.abstractmethod
     async def admit(self, request_id: str, ids: list[int], params: SamplingParams, stream_kv: bool, first: int,
                     pages: torch.Tensor | None) -> int:
         """The kvstore's ``pages`` (blocks first..) into the prefix cache, then the request, in one engine step;
         returns the blocks that loaded."""
-        raise NotImplementedError
 
 
 class ThreadPrefillEngine(PrefillEngine):

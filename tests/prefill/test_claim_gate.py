@@ -63,6 +63,18 @@ class _Engine(PrefillEngine):
     async def run(self, fn, *args):
         return await asyncio.to_thread(fn, *args)
 
+    def listen(self, fn) -> None:
+        raise AssertionError("the claim gate's tests call on_chunk themselves")
+
+    def stall(self, seconds: float) -> None:
+        raise AssertionError("no slowdown here")
+
+    async def prefix_blocks(self, ids):
+        raise AssertionError("no kvstore here")
+
+    async def admit(self, request_id, ids, params, stream_kv, first, pages):
+        raise AssertionError("the claim gate's tests admit nothing")
+
 
 def _chunk(start: int, n: int, last: bool) -> SimpleNamespace:
     seq = SimpleNamespace(num_computed_tokens=start, num_cached_tokens=0, block_table=list(range(100, 110)),

@@ -1,7 +1,7 @@
 """The prefill service with its step loop in an engine-core process (``--engine-core process``; auto on CPU): the
 front maps the core's KV pool and moves the pages itself (services/prefill/engine_port.py). Greedy tokens equal
-the in-process engine's over grpc and shm (test_transports.py, ``core``); here: a prefill cancelled or a decode gone
-mid-prompt frees every block as with the loop on a thread, a handoff failing after the last chunk frees the blocks the core held for
+the in-process engine's over grpc and shm, and a prefill cancelled or a decode gone mid-prompt frees every block,
+as with the loop on a thread (test_transports.py's tests, run with ``core``); a handoff failing after the last chunk frees the blocks the core held for
 the front, kvstore pages go in
 with the admit and come back out through the write-back, a core killed mid-prompt ends the call UNAVAILABLE /
 ENGINE_DEAD and takes the service down, and what a core cannot serve is refused in one line (auto: a thread)."""
@@ -52,11 +52,12 @@ SAME_CONTRACT = {
 """Prefill tests written against the in-process engine, run again with the engine in its own process."""
 
 
-@pytest.mark.parametrize("transport", ["grpc", "shm"])
-@pytest.mark.parametrize("case", [transports.test_a_prefill_gone_mid_transfer_keeps_the_reservation_then_abort_frees_it,
+@pytest.mark.parametrize("transport", ["grpc", "shm"])  # not mooncake: engine_port.py says why
+@pytest.mark.parametrize("case", [transports.test_each_transport_gives_the_in_process_engines_tokens,
+                                  transports.test_a_prefill_gone_mid_transfer_keeps_the_reservation_then_abort_frees_it,
                                   transports.test_a_decode_gone_mid_transfer_fails_prefill_as_a_handoff_failure],
-                         ids=["prefill-gone", "decode-gone"])
-async def test_a_transfer_broken_mid_prompt_ends_as_with_the_loop_on_a_thread(pair, case, transport: str) -> None:
+                         ids=["tokens", "prefill-gone", "decode-gone"])
+async def test_each_transport_holds_as_with_the_loop_on_a_thread(pair, case, transport: str) -> None:
     await case(pair, transport, True)
 
 
