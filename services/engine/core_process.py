@@ -37,11 +37,8 @@ import socket
 import sys
 import threading
 import time
-import warnings
 from dataclasses import fields
 from typing import Any
-
-import torch
 
 from services.common.logging import LoggingConfig, setup_logging
 from services.engine import core_wire as w
@@ -167,11 +164,7 @@ class Core:
         (one loop command, so the loaded pages cannot be evicted in between). Returns the blocks loaded."""
         loaded = 0
         if payload:
-            pages = pages_of(self.engine)
-            with warnings.catch_warnings():  # a private buffer, only read
-                warnings.simplefilter("ignore", UserWarning)
-                flat = torch.frombuffer(payload, dtype=pages.dtype)
-            loaded = self.engine.import_prefix_pages(ids, first, flat.view(-1, *pages.page_shape))
+            loaded = self.engine.import_prefix_pages(ids, first, pages_of(self.engine).payload_pages(payload))
         self.engine.add_request(rid, ids, w.params_from_wire(params), False, stream_kv=stream_kv)
         return loaded
 

@@ -205,13 +205,18 @@ class KVPages:
         ``block_ids`` in the cache's own layout, or fp8-e4m3 wire pages when ``fp8`` (any thread)."""
         if not block_ids:
             return
-        with warnings.catch_warnings():  # a read-only view of the message's bytes: only read
+        if fp8:
+            self.import_pages(block_ids, self.payload_pages(payload, fp8).view(len(block_ids), -1), FP8_CODEC)
+        else:
+            self.import_pages(block_ids, self.payload_pages(payload).view(len(block_ids), *self.page_shape))
+
+    def payload_pages(self, payload: bytes | bytearray | memoryview, fp8: bool = False) -> torch.Tensor:
+        """Raw page bytes (read only, never copied) as a tensor: [P, *page_shape] of the cache's dtype, or flat
+        uint8 for fp8-e4m3 wire pages."""
+        with warnings.catch_warnings():  # a read-only view of the bytes: only read
             warnings.simplefilter("ignore", UserWarning)
             flat = torch.frombuffer(payload, dtype=torch.uint8 if fp8 else self.dtype)
-        if fp8:
-            self.import_pages(block_ids, flat.view(len(block_ids), -1), FP8_CODEC)
-        else:
-            self.import_pages(block_ids, flat.view(len(block_ids), *self.page_shape))
+        return flat if fp8 else flat.view(-1, *self.page_shape)
 
 
 def pages_of(engine) -> KVPages:

@@ -172,21 +172,20 @@ def export_cuda_kv(tensor: torch.Tensor) -> decode_pb2.KVDestination:
         event_handle=bytes(event_handle or b""), event_sync_required=bool(event_sync)))
 
 
-_FRONT_POOL: dict[str, int] = {}
-"""An engine core's pool for its front: {"fd": memfd} once made (see :func:`serve_pool_to_front`)."""
-_FRONT_POOL_WANTED = [False]
+_FRONT_POOL: dict[str, int | None] = {"wanted": 0, "fd": None}
+"""An engine core's pool for its front: asked for (``serve_pool_to_front``), then the memfd once made."""
 
 
 def serve_pool_to_front() -> None:
     """This process is an engine core whose front reads and writes its KV pool (a prefill's, services/prefill/
     engine_port.py): the next "KV pool" :func:`allocate_kv` makes on CPU is an anonymous shared-memory file
     (memfd: no /dev/shm space, no name) whose descriptor :func:`front_pool_fd` hands over."""
-    _FRONT_POOL_WANTED[0] = True
+    _FRONT_POOL["wanted"] = 1
 
 
 def front_pool_fd() -> int | None:
     """The memfd of the pool made for the front, or None (none was asked for, or the device is not a CPU)."""
-    return _FRONT_POOL.get("fd")
+    return _FRONT_POOL["fd"]
 
 
 def _memfd_pool(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -220,7 +219,7 @@ def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     ``shared``, backed by a /dev/shm file on CPU or exported over CUDA IPC on GPU; a pool that cannot be
     shared stays private (logged; prefills then send page bytes). The caller unlinks the path at exit. An
     engine core serving its pool to its front (:func:`serve_pool_to_front`) makes its CPU "KV pool" a memfd."""
-    if _FRONT_POOL_WANTED[0] and device.type == "cpu" and what == "KV pool" and "fd" not in _FRONT_POOL:
+    if _FRONT_POOL["wanted"] and device.type == "cpu" and what == "KV pool" and _FRONT_POOL["fd"] is None:
         return _memfd_pool(shape, dtype), None, None
     if shared and device.type == "cpu":
         try:
