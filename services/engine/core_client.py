@@ -29,11 +29,12 @@ from typing import Any
 from services.common.logging import LoggingConfig
 from services.common.pb import common_pb2, decode_pb2
 from services.engine import core_wire as w
-from services.engine.async_engine import EngineDeadError, EngineFront, StepRecord
+from services.engine.async_engine import EngineDeadError, EngineFront
 from services.engine.block_manager import NoFreeBlocksError
 from services.engine.config import EngineConfig
 from services.engine.convert import layout_from_pb
 from services.engine.core_process import PREFILL, THREAD_ONLY, config_to_wire
+from services.engine.step_loop import STEP_RECORDS_KEPT, StepRecord
 from services.text.sampling_params import InvalidRequestError, SamplingParams, TopLogprobs
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,6 @@ log = logging.getLogger(__name__)
 STOP_WAIT_S = 10.0
 """Shutdown: how long the core may take to stop after STOP before it is killed (seconds)."""
 STREAM_LIMIT = w.MAX_BODY + w.HEADER.size
-STEP_RECORDS_KEPT = 65536
 
 
 class EngineCoreStartError(RuntimeError):

@@ -4,7 +4,7 @@ process, :mod:`services.engine.core_client`) reaches it only through typed frame
 ``python -m services.engine.core_process FD``: FD is this end of the socket pair the front made. The first
 frame is CONFIG; the model loads; HELLO (or FATAL, then exit 2) answers. Then two threads:
 
-* the main thread runs the :class:`~services.engine.async_engine.StepLoop`: commands between steps, one OUT
+* the main thread runs the :class:`~services.engine.step_loop.StepLoop`: commands between steps, one OUT
   frame per step with every request's new tokens (and the step's record), a STATS frame when the figures
   change (or every ``STATS_EVERY_S`` while idle);
 * the reader thread reads frames: ADD / RESERVE / IMPORT_DONE / ABORT become loop commands whose REPLY is
@@ -42,13 +42,13 @@ from typing import Any
 
 from services.common.logging import LoggingConfig, setup_logging
 from services.engine import core_wire as w
-from services.engine.async_engine import StepLoop
 from services.engine.block_manager import NoFreeBlocksError
 from services.engine.config import EngineConfig
 from services.engine.convert import layout_to_pb
 from services.engine.engine import LLMEngine, RequestOutput
 from services.engine.kv_pages import pages_of
 from services.engine.shared_kv import front_pool_fd, serve_pool_to_front
+from services.engine.step_loop import StepLoop
 from services.text.sampling_params import InvalidRequestError, Sampled
 
 log = logging.getLogger(__name__)

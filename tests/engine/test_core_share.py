@@ -214,8 +214,8 @@ def test_engine_config_validates_the_group_id() -> None:
 def test_an_engine_out_of_work_stays_busy_while_its_decode_compile_runs(tmp_path: Path,
                                                                         live_pids: list[int]) -> None:
     """A pending or compiling background compile works on the engine's share: a peer must not borrow it."""
-    from services.engine.async_engine import _out_of_work
     from services.engine.cpu.decode_compiler import DecodeCompiler
+    from services.engine.step_loop import _out_of_work
 
     a, _ = _join(tmp_path, 1, live_pids[0])
     b, _ = _join(tmp_path, 1, live_pids[1])
@@ -242,7 +242,7 @@ def test_an_engine_out_of_work_stays_busy_while_its_decode_compile_runs(tmp_path
 def test_a_compiled_engine_borrows_only_where_its_sizes_are_compiled_at_the_lent_count() -> None:
     """A step at a thread count without a compiled variant runs eager: with compiled sizes switched on, the
     engine borrows only if each of them is switched on at the lent count too."""
-    from services.engine.async_engine import _may_borrow
+    from services.engine.step_loop import _may_borrow
 
     on: set[tuple[int, int]] = {(1, 1)}  # (batch, threads) switched on; own share 1, lent count 2
     compiled = SimpleNamespace(active=frozenset({1}),

@@ -1,4 +1,4 @@
-"""Core lending with compiled decode steps (async_engine._borrow_exactly, CoreShare.busy's ``exactly``): a
+"""Core lending with compiled decode steps (step_loop._borrow_exactly, CoreShare.busy's ``exactly``): a
 borrowed step runs at the lent count its variants are compiled at, or at the engine's own share, never at a
 count in between (some peers idle, some not), where no variant exists and the step would run eager."""
 
@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from services.engine.async_engine import _borrow_exactly
 from services.engine.cpu import core_share as cs
+from services.engine.step_loop import _borrow_exactly
 
 HOLD = cs.HOLD_NS
 T0 = 10**12

@@ -81,7 +81,7 @@ def cpp_compiler() -> str | None:
 
 def lent_threads(config: EngineConfig) -> int:
     """The torch thread count core lending can raise this engine to (its share plus every peer's: the CPUs it
-    may run on) when it is in a share group and lending applies (async_engine._join_share_group's rules);
+    may run on) when it is in a share group and lending applies (step_loop._join_share_group's rules);
     0 when it never runs at another count."""
     if not config.cpu_share_group or config.cpu_affinity_list or config.tensor_parallel_size > 1:
         return 0
