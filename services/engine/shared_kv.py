@@ -128,24 +128,43 @@ def remove_orphaned_pools(shm_dir: str = SHM_DIR) -> list[str]:
     return remove_orphaned_files(shm_dir, _POOL_PID_RE, "KV pool file(s) of decodes that are gone")
 
 
-def create_shared_kv(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, str, decode_pb2.KVDestination]:
-    """A zeroed tensor backed by a new /dev/shm file: (tensor, its path, the destination to offer).
+class ShmSpaceError(OSError):
+    """A shared-memory directory has too little room for a file of the size asked for."""
 
-    The file is created exclusively (mode 0600, never following a link) and its pages are allocated up
-    front, so a full tmpfs fails here with an error instead of a SIGBUS on first touch."""
-    name = _dtype_name(dtype)
-    nbytes = math.prod(shape) * _itemsize(dtype)
-    remove_orphaned_pools()
-    st = os.statvfs(SHM_DIR)
+
+def allocated_shm_file(shm_dir: str, file_name: str, nbytes: int) -> tuple[int, str]:
+    """(descriptor, path) of a new file ``file_name`` in ``shm_dir`` of ``nbytes``, created exclusively (mode 0600,
+    never following a link) with its pages allocated up front, so a full tmpfs fails here (ShmSpaceError when the
+    directory reports too little room, OSError from the allocation) instead of with a SIGBUS on first touch. Nothing
+    is left behind on failure; on success the caller owns the descriptor and the name."""
+    st = os.statvfs(shm_dir)
     if st.f_bavail * st.f_frsize < nbytes:
-        raise SharedKVAttachError("space", f"{SHM_DIR} has {st.f_bavail * st.f_frsize} bytes free; the KV pool "
-                                           f"needs {nbytes}")
-    file_name = f"pdserve-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-    path = os.path.join(SHM_DIR, file_name)
+        raise ShmSpaceError(f"{shm_dir} has {st.f_bavail * st.f_frsize} bytes free")
+    path = os.path.join(shm_dir, file_name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         os.ftruncate(fd, nbytes)
         os.posix_fallocate(fd, 0, nbytes)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+    return fd, path
+
+
+def create_shared_kv(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, str, decode_pb2.KVDestination]:
+    """A zeroed tensor backed by a new /dev/shm file (:func:`allocated_shm_file`): (tensor, its path, the
+    destination to offer)."""
+    name = _dtype_name(dtype)
+    nbytes = math.prod(shape) * _itemsize(dtype)
+    remove_orphaned_pools()
+    file_name = f"pdserve-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    try:
+        fd, path = allocated_shm_file(SHM_DIR, file_name, nbytes)
+    except ShmSpaceError as e:
+        raise SharedKVAttachError("space", f"{e}; the KV pool needs {nbytes}") from e
+    try:
         tensor = _map(fd, nbytes, shape, dtype)
     except BaseException:
         with contextlib.suppress(OSError):

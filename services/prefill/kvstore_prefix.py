@@ -31,8 +31,9 @@ from services.common.kvstore_client import KVStoreClient
 from services.common.tls import TLSConfig
 from services.engine.kv_layout import PageLayout
 from services.engine.kv_pages import PageExport
-from services.prefill.kvstore_writeback import KVStoreWriter, RingError, WriteBackSpan
+from services.prefill.kvstore_writeback import KVStoreWriter, WriteBackSpan
 from services.prefill.kvstore_writer import RECONNECT_BACKOFF_MS
+from services.prefill.writeback_ring import RingError
 
 log = logging.getLogger(__name__)
 

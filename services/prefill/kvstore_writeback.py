@@ -3,14 +3,9 @@
 A finished prompt's new full pages go to the kvstore without their bytes ever passing through this process's
 interpreter:
 
-* **Ring.** One /dev/shm file per prefill (``--kvstore-write-back-bytes``; default 1 GiB on CUDA, 256 MiB on
-  CPU: config.KVSTORE_WRITE_BACK_BYTES), created exclusively (mode 0600), allocated up front (a full tmpfs fails
-  here, not with a SIGBUS later) and unlinked at once: the writer gets the descriptor (``pass_fds``), so no file
-  is left behind whatever happens to either process (and a file left by a crash in between is removed at the
-  next start). A /dev/shm too small for it (a container's is 64 MiB unless one mounts more) gives an anonymous
-  memfd of the same memory instead. On CUDA this mapping is page-locked once (``cudaHostRegister``), so the
-  page export's device-to-host copy lands in it directly. Spans are handed out first-fit
-  (mooncake_staged.StagingRing), never waited for.
+* **Ring** (writeback_ring.py): one shared-memory file per prefill (``--kvstore-write-back-bytes``; default 1 GiB
+  on CUDA, 256 MiB on CPU: config.KVSTORE_WRITE_BACK_BYTES), unlinked at once, mapped here and in the writer
+  (which gets the descriptor), page-locked on CUDA; spans handed out first-fit, never waited for.
 * **Engine thread** (``begin``): takes a span (no span, or ``--kvstore-max-pending-writes`` writes already under
   way: the write-back is dropped, counted as ``write_back_dropped``; the writer down: counted as ``writer``) and
   starts the page export into it (KVPages.export with ``out``: a gather on CPU, the side streams' gather and
@@ -36,15 +31,11 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import mmap
-import os
-import re
 import socket
 import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,20 +44,12 @@ import torch
 
 from services.common.logging import current_config
 from services.common.tls import TLSConfig
-from services.engine.device_defaults import host_memory
 from services.engine.kv_pages import PageExport
-from services.engine.kv_transport.base import TransferError
-from services.engine.kv_transport.mooncake_staged import StagingRing
-from services.engine.shared_kv import remove_orphaned_files
 from services.prefill import kvstore_writer as wire
+from services.prefill.writeback_ring import SHM_DIR, ShmRing
 
 log = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
-CUDA_HOST_REGISTER_PORTABLE = 1
-"""cudaHostRegisterPortable."""
-RING_NAME_RE = re.compile(r"pdserve-kvwb-(\d+)-[0-9a-f]{12}")
-"""/dev/shm names of write-back rings: ``pdserve-kvwb-<prefill pid>-<random>``."""
 HEALTH_EVERY_S = 1.0
 """The writer is pinged this often (seconds)."""
 HEALTH_TIMEOUT_S = 10.0
@@ -83,136 +66,6 @@ STOP_WAIT_S = 10.0
 """Shutdown: how long the writer may take to finish its Puts and exit after STOP before it is killed (seconds)."""
 CLOSE_WAIT_S = 5.0
 """Shutdown: how long write-backs under way may take before they are abandoned (seconds)."""
-
-
-class RingError(OSError):
-    """The write-back ring could not be made (no room in /dev/shm, cannot be mapped or page-locked)."""
-
-
-def remove_orphaned_rings(shm_dir: str = SHM_DIR) -> list[str]:
-    """Remove ring files left by prefills that are gone (a crash between creating and unlinking one); a file
-    of a live process or of another user is never touched (shared_kv.remove_orphaned_files)."""
-    return remove_orphaned_files(shm_dir, RING_NAME_RE, "kvstore write-back ring file(s) of prefills that are gone")
-
-
-def _shm_file(nbytes: int, shm_dir: str) -> tuple[int, str]:
-    """(descriptor, name) of a new ring file in ``shm_dir``, allocated, already unlinked; RingError when the
-    directory cannot hold it."""
-    try:
-        st = os.statvfs(shm_dir)
-    except OSError as e:
-        raise RingError(f"{shm_dir}: {e.strerror or e}") from e
-    if st.f_bavail * st.f_frsize < nbytes:
-        raise RingError(f"{shm_dir} has {st.f_bavail * st.f_frsize} bytes free")
-    path = os.path.join(shm_dir, f"pdserve-kvwb-{os.getpid()}-{uuid.uuid4().hex[:12]}")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        _allocate(fd, nbytes, shm_dir)
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-    return fd, path
-
-
-def _allocate(fd: int, nbytes: int, where: str) -> None:
-    """Size the ring file ``fd`` and allocate its pages now (a full tmpfs fails here, not with a SIGBUS later);
-    on failure close it and raise RingError naming ``where``."""
-    try:
-        os.ftruncate(fd, nbytes)
-        os.posix_fallocate(fd, 0, nbytes)
-    except OSError as e:
-        os.close(fd)
-        raise RingError(f"{where}: {e.strerror or e}") from e
-
-
-def _memfd(nbytes: int) -> tuple[int, str]:
-    """(descriptor, name) of an anonymous shared-memory file (memfd_create: the same tmpfs pages, never named,
-    not bounded by the /dev/shm mount), allocated; refused past half the memory this process may still take
-    (nothing else bounds it: its pages are resident from here on)."""
-    mem = host_memory()
-    if mem is not None and nbytes > mem.available_bytes // 2:
-        raise RingError(f"memfd: only {mem.available_bytes} bytes of memory available ({mem.bound})")
-    try:
-        fd = os.memfd_create("pdserve-kvwb", os.MFD_CLOEXEC)
-    except (AttributeError, OSError) as e:
-        raise RingError(f"memfd_create: {e}") from e
-    _allocate(fd, nbytes, "memfd")
-    return fd, "/memfd:pdserve-kvwb"
-
-
-class ShmRing(StagingRing):
-    """The write-back ring: StagingRing's spans over shared memory mapped here and in the writer process (module
-    docstring), taken without waiting (``try_take``)."""
-
-    def __init__(self, nbytes: int, device: torch.device, shm_dir: str = SHM_DIR) -> None:
-        remove_orphaned_rings(shm_dir)
-        try:
-            fd, self.path = _shm_file(nbytes, shm_dir)
-        except RingError as e:  # a container's small /dev/shm (64 MiB by default): the same memory, unnamed
-            log.info("kvstore write-back ring: %s, %d bytes needed (--kvstore-write-back-bytes); using an "
-                     "anonymous memfd instead", e, nbytes)
-            try:
-                fd, self.path = _memfd(nbytes)
-            except RingError as e2:
-                raise RingError(f"cannot allocate the {nbytes}-byte kvstore write-back ring "
-                                f"(--kvstore-write-back-bytes): {e}; {e2}") from e2
-        """Where the ring's pages live: its /dev/shm name while it had one (unlinked once mapped), or the memfd's."""
-        try:
-            self.mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError as e:
-            os.close(fd)
-            raise RingError(f"cannot map the {nbytes}-byte kvstore write-back ring: {e.strerror or e}") from e
-        self.fd = fd
-        """Kept open: every writer process started maps the ring through it."""
-        self.buf = torch.frombuffer(self.mm, dtype=torch.uint8)
-        self.base = 0
-        self.capacity = nbytes
-        self._free: list[tuple[int, int]] = [(0, nbytes)]
-        self._cv = threading.Condition()
-        self.waits = 0
-        """Times a write-back found no span (dropped)."""
-        self._registered: torch.device | None = None
-        if device.type == "cuda":  # portable: pinned for every device's context (as torch pins its own shm staging)
-            with torch.cuda.device(device):
-                err = torch.cuda.cudart().cudaHostRegister(self.buf.data_ptr(), nbytes, CUDA_HOST_REGISTER_PORTABLE)
-            if int(err) != 0:
-                self.close()
-                raise RingError(f"cannot page-lock the {nbytes}-byte kvstore write-back ring (cudaHostRegister "
-                                f"error {int(err)}); lower --kvstore-write-back-bytes")
-            self._registered = device
-
-    def try_take(self, nbytes: int) -> int | None:
-        """Offset of a free span of ``nbytes``, or None at once (the ring is full, or smaller than the write)."""
-        try:
-            return self.take(nbytes, give_up=lambda: True)
-        except TransferError:
-            return None
-
-    @property
-    def free_bytes(self) -> int:
-        with self._cv:
-            return sum(n for _, n in self._free)
-
-    def close(self) -> None:
-        """Unmap (once no span is out: a copy may still land in one) and close the descriptor."""
-        if self.fd < 0:
-            return
-        if self.free_bytes != self.capacity:
-            log.debug("kvstore write-back ring still has spans out at shutdown; left mapped until exit")
-            return
-        if self._registered is not None:
-            with torch.cuda.device(self._registered):
-                err = torch.cuda.cudart().cudaHostUnregister(self.buf.data_ptr())
-            if int(err) != 0:
-                log.warning("cudaHostUnregister of the kvstore write-back ring failed (error %d)", int(err))
-            self._registered = None
-        self.buf = torch.empty(0, dtype=torch.uint8)
-        try:
-            self.mm.close()
-        except BufferError:  # a view of it is still referenced somewhere: the mapping goes at exit
-            pass
-        os.close(self.fd)
-        self.fd = -1
 
 
 @dataclass(eq=False)

@@ -1,5 +1,5 @@
 """The kvstore write-back through the writer process: pages cross a shared-memory ring and are put by a child
-process (services/prefill/kvstore_writeback.py, kvstore_writer.py).
+process (services/prefill/kvstore_writeback.py, writeback_ring.py, kvstore_writer.py).
 
 Byte-identical pages in the store, a full ring that drops (counted) without blocking the engine thread, a
 writer killed or frozen mid-run (requests served, skips counted, a new writer resumes), mTLS with the prefill's
@@ -31,6 +31,7 @@ from services.kvstore.embedded import EmbeddedBackend
 from services.kvstore.servicer import KVStoreServicer
 from services.prefill import kvstore_writeback as wb
 from services.prefill import kvstore_writer as wire
+from services.prefill import writeback_ring
 from services.prefill.config import PrefillConfig
 from services.prefill.kvstore_prefix import KVStorePrefix
 from tests.grpc_server import loopback_server
@@ -56,7 +57,7 @@ def _alive(pid: int) -> bool:
 
 def _ring_files() -> list[str]:
     """This process's write-back ring files under /dev/shm."""
-    return [n for n in os.listdir(wb.SHM_DIR) if n.startswith(f"pdserve-kvwb-{os.getpid()}-")]
+    return [n for n in os.listdir(writeback_ring.SHM_DIR) if n.startswith(f"pdserve-kvwb-{os.getpid()}-")]
 
 
 def _mapped(pid: int, path: str) -> bool:
@@ -276,7 +277,7 @@ def test_orphaned_ring_files_are_removed_at_start(tmp_path: Path) -> None:
     other = tmp_path / "pdserve-kv-1-abc"
     for p in (orphan, live, other):
         p.write_bytes(b"x")
-    ring = wb.ShmRing(1 * MiB, torch.device("cpu"), str(tmp_path))
+    ring = writeback_ring.ShmRing(1 * MiB, torch.device("cpu"), str(tmp_path))
     try:
         assert not orphan.exists() and live.exists() and other.exists()
         assert not Path(ring.path).exists()
@@ -286,11 +287,11 @@ def test_orphaned_ring_files_are_removed_at_start(tmp_path: Path) -> None:
 
 def test_ring_larger_than_memory_is_refused_in_one_line(tmp_path: Path) -> None:
     free = os.statvfs(tmp_path)
-    mem = wb.host_memory()
+    mem = writeback_ring.host_memory()
     assert mem is not None
     huge = max(free.f_bavail * free.f_frsize, mem.available_bytes) + (1 << 30)
-    with pytest.raises(wb.RingError, match="--kvstore-write-back-bytes") as e:
-        wb.ShmRing(huge, torch.device("cpu"), str(tmp_path))
+    with pytest.raises(writeback_ring.RingError, match="--kvstore-write-back-bytes") as e:
+        writeback_ring.ShmRing(huge, torch.device("cpu"), str(tmp_path))
     assert "\n" not in str(e.value) and "memfd" in str(e.value)
     assert not list(tmp_path.iterdir())
 
@@ -302,9 +303,9 @@ async def test_small_dev_shm_falls_back_to_a_memfd(make_prefill, store, monkeypa
 
     def tiny(path):
         st = real(path)
-        return SimpleNamespace(f_bavail=1, f_frsize=st.f_frsize) if str(path) == wb.SHM_DIR else st
+        return SimpleNamespace(f_bavail=1, f_frsize=st.f_frsize) if str(path) == writeback_ring.SHM_DIR else st
 
-    monkeypatch.setattr(wb.os, "statvfs", tiny)
+    monkeypatch.setattr(writeback_ring.os, "statvfs", tiny)
     rig = await make_prefill(config=_cfg(store))
     kv = rig.servicer.kvstore
     assert await kv.writer.wait_up()
