@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from services.engine.config import EngineConfig, EngineConfigError
-from services.engine.cpu import decode_compiler
+from services.engine.cpu import decode_check, decode_compiler
 from services.engine.cpu.compiled_decode import CompiledDecode
 from services.engine.engine import LLMEngine
 from services.engine.model_loader import load_model
@@ -122,7 +122,7 @@ def test_the_compilers_eager_step_attends_through_the_engines_kernels(tiny_llama
     assert cd.eager_kernels is None  # set by the model runner only
     backend = eng.runner.attn_backend
     assert backend.native is not None
-    step = decode_compiler._EagerStep(eng.runner.model, cd.scratch_pool(8), cd.block_size, backend.native)
+    step = decode_check.EagerStep(eng.runner.model, cd.scratch_pool(8), cd.block_size, backend.native)
     assert step.backend.native is backend.native
     calls = []
     real = backend.native.paged_decode_attention
@@ -142,10 +142,10 @@ def test_the_compilers_eager_step_attends_through_the_engines_kernels(tiny_llama
 
 def test_crossover_keys() -> None:
     # Compiled 2 ms ahead at 100 keys, 1 ms behind at 1000: linear, they cross at 700 keys.
-    assert decode_compiler.crossover_keys(100, 12.0, 10.0, 1000, 21.0, 22.0) == pytest.approx(700.0)
-    assert decode_compiler.crossover_keys(100, 12.0, 10.0, 1000, 21.0, 20.5) == math.inf  # still ahead
-    assert decode_compiler.crossover_keys(100, 12.0, 10.0, 1000, 21.0, 21.0) == math.inf  # level: no switch
-    assert decode_compiler.crossover_keys(100, 10.0, 10.5, 1000, 21.0, 22.0) == 100.0  # never ahead
+    assert decode_check.crossover_keys(100, 12.0, 10.0, 1000, 21.0, 22.0) == pytest.approx(700.0)
+    assert decode_check.crossover_keys(100, 12.0, 10.0, 1000, 21.0, 20.5) == math.inf  # still ahead
+    assert decode_check.crossover_keys(100, 12.0, 10.0, 1000, 21.0, 21.0) == math.inf  # level: no switch
+    assert decode_check.crossover_keys(100, 10.0, 10.5, 1000, 21.0, 22.0) == 100.0  # never ahead
 
 
 def test_setting_is_off_by_default_and_bounded() -> None:

@@ -90,7 +90,7 @@ class CompiledDecode:
         """(batch size, torch threads) -> the longest context (keys) at which that variant is preferred to an eager
         step that reads its keys as views of the pool (every sequence's blocks consecutive): past it, the compiled
         step's gather of the keys costs more than its fused ops save. Measured per variant by the decode compiler
-        (decode_compiler.crossover_keys); a variant without an entry runs at any context. Replaced whole."""
+        (decode_check.crossover_keys); a variant without an entry runs at any context. Replaced whole."""
         self.threads = torch.get_num_threads()
         """The engine's own share of torch threads (``active`` counts the sizes switched on at it)."""
         self.steps_by_threads: dict[int, int] = {}
