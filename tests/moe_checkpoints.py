@@ -36,6 +36,12 @@ TINY_MOE: dict[str, dict[str, Any]] = {
                          first_k_dense_replace=1, n_group=2, topk_group=1, norm_topk_prob=True,
                          routed_scaling_factor=2.5, intermediate_size=96, num_key_value_heads=4,
                          index_n_heads=16, index_head_dim=16, index_topk=8),
+    # GLM-4.5: q/k/v biases, per-head q/k norms, RoPE over half of each 32-wide head, DeepSeek-V3 routing (sigmoid
+    # + choice bias in groups) with a shared expert and a dense first layer.
+    "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                     first_k_dense_replace=1, n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+                     intermediate_size=96, head_dim=32, attention_bias=True, use_qk_norm=True,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
 }
 """Per model_type: the MoE fields of its tiny config (several layouts: shared expert + a dense layer in
 qwen2_moe, normalised top-k in qwen3_moe, sliding + sink attention in gpt_oss)."""

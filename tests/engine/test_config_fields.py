@@ -38,8 +38,10 @@ def test_every_transformers_config_field_is_decided(model_type: str) -> None:
     assert not (reads & NO_MATH), sorted(reads & NO_MATH)
 
 
-_DEFAULT_KW: dict[str, dict[str, Any]] = {"deepseek_v2": {"num_experts_per_tok": 6}}
-"""transformers' DeepseekV2Config leaves num_experts_per_tok None (a config.json without it is refused)."""
+_DEFAULT_KW: dict[str, dict[str, Any]] = {"deepseek_v2": {"num_experts_per_tok": 6}, "glm4_moe": {"head_dim": 128}}
+"""transformers' DeepseekV2Config leaves num_experts_per_tok None (a config.json without it is refused); its
+Glm4MoeConfig's head_dim defaults to 4096 // 96 = 42, whose half (the rotary width) is odd (GLM-4.5's configs
+say 128)."""
 
 
 @pytest.mark.parametrize("model_type", sorted(ARCH_SPECS))
@@ -79,6 +81,14 @@ def test_unimplemented_math_field_is_refused_in_one_line(model_type: str, key: s
     ("deepseek_v3", "topk_method", "greedy", "topk_method='greedy'"),
     ("deepseek_v2", "scoring_func", "sigmoid", "scoring_func='sigmoid'"),
     ("deepseek_v3", "head_dim", 128, "head_dim=128"),
+    # RoPE keys nested in rope_parameters are read or refused like top-level ones, never dropped
+    ("llama", "rope_parameters", {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+     "partial_rotary_factor=0.5"),
+    ("qwen3", "rope_parameters", {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4, "low_freq_factor": 1.0},
+     "rope_scaling.low_freq_factor=1.0"),
+    ("mistral", "rope_parameters", {"rope_type": "default", "rope_theta": 1e4, "factor": 8.0}, "rope_scaling.factor=8.0"),
+    ("glm4_moe", "rope_parameters", {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.5},
+     "rotary_dim=192"),
 ])
 def test_unsupported_value_of_a_read_field_is_refused(model_type: str, key: str, value: Any, named: str) -> None:
     with pytest.raises(ModelConfigError) as e:
@@ -90,6 +100,15 @@ def test_math_free_and_inert_fields_are_accepted() -> None:
     cfg = {**_default("llama"), "torch_dtype": "bfloat16", "pad_token_id": 0, "initializer_range": 0.5,
            "quantization_config": None, "mlp_bias": False, "temperature": 0.7}
     ModelArchConfig.from_hf_config(cfg)
+
+
+def test_glm4_moe_partial_rotary_is_read_from_either_place() -> None:
+    """GLM-4.5's partial_rotary_factor: in rope_parameters (transformers 5) or at the top (a 4.x config.json)."""
+    nested = ModelArchConfig.from_hf_config(_default("glm4_moe", head_dim=128))
+    assert (nested.rotary_dim, nested.head_dim, nested.architecture) == (64, 128, "glm4_moe")
+    flat = {k: v for k, v in _default("glm4_moe", head_dim=128).items() if k != "rope_parameters"}
+    assert ModelArchConfig.from_hf_config({**flat, "rope_theta": 1e4, "partial_rotary_factor": 0.5}).rotary_dim == 64
+    assert ModelArchConfig.from_hf_config({**flat, "rope_theta": 1e4}).rotary_dim is None  # the whole head
 
 
 def test_qwen2_layer_types_follow_transformers() -> None:

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 
 TINY_TOL = 1e-4
 NEAR_TIE = 1e-3
-HF_MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
+HF_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
 
 
 def _ref_logits(ref: Any, prompt: list[int], gen: list[int]) -> torch.Tensor:
@@ -76,6 +76,9 @@ def test_qwen2_moe_layers_follow_sparse_step_and_mlp_only(tiny_moe: tuple[str, P
     if model_type == "qwen2_moe":  # mlp_only_layers=[1]
         assert kinds == ["SparseMoeBlock", "MLP"]
         assert ours.model.model.layers[0].mlp.shared_expert_gate is not None
+    elif model_type == "glm4_moe":  # first_k_dense_replace=1, a shared expert without a gate
+        assert kinds == ["MLP", "SparseMoeBlock"]
+        assert ours.model.model.layers[1].mlp.shared_expert_gate is None
     else:
         assert kinds == ["SparseMoeBlock", "SparseMoeBlock"]
 
@@ -84,7 +87,8 @@ def test_bf16_moe_tracks_fp32(tiny_moe: tuple[str, Path], greedy: Any) -> None:
     _, model_dir = tiny_moe
     f32 = load_model(str(model_dir), torch.float32, "cpu")
     bf16 = load_model(str(model_dir), torch.bfloat16, "cpu")
-    assert bf16.model.model.layers[0].mlp.experts.w13.dtype == torch.bfloat16
+    sparse = next(layer.mlp for layer in bf16.model.model.layers if isinstance(layer.mlp, SparseMoeBlock))
+    assert sparse.experts.w13.dtype == torch.bfloat16
     prompt = list(range(10, 50))
     _, l32 = greedy(f32.model, [prompt], 1)
     _, l16 = greedy(bf16.model, [prompt], 1)

@@ -108,7 +108,7 @@ class CompiledDecode:
         return (split is not None and split.tp_size == 1 and hasattr(model, "rotary")
                 and hasattr(getattr(model, "model", None), "layers")
                 and arch is not None and getattr(arch, "moe", None) is None and getattr(arch, "mla", None) is None
-                and not arch.layer_windows and not arch.attention_sinks)
+                and not arch.layer_windows and not arch.attention_sinks and arch.rotary_dim is None)
 
     def _eager_forward(self, ids: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor, gather: torch.Tensor,
                        mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

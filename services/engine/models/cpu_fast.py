@@ -49,9 +49,9 @@ class StepCachedRotary(RotaryEmbedding):
 def install(model: nn.Module) -> bool:
     """Swap the model's RotaryEmbedding for a StepCachedRotary (same tables); False if it has none."""
     old = getattr(model, "rotary", None)
-    if type(old) is not RotaryEmbedding:
+    arch = getattr(model, "arch", None)
+    if type(old) is not RotaryEmbedding or arch is None or arch.rotary_dim is not None:  # whole heads only
         return False
-    arch = model.arch
     new = StepCachedRotary(old.head_dim, arch.rope_theta, arch.rope_scaling, old.cos_cache.shape[0])
     model.rotary = new.to(old.inv_freq.device)
     return True

@@ -27,7 +27,6 @@ add the shared experts; the others are the dense SwiGLU MLP.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -35,7 +34,7 @@ from torch import nn
 
 from services.engine.attention import AttentionSpec, ForwardContext, IndexQuery
 from services.engine.models.llama import RMSNorm
-from services.engine.models.moe_model import MoEForCausalLM
+from services.engine.models.moe_model import LAYER_RE, MoEForCausalLM
 from services.engine.models.rope import RotaryEmbedding
 from services.engine.parallel.layers import column_linear, head_split, row_linear
 from services.text.model.config import ModelArchConfig, ModelConfigError
@@ -44,7 +43,6 @@ LATENT_NORM_EPS = 1e-6
 """Epsilon of q_a_layernorm and kv_a_layernorm (transformers builds them with its RMSNorm default, not
 rms_norm_eps)."""
 
-_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.")
 
 
 class LatentRotary(nn.Module):
@@ -196,7 +194,7 @@ class DeepseekForCausalLM(MoEForCausalLM):
         """Copy ``self_attn`` tensors into their parameters; skip the multi-token-prediction layers after the
         last decoder layer (num_nextn_predict_layers); yield every other tensor."""
         for name, t in weights:
-            m = _LAYER_RE.match(name)
+            m = LAYER_RE.match(name)
             if m is not None and int(m.group(1)) >= self.arch.num_layers:
                 continue
             if ".self_attn." not in name:

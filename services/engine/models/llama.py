@@ -122,6 +122,11 @@ class Attention(nn.Module):
         # deferred: a Triton kernel module, on the CUDA path only (triton is optional)
         from services.kernels.rotary import apply_rotary_
 
+        if (rot := rotary.head_dim) != self.head_dim:  # partial RoPE: the first rot values of each head rotated in
+            q, k, v = self._qkv(x)                     # place (views), the norms and the K/V store the plain way
+            apply_rotary_(q[..., :rot], k[..., :rot], positions, rotary.cos_cache, rotary.sin_cache)
+            out = ctx.attend(self.layer_idx, q, k, v, self.spec())
+            return self.o_proj(out.reshape(x.shape[0], self.q_size))
         q, k, v = self._qkv(x, norm=False)
         norms = {}
         if self.q_norm is not None and self.k_norm is not None:
@@ -223,7 +228,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.model = DecoderModel(arch)
-        self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling,
+        self.rotary = RotaryEmbedding(arch.rotary_dim or arch.head_dim, arch.rope_theta, arch.rope_scaling,
                                       arch.max_position_embeddings)
         self.lm_head = None if arch.tie_word_embeddings else lm_head(arch.hidden_size, arch.vocab_size)
         self.tp_split = head_split(arch)
@@ -249,8 +254,8 @@ class LlamaForCausalLM(nn.Module):
     def init_buffers(self) -> None:
         """(Re)build the fp32 RoPE tables on the model's device; needed after `to_empty` / dtype casts."""
         device = self.model.norm.weight.device
-        self.rotary = RotaryEmbedding(self.arch.head_dim, self.arch.rope_theta, self.arch.rope_scaling,
-                                      self.arch.max_position_embeddings).to(device)
+        self.rotary = RotaryEmbedding(self.arch.rotary_dim or self.arch.head_dim, self.arch.rope_theta,
+                                      self.arch.rope_scaling, self.arch.max_position_embeddings).to(device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)

@@ -33,6 +33,8 @@ from services.engine.parallel.split import even_range
 from services.engine.weights.mxfp4 import dequantize_mxfp4
 from services.text.model.config import ModelArchConfig
 
+LAYER_RE = re.compile(r"model\.layers\.(\d+)\.")
+"""A decoder layer's tensor names; group 1 is the layer index."""
 _MOE_RE = re.compile(r"(model\.layers\.\d+)\.(?:block_sparse_moe|mlp)\.(.+)")
 _PER_EXPERT_RE = re.compile(r"experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
 _PER_EXPERT_PART = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1, "w2": -1, "down_proj": -1}
@@ -218,6 +220,18 @@ class Qwen2MoeForCausalLM(MoEForCausalLM):
         if not arch.attention_bias or arch.qk_norm:
             raise ValueError("Qwen2-MoE needs attention_bias=True and qk_norm=False")
         super().__init__(arch)
+
+
+class Glm4MoeForCausalLM(MoEForCausalLM):
+    """GLM-4.5: the Llama attention (q/k/v biases, optional q/k norms, partial RoPE: ModelArchConfig flags) and
+    DeepSeek-V3-style experts; the checkpoint's multi-token-prediction layers after the last decoder layer
+    (num_nextn_predict_layers) are not part of the forward and are skipped."""
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        n = self.arch.num_layers
+        return super().load_weights((name, t) for name, t in weights
+                                    if (m := LAYER_RE.match(name)) is None or int(m.group(1)) < n)
 
 
 class Qwen3MoeForCausalLM(MoEForCausalLM):

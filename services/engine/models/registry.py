@@ -5,7 +5,12 @@ from __future__ import annotations
 from services.engine.models.deepseek import DeepseekForCausalLM
 from services.engine.models.gpt_oss import GptOssForCausalLM
 from services.engine.models.llama import LlamaForCausalLM
-from services.engine.models.moe_model import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+from services.engine.models.moe_model import (
+    Glm4MoeForCausalLM,
+    MixtralForCausalLM,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeForCausalLM,
+)
 from services.engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from services.text.model.config import ModelConfigError
 
@@ -18,6 +23,7 @@ _REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "qwen3_moe": Qwen3MoeForCausalLM,
     "gpt_oss": GptOssForCausalLM,
     "deepseek": DeepseekForCausalLM,
+    "glm4_moe": Glm4MoeForCausalLM,
 }
 
 

@@ -81,7 +81,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to q [T, H, D] and k [T, KVH, D] at integer positions [T].
+    """Applies RoPE to q [T, H, D] and k [T, KVH, D] at integer positions [T]. ``head_dim`` is the width it
+    rotates: heads wider than it (GLM's partial rotary) have their first ``head_dim`` values rotated and the rest
+    passed through.
 
     The cos/sin cache is fp32 [max_positions, D] (both halves repeated, HF layout), built once so the
     forward never syncs with the device; callers keep positions < max_positions (or call `ensure`).
@@ -114,8 +116,8 @@ class RotaryEmbedding(nn.Module):
 
     def native(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``forward`` by the CPU C kernels where they apply (the same numbers), else None."""
-        if (kern := native.active(q)) is not None and q.dim() == 3 and k.dim() == 3:
+        """``forward`` by the CPU C kernels where they apply (the same numbers; whole heads only), else None."""
+        if (kern := native.active(q)) is not None and q.dim() == 3 and k.dim() == 3 and q.shape[-1] == self.head_dim:
             qo = kern.rope(q, positions, self.cos_cache, self.sin_cache)
             ko = kern.rope(k, positions, self.cos_cache, self.sin_cache) if qo is not None else None
             if qo is not None and ko is not None:
@@ -126,6 +128,9 @@ class RotaryEmbedding(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         if (r := self.native(positions, q, k)) is not None:
             return r
+        if (rot := self.head_dim) != q.shape[-1]:  # partial: rotate the first rot values, pass the rest
+            q_rot, k_rot = self.forward(positions, q[..., :rot], k[..., :rot])
+            return torch.cat((q_rot, q[..., rot:]), dim=-1), torch.cat((k_rot, k[..., rot:]), dim=-1)
         cos = self.cos_cache[positions][:, None, :]  # [T, 1, D] fp32
         sin = self.sin_cache[positions][:, None, :]
         q_out = (q * cos.to(q.dtype)) + (rotate_half(q) * sin.to(q.dtype))

@@ -37,6 +37,12 @@ _YARN_READS = frozenset({"factor", "original_max_position_embeddings", "beta_fas
 _MLA_YARN_READS = _YARN_READS | {"mscale", "mscale_all_dim"}
 """DeepSeek's yarn keys: mscale / mscale_all_dim set the cos/sin factor (rope.attention_factor) and the softmax
 scale (mla_config.yarn_softmax_scale)."""
+_ROPE_READS: dict[str, frozenset[str]] = {
+    "default": frozenset(), "linear": frozenset({"factor"}),
+    "llama3": frozenset({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}),
+    "yarn": _YARN_READS}
+"""Keys each rope type of ``rope_parameters`` / ``rope_scaling`` reads besides rope_type, rope_theta and
+partial_rotary_factor (engine/models/rope.py); any other key with a value is refused."""
 
 
 class ModelConfigError(ValueError):
@@ -78,6 +84,9 @@ class ModelArchConfig:
     """q/k/v projections carry a bias (Qwen2)."""
     qk_norm: bool = False
     """Per-head RMSNorm on q and k before RoPE (Qwen3)."""
+    rotary_dim: int | None = None
+    """RoPE rotates the first rotary_dim values of each head (rotate-half layout within them) and passes the rest
+    (GLM's ``partial_rotary_factor``); None: the whole head_dim."""
     bos_token_id: int | None = None
     """Beginning-of-sequence id, if any."""
     eos_token_ids: list[int] = field(default_factory=list)
@@ -133,6 +142,10 @@ class ModelArchConfig:
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:
             raise ModelConfigError(f"head_dim={self.head_dim}: RoPE needs an even head_dim")
+        if self.rotary_dim is not None and (not isinstance(self.rotary_dim, int) or self.rotary_dim % 2
+                                            or not 0 < self.rotary_dim <= self.head_dim or self.mla is not None):
+            raise ModelConfigError(f"rotary_dim={self.rotary_dim!r}: must be even, in (0, head_dim={self.head_dim}] "
+                                   "and unset for latent attention")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ModelConfigError(
                 f"rms_norm_eps={self.rms_norm_eps}, rope_theta={self.rope_theta}: must be positive")
@@ -203,18 +216,24 @@ class ModelArchConfig:
         scaling = dict(scaling) if scaling else {}
         kind = scaling.pop("rope_type", None) or scaling.pop("type", None)
         scaling.pop("rope_theta", None)
-        rope_scaling = None if kind in (None, "default") else {"rope_type": kind, **scaling}
+        partial = scaling.pop("partial_rotary_factor", None)
+        if partial is None:
+            partial = cfg.get("partial_rotary_factor")
         if kind not in (None, "default", "llama3", "linear", "yarn"):
             raise ModelConfigError(refuse_value("rope_scaling.rope_type", kind, model_type,
                                                 "'default', 'llama3', 'linear', 'yarn'"))
-        if kind == "yarn":
-            unread = sorted(set(scaling) - (_MLA_YARN_READS if spec.family in MLA_ARCHITECTURES else _YARN_READS))
-            if unread:  # DeepSeek's mscale / mscale_all_dim change the attention scale: not implemented
-                raise ModelConfigError(refuse_value(f"rope_scaling.{unread[0]}", scaling[unread[0]], model_type,
-                                                    f"yarn reads {sorted(_YARN_READS)}"))
+        reads = _ROPE_READS[kind or "default"]
+        if kind == "yarn" and spec.family in MLA_ARCHITECTURES:
+            reads = _MLA_YARN_READS  # DeepSeek's mscale / mscale_all_dim (elsewhere they change the attention scale)
+        unread = sorted(k for k, v in scaling.items() if k not in reads and v is not None)
+        if unread:
+            raise ModelConfigError(refuse_value(f"rope_scaling.{unread[0]}", scaling[unread[0]], model_type,
+                                                f"{kind or 'default'} RoPE reads {sorted(reads) or 'nothing more'}"))
+        rope_scaling = None if kind in (None, "default") else {"rope_type": kind, **scaling}
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
         num_layers = int(need("num_hidden_layers"))
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
         kwargs: dict[str, Any] = dict(
             architecture=spec.family,
             vocab_size=int(need("vocab_size")),
@@ -223,7 +242,7 @@ class ModelArchConfig:
             num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=rope_scaling,
@@ -234,6 +253,11 @@ class ModelArchConfig:
         )
         if spec.family != "gpt_oss":  # gpt-oss reads its own (MXFP4 experts, moe_config.py)
             kwargs["fp8_weight_block"] = _fp8_block(cfg.get("quantization_config"), model_type)
+        if partial is not None and float(partial) != 1.0:
+            if "partial_rotary_factor" not in spec.reads:
+                raise ModelConfigError(refuse_value("partial_rotary_factor", partial, model_type,
+                                                    "1.0 (RoPE over the whole head)"))
+            kwargs["rotary_dim"] = int(head_dim * float(partial))
         if spec.parse is not None:
             kwargs.update(spec.parse(cfg))
         if spec.family in MLA_ARCHITECTURES:
@@ -384,6 +408,19 @@ register_architecture("qwen3_moe", ArchSpec("qwen3_moe", MOE_HF_READS["qwen3_moe
                                             | {"attention_bias"}, _parse_qwen3_moe))
 register_architecture("gpt_oss", ArchSpec("gpt_oss", MOE_HF_READS["gpt_oss"] | {"sliding_window", "layer_types",
                                           "attention_bias"}, _parse_gpt_oss))
+def _parse_glm4_moe(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """GLM-4.5: Llama attention with q/k/v biases (attention_bias; o_proj never has one), per-head q/k norms with
+    use_qk_norm, RoPE over the first partial_rotary_factor of each head (read by from_hf_config), DeepSeek-V3-style
+    experts (moe_config._glm4_moe); the multi-token-prediction layers after the last decoder layer
+    (num_nextn_predict_layers) are not part of the forward: their tensors are skipped at load."""
+    return {"attention_bias": bool(cfg.get("attention_bias", False)), "qk_norm": bool(cfg.get("use_qk_norm", False)),
+            "moe": _moe(cfg)}
+
+
+register_architecture("glm4_moe", ArchSpec("glm4_moe", MOE_HF_READS["glm4_moe"] | {
+    "attention_bias", "use_qk_norm", "partial_rotary_factor", "num_nextn_predict_layers"}, _parse_glm4_moe))
+
+
 def _parse_deepseek(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """DeepSeek-V2/V3: MLA attention (the latent fields are added by from_hf_config, which knows the rope
     scaling), dense layers below first_k_dense_replace, routed + shared experts above."""
@@ -434,7 +471,7 @@ register_architecture("deepseek_v32", ArchSpec("deepseek", MOE_HF_READS["deepsee
                                                _parse_deepseek))
 ARCHITECTURES = families()
 """Every family registered here (dense and mixture-of-experts; ``config_fields.families()``)."""
-MOE_ARCHITECTURES = ("deepseek", "gpt_oss", "mixtral", "qwen2_moe", "qwen3_moe")
+MOE_ARCHITECTURES = ("deepseek", "glm4_moe", "gpt_oss", "mixtral", "qwen2_moe", "qwen3_moe")
 """Families whose layers route tokens through experts (ModelArchConfig.moe is set)."""
 MLA_ARCHITECTURES = ("deepseek",)
 """Families whose attention caches a latent per token (ModelArchConfig.mla is set)."""

@@ -26,7 +26,8 @@ ACTIVATIONS = ("silu", "gpt_oss")
 
 # HF model_type -> architecture family that routes through experts.
 MOE_MODEL_TYPES = {"mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "gpt_oss": "gpt_oss",
-                   "deepseek_v2": "deepseek", "deepseek_v3": "deepseek", "deepseek_v32": "deepseek"}
+                   "deepseek_v2": "deepseek", "deepseek_v3": "deepseek", "deepseek_v32": "deepseek",
+                   "glm4_moe": "glm4_moe"}
 
 MOE_HF_READS: dict[str, frozenset[str]] = {
     "mixtral": frozenset({"num_local_experts", "num_experts_per_tok", "intermediate_size", "hidden_act",
@@ -52,6 +53,9 @@ MOE_HF_READS: dict[str, frozenset[str]] = {
                                "first_k_dense_replace", "mlp_layer_types", "routed_scaling_factor", "topk_method",
                                "n_group", "topk_group", "norm_topk_prob", "scoring_func", "hidden_act",
                                "aux_loss_alpha", "seq_aux", "ep_size"}),
+    "glm4_moe": frozenset({"n_routed_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+                           "n_shared_experts", "first_k_dense_replace", "routed_scaling_factor", "n_group",
+                           "topk_group", "norm_topk_prob", "hidden_act", "router_aux_loss_coef"}),
 }
 """The config.json keys of each MoE model type that :func:`moe_from_hf_config` (and, for qkv_bias,
 ``ModelArchConfig.from_hf_config``) reads, beyond a Llama config's; training-only keys such as
@@ -160,6 +164,8 @@ def moe_from_hf_config(cfg: dict[str, Any]) -> MoEConfig | None:
     top_k = int(_need(cfg, "num_experts_per_tok"))
     if kind == "deepseek":
         return _deepseek_moe(cfg, top_k)
+    if kind == "glm4_moe":
+        return _glm4_moe(cfg, top_k)
     if kind == "mixtral":
         return MoEConfig(num_experts=int(_need(cfg, "num_local_experts")), top_k=top_k,
                          intermediate_size=int(_need(cfg, "intermediate_size")), scoring="softmax",
@@ -216,6 +222,23 @@ def _deepseek_moe(cfg: dict[str, Any], top_k: int) -> MoEConfig:
                      mlp_only_layers=dense,
                      n_group=n_group, topk_group=int(cfg.get("topk_group") or 1) if n_group > 1 else 1,
                      group_score="top2_sum" if v3 else "max", score_bias=v3,
+                     routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0))
+
+
+def _glm4_moe(cfg: dict[str, Any], top_k: int) -> MoEConfig:
+    """GLM-4.5 (transformers' Glm4MoeTopkRouter): DeepSeek-V3's routing without a choice of method (sigmoid scores,
+    the correction bias ``e_score_correction_bias`` for choosing, groups scored by their two best), routed weights
+    renormalised (norm_topk_prob) and scaled (routed_scaling_factor), shared experts of n_shared_experts x
+    moe_intermediate_size, dense layers below first_k_dense_replace."""
+    layers = int(_need(cfg, "num_hidden_layers"))
+    inter = int(_need(cfg, "moe_intermediate_size"))
+    n_group = int(cfg.get("n_group") or 1)
+    return MoEConfig(num_experts=int(_need(cfg, "n_routed_experts", "num_local_experts")), top_k=top_k,
+                     intermediate_size=inter, scoring="sigmoid", norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                     shared_expert_intermediate_size=inter * int(cfg.get("n_shared_experts") or 0),
+                     mlp_only_layers=list(range(min(int(cfg.get("first_k_dense_replace") or 0), layers))),
+                     n_group=n_group, topk_group=int(cfg.get("topk_group") or 1) if n_group > 1 else 1,
+                     group_score="top2_sum", score_bias=True,
                      routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0))
 
 
