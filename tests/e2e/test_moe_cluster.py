@@ -1,5 +1,5 @@
-"""A tiny MoE checkpoint (transformers-built Qwen3-MoE) served by a real 1P1D cluster: greedy tokens over
-grpc and shm KV transports equal transformers fp32 up to the first near-tie; with the kvstore, a second
+"""Tiny MoE checkpoints (transformers-built Qwen3-MoE and GLM-4.5) served by a real 1P1D cluster: greedy tokens
+over grpc and shm KV transports equal transformers fp32 up to the first near-tie; with the kvstore, a second
 prefill loads the pages the first one wrote and gives the same tokens."""
 
 from __future__ import annotations
@@ -52,6 +52,20 @@ def _check_against_transformers(hf_ref, prompt: list[int], got: list[int], what:
 def _generate(router: str, ids: list[int]) -> list[int]:
     out = asyncio.run(_router_generate(router, ids, MAX_TOKENS, ignore_eos=True))
     return list(out.token_ids)
+
+
+@pytest.fixture(scope="module")
+def glm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("transformers")
+    return write_tiny_moe(tmp_path_factory.mktemp("glm4-moe"), "glm4_moe")
+
+
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+def test_glm4_moe_1p1d_tokens_equal_transformers(glm_dir: Path, transport: str) -> None:
+    import transformers
+
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(glm_dir), dtype=torch.float32).eval()
+    test_moe_1p1d_tokens_equal_transformers(glm_dir, ref, transport)
 
 
 @pytest.mark.parametrize("transport", ["grpc", "shm"])

@@ -296,3 +296,21 @@ def test_gpt_oss_refuses_a_quantization_it_does_not_read() -> None:
         ModelArchConfig.from_hf_config(cfg)
     cfg["quantization_config"] = {"quant_method": "mxfp4"}
     assert ModelArchConfig.from_hf_config(cfg).moe is not None
+
+
+def test_glm4_moe_multi_token_prediction_layers_are_skipped(tmp_path: Path) -> None:
+    """GLM-4.5 checkpoints carry num_nextn_predict_layers MTP layers after the last decoder layer (model.layers.N):
+    not part of the forward, skipped at load; the model loads the same weights as without them."""
+    pytest.importorskip("transformers")
+    from safetensors.torch import load_file, save_file
+
+    d = write_tiny_moe(tmp_path / "m", "glm4_moe")
+    plain = load_model(str(d), torch.float32, "cpu")
+    f = next(d.glob("*.safetensors"))
+    tensors = load_file(str(f))
+    tensors["model.layers.2.eh_proj.weight"] = torch.ones(64, 128)
+    tensors["model.layers.2.mlp.experts.0.gate_proj.weight"] = torch.ones(32, 64)
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    with_mtp = load_model(str(d), torch.float32, "cpu")
+    for (name, a), (_, b) in zip(plain.model.named_parameters(), with_mtp.model.named_parameters(), strict=True):
+        assert torch.equal(a, b), name

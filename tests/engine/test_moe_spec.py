@@ -7,21 +7,23 @@ from pathlib import Path
 
 import pytest
 
-from services.engine.models.moe import SparseMoeBlock
 from tests.engine.test_spec_decode import GREEDY, _engine, _prompts
 from tests.moe_checkpoints import write_tiny_moe
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["random:tiny-mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("model", ["random:tiny-mixtral", "qwen2_moe", "glm4_moe"])
 def test_moe_greedy_with_a_same_family_draft_equals_plain_decoding(model: str, tmp_path: Path) -> None:
-    if model == "qwen2_moe":  # shared expert + gate; its layer 1 is dense, the draft's layer 0 routes
+    # qwen2_moe: shared expert + gate, its layer 1 dense (the draft's layer 0 routes); glm4_moe: layer 0 dense
+    # (first_k_dense_replace), partial RoPE: the draft's one layer is the dense one
+    draft_layer = "MLP" if model == "glm4_moe" else "SparseMoeBlock"
+    if not model.startswith("random:"):
         pytest.importorskip("transformers")
-        model = str(write_tiny_moe(tmp_path / "qwen2-moe", "qwen2_moe"))
+        model = str(write_tiny_moe(tmp_path / model, model))
     baseline = _engine(0, model=model).generate(_prompts(), GREEDY)
     for k in (1, 3):
         eng = _engine(k, "layers:1", model=model)
-        assert isinstance(eng.runner.model.model.layers[0].mlp, SparseMoeBlock)
+        assert type(eng.runner.model.model.layers[0].mlp).__name__ == draft_layer
         assert eng.generate(_prompts(), GREEDY) == baseline, k
         st = eng.runner.spec.stats
         assert st.steps > 0 and st.proposed > 0 and st.accepted > 0

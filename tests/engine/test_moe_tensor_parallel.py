@@ -19,7 +19,8 @@ pytestmark = pytest.mark.slow
 def test_tp2_moe_logits_equal_tp1(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     qwen2_moe = write_tiny_moe(tmp_path / "qwen2-moe", "qwen2_moe")  # shared expert + gate, one dense layer
-    specs = ["random:tiny-mixtral", str(qwen2_moe)]
+    glm = write_tiny_moe(tmp_path / "glm4-moe", "glm4_moe")  # grouped sigmoid routing, partial RoPE, q/k norms
+    specs = ["random:tiny-mixtral", str(qwen2_moe), str(glm)]
     got = _spawn(tp_ranks.logits_rank, 2, specs, 3)
     for rank, diffs in got.items():
         assert isinstance(diffs, dict), f"rank {rank}: {diffs}"

@@ -187,9 +187,11 @@ def test_fused_ops_gpu_llama_shapes() -> None:
         _check_rotary(dev, torch.bfloat16, t, 32, 8, 128, max_pos=8192)
 
 
-@pytest.mark.parametrize("arch_name", ["llama", "qwen2", "qwen3"])
-def test_model_fused_path_matches_torch_path(device: torch.device, arch_name: str) -> None:
-    """The model's fused (GPU) forward at tiny shapes equals its plain torch forward: prefill + decode."""
+@pytest.mark.parametrize(("arch_name", "rotary_dim"), [("llama", None), ("qwen2", None), ("qwen3", None),
+                                                      ("qwen2", 8), ("qwen3", 8)])
+def test_model_fused_path_matches_torch_path(device: torch.device, arch_name: str, rotary_dim: int | None) -> None:
+    """The model's fused (GPU) forward at tiny shapes equals its plain torch forward: prefill + decode; with
+    ``rotary_dim``, RoPE over half of each head (GLM's partial rotary) with the biases or q/k norms around it."""
     from services.engine.attention import AttentionMetadata, ForwardContext, TorchPagedAttention
     from services.engine.model_loader import build_empty_model
     from services.text.model.config import ModelArchConfig
@@ -197,7 +199,7 @@ def test_model_fused_path_matches_torch_path(device: torch.device, arch_name: st
     arch = ModelArchConfig(architecture=arch_name, vocab_size=64, hidden_size=64, intermediate_size=96,
                            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6,
                            max_position_embeddings=64, attention_bias=arch_name == "qwen2",
-                           qk_norm=arch_name == "qwen3")
+                           qk_norm=arch_name == "qwen3", rotary_dim=rotary_dim)
     model = build_empty_model(arch, torch.float32, device)
     gen = torch.Generator().manual_seed(10)
     with torch.no_grad():
