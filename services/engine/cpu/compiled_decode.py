@@ -101,8 +101,8 @@ class CompiledDecode:
     @staticmethod
     def supported(model: torch.nn.Module) -> bool:
         """Llama-family decoder at TP=1 with the plain (non-Triton) forward, dense MLPs (an MoE layer's experts
-        depend on the routing, which one full graph cannot hold) and full attention without sinks on every layer
-        (the compiled forward attends over every cached key)."""
+        depend on the routing, which one full graph cannot hold), full attention without sinks on every layer
+        (the compiled forward attends over every cached key) and RoPE over whole heads."""
         split = getattr(model, "tp_split", None)
         arch = getattr(model, "arch", None)
         return (split is not None and split.tp_size == 1 and hasattr(model, "rotary")
