@@ -27,6 +27,12 @@ pytestmark = pytest.mark.skipif(NO_MOONCAKE is not None, reason=f"the Mooncake w
 __all__ = ["pair"]  # the fixture, shared with tests/prefill/test_transports.py
 
 
+CLAIM_BEFORE_LAST_CHUNK_MS = 100
+"""Prefill slowdown per chunk (ms) of the tests that check pages staged chunk by chunk: decode acknowledges the
+writer's claim before a prompt's last chunk is computed. Without it a claim answered after the last chunk (a loaded
+host: tiny chunks take ~2 ms) makes one deferred write of every page, which is designed but not the path tested."""
+
+
 def _offer_landing(p: Pair) -> HostLanding:
     """Have the decode offer a host landing area in front of its pool (and its other regions' pools), as a GPU
     decode does: the staged connector's own offer."""
@@ -48,7 +54,7 @@ async def test_staged_pages_land_and_give_the_in_process_engines_tokens(pair, mo
     monkeypatch.setattr(mooncake_staged, "ENTRY_BYTES", entry_bytes)  # 1000: runs split into odd-sized entries
     # 1: every page exported as its own piece, entries sent piece by piece (some straddle two pieces)
     monkeypatch.setattr(mooncake_staged, "PIECE_BYTES", piece_bytes)
-    p = await pair("mooncake")
+    p = await pair("mooncake", CLAIM_BEFORE_LAST_CHUNK_MS)
     landing = _offer_landing(p)
     sent = 0
     pool = pages_of(p.decode.engine.engine).pool

@@ -29,7 +29,7 @@ from services.engine.shared_kv import SharedKVAttachError
 from services.text.sampling_params import SamplingParams
 from tests.engine.test_index_region import BS, INDEX_DIM, LATENT, NB, L, _layout, _v32_regions
 from tests.moe_checkpoints import write_tiny_moe
-from tests.prefill.test_mooncake_staging import _offer_landing
+from tests.prefill.test_mooncake_staging import CLAIM_BEFORE_LAST_CHUNK_MS, _offer_landing
 from tests.prefill.test_transports import ENGINE, PROMPTS, Pair, _generate, _idle, _request, _reserve, pair
 
 NO_MOONCAKE = mooncake.available()
@@ -206,7 +206,9 @@ async def _staged_equals_grpc(pair, prefill_cfg: EngineConfig, decode_cfg: Engin
     same tokens (``want``'s when given), the same bytes in decode's pool, page for page; the landing slots hold
     those pages; no fallback, every byte counted under mooncake, every span and block given back."""
     ref = await pair("grpc", prefill_engine=prefill_cfg, decode_engine=decode_cfg)
-    p = await pair("mooncake", prefill_engine=prefill_cfg, decode_engine=decode_cfg)
+    # 100 ms a chunk: decode acknowledges the writer's claim before the prompt's last chunk, so pages go chunk by
+    # chunk (a claim answered after it, on a loaded host, makes one deferred write: designed, not this test's path)
+    p = await pair("mooncake", CLAIM_BEFORE_LAST_CHUNK_MS, prefill_engine=prefill_cfg, decode_engine=decode_cfg)
     landing = _offer_landing(p)
     layout = p.prefill.engine.engine.fp8_layout if codec == FP8_CODEC else p.prefill.layout
     assert len(layout.regions) > 1
@@ -262,7 +264,8 @@ async def test_a_draft_region_travels_through_the_landing_area(pair, codec: str)
 async def test_a_v32_landing_whose_index_codec_differs_is_refused_counted(pair, tiny_v32: Path, caplog) -> None:
     """Decode's landing slots hold fp8-e4m3 index keys, the prefill's pages pool-dtype ones: the prefill writes no
     byte into the landing area (no writer; a fallback of reason ``index``), logging both pages."""
-    p = await pair("mooncake", prefill_engine=_v32(tiny_v32, "native"), decode_engine=_v32(tiny_v32, FP8_CODEC))
+    p = await pair("mooncake", CLAIM_BEFORE_LAST_CHUNK_MS, prefill_engine=_v32(tiny_v32, "native"),
+                   decode_engine=_v32(tiny_v32, FP8_CODEC))
     landing = _offer_landing(p)
     landing.slots.zero_()
     ids = PROMPTS[0]
