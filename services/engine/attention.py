@@ -83,6 +83,9 @@ class AttentionSpec:
     returns [T, H, latent_value_dim]. 0: plain K/V."""
     index: IndexQuery | None = None
     """Latent attention with an indexer (DeepSeek-V3.2): each query sees only its top-k keys by index score."""
+    decode_only: bool = False
+    """Latent attention: store every row's k/v but attend the decode rows (the first meta.num_decode) only; the
+    prefill rows of the output are left unset for the caller, which computes them itself (MLA's expanded form)."""
 
 
 @dataclass
@@ -200,6 +203,8 @@ class ForwardContext:
             return self.backend.forward(layer, q, k, v, self.meta, **kw)
         if spec.scale or spec.latent_value_dim:  # backends that take a layer's scale and latent attention
             kw.update(scale=spec.scale, value_dim=spec.latent_value_dim, index=spec.index)
+        if spec.decode_only:
+            kw["decode_only"] = True
         return self.backend.forward(layer, q, k, v, self.meta, window=spec.window, sinks=spec.sinks, **kw)
 
     def store_target(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -394,15 +399,22 @@ class TorchPagedAttention:
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, window: int = 0, sinks: torch.Tensor | None = None, scale: float = 0.0,
-                value_dim: int = 0, index: IndexQuery | None = None) -> torch.Tensor:
+                value_dim: int = 0, index: IndexQuery | None = None, decode_only: bool = False) -> torch.Tensor:
         """``scale``: the layer's softmax scale (0: this backend's); ``value_dim``: latent attention (k/v halves of
-        one latent, AttentionSpec.latent_value_dim); ``index``: its sparse top-k selection (AttentionSpec.index)."""
+        one latent, AttentionSpec.latent_value_dim); ``index``: its sparse top-k selection (AttentionSpec.index);
+        ``decode_only``: AttentionSpec.decode_only."""
         self._store(layer, k, v, meta.slot_mapping)
         if index is not None:
             self._index_pool().store(layer, index.key, meta.slot_mapping)
         nd = meta.num_decode
         gqa = q.shape[1] != self.num_kv_heads
         plain = sinks is None and not value_dim and index is None
+        if decode_only and nd < len(meta.query_lens):
+            out = q.new_empty(*q.shape[:2], value_dim) if value_dim else torch.empty_like(q)
+            if nd:
+                out[:nd] = self._decode(layer, q[:nd], self._decode_plan(meta, window), gqa, sinks, scale or self.scale,
+                                        value_dim, index)
+            return out
         if nd == len(meta.query_lens):  # a pure decode step
             if plain and (o := self._native_decode(layer, q, meta, window, scale)) is not None:
                 return o

@@ -50,6 +50,22 @@ def _index_codec(arch, config: EngineConfig) -> str | None:
     return None
 
 
+def _mla_prefill(model, arch, config: EngineConfig) -> str | None:
+    """Set and return the prompt attention form of a latent-attention model (--mla-prefill; auto: expanded on CPU,
+    absorbed on a GPU); None for another model, which refuses a form other than auto in one line. A model with an
+    indexer (V3.2) keeps its sparse latent path whatever the form."""
+    if arch.mla is None or arch.mla.index_head_dim:
+        if config.mla_prefill != "auto":
+            raise EngineConfigError(f"--mla-prefill / PDSERVE_MLA_PREFILL={config.mla_prefill}: this model "
+                                    f"({arch.architecture}) has no latent attention without an indexer; leave it auto")
+        return None
+    form = config.mla_prefill
+    if form == "auto":
+        form = "expanded" if torch.device(config.device).type == "cpu" else "absorbed"
+    model.set_prefill_form(form)
+    return form
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.loaded = loaded
@@ -71,6 +87,8 @@ class ModelRunner:
         draft_bytes = self.spec.bytes_per_block() if self.spec is not None else 0
         self.index_codec = _index_codec(arch, config)
         """Codec of DeepSeek-V3.2's index-key region (index_keys.py); None without an indexer."""
+        self.mla_prefill = _mla_prefill(self.model, arch, config)
+        """How a latent-attention model attends prompts that start at position 0 (--mla-prefill); None otherwise."""
         index_bytes = self._index_bytes_per_block(arch)
         self.num_blocks = self._num_blocks(loaded, self.bytes_per_block + index_bytes + draft_bytes)
         shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)

@@ -149,3 +149,34 @@ def test_mla_config_validates() -> None:
     with pytest.raises(MLAConfigError, match="qk_rope_head_dim=7"):
         MLAConfig(kv_lora_rank=32, qk_rope_head_dim=7, qk_nope_head_dim=16, v_head_dim=16)
     assert MLAConfig(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16).scale == 24 ** -0.5
+
+
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_expanded_prefill_form_matches_transformers(tiny_ds: tuple[str, Path, Any], greedy: Any,
+                                                    chunk: int | None) -> None:
+    """Prompts that start at position 0 in the expanded form (per-head K/V from the step's latents: the usual prefill
+    form), decode rows and chunks after a prefix (chunk=16) in the latent space: transformers' logits and greedy
+    tokens as before. V3.2 keeps its sparse latent path for every row."""
+    model_type, d, ref = tiny_ds
+    ours = load_model(str(d), torch.float32, "cpu")
+    ours.model.set_prefill_form("expanded")
+    prompts = _prompts()
+    gen, logits = greedy(ours.model, prompts, 24, chunk=chunk)
+    compared = [assert_tokens_match_until_near_tie(toks, lg, _ref_logits(ref, p, toks), f"{model_type} prompt {i}")
+                for i, (p, toks, lg) in enumerate(zip(prompts, gen, logits, strict=True))]
+    assert sum(compared) >= 36, f"{model_type}: only {compared} steps before a near-tie"
+
+
+def test_mla_prefill_form_is_chosen_per_device_and_refused_where_it_does_not_apply() -> None:
+    """--mla-prefill auto: expanded on CPU; a form other than auto for a model without latent attention (or with
+    V3.2's indexer) is refused at start in one line."""
+    from services.engine.config import EngineConfigError
+
+    eng = LLMEngine(EngineConfig(model="random:tiny-deepseek", dtype="float32", num_kv_blocks=16))
+    assert eng.runner.mla_prefill == "expanded"
+    assert all(layer.self_attn.expanded_prefill for layer in eng.runner.model.model.layers)
+    absorbed = LLMEngine(EngineConfig(model="random:tiny-deepseek", dtype="float32", num_kv_blocks=16,
+                                      mla_prefill="absorbed"))
+    assert not any(layer.self_attn.expanded_prefill for layer in absorbed.runner.model.model.layers)
+    with pytest.raises(EngineConfigError, match=r"^--mla-prefill / PDSERVE_MLA_PREFILL=expanded: .*leave it auto$"):
+        LLMEngine(EngineConfig(model="random:tiny-llama", dtype="float32", num_kv_blocks=16, mla_prefill="expanded"))

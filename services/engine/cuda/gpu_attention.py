@@ -79,14 +79,16 @@ class TritonPagedAttention:
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, window: int = 0, sinks: torch.Tensor | None = None, scale: float = 0.0,
-                value_dim: int = 0, index: IndexQuery | None = None, stored: bool = False) -> torch.Tensor:
+                value_dim: int = 0, index: IndexQuery | None = None, stored: bool = False,
+                decode_only: bool = False) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] -> out [T, H, D]; k/v are stored at meta.slot_mapping first (``stored``: the
         caller's kernel did, into `store_target`'s caches).
         ``window`` (tokens, 0: full) is a Python int per layer, so a captured CUDA graph holds each layer's own;
         ``sinks`` is fp32 [H] (the layer's parameter: a graph replay reads its current values); ``scale``: the
         layer's softmax scale (0: this backend's). ``value_dim``: latent attention (k/v the latent's halves, q
         [T, H, key_dim] -> out [T, H, value_dim]); ``index``: DeepSeek-V3.2's top-k selection over the index keys
-        cached in the index-key pool (sparse latent attention)."""
+        cached in the index-key pool (sparse latent attention); ``decode_only``: AttentionSpec.decode_only (latent
+        attention without an index)."""
         k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
         if not stored:
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -102,7 +104,8 @@ class TritonPagedAttention:
         if value_dim:
             return self._rows(q, meta, value_dim,
                               lambda qd: self._latent_decode(qd, k_cache, v_cache, meta, scale, value_dim),
-                              lambda qp: self._latent_prefill(qp, k_cache, v_cache, meta, scale, value_dim))
+                              (lambda qp: qp.new_empty(*qp.shape[:2], value_dim)) if decode_only
+                              else (lambda qp: self._latent_prefill(qp, k_cache, v_cache, meta, scale, value_dim)))
         nd = meta.num_decode
         fresh = not window and sinks is None and self._fresh_prompts(meta, q)
         return self._rows(q, meta, q.shape[-1],

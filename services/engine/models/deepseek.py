@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from services.engine.attention import AttentionSpec, ForwardContext, IndexQuery
@@ -103,6 +104,19 @@ class Indexer(nn.Module):
         return q, k, self.weights_proj(x).float() * self.heads ** -0.5
 
 
+def fresh_prefill_lens(ctx: ForwardContext) -> list[int] | None:
+    """The token counts of the step's prompts when every one starts at position 0 (no cached prefix: its context is
+    its own tokens), else None (no prompt in the step, a chunk after a prefix, or a CUDA graph being captured)."""
+    meta = ctx.meta
+    nd = meta.num_decode
+    lens = meta.query_lens[nd:]
+    if not lens or any(c != n for c, n in zip(meta.context_lens_host[nd:], lens, strict=True)):
+        return None
+    if meta.slot_mapping.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    return list(lens)
+
+
 class MLAAttention(nn.Module):
     def __init__(self, arch: ModelArchConfig, layer_idx: int) -> None:
         super().__init__()
@@ -125,6 +139,10 @@ class MLAAttention(nn.Module):
         self.o_proj = row_linear(h * mla.v_head_dim, hidden, bias=bias)
         self.indexer = Indexer(arch) if mla.index_n_heads else None  # replicated under tensor parallelism
         self._spec = AttentionSpec(scale=mla.scale, latent_value_dim=mla.kv_lora_rank)
+        self._decode_only = AttentionSpec(scale=mla.scale, latent_value_dim=mla.kv_lora_rank, decode_only=True)
+        self.expanded_prefill = False
+        """Prompts that start at position 0 attend in the expanded form (``_expanded``; DeepseekForCausalLM.
+        set_prefill_form); False: every row in the latent space."""
 
     def _query(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(query [T, H * qk_head_dim], the compressed query or None without a query LoRA)."""
@@ -142,6 +160,9 @@ class MLAAttention(nn.Module):
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([lora, rope], dim=-1)
         q_pe, k_pe = rotary(positions, q_pe, k_pe.view(t, 1, rope))
         w = self.kv_b_proj.weight.view(h, nope + mla.v_head_dim, lora)
+        if self.expanded_prefill and self.indexer is None and (lens := fresh_prefill_lens(ctx)) is not None:
+            latent = torch.cat([self.kv_a_layernorm(c_kv), k_pe.view(t, rope)], dim=-1)
+            return self._expanded(q_nope, q_pe, k_pe, latent, w, lens, ctx)
         q_lat = torch.bmm(q_nope.transpose(0, 1), w[:, :nope])  # [H, T, lora]: q_nope @ W_UK per head
         query = torch.cat([q_lat.transpose(0, 1), q_pe], dim=-1)  # [T, H, latent]
         latent = torch.cat([self.kv_a_layernorm(c_kv), k_pe.view(t, rope)], dim=-1)
@@ -155,6 +176,40 @@ class MLAAttention(nn.Module):
         out = ctx.attend(self.layer_idx, query, latent[:, None, :half], latent[:, None, half:], spec)
         o = torch.bmm(out.transpose(0, 1), w[:, nope:].transpose(1, 2))  # [H, T, v]: through W_UV per head
         return self.o_proj(o.transpose(0, 1).reshape(t, h * mla.v_head_dim))
+
+    def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor, latent: torch.Tensor,
+                  w: torch.Tensor, lens: list[int], ctx: ForwardContext) -> torch.Tensor:
+        """A step whose prompts all start at position 0: every latent is cached and the decode rows attend in the
+        latent space as in ``forward``; each prompt attends in the expanded form, per head K = [W_UK c, k_pe] and
+        V = W_UV c from its own tokens' latents (the same sums in another order, fewer multiply-adds per (query,
+        key) pair: nope + rope + v against the absorbed form's 2 * kv_lora + rope), causal, one SDPA call per
+        prompt."""
+        mla, h, t = self.mla, self.num_heads, latent.shape[0]
+        nope, lora, vd = mla.qk_nope_head_dim, mla.kv_lora_rank, mla.v_head_dim
+        nd = ctx.meta.num_decode
+        query = latent.new_empty(t, h, mla.latent_dim)  # the prefill rows are not read (decode_only)
+        if nd:
+            q_lat = torch.bmm(q_nope[:nd].transpose(0, 1), w[:, :nope])
+            query[:nd] = torch.cat([q_lat.transpose(0, 1), q_pe[:nd]], dim=-1)
+        half = mla.latent_dim // 2
+        out = ctx.attend(self.layer_idx, query, latent[:, None, :half], latent[:, None, half:], self._decode_only)
+        o = latent.new_empty(t, h, vd)
+        if nd:
+            o[:nd] = torch.bmm(out[:nd].transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1)
+        kv = torch.matmul(latent[nd:, :lora], w.reshape(h * (nope + vd), lora).t()).view(t - nd, h, nope + vd)
+        k_nope, value = kv.split([nope, vd], dim=-1)
+        key = torch.cat([k_nope, k_pe[nd:].expand(-1, h, -1)], dim=-1)
+        query_x = torch.cat([q_nope[nd:], q_pe[nd:]], dim=-1)
+        if query_x.is_cuda and vd != key.shape[-1]:  # the fused SDPA kernels want one head width: V zero-padded
+            value = F.pad(value, (0, key.shape[-1] - vd))
+        start = 0
+        for n in lens:
+            rows = slice(start, start + n)
+            oi = F.scaled_dot_product_attention(*(a[rows].transpose(0, 1)[None] for a in (query_x, key, value)),
+                                                is_causal=True, scale=mla.scale)
+            o[nd + start:nd + start + n] = oi[0].transpose(0, 1)[..., :vd]
+            start += n
+        return self.o_proj(o.reshape(t, h * vd))
 
     forward_fused = forward
     """The CUDA path: the same projections; ``ctx.attend`` runs the Triton latent kernels there (gpu_attention.py)."""
@@ -185,6 +240,15 @@ class DeepseekForCausalLM(MoEForCausalLM):
 
     def init_buffers(self) -> None:
         self.rotary = self._latent_rotary().to(self.model.norm.weight.device)
+
+    def set_prefill_form(self, form: str) -> None:
+        """"expanded": prompts that start at position 0 attend with per-head K/V expanded from their latents
+        (``MLAAttention._expanded``); "absorbed": every row in the latent space. A model with an indexer (V3.2) keeps
+        its sparse latent path either way."""
+        if form not in ("expanded", "absorbed"):
+            raise ValueError(f"MLA prefill form {form!r}: expected 'expanded' or 'absorbed'")
+        for layer in self.model.layers:
+            layer.self_attn.expanded_prefill = form == "expanded"
 
     def _expected_pieces(self) -> set[tuple[str, int, int]]:
         return {p for p in super()._expected_pieces() if ".self_attn." not in p[0]}  # checked by load_weights

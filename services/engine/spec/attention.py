@@ -21,10 +21,10 @@ class UniformQueryAttention:
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, window: int = 0, sinks: torch.Tensor | None = None, scale: float = 0.0,
-                value_dim: int = 0, index=None) -> torch.Tensor:
+                value_dim: int = 0, index=None, decode_only: bool = False) -> torch.Tensor:
         lens = meta.query_lens
         if scale or value_dim:  # a layer's own scale / latent attention: the wrapped backend's path
-            return self.inner.forward(layer, q, k, v, meta, window, sinks, scale, value_dim, index)
+            return self.inner.forward(layer, q, k, v, meta, window, sinks, scale, value_dim, index, decode_only)
         if (meta.num_decode or len(lens) < 2 or lens[0] == 1 or any(n != lens[0] for n in lens)
                 or window or sinks is not None):  # sliding / sink layers: the wrapped backend's masks
             return self.inner.forward(layer, q, k, v, meta, window, sinks)
