@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from services.common.kv_mooncake import keep_for_process_life
 from services.kvstore.backend import (
     KVStoreBackend,
     StoreStats,
@@ -100,6 +101,7 @@ class MooncakeBackend(KVStoreBackend):
 
         s = self.settings
         store = MooncakeDistributedStore()
+        keep_for_process_life(store)
         rc = store.setup(s.local_hostname, s.metadata_server, s.global_segment_bytes, s.local_buffer_bytes,
                          s.protocol, s.device, s.master_address)
         if rc != 0:

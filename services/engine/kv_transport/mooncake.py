@@ -44,6 +44,7 @@ import grpc
 import torch
 
 from services.common.kv_kinds import pool_id
+from services.common.kv_mooncake import keep_for_process_life
 from services.common.pb import decode_pb2
 from services.engine.kv_transport.base import KVSender, PageWriter, TransferError
 from services.engine.shared_kv import (
@@ -86,6 +87,7 @@ class MooncakeEngine:
             os.environ["MC_TCP_BIND_ADDRESS"] = hostname
             for _ in range(max(1, count)):
                 te = TransferEngine()
+                keep_for_process_life(te)
                 rc = te.initialize(hostname, METADATA_SERVER, protocol, device)
                 if rc != 0:
                     raise SharedKVAttachError("mooncake", f"Mooncake transfer engine failed to start on {hostname} "
