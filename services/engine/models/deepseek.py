@@ -45,7 +45,6 @@ LATENT_NORM_EPS = 1e-6
 rms_norm_eps)."""
 
 
-
 class LatentRotary(nn.Module):
     """RoPE on the rope dims of q [T, H, R] and k [T, 1, R]: interleaved pairs (x0, x1), (x2, x3), ... as
     DeepSeek lays them out (output de-interleaved: all first members, then all second members, for q and k
