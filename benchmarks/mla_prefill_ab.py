@@ -34,7 +34,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--device", default="cpu")
     a = p.parse_args()
-    print(f"CPU {host_cpu()}; torch threads {torch.get_num_threads()}; device {a.device}")
+    cpu = host_cpu()
+    isa = ", ".join(sorted(f for f in cpu.flags if f.startswith(("avx512", "amx", "avx2"))))
+    print(f"CPU {cpu.model} ({cpu.family or 'family unknown'}) [{isa}]; torch threads {torch.get_num_threads()}; "
+          f"device {a.device}")
     d = write_tiny_moe(Path(tempfile.mkdtemp()), "deepseek_v2", **V2_LITE_ATTENTION)
     sync = torch.cuda.synchronize if a.device.startswith("cuda") else (lambda: None)
     for name in a.dtypes.split(","):
