@@ -159,12 +159,10 @@ class MLAAttention(nn.Module):
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([lora, rope], dim=-1)
         q_pe, k_pe = rotary(positions, q_pe, k_pe.view(t, 1, rope))
         w = self.kv_b_proj.weight.view(h, nope + mla.v_head_dim, lora)
-        if self.expanded_prefill and self.indexer is None and (lens := fresh_prefill_lens(ctx)) is not None:
-            latent = torch.cat([self.kv_a_layernorm(c_kv), k_pe.view(t, rope)], dim=-1)
-            return self._expanded(q_nope, q_pe, k_pe, latent, w, lens, ctx)
-        q_lat = torch.bmm(q_nope.transpose(0, 1), w[:, :nope])  # [H, T, lora]: q_nope @ W_UK per head
-        query = torch.cat([q_lat.transpose(0, 1), q_pe], dim=-1)  # [T, H, latent]
         latent = torch.cat([self.kv_a_layernorm(c_kv), k_pe.view(t, rope)], dim=-1)
+        if self.expanded_prefill and self.indexer is None and (lens := fresh_prefill_lens(ctx)) is not None:
+            return self._expanded(q_nope, q_pe, k_pe, latent, w, lens, ctx)
+        query = self._absorbed_query(q_nope, q_pe, w)
         spec = self._spec
         if self.indexer is not None:
             assert q_resid is not None
@@ -173,8 +171,16 @@ class MLAAttention(nn.Module):
                 iq, iw, ik.to(latent.dtype), mla.index_topk, mla.index_head_dim ** -0.5))
         half = mla.latent_dim // 2
         out = ctx.attend(self.layer_idx, query, latent[:, None, :half], latent[:, None, half:], spec)
-        o = torch.bmm(out.transpose(0, 1), w[:, nope:].transpose(1, 2))  # [H, T, v]: through W_UV per head
-        return self.o_proj(o.transpose(0, 1).reshape(t, h * mla.v_head_dim))
+        return self.o_proj(self._through_w_uv(out, w).reshape(t, h * mla.v_head_dim))
+
+    def _absorbed_query(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """[T, H, latent]: [q_nope @ W_UK, q_pe] per head, the query that meets the cached latent."""
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w[:, :self.mla.qk_nope_head_dim])  # [H, T, kv_lora]
+        return torch.cat([q_lat.transpose(0, 1), q_pe], dim=-1)
+
+    def _through_w_uv(self, out: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """[T, H, v]: a latent-space attention output [T, H, kv_lora] through each head's value up-projection."""
+        return torch.bmm(out.transpose(0, 1), w[:, self.mla.qk_nope_head_dim:].transpose(1, 2)).transpose(0, 1)
 
     def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor, latent: torch.Tensor,
                   w: torch.Tensor, lens: list[int], ctx: ForwardContext) -> torch.Tensor:
@@ -188,13 +194,12 @@ class MLAAttention(nn.Module):
         nd = ctx.meta.num_decode
         query = latent.new_empty(t, h, mla.latent_dim)  # the prefill rows are not read (decode_only)
         if nd:
-            q_lat = torch.bmm(q_nope[:nd].transpose(0, 1), w[:, :nope])
-            query[:nd] = torch.cat([q_lat.transpose(0, 1), q_pe[:nd]], dim=-1)
+            query[:nd] = self._absorbed_query(q_nope[:nd], q_pe[:nd], w)
         half = mla.latent_dim // 2
         out = ctx.attend(self.layer_idx, query, latent[:, None, :half], latent[:, None, half:], self._decode_only)
         o = latent.new_empty(t, h, vd)
         if nd:
-            o[:nd] = torch.bmm(out[:nd].transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1)
+            o[:nd] = self._through_w_uv(out[:nd], w)
         kv = torch.matmul(latent[nd:, :lora], w.reshape(h * (nope + vd), lora).t()).view(t - nd, h, nope + vd)
         k_nope, value = kv.split([nope, vd], dim=-1)
         key = torch.cat([k_nope, k_pe[nd:].expand(-1, h, -1)], dim=-1)

@@ -408,10 +408,12 @@ register_architecture("qwen3_moe", ArchSpec("qwen3_moe", MOE_HF_READS["qwen3_moe
                                             | {"attention_bias"}, _parse_qwen3_moe))
 register_architecture("gpt_oss", ArchSpec("gpt_oss", MOE_HF_READS["gpt_oss"] | {"sliding_window", "layer_types",
                                           "attention_bias"}, _parse_gpt_oss))
+
+
 def _parse_glm4_moe(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """GLM-4.5: Llama attention with q/k/v biases (attention_bias; o_proj never has one), per-head q/k norms with
     use_qk_norm, RoPE over the first partial_rotary_factor of each head (read by from_hf_config), DeepSeek-V3-style
-    experts (moe_config._glm4_moe); the multi-token-prediction layers after the last decoder layer
+    experts (moe_config._deepseek_moe); the multi-token-prediction layers after the last decoder layer
     (num_nextn_predict_layers) are not part of the forward: their tensors are skipped at load."""
     return {"attention_bias": bool(cfg.get("attention_bias", False)), "qk_norm": bool(cfg.get("use_qk_norm", False)),
             "moe": _moe(cfg)}

@@ -162,10 +162,8 @@ def moe_from_hf_config(cfg: dict[str, Any]) -> MoEConfig | None:
     if kind != "gpt_oss" and act != "silu":
         raise MoEConfigError(f"hidden_act={act!r}: MoE experts support 'silu'")
     top_k = int(_need(cfg, "num_experts_per_tok"))
-    if kind == "deepseek":
+    if kind in ("deepseek", "glm4_moe"):
         return _deepseek_moe(cfg, top_k)
-    if kind == "glm4_moe":
-        return _glm4_moe(cfg, top_k)
     if kind == "mixtral":
         return MoEConfig(num_experts=int(_need(cfg, "num_local_experts")), top_k=top_k,
                          intermediate_size=int(_need(cfg, "intermediate_size")), scoring="softmax",
@@ -190,9 +188,11 @@ def moe_from_hf_config(cfg: dict[str, Any]) -> MoEConfig | None:
 
 def _deepseek_moe(cfg: dict[str, Any], top_k: int) -> MoEConfig:
     """DeepSeek-V2 (softmax scores; ``topk_method`` greedy or group_limited_greedy) and DeepSeek-V3 (sigmoid
-    scores plus the correction bias for choosing, groups scored by their two best; ``noaux_tc``). Layer i routes
-    iff i >= first_k_dense_replace and i % moe_layer_freq == 0 (the others are dense: mlp_only_layers)."""
-    v3 = cfg.get("model_type") in ("deepseek_v3", "deepseek_v32")
+    scores plus the correction bias for choosing, groups scored by their two best; ``noaux_tc``), and GLM-4.5, which
+    routes as DeepSeek-V3 without naming the method (its config has neither topk_method, scoring_func nor
+    moe_layer_freq) and renormalises the top k unless norm_topk_prob says not to. Layer i routes iff
+    i >= first_k_dense_replace and i % moe_layer_freq == 0 (the others are dense: mlp_only_layers)."""
+    v3 = cfg.get("model_type") in ("deepseek_v3", "deepseek_v32", "glm4_moe")
     method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
     methods = ("noaux_tc",) if v3 else ("greedy", "group_limited_greedy")
     if method not in methods:
@@ -214,31 +214,14 @@ def _deepseek_moe(cfg: dict[str, Any], top_k: int) -> MoEConfig:
             raise MoEConfigError(f"config.json field mlp_layer_types={kinds!r}: need {layers} entries of "
                                  "'dense' / 'sparse'")
         dense = [i for i, k in enumerate(kinds) if k == "dense"]
-    experts = int(_need(cfg, "n_routed_experts"))
+    experts = int(_need(cfg, "n_routed_experts", "num_local_experts"))
     inter = int(_need(cfg, "moe_intermediate_size"))
     return MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=inter, scoring=scoring,
-                     norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                     norm_topk_prob=bool(cfg.get("norm_topk_prob", cfg.get("model_type") == "glm4_moe")),
                      shared_expert_intermediate_size=inter * int(cfg.get("n_shared_experts") or 0),
                      mlp_only_layers=dense,
                      n_group=n_group, topk_group=int(cfg.get("topk_group") or 1) if n_group > 1 else 1,
                      group_score="top2_sum" if v3 else "max", score_bias=v3,
-                     routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0))
-
-
-def _glm4_moe(cfg: dict[str, Any], top_k: int) -> MoEConfig:
-    """GLM-4.5 (transformers' Glm4MoeTopkRouter): DeepSeek-V3's routing without a choice of method (sigmoid scores,
-    the correction bias ``e_score_correction_bias`` for choosing, groups scored by their two best), routed weights
-    renormalised (norm_topk_prob) and scaled (routed_scaling_factor), shared experts of n_shared_experts x
-    moe_intermediate_size, dense layers below first_k_dense_replace."""
-    layers = int(_need(cfg, "num_hidden_layers"))
-    inter = int(_need(cfg, "moe_intermediate_size"))
-    n_group = int(cfg.get("n_group") or 1)
-    return MoEConfig(num_experts=int(_need(cfg, "n_routed_experts", "num_local_experts")), top_k=top_k,
-                     intermediate_size=inter, scoring="sigmoid", norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-                     shared_expert_intermediate_size=inter * int(cfg.get("n_shared_experts") or 0),
-                     mlp_only_layers=list(range(min(int(cfg.get("first_k_dense_replace") or 0), layers))),
-                     n_group=n_group, topk_group=int(cfg.get("topk_group") or 1) if n_group > 1 else 1,
-                     group_score="top2_sum", score_bias=True,
                      routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0))
 
 
