@@ -213,10 +213,11 @@ def latent_attention_flops(arch: ModelArchConfig, tokens: int, context: int) -> 
     return 2.0 * arch.num_heads * (mla.latent_dim + mla.kv_lora_rank) * pairs * arch.num_layers
 
 
-def bench_engine_prefill(loaded: Any, spec: str, ceil: dict[str, float], tokens: int = ENGINE_PREFILL_TOKENS
-                         ) -> dict[str, Any]:
+def bench_engine_prefill(loaded: Any, spec: str, ceil: dict[str, float], tokens: int = ENGINE_PREFILL_TOKENS,
+                         form: str = "absorbed") -> dict[str, Any]:
     """One ``tokens``-token prompt through the engine (one chunk), median of ENGINE_PREFILL_REPS after a warm-up
-    whose MoE calls are recorded; FLOPs / time against the bf16 matmul ceiling."""
+    whose MoE calls are recorded; FLOPs / time against the bf16 matmul ceiling. ``form``: --mla-prefill (the
+    FLOPs count the absorbed attention either way, so two forms' fractions compare their times)."""
     # Imported here: they load the engine and the Triton kernel modules (CUDA only).
     from benchmarks.gpu_bench import random_prompts
     from benchmarks.moe_engine_bench import MoECalls
@@ -227,7 +228,7 @@ def bench_engine_prefill(loaded: Any, spec: str, ceil: dict[str, float], tokens:
     eng = LLMEngine(EngineConfig(model=spec, dtype="bfloat16", device="cuda", block_size=BLOCK,
                                  enable_prefix_caching=False, max_num_seqs=1, max_model_len=tokens + 64,
                                  max_num_batched_tokens=tokens, max_prefill_chunk=tokens,
-                                 num_kv_blocks=tokens // BLOCK + 16), loaded=loaded)
+                                 num_kv_blocks=tokens // BLOCK + 16, mla_prefill=form), loaded=loaded)
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     calls, times = MoECalls(), []
     for r in range(ENGINE_PREFILL_REPS + 1):
@@ -250,7 +251,8 @@ def bench_engine_prefill(loaded: Any, spec: str, ceil: dict[str, float], tokens:
                  if n.startswith("model.layers.") and p.dim() == 2)
     flops = (2.0 * linear * tokens + calls.flops + latent_attention_flops(a, tokens, tokens)
              + 2.0 * a.hidden_size * a.vocab_size)
-    res: dict[str, Any] = {"model": spec, "phase": "prefill", "tokens": tokens, "step_ms": ms, "flops": flops,
+    res: dict[str, Any] = {"model": spec, "phase": f"pf-{form[:6]}", "mla_prefill": form, "tokens": tokens,
+                           "step_ms": ms, "flops": flops,
                            "moe_flops": calls.flops, "moe_calls": calls.calls}
     if calls.calls == 0:
         res["error"] = "the model's MoE layers do not call kernels.fused_moe: active FLOPs unknown"
@@ -259,8 +261,9 @@ def bench_engine_prefill(loaded: Any, spec: str, ceil: dict[str, float], tokens:
     return res
 
 
-def engine_section(ceil: dict[str, float], spec: str = MODEL, batches: tuple[int, ...] = ENGINE_BATCHES
-                   ) -> list[dict[str, Any]]:
+def engine_section(ceil: dict[str, float], spec: str = MODEL, batches: tuple[int, ...] = ENGINE_BATCHES,
+                   prefill_tokens: tuple[int, ...] = (ENGINE_PREFILL_TOKENS,),
+                   prefill_forms: tuple[str, ...] = ("absorbed",)) -> list[dict[str, Any]]:
     # Imported here: it loads the engine and the Triton kernel modules (CUDA only).
     from benchmarks.moe_engine_bench import bench_decode, print_engine
     from services.engine.model_loader import load_model
@@ -276,7 +279,8 @@ def engine_section(ceil: dict[str, float], spec: str = MODEL, batches: tuple[int
           flush=True)
     rows: list[dict[str, Any]] = []
     jobs = [(f"decode B={b}", lambda b=b: bench_decode(loaded, spec, b, ceil)) for b in batches]
-    jobs.append((f"prefill T={ENGINE_PREFILL_TOKENS}", lambda: bench_engine_prefill(loaded, spec, ceil)))
+    jobs += [(f"prefill T={t} {f}", lambda t=t, f=f: bench_engine_prefill(loaded, spec, ceil, t, f))
+             for t in prefill_tokens for f in prefill_forms]
     for what, job in jobs:
         print(f"engine: {spec} {what} ...", flush=True)
         try:
@@ -313,6 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--section", choices=("all", "kernels", "engine"), default="all")
     parser.add_argument("--batches", default=",".join(map(str, ENGINE_BATCHES)),
                         help="engine section: decode batch sizes, comma-separated (default %(default)s)")
+    parser.add_argument("--prefill-tokens", default=str(ENGINE_PREFILL_TOKENS),
+                        help="engine section: prompt lengths of the prefill rows, comma-separated (default %(default)s)")
+    parser.add_argument("--prefill-forms", default="absorbed",
+                        help="engine section: --mla-prefill forms of the prefill rows, comma-separated, of absorbed "
+                             "and expanded (default %(default)s)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cuda: real shapes; cpu: tiny kernel shapes under the Triton interpreter (plumbing)")
     parser.add_argument("--model", type=_mla_spec, default=MODEL,
@@ -338,7 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     engine: list[dict[str, Any]] = []
     if args.section in ("all", "engine"):
         if device.type == "cuda" and ceil:
-            engine = engine_section(ceil, args.model, tuple(int(b) for b in args.batches.split(",")))
+            engine = engine_section(ceil, args.model, tuple(int(b) for b in args.batches.split(",")),
+                                    tuple(int(t) for t in args.prefill_tokens.split(",")),
+                                    tuple(args.prefill_forms.split(",")))
         else:
             print("engine: needs CUDA and the ceilings; skipped")
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,

@@ -130,13 +130,18 @@ def cpu_and_gpu(tiny_v2: Path) -> tuple[LoadedModel, LoadedModel]:
 
 @pytest.mark.gpu
 @requires_cuda
-def test_gpu_bf16_with_graphs_matches_cpu_fp32(tiny_v2: Path, cpu_and_gpu: tuple[LoadedModel, LoadedModel]) -> None:
-    """150-token prompt in 64-token chunks (the latent extend kernel over a cached prefix), then 16 decode steps
-    replayed from the CUDA graphs (the latent decode kernel): logits within bf16 tolerance of the fp32 CPU engine
-    on the same token history, greedy tokens equal wherever the CPU's choice is not a near-tie."""
+@pytest.mark.parametrize("form,chunk", [("absorbed", 64), ("expanded", 64), ("expanded", 256)])
+def test_gpu_bf16_with_graphs_matches_cpu_fp32(tiny_v2: Path, cpu_and_gpu: tuple[LoadedModel, LoadedModel],
+                                               form: str, chunk: int) -> None:
+    """150-token prompt in ``chunk``-token chunks (64: the latent extend kernel over a cached prefix after the first
+    chunk; 256: one chunk), then 16 decode steps replayed from the CUDA graphs (the latent decode kernel): logits
+    within bf16 tolerance of the fp32 CPU engine on the same token history, greedy tokens equal wherever the CPU's
+    choice is not a near-tie. ``form``: --mla-prefill of the GPU engine (expanded: per-head K/V of a prompt that
+    starts at position 0, SDPA with V padded to K's width)."""
     cpu_loaded, gpu_loaded = cpu_and_gpu
     cpu = _engine(str(tiny_v2), cpu_loaded, "cpu", "float32")
-    gpu = _engine(str(tiny_v2), gpu_loaded, "cuda", "bfloat16")
+    gpu = _engine(str(tiny_v2), gpu_loaded, "cuda", "bfloat16", mla_prefill=form, max_prefill_chunk=chunk)
+    assert gpu.runner.mla_prefill == form
     assert gpu.runner.graphs is not None and gpu.runner.graphs.graphs, "decode CUDA graphs were not captured"
     prompt = _prompt(150, 1)
     gpu_tokens, got = logits_trace(gpu, prompt, 16)
@@ -148,20 +153,30 @@ def test_gpu_bf16_with_graphs_matches_cpu_fp32(tiny_v2: Path, cpu_and_gpu: tuple
 
 @pytest.mark.gpu
 @requires_cuda
-def test_gpu_triton_backend_matches_torch_backend(tiny_v2: Path, cpu_and_gpu: tuple[LoadedModel, LoadedModel]
-                                                  ) -> None:
+@pytest.mark.parametrize("form", ["absorbed", "expanded"])
+def test_gpu_triton_backend_matches_torch_backend(tiny_v2: Path, cpu_and_gpu: tuple[LoadedModel, LoadedModel],
+                                                  form: str) -> None:
     """Same bf16 weights on the GPU: the Triton latent kernels (+ CUDA graphs) against the torch backend, one prompt
-    teacher-forced and a batch of prompts whose steps mix decode rows and prompt chunks."""
+    teacher-forced and a batch of prompts whose steps mix decode rows and prompt chunks. ``form`` expanded: the
+    Triton backend's steps whose prompts start at 0 take the expanded form (decode rows of the same step still
+    latent); the torch backend stays absorbed."""
     _, gpu_loaded = cpu_and_gpu
-    tri = _engine(str(tiny_v2), gpu_loaded, "cuda", "bfloat16")
-    ref = _engine(str(tiny_v2), gpu_loaded, "cuda", "bfloat16", attention_backend="torch", cuda_graphs=False)
+    tri = _engine(str(tiny_v2), gpu_loaded, "cuda", "bfloat16", mla_prefill=form)
+    ref = _engine(str(tiny_v2), gpu_loaded, "cuda", "bfloat16", attention_backend="torch", cuda_graphs=False,
+                  mla_prefill="absorbed")
+    # Both engines run the one model object, whose prompt form is the last engine's: set before each engine runs.
+    model = gpu_loaded.model
     prompt = _prompt(97, 3)
+    model.set_prefill_form("absorbed")
     ref_tokens, want = logits_trace(ref, prompt, 16)
+    model.set_prefill_form(form)
     _, got = logits_trace(tri, prompt, 16, forced=ref_tokens)
     _assert_rows_close(got, want, 2e-2)
     prompts = [_prompt(n, 10 + n) for n in (5, 40, 77, 130, 16)]
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    a, b = tri.generate(prompts, sp), ref.generate(prompts, sp)
+    a = tri.generate(prompts, sp)
+    model.set_prefill_form("absorbed")
+    b = ref.generate(prompts, sp)
     assert all(len(x) == 12 for x in a)
     # Free-running: a flipped routing choice or near-tie makes a sequence diverge for its remaining tokens.
     agree = agreeing_tokens(a, b)
