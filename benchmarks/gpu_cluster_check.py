@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=1000)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--kv-transport", default="grpc", choices=("grpc", "cuda-ipc"))
+    p.add_argument("--prefill-engine-core", default="auto", choices=("auto", "thread", "process"),
+                   help="the prefill's --engine-core (auto: its step loop in an engine-core process)")
     args = p.parse_args(argv)
     prompts = [[(97 * k + 13 * i) % 250 + 1 for i in range(args.prompt_tokens + 37 * k)] for k in range(4)]
     # Same chunking and one request at a time, as the cluster will run them: same kernels, same numerics.
@@ -52,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     dev = ["--device", "cuda", "--kv-cache-bytes", str(4 << 30), "--max-prefill-chunk", "256"]
     ok = True
     with LocalCluster(prefill=1, decode=1, kvstore=None, model=args.model, dtype="bfloat16", quiet=True,
-                      extra={"prefill": dev, "decode": dev}, kv_transport=args.kv_transport) as c:
+                      extra={"prefill": [*dev, "--engine-core", args.prefill_engine_core], "decode": dev},
+                      kv_transport=args.kv_transport) as c:
         for k, ids in enumerate(prompts):
             got, ttft = asyncio.run(_generate(c.router["grpc"], ids, args.max_tokens))
             same = sum(a == b for a, b in zip(got, want[k], strict=False))
@@ -63,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         with urllib.request.urlopen(f"http://{pm}/metrics", timeout=10) as r:
             sent = [ln for ln in r.read().decode().splitlines() if ln.startswith("pdserve_prefill_kv_sent_bytes_total")]
         print("prefill KV bytes by transport:", sent)
-    print("first tokens equal:", ok, f"(KV transport {args.kv_transport})")
+    print("first tokens equal:", ok, f"(KV transport {args.kv_transport}, prefill --engine-core "
+                                     f"{args.prefill_engine_core})")
     return 0 if ok else 1
 
 

@@ -72,6 +72,8 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine-core", default="thread,process",
                    help="served modes run with each decode --engine-core given (thread, process, or both); a "
                         "process row's mode is named MODE/process")
+    p.add_argument("--prefill-engine-core", default="auto", choices=("auto", "thread", "process"),
+                   help="the 1P1D prefill's --engine-core (auto: an engine-core process; thread: beside its front)")
     p.add_argument("--decode-args", default="",
                    help="more flags for the served decode (or colocated worker), e.g. '--mixed-step-interval 8'; "
                         "the rows' mode names them")
@@ -221,7 +223,8 @@ def _cluster(mode: str, ns: argparse.Namespace, core: str = "thread") -> Any:
     decode_util = round(0.9 - ns.prefill_utilization, 3)
     return LocalCluster(prefill=1, decode=1, model=ns.model, dtype="bfloat16", kvstore=None, quiet=True,
                         kv_transport="cuda-ipc",
-                        extra={"prefill": [*common, "--gpu-memory-utilization", str(ns.prefill_utilization)],
+                        extra={"prefill": [*common, "--gpu-memory-utilization", str(ns.prefill_utilization),
+                                           "--engine-core", ns.prefill_engine_core],
                                "decode": [*common, "--gpu-memory-utilization", str(decode_util),
                                           "--engine-core", core, *ns.decode_args_l]})
 

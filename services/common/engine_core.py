@@ -16,6 +16,6 @@ class EngineCoreConfig:
                                    "beside the gRPC front; auto: process, except where the loop must share this "
                                    "process with what lives here: --tensor-parallel-size > 1 (the ranks), a "
                                    "decode's --kv-mooncake-host (the transfer engine registers the pool), and for a "
-                                   "prefill --device cuda, --kv-transport mooncake, --kv-export-layer-group-cpu, "
+                                   "prefill --kv-transport mooncake, --kv-export-layer-group-cpu, "
                                    "--draft-model or a model whose pages have several regions; there it is thread.",
                            choices=("auto", "thread", "process"))

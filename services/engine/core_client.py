@@ -102,7 +102,10 @@ class EngineCoreClient(EngineFront):
         self.pool_spec: tuple[list[int], str] | None = tuple(info["pool"]) if info.get("pool") else None
         """A prefill core's pool: (shape, dtype name), mapped from ``pool_fd``."""
         self.pool_fd: int | None = None
-        """The memfd of a prefill core's pool (the front maps it; services/prefill/engine_port.py)."""
+        """The memfd of a prefill core's CPU pool (the front maps it; services/prefill/engine_port.py)."""
+        ipc = info.get("pool_ipc")
+        self.pool_ipc = decode_pb2.KVDestination.FromString(ipc).cuda_ipc if ipc is not None else None
+        """A prefill core's CUDA pool by its IPC handle (the front opens it), instead of ``pool_fd``."""
         self.chunk_listener: Callable[[list[Any], float], float] | None = None
         """A prefill front's: called on the event loop with each OUT frame's computed chunks (wire form) and the
         step's start (monotonic); TAKEN goes back once it returned, or as many seconds later as it returns."""
@@ -126,7 +129,8 @@ class EngineCoreClient(EngineFront):
                     role: str = "") -> EngineCoreClient:
         """Spawn the core, send its config, wait for the model to load (HELLO). Raises EngineCoreStartError
         with the core's one line if it cannot start (EngineCoreThreadOnly: a prefill core whose pages its front
-        cannot read). ``role`` "prefill": the core's pool comes back as a memfd (``pool_fd``)."""
+        cannot read). ``role`` "prefill": the core's pool comes back as a memfd (``pool_fd``), or on a GPU as a
+        CUDA IPC handle (``pool_ipc``)."""
         lcfg = logging_config or LoggingConfig(log_level=logging.getLevelName(logging.getLogger().level))
         front, core = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         fds_front, fds_core = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) if role == PREFILL else (None, None)
@@ -156,7 +160,7 @@ class EngineCoreClient(EngineFront):
                 raise EngineCoreStartError(f"engine core: expected HELLO, got frame type {body[0]}")
             client = cls(proc, reader, writer, body[1])
             client.device = config.device
-            if fds_front is not None:
+            if fds_front is not None and client.pool_ipc is None:
                 client.pool_fd = await asyncio.to_thread(_receive_fd, fds_front, FDS_WAIT_S)
             seen = asyncio.ensure_future(client._stats_seen.wait())
             await asyncio.wait({seen, client._reader_task}, return_when=asyncio.FIRST_COMPLETED)

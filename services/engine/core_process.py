@@ -40,6 +40,8 @@ import time
 from dataclasses import fields
 from typing import Any
 
+import torch
+
 from services.common.logging import LoggingConfig, setup_logging
 from services.engine import core_wire as w
 from services.engine.block_manager import NoFreeBlocksError
@@ -47,7 +49,7 @@ from services.engine.config import EngineConfig
 from services.engine.convert import layout_to_pb
 from services.engine.engine import LLMEngine, RequestOutput
 from services.engine.kv_pages import pages_of
-from services.engine.shared_kv import front_pool_fd, serve_pool_to_front
+from services.engine.shared_kv import export_cuda_kv, front_pool_fd, serve_pool_to_front
 from services.engine.step_loop import StepLoop
 from services.text.sampling_params import InvalidRequestError, Sampled
 
@@ -94,6 +96,9 @@ class Core:
         self._taken = threading.Semaphore(0)
         """Released by each TAKEN (and by the channel closing): the front has read the last OUT's chunk pages."""
         self._closed = False
+        pool = engine.runner.kv_cache
+        self._cuda: torch.device | None = pool.device if role == PREFILL and pool.is_cuda else None
+        """A prefill core's GPU, whose queued work (every stream's) is done before an OUT frame lists chunks."""
         if role == PREFILL:
             engine.chunk_listeners.append(self._on_chunk)
 
@@ -109,6 +114,8 @@ class Core:
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         steps = [[s.seconds, s.tokens, s.sequences, s.graphed] for s in self.loop.take_steps()]
         chunks, self._chunks = self._chunks, []
+        if chunks and self._cuda is not None:
+            torch.cuda.synchronize(self._cuda)  # the chunks' KV is in the pool before the front reads it (another process)
         if outputs or steps or chunks:
             self.chan.send([w.OUT, [w.output_to_wire(o) for o in outputs], steps, chunks,
                             self.engine.last_step_start])
@@ -238,14 +245,22 @@ class Core:
 
 
 def thread_only(engine: LLMEngine) -> str:
-    """Why a prefill's front cannot read this engine's pages itself ('' when it can): the pool must be one
-    memfd-backed target region of a CPU instance without layer-group exports."""
+    """Why a prefill's front cannot read this engine's pages itself ('' when it can): the pool must be one target
+    region of an unsharded instance without layer-group exports, in a memfd (CPU) or one CUDA allocation the
+    front opens by its IPC handle."""
     pages = pages_of(engine)
-    return ("the KV pool is not on the CPU" if pages.device.type != "cpu" else
+    return ("the KV pool is on neither the CPU nor a CUDA GPU" if pages.device.type not in ("cpu", "cuda") else
             "pages of several regions (index keys, a draft's KV)" if pages.composite else
             "a tensor-parallel pool" if pages.sharded else
             "layer-group exports (--kv-export-layer-group-cpu)" if getattr(engine, "layer_group", 0) else
-            "the KV pool could not be shared with the front" if front_pool_fd() is None else "")
+            "the KV pool could not be shared with the front"
+            if pages.device.type == "cpu" and front_pool_fd() is None else "")
+
+
+def _cuda_pool(engine: LLMEngine, role: str) -> bytes | None:
+    """A prefill core's CUDA pool as the KVDestination (cuda_ipc) its front opens; None otherwise."""
+    pool = engine.runner.kv_cache
+    return export_cuda_kv(pool).SerializeToString() if role == PREFILL and pool.is_cuda else None
 
 
 def hello(engine: LLMEngine, role: str = "") -> list[Any]:
@@ -263,6 +278,7 @@ def hello(engine: LLMEngine, role: str = "") -> list[Any]:
         "vocab_size": engine.vocab_size,
         "max_model_len": engine.max_model_len,
         "offered_pool": dest.SerializeToString() if dest is not None else None,
+        "pool_ipc": _cuda_pool(engine, role),
     }]
 
 
@@ -297,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
             chan.send([w.FATAL, THREAD_ONLY, f"a prefill engine core's front reads its pages itself; not here: "
                                              f"{why or 'no descriptor channel'}"])
             return EXIT_LOAD_FAILED
-        socket.send_fds(fds, [b"P"], [front_pool_fd()])
+        if not engine.runner.kv_cache.is_cuda:  # a CUDA pool goes by its IPC handle, in HELLO
+            socket.send_fds(fds, [b"P"], [front_pool_fd()])
     # Serving, the front owns the stop: a SIGTERM to the whole process group (a supervisor's, a container
     # runtime's) reaches this process too, and stopping here would cut the front's drain short. The front sends
     # STOP once it has drained; its death closes the channel, which stops the loop. (While the model loads,

@@ -8,7 +8,9 @@
   into decode's pool, the kvstore write-back) runs here, on the event loop, against the same memory. Each step's
   computed chunks arrive with its OUT frame and the core does not step again before they were read (TAKEN), so
   no later step reuses a block being read; a prompt's blocks are always held past its last chunk until
-  :meth:`release` (or an abort). CPU only: a CUDA pool would need its copies ordered against the core's stream.
+  :meth:`release` (or an abort). On a GPU the core's pool is one CUDA allocation this process opens by its IPC
+  handle: the core synchronizes its device before an OUT frame lists chunks (their KV is written), and this
+  process synchronizes its own copies out of a prompt's blocks before RELEASE gives them back.
 
 Both give the listeners what the engine thread gave them: ``(chunk, sampled, step_start)`` with the chunk's
 ``seq.request_id``, ``seq.num_computed_tokens`` (before the chunk), ``seq.num_cached_tokens``,
@@ -32,7 +34,7 @@ from services.engine.async_engine import AsyncEngine, EngineDeadError, EngineFro
 from services.engine.core_client import EngineCoreClient
 from services.engine.kv_pages import KVPages, pages_of
 from services.engine.parallel.split import HeadSplit
-from services.engine.shared_kv import DTYPES, open_front_pool
+from services.engine.shared_kv import DTYPES, open_cuda_pool, open_front_pool
 from services.text.sampling_params import Sampled, SamplingParams
 
 ChunkListener = Callable[[Any, Sampled | None, float], None]
@@ -134,14 +136,20 @@ class CorePrefillEngine(PrefillEngine):
     holds_last_chunk = True
 
     def __init__(self, front: EngineCoreClient) -> None:
-        if front.pool_fd is None or front.pool_spec is None:
+        if (front.pool_fd is None and front.pool_ipc is None) or front.pool_spec is None:
             raise RuntimeError("the prefill engine core sent no pool")
         shape, dtype, num_heads = front.pool_spec
-        try:
-            pool = open_front_pool(front.pool_fd, tuple(int(d) for d in shape), DTYPES[dtype])
-        finally:
-            os.close(front.pool_fd)
-            front.pool_fd = None
+        if front.pool_ipc is not None:
+            pool = open_cuda_pool(front.pool_ipc)
+            if list(pool.shape) != [int(d) for d in shape] or pool.dtype != DTYPES[dtype]:
+                raise RuntimeError(f"the prefill engine core's CUDA pool opened as {list(pool.shape)} {pool.dtype}, "
+                                   f"announced {list(shape)} {dtype}")
+        else:
+            try:
+                pool = open_front_pool(front.pool_fd, tuple(int(d) for d in shape), DTYPES[dtype])
+            finally:
+                os.close(front.pool_fd)
+                front.pool_fd = None
         self.front = front
         self.pages = KVPages(_PoolView(pool, int(num_heads)))
         self._listeners: list[ChunkListener] = []
@@ -184,6 +192,8 @@ class CorePrefillEngine(PrefillEngine):
 
     async def _release_quietly(self, request_id: str) -> None:
         try:
+            if self.pages.device.type == "cuda":  # this process's copies out of the blocks ran before they go back
+                await asyncio.to_thread(torch.cuda.synchronize, self.pages.device)
             await self.front.release(request_id)
         except EngineDeadError:
             pass  # the blocks died with the core
@@ -213,7 +223,7 @@ class _PoolView:
 
     def __init__(self, pool: torch.Tensor, num_heads: int) -> None:
         self.kv_cache = pool
-        self.device = torch.device("cpu")
+        self.device = pool.device
         self.dtype = pool.dtype
         self.num_layers, _, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim = pool.shape
         self.model = SimpleNamespace(tp_split=HeadSplit(num_heads, self.num_kv_heads))

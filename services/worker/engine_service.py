@@ -12,6 +12,7 @@ are free, the model spec names something loadable, the device exists."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import sys
 import time
@@ -147,7 +148,8 @@ class EngineService:
             mode = engine_core_mode(self.cfg, self.ecfg, self.name)
             if mode == "process":
                 try:
-                    self.engine = await EngineCoreClient.start(self.ecfg, self.name, current_config(),
+                    ecfg = prefill_core_config(self.ecfg) if self.name == PREFILL else self.ecfg
+                    self.engine = await EngineCoreClient.start(ecfg, self.name, current_config(),
                                                                role=PREFILL if self.name == PREFILL else "")
                     trace.remote, trace.remote_loop = self.engine.trace, asyncio.get_running_loop()
                 except EngineCoreThreadOnly as e:
@@ -195,14 +197,20 @@ def prefill_thread_only(cfg: Any, ecfg: EngineConfig) -> str:
     """Why a prefill's step loop must run on a thread of its service ('' when an engine core can serve it: its
     front then reads and writes the pages itself, services/prefill/engine_port.py). A model whose pages have several
     regions is found only once loaded (the core refuses it, and auto falls back to a thread)."""
-    return ("--device is not cpu (a CUDA pool's copies would need ordering against the core's stream)"
-            if not ecfg.device.startswith("cpu") else
-            "--tensor-parallel-size > 1 (the ranks are driven from this process)" if ecfg.tensor_parallel_size > 1 else
+    return ("--tensor-parallel-size > 1 (the ranks are driven from this process)" if ecfg.tensor_parallel_size > 1 else
             "--kv-transport mooncake (the transfer engine registers the pool where the loop runs)"
             if getattr(transport_kind(getattr(cfg, "kv_transport", "")), "mooncake_host", False) else
             "--kv-export-layer-group-cpu (layer groups leave from inside the step)"
             if ecfg.kv_export_layer_group_cpu and ecfg.kv_export_layer_group else
             "--draft-model (pages carry the draft's region)" if ecfg.draft_model else "")
+
+
+def prefill_core_config(ecfg: EngineConfig) -> EngineConfig:
+    """A prefill engine core's config: no layer-group exports on a GPU (they feed only a Mooncake writer, which
+    runs where the loop does: such a prefill's loop is on a thread; prefill_thread_only)."""
+    if ecfg.kv_export_layer_group_cpu or not ecfg.kv_export_layer_group:
+        return ecfg  # on CPU they are asked for explicitly, and the core refuses them (ThreadOnly)
+    return dataclasses.replace(ecfg, kv_export_layer_group=0)
 
 
 def parse_service_args(name: str, config_cls: type, argv: list[str] | None, description: str

@@ -29,7 +29,8 @@ from services.prefill.config import PrefillConfig
 from services.prefill.engine_port import CorePrefillEngine
 from services.prefill.servicer import PrefillServicer
 from services.text.sampling_params import Sampled, TopLogprobs
-from services.worker.engine_service import EngineDiedError, EngineService, engine_core_mode, preflight
+from services.worker.engine_service import (EngineDiedError, EngineService, engine_core_mode, preflight,
+                                           prefill_core_config)
 from tests.prefill import test_prefill_service as service
 from tests.prefill import test_transports as transports
 from tests.prefill.conftest import RecordingReceiver, engine_config, prefill_request, start_prefill
@@ -161,12 +162,13 @@ async def test_a_model_whose_pages_the_front_cannot_read_is_refused_in_one_line(
     assert "\n" not in str(e.value)
 
 
-def test_auto_runs_a_cpu_prefills_loop_in_a_core_unless_it_must_share_this_process() -> None:
+def test_auto_runs_a_prefills_loop_in_a_core_unless_it_must_share_this_process() -> None:
     base = PrefillConfig(**SERVER)
     assert base.engine_core == "auto"
     assert engine_core_mode(base, engine_config(), "prefill") == "process"
+    # A GPU prefill's core too: its front opens the core's CUDA pool by its IPC handle.
+    assert engine_core_mode(base, engine_config(device="cuda"), "prefill") == "process"
     for why, (cfg, ecfg) in {
-        "cuda": (base, engine_config(device="cuda")),
         "tp": (base, engine_config(tensor_parallel_size=2)),
         "mooncake": (PrefillConfig(**SERVER, kv_transport="mooncake"), engine_config()),
         "draft": (base, engine_config(draft_model="layers:1")),
@@ -177,6 +179,17 @@ def test_auto_runs_a_cpu_prefills_loop_in_a_core_unless_it_must_share_this_proce
     with pytest.raises(StartupError, match="--engine-core process: not for this prefill: --kv-transport mooncake"):
         preflight(PrefillConfig(**SERVER, engine_core="process", kv_transport="mooncake"), engine_config(),
                   "prefill")
+
+
+def test_a_gpu_prefill_core_plans_no_layer_group_exports() -> None:
+    """Layer-group exports feed only a Mooncake writer, whose prefill loop runs on a thread: a core's engine is
+    started without them (on a GPU they are on by default); the CPU testing aid keeps them (the core refuses it)."""
+    gpu = engine_config(device="cuda")
+    assert gpu.kv_export_layer_group > 0
+    assert prefill_core_config(gpu).kv_export_layer_group == 0
+    assert prefill_core_config(gpu).device == gpu.device
+    cpu_aid = engine_config(kv_export_layer_group_cpu=True)
+    assert prefill_core_config(cpu_aid) is cpu_aid
 
 
 def test_computed_chunks_cross_the_channel_whole() -> None:
