@@ -132,9 +132,8 @@ class EngineConfig(ContextConfig, ModelConfig, DeviceConfig, DtypeConfig, Compil
     mla_prefill: str = opt("auto", "How a latent-attention model (DeepSeek-V2/V3) attends a prompt that starts at "
                                     "position 0: expanded (per-head K/V expanded from the prompt's latents, SDPA: "
                                     "fewer multiply-adds per query-key pair), absorbed (in the latent space, as decode "
-                                    "rows and chunks after a prefix always do), or auto: expanded on CPU (measured "
-                                    "faster), absorbed on a GPU (its Triton latent kernels; expanded not measured "
-                                    "there yet). Only for a latent-attention model without an indexer.",
+                                    "rows and chunks after a prefix always do), or auto: expanded (measured faster on "
+                                    "CPU and on a GPU). Only for a latent-attention model without an indexer.",
                            choices=("auto", "absorbed", "expanded"))
     spec_synthetic_acceptance: float = opt(0.0, "Benchmarks only: accept this mean number of draft tokens per "
                                                 "step without checking them (output is NOT the model's; metrics "

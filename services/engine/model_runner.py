@@ -51,17 +51,15 @@ def _index_codec(arch, config: EngineConfig) -> str | None:
 
 
 def _mla_prefill(model, arch, config: EngineConfig) -> str | None:
-    """Set and return the prompt attention form of a latent-attention model (--mla-prefill; auto: expanded on CPU,
-    absorbed on a GPU); None for another model, which refuses a form other than auto in one line. A model with an
+    """Set and return the prompt attention form of a latent-attention model (--mla-prefill; auto: expanded, the
+    faster on CPU and GPU alike); None for another model, which refuses a form other than auto in one line. A model with an
     indexer (V3.2) keeps its sparse latent path whatever the form."""
     if arch.mla is None or arch.mla.index_head_dim:
         if config.mla_prefill != "auto":
             raise EngineConfigError(f"--mla-prefill / PDSERVE_MLA_PREFILL={config.mla_prefill}: this model "
                                     f"({arch.architecture}) has no latent attention without an indexer; leave it auto")
         return None
-    form = config.mla_prefill
-    if form == "auto":
-        form = "expanded" if torch.device(config.device).type == "cpu" else "absorbed"
+    form = "expanded" if config.mla_prefill == "auto" else config.mla_prefill
     model.set_prefill_form(form)
     return form
 

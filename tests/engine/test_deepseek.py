@@ -167,8 +167,8 @@ def test_expanded_prefill_form_matches_transformers(tiny_ds: tuple[str, Path, An
     assert sum(compared) >= 36, f"{model_type}: only {compared} steps before a near-tie"
 
 
-def test_mla_prefill_form_is_chosen_per_device_and_refused_where_it_does_not_apply() -> None:
-    """--mla-prefill auto: expanded on CPU; a form other than auto for a model without latent attention (or with
+def test_mla_prefill_form_is_chosen_and_refused_where_it_does_not_apply() -> None:
+    """--mla-prefill auto: expanded (on every device); a form other than auto for a model without latent attention (or with
     V3.2's indexer) is refused at start in one line."""
     from services.engine.config import EngineConfigError
 
