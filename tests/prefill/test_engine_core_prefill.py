@@ -29,8 +29,13 @@ from services.prefill.config import PrefillConfig
 from services.prefill.engine_port import CorePrefillEngine
 from services.prefill.servicer import PrefillServicer
 from services.text.sampling_params import Sampled, TopLogprobs
-from services.worker.engine_service import (EngineDiedError, EngineService, engine_core_mode, preflight,
-                                           prefill_core_config)
+from services.worker.engine_service import (
+    EngineDiedError,
+    EngineService,
+    engine_core_mode,
+    prefill_core_config,
+    preflight,
+)
 from tests.prefill import test_prefill_service as service
 from tests.prefill import test_transports as transports
 from tests.prefill.conftest import RecordingReceiver, engine_config, prefill_request, start_prefill
