@@ -42,6 +42,7 @@ Each case fails soft: its error is printed and recorded, and the run continues.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -214,10 +215,12 @@ def latent_attention_flops(arch: ModelArchConfig, tokens: int, context: int) -> 
 
 
 def bench_engine_prefill(loaded: Any, spec: str, ceil: dict[str, float], tokens: int = ENGINE_PREFILL_TOKENS,
-                         form: str = "absorbed") -> dict[str, Any]:
-    """One ``tokens``-token prompt through the engine (one chunk), median of ENGINE_PREFILL_REPS after a warm-up
-    whose MoE calls are recorded; FLOPs / time against the bf16 matmul ceiling. ``form``: --mla-prefill (the
-    FLOPs count the absorbed attention either way, so two forms' fractions compare their times)."""
+                         form: str = "absorbed", chunk: int = 0) -> dict[str, Any]:
+    """One ``tokens``-token prompt through the engine (one chunk, or chunks of ``chunk`` tokens: the steps after the
+    first attend over a cached prefix), median of ENGINE_PREFILL_REPS after a warm-up whose MoE calls are recorded;
+    FLOPs / time against the bf16 matmul ceiling. ``form``: --mla-prefill (the FLOPs count the absorbed attention
+    either way, so two forms' fractions compare their times)."""
+    chunk = chunk or tokens
     # Imported here: they load the engine and the Triton kernel modules (CUDA only).
     from benchmarks.gpu_bench import random_prompts
     from benchmarks.moe_engine_bench import MoECalls
@@ -227,7 +230,7 @@ def bench_engine_prefill(loaded: Any, spec: str, ceil: dict[str, float], tokens:
 
     eng = LLMEngine(EngineConfig(model=spec, dtype="bfloat16", device="cuda", block_size=BLOCK,
                                  enable_prefix_caching=False, max_num_seqs=1, max_model_len=tokens + 64,
-                                 max_num_batched_tokens=tokens, max_prefill_chunk=tokens,
+                                 max_num_batched_tokens=tokens, max_prefill_chunk=chunk,
                                  num_kv_blocks=tokens // BLOCK + 16, mla_prefill=form), loaded=loaded)
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     calls, times = MoECalls(), []
@@ -236,13 +239,11 @@ def bench_engine_prefill(loaded: Any, spec: str, ceil: dict[str, float], tokens:
                         detokenize=False)
         torch.cuda.synchronize()
         t = time.perf_counter()
-        if r == 0:  # warm-up, recorded
-            with calls.record():
-                out = eng.step()
-        else:
+        with calls.record() if r == 0 else contextlib.nullcontext():  # the warm-up's MoE calls are recorded
             out = eng.step()
+            while not (out and out[0].finished):
+                out = eng.step()
         torch.cuda.synchronize()
-        assert out and out[0].finished
         if r:
             times.append((time.perf_counter() - t) * 1e3)
     ms = statistics.median(times)
@@ -252,6 +253,7 @@ def bench_engine_prefill(loaded: Any, spec: str, ceil: dict[str, float], tokens:
     flops = (2.0 * linear * tokens + calls.flops + latent_attention_flops(a, tokens, tokens)
              + 2.0 * a.hidden_size * a.vocab_size)
     res: dict[str, Any] = {"model": spec, "phase": f"pf-{form[:6]}", "mla_prefill": form, "tokens": tokens,
+                           "chunk": chunk,
                            "step_ms": ms, "flops": flops,
                            "moe_flops": calls.flops, "moe_calls": calls.calls}
     if calls.calls == 0:
@@ -263,7 +265,7 @@ def bench_engine_prefill(loaded: Any, spec: str, ceil: dict[str, float], tokens:
 
 def engine_section(ceil: dict[str, float], spec: str = MODEL, batches: tuple[int, ...] = ENGINE_BATCHES,
                    prefill_tokens: tuple[int, ...] = (ENGINE_PREFILL_TOKENS,),
-                   prefill_forms: tuple[str, ...] = ("absorbed",)) -> list[dict[str, Any]]:
+                   prefill_forms: tuple[str, ...] = ("absorbed",), prefill_chunk: int = 0) -> list[dict[str, Any]]:
     # Imported here: it loads the engine and the Triton kernel modules (CUDA only).
     from benchmarks.moe_engine_bench import bench_decode, print_engine
     from services.engine.model_loader import load_model
@@ -279,7 +281,7 @@ def engine_section(ceil: dict[str, float], spec: str = MODEL, batches: tuple[int
           flush=True)
     rows: list[dict[str, Any]] = []
     jobs = [(f"decode B={b}", lambda b=b: bench_decode(loaded, spec, b, ceil)) for b in batches]
-    jobs += [(f"prefill T={t} {f}", lambda t=t, f=f: bench_engine_prefill(loaded, spec, ceil, t, f))
+    jobs += [(f"prefill T={t} {f}", lambda t=t, f=f: bench_engine_prefill(loaded, spec, ceil, t, f, prefill_chunk))
              for t in prefill_tokens for f in prefill_forms]
     for what, job in jobs:
         print(f"engine: {spec} {what} ...", flush=True)
@@ -322,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-forms", default="absorbed",
                         help="engine section: --mla-prefill forms of the prefill rows, comma-separated, of absorbed "
                              "and expanded (default %(default)s)")
+    parser.add_argument("--prefill-chunk", type=int, default=0,
+                        help="engine section: the prefill rows' --max-prefill-chunk (0: the whole prompt in one step)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cuda: real shapes; cpu: tiny kernel shapes under the Triton interpreter (plumbing)")
     parser.add_argument("--model", type=_mla_spec, default=MODEL,
@@ -349,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda" and ceil:
             engine = engine_section(ceil, args.model, tuple(int(b) for b in args.batches.split(",")),
                                     tuple(int(t) for t in args.prefill_tokens.split(",")),
-                                    tuple(args.prefill_forms.split(",")))
+                                    tuple(args.prefill_forms.split(",")), args.prefill_chunk)
         else:
             print("engine: needs CUDA and the ceilings; skipped")
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,

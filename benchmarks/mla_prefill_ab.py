@@ -4,6 +4,8 @@ experts: the attention is what differs), absorbed (every row in the latent space
 from the prompt's latents, SDPA), rounds alternating so drift hits both.
 
     python -m benchmarks.mla_prefill_ab --prompts 512,2048 --dtypes bfloat16,float32 --rounds 3 [--device cuda]
+    python -m benchmarks.mla_prefill_ab --prompts 512 --prefix 2048    (a 512-token chunk after a 2048-token prefix,
+                                                                         computed first and not timed)
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def main() -> None:
     p.add_argument("--dtypes", default="bfloat16,float32")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--prefix", type=int, default=0, help="cached tokens before the timed chunk (computed untimed)")
     a = p.parse_args()
     cpu = host_cpu()
     isa = ", ".join(sorted(f for f in cpu.flags if f.startswith(("avx512", "amx", "avx2"))))
@@ -47,14 +50,17 @@ def main() -> None:
             for _ in range(a.rounds):
                 for form in ms:
                     m.set_prefill_form(form)
-                    h = PagedHarness(m, num_seqs=1, max_len=n + 2, block_size=16)
+                    h = PagedHarness(m, num_seqs=1, max_len=a.prefix + n + 2, block_size=16)
+                    if a.prefix:
+                        h.step({0: [(7 * i) % 1000 for i in range(a.prefix)]})
                     sync()
                     t0 = time.perf_counter()
                     h.step({0: [i % 1000 for i in range(n)]})
                     sync()
                     ms[form].append((time.perf_counter() - t0) * 1e3)
             ab, ex = statistics.median(ms["absorbed"]), statistics.median(ms["expanded"])
-            print(f"{name:9s} {n:5d}-token prompt: absorbed {ab:8.1f} ms, expanded {ex:8.1f} ms "
+            what = f"chunk after {a.prefix}" if a.prefix else "prompt"
+            print(f"{name:9s} {n:5d}-token {what}: absorbed {ab:8.1f} ms, expanded {ex:8.1f} ms "
                   f"(x{ab / ex:.2f}); rounds {[round(x) for x in ms['absorbed']]} / {[round(x) for x in ms['expanded']]}")
 
 

@@ -167,6 +167,66 @@ def test_expanded_prefill_form_matches_transformers(tiny_ds: tuple[str, Path, An
     assert sum(compared) >= 36, f"{model_type}: only {compared} steps before a near-tie"
 
 
+def test_chunks_after_a_prefix_take_the_expanded_form(tiny_ds: tuple[str, Path, Any], greedy: Any,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of at least ``min_expanded_chunk`` tokens after a cached prefix attend expanded too: the prefix's
+    latents read back from the pool and expanded with the chunk's own, causal from the chunk's first position; a
+    step holding a shorter chunk after a prefix stays latent. 32-token chunks of 96 / 70 / 64-token prompts (the
+    tiny widths' threshold is 32): step 2 expands the three prompts over their 32 cached tokens; step 3 holds
+    prompt 1's 6-token tail, so it stays latent; transformers' logits and greedy tokens either way. V3.2 never
+    expands."""
+    import services.engine.models.deepseek as ds
+
+    model_type, d, ref = tiny_ds
+    ours = load_model(str(d), torch.float32, "cpu")
+    ours.model.set_prefill_form("expanded")
+    assert {layer.self_attn.min_expanded_chunk for layer in ours.model.model.layers} == {32}
+    prefixes: list[int] = []
+    real = ds.cached_latents
+
+    def spy(ctx: Any, layer: int, row: int, tokens: int) -> torch.Tensor:
+        prefixes.append(tokens)
+        return real(ctx, layer, row, tokens)
+
+    monkeypatch.setattr(ds, "cached_latents", spy)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (96, 70, 64)]
+    gen, logits = greedy(ours.model, prompts, 16, chunk=32)
+    if model_type == "deepseek_v32":
+        assert prefixes == []
+    else:  # step 2: three prompts after 32 tokens, in each of the 2 layers; step 3 holds a 6-token chunk: latent
+        assert sorted(set(prefixes)) == [32] and len(prefixes) == 3 * 2, prefixes
+    compared = [assert_tokens_match_until_near_tie(toks, lg, _ref_logits(ref, p, toks), f"{model_type} prompt {i}")
+                for i, (p, toks, lg) in enumerate(zip(prompts, gen, logits, strict=True))]
+    assert sum(compared) >= 24, f"{model_type}: only {compared} steps before a near-tie"
+
+
+def test_a_prefix_cache_hit_expands_the_cached_prefix(tiny_ds: tuple[str, Path, Any],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine with prefix caching: a second prompt sharing the first's 64-token head computes only its 48-token
+    tail, expanded over the 64 cached latents it reads back from the pool (blocks the first request filled);
+    transformers' greedy tokens for both."""
+    import services.engine.models.deepseek as ds
+
+    model_type, d, ref = tiny_ds
+    if model_type == "deepseek_v32":
+        pytest.skip("V3.2 keeps its sparse latent path (never expanded)")
+    engine = LLMEngine(EngineConfig(model=str(d), dtype="float32", device="cpu", num_kv_blocks=64, block_size=16,
+                                    enable_prefix_caching=True))
+    prefixes: list[int] = []
+    real = ds.cached_latents
+    monkeypatch.setattr(ds, "cached_latents", lambda ctx, layer, row, n: prefixes.append(n) or real(ctx, layer, row, n))
+    g = torch.Generator().manual_seed(11)
+    head = torch.randint(0, 512, (64,), generator=g).tolist()
+    prompts = [head + torch.randint(0, 512, (n,), generator=g).tolist() for n in (20, 48)]
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = [engine.generate([p], sp)[0] for p in prompts]
+    assert prefixes == [64, 64], prefixes  # the second prompt, in each of the 2 layers
+    for i, (p, got) in enumerate(zip(prompts, outs, strict=True)):
+        r = _ref_logits(ref, p, got)
+        assert_tokens_match_until_near_tie(got, r, r, f"{model_type} prefix-cache prompt {i}")
+
+
 def test_mla_prefill_form_is_chosen_and_refused_where_it_does_not_apply() -> None:
     """--mla-prefill auto: expanded (on every device); a form other than auto for a model without latent attention (or with
     V3.2's indexer) is refused at start in one line."""

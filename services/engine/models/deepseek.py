@@ -32,6 +32,7 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from services.engine.attention import AttentionSpec, ForwardContext, IndexQuery
 from services.engine.models.llama import RMSNorm
@@ -103,17 +104,52 @@ class Indexer(nn.Module):
         return q, k, self.weights_proj(x).float() * self.heads ** -0.5
 
 
-def fresh_prefill_lens(ctx: ForwardContext) -> list[int] | None:
-    """The token counts of the step's prompts when every one starts at position 0 (no cached prefix: its context is
-    its own tokens), else None (no prompt in the step, a chunk after a prefix, or a CUDA graph being captured)."""
+EXPANDED_PREFIX_BYTES = 1 << 30
+"""Most bytes of per-head K/V one prompt's cached prefix may be expanded into (per layer, transient): a longer prefix
+keeps its step in the latent form."""
+
+
+def expanded_prompts(ctx: ForwardContext, min_chunk: int, prefix_token_bytes: int) -> list[tuple[int, int]] | None:
+    """(new tokens, cached prefix tokens) of each prompt of the step when the expanded form applies to all of them:
+    a prompt that starts at position 0, or a chunk of at least ``min_chunk`` tokens after a prefix whose per-head K/V
+    (``prefix_token_bytes`` a token) fits EXPANDED_PREFIX_BYTES, read from a backend whose pool the model can gather.
+    None otherwise (no prompt in the step, a short chunk after a prefix, a speculative verify step's rows, a CUDA
+    graph being captured)."""
     meta = ctx.meta
     nd = meta.num_decode
     lens = meta.query_lens[nd:]
-    if not lens or any(c != n for c, n in zip(meta.context_lens_host[nd:], lens, strict=True)):
+    if not lens:
+        return None
+    rows = [(n, c - n) for c, n in zip(meta.context_lens_host[nd:], lens, strict=True)]
+    if any(p and (n < min_chunk or (p + n) * prefix_token_bytes > EXPANDED_PREFIX_BYTES) for n, p in rows):
+        return None
+    if any(p for _, p in rows) and latent_pool(ctx) is None:
         return None
     if meta.slot_mapping.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
-    return list(lens)
+    return rows
+
+
+def latent_pool(ctx: ForwardContext) -> torch.Tensor | None:
+    """The step backend's paged pool [layers, 2, blocks, block_size, 1, latent / 2] (the torch and Triton backends';
+    a wrapping backend's inner one), or None."""
+    backend = ctx.backend
+    pool = getattr(backend, "kv_cache", None)
+    if pool is None and getattr(backend, "inner", None) is not None:
+        pool = getattr(backend.inner, "kv_cache", None)
+    return pool if isinstance(pool, torch.Tensor) and pool.dim() == 6 and pool.shape[4] == 1 else None
+
+
+def cached_latents(ctx: ForwardContext, layer: int, row: int, tokens: int) -> torch.Tensor:
+    """[tokens, latent]: the first ``tokens`` cached latents of the step's sequence ``row`` at ``layer`` (its K
+    plane holds each latent's first half, its V plane the second)."""
+    pool = latent_pool(ctx)
+    assert pool is not None
+    bs = pool.shape[3]
+    nb = -(-tokens // bs)
+    blocks = ctx.meta.block_tables[row, :nb].to(torch.int64)
+    planes = pool[layer].index_select(1, blocks).reshape(2, nb * bs, -1)[:, :tokens]
+    return torch.cat([planes[0], planes[1]], dim=-1)
 
 
 class MLAAttention(nn.Module):
@@ -140,8 +176,15 @@ class MLAAttention(nn.Module):
         self._spec = AttentionSpec(scale=mla.scale, latent_value_dim=mla.kv_lora_rank)
         self._decode_only = AttentionSpec(scale=mla.scale, latent_value_dim=mla.kv_lora_rank, decode_only=True)
         self.expanded_prefill = False
-        """Prompts that start at position 0 attend in the expanded form (``_expanded``; DeepseekForCausalLM.
+        """Prompts attend in the expanded form where ``expanded_prompts`` allows (``_expanded``; DeepseekForCausalLM.
         set_prefill_form); False: every row in the latent space."""
+        lora, nope, vd = mla.kv_lora_rank, mla.qk_nope_head_dim, mla.v_head_dim
+        self.min_expanded_chunk = -(-lora * (nope + vd) // max(1, 2 * lora - nope - vd))
+        """Fewest new tokens of a chunk after a prefix for which expanding the prefix pays: expanding costs
+        prefix x kv_lora x (nope + v) multiply-adds per head, and each (query, key) pair then saves 2 kv_lora + rope
+        - (nope + rope + v) (V2-Lite and V3 widths: 171 tokens)."""
+        self.prefix_token_bytes = 2 * h * 2 * mla.qk_head_dim
+        """Bytes of one prefix token's per-head K and (padded) V at two bytes a value."""
 
     def _query(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(query [T, H * qk_head_dim], the compressed query or None without a query LoRA)."""
@@ -160,8 +203,9 @@ class MLAAttention(nn.Module):
         q_pe, k_pe = rotary(positions, q_pe, k_pe.view(t, 1, rope))
         w = self.kv_b_proj.weight.view(h, nope + mla.v_head_dim, lora)
         latent = torch.cat([self.kv_a_layernorm(c_kv), k_pe.view(t, rope)], dim=-1)
-        if self.expanded_prefill and self.indexer is None and (lens := fresh_prefill_lens(ctx)) is not None:
-            return self._expanded(q_nope, q_pe, k_pe, latent, w, lens, ctx)
+        if self.expanded_prefill and self.indexer is None and (
+                rows := expanded_prompts(ctx, self.min_expanded_chunk, self.prefix_token_bytes)) is not None:
+            return self._expanded(q_nope, q_pe, k_pe, latent, w, rows, ctx)
         query = self._absorbed_query(q_nope, q_pe, w)
         spec = self._spec
         if self.indexer is not None:
@@ -183,12 +227,12 @@ class MLAAttention(nn.Module):
         return torch.bmm(out.transpose(0, 1), w[:, self.mla.qk_nope_head_dim:].transpose(1, 2)).transpose(0, 1)
 
     def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor, latent: torch.Tensor,
-                  w: torch.Tensor, lens: list[int], ctx: ForwardContext) -> torch.Tensor:
-        """A step whose prompts all start at position 0: every latent is cached and the decode rows attend in the
-        latent space as in ``forward``; each prompt attends in the expanded form, per head K = [W_UK c, k_pe] and
-        V = W_UV c from its own tokens' latents (the same sums in another order, fewer multiply-adds per (query,
-        key) pair: nope + rope + v against the absorbed form's 2 * kv_lora + rope), causal, one SDPA call per
-        prompt."""
+                  w: torch.Tensor, rows: list[tuple[int, int]], ctx: ForwardContext) -> torch.Tensor:
+        """Every latent is cached and the decode rows attend in the latent space as in ``forward``; each prompt
+        (``rows``: new tokens, cached prefix tokens) attends in the expanded form, per head K = [W_UK c, k_pe] and
+        V = W_UV c from its latents (its prefix's read back from the pool, its own from this step): the same sums
+        in another order, fewer multiply-adds per (query, key) pair (nope + rope + v against the absorbed form's
+        2 * kv_lora + rope), causal from the chunk's first position, one SDPA call per prompt."""
         mla, h, t = self.mla, self.num_heads, latent.shape[0]
         nope, lora, vd = mla.qk_nope_head_dim, mla.kv_lora_rank, mla.v_head_dim
         nd = ctx.meta.num_decode
@@ -200,20 +244,31 @@ class MLAAttention(nn.Module):
         o = latent.new_empty(t, h, vd)
         if nd:
             o[:nd] = self._through_w_uv(out[:nd], w)
-        kv = torch.matmul(latent[nd:, :lora], w.reshape(h * (nope + vd), lora).t()).view(t - nd, h, nope + vd)
-        k_nope, value = kv.split([nope, vd], dim=-1)
-        key = torch.cat([k_nope, k_pe[nd:].expand(-1, h, -1)], dim=-1)
         query_x = torch.cat([q_nope[nd:], q_pe[nd:]], dim=-1)
-        if query_x.is_cuda and vd != key.shape[-1]:  # the fused SDPA kernels want one head width: V zero-padded
-            value = F.pad(value, (0, key.shape[-1] - vd))
+        w_kv = w.reshape(h * (nope + vd), lora).t()
         start = 0
-        for n in lens:
-            rows = slice(start, start + n)
-            oi = F.scaled_dot_product_attention(*(a[rows].transpose(0, 1)[None] for a in (query_x, key, value)),
-                                                is_causal=True, scale=mla.scale)
+        for i, (n, prefix) in enumerate(rows):
+            own = latent[nd + start:nd + start + n]
+            lat = torch.cat([cached_latents(ctx, self.layer_idx, nd + i, prefix), own]) if prefix else own
+            key, value = self._expand(lat, w_kv)
+            mask = causal_lower_right(n, n + prefix) if prefix else None
+            oi = F.scaled_dot_product_attention(query_x[start:start + n].transpose(0, 1)[None], key, value,
+                                                attn_mask=mask, is_causal=not prefix, scale=mla.scale)
             o[nd + start:nd + start + n] = oi[0].transpose(0, 1)[..., :vd]
             start += n
         return self.o_proj(o.reshape(t, h * vd))
+
+    def _expand(self, lat: torch.Tensor, w_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head K [1, H, N, nope + rope] and V [1, H, N, v] (on CUDA zero-padded to K's width, for the fused SDPA
+        kernels) of N latents [N, kv_lora + rope]."""
+        mla, h = self.mla, self.num_heads
+        nope, lora, vd = mla.qk_nope_head_dim, mla.kv_lora_rank, mla.v_head_dim
+        kv = torch.matmul(lat[:, :lora], w_kv).view(-1, h, nope + vd)
+        k_nope, value = kv.split([nope, vd], dim=-1)
+        key = torch.cat([k_nope, lat[:, None, lora:].expand(-1, h, -1)], dim=-1)
+        if lat.is_cuda and vd != key.shape[-1]:
+            value = F.pad(value, (0, key.shape[-1] - vd))
+        return key.transpose(0, 1)[None], value.transpose(0, 1)[None]
 
     forward_fused = forward
     """The CUDA path: the same projections; ``ctx.attend`` runs the Triton latent kernels there (gpu_attention.py)."""
@@ -246,8 +301,9 @@ class DeepseekForCausalLM(MoEForCausalLM):
         self.rotary = self._latent_rotary().to(self.model.norm.weight.device)
 
     def set_prefill_form(self, form: str) -> None:
-        """"expanded": prompts that start at position 0 attend with per-head K/V expanded from their latents
-        (``MLAAttention._expanded``); "absorbed": every row in the latent space. A model with an indexer (V3.2) keeps
+        """"expanded": prompts (from position 0, or long chunks after a prefix: ``expanded_prompts``) attend with
+        per-head K/V expanded from their latents (``MLAAttention._expanded``); "absorbed": every row in the latent
+        space. A model with an indexer (V3.2) keeps
         its sparse latent path either way."""
         if form not in ("expanded", "absorbed"):
             raise ValueError(f"MLA prefill form {form!r}: expected 'expanded' or 'absorbed'")
