@@ -132,6 +132,12 @@ class EngineCoreClient(EngineFront):
         cannot read). ``role`` "prefill": the core's pool comes back as a memfd (``pool_fd``), or on a GPU as a
         CUDA IPC handle (``pool_ipc``)."""
         lcfg = logging_config or LoggingConfig(log_level=logging.getLevelName(logging.getLogger().level))
+        if role == PREFILL and config.device.startswith("cuda"):
+            # This front opens the core's pool, which needs a CUDA context of its own (~0.5 GiB): made now, before
+            # the core loads, so the core's weights, pool and step activations see that memory gone (a pool sized
+            # from free memory leaves it; an over-committed card fails the core's load, in one line, not a step).
+            # Made after, it took memory the core's later activations needed: a full H100 failed a step.
+            await asyncio.to_thread(_open_cuda_context, config.device)
         front, core = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         fds_front, fds_core = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) if role == PREFILL else (None, None)
         w.tune(front)
@@ -344,6 +350,12 @@ async def _read_frame(reader: asyncio.StreamReader) -> tuple[list[Any], bytes] |
     body = await reader.readexactly(n)
     payload = await reader.readexactly(p) if p else b""
     return w.decode_body(body), payload
+
+
+def _open_cuda_context(device: str) -> None:
+    import torch
+
+    torch.empty(1, device=device)
 
 
 def _receive_fd(sock: socket.socket, timeout: float) -> int:
