@@ -129,11 +129,12 @@ class EngineConfig(ContextConfig, ModelConfig, DeviceConfig, DtypeConfig, Compil
                                         "native (the cache's dtype) or fp8-e4m3 (e4m3 values and one fp32 scale "
                                         "per token and layer, as DeepSeek-V3.2 caches them). Only for a model with "
                                         "an indexer.", choices=("native", "fp8-e4m3"))
-    mla_prefill: str = opt("auto", "How a latent-attention model (DeepSeek-V2/V3) attends a prompt that starts at "
-                                    "position 0: expanded (per-head K/V expanded from the prompt's latents, SDPA: "
-                                    "fewer multiply-adds per query-key pair), absorbed (in the latent space, as decode "
-                                    "rows and chunks after a prefix always do), or auto: expanded (measured faster on "
-                                    "CPU and on a GPU). Only for a latent-attention model without an indexer.",
+    mla_prefill: str = opt("auto", "How a latent-attention model (DeepSeek-V2/V3) attends prompts: expanded "
+                                    "(per-head K/V expanded from the prompt's latents, a cached prefix's included, "
+                                    "SDPA: fewer multiply-adds per query-key pair; a step holding a short chunk after "
+                                    "a prefix stays latent), absorbed (in the latent space, as decode rows always "
+                                    "are), or auto: expanded (measured faster on CPU and on a GPU). Only for a "
+                                    "latent-attention model without an indexer.",
                            choices=("auto", "absorbed", "expanded"))
     spec_synthetic_acceptance: float = opt(0.0, "Benchmarks only: accept this mean number of draft tokens per "
                                                 "step without checking them (output is NOT the model's; metrics "

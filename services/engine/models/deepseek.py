@@ -205,7 +205,7 @@ class MLAAttention(nn.Module):
         latent = torch.cat([self.kv_a_layernorm(c_kv), k_pe.view(t, rope)], dim=-1)
         if self.expanded_prefill and self.indexer is None and (
                 rows := expanded_prompts(ctx, self.min_expanded_chunk, self.prefix_token_bytes)) is not None:
-            return self._expanded(q_nope, q_pe, k_pe, latent, w, rows, ctx)
+            return self._expanded(q_nope, q_pe, latent, w, rows, ctx)
         query = self._absorbed_query(q_nope, q_pe, w)
         spec = self._spec
         if self.indexer is not None:
@@ -226,8 +226,8 @@ class MLAAttention(nn.Module):
         """[T, H, v]: a latent-space attention output [T, H, kv_lora] through each head's value up-projection."""
         return torch.bmm(out.transpose(0, 1), w[:, self.mla.qk_nope_head_dim:].transpose(1, 2)).transpose(0, 1)
 
-    def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor, latent: torch.Tensor,
-                  w: torch.Tensor, rows: list[tuple[int, int]], ctx: ForwardContext) -> torch.Tensor:
+    def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, w: torch.Tensor,
+                  rows: list[tuple[int, int]], ctx: ForwardContext) -> torch.Tensor:
         """Every latent is cached and the decode rows attend in the latent space as in ``forward``; each prompt
         (``rows``: new tokens, cached prefix tokens) attends in the expanded form, per head K = [W_UK c, k_pe] and
         V = W_UV c from its latents (its prefix's read back from the pool, its own from this step): the same sums
