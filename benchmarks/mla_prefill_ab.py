@@ -4,8 +4,8 @@ experts: the attention is what differs), absorbed (every row in the latent space
 from the prompt's latents, SDPA), rounds alternating so drift hits both.
 
     python -m benchmarks.mla_prefill_ab --prompts 512,2048 --dtypes bfloat16,float32 --rounds 3 [--device cuda]
-    python -m benchmarks.mla_prefill_ab --prompts 512 --prefix 2048    (a 512-token chunk after a 2048-token prefix,
-                                                                         computed first and not timed)
+    python -m benchmarks.mla_prefill_ab --prompts 2,16,171,512 --prefix 2048 --dtypes bfloat16
+        (chunks after a 2048-token prefix, computed first and not timed; --min-chunk 1, the engine's CPU rule)
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--device", default="cpu")
     p.add_argument("--prefix", type=int, default=0, help="cached tokens before the timed chunk (computed untimed)")
+    p.add_argument("--min-chunk", type=int, default=1,
+                   help="fewest new tokens after a prefix that take the expanded form (the engine's CPU rule: 1; "
+                        "0: the multiply-add rule a GPU keeps)")
     a = p.parse_args()
     cpu = host_cpu()
     isa = ", ".join(sorted(f for f in cpu.flags if f.startswith(("avx512", "amx", "avx2"))))
@@ -49,7 +52,7 @@ def main() -> None:
             ms: dict[str, list[float]] = {"absorbed": [], "expanded": []}
             for _ in range(a.rounds):
                 for form in ms:
-                    m.set_prefill_form(form)
+                    m.set_prefill_form(form, a.min_chunk or None)
                     h = PagedHarness(m, num_seqs=1, max_len=a.prefix + n + 2, block_size=16)
                     if a.prefix:
                         h.step({0: [(7 * i) % 1000 for i in range(a.prefix)]})

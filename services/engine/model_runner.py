@@ -50,6 +50,12 @@ def _index_codec(arch, config: EngineConfig) -> str | None:
     return None
 
 
+CPU_MIN_EXPANDED_CHUNK = 1
+"""On CPU every prompt chunk after a prefix takes the expanded form (measured faster from 2 new tokens after a
+2048-token prefix, 2.5x, to 512, 2.1x: PERFORMANCE.md, latent attention); a GPU keeps the multiply-add rule of
+``MLAAttention.flop_min_expanded_chunk``."""
+
+
 def _mla_prefill(model, arch, config: EngineConfig) -> str | None:
     """Set and return the prompt attention form of a latent-attention model (--mla-prefill; auto: expanded, the
     faster on CPU and GPU alike); None for another model, which refuses a form other than auto in one line. A model with an
@@ -60,7 +66,7 @@ def _mla_prefill(model, arch, config: EngineConfig) -> str | None:
                                     f"({arch.architecture}) has no latent attention without an indexer; leave it auto")
         return None
     form = "expanded" if config.mla_prefill == "auto" else config.mla_prefill
-    model.set_prefill_form(form)
+    model.set_prefill_form(form, CPU_MIN_EXPANDED_CHUNK if torch.device(config.device).type == "cpu" else None)
     return form
 
 

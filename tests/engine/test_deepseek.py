@@ -235,6 +235,8 @@ def test_mla_prefill_form_is_chosen_and_refused_where_it_does_not_apply() -> Non
     eng = LLMEngine(EngineConfig(model="random:tiny-deepseek", dtype="float32", num_kv_blocks=16))
     assert eng.runner.mla_prefill == "expanded"
     assert all(layer.self_attn.expanded_prefill for layer in eng.runner.model.model.layers)
+    # On CPU every chunk after a prefix too (CPU_MIN_EXPANDED_CHUNK: measured faster from 2 new tokens).
+    assert {layer.self_attn.min_expanded_chunk for layer in eng.runner.model.model.layers} == {1}
     absorbed = LLMEngine(EngineConfig(model="random:tiny-deepseek", dtype="float32", num_kv_blocks=16,
                                       mla_prefill="absorbed"))
     assert not any(layer.self_attn.expanded_prefill for layer in absorbed.runner.model.model.layers)

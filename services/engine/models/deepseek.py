@@ -179,10 +179,13 @@ class MLAAttention(nn.Module):
         """Prompts attend in the expanded form where ``expanded_prompts`` allows (``_expanded``; DeepseekForCausalLM.
         set_prefill_form); False: every row in the latent space."""
         lora, nope, vd = mla.kv_lora_rank, mla.qk_nope_head_dim, mla.v_head_dim
-        self.min_expanded_chunk = -(-lora * (nope + vd) // max(1, 2 * lora - nope - vd))
-        """Fewest new tokens of a chunk after a prefix for which expanding the prefix pays: expanding costs
-        prefix x kv_lora x (nope + v) multiply-adds per head, and each (query, key) pair then saves 2 kv_lora + rope
-        - (nope + rope + v) (V2-Lite and V3 widths: 171 tokens)."""
+        self.flop_min_expanded_chunk = -(-lora * (nope + vd) // max(1, 2 * lora - nope - vd))
+        """Fewest new tokens of a chunk after a prefix for which expanding the prefix saves multiply-adds: expanding
+        costs prefix x kv_lora x (nope + v) per head, and each (query, key) pair then saves 2 kv_lora + rope -
+        (nope + rope + v) (V2-Lite and V3 widths: 171 tokens)."""
+        self.min_expanded_chunk = self.flop_min_expanded_chunk
+        """Fewest new tokens of a chunk after a prefix that takes the expanded form (set_prefill_form: the FLOP
+        rule above, or a device's measured one)."""
         self.prefix_token_bytes = 2 * h * 2 * mla.qk_head_dim
         """Bytes of one prefix token's per-head K and (padded) V at two bytes a value."""
 
@@ -300,7 +303,7 @@ class DeepseekForCausalLM(MoEForCausalLM):
     def init_buffers(self) -> None:
         self.rotary = self._latent_rotary().to(self.model.norm.weight.device)
 
-    def set_prefill_form(self, form: str) -> None:
+    def set_prefill_form(self, form: str, min_chunk: int | None = None) -> None:
         """"expanded": prompts (from position 0, or long chunks after a prefix: ``expanded_prompts``) attend with
         per-head K/V expanded from their latents (``MLAAttention._expanded``); "absorbed": every row in the latent
         space. A model with an indexer (V3.2) keeps
@@ -308,7 +311,9 @@ class DeepseekForCausalLM(MoEForCausalLM):
         if form not in ("expanded", "absorbed"):
             raise ValueError(f"MLA prefill form {form!r}: expected 'expanded' or 'absorbed'")
         for layer in self.model.layers:
-            layer.self_attn.expanded_prefill = form == "expanded"
+            attn = layer.self_attn
+            attn.expanded_prefill = form == "expanded"
+            attn.min_expanded_chunk = min_chunk or attn.flop_min_expanded_chunk
 
     def _expected_pieces(self) -> set[tuple[str, int, int]]:
         return {p for p in super()._expected_pieces() if ".self_attn." not in p[0]}  # checked by load_weights
