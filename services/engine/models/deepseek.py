@@ -113,8 +113,8 @@ def expanded_prompts(ctx: ForwardContext, min_chunk: int, prefix_token_bytes: in
     """(new tokens, cached prefix tokens) of each prompt of the step when the expanded form applies to all of them:
     a prompt that starts at position 0, or a chunk of at least ``min_chunk`` tokens after a prefix whose per-head K/V
     (``prefix_token_bytes`` a token) fits EXPANDED_PREFIX_BYTES, read from a backend whose pool the model can gather.
-    None otherwise (no prompt in the step, a short chunk after a prefix, a speculative verify step's rows, a CUDA
-    graph being captured)."""
+    None otherwise (no prompt in the step, a chunk after a prefix shorter than ``min_chunk``, such as a speculative
+    verify step's rows on a GPU, a CUDA graph being captured)."""
     meta = ctx.meta
     nd = meta.num_decode
     lens = meta.query_lens[nd:]
