@@ -197,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens)")
-    p.add_argument("--kv-cache-bytes", type=int, default=8 << 30)
+    p.add_argument("--kv-cache-bytes", type=int, default=4 << 30,
+                   help="each engine's KV pool (an 8K-token prompt of a 16B latent model needs 0.25 GB; two 31 GB "
+                        "engines with 8 GiB each, the bench's context and a prefill front's did not fit on 80 GB)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--kv-wire-codec", default="native",
                    help="the prefills' --kv-wire-codec, comma-separated: native, fp8-e4m3 (decode accepts fp8-e4m3 "
