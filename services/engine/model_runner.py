@@ -92,7 +92,8 @@ class ModelRunner:
         self.index_codec = _index_codec(arch, config)
         """Codec of DeepSeek-V3.2's index-key region (index_keys.py); None without an indexer."""
         self.mla_prefill = _mla_prefill(self.model, arch, config)
-        """How a latent-attention model attends prompts that start at position 0 (--mla-prefill); None otherwise."""
+        """How a latent-attention model attends prompts (--mla-prefill; ``expanded_prompts`` says which steps);
+        None otherwise."""
         index_bytes = self._index_bytes_per_block(arch)
         self.num_blocks = self._num_blocks(loaded, self.bytes_per_block + index_bytes + draft_bytes)
         shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)

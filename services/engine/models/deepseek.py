@@ -131,12 +131,9 @@ def expanded_prompts(ctx: ForwardContext, min_chunk: int, prefix_token_bytes: in
 
 
 def latent_pool(ctx: ForwardContext) -> torch.Tensor | None:
-    """The step backend's paged pool [layers, 2, blocks, block_size, 1, latent / 2] (the torch and Triton backends';
-    a wrapping backend's inner one), or None."""
-    backend = ctx.backend
-    pool = getattr(backend, "kv_cache", None)
-    if pool is None and getattr(backend, "inner", None) is not None:
-        pool = getattr(backend.inner, "kv_cache", None)
+    """The step backend's paged pool [layers, 2, blocks, block_size, 1, latent / 2] (every backend's ``kv_cache``),
+    or None."""
+    pool = getattr(ctx.backend, "kv_cache", None)
     return pool if isinstance(pool, torch.Tensor) and pool.dim() == 6 and pool.shape[4] == 1 else None
 
 

@@ -19,6 +19,11 @@ class UniformQueryAttention:
     def __init__(self, inner: TorchPagedAttention) -> None:
         self.inner = inner
 
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """The wrapped backend's paged pool (what a model that reads its own cache back gathers from)."""
+        return self.inner.kv_cache
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, window: int = 0, sinks: torch.Tensor | None = None, scale: float = 0.0,
                 value_dim: int = 0, index=None, decode_only: bool = False) -> torch.Tensor:
