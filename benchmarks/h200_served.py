@@ -16,6 +16,12 @@ skipped, so a trimmed rerun (--modes/--shapes/--concurrency/--logprobs) fills it
 
 The ceiling: a 1 GiB device copy (read + write bytes / time) measured in this run; a decode step's
 bandwidth limit is (weight bytes + batch x context x KV bytes per token) / that bandwidth.
+
+The 1P1D time-sharing ceiling: a prefill process and a decode process on one GPU take turns on it, and no decode
+row rides on a prompt's weight reads as it does in one engine's mixed step. So 1P1D on one GPU can serve at most
+R x out tokens in R x (one prompt's prefill, measured alone in the engine phase: prompts only, one output token
+each) + R x out / batch x (the engine's full-batch decode step at the point's batch), the best case where decode
+always runs full batches. 1P1D rows are divided by it beside the engine ratio.
 """
 
 from __future__ import annotations
@@ -165,6 +171,34 @@ def engine_point(engine: Any, n_in: int, n_out: int, conc: int, logprobs: bool, 
                       "graphed_share": steps["graphed"] / n, "busy_ratio": steps["seconds"] / wall}}
 
 
+def prefill_only(engine: Any, n_in: int, requests: int, seed: int) -> float:
+    """Seconds of engine time per ``n_in``-token prompt prefilled alone (one output token, every prompt added at
+    once, stepped to the end): what a prefill process spends on the GPU per request."""
+    import torch
+
+    from services.text.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for i in range(requests):
+        engine.add_request(f"pf{seed}-{i}", torch.randint(0, engine.vocab_size, (n_in,), generator=g).tolist(), sp,
+                           detokenize=False)
+    t0 = time.perf_counter()
+    while engine.has_work():
+        engine.step()
+    return (time.perf_counter() - t0) / requests
+
+
+def time_sharing_ceiling(point: dict[str, Any], prefill_s: float | None, n_out: int) -> float | None:
+    """Output tok/s the 1P1D time-sharing bound allows at an engine point (module docstring)."""
+    step_ms = point.get("full_batch_decode_step_ms")
+    if not prefill_s or not step_ms:
+        return None
+    r = point["requests"]
+    seconds = r * prefill_s + r * n_out / point["batch"] * step_ms / 1e3
+    return r * n_out / seconds
+
+
 def run_engine_phase(ns: argparse.Namespace, deadline: float) -> dict[str, Any]:
     import torch
 
@@ -184,7 +218,15 @@ def run_engine_phase(ns: argparse.Namespace, deadline: float) -> dict[str, Any]:
                      "device": torch.cuda.get_device_name()}
     engine_point(engine, 64, 8, 4, True, 4, seed=999)  # warm-up (Triton autotune, sampler paths)
     seed = 0
+    out["prefill_only_s_per_request"] = {}
     for n_in, n_out in ns.shapes_l:
+        prefill_s = None
+        if time.monotonic() < deadline:
+            engine_point(engine, n_in, 2, 2, False, 2, seed=998)  # warm this prompt length's paths
+            reqs = max(4, min(64, 65536 // n_in))
+            prefill_s = prefill_only(engine, n_in, reqs, seed=997)
+            out["prefill_only_s_per_request"][f"{n_in}x{n_out}"] = prefill_s
+            log(f"prefill alone, {n_in} tokens: {1e3 * prefill_s:.1f} ms per prompt ({reqs} prompts)")
         for lp in ns.lp_l:
             for conc in ns.conc_l:
                 key = {"shape": f"{n_in}x{n_out}", "concurrency": conc, "logprobs": lp}
@@ -198,6 +240,7 @@ def run_engine_phase(ns: argparse.Namespace, deadline: float) -> dict[str, Any]:
                     limit_ms = (weights + r["batch"] * ctx * kv_token) / (out["ceiling"]["copy_GBps"] * 1e6)
                     r["bandwidth_limit_ms"] = limit_ms
                     r["fraction_of_bandwidth_limit"] = limit_ms / r["full_batch_decode_step_ms"]
+                r["one_gpu_pd_ceiling_tok_s"] = time_sharing_ceiling(r, prefill_s, n_out)
                 out["points"].append({**key, **r})
                 log(f"engine {key}: {r['output_tok_s']:.0f} tok/s, full-batch step {r['full_batch_decode_step_ms']}, "
                     f"TTFT p50/p90 {r['ttft_p50_s']}/{r['ttft_p90_s']} s, steps {r['steps']}")
@@ -409,6 +452,8 @@ def summarize(result: dict[str, Any]) -> list[dict[str, Any]]:
                      "served_tok_s": tput, "engine_tok_s": e["output_tok_s"] if e else None,
                      "prompt_tokens_per_request": per_req,
                      "served_over_engine": tput / e["output_tok_s"] if e and same_work else None,
+                     "one_gpu_pd_ceiling_tok_s": (e.get("one_gpu_pd_ceiling_tok_s") if e and same_work
+                                                  and s["mode"].startswith("1p1d") else None),
                      "ttft_p50_s": s["ttft_s"]["p50"], "ttft_p90_s": s["ttft_s"]["p90"],
                      "tpot_p50_s": s["tpot_s"]["p50"], "failed": s["requests"].get("failed")})
     return rows
@@ -448,14 +493,16 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps(result, indent=1))
     log(f"wrote {path}")
     print(f"{'mode':17s} {'shape':9s} {'C':>4s} {'lp':>3s} {'served':>8s} {'engine':>8s} {'ratio':>6s} "
-          f"{'TTFT50':>7s} {'TTFT90':>7s} {'TPOT50':>7s} fail")
+          f"{'TTFT50':>7s} {'TTFT90':>7s} {'TPOT50':>7s} fail  1P1D-ceiling (x)")
     for r in result["summary"]:
         ratio = f"{r['served_over_engine']:.2f}" if r["served_over_engine"] else "-"
         eng = f"{r['engine_tok_s']:.0f}" if r["engine_tok_s"] else "-"
         ms = [f"{r[k] * 1e3:7.{d}f}" if r[k] is not None else f"{'-':>7s}"
               for k, d in (("ttft_p50_s", 0), ("ttft_p90_s", 0), ("tpot_p50_s", 1))]
+        cap = r["one_gpu_pd_ceiling_tok_s"]
+        cap_s = f"{cap:.0f} ({r['served_tok_s'] / cap:.2f})" if cap else ""
         print(f"{r['mode']:17s} {r['shape']:9s} {r['concurrency']:4d} {int(r['logprobs']):3d} {r['served_tok_s']:8.0f} "
-              f"{eng:>8s} {ratio:>6s} {' '.join(ms)} {r['failed']}")
+              f"{eng:>8s} {ratio:>6s} {' '.join(ms)} {r['failed']}  {cap_s}")
     for p in result.get("engine", {}).get("points", []):
         if p.get("fraction_of_bandwidth_limit"):
             print(f"engine {p['shape']} C{p['concurrency']} lp={int(p['logprobs'])}: full-batch step "

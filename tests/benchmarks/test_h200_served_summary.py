@@ -32,3 +32,28 @@ def test_byte_tokenizer_cuts_prompts_to_the_token_count() -> None:
     for n in (16, 1024, 8192):
         got = len(tok.encode(text.text(n, random.Random(n)), add_special_tokens=False))
         assert n - 1 <= got <= n, (n, got)  # an edge space may be stripped
+
+
+def test_one_gpu_pd_ceiling_adds_prefill_alone_and_full_batch_decode() -> None:
+    point = {"requests": 512, "batch": 256, "full_batch_decode_step_ms": 20.0}
+    # 512 prompts at 30 ms each (15.36 s) + 512 x 256 / 256 steps at 20 ms (10.24 s) for 131072 tokens
+    assert abs(h200_served.time_sharing_ceiling(point, 0.030, 256) - 131072 / 25.6) < 1e-6
+    assert h200_served.time_sharing_ceiling(point, None, 256) is None
+    assert h200_served.time_sharing_ceiling({**point, "full_batch_decode_step_ms": None}, 0.03, 256) is None
+
+
+def test_the_ceiling_divides_1p1d_rows_only() -> None:
+    result = _result(1030)
+    result["engine"]["points"][0]["one_gpu_pd_ceiling_tok_s"] = 1250.0
+    result["served"].append({**result["served"][0], "mode": "1p1d"})
+    colocated, pd = h200_served.summarize(result)
+    assert colocated["one_gpu_pd_ceiling_tok_s"] is None and pd["one_gpu_pd_ceiling_tok_s"] == 1250.0
+
+
+def test_prefill_only_steps_prompts_to_their_first_token() -> None:
+    from services.engine.config import EngineConfig
+    from services.engine.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model="random:tiny-llama", dtype="float32", device="cpu", max_model_len=256))
+    seconds = h200_served.prefill_only(engine, 48, 3, seed=1)
+    assert seconds > 0 and not engine.has_work()
