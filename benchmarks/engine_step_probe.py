@@ -17,7 +17,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def run_round(engine, n_in: int, n_out: int, conc: int, logprobs: bool, seed: int) -> dict[str, list[tuple]]:
+def run_round(engine, n_in: int, n_out: int, conc: int, logprobs: bool, seed: int, profile: bool = False
+              ) -> dict[str, list[tuple]]:
+    """``profile``: the third step that starts with prompts waiting runs under torch.profiler (table printed)."""
     import torch
 
     from services.text.sampling_params import SamplingParams
@@ -29,11 +31,25 @@ def run_round(engine, n_in: int, n_out: int, conc: int, logprobs: bool, seed: in
                            detokenize=False)
     classes: dict[str, list[tuple]] = {"decode graphed": [], "decode eager": [], "with prompt tokens": []}
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    prompt_steps = 0
     while engine.has_work():
         graphed = getattr(engine.runner, "graphed_steps", 0)
+        prompt_steps += engine.scheduler.num_waiting > 0
         sync()
         t0 = time.perf_counter()
-        engine.step()
+        if profile and prompt_steps == 3 and engine.scheduler.num_waiting > 0:
+            profile = False
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            with torch.profiler.profile(activities=acts) as prof:
+                engine.step()
+                sync()
+            for key in ("self_cpu_time_total", "self_device_time_total" if torch.cuda.is_available() else None):
+                if key:
+                    print(prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=70))
+        else:
+            engine.step()
         sync()
         dt = time.perf_counter() - t0
         rows, tokens = engine.last_step_sequences, engine.last_step_tokens
@@ -69,6 +85,7 @@ def main() -> int:
     p.add_argument("--concurrency", default="64", help="comma-separated; each runs --rounds rounds")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--max-model-len", type=int, default=9216)
+    p.add_argument("--profile", action="store_true", help="profile one prompt-carrying step of the first round of each")
     a = p.parse_args()
     from services.engine.config import EngineConfig
     from services.engine.engine import LLMEngine
@@ -82,7 +99,7 @@ def main() -> int:
             for lp in (False, True):
                 seed += 1  # fresh prompts: no prefix-cache hits between rounds
                 report(f"C{conc} round {r} logprobs {'on ' if lp else 'off'}",
-                       run_round(engine, a.input, a.output, conc, lp, seed=seed))
+                       run_round(engine, a.input, a.output, conc, lp, seed=seed, profile=a.profile and r == 0))
     return 0
 
 
