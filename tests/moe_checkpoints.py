@@ -74,3 +74,54 @@ def write_tiny_moe(root: Path, model_type: str, seed: int = 0, **overrides: Any)
                 b.normal_(0.0, 0.3)
     model.save_pretrained(str(root), safe_serialization=True)
     return root
+
+
+FP8_BLOCK = [24, 24]
+"""Blocks that do not divide the tiny shapes (64, 96, 40...): edge blocks are partial, as kv_a_proj_with_mqa's
+576 rows are in 128-row blocks."""
+
+
+def fp8_block_quantize(w: torch.Tensor, block: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 [out, in] -> (fp8 e4m3 [out, in], fp32 inverse scales per block): each block's max maps to 448."""
+    out, inp = w.shape
+    bo, bi = block
+    grid = (-(-out // bo), -(-inp // bi))
+    scale = torch.empty(grid)
+    q = torch.empty(out, inp, dtype=torch.float8_e4m3fn)
+    for i in range(grid[0]):
+        for j in range(grid[1]):
+            blk = w[i * bo:(i + 1) * bo, j * bi:(j + 1) * bi]
+            s = blk.abs().max().clamp(min=1e-12) / 448.0
+            scale[i, j] = s
+            q[i * bo:(i + 1) * bo, j * bi:(j + 1) * bi] = (blk / s).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def write_fp8_copy(src: Path, dst: Path, block: list[int] = FP8_BLOCK) -> Path:
+    """``src`` with every 2-D projection weight (not the embedding, head, norms or router) as FP8 block-scaled
+    in ``block`` blocks, and the dequantized fp32 twin of it under dst / "ref"."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from services.engine.weights.fp8_block import dequantize_block_fp8
+
+    (dst / "ref").mkdir(parents=True)
+    tensors = load_file(str(next(src.glob("*.safetensors"))))
+    fp8: dict[str, torch.Tensor] = {}
+    ref: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if t.dim() == 2 and name.endswith("proj.weight"):
+            q, s = fp8_block_quantize(t.float(), block)
+            fp8[name], fp8[name + "_scale_inv"] = q, s
+            ref[name] = dequantize_block_fp8(q, s, (block[0], block[1]))
+        else:
+            fp8[name] = ref[name] = t
+    cfg = json.loads((src / "config.json").read_text())
+    (dst / "ref" / "config.json").write_text(json.dumps(cfg))
+    save_file(ref, str(dst / "ref" / "model.safetensors"), metadata={"format": "pt"})
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": block}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    save_file(fp8, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst

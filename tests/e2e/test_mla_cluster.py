@@ -1,6 +1,8 @@
 """Tiny DeepSeek checkpoints (transformers-built; multi-head latent attention, so the pages hold one latent per
-token, and for V3.2 the indexer's keys in a region of their own) served by real 1P1D clusters: DeepSeek-V3.2's greedy tokens
-over the grpc, shm and mooncake KV transports (and cuda-ipc on a GPU) equal transformers fp32 up to the first near-tie; with the kvstore, a second prefill loads the latent pages the first
+token, and for V3.2 the indexer's keys in a region of their own) served by real 1P1D clusters: DeepSeek-V2's, V3's,
+V3.2's and an FP8 block-scaled V3's greedy tokens over the grpc, shm and mooncake KV transports (and V3.2's over
+cuda-ipc on a GPU) equal transformers fp32 up to the first near-tie (the FP8 checkpoint against transformers on its
+dequantized twin); with the kvstore, a second prefill loads the latent pages the first
 one wrote and gives the same tokens (for V3.2 with the index-key region); the prefill's and decode's index-key
 codecs must agree (the fingerprint names it); a TP=2 prefill hands the pages to a TP=1 decode and back, and to a TP=2
 decode, rank to rank over shm and mooncake (V3.2: with the index-key region, whose codec must agree there too)."""
@@ -21,7 +23,7 @@ from services.text.sampling_params import SamplingParams
 from tests.e2e.cluster_util import metric_sum, wait_idle
 from tests.e2e.conftest import SMALL_KV
 from tests.e2e.test_moe_cluster import _check_against_transformers, _generate, _prompts, kvstore_reuse_tokens
-from tests.moe_checkpoints import write_tiny_moe
+from tests.moe_checkpoints import write_fp8_copy, write_tiny_moe
 
 pytestmark = pytest.mark.e2e
 
@@ -49,22 +51,34 @@ def v2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
     return _checkpoint(tmp_path_factory, "deepseek_v2")
 
 
+@pytest.fixture(scope="module")
+def v3_fp8(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    """DeepSeek-V3 with its projections FP8 block-scaled (the checkpoint format V3 ships); the reference is
+    transformers on the dequantized twin the writer leaves beside it."""
+    transformers = pytest.importorskip("transformers")
+    src = write_tiny_moe(tmp_path_factory.mktemp("deepseek_v3_src"), "deepseek_v3")
+    d = write_fp8_copy(src, tmp_path_factory.mktemp("deepseek_v3_fp8"))
+    return d, transformers.AutoModelForCausalLM.from_pretrained(str(d / "ref"), dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("model", ["v2", "v3", "v32", "v3_fp8"])
 @pytest.mark.parametrize("transport", ["grpc", "shm", "mooncake"])
-def test_mla_1p1d_tokens_equal_transformers(v32: tuple[Path, object], transport: str) -> None:
-    """DeepSeek-V3.2: the pages carry the latent and the indexer's keys; the decode's top-k selection reads them."""
+def test_mla_1p1d_tokens_equal_transformers(model: str, transport: str, request: pytest.FixtureRequest) -> None:
+    """The pages carry each token's latent (V3.2: and the indexer's keys, which the decode's top-k selection
+    reads); the FP8 checkpoint is dequantized at load on CPU."""
     if transport == "mooncake" and NO_MOONCAKE is not None:
         pytest.skip(f"the Mooncake wheel cannot load here: {NO_MOONCAKE}")
-    model_dir, ref = v32
+    model_dir, ref = request.getfixturevalue(model)
     sizes = {"prefill": ["--max-prefill-chunk", "29", *SMALL_KV], "decode": SMALL_KV}
     with LocalCluster(prefill=1, decode=1, kvstore=None, model=str(model_dir), dtype="float32", extra=sizes,
                       quiet=True, kv_transport=transport) as c:
         for i, ids in enumerate(_prompts()):
             got = _generate(c.router["grpc"], ids)
             assert len(got) == 16
-            _check_against_transformers(ref, ids, got, f"deepseek_v32 {transport} prompt {i}")
+            _check_against_transformers(ref, ids, got, f"{model} {transport} prompt {i}")
         pm = c.get("prefill-0").ready["metrics"]
         assert metric_sum(pm, "pdserve_prefill_kv_sent_bytes_total", transport=transport) > 0
-        # shm and mooncake write the index-key pool beside the latent pool in place: no fallback to bytes
+        # shm and mooncake write the pools in place (V3.2: the index-key pool beside the latent's): no fallback
         assert metric_sum(pm, "pdserve_prefill_kv_transport_fallbacks_total") == 0
         rep = wait_idle(c.get("decode-0").ready["grpc"])
         assert rep.free_blocks == rep.total_blocks

@@ -22,62 +22,18 @@ from services.engine.parallel.group import TPGroup, building
 from services.engine.weights.fp8_block import dequantize_block_fp8, dequantized
 from services.kernels.reference import ref_fp8_block_dequantize
 from services.text.model.errors import ModelLoadError
-from tests.moe_checkpoints import write_tiny_moe
+from tests.moe_checkpoints import FP8_BLOCK, fp8_block_quantize, write_fp8_copy, write_tiny_moe
 
 pytestmark = pytest.mark.slow
 
-BLOCK = [24, 24]
-"""Blocks that do not divide the tiny shapes (64, 96, 40...): edge blocks are partial, as kv_a_proj_with_mqa's
-576 rows are in 128-row blocks."""
-
-
-def _quantize(w: torch.Tensor, block: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 [out, in] -> (fp8 e4m3 [out, in], fp32 inverse scales per block): each block's max maps to 448."""
-    out, inp = w.shape
-    bo, bi = block
-    grid = (-(-out // bo), -(-inp // bi))
-    scale = torch.empty(grid)
-    q = torch.empty(out, inp, dtype=torch.float8_e4m3fn)
-    for i in range(grid[0]):
-        for j in range(grid[1]):
-            blk = w[i * bo:(i + 1) * bo, j * bi:(j + 1) * bi]
-            s = blk.abs().max().clamp(min=1e-12) / 448.0
-            scale[i, j] = s
-            q[i * bo:(i + 1) * bo, j * bi:(j + 1) * bi] = (blk / s).to(torch.float8_e4m3fn)
-    return q, scale
-
-
-def _fp8_copy(src: Path, dst: Path, block: list[int] = BLOCK) -> Path:
-    """``src`` with every 2-D projection weight (not the embedding, head, norms or router) as FP8 block-scaled
-    in ``block`` blocks, and the dequantized fp32 twin of it under dst / "ref"."""
-    from safetensors.torch import load_file, save_file
-
-    (dst / "ref").mkdir(parents=True)
-    tensors = load_file(str(next(src.glob("*.safetensors"))))
-    fp8: dict[str, torch.Tensor] = {}
-    ref: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        if t.dim() == 2 and name.endswith("proj.weight"):
-            q, s = _quantize(t.float(), block)
-            fp8[name], fp8[name + "_scale_inv"] = q, s
-            ref[name] = dequantize_block_fp8(q, s, (block[0], block[1]))
-        else:
-            fp8[name] = ref[name] = t
-    cfg = json.loads((src / "config.json").read_text())
-    (dst / "ref" / "config.json").write_text(json.dumps(cfg))
-    save_file(ref, str(dst / "ref" / "model.safetensors"), metadata={"format": "pt"})
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": block}
-    (dst / "config.json").write_text(json.dumps(cfg))
-    save_file(fp8, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
+BLOCK = FP8_BLOCK
 
 
 @pytest.fixture(scope="module", params=["deepseek_v3", "qwen3_moe"])
 def fp8_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("transformers")
     src = write_tiny_moe(tmp_path_factory.mktemp("src"), request.param)
-    return _fp8_copy(src, tmp_path_factory.mktemp("fp8"))
+    return write_fp8_copy(src, tmp_path_factory.mktemp("fp8"))
 
 
 def test_fp8_checkpoint_equals_its_dequantized_weights(fp8_dir: Path, greedy) -> None:
@@ -96,7 +52,7 @@ def test_fp8_checkpoint_equals_its_dequantized_weights(fp8_dir: Path, greedy) ->
 def test_fp8_dequantization_is_close_to_the_original(fp8_dir: Path) -> None:
     """e4m3 keeps 3 mantissa bits: each weight within 1/16 of its block's max after the round trip."""
     w = torch.randn(50, 70)
-    q, s = _quantize(w, BLOCK)
+    q, s = fp8_block_quantize(w, BLOCK)
     back = dequantize_block_fp8(q, s, (BLOCK[0], BLOCK[1]))
     blocks = s.repeat_interleave(24, 0)[:50].repeat_interleave(24, 1)[:, :70] * 448
     assert ((back - w).abs() <= blocks / 16).all()
@@ -139,7 +95,7 @@ def _assert_kept_weights_are_the_checkpoint(ours: torch.nn.Module, ref: torch.nn
 def fp8_llama_dir(tiny_llama3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama, every projection FP8 in 24x24 blocks: q (64 rows), k/v (32) and gate/up (128) parts do
     not start on block rows, so the fused modules get 8-row grids."""
-    return _fp8_copy(tiny_llama3_dir, tmp_path_factory.mktemp("fp8-llama"))
+    return write_fp8_copy(tiny_llama3_dir, tmp_path_factory.mktemp("fp8-llama"))
 
 
 def test_kept_fp8_on_cpu_computes_the_dequantized_model(fp8_llama_dir: Path, greedy) -> None:
@@ -202,7 +158,7 @@ def test_gpu_kept_fp8_logits_match_the_dequantized_bf16_model(fp8_llama_dir: Pat
     rounded to e4m3), the 1-row decode steps the w8a16 one."""
     if not torch.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU")
-    aligned = _fp8_copy(fp8_llama_dir / "ref", tmp_path / "fp8-32", [32, 32])
+    aligned = write_fp8_copy(fp8_llama_dir / "ref", tmp_path / "fp8-32", [32, 32])
     prompt, follow = list(range(20, 60)), [7, 300, 41, 99, 5]
     # Relative logit error: bf16 rounding alone measured <= 1.3% on the CPU; e4m3 prefill activations (whose KV every
     # later row reads) measured 3-5% with the torch reference on the CPU. A misplaced scale gives ~100%.
