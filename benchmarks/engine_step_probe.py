@@ -91,6 +91,7 @@ def main() -> int:
     from services.engine.engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len))
+    print(f"engine start-up warm-up: {engine.warmed_up}")
     run_round(engine, 64, 4, 4, True, seed=999)  # warm-up
     run_round(engine, a.input, 2, 2, False, seed=998)
     seed = 0

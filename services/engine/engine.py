@@ -163,8 +163,10 @@ class LLMEngine:
                  "(%.1f s since loading began)", self.runner.num_blocks, config.block_size,
                  self.runner.num_blocks * self.layout.page_bytes / 2**20, self.max_model_len,
                  time.monotonic() - t1, time.monotonic() - t0)
+        self.warmed_up: dict[str, float] | None = None
+        """What the start-up warm-up took (`warm_up`; None: not run, CPU or tensor-parallel ranks)."""
         if self.runner.device.type == "cuda" and self.ranks is None:
-            self.warm_up()
+            self.warmed_up = self.warm_up()
         freed = release_free_heap()  # start-up's temporaries (dequantized tensors, probes): not kept resident
         if freed:
             log.info("engine: start-up freed %.0f MiB of heap, returned to the system", freed / 2**20)
