@@ -178,13 +178,13 @@ class LLMEngine:
 
     def warm_up(self) -> dict[str, float]:
         """Run a few requests through the whole step path once, before any real one (on CUDA at start): prompts
-        alone at odd and whole-page lengths, one of a full step's tokens beside decode rows, a prompt continued
-        after its first chunk, graphed decode of several rows, logprobs and a sampled row. The kernels Triton
-        compiles on first use (one variant per shape class) and the libraries' first-call costs are paid here
-        instead of by the first requests (H100, random Llama-3-8B: a first 64-request point's prompt steps took
-        6.0 s cold, 3.9 s after this, 1.6 s once its shapes had been met; compositions met later still pay their
-        own first calls). Leaves nothing behind: the prefix cache is off meanwhile, every block comes back free, no counter
-        moves. Returns the requests, steps and seconds it took (logged)."""
+        alone at odd and whole-page lengths, one of a full chunk beside decode rows, a prompt continued after its
+        first chunk, graphed decode of several rows, logprobs and a sampled row. The kernels Triton compiles on
+        first use (one variant per shape class) and the libraries' first-call costs are paid here instead of by
+        the first requests (H100, random Llama-3-8B: a first 64-request point's prompt steps took 6.0 s cold,
+        3.9 s after this, 1.6 s once its shapes had been met; compositions met later still pay their own first
+        calls). Leaves nothing behind: the prefix cache is off meanwhile, every block comes back free, no
+        counter moves. Returns the requests, steps and seconds it took (logged)."""
         t0 = time.monotonic()
         bm, cfg = self.block_manager, self.config
         vocab = max(2, min(self.vocab_size, 30000))
