@@ -38,3 +38,21 @@ def test_tokens_after_a_warm_up_equal_a_fresh_engine() -> None:
     assert warmed.generate(prompts, sp) == fresh
     # the prefix cache works as before: the same prompts again hit it
     assert warmed.generate(prompts, sp) == fresh and warmed.block_manager.num_prefix_hit_tokens > 0
+
+
+@pytest.mark.parametrize("extra", [dict(num_kv_blocks=12), dict(num_kv_blocks=40, max_num_seqs=1),
+                                   dict(async_scheduling="on"), dict(num_kv_blocks=3)])
+def test_warm_up_fits_small_pools_and_other_step_loops(extra: dict) -> None:
+    """A pool too small for every warm-up prompt runs the ones that fit (none at all: no step), one sequence at a
+    time queues them, async steps resolve them; each leaves every block free."""
+    engine = LLMEngine(EngineConfig(model="random:tiny-llama", dtype="float32", device="cpu", max_model_len=1024,
+                                    max_prefill_chunk=256, max_num_batched_tokens=512, **extra))
+    bm = engine.block_manager
+    out = engine.warm_up()
+    assert not engine.requests and not engine.has_work() and bm.num_free_blocks == bm.num_blocks
+    assert bm.num_cached_blocks == 0 and engine.scheduler.num_preemptions == 0
+    room = bm.num_blocks // 2 * 16
+    if room < 37 + 8:
+        assert out["requests"] == 0 and out["steps"] == 0
+    else:
+        assert out["requests"] >= 1 and out["steps"] >= 1
