@@ -14,6 +14,10 @@ C <= max_num_seqs). Served points run `pdserve bench serve` against the started 
 order engine, colocated, 1p1d, shape by shape; a point that would start after --budget-s is recorded as
 skipped, so a trimmed rerun (--modes/--shapes/--concurrency/--logprobs) fills it in.
 
+Before a shape's measured points, the engine phase and each cluster run one unmeasured point (--warmup-prompt-tokens):
+step shapes met for the first time pay Triton's compiles and the libraries' first calls, which otherwise landed on
+whichever measured point ran first.
+
 The ceiling: a 1 GiB device copy (read + write bytes / time) measured in this run; a decode step's
 bandwidth limit is (weight bytes + batch x context x KV bytes per token) / that bandwidth.
 
@@ -88,6 +92,11 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="skip points whose requests carry more prompt tokens than this (8192x256 at C256/C512: "
                         "run them in a call of their own with a larger value)")
     p.add_argument("--budget-s", type=float, default=540.0, help="start no point after this many seconds")
+    p.add_argument("--warmup-prompt-tokens", type=int, default=300_000,
+                   help="before a shape's measured points, in the engine phase and on each cluster: one unmeasured "
+                        "point of min(largest C, 256, this / in) requests with 4 output tokens and logprobs, so the "
+                        "step shapes met first (Triton variants, cuDNN plans) are not paid by the first measured "
+                        "point (0: none)")
     p.add_argument("--prefill-utilization", type=float, default=0.3,
                    help="1p1d on one GPU: the prefill engine's --gpu-memory-utilization (decode gets 0.9 minus it)")
     p.add_argument("--engine-child", default="", help=argparse.SUPPRESS)  # internal: run the engine phase, write JSON
@@ -227,6 +236,9 @@ def run_engine_phase(ns: argparse.Namespace, deadline: float) -> dict[str, Any]:
             prefill_s = prefill_only(engine, n_in, reqs, seed=997)
             out["prefill_only_s_per_request"][f"{n_in}x{n_out}"] = prefill_s
             log(f"prefill alone, {n_in} tokens: {1e3 * prefill_s:.1f} ms per prompt ({reqs} prompts)")
+            if wr := warmup_requests(ns, n_in):
+                engine_point(engine, n_in, 4, wr, True, wr, seed=996)
+                log(f"warm-up point: {wr} requests of {n_in} tokens")
         for lp in ns.lp_l:
             for conc in ns.conc_l:
                 key = {"shape": f"{n_in}x{n_out}", "concurrency": conc, "logprobs": lp}
@@ -245,6 +257,11 @@ def run_engine_phase(ns: argparse.Namespace, deadline: float) -> dict[str, Any]:
                 log(f"engine {key}: {r['output_tok_s']:.0f} tok/s, full-batch step {r['full_batch_decode_step_ms']}, "
                     f"TTFT p50/p90 {r['ttft_p50_s']}/{r['ttft_p90_s']} s, steps {r['steps']}")
     return out
+
+
+def warmup_requests(ns: argparse.Namespace, n_in: int) -> int:
+    """Requests of a shape's unmeasured warm-up point (--warmup-prompt-tokens; 0: none)."""
+    return min(max(ns.conc_l), 256, ns.warmup_prompt_tokens // n_in) if ns.conc_l else 0
 
 
 def _skip(ns: argparse.Namespace, n_in: int, conc: int, deadline: float) -> str:
@@ -420,6 +437,10 @@ def run_served(ns: argparse.Namespace, mode: str, tmp: Path, core: str = "thread
                 if any(w in line for w in ("KV pool", "max_num_seqs", "pages")):
                     log(f"{dec.name}: {line[-300:]}")
         for n_in, n_out in ns.shapes_l:
+            if (wr := warmup_requests(ns, n_in)) and time.monotonic() < ns.deadline:
+                warm = served_point(base, n_in, 4, wr, True, ns, tmp, f"{mode}-{core}-{n_in}-warmup", "")
+                log(f"warm-up point ({wr} requests of {n_in} tokens, not measured): "
+                    f"{warm.get('requests', warm.get('error'))}")
             for lp in ns.lp_l:
                 for conc in ns.conc_l:
                     key = {"mode": name, "shape": f"{n_in}x{n_out}", "logprobs": lp, "concurrency": conc}
@@ -477,6 +498,7 @@ def main(argv: list[str] | None = None) -> int:
             cmd = [sys.executable, __file__, "--engine-child", str(child), "--model", ns.model, "--shapes", ns.shapes, "--concurrency",
                    ns.concurrency, "--logprobs", ns.logprobs, "--min-requests", str(ns.min_requests),
                    "--max-prompt-tokens", str(ns.max_prompt_tokens), "--async-scheduling", ns.async_scheduling,
+                   "--warmup-prompt-tokens", str(ns.warmup_prompt_tokens),
                    "--budget-s", str(max(1.0, ns.deadline - time.monotonic()))]
             subprocess.run(cmd, check=False)
             result["engine"] = json.loads(child.read_text()) if child.exists() else {"error": "engine phase failed"}

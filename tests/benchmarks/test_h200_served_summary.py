@@ -57,3 +57,11 @@ def test_prefill_only_steps_prompts_to_their_first_token() -> None:
     engine = LLMEngine(EngineConfig(model="random:tiny-llama", dtype="float32", device="cpu", max_model_len=256))
     seconds = h200_served.prefill_only(engine, 48, 3, seed=1)
     assert seconds > 0 and not engine.has_work()
+
+
+def test_warmup_point_size() -> None:
+    ns = h200_served._args(["--concurrency", "256,512,64"])
+    assert h200_served.warmup_requests(ns, 1024) == 256  # capped at 256 requests
+    assert h200_served.warmup_requests(ns, 8192) == 36  # 300K prompt tokens
+    assert h200_served.warmup_requests(h200_served._args(["--concurrency", "16"]), 1024) == 16
+    assert h200_served.warmup_requests(h200_served._args(["--warmup-prompt-tokens", "0"]), 1024) == 0
