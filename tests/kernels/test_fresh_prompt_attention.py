@@ -100,3 +100,19 @@ def test_float32_and_windows_stay_on_the_extend_kernel(device: torch.device) -> 
     many = [256] * (gpu_attention.SDPA_MAX_SEQS + 1)
     meta.query_lens, meta.context_lens_host = many, many
     assert not TritonPagedAttention._fresh_prompts(meta, q)
+
+
+def test_sdpa_buckets_bound_the_shapes_and_the_padding() -> None:
+    b = gpu_attention.sdpa_bucket
+    assert [b(n) for n in (1, 256, 257, 1024, 1025, 2048, 2049, 8192)] == [256, 256, 512, 1024, 1280, 2048, 2560, 8192]
+    assert all(b(n) >= n and b(b(n)) == b(n) for n in range(1, 20000))
+    assert len({b(n) for n in range(1, 8193)}) == 16  # cuDNN graphs for every prompt up to 8K tokens
+    assert max((b(n) - n) / n for n in range(1025, 20000)) <= 0.25
+
+
+def test_padded_prompts_give_the_same_rows(device: torch.device) -> None:
+    """A prompt run padded to its bucket: the real rows equal the unpadded run (causal: padding comes after)."""
+    _, q, k, v, meta = _step(device, [], [300, 40, 257])
+    plain = fresh_prompt_attention(q, k, v, meta.query_lens, SCALE, bucket=lambda n: n)
+    padded = fresh_prompt_attention(q, k, v, meta.query_lens, SCALE, bucket=gpu_attention.sdpa_bucket)
+    torch.testing.assert_close(padded.float(), plain.float(), atol=1e-2, rtol=1e-2)

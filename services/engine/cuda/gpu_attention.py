@@ -22,7 +22,11 @@ Fresh prompts (every prefill sequence of the step starts at position 0, full att
 most `SDPA_MAX_SEQS` sequences of at least `SDPA_MIN_TOKENS` tokens) skip the paged extend kernel: their keys are
 exactly the step's own k/v, so torch's SDPA runs on them contiguous, cuDNN's fused attention first (on an H100 at
 8192 tokens, 32/4 heads of 128: 553 TFLOP/s against the extend kernel's 304 at its best tiles, `benchmarks/
-attention_sweep.py`). Chunks after a prefix, windows and sinks stay on the Triton kernel.
+attention_sweep.py`). Chunks after a prefix, windows and sinks stay on the Triton kernel. cuDNN builds an execution
+graph for every new shape it meets (hundreds of ms each, then cached), so on CUDA each prompt runs padded at its end
+to a length of `sdpa_bucket` (whole multiples of 256 up to 1024 tokens, then four lengths per doubling): at most
+~4 graphs per doubling of prompt length per layer shape, instead of one per distinct prompt length. Causal attention
+keeps the real rows exact: a padded key sits after every real query.
 """
 
 from __future__ import annotations
@@ -202,13 +206,36 @@ class TritonPagedAttention:
         return self.decode_max_context_len or max(meta.context_lens_host[:meta.num_decode])
 
 
-def fresh_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], scale: float
-                           ) -> torch.Tensor:
+def sdpa_bucket(n: int) -> int:
+    """The length a fresh prompt of ``n`` tokens runs at through SDPA on CUDA: n rounded up to a multiple of 256
+    up to 1024, beyond that to a quarter of the power of two below it (1025 -> 1280, 2049 -> 2560, 4097 -> 5120):
+    beyond 1024 tokens at most 25% padded rows, 4 lengths (cuDNN graphs) per doubling."""
+    if n <= 1024:
+        return -(-n // 256) * 256
+    step = 1 << (n.bit_length() - 3)  # n in (2^k, 2^(k+1)] -> steps of 2^(k-2)
+    return -(-n // step) * step
+
+
+def _padded(t: torch.Tensor, m: int) -> torch.Tensor:
+    """[..., n, D] -> [..., m, D] (m >= n), zeros after the n rows."""
+    n = t.shape[-2]
+    if m == n:
+        return t
+    out = t.new_zeros((*t.shape[:-2], m, t.shape[-1]))
+    out[..., :n, :] = t
+    return out
+
+
+def fresh_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], scale: float,
+                           bucket: Callable[[int], int] | None = None) -> torch.Tensor:
     """Causal self-attention of whole prompts laid end to end: q [T, H, D], k/v [T, KVH, D] with T = sum(lens),
     sequence i the rows [sum(lens[:i]), sum(lens[:i+1])). One SDPA call per sequence, cuDNN's kernel preferred
-    (then flash, then memory-efficient); K/V heads are repeated to the query heads (GQA)."""
+    (then flash, then memory-efficient); K/V heads are repeated to the query heads (GQA). ``bucket``: the length
+    each sequence runs at, padded after its rows (default: `sdpa_bucket` on CUDA, its own length elsewhere)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    if bucket is None and q.is_cuda:
+        bucket = sdpa_bucket
     heads, kv_heads = q.shape[1], k.shape[1]
     group = heads // kv_heads
     out = torch.empty_like(q)
@@ -217,13 +244,14 @@ def fresh_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, le
                      set_priority=True):
         for n in lens:
             rows = slice(start, start + n)
-            qi = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            ki, vi = (t[rows].transpose(0, 1) for t in (k, v))  # [KVH, n, D]
+            m = bucket(n) if bucket is not None else n
+            qi = _padded(q[rows].transpose(0, 1), m).unsqueeze(0)  # [1, H, m, D]
+            ki, vi = (_padded(t[rows].transpose(0, 1), m) for t in (k, v))  # [KVH, m, D]
             if group > 1:
                 ki = ki.repeat_interleave(group, dim=0)
                 vi = vi.repeat_interleave(group, dim=0)
             oi = torch.nn.functional.scaled_dot_product_attention(qi, ki.unsqueeze(0), vi.unsqueeze(0),
                                                                   is_causal=True, scale=scale)
-            out[rows] = oi[0].transpose(0, 1)
+            out[rows] = oi[0, :, :n].transpose(0, 1)
             start += n
     return out
