@@ -180,24 +180,6 @@ def engine_point(engine: Any, n_in: int, n_out: int, conc: int, logprobs: bool, 
                       "graphed_share": steps["graphed"] / n, "busy_ratio": steps["seconds"] / wall}}
 
 
-def prefill_only(engine: Any, n_in: int, requests: int, seed: int) -> float:
-    """Seconds of engine time per ``n_in``-token prompt prefilled alone (one output token, every prompt added at
-    once, stepped to the end): what a prefill process spends on the GPU per request."""
-    import torch
-
-    from services.text.sampling_params import SamplingParams
-
-    g = torch.Generator().manual_seed(seed)
-    sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    for i in range(requests):
-        engine.add_request(f"pf{seed}-{i}", torch.randint(0, engine.vocab_size, (n_in,), generator=g).tolist(), sp,
-                           detokenize=False)
-    t0 = time.perf_counter()
-    while engine.has_work():
-        engine.step()
-    return (time.perf_counter() - t0) / requests
-
-
 def time_sharing_ceiling(point: dict[str, Any], prefill_s: float | None, n_out: int) -> float | None:
     """Output tok/s the 1P1D time-sharing bound allows at an engine point (module docstring)."""
     step_ms = point.get("full_batch_decode_step_ms")
@@ -233,7 +215,7 @@ def run_engine_phase(ns: argparse.Namespace, deadline: float) -> dict[str, Any]:
         if time.monotonic() < deadline:
             engine_point(engine, n_in, 2, 2, False, 2, seed=998)  # warm this prompt length's paths
             reqs = max(4, min(64, 65536 // n_in))
-            prefill_s = prefill_only(engine, n_in, reqs, seed=997)
+            prefill_s = engine_point(engine, n_in, 1, reqs, False, reqs, seed=997)["wall_s"] / reqs  # prompts alone
             out["prefill_only_s_per_request"][f"{n_in}x{n_out}"] = prefill_s
             log(f"prefill alone, {n_in} tokens: {1e3 * prefill_s:.1f} ms per prompt ({reqs} prompts)")
             if wr := warmup_requests(ns, n_in):

@@ -50,13 +50,16 @@ def test_the_ceiling_divides_1p1d_rows_only() -> None:
     assert colocated["one_gpu_pd_ceiling_tok_s"] is None and pd["one_gpu_pd_ceiling_tok_s"] == 1250.0
 
 
-def test_prefill_only_steps_prompts_to_their_first_token() -> None:
+def test_engine_point_counts_every_output_token() -> None:
+    """The engine phase's point (prompts alone too: one output token each, its wall time the prefill's)."""
     from services.engine.config import EngineConfig
     from services.engine.engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model="random:tiny-llama", dtype="float32", device="cpu", max_model_len=256))
-    seconds = h200_served.prefill_only(engine, 48, 3, seed=1)
-    assert seconds > 0 and not engine.has_work()
+    r = h200_served.engine_point(engine, 48, 3, 2, True, 4, seed=1)
+    assert r["output_tokens"] == 12 and r["requests"] == 4 and r["wall_s"] > 0 and not engine.has_work()
+    alone = h200_served.engine_point(engine, 48, 1, 4, False, 4, seed=2)
+    assert alone["output_tokens"] == 4 and alone["steps"]["steps"] >= 1
 
 
 def test_warmup_point_size() -> None:
