@@ -9,7 +9,7 @@ import pytest
 
 from services.common.config import parse_config
 from services.common.config_file import ConfigFile
-from services.up import UpConfig, _add_gpu_memory_shares, gpu_memory_shares
+from services.up import UpConfig, _add_gpu_memory_shares, gpu_memory_shares, one_gpu_pd_note
 
 
 def _shares(argv: list[str], file: ConfigFile | None = None) -> dict[str, float]:
@@ -44,3 +44,11 @@ def test_no_shares_on_cpu_for_one_engine_or_where_the_user_set_one(tmp_path: Pat
     assert _shares(["--device", "cuda"], ConfigFile.load(str(path))) == {}
     monkeypatch.setenv("PDSERVE_GPU_MEMORY_UTILIZATION", "0.4")
     assert _shares(["--device", "cuda"]) == {}
+
+
+def test_prefill_and_decode_on_one_gpu_are_told_they_take_turns() -> None:
+    def note(argv: list[str]) -> str:
+        return one_gpu_pd_note(parse_config(UpConfig, argv))
+
+    assert "take turns on cuda:1" in note(["--device", "cuda:1"]) and "--colocated" in note(["--device", "cuda"])
+    assert note(["--device", "cuda", "--colocated"]) == note([]) == ""
