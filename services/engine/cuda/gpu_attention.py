@@ -216,16 +216,6 @@ def sdpa_bucket(n: int) -> int:
     return -(-n // step) * step
 
 
-def _padded(t: torch.Tensor, m: int) -> torch.Tensor:
-    """[..., n, D] -> [..., m, D] (m >= n), zeros after the n rows."""
-    n = t.shape[-2]
-    if m == n:
-        return t
-    out = t.new_zeros((*t.shape[:-2], m, t.shape[-1]))
-    out[..., :n, :] = t
-    return out
-
-
 def fresh_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], scale: float,
                            bucket: Callable[[int], int] | None = None) -> torch.Tensor:
     """Causal self-attention of whole prompts laid end to end: q [T, H, D], k/v [T, KVH, D] with T = sum(lens),
@@ -245,8 +235,10 @@ def fresh_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, le
         for n in lens:
             rows = slice(start, start + n)
             m = bucket(n) if bucket is not None else n
-            qi = _padded(q[rows].transpose(0, 1), m).unsqueeze(0)  # [1, H, m, D]
-            ki, vi = (_padded(t[rows].transpose(0, 1), m) for t in (k, v))  # [KVH, m, D]
+            qi, ki, vi = (t[rows].transpose(0, 1) for t in (q, k, v))  # [H or KVH, n, D]
+            if m > n:  # zero rows after the sequence's own
+                qi, ki, vi = (torch.nn.functional.pad(t, (0, 0, 0, m - n)) for t in (qi, ki, vi))
+            qi = qi.unsqueeze(0)  # [1, H, m, D]
             if group > 1:
                 ki = ki.repeat_interleave(group, dim=0)
                 vi = vi.repeat_interleave(group, dim=0)
