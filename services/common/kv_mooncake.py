@@ -4,11 +4,16 @@ lifetime rule of Mooncake's native engines (:func:`keep_for_process_life`)."""
 from __future__ import annotations
 
 import ctypes
+import logging
+import os
+import sys
 from dataclasses import dataclass
 
 from services.common.config import opt, require
+from services.common.tracing import shutdown_tracing
 
 MAX_ENGINES = 16
+_kept = False  # whether this process holds a native Mooncake object (keep_for_process_life)
 
 
 @dataclass
@@ -32,4 +37,25 @@ def keep_for_process_life(native: object) -> None:
     (a test process once hung 25 minutes in gc_collect_main under ~TransferEngine). A serving process makes its
     engines once; they live as long as it does, and the OS reclaims them at exit (the reference taken here is never
     dropped, so interpreter shutdown does not run the destructor either)."""
+    global _kept
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(native))
+    _kept = True
+
+
+def leave_process(code: int) -> int:
+    """End a serving process that holds native Mooncake objects with ``os._exit(code)`` once its tracing, logs
+    and stdio are flushed; ``code`` back where it holds none. Mooncake Store's client registers a cleanup that
+    runs at process exit and unmounts the segment from the master: with the master gone (its pod deleted beside
+    this one) it retries for 10 s and more, and the kubelet's SIGKILL then ends a shutdown that was clean. Skipping
+    the C++ exit-time destructors is safe here: the process has already left the cluster (or found the master
+    gone), and the OS reclaims the memory and sockets."""
+    if not _kept:
+        return code
+    shutdown_tracing()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

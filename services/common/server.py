@@ -40,6 +40,7 @@ from grpc_reflection.v1alpha import reflection
 from services.common.config import opt, require
 from services.common.errors import OperatorError, one_line
 from services.common.grpc_util import DEFAULT_MAX_MESSAGE_BYTES, server_options
+from services.common.kv_mooncake import leave_process
 from services.common.logging import write_line
 from services.common.malloc_tuning import tune_malloc
 from services.common.parent_watch import wait_for_parent_exit
@@ -157,8 +158,14 @@ def run_main(name: str, main: Coroutine[object, object, None], *,
              exit_codes: Mapping[type[BaseException], int] | None = None) -> int:
     """``asyncio.run(main)``; a failure is one line on stderr (``pdserve NAME: error: ...``) and exit 1 (or
     ``exit_codes[type]``), its traceback only when the root logger is at DEBUG. glibc's malloc is tuned
-    for a server's large buffers first (:mod:`services.common.malloc_tuning`)."""
+    for a server's large buffers first (:mod:`services.common.malloc_tuning`). A process holding native
+    Mooncake objects ends with :func:`~services.common.kv_mooncake.leave_process` (no exit-time teardown)."""
     tune_malloc()
+    return leave_process(_run_main(name, main, exit_codes))
+
+
+def _run_main(name: str, main: Coroutine[object, object, None],
+              exit_codes: Mapping[type[BaseException], int] | None) -> int:
     try:
         asyncio.run(main)
         return 0

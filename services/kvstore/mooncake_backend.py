@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
 import threading
@@ -112,17 +113,39 @@ class MooncakeBackend(KVStoreBackend):
                  s.global_segment_bytes)
 
     async def close(self, timeout_s: float = 3.0) -> None:
-        """Leave the cluster (unmounts our segment). Waits at most ``timeout_s``. Caveat: with the master
-        gone the native close retries for ~10 s holding the GIL, which stalls the whole process."""
+        """Leave the cluster (unmounts our segment), waiting at most ``timeout_s``.
+
+        The native close cannot be bounded from Python: with the master gone it retries the unmount for
+        ~10 s (longer where the master's address no longer answers at all, as when its pod is deleted
+        beside ours) holding the GIL, so the whole process, its shutdown included, stalls. So the
+        master is dialled first: when it does not answer within ``timeout_s`` / 3 the native close is
+        skipped (the master drops a segment whose client stops pinging it; the OS reclaims the memory)."""
         store, self._store = self._store, None
         if store is not None:
-            fut = asyncio.get_running_loop().run_in_executor(self._pool, store.close)
-            try:
-                await asyncio.wait_for(fut, timeout_s)
-            except TimeoutError:
-                log.warning("kvstore mooncake: client close still running after %.1fs (master gone?); "
-                            "not waiting", timeout_s)
+            if not await self._master_answers(timeout_s / 3):
+                log.warning("kvstore mooncake: master %s does not answer; leaving without unmounting "
+                            "(the master drops this segment when its client stops pinging)",
+                            self.settings.master_address)
+            else:
+                fut = asyncio.get_running_loop().run_in_executor(self._pool, store.close)
+                try:
+                    await asyncio.wait_for(fut, timeout_s)
+                except TimeoutError:
+                    log.warning("kvstore mooncake: client close still running after %.1fs (master gone?); "
+                                "not waiting", timeout_s)
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _master_answers(self, timeout_s: float) -> bool:
+        """Whether mooncake_master's RPC port accepts a TCP connection within ``timeout_s``."""
+        host, _, port = self.settings.master_address.rpartition(":")
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout_s)
+        except (OSError, ValueError, TimeoutError):
+            return False
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        return True
 
     async def _call(self, fn: Callable[..., T], *args: Any, on_fail: T, miss: bool = False) -> T:
         """Run ``fn`` in the pool, bounded by op_timeout_s. ``on_fail`` (counted as an error, and as a

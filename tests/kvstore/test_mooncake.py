@@ -4,7 +4,10 @@ a killed master, and the master's sockets staying on 127.0.0.1."""
 from __future__ import annotations
 
 import os
+import signal
 import struct
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -109,3 +112,36 @@ async def test_master_killed_gives_misses_not_exceptions(mooncake_master: Moonca
     with MooncakeMaster(rpc_port=mooncake_master.rpc_port):
         assert await b.get(fp, h) is None  # the new master knows nothing: still a miss, never old bytes
         await b.close()
+
+
+def test_a_kvstore_whose_master_is_gone_stops_cleanly_without_the_native_unmount(
+        mooncake_master: MooncakeMaster, tmp_path: Path) -> None:
+    """A kvstore pod deleted beside the master's (every pod of a namespace gets SIGTERM together): the
+    master is gone by the time the kvstore leaves. The native unmount (in close and in Mooncake's exit-time
+    cleanup) would retry for 10 s and more holding the GIL, past a kubelet's grace: the service dials the
+    master, skips it, and leaves with exit 0."""
+    from services.kvstore.mooncake_master import free_port
+
+    log_path = tmp_path / "kvstore.log"
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.kvstore", "--host=127.0.0.1", f"--port={free_port()}",
+             f"--metrics-port={free_port()}", "--backend=mooncake", f"--mooncake-master={mooncake_master.address}",
+             "--mooncake-local-hostname=127.0.0.1", f"--mooncake-segment-bytes={16 * MiB}",
+             f"--mooncake-buffer-bytes={16 * MiB}", f"--max-page-bytes={8 * MiB}", "--grace-s=0"],
+            stdout=out, stderr=subprocess.STDOUT, env=os.environ | {"MC_TCP_BIND_ADDRESS": "127.0.0.1"})
+    try:
+        deadline = time.monotonic() + 120  # a busy box: slow start is not a failure
+        while b"PDSERVE_READY" not in log_path.read_bytes():
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.2)
+        mooncake_master.kill()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0, log_path.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log_path.read_text()
+    assert "does not answer; leaving without unmounting" in text, text[-3000:]
+    assert "Failed to unmount segment" not in text, text[-3000:]
