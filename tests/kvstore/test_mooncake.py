@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from services.kvstore.backend import KVStoreBackend, key_str
-from services.kvstore.mooncake_master import MooncakeMaster
+from services.kvstore.mooncake_master import MooncakeMaster, free_port
 from services.kvstore.page_record import HEADER_SIZE
 from tests.kvstore.conftest import KiB, MiB, PageFactory, new_fp, open_mooncake
 
@@ -120,8 +120,6 @@ def test_a_kvstore_whose_master_is_gone_stops_cleanly_without_the_native_unmount
     master is gone by the time the kvstore leaves. The native unmount (in close and in Mooncake's exit-time
     cleanup) would retry for 10 s and more holding the GIL, past a kubelet's grace: the service dials the
     master, skips it, and leaves with exit 0."""
-    from services.kvstore.mooncake_master import free_port
-
     log_path = tmp_path / "kvstore.log"
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(
