@@ -28,11 +28,19 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# o200k (gpt-oss, llama.cpp "gpt-4o"): words split at case changes with their contraction, digits by three.
+_O200K_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
            "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT,
-           "deepseek-r1-qwen": _QWEN2_SPLIT}
+           "deepseek-r1-qwen": _QWEN2_SPLIT, "gpt-4o": _O200K_SPLIT}
 # llama.cpp splits each digit, then applies the GPT-2 regex, for these (SmolLM's tokenizer.json does the same).
 _DIGIT_SPLIT = {"smollm", "starcoder", "refact", "codeshell", "minerva", "exaone"}
+# The GPT-2 regex alone: these names, and a file that names no pre-tokenizer.
+_GPT2_SPLIT = {"default", "gpt-2", "gpt2"}
 
 _CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
            " + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}"
@@ -142,8 +150,12 @@ class Tokenizer:
             backend.pre_tokenizer = pre_tokenizers.Sequence([
                 pre_tokenizers.Digits(individual_digits=True),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-        else:  # "gpt2"/"default"/unknown: the GPT-2 regex
+        elif pre in _GPT2_SPLIT:
             backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        else:  # another split would tokenize text differently from the model's own tokenizer
+            known = sorted({*_SPLITS, *_DIGIT_SPLIT, *_GPT2_SPLIT})
+            raise ValueError(f"tokenizer.ggml.pre={pre!r}: this pre-tokenizer is not implemented "
+                             f"(supported: {', '.join(known)})")
         backend.decoder = decoders.ByteLevel()
         # Control tokens (<|im_start|> ...) match whole and are special; a control token spelled
         # outside the byte alphabet is a llama.cpp mislabel and is left alone (as transformers does).

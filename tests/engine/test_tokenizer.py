@@ -11,7 +11,7 @@ import pytest
 
 from services.engine.weights.gguf_loader import GGUFFile
 from services.text.detokenizer import IncrementalDetokenizer, StopChecker
-from services.text.tokenizer import Tokenizer
+from services.text.tokenizer import Tokenizer, bytes_to_unicode
 
 TEXTS = [
     "Hello world!",
@@ -153,3 +153,20 @@ def test_byte_level_tokenizer_roundtrip() -> None:
     assert t.decode(ids) == text
     assert t.eos_token_ids == {256} and t.vocab_size == 257
     assert "<|im_start|>user\nhi<|im_end|>" in t.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_the_gpt_4o_pre_tokenizer_splits_as_o200k_does(gguf_path: Path) -> None:
+    """llama.cpp's "gpt-4o" (gpt-oss): words split at a case change keep their contraction, digits go by
+    three, where the GPT-2 regex keeps "HelloWorld" whole and splits "'t" off."""
+    md = dict(GGUFFile(gguf_path).metadata) | {"tokenizer.ggml.pre": "gpt-4o"}
+    pre = Tokenizer.from_gguf_metadata(md).backend.pre_tokenizer
+    words = [w for w, _ in pre.pre_tokenize_str("HelloWorld don't 12345 x\n\ny")]
+    alphabet = bytes_to_unicode()
+    assert words == ["".join(alphabet[b] for b in w.encode())
+                     for w in ["Hello", "World", " don't", " ", "123", "45", " x", "\n\n", "y"]]
+
+
+def test_a_pre_tokenizer_not_implemented_is_refused(gguf_path: Path) -> None:
+    md = dict(GGUFFile(gguf_path).metadata) | {"tokenizer.ggml.pre": "tekken"}
+    with pytest.raises(ValueError, match=r"^tokenizer.ggml.pre='tekken': this pre-tokenizer is not implemented"):
+        Tokenizer.from_gguf_metadata(md)

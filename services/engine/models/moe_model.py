@@ -10,7 +10,7 @@ Loading: HF names of expert tensors are read in every layout checkpoints use and
   Qwen ``mlp.experts.E.gate_proj/up_proj/down_proj``;
 - stacked (transformers 5): ``mlp.experts.gate_up_proj`` [E, 2I, H] (gate then up) and ``down_proj`` [E, H, I];
 - stacked apart (the GGUF loader's names for ``ffn_{gate,up,down}_exps``): ``mlp.experts.gate_proj`` and
-  ``up_proj`` [E, I, H], ``down_proj`` [E, H, I];
+  ``up_proj`` [E, I, H] (gpt-oss GGUF: with ``gate_proj_bias`` / ``up_proj_bias`` [E, I]), ``down_proj`` [E, H, I];
 - gpt-oss (``_GATE_UP_INTERLEAVED``): ``gate_up_proj`` [E, H, 2I] with gate/up columns interleaved,
   ``down_proj`` [E, I, H], their biases, or the MXFP4 ``*_blocks`` + ``*_scales`` pairs.
 - ours (``w13``, ``w2`` and biases, as a TP=1 model's parameters: random models sharded for tensor parallelism).
@@ -103,6 +103,9 @@ class MoEForCausalLM(LlamaForCausalLM):
         if rest in ("experts.gate_proj", "experts.up_proj"):  # GGUF: gate and up stacked apart, [E, I, H]
             half = 0 if rest == "experts.gate_proj" else 1
             return [Piece(f"{mlp}.experts.w13", e, half, t[e]) for e in range(t.shape[0])]
+        if rest in ("experts.gate_proj_bias", "experts.up_proj_bias"):  # their biases (gpt-oss GGUF), [E, I]
+            half = 0 if rest == "experts.gate_proj_bias" else 1
+            return [Piece(f"{mlp}.experts.w13_bias", e, half, t[e]) for e in range(t.shape[0])]
         if rest == "experts.down_proj":
             w = t.transpose(1, 2) if self._GATE_UP_INTERLEAVED else t
             return [Piece(f"{mlp}.experts.w2", e, -1, w[e]) for e in range(w.shape[0])]

@@ -51,6 +51,28 @@ _LAYER_NAMES = {
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
+_ARCH_LAYER_NAMES = {
+    # gpt-oss as llama.cpp's converter writes it: the post-attention norm under its own name, a sink logit per
+    # head, biased o_proj / router / experts; experts stacked apart (gate and up [E, I, H], down [E, H, I]) or,
+    # from newer converters, gate and up fused ([E, 2I, H], gate rows first). Named here in the loader's own
+    # stacked layout (``experts.w13`` / ``w2``), which needs no transposition.
+    "gpt-oss": {
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "attn_sinks.weight": "self_attn.sinks",
+        "attn_output.bias": "self_attn.o_proj.bias",
+        "ffn_gate_inp.weight": "mlp.router.weight",
+        "ffn_gate_inp.bias": "mlp.router.bias",
+        "ffn_gate_exps.weight": "mlp.experts.gate_proj",
+        "ffn_up_exps.weight": "mlp.experts.up_proj",
+        "ffn_gate_exps.bias": "mlp.experts.gate_proj_bias",
+        "ffn_up_exps.bias": "mlp.experts.up_proj_bias",
+        "ffn_gate_up_exps.weight": "mlp.experts.w13",
+        "ffn_gate_up_exps.bias": "mlp.experts.w13_bias",
+        "ffn_down_exps.weight": "mlp.experts.w2",
+        "ffn_down_exps.bias": "mlp.experts.w2_bias",
+    },
+}
+"""general.architecture -> layer tensor names that differ from (or add to) _LAYER_NAMES."""
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -59,14 +81,16 @@ _GLOBAL_NAMES = {
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 
-def gguf_to_hf_name(name: str) -> str | None:
-    """GGUF tensor name -> HF parameter name (None for tensors we do not use, e.g. rope_freqs)."""
+def gguf_to_hf_name(name: str, arch: str = "") -> str | None:
+    """GGUF tensor name -> HF parameter name for a file of ``general.architecture`` ``arch`` (None for tensors
+    we do not use, e.g. rope_freqs)."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     m = _BLOCK_RE.fullmatch(name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-    return None
+    if m is None:
+        return None
+    hf = _ARCH_LAYER_NAMES.get(arch, {}).get(m.group(2)) or _LAYER_NAMES.get(m.group(2))
+    return None if hf is None else f"model.layers.{m.group(1)}.{hf}"
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -78,6 +102,11 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 class GGUFFile(GGUFMetadata):
     """An opened GGUF file: its metadata and `arch` (GGUFMetadata), and `tensors()`."""
 
+    @property
+    def arch_name(self) -> str:
+        """``general.architecture`` (llama.cpp's name: "gpt-oss", "qwen3moe" ...)."""
+        return str(self.metadata.get("general.architecture", ""))
+
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, float32 CPU tensor) per tensor, dequantized one at a time (peak = one tensor)."""
         import torch
@@ -86,7 +115,7 @@ class GGUFFile(GGUFMetadata):
         arch = self.arch
         permute = self.metadata.get("general.architecture") in _PERMUTED_QK_ARCHS
         for t in self._reader.tensors:
-            hf = gguf_to_hf_name(t.name)
+            hf = gguf_to_hf_name(t.name, self.arch_name)
             if hf is None:
                 continue
             try:
@@ -107,7 +136,7 @@ class GGUFFile(GGUFMetadata):
         """HF name -> GGUF storage type name (Q4_1, Q8_0, F32 ...) of each tensor the model uses."""
         out = {}
         for t in self._reader.tensors:
-            hf = gguf_to_hf_name(t.name)
+            hf = gguf_to_hf_name(t.name, self.arch_name)
             if hf is not None:
                 out[hf] = t.tensor_type.name
         return out
@@ -118,7 +147,7 @@ class GGUFFile(GGUFMetadata):
         from gguf import GGMLQuantizationType
 
         for t in self._reader.tensors:
-            if gguf_to_hf_name(t.name) == hf_name and t.tensor_type == GGMLQuantizationType.Q8_0:
+            if gguf_to_hf_name(t.name, self.arch_name) == hf_name and t.tensor_type == GGMLQuantizationType.Q8_0:
                 blocks = np.asarray(t.data, dtype=np.uint8).reshape(int(t.shape[1]), -1, _Q8_0_BLOCK_BYTES)
                 d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
                 q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(blocks.shape[0], -1)
@@ -132,7 +161,7 @@ class GGUFFile(GGUFMetadata):
         heads = {"attn_q.weight": self.arch.num_heads, "attn_k.weight": self.arch.num_kv_heads}
         permute = self.metadata.get("general.architecture") in _PERMUTED_QK_ARCHS
         for t in self._reader.tensors:
-            hf = gguf_to_hf_name(t.name)
+            hf = gguf_to_hf_name(t.name, self.arch_name)
             if hf is None or t.tensor_type != GGMLQuantizationType.Q4_1:
                 continue
             if len(t.shape) != 2:  # stacked experts: no linear reads them packed

@@ -136,9 +136,17 @@ GGUF_MOE_READS: frozenset[str] = frozenset({
 })
 """``{architecture}.*`` keys the GGUF loader's MoE part (moe_config.moe_from_gguf) reads."""
 
+GGUF_GPT_OSS_READS: frozenset[str] = GGUF_DENSE_READS | {
+    "expert_count", "expert_used_count", "expert_gating_func", "expert_feed_forward_length",
+    "attention.sliding_window", "rope.scaling.original_context_length", "rope.scaling.yarn_beta_fast",
+    "rope.scaling.yarn_beta_slow",
+}
+"""gpt-oss's keys (gguf_meta.GGUFMetadata and moe_config's gpt-oss part): no expert_weights_scale / _norm."""
+
 GGUF_READS: dict[str, frozenset[str]] = {"llama": GGUF_DENSE_READS | GGUF_MOE_READS, "qwen2": GGUF_DENSE_READS,
                                          "qwen3": GGUF_DENSE_READS, "qwen2moe": GGUF_DENSE_READS | GGUF_MOE_READS,
-                                         "qwen3moe": GGUF_DENSE_READS | GGUF_MOE_READS}
+                                         "qwen3moe": GGUF_DENSE_READS | GGUF_MOE_READS,
+                                         "gpt-oss": GGUF_GPT_OSS_READS}
 """GGUF ``general.architecture`` -> the ``{architecture}.*`` keys its loader reads; other modules add theirs."""
 
 

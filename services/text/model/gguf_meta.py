@@ -10,13 +10,21 @@ import os
 from pathlib import Path
 from typing import Any
 
-from services.text.model.config import ModelArchConfig, ModelConfigError
+from services.text.model.config import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    ModelArchConfig,
+    ModelConfigError,
+    layer_windows_fields,
+)
 from services.text.model.config_fields import gguf_unimplemented_field
 from services.text.model.errors import ModelLoadError
 from services.text.model.moe_config import MoEConfigError, moe_from_gguf
 
-_GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
+_GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gpt-oss")
 """general.architecture values we load ("llama" with expert tensors is Mixtral)."""
+_FAMILIES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
+"""general.architecture -> ModelArchConfig.architecture where the names differ."""
 
 _READERS: dict[tuple[str, int, int], Any] = {}
 """Parsed readers by (path, size, mtime): the engine opens its GGUF twice (dequantized weights, then the
@@ -80,18 +88,15 @@ class GGUFMetadata:
                 if self._get(key) not in (None, head_dim):
                     raise ModelLoadError(f"{self.path}: GGUF metadata {arch}.{key}={self._get(key)} is not "
                                          f"supported: must equal the head dim {head_dim}")
-            scaling = None
-            kind = self._get("rope.scaling.type")
-            if kind == "linear":
-                scaling = {"rope_type": "linear", "factor": float(self._req("rope.scaling.factor"))}
-            elif kind not in (None, "none"):
-                raise ModelLoadError(f"{self.path}: GGUF metadata {arch}.rope.scaling.type={kind!r} is not "
-                                     "supported: 'none', 'linear'")
+            scaling = self._rope_scaling(arch)
             eos = md.get("tokenizer.ggml.eos_token_id")
             moe = moe_from_gguf(arch, self._get, {t.name: tuple(int(d) for d in t.shape) for t in self._reader.tensors})
-            family = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}.get(arch, arch)
+            family = _FAMILIES.get(arch, arch)
             if family == "llama" and moe is not None:
                 family = "mixtral"
+            extra: dict[str, Any] = {}
+            if family == "gpt_oss":
+                extra = self._gpt_oss_fields(names)
             inter = self._get("feed_forward_length") or (moe.intermediate_size if moe else None)
             if inter is None:
                 inter = self._req("feed_forward_length")
@@ -114,9 +119,41 @@ class GGUFMetadata:
                 bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
                 eos_token_ids=[] if eos is None else [int(eos)],
                 moe=moe,
+                **extra,
             )
         except (ModelConfigError, MoEConfigError) as e:
             raise ModelLoadError(f"{self.path}: {e}") from e
+
+    def _rope_scaling(self, arch: str) -> dict[str, Any] | None:
+        """``rope.scaling.*`` as ModelArchConfig.rope_scaling: linear anywhere, YaRN for gpt-oss. llama.cpp
+        writes gpt-oss's YaRN as type, factor and original context (the betas only where they differ from 32
+        / 1); gpt-oss's own config computes its correction range without rounding it (``truncate`` False),
+        and so does this model."""
+        kind = self._get("rope.scaling.type")
+        if kind in (None, "none"):
+            return None
+        if kind == "linear":
+            return {"rope_type": "linear", "factor": float(self._req("rope.scaling.factor"))}
+        if kind == "yarn" and arch == "gpt-oss":
+            return {"rope_type": "yarn", "factor": float(self._req("rope.scaling.factor")),
+                    "original_max_position_embeddings": int(self._req("rope.scaling.original_context_length")),
+                    "beta_fast": float(self._get("rope.scaling.yarn_beta_fast") or 32.0),
+                    "beta_slow": float(self._get("rope.scaling.yarn_beta_slow") or 1.0), "truncate": False}
+        supported = "'none', 'linear', 'yarn'" if arch == "gpt-oss" else "'none', 'linear'"
+        raise ModelLoadError(f"{self.path}: GGUF metadata {arch}.rope.scaling.type={kind!r} is not "
+                             f"supported: {supported}")
+
+    def _gpt_oss_fields(self, names: set[str]) -> dict[str, Any]:
+        """gpt-oss as llama.cpp runs it: a sink logit per head on every layer (``attn_sinks``), biased
+        q/k/v/o, and ``attention.sliding_window`` on the even layers (its sliding-window pattern 2)."""
+        n = int(self._req("block_count"))
+        missing = [t for t in ("blk.0.attn_sinks.weight", "blk.0.attn_q.bias", "blk.0.attn_output.bias")
+                   if t not in names]
+        if missing:
+            raise ModelLoadError(f"{self.path}: a gpt-oss GGUF needs {', '.join(missing)}")
+        window = self._req("attention.sliding_window")
+        types = [SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(n)]
+        return {"attention_sinks": True, **layer_windows_fields("gpt_oss", n, int(window), types)}
 
     def _req(self, key: str) -> Any:
         value = self._get(key)

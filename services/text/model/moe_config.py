@@ -175,8 +175,9 @@ def moe_from_hf_config(cfg: dict[str, Any]) -> MoEConfig | None:
         return MoEConfig(num_experts=int(_need(cfg, "num_local_experts")), top_k=top_k,
                          intermediate_size=int(_need(cfg, "intermediate_size")), scoring="softmax_topk",
                          norm_topk_prob=False, activation="gpt_oss",
-                         swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
-                         swiglu_limit=float(cfg.get("swiglu_limit", 7.0)), router_bias=True, expert_bias=True)
+                         swiglu_alpha=float(cfg.get("swiglu_alpha", GPT_OSS_SWIGLU[0])),
+                         swiglu_limit=float(cfg.get("swiglu_limit", GPT_OSS_SWIGLU[1])), router_bias=True,
+                         expert_bias=True)
     shared = int(cfg.get("shared_expert_intermediate_size") or 0) if kind == "qwen2_moe" else 0
     return MoEConfig(num_experts=int(_need(cfg, "num_experts", "num_local_experts")), top_k=top_k,
                      intermediate_size=int(_need(cfg, "moe_intermediate_size")), scoring="softmax",
@@ -237,6 +238,8 @@ def moe_from_gguf(arch: str, get: Callable[[str], Any], shapes: dict[str, tuple[
     count = get("expert_count")
     if not count:
         return None
+    if arch == "gpt-oss":
+        return _gpt_oss_moe_from_gguf(get)
     if arch not in _GGUF_NORM_TOPK:
         raise MoEConfigError(f"GGUF architecture {arch!r} with experts is not supported")
     gating = get("expert_gating_func")
@@ -257,3 +260,26 @@ def moe_from_gguf(arch: str, get: Callable[[str], Any], shapes: dict[str, tuple[
                      shared_expert_intermediate_size=shared,
                      shared_expert_gate=shared > 0 and "blk.0.ffn_gate_inp_shexp.weight" in shapes,
                      mlp_only_layers=[i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in shapes])
+
+
+_GGUF_SOFTMAX_WEIGHT = 3
+"""llama.cpp LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT: softmax over the K chosen logits (gpt-oss)."""
+GPT_OSS_SWIGLU = (1.702, 7.0)
+"""gpt-oss's expert activation (alpha, limit): its config's defaults, and the constants llama.cpp runs it with
+(a GGUF file carries neither)."""
+
+
+def _gpt_oss_moe_from_gguf(get: Callable[[str], Any]) -> MoEConfig:
+    """gpt-oss's experts as llama.cpp runs them: softmax over the top-k logits, biased router and experts,
+    the clamped swiglu of GPT_OSS_SWIGLU; every layer routes."""
+    gating = get("expert_gating_func")
+    if gating not in (None, _GGUF_SOFTMAX_WEIGHT):
+        raise MoEConfigError(f"gpt-oss.expert_gating_func={gating!r}: supported is {_GGUF_SOFTMAX_WEIGHT} "
+                             "(softmax over the chosen experts' logits)")
+    ffn = get("expert_feed_forward_length")
+    if ffn is None:
+        raise MoEConfigError("gpt-oss.expert_feed_forward_length is missing")
+    alpha, limit = GPT_OSS_SWIGLU
+    return MoEConfig(num_experts=int(get("expert_count")), top_k=int(get("expert_used_count")),
+                     intermediate_size=int(ffn), scoring="softmax_topk", norm_topk_prob=False, activation="gpt_oss",
+                     swiglu_alpha=alpha, swiglu_limit=limit, router_bias=True, expert_bias=True)
