@@ -102,18 +102,13 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 class GGUFFile(GGUFMetadata):
     """An opened GGUF file: its metadata and `arch` (GGUFMetadata), and `tensors()`."""
 
-    @property
-    def arch_name(self) -> str:
-        """``general.architecture`` (llama.cpp's name: "gpt-oss", "qwen3moe" ...)."""
-        return str(self.metadata.get("general.architecture", ""))
-
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, float32 CPU tensor) per tensor, dequantized one at a time (peak = one tensor)."""
         import torch
         from gguf.quants import dequantize
 
         arch = self.arch
-        permute = self.metadata.get("general.architecture") in _PERMUTED_QK_ARCHS
+        permute = self.arch_name in _PERMUTED_QK_ARCHS
         for t in self._reader.tensors:
             hf = gguf_to_hf_name(t.name, self.arch_name)
             if hf is None:
@@ -159,7 +154,7 @@ class GGUFFile(GGUFMetadata):
         from gguf import GGMLQuantizationType
 
         heads = {"attn_q.weight": self.arch.num_heads, "attn_k.weight": self.arch.num_kv_heads}
-        permute = self.metadata.get("general.architecture") in _PERMUTED_QK_ARCHS
+        permute = self.arch_name in _PERMUTED_QK_ARCHS
         for t in self._reader.tensors:
             hf = gguf_to_hf_name(t.name, self.arch_name)
             if hf is None or t.tensor_type != GGMLQuantizationType.Q4_1:

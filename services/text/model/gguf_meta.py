@@ -61,9 +61,13 @@ class GGUFMetadata:
                                  f"({type(e).__name__}: {e})") from e
         self.arch = self._arch_config()
 
+    @property
+    def arch_name(self) -> str:
+        """``general.architecture``, llama.cpp's name ("gpt-oss", "qwen3moe" ...)."""
+        return str(self.metadata.get("general.architecture", ""))
+
     def _get(self, key: str, default: Any = None) -> Any:
-        arch = self.metadata.get("general.architecture", "")
-        return self.metadata.get(f"{arch}.{key}", default)
+        return self.metadata.get(f"{self.arch_name}.{key}", default)
 
     def _arch_config(self) -> ModelArchConfig:
         md = self.metadata

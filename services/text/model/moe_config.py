@@ -25,6 +25,9 @@ ACTIVATIONS = ("silu", "gpt_oss")
 [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)."""
 
 # HF model_type -> architecture family that routes through experts.
+GPT_OSS_SWIGLU = (1.702, 7.0)
+"""gpt-oss's expert activation (alpha, limit): its config's defaults, and the constants llama.cpp runs it with
+(a GGUF file carries neither)."""
 MOE_MODEL_TYPES = {"mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "gpt_oss": "gpt_oss",
                    "deepseek_v2": "deepseek", "deepseek_v3": "deepseek", "deepseek_v32": "deepseek",
                    "glm4_moe": "glm4_moe"}
@@ -264,9 +267,6 @@ def moe_from_gguf(arch: str, get: Callable[[str], Any], shapes: dict[str, tuple[
 
 _GGUF_SOFTMAX_WEIGHT = 3
 """llama.cpp LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT: softmax over the K chosen logits (gpt-oss)."""
-GPT_OSS_SWIGLU = (1.702, 7.0)
-"""gpt-oss's expert activation (alpha, limit): its config's defaults, and the constants llama.cpp runs it with
-(a GGUF file carries neither)."""
 
 
 def _gpt_oss_moe_from_gguf(get: Callable[[str], Any]) -> MoEConfig:
