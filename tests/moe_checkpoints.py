@@ -76,6 +76,20 @@ def write_tiny_moe(root: Path, model_type: str, seed: int = 0, **overrides: Any)
     return root
 
 
+def random_mxfp4_experts(experts: int, hidden: int, inter: int, seed: int = 0
+                         ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """gpt-oss's MXFP4 expert tensors as its HF checkpoints store them, random: ``gate_up_proj`` (rows gate/up
+    interleaved) and ``down_proj`` -> (blocks uint8 [E, out, in / 32, 16], scales uint8 [E, out, in / 32]), the
+    scales near 2^-5 (weights of a few tenths)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def pair(out: int, inp: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.randint(0, 256, (experts, out, inp // 32, 16), generator=g, dtype=torch.uint8),
+                torch.randint(118, 126, (experts, out, inp // 32), generator=g, dtype=torch.uint8))
+
+    return {"gate_up_proj": pair(2 * inter, hidden), "down_proj": pair(hidden, inter)}
+
+
 FP8_BLOCK = [24, 24]
 """Blocks that do not divide the tiny shapes (64, 96, 40...): edge blocks are partial, as kv_a_proj_with_mqa's
 576 rows are in 128-row blocks."""

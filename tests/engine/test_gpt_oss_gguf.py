@@ -19,7 +19,7 @@ from services.engine.weights.gguf_loader import GGUFFile
 from services.engine.weights.hf_loader import iter_safetensors
 from services.engine.weights.mxfp4 import dequantize_mxfp4
 from services.text.model.errors import ModelLoadError
-from tests.moe_checkpoints import write_tiny_moe
+from tests.moe_checkpoints import random_mxfp4_experts, write_tiny_moe
 
 pytestmark = pytest.mark.slow
 
@@ -166,14 +166,7 @@ def test_gpt_oss_gguf_mxfp4_experts_equal_the_hf_mxfp4_dequantization(tmp_path: 
     pytest.importorskip("transformers")
     hf_dir = write_tiny_moe(tmp_path / "hf", "gpt_oss", intermediate_size=64)  # MXFP4 blocks: multiples of 32
     cfg = json.loads((hf_dir / "config.json").read_text())
-    h, inter, e = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_local_experts"]
-    g = torch.Generator().manual_seed(0)
-    packed = {
-        "gate_up_proj": (torch.randint(0, 256, (e, 2 * inter, h // 32, 16), generator=g, dtype=torch.uint8),
-                         torch.randint(118, 126, (e, 2 * inter, h // 32), generator=g, dtype=torch.uint8)),
-        "down_proj": (torch.randint(0, 256, (e, h, inter // 32, 16), generator=g, dtype=torch.uint8),
-                      torch.randint(118, 126, (e, h, inter // 32), generator=g, dtype=torch.uint8)),
-    }
+    packed = random_mxfp4_experts(cfg["num_local_experts"], cfg["hidden_size"], cfg["intermediate_size"])
     as_np = {k: (b.numpy(), s.numpy()) for k, (b, s) in packed.items()}
     for fused in (False, True):
         gguf, model = _load(write_gpt_oss_gguf(hf_dir, tmp_path / f"mx-{fused}.gguf", fused_gate_up=fused,

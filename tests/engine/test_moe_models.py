@@ -20,7 +20,7 @@ from services.engine.weights.mxfp4 import dequantize_mxfp4
 from services.text.model.config import ModelArchConfig, ModelConfigError
 from services.text.model.errors import ModelLoadError
 from services.text.model.moe_config import MoEConfig, MoEConfigError, moe_from_hf_config
-from tests.moe_checkpoints import hf_config, write_tiny_moe
+from tests.moe_checkpoints import hf_config, random_mxfp4_experts, write_tiny_moe
 
 pytestmark = pytest.mark.slow
 
@@ -231,14 +231,7 @@ def test_gpt_oss_mxfp4_experts_load_like_their_dequantized_weights() -> None:
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
     cfg = hf_config("gpt_oss", intermediate_size=64)  # MXFP4 blocks need multiples of 32
-    h, inter, e = cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts
-    g = torch.Generator().manual_seed(0)
-    packed = {
-        "gate_up_proj": (torch.randint(0, 256, (e, 2 * inter, h // 32, 16), generator=g, dtype=torch.uint8),
-                         torch.randint(118, 126, (e, 2 * inter, h // 32), generator=g, dtype=torch.uint8)),
-        "down_proj": (torch.randint(0, 256, (e, h, inter // 32, 16), generator=g, dtype=torch.uint8),
-                      torch.randint(118, 126, (e, h, inter // 32), generator=g, dtype=torch.uint8)),
-    }
+    packed = random_mxfp4_experts(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size)
     ref = GptOssMLP(cfg)
     state = {k: v for k, v in ref.state_dict().items() if not k.startswith("experts.") or k.endswith("_bias")}
     mx = dict(state)
