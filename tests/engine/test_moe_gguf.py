@@ -65,6 +65,12 @@ def write_moe_gguf(hf_dir: Path, model_type: str, out: Path, expert_type: Any = 
         w.add_expert_feed_forward_length(moe.intermediate_size)
     if moe.shared_expert_intermediate_size:
         w.add_expert_shared_feed_forward_length(moe.shared_expert_intermediate_size)
+    if arch.rope_scaling is not None and arch.rope_scaling["rope_type"] == "yarn":  # as llama.cpp's converter
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(arch.rope_scaling["factor"])
+        w.add_rope_scaling_orig_ctx_len(arch.rope_scaling["original_max_position_embeddings"])
+        if "beta_fast" in arch.rope_scaling:
+            w.add_rope_scaling_yarn_beta_fast(arch.rope_scaling["beta_fast"])
     tensors = {n: t.float().numpy() for n, t in iter_safetensors(hf_dir)}
     experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}
     out_tensors: dict[str, np.ndarray] = {"token_embd.weight": tensors.pop("model.embed_tokens.weight"),
@@ -126,3 +132,23 @@ def test_quantized_expert_tensors_dequantize_per_expert(tmp_path: Path) -> None:
     # Q8_0: 8-bit steps of max|w| / 127 per block of 32 (weights ~N(0, 0.08): error <= ~0.002).
     assert (got.w13 - ref.w13).abs().max() < 5e-3 and (got.w2 - ref.w2).abs().max() < 5e-3
     assert not torch.equal(got.w13, ref.w13)
+
+
+def test_yarn_in_a_gguf_is_the_yarn_of_the_hf_config(tmp_path: Path) -> None:
+    """A Qwen3-MoE with YaRN (llama.cpp writes type, factor, original context and the betas it was given): the
+    same inverse frequencies and cos/sin factor as the HF directory, and the same parameters."""
+    pytest.importorskip("transformers")
+    from services.engine.models.rope import attention_factor, compute_inv_freq
+
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+            "beta_fast": 16.0}
+    hf_dir = write_tiny_moe(tmp_path / "hf", "qwen3_moe", rope_parameters=yarn)
+    want = load_model(str(hf_dir), torch.float32, "cpu")
+    got = GGUFFile(write_moe_gguf(hf_dir, "qwen3_moe", tmp_path / "yarn.gguf")).arch
+    assert want.arch.rope_scaling is not None and got.rope_scaling is not None
+    head, theta = want.arch.head_dim, want.arch.rope_theta
+    assert got.rope_theta == theta
+    assert torch.equal(compute_inv_freq(head, theta, got.rope_scaling),
+                       compute_inv_freq(head, theta, want.arch.rope_scaling))
+    assert attention_factor(got.rope_scaling) == attention_factor(want.arch.rope_scaling) > 1.0
+    assert not torch.equal(compute_inv_freq(head, theta, got.rope_scaling), compute_inv_freq(head, theta, None))

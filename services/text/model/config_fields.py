@@ -127,6 +127,7 @@ GGUF_DENSE_READS: frozenset[str] = frozenset({
     "block_count", "context_length", "embedding_length", "feed_forward_length", "vocab_size",
     "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon", "attention.key_length",
     "attention.value_length", "rope.dimension_count", "rope.freq_base", "rope.scaling.type", "rope.scaling.factor",
+    "rope.scaling.original_context_length", "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
 })
 """``{architecture}.*`` keys the GGUF loader reads for the dense architectures (without the prefix)."""
 
@@ -138,8 +139,7 @@ GGUF_MOE_READS: frozenset[str] = frozenset({
 
 GGUF_GPT_OSS_READS: frozenset[str] = GGUF_DENSE_READS | {
     "expert_count", "expert_used_count", "expert_gating_func", "expert_feed_forward_length",
-    "attention.sliding_window", "rope.scaling.original_context_length", "rope.scaling.yarn_beta_fast",
-    "rope.scaling.yarn_beta_slow",
+    "attention.sliding_window",
 }
 """gpt-oss's keys (gguf_meta.GGUFMetadata and moe_config's gpt-oss part): no expert_weights_scale / _norm."""
 

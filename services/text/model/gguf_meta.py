@@ -129,23 +129,23 @@ class GGUFMetadata:
             raise ModelLoadError(f"{self.path}: {e}") from e
 
     def _rope_scaling(self, arch: str) -> dict[str, Any] | None:
-        """``rope.scaling.*`` as ModelArchConfig.rope_scaling: linear anywhere, YaRN for gpt-oss. llama.cpp
-        writes gpt-oss's YaRN as type, factor and original context (the betas only where they differ from 32
-        / 1); gpt-oss's own config computes its correction range without rounding it (``truncate`` False),
-        and so does this model."""
+        """``rope.scaling.*`` as ModelArchConfig.rope_scaling: linear, or YaRN (type, factor and original
+        context; the betas where the file has them, else 32 / 1). llama.cpp rounds YaRN's correction range
+        outward, as transformers does by default; gpt-oss's own config does not round it (``truncate`` False),
+        and a gpt-oss file runs as that config says."""
         kind = self._get("rope.scaling.type")
         if kind in (None, "none"):
             return None
         if kind == "linear":
             return {"rope_type": "linear", "factor": float(self._req("rope.scaling.factor"))}
-        if kind == "yarn" and arch == "gpt-oss":
+        if kind == "yarn":
             return {"rope_type": "yarn", "factor": float(self._req("rope.scaling.factor")),
                     "original_max_position_embeddings": int(self._req("rope.scaling.original_context_length")),
                     "beta_fast": float(self._get("rope.scaling.yarn_beta_fast") or 32.0),
-                    "beta_slow": float(self._get("rope.scaling.yarn_beta_slow") or 1.0), "truncate": False}
-        supported = "'none', 'linear', 'yarn'" if arch == "gpt-oss" else "'none', 'linear'"
+                    "beta_slow": float(self._get("rope.scaling.yarn_beta_slow") or 1.0),
+                    "truncate": arch != "gpt-oss"}
         raise ModelLoadError(f"{self.path}: GGUF metadata {arch}.rope.scaling.type={kind!r} is not "
-                             f"supported: {supported}")
+                             "supported: 'none', 'linear', 'yarn'")
 
     def _gpt_oss_fields(self, names: set[str]) -> dict[str, Any]:
         """gpt-oss as llama.cpp runs it: a sink logit per head on every layer (``attn_sinks``), biased
