@@ -19,17 +19,15 @@ from services.engine.weights.gguf_loader import GGUFFile
 from services.engine.weights.hf_loader import iter_safetensors
 from services.engine.weights.mxfp4 import dequantize_mxfp4
 from services.text.model.errors import ModelLoadError
+from tests.engine.test_moe_gguf import _LAYER
 from tests.moe_checkpoints import random_mxfp4_experts, write_tiny_moe
 
 pytestmark = pytest.mark.slow
 
-_ATTN = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
-         "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-         "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-         "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
-         "self_attn.v_proj.bias": "attn_v.bias", "self_attn.o_proj.bias": "attn_output.bias",
-         "self_attn.sinks": "attn_sinks.weight", "mlp.router.weight": "ffn_gate_inp.weight",
-         "mlp.router.bias": "ffn_gate_inp.bias"}
+_ATTN = {**_LAYER, "post_attention_layernorm.weight": "post_attention_norm.weight",
+         "self_attn.o_proj.bias": "attn_output.bias", "self_attn.sinks": "attn_sinks.weight",
+         "mlp.router.weight": "ffn_gate_inp.weight", "mlp.router.bias": "ffn_gate_inp.bias"}
+"""HF -> GGUF layer names of gpt-oss: the MoE test's, with gpt-oss's own norm name, sinks and biases."""
 
 
 def _mxfp4_ggml(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
