@@ -24,12 +24,13 @@ class DecodeConfig(ServerConfig, TracingConfig, LeaseConfig, MooncakeTransportCo
                               "Generate answer RESOURCE_EXHAUSTED (reason OVERLOADED). 0: the device's "
                               "default (256 on CPU, 1024 on CUDA).")
     overload_retry_after_ms: int = opt(1_000, "retry_after_ms suggested to callers refused as OVERLOADED (ms).")
-    reserve_wait_s: float = opt(60.0, "Longest a Reserve that finds too few free KV blocks may wait for blocks to "
-                                      "free, in arrival order, before it answers RESOURCE_EXHAUSTED (seconds; 0: "
-                                      "never wait). The caller asks for a wait (ReserveRequest.block_wait_ms: the "
-                                      "router does when no other decode is left to try); this caps it, and the "
-                                      "call's and the request's deadlines bound it. Waiting Reserves count against "
-                                      "--max-pending and hold no blocks.")
+    reserve_wait_s: float = opt(60.0, "Longest the Reserves waiting for free KV blocks (in arrival order, holding "
+                                      "none) go without one of them getting its blocks: past it the queue has "
+                                      "stalled (the pool is not turning over) and they answer RESOURCE_EXHAUSTED "
+                                      "(seconds; 0: never wait). While it moves a Reserve waits as long as its "
+                                      "caller asks (ReserveRequest.block_wait_ms: the router does when no other "
+                                      "decode is left to try), within the call's and the request's deadlines. "
+                                      "Waiting Reserves count against --max-pending.")
     kv_mooncake_host: str = opt("", "Register the KV pool with the Mooncake Transfer Engine at this address (the "
                                     "host prefills reach this decode at; TCP, RDMA where the NIC has it) and offer "
                                     "it to prefills (--kv-transport mooncake), instead of a same-host shm/CUDA IPC "

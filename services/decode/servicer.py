@@ -16,6 +16,7 @@ import logging
 import math
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
@@ -60,12 +61,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.table = ReservationTable()
         self._bg: set[asyncio.Future] = set()
         self._admitting = 0
-        self._block_turn = asyncio.Lock()
-        """Reserves waiting for free KV blocks take turns in arrival order (asyncio's lock is FIFO): only the
-        head polls the engine's published free blocks."""
-        self._block_waiters = 0
-        """Reserves waiting for free KV blocks (counted as pending)."""
         """Admission calls waiting on the engine thread (count; part of the pending bound)."""
+        self._block_queue: deque[asyncio.Future[None]] = deque()
+        """Reserves waiting for free KV blocks, in arrival order, each by the future that says it is its turn:
+        only the head polls the engine's published free blocks; the others sleep until their turn or their
+        give-up time."""
+        self._queue_moved_at = -math.inf
+        """When a waiting Reserve last got its blocks (monotonic): the queue is moving while this is recent."""
         self.generating = 0
         """Open Generate streams (count; drain waits for them)."""
         self._colocated_ids: dict[str, str] = {}
@@ -98,6 +100,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.leases = LeaseKeeper(self.config, self.receiver.release, on_end=self._lease_ended)
 
     # --- admission ---
+
+    @property
+    def _block_waiters(self) -> int:
+        """Reserves waiting for free KV blocks (counted as pending)."""
+        return len(self._block_queue)
 
     def _pending(self, stats: dict[str, float]) -> int:
         return self.table.num_awaiting_kv() + int(stats.get("waiting", 0)) + self._admitting + self._block_waiters
@@ -195,7 +202,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Reserve(self, request: decode_pb2.ReserveRequest, context: grpc.aio.ServicerContext
                       ) -> decode_pb2.ReserveResponse:
         await self._router_only(context, "Reserve")
-        wait_s = min(request.block_wait_ms / 1000, self.config.reserve_wait_s)
+        wait_s = request.block_wait_ms / 1000 if self.config.reserve_wait_s > 0 else 0.0  # stall-bounded
         await self._admit(context, needs_blocks=wait_s <= 0)
         if not request.request_id:
             await errors.invalid(context, "request_id", "request_id: must not be empty")
@@ -226,9 +233,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def _reserve_blocks(self, context: grpc.aio.ServicerContext, rid: str, ids: list[int],
                               params: SamplingParams, deadline_unix: float, wait_s: float) -> tuple:
-        """The engine's reservation of the prompt's blocks. With too few free blocks, wait for them (FIFO, up to
-        ``wait_s``: the caller's block_wait_ms capped by --reserve-wait-s, and within the call's and the request's
-        deadline) instead of refusing at once."""
+        """The engine's reservation of the prompt's blocks. With too few free blocks, wait for them in arrival
+        order, holding none: up to ``wait_s`` in all (the caller's block_wait_ms, within the call's and the
+        request's deadline), and refused sooner once the queue stalls, when no waiting Reserve has got its
+        blocks for --reserve-wait-s. A pool that turns over serves a long queue (its requests finish and free
+        their blocks); one that does not is answered OVERLOADED, not waited on to the deadline."""
         def admit() -> Awaitable:
             return self._engine_admit(context, self.engine.reserve(rid, ids, params, detokenize=bool(params.stop)),
                                       lambda: self.drop(rid), no_blocks_raises=wait_s > 0)
@@ -237,31 +246,49 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             if bound is not None:
                 wait_s = min(wait_s, max(0.0, bound - 0.5))  # leave the answer time to travel
         need = -(-len(ids) // self.layout.block_size)
-        if not self._block_turn.locked() and self.engine.published_stats().get("free_blocks", need) >= need:
+        if not self._block_queue and self.engine.published_stats().get("free_blocks", need) >= need:
             try:
                 return await admit()
             except NoFreeBlocksError:
                 pass  # taken meanwhile: wait for a turn
-        end = time.monotonic() + wait_s
-        self._block_waiters += 1
+        stall_s = self.config.reserve_wait_s
+        start = time.monotonic()
+        end = start + wait_s
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if not self._block_queue:
+            turn.set_result(None)
+        self._block_queue.append(turn)
+        stalled = False
         try:
-            async with asyncio.timeout(max(0.0, end - time.monotonic())):
-                async with self._block_turn:
-                    while True:
-                        if self.engine.published_stats().get("free_blocks", 0) >= need:
-                            try:
-                                return await admit()
-                            except NoFreeBlocksError:
-                                pass
-                        await asyncio.sleep(BLOCK_POLL_S)
-        except TimeoutError:
-            pass
+            while True:
+                now = time.monotonic()
+                stall_at = max(start, self._queue_moved_at) + stall_s
+                if now >= min(end, stall_at):
+                    stalled = stall_at <= end
+                    break
+                if not turn.done():  # others ahead: sleep until our turn, or to re-read the stall clock
+                    await asyncio.wait((turn,), timeout=min(end, stall_at) - now)
+                    continue
+                if self.engine.published_stats().get("free_blocks", 0) >= need:
+                    try:
+                        got = await admit()
+                    except NoFreeBlocksError:
+                        pass
+                    else:
+                        self._queue_moved_at = time.monotonic()
+                        return got
+                await asyncio.sleep(BLOCK_POLL_S)
         finally:
-            self._block_waiters -= 1
+            head = self._block_queue[0] is turn
+            self._block_queue.remove(turn)
+            if head and self._block_queue and not self._block_queue[0].done():
+                self._block_queue[0].set_result(None)
         self.metrics.requests_refused_total.labels("overloaded").inc()
+        why = (f"and no waiting reservation got its blocks in {stall_s:.1f} s (--reserve-wait-s: the pool is not "
+               "turning over)" if stalled else f"within {wait_s:.1f} s (block_wait_ms, the request's deadline)")
         await errors.fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED,  # type: ignore[arg-type]
-                          f"decode is overloaded: no {need} free KV blocks for this prompt within {wait_s:.1f} s "
-                          "(block_wait_ms, --reserve-wait-s)", Reason.ERROR_REASON_OVERLOADED, retryable=True,
+                          f"decode is overloaded: no {need} free KV blocks for this prompt {why}",
+                          Reason.ERROR_REASON_OVERLOADED, retryable=True,
                           retry_after_ms=self.config.overload_retry_after_ms)
         raise AssertionError("unreachable")  # pragma: no cover
 

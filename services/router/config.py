@@ -49,11 +49,11 @@ class RouterConfig(ServerConfig, TracingConfig, ContextConfig, ModelConfig, Leas
                                       "a request waits up to this long, within its deadline, for one to come "
                                       "back (a supervisor's restart), probing every 0.25 s, instead of failing "
                                       "at once (seconds; 0: fail at once).")
-    block_wait_s: float = opt(60.0, "A Reserve sent to the last decode left to try asks it to wait this long, "
-                                    "within the request's deadline, for free KV blocks (its turn in arrival "
-                                    "order) instead of refusing at once; earlier tries do not wait, so a full "
-                                    "decode passes the request on (seconds; 0: never; decode's "
-                                    "--reserve-wait-s caps it).")
+    block_wait_s: float = opt(600.0, "A Reserve sent to the last decode left to try asks it to wait up to this "
+                                     "long in all, within the request's deadline, for free KV blocks (its turn in "
+                                     "arrival order) instead of refusing at once; the decode refuses sooner when "
+                                     "its queue stalls (its --reserve-wait-s). Earlier tries do not wait, so a "
+                                     "full decode passes the request on (seconds; 0: never).")
     resolve_interval_s: float = opt(10.0, "DNS re-resolution period for dns: targets (seconds).")
     request_timeout_s: float = opt(600.0, "Longest a request may run (seconds); a client's shorter deadline "
                                           "(HTTP header X-Request-Timeout, the gRPC deadline) wins.")

@@ -137,3 +137,52 @@ async def test_a_reserve_short_of_blocks_waits_its_turn_and_gives_up_clearly(dec
     for r in (*held[1:], got):
         assert (await rig.stub.Abort(common_pb2.AbortRequest(request_id=r.reservation_id))).found
     assert (await idle(rig.engine))["free_blocks"] == base["free_blocks"] and len(rig.servicer.table) == 0
+
+
+async def test_a_queue_for_blocks_that_moves_waits_past_the_stall_limit_and_is_served_in_arrival_order(decode_rig):
+    """--reserve-wait-s bounds how long the queue for free blocks may go without anyone getting theirs, not each
+    Reserve's wait: two Reserves queued behind a full pool, blocks freed one request's worth at a time (each
+    inside the stall limit of the last admission), both get their blocks, in arrival order, the second after
+    waiting longer in all than the stall limit; a Reserve queued after them on a pool that then stops turning
+    over is refused OVERLOADED naming the stall."""
+    stall = 3.0
+    rig = await decode_rig(reserve_wait_s=stall)
+    base = await idle(rig.engine)
+    held = [await reserve(rig.stub, prompt(i, 80), request_id=f"h{i}") for i in range(12)]  # 60 of 64 blocks
+    order: list[str] = []
+
+    async def wait(rid: str) -> decode_pb2.ReserveResponse:
+        got = await reserve(rig.stub, prompt(90 + len(rid), 80), request_id=rid, block_wait_ms=60_000)
+        order.append(rid)
+        return got
+
+    t0 = time.monotonic()
+    first = asyncio.ensure_future(wait("a"))
+    for _ in range(100):
+        if rig.servicer._block_waiters == 1:
+            break
+        await asyncio.sleep(0.02)
+    second = asyncio.ensure_future(wait("bb"))
+    for _ in range(100):
+        if rig.servicer._block_waiters == 2:
+            break
+        await asyncio.sleep(0.02)
+    assert rig.servicer._block_waiters == 2 and not first.done() and not second.done()
+    await asyncio.sleep(stall * 0.6)
+    await rig.stub.Abort(common_pb2.AbortRequest(request_id=held[0].reservation_id))
+    got_a = await asyncio.wait_for(first, 10)
+    assert not second.done()
+    await asyncio.sleep(max(0.0, stall * 1.3 - (time.monotonic() - t0)))  # past the stall limit since it queued
+    assert not second.done(), "a moving queue's Reserve was refused at the stall limit"
+    await rig.stub.Abort(common_pb2.AbortRequest(request_id=held[1].reservation_id))
+    got_b = await asyncio.wait_for(second, 10)
+    assert order == ["a", "bb"] and time.monotonic() - t0 > stall
+    assert len(got_a.block_ids) == len(got_b.block_ids) == 5 and rig.servicer._block_waiters == 0
+    rig.servicer.config.reserve_wait_s = 0.4
+    out = await refused(reserve(rig.stub, prompt(97, 80), request_id="stuck", block_wait_ms=60_000))
+    assert out.code == grpc.StatusCode.RESOURCE_EXHAUSTED and out.detail.reason == Reason.ERROR_REASON_OVERLOADED
+    assert "--reserve-wait-s" in out.details and "not turning over" in out.details and out.detail.retry_after_ms > 0
+    assert rig.servicer._block_waiters == 0
+    for r in (*held[2:], got_a, got_b):
+        assert (await rig.stub.Abort(common_pb2.AbortRequest(request_id=r.reservation_id))).found
+    assert (await idle(rig.engine))["free_blocks"] == base["free_blocks"] and len(rig.servicer.table) == 0
