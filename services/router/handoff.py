@@ -5,8 +5,10 @@
    nothing until AttachReservation hands it the reservation (decode address included) once Reserve
    answered, so a Reserve retried on another decode never lets prefill write to the first. Every decode
    failing Reserve cancels the early Prefill (prefill frees everything). Not done while the last Reserve
-   answer of the pool, within DECODE_FULL_MEMORY_S, was OVERLOADED: prefill compute would be spent on a
-   request that most likely gets 429.
+   answer of the pool, within DECODE_FULL_MEMORY_S, was OVERLOADED, nor while a Reserve has been waiting at
+   its decode for free KV blocks that long (or one that waited so long answered within it): prefill compute
+   would be spent on a request that most likely gets 429, or whose computed prompt would sit in prefill's
+   pool waiting for its turn at decode.
 1. Reserve on decode (it allocates destination blocks, reports which prefix blocks it holds). A full
    (OVERLOADED), unreachable or departing decode is skipped for the next; when none is left the
    request fails ``resource_exhausted`` (with a retry-after) if any was only full, else ``unavailable``.
@@ -30,7 +32,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import grpc
 
@@ -141,13 +143,17 @@ class Handoff:
         self._spawn = spawn
         """Runs a coroutine in a task the backend owns (aborts that must outlive the request)."""
         self._decode_full_at = -math.inf
-        """When a decode last answered Reserve OVERLOADED (monotonic s; -inf: a later Reserve succeeded)."""
+        """When a decode last answered Reserve OVERLOADED, or a Reserve that had waited for free blocks for
+        DECODE_FULL_MEMORY_S or more answered (monotonic s; -inf: a later Reserve succeeded at once)."""
+        self._block_waits: dict[object, float] = {}
+        """Reserves in flight that asked to wait for free KV blocks -> when each was sent (monotonic s), oldest
+        first (a dict keeps insertion order)."""
 
     async def attempt(self, st: RequestState, prompt: list[int], params: SamplingParams
                       ) -> AsyncIterator[TokenEvent]:
         """Token events of ``prompt`` (output positions from 0); raises BackendError or DecodeLostError."""
         hashes = block_hashes(prompt, self.s.block_size)
-        early = self.s.early_prefill and time.monotonic() - self._decode_full_at >= DECODE_FULL_MEMORY_S
+        early = self.s.early_prefill and not self._decode_full()
         reserved: asyncio.Future[tuple[Instance, decode_pb2.ReserveResponse]] = (
             asyncio.get_running_loop().create_future())
         events: asyncio.Queue[DispatchEvent] = asyncio.Queue()
@@ -233,6 +239,13 @@ class Handoff:
         st.phases.add(phase)
         self.metrics.handoff_phase_seconds.labels(phase).observe(time.monotonic() - st.arrived)
 
+    def _decode_full(self) -> bool:
+        """The pool was full moments ago: a Reserve answered OVERLOADED or after waiting for free blocks within
+        DECODE_FULL_MEMORY_S, or one has been waiting for blocks at least that long."""
+        now = time.monotonic()
+        oldest = next(iter(self._block_waits.values()), now)
+        return now - self._decode_full_at < DECODE_FULL_MEMORY_S or now - oldest >= DECODE_FULL_MEMORY_S
+
     # --- 1. Reserve ---
 
     async def _reserve(self, st: RequestState, prompt: list[int], params: SamplingParams, hashes: list[bytes]
@@ -242,14 +255,16 @@ class Handoff:
         for _ in range(self.s.max_retries + 1):
             decode = await pick(self.decode_pool, self.s, hashes, tried, last, st, self.metrics)
             wait_ms = self._block_wait_ms(st, tried | {decode.address})
+            sent = time.monotonic()
             try:
-                with tracing.span("router.reserve", decode=decode.address):
+                with tracing.span("router.reserve", decode=decode.address), self._waiting(sent, wait_ms):
                     resv = await decode.decode.Reserve(decode_pb2.ReserveRequest(
                         request_id=st.request_id, token_ids=prompt, params=params_to_pb(params),
                         lease_ms=st.lease_ms(self.s), deadline_unix=st.deadline_unix, block_wait_ms=wait_ms),
                         timeout=st.timeout_s(CONTROL_TIMEOUT_S + wait_ms / 1000), metadata=tracing.inject_metadata())
                 decode.remember(hashes)
-                self._decode_full_at = -math.inf
+                now = time.monotonic()
+                self._decode_full_at = now if now - sent >= DECODE_FULL_MEMORY_S else -math.inf
                 return decode, resv
             except grpc.aio.AioRpcError as e:
                 last = RpcFailure.of(f"decode {decode.address} Reserve", e)
@@ -264,6 +279,17 @@ class Handoff:
                 self.metrics.dispatch_retries_total.labels("decode", last.label).inc()
                 tried.add(decode.address)
         raise exhausted("decode", last, f"{self.s.max_retries + 1} decode instances failed Reserve")
+
+    @contextlib.contextmanager
+    def _waiting(self, sent: float, wait_ms: int) -> Iterator[None]:
+        """A Reserve in flight that asked to wait ``wait_ms`` for free blocks, in `_block_waits` while it is."""
+        key = object()
+        if wait_ms:
+            self._block_waits[key] = sent
+        try:
+            yield
+        finally:
+            self._block_waits.pop(key, None)
 
     def _block_wait_ms(self, st: RequestState, tried: set[str]) -> int:
         """How long a Reserve may wait at its decode for free KV blocks: 0 while another healthy decode is left to

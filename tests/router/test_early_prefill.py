@@ -117,3 +117,26 @@ async def test_an_attach_refused_as_its_call_ended_retries_a_retryable_call(
         await exact(r, 4)
     retried, early = sorted((p for i in range(2) for p in c.prefill(i).requests), key=lambda p: bool(p.attach_id))
     assert early.attach_id and not retried.attach_id and retried.decode_address == c.decode_addr(0)
+
+
+async def test_a_reserve_waiting_for_blocks_turns_early_prefill_off_until_one_answers_at_once(
+        cluster_factory) -> None:  # noqa: F811
+    """A decode whose Reserves wait for free KV blocks (its queue moving, not refusing): while one has waited a
+    second, and for a second after such a wait answered, requests reserve first, so no prompt is computed
+    early to sit in prefill's pool waiting for its turn at decode; once Reserves answer at once, early is on."""
+    c = await cluster_factory(1, 1)
+    c.decode(0).reserve_delay_s = 1.6  # the last decode left: its Reserves carry block_wait_ms
+    async with router(c) as r:
+        slow = asyncio.ensure_future(collect(r, 4, rid="slow"))
+        await asyncio.sleep(1.2)  # the slow Reserve has waited past DECODE_FULL_MEMORY_S
+        c.decode(0).reserve_delay_s = 0.0
+        assert tokens(await collect(r, 4, rid="behind")) == reference(PROMPT, 4)
+        assert c.prefill(0).requests[-1].attach_id == ""  # reserved first: sent with its reservation
+        assert tokens(await slow) == reference(PROMPT, 4)  # early, attached after its long Reserve
+        assert c.decode(0).reserves[0].block_wait_ms > 0
+        await collect(r, 4, rid="right-after")  # within a second of the slow Reserve's answer: still reserve first
+        assert c.prefill(0).requests[-1].attach_id == ""
+        await asyncio.sleep(1.1)
+        await collect(r, 4, rid="later")  # the last Reserve answered at once, a second ago: early again
+        assert c.prefill(0).requests[-1].attach_id != ""
+    assert r.metric(f"{PHASE}_count", phase="prefill_sent") == 4
