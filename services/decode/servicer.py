@@ -269,6 +269,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 if not turn.done():  # others ahead: sleep until our turn, or to re-read the stall clock
                     await asyncio.wait((turn,), timeout=min(end, stall_at) - now)
                     continue
+                await self._still_admitting(context)  # the head ends at once on drain or engine death, then the next
                 if self.engine.published_stats().get("free_blocks", 0) >= need:
                     try:
                         got = await admit()
@@ -291,6 +292,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                           Reason.ERROR_REASON_OVERLOADED, retryable=True,
                           retry_after_ms=self.config.overload_retry_after_ms)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _still_admitting(self, context: grpc.aio.ServicerContext) -> None:
+        """A Reserve waiting for blocks ends UNAVAILABLE (DRAINING, ENGINE_DEAD) once draining began or the engine
+        died, rather than waiting for blocks that will not come."""
+        if self.draining.is_set():
+            self.metrics.requests_refused_total.labels("draining").inc()
+            await abort_if_draining(context, self.draining, "decode")
+        if self.engine.dead is not None:
+            await errors.engine_dead(context, self.engine.dead)
 
     async def _within_share(self, context: grpc.aio.ServicerContext, caller: str, prompt_len: int) -> None:
         """Refuse a Reserve that would take ``caller``'s reservations awaiting KV past its share of the pool

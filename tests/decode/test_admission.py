@@ -143,8 +143,8 @@ async def test_a_queue_for_blocks_that_moves_waits_past_the_stall_limit_and_is_s
     """--reserve-wait-s bounds how long the queue for free blocks may go without anyone getting theirs, not each
     Reserve's wait: two Reserves queued behind a full pool, blocks freed one request's worth at a time (each
     inside the stall limit of the last admission), both get their blocks, in arrival order, the second after
-    waiting longer in all than the stall limit; a Reserve queued after them on a pool that then stops turning
-    over is refused OVERLOADED naming the stall."""
+    waiting longer in all than the stall limit; Reserves queued when draining begins end UNAVAILABLE (DRAINING)
+    at once; a Reserve queued on a pool that then stops turning over is refused OVERLOADED naming the stall."""
     stall = 3.0
     rig = await decode_rig(reserve_wait_s=stall)
     base = await idle(rig.engine)
@@ -178,6 +178,18 @@ async def test_a_queue_for_blocks_that_moves_waits_past_the_stall_limit_and_is_s
     got_b = await asyncio.wait_for(second, 10)
     assert order == ["a", "bb"] and time.monotonic() - t0 > stall
     assert len(got_a.block_ids) == len(got_b.block_ids) == 5 and rig.servicer._block_waiters == 0
+    queued = [asyncio.ensure_future(refused(reserve(rig.stub, prompt(95 + i, 80), request_id=f"q{i}",
+                                                    block_wait_ms=60_000))) for i in range(2)]
+    for _ in range(100):
+        if rig.servicer._block_waiters == 2:
+            break
+        await asyncio.sleep(0.02)
+    rig.servicer.draining.set()  # waiting Reserves end at once, head first, instead of waiting for blocks
+    try:
+        for out in await asyncio.wait_for(asyncio.gather(*queued), 10):
+            assert out.code == grpc.StatusCode.UNAVAILABLE and out.detail.reason == Reason.ERROR_REASON_DRAINING
+    finally:
+        rig.servicer.draining.clear()
     rig.servicer.config.reserve_wait_s = 0.4
     out = await refused(reserve(rig.stub, prompt(97, 80), request_id="stuck", block_wait_ms=60_000))
     assert out.code == grpc.StatusCode.RESOURCE_EXHAUSTED and out.detail.reason == Reason.ERROR_REASON_OVERLOADED
