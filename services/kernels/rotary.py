@@ -162,3 +162,76 @@ def apply_rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
         STORE=store is not None,
         num_warps=4 if block_h * block_d >= 2048 else 2,
     )
+
+
+@triton.jit
+def _rope_heads_out(X_ptr, O_ptr, stride_xh, stride_oh, NUM_HEADS: tl.constexpr, offs_h, offs_d, dmask, c, s,
+                    HALF: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """The first NUM_HEADS heads of one token's rows at X_ptr rotated into O_ptr (fp32 math, x's dtype):
+    o[:HALF] = x1 * c - x2 * s, o[HALF:] = x2 * c + x1 * s, with (x1, x2) the pairs (x[2j], x[2j + 1]) when
+    INTERLEAVE (the output de-interleaved) and (x[j], x[HALF + j]) otherwise."""
+    mask = (offs_h < NUM_HEADS)[:, None] & dmask[None, :]
+    xp = X_ptr + offs_h[:, None] * stride_xh
+    if INTERLEAVE:
+        x1 = tl.load(xp + 2 * offs_d[None, :], mask=mask, other=0.0)
+        x2 = tl.load(xp + 2 * offs_d[None, :] + 1, mask=mask, other=0.0)
+    else:
+        x1 = tl.load(xp + offs_d[None, :], mask=mask, other=0.0)
+        x2 = tl.load(xp + HALF + offs_d[None, :], mask=mask, other=0.0)
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    op = O_ptr + offs_h[:, None] * stride_oh + offs_d[None, :]
+    tl.store(op, (x1f * c - x2f * s).to(x1.dtype), mask=mask)
+    tl.store(op + HALF, (x2f * c + x1f * s).to(x1.dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_out_kernel(Q_ptr, K_ptr, QO_ptr, KO_ptr, P_ptr, COS_ptr, SIN_ptr, stride_qt, stride_qh, stride_kt,
+                       stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_cos,
+                       NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
+                       BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """Token t at position p = P[t], c = COS[p, :HALF], s = SIN[p, :HALF] (fp32): q's and k's heads rotated
+    (`_rope_heads_out`) into QO and KO."""
+    t = tl.program_id(0).to(tl.int64)
+    p = tl.load(P_ptr + t).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < HALF
+    c = tl.load(COS_ptr + p * stride_cos + offs_d, mask=dmask, other=0.0)[None, :]
+    s = tl.load(SIN_ptr + p * stride_cos + offs_d, mask=dmask, other=0.0)[None, :]
+    offs_h = tl.arange(0, BLOCK_H)
+    _rope_heads_out(Q_ptr + t * stride_qt, QO_ptr + t * stride_qot, stride_qh, stride_qoh, NUM_Q_HEADS, offs_h,
+                    offs_d, dmask, c, s, HALF, INTERLEAVE)
+    _rope_heads_out(K_ptr + t * stride_kt, KO_ptr + t * stride_kot, stride_kh, stride_koh, NUM_K_HEADS, offs_h,
+                    offs_d, dmask, c, s, HALF, INTERLEAVE)
+
+
+def rotary_out(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
+               sin_cache: torch.Tensor, interleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, R] and k [T, KVH, R] rotated at int64 positions [T] into new contiguous tensors, in one launch (the
+    torch form takes about twenty at one row): rotate_half pairs, or with ``interleave`` DeepSeek's interleaved
+    pairs with the output de-interleaved (all first members, then all second members, for q and k alike, so
+    q . k is unchanged). q/k may be strided views with contiguous R (the rope part of a projection's output);
+    cos_cache/sin_cache as `apply_rotary_` reads them (fp32 [max_positions, R], first R/2 columns)."""
+    assert q.dim() == 3 and k.dim() == 3 and q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2]
+    t, hq, r = q.shape
+    hk = k.shape[1]
+    assert r % 2 == 0 and q.stride(-1) == 1 and k.stride(-1) == 1, "the rope dim must be even and contiguous"
+    assert q.dtype == k.dtype, "q and k must share a dtype"
+    assert positions.shape == (t,) and positions.dtype == torch.int64 and positions.is_contiguous()
+    assert cos_cache.shape == sin_cache.shape and cos_cache.shape[1] == r
+    assert cos_cache.dtype == sin_cache.dtype == torch.float32 and cos_cache.stride() == sin_cache.stride()
+    assert cos_cache.stride(-1) == 1
+    q_out, k_out = torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty(
+        k.shape, dtype=k.dtype, device=k.device)
+    if t == 0:
+        return q_out, k_out
+    half = r // 2
+    block_h = triton.next_power_of_2(max(hq, hk))
+    block_d = triton.next_power_of_2(half)
+    _rotary_out_kernel[(t,)](
+        q, k, q_out, k_out, positions, cos_cache, sin_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_cache.stride(0),
+        NUM_Q_HEADS=hq, NUM_K_HEADS=hk, HALF=half, BLOCK_H=block_h, BLOCK_D=block_d, INTERLEAVE=interleave,
+        num_warps=4 if block_h * block_d >= 2048 else 2,
+    )  # fmt: skip
+    return q_out, k_out

@@ -176,6 +176,39 @@ def test_rotary_matches_module_forward(device: torch.device) -> None:
     assert_close(k, k_ref, torch.float32)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleave", [True, False])
+def test_rotary_out_matches_the_latent_rotary(device: torch.device, dtype: torch.dtype, interleave: bool) -> None:
+    """`rotary_out` (MLA's CUDA path) gives what `LatentRotary` (the CPU engine path) gives, DeepSeek's interleaved
+    pairs de-interleaved and rotate_half pairs, with YaRN's cos/sin factor, on strided views of the q and
+    kv_a projections' outputs (q_pe after the nope part of each head, k_pe after the latent); the inputs are
+    untouched. The torch form rounds each op to bf16 / fp16, the kernel once from fp32."""
+    from services.engine.models.deepseek import LatentRotary
+    from services.kernels.rotary import rotary_out
+
+    t, h, nope, r, lora = 5, 4, 24, 16, 40
+    rope = RotaryEmbedding(r, 10000.0, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                                        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.0},
+                           128).to(device)
+    rotary = LatentRotary(rope, interleave)
+    query = _randn((t, h * (nope + r)), dtype, device, 30)
+    kv_a = _randn((t, lora + r), dtype, device, 31)
+    q_pe = query.view(t, h, nope + r)[..., nope:]
+    k_pe = kv_a[:, lora:].view(t, 1, r)
+    before = (query.clone(), kv_a.clone())
+    pos = torch.tensor([0, 5, 31, 64, 127], device=device)
+    q_ref, k_ref = rotary(pos, q_pe.float(), k_pe.float())
+    q_out, k_out = rotary_out(q_pe, k_pe, pos, rope.cos_cache, rope.sin_cache, interleave)
+    assert q_out.shape == (t, h, r) and k_out.shape == (t, 1, r) and q_out.is_contiguous()
+    assert_close(q_out, q_ref.to(dtype), dtype)
+    assert_close(k_out, k_ref.to(dtype), dtype)
+    assert torch.equal(query, before[0]) and torch.equal(kv_a, before[1])
+    q_torch, _ = rotary(pos, q_pe, k_pe)
+    assert_close(q_out, q_torch, dtype)
+    e_q, e_k = rotary_out(q_pe[:0], k_pe[:0], pos[:0], rope.cos_cache, rope.sin_cache, interleave)
+    assert e_q.shape == (0, h, r) and e_k.shape == (0, 1, r)
+
+
 @pytest.mark.gpu
 @requires_cuda
 def test_fused_ops_gpu_llama_shapes() -> None:

@@ -195,12 +195,29 @@ class MLAAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: LatentRotary,
                 ctx: ForwardContext) -> torch.Tensor:
+        return self._forward(x, positions, rotary, ctx, fused=False)
+
+    def forward_fused(self, x: torch.Tensor, positions: torch.Tensor, rotary: LatentRotary,
+                      ctx: ForwardContext) -> torch.Tensor:
+        """The CUDA path: the same projections, RoPE of q's and k's rope parts in one Triton launch
+        (`rotary_out`); ``ctx.attend`` runs the Triton latent kernels there (gpu_attention.py)."""
+        return self._forward(x, positions, rotary, ctx, fused=True)
+
+    def _forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: LatentRotary, ctx: ForwardContext,
+                 fused: bool) -> torch.Tensor:
         mla, h, t = self.mla, self.num_heads, x.shape[0]
         nope, rope, lora = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.kv_lora_rank
         query_flat, q_resid = self._query(x)
         q_nope, q_pe = query_flat.view(t, h, mla.qk_head_dim).split([nope, rope], dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([lora, rope], dim=-1)
-        q_pe, k_pe = rotary(positions, q_pe, k_pe.view(t, 1, rope))
+        if fused:
+            # deferred: a Triton kernel module, on the CUDA path only (triton is optional)
+            from services.kernels.rotary import rotary_out
+
+            q_pe, k_pe = rotary_out(q_pe, k_pe.view(t, 1, rope), positions, rotary.rope.cos_cache,
+                                    rotary.rope.sin_cache, rotary.interleave)
+        else:
+            q_pe, k_pe = rotary(positions, q_pe, k_pe.view(t, 1, rope))
         w = self.kv_b_proj.weight.view(h, nope + mla.v_head_dim, lora)
         latent = torch.cat([self.kv_a_layernorm(c_kv), k_pe.view(t, rope)], dim=-1)
         if self.expanded_prefill and self.indexer is None and (
@@ -269,9 +286,6 @@ class MLAAttention(nn.Module):
         if lat.is_cuda and vd != key.shape[-1]:
             value = F.pad(value, (0, key.shape[-1] - vd))
         return key.transpose(0, 1)[None], value.transpose(0, 1)[None]
-
-    forward_fused = forward
-    """The CUDA path: the same projections; ``ctx.attend`` runs the Triton latent kernels there (gpu_attention.py)."""
 
 
 class DeepseekForCausalLM(MoEForCausalLM):
