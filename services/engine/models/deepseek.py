@@ -149,6 +149,16 @@ def cached_latents(ctx: ForwardContext, layer: int, row: int, tokens: int) -> to
     return torch.cat([planes[0], planes[1]], dim=-1)
 
 
+def _norm(norm: RMSNorm, x: torch.Tensor, fused: bool) -> torch.Tensor:
+    """``norm(x)``; on the CUDA path (``fused``) by one Triton launch (the torch form takes eight)."""
+    if not fused:
+        return norm(x)
+    # deferred: a Triton kernel module, on the CUDA path only (triton is optional)
+    from services.kernels.rms_norm import rms_norm
+
+    return rms_norm(x, norm.weight, norm.eps)
+
+
 class MLAAttention(nn.Module):
     def __init__(self, arch: ModelArchConfig, layer_idx: int) -> None:
         super().__init__()
@@ -186,10 +196,10 @@ class MLAAttention(nn.Module):
         self.prefix_token_bytes = 2 * h * 2 * mla.qk_head_dim
         """Bytes of one prefix token's per-head K and (padded) V at two bytes a value."""
 
-    def _query(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _query(self, x: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(query [T, H * qk_head_dim], the compressed query or None without a query LoRA)."""
         if self.mla.q_lora_rank:
-            resid = self.q_a_layernorm(self.q_a_proj(x))
+            resid = _norm(self.q_a_layernorm, self.q_a_proj(x), fused)
             return self.q_b_proj(resid), resid
         return self.q_proj(x), None
 
@@ -207,7 +217,7 @@ class MLAAttention(nn.Module):
                  fused: bool) -> torch.Tensor:
         mla, h, t = self.mla, self.num_heads, x.shape[0]
         nope, rope, lora = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.kv_lora_rank
-        query_flat, q_resid = self._query(x)
+        query_flat, q_resid = self._query(x, fused)
         q_nope, q_pe = query_flat.view(t, h, mla.qk_head_dim).split([nope, rope], dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([lora, rope], dim=-1)
         if fused:
@@ -219,7 +229,7 @@ class MLAAttention(nn.Module):
         else:
             q_pe, k_pe = rotary(positions, q_pe, k_pe.view(t, 1, rope))
         w = self.kv_b_proj.weight.view(h, nope + mla.v_head_dim, lora)
-        latent = torch.cat([self.kv_a_layernorm(c_kv), k_pe.view(t, rope)], dim=-1)
+        latent = torch.cat([_norm(self.kv_a_layernorm, c_kv, fused), k_pe.view(t, rope)], dim=-1)
         if self.expanded_prefill and self.indexer is None and (
                 rows := expanded_prompts(ctx, self.min_expanded_chunk, self.prefix_token_bytes)) is not None:
             return self._expanded(q_nope, q_pe, latent, w, rows, ctx)
