@@ -36,6 +36,19 @@ def _rotate_heads(X_ptr, stride_h, NUM_HEADS: tl.constexpr, offs_h, offs_d, dmas
 
 
 @triton.jit
+def _token_cos_sin(P_ptr, COS_ptr, SIN_ptr, stride_cos, HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(t, offs_d, dmask, c, s) of this program's token t at position p = P[t]: c = COS[p, :HALF] and
+    s = SIN[p, :HALF] as [1, BLOCK_D] fp32 rows (masked past HALF)."""
+    t = tl.program_id(0).to(tl.int64)
+    p = tl.load(P_ptr + t).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < HALF
+    c = tl.load(COS_ptr + p * stride_cos + offs_d, mask=dmask, other=0.0)[None, :]
+    s = tl.load(SIN_ptr + p * stride_cos + offs_d, mask=dmask, other=0.0)[None, :]
+    return t, offs_d, dmask, c, s
+
+
+@triton.jit
 def _rotary_kernel(
     Q_ptr,
     K_ptr,
@@ -74,12 +87,7 @@ def _rotary_kernel(
     with NORM, x is each head RMS-normed first (q with QW, q_eps; k with KW, k_eps). With STORE and slot
     s = S[t] >= 0: KC[s // bs, s % bs] = k' and VC[s // bs, s % bs] = V[t] (caches of one layout, strides
     stride_c*)."""
-    t = tl.program_id(0).to(tl.int64)
-    p = tl.load(P_ptr + t).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d < HALF
-    c = tl.load(COS_ptr + p * stride_cos + offs_d, mask=dmask, other=0.0)[None, :]
-    s = tl.load(SIN_ptr + p * stride_cos + offs_d, mask=dmask, other=0.0)[None, :]
+    t, offs_d, dmask, c, s = _token_cos_sin(P_ptr, COS_ptr, SIN_ptr, stride_cos, HALF, BLOCK_D)
     offs_h = tl.arange(0, BLOCK_H)
 
     _rotate_heads(Q_ptr + t * stride_qt, stride_qh, NUM_Q_HEADS, offs_h, offs_d, dmask, c, s, HALF, QW_ptr, q_eps,
@@ -191,12 +199,7 @@ def _rotary_out_kernel(Q_ptr, K_ptr, QO_ptr, KO_ptr, P_ptr, COS_ptr, SIN_ptr, st
                        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, INTERLEAVE: tl.constexpr):
     """Token t at position p = P[t], c = COS[p, :HALF], s = SIN[p, :HALF] (fp32): q's and k's heads rotated
     (`_rope_heads_out`) into QO and KO."""
-    t = tl.program_id(0).to(tl.int64)
-    p = tl.load(P_ptr + t).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d < HALF
-    c = tl.load(COS_ptr + p * stride_cos + offs_d, mask=dmask, other=0.0)[None, :]
-    s = tl.load(SIN_ptr + p * stride_cos + offs_d, mask=dmask, other=0.0)[None, :]
+    t, offs_d, dmask, c, s = _token_cos_sin(P_ptr, COS_ptr, SIN_ptr, stride_cos, HALF, BLOCK_D)
     offs_h = tl.arange(0, BLOCK_H)
     _rope_heads_out(Q_ptr + t * stride_qt, QO_ptr + t * stride_qot, stride_qh, stride_qoh, NUM_Q_HEADS, offs_h,
                     offs_d, dmask, c, s, HALF, INTERLEAVE)
