@@ -98,6 +98,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                          on_broken=lambda: metrics.kv_streams_broken_total.labels(self.model).inc(),
                                          on_phase=lambda phase, s: metrics.handoff_phase_seconds.labels(phase).observe(s))
         self.leases = LeaseKeeper(self.config, self.receiver.release, on_end=self._lease_ended)
+        self._block_queue_changed()  # the series exists (0) from the start
 
     # --- admission ---
 
@@ -258,6 +259,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if not self._block_queue:
             turn.set_result(None)
         self._block_queue.append(turn)
+        self._block_queue_changed()
         stalled = False
         try:
             while True:
@@ -284,6 +286,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             self._block_queue.remove(turn)
             if head and self._block_queue and not self._block_queue[0].done():
                 self._block_queue[0].set_result(None)
+            self._block_queue_changed()
         self.metrics.requests_refused_total.labels("overloaded").inc()
         why = (f"and no waiting reservation got its blocks in {stall_s:.1f} s (--reserve-wait-s: the pool is not "
                "turning over)" if stalled else f"within {wait_s:.1f} s (block_wait_ms, the request's deadline)")
@@ -292,6 +295,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                           Reason.ERROR_REASON_OVERLOADED, retryable=True,
                           retry_after_ms=self.config.overload_retry_after_ms)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _block_queue_changed(self) -> None:
+        self.metrics.waiting_for_blocks_requests.labels(self.model).set(len(self._block_queue))
 
     async def _still_admitting(self, context: grpc.aio.ServicerContext) -> None:
         """A Reserve waiting for blocks ends UNAVAILABLE (DRAINING, ENGINE_DEAD) once draining began or the engine

@@ -8,6 +8,7 @@ import time
 
 import grpc
 
+from services.common import metrics as m
 from services.common.grpc_util import Reason
 from services.common.pb import common_pb2, decode_pb2
 from tests.decode.kv_util import (
@@ -168,6 +169,8 @@ async def test_a_queue_for_blocks_that_moves_waits_past_the_stall_limit_and_is_s
             break
         await asyncio.sleep(0.02)
     assert rig.servicer._block_waiters == 2 and not first.done() and not second.done()
+    model = rig.servicer.model
+    assert rig.metric(m.DECODE_WAITING_FOR_BLOCKS_REQUESTS, model=model) == 2
     await asyncio.sleep(stall * 0.6)
     await rig.stub.Abort(common_pb2.AbortRequest(request_id=held[0].reservation_id))
     got_a = await asyncio.wait_for(first, 10)
@@ -178,6 +181,7 @@ async def test_a_queue_for_blocks_that_moves_waits_past_the_stall_limit_and_is_s
     got_b = await asyncio.wait_for(second, 10)
     assert order == ["a", "bb"] and time.monotonic() - t0 > stall
     assert len(got_a.block_ids) == len(got_b.block_ids) == 5 and rig.servicer._block_waiters == 0
+    assert rig.metric(m.DECODE_WAITING_FOR_BLOCKS_REQUESTS, model=model) == 0
     queued = [asyncio.ensure_future(refused(reserve(rig.stub, prompt(95 + i, 80), request_id=f"q{i}",
                                                     block_wait_ms=60_000))) for i in range(2)]
     for _ in range(100):
