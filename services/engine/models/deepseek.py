@@ -71,6 +71,15 @@ class LatentRotary(nn.Module):
 
         return rot(q), rot(k)
 
+    def forward_fused(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The CUDA path: the same rotation of q and k into new tensors in one Triton launch (`rotary_out`; the
+        torch form takes about twenty)."""
+        # deferred: a Triton kernel module, on the CUDA path only (triton is optional)
+        from services.kernels.rotary import rotary_out
+
+        return rotary_out(q, k, positions, self.rope.cos_cache, self.rope.sin_cache, self.interleave)
+
     def ensure(self, max_positions: int) -> None:
         """Grow the cos/sin tables to cover positions [0, max_positions) (RotaryEmbedding.ensure)."""
         self.rope.ensure(max_positions)
@@ -149,16 +158,6 @@ def cached_latents(ctx: ForwardContext, layer: int, row: int, tokens: int) -> to
     return torch.cat([planes[0], planes[1]], dim=-1)
 
 
-def _norm(norm: RMSNorm, x: torch.Tensor, fused: bool) -> torch.Tensor:
-    """``norm(x)``; on the CUDA path (``fused``) by one Triton launch (the torch form takes eight)."""
-    if not fused:
-        return norm(x)
-    # deferred: a Triton kernel module, on the CUDA path only (triton is optional)
-    from services.kernels.rms_norm import rms_norm
-
-    return rms_norm(x, norm.weight, norm.eps)
-
-
 class MLAAttention(nn.Module):
     def __init__(self, arch: ModelArchConfig, layer_idx: int) -> None:
         super().__init__()
@@ -199,7 +198,8 @@ class MLAAttention(nn.Module):
     def _query(self, x: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(query [T, H * qk_head_dim], the compressed query or None without a query LoRA)."""
         if self.mla.q_lora_rank:
-            resid = _norm(self.q_a_layernorm, self.q_a_proj(x), fused)
+            norm = self.q_a_layernorm.forward_fused if fused else self.q_a_layernorm
+            resid = norm(self.q_a_proj(x))
             return self.q_b_proj(resid), resid
         return self.q_proj(x), None
 
@@ -220,16 +220,10 @@ class MLAAttention(nn.Module):
         query_flat, q_resid = self._query(x, fused)
         q_nope, q_pe = query_flat.view(t, h, mla.qk_head_dim).split([nope, rope], dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([lora, rope], dim=-1)
-        if fused:
-            # deferred: a Triton kernel module, on the CUDA path only (triton is optional)
-            from services.kernels.rotary import rotary_out
-
-            q_pe, k_pe = rotary_out(q_pe, k_pe.view(t, 1, rope), positions, rotary.rope.cos_cache,
-                                    rotary.rope.sin_cache, rotary.interleave)
-        else:
-            q_pe, k_pe = rotary(positions, q_pe, k_pe.view(t, 1, rope))
+        q_pe, k_pe = (rotary.forward_fused if fused else rotary)(positions, q_pe, k_pe.view(t, 1, rope))
         w = self.kv_b_proj.weight.view(h, nope + mla.v_head_dim, lora)
-        latent = torch.cat([_norm(self.kv_a_layernorm, c_kv, fused), k_pe.view(t, rope)], dim=-1)
+        kv_norm = self.kv_a_layernorm.forward_fused if fused else self.kv_a_layernorm
+        latent = torch.cat([kv_norm(c_kv), k_pe.view(t, rope)], dim=-1)
         if self.expanded_prefill and self.indexer is None and (
                 rows := expanded_prompts(ctx, self.min_expanded_chunk, self.prefix_token_bytes)) is not None:
             return self._expanded(q_nope, q_pe, latent, w, rows, ctx)

@@ -58,6 +58,13 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
 
+    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        """The CUDA path: one Triton launch (the torch form takes eight)."""
+        # deferred: a Triton kernel module, on the CUDA path only (triton is optional)
+        from services.kernels.rms_norm import rms_norm
+
+        return rms_norm(x, self.weight, self.eps)
+
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, norm(x + delta)): one C pass where the CPU kernels apply, else torch's two ops."""
@@ -193,11 +200,11 @@ class DecoderLayer(nn.Module):
         RMSNorm, so a layer launches two norm kernels instead of ~12 elementwise ones.
         """
         # deferred: a Triton kernel module, on the CUDA path only (triton is optional)
-        from services.kernels.rms_norm import fused_add_rms_norm, rms_norm
+        from services.kernels.rms_norm import fused_add_rms_norm
 
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         if residual is None:
-            residual, x = h, rms_norm(h, ln1.weight, ln1.eps)
+            residual, x = h, ln1.forward_fused(h)
         else:
             x, residual = fused_add_rms_norm(h, residual, ln1.weight, ln1.eps)
         a = self.self_attn.forward_fused(x, positions, rotary, ctx)
